@@ -1,0 +1,324 @@
+"""Every flag rapidtrain accepts, grouped as Rapidformer's reference groups them.
+
+Each help string says what the flag does and which engine serves it; this file is the one place flags
+are declared (the help text is their documentation). `parse_args` returns a plain namespace; the
+conflict table (`rules.py`) and the plan (`plan.py`) read it, nothing else does.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+TASKS = (
+    "sequence_classification",
+    "token_classification",
+    "question_answering",
+    "masked_lm",
+    "casual_lm",
+    "seq2seq_lm",
+    "pretraining",
+)
+# Rapidformer spells it `casual_lm`; users who type the correct spelling get the same task.
+TASK_ALIASES = {"causal_lm": "casual_lm"}
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
+OPTIMIZERS_RAPIDFORMER = ("apex_adam", "apex_lamb")
+OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+STATE_PARTITIONING_FLAGS = (
+    "oss_memory_optimization",
+    "oss_sdp_memory_optimization",
+    "fsdp_memory_optimization",
+    "zero_1_memory_optimization",
+    "zero_2_memory_optimization",
+    "zero_3_memory_optimization",
+)
+
+ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def canonical_task(value: str) -> str:
+    """`--task` value in Rapidformer's spelling; unknown values pass through for the rules to report."""
+    return TASK_ALIASES.get(value, value)
+
+
+def num_experts_list(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"--num-experts takes non-negative integers, got {value}")
+    return number
+
+
+def _add_data(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data", "Regular settings: data (Megatron indexed data or a fine-tuning set)")
+    g.add_argument("--micro-batch-size", type=int, default=1,
+                   help="Samples per data-parallel rank per forward/backward (Rapidformer default 1).")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples over all ranks per optimizer step; accumulation steps = global / (micro × data-parallel "
+                        "size). Default: micro × data-parallel size (Megatron's rule; 1 on one device).")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="Tokenizer of the pretraining data (rapidtrain.data.tokenizer). Default: the demo corpus's "
+                        "SentencePiece model when no --data-path is given.")
+    g.add_argument("--vocab-file", default=None, help="Vocabulary file (GPT2BPETokenizer json, BertWordPiece txt).")
+    g.add_argument("--merge-file", default=None, help="BPE merges file (GPT2BPETokenizer).")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece model file, or a local Hugging Face tokenizer directory.")
+    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this × tensor-parallel size (Megatron).")
+    g.add_argument("--split", default="969, 30, 1",
+                   help="Train/valid/test weights of the pretraining documents, any separators ('969, 30, 1').")
+    g.add_argument("--data-impl", choices=("lazy", "cached", "mmap", "infer"), default="mmap",
+                   help="Indexed dataset implementation: mmap (MMIDIDX), lazy/cached (legacy TNTIDX), infer (by magic).")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Pretraining data prefix (PREFIX.bin/.idx), or 'w1 p1 w2 p2 ...' for a weighted blend. "
+                        "Absent: the built-in demo corpus.")
+    g.add_argument("--data-cache-path", default=None, help="Folder for the dataset index caches (.npy).")
+    g.add_argument("--data-dir", default=None, help="Fine-tuning dataset folder (GLUE-style files or save_to_disk).")
+    g.add_argument("--data-name", default=None, help="Fine-tuning dataset name under --data-dir, e.g. mrpc.")
+    g.add_argument("--dataset-name", default=None, help="Alias of --data-name used by some Rapidformer scripts.")
+    g.add_argument("--data-iterator", choices=("dynamic-shape",), default=None,
+                   help="dynamic-shape: bucket samples by length and pad each batch to its longest (multiple of 8) "
+                        "instead of fixed --seq-length padding (rapidtrain.data.dynamic_shape).")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank.")
+    g.add_argument("--eod-mask-loss", action="store_true", help="No loss on end-of-document labels.")
+    g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each end of document.")
+    g.add_argument("--reset-attention-mask", action="store_true", help="Block attention across end of document.")
+    g.add_argument("--mask-prob", type=float, default=0.15, help="BERT: fraction of tokens masked (80/10/10).")
+    g.add_argument("--short-seq-prob", type=float, default=0.1, help="BERT: probability of a shorter sample.")
+
+
+def _add_transformer(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("transformer", "Regular settings: transformer (built-in Megatron-style models)")
+    g.add_argument("--pretrained-model-name-or-path", default=None,
+                   help="Local Hugging Face model folder for fine-tuning (transformers Auto classes; never the hub).")
+    g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
+    g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
+    g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="Self-attention heads (default 4).")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4 × hidden).")
+    g.add_argument("--seq-length", type=int, default=256, help="Sequence length of training samples (default 256).")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Rows of the position-embedding table (default: --seq-length).")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute",
+                   help="Learned absolute positions (Megatron GPT default) or rotary embeddings.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight initialisation.")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate output-layer weights instead of the tied input embedding.")
+    g.add_argument("--bert-binary-head", action="store_true", help="BERT: add the next-sentence (binary) head.")
+
+
+def _add_training(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training", "Regular settings: training")
+    g.add_argument("--task", type=canonical_task, default="pretraining",
+                   help=f"Training task: {', '.join(TASKS)} ('causal_lm' is accepted for casual_lm).")
+    g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor after decay.")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
+                   help="Decay after warm-up (Megatron semantics, counted in samples).")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay horizon in iterations (default --train-iters).")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warm-up as a fraction of the decay horizon.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Warm-up in iterations.")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of the final decay phase.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay (none on biases and norms).")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="Clip the global gradient norm to this (0 turns clipping off; DeepSpeed gradient_clipping).")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    g.add_argument("--train-iters", type=int, default=None, help="Iterations (iteration-based training).")
+    g.add_argument("--epochs", type=int, default=None, help="Epochs (epoch-based fine-tuning).")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed (weights, data order, dropout).")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    g.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")
+    g.add_argument("--user-script", default=None,
+                   help="White-box script subclassing Finetuner / PreTrainer / Trainer, run under torchrun.")
+    g.add_argument("--lora-rank", type=int, default=0, help="Fine-tuning: LoRA adapters of this rank (peft); 0 = off.")
+    g.add_argument("--exit-interval", type=int, default=None, help="Save and exit at an iteration divisible by this.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Save and exit after this many minutes.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM, save a checkpoint and exit cleanly (always on when --save is given).")
+
+
+def _add_distributed(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed", "Launching (torch.distributed.run)")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="Collective backend: default nccl on CUDA, gloo on CPU.")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="Processes per node when rapidtrain starts torchrun itself (default: visible GPUs, or 1).")
+    g.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _add_parallelism(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "acceleration: 3D parallelism",
+        "Megatron-style tensor / pipeline / data parallelism (built-in models only)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="Tensor-parallel size: Megatron column/row splits by DTensor parallelize_module.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="Pipeline stages split by layers: torch.distributed.pipelining, 1F1B schedule.")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Interleaved 1F1B: layers per virtual stage.")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Shard norms and dropout along the sequence over tensor-parallel ranks (DTensor).")
+
+
+def _add_memory(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "acceleration: model-state partitioning",
+        "Partition optimizer state, gradients and parameters over data-parallel ranks (choose one)")
+    g.add_argument("--oss-memory-optimization", action="store_true",
+                   help="Optimizer-state sharding: torch ZeroRedundancyOptimizer + DDP.")
+    g.add_argument("--oss-sdp-memory-optimization", action="store_true",
+                   help="Optimizer state + gradients sharded: FSDP2 fully_shard(reshard_after_forward=False).")
+    g.add_argument("--fsdp-memory-optimization", action="store_true",
+                   help="Optimizer state, gradients and parameters sharded: FSDP2 fully_shard.")
+    g.add_argument("--zero-1-memory-optimization", action="store_true",
+                   help="ZeRO-1 (optimizer state): DeepSpeed stage 1; with TP/PP, FSDP2 over the data-parallel dimension.")
+    g.add_argument("--zero-2-memory-optimization", action="store_true",
+                   help="ZeRO-2 (+ gradients): DeepSpeed stage 2; with TP/PP, FSDP2 over the data-parallel dimension.")
+    g.add_argument("--zero-3-memory-optimization", action="store_true",
+                   help="ZeRO-3 (+ parameters): DeepSpeed stage 3, model built under deepspeed.zero.Init.")
+    g.add_argument("--cpu-offload", action="store_true",
+                   help="Optimizer state and step on the CPU: DeepSpeed offload_optimizer with DeepSpeedCPUAdam (ZeRO only).")
+    g.add_argument("--sharding-backend", choices=("torch", "fairscale"), default="torch",
+                   help="Engine of OSS/SDP: PyTorch (default) or FairScale's OSS/ShardedDDP where it runs.")
+
+
+def _add_precision(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("acceleration: precision", "Mixed precision (autocast + fp32 master weights)")
+    g.add_argument("--mixed-precision", action="store_true",
+                   help="FP16 mixed precision with dynamic loss scaling on CUDA; bf16 where fp16 is unsupported (CPU).")
+    g.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (DeepSpeed fp16 under ZeRO).")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast, no loss scaling (DeepSpeed bf16 under ZeRO).")
+    g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default dynamic.")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="Initial dynamic loss scale.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
+    g.add_argument("--loss-scale-window", type=int, default=1000, help="Steps without overflow before the scale grows.")
+    g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before the scale shrinks.")
+
+
+def _add_compute(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("acceleration: compute", "Recomputation, graph compilation, fused optimizers")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="Recompute each transformer layer in backward: torch.utils.checkpoint "
+                        "(gradient_checkpointing_enable() on Hugging Face models).")
+    g.add_argument("--torch-compile", action="store_true", help="Compile each transformer layer with torch.compile (inductor).")
+    g.add_argument("--onnx-runtime-training", action="store_true",
+                   help="Graph optimisation: ONNX Runtime ORTModule when it imports with this torch, else torch.compile.")
+    g.add_argument("--optimizers", choices=OPTIMIZERS_RAPIDFORMER, default="apex_adam",
+                   help="Fused optimizer (Rapidformer): apex FusedAdam / FusedLAMB when apex is importable, else "
+                        "torch AdamW (fused on CUDA, foreach on CPU) / rapidtrain's LAMB.")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="Optimizer (beyond Rapidformer): adamw, adam, adafactor (torch.optim.Adafactor), sgd; "
+                        "overrides --optimizers.")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+
+
+def _add_moe(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("acceleration: mixture of experts", "Sparsely gated MoE MLPs in the built-in models")
+    g.add_argument("--num-experts", type=num_experts_list, nargs="+", default=None,
+                   help="Experts per MoE layer: one number (layers chosen by --moe-layer-freq) or one per layer (0 = dense).")
+    g.add_argument("--moe-layer-freq", type=int, default=1, help="With one --num-experts value: every Nth layer is MoE.")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Shard experts over this many data-parallel ranks; tokens move by all-to-all.")
+    g.add_argument("--moe-router-topk", type=int, choices=(1, 2), default=1, help="Experts per token.")
+    g.add_argument("--moe-capacity-factor", type=float, default=1.0,
+                   help="Expert capacity = ceil(k × tokens / experts × factor), at least --moe-min-capacity.")
+    g.add_argument("--moe-min-capacity", type=int, default=4, help="Lower bound of expert capacity.")
+    g.add_argument("--disable-moe-token-dropping", action="store_true", help="Never drop tokens over capacity.")
+    g.add_argument("--moe-loss-coeff", "--moe-aux-loss-coeff", dest="moe_loss_coeff", type=float, default=0.01,
+                   help="Weight of the load-balancing loss (1.0 under even routing).")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="Weight of the router z-loss.")
+    g.add_argument("--moe-jitter-eps", type=float, default=0.0, help="Multiplicative jitter noise on router input.")
+
+
+def _add_logging(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging", "Log lines, TensorBoard, throughput")
+    g.add_argument("--log-interval", type=int, default=100, help="Iterations between Megatron-style log lines.")
+    g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="Peak TFLOP/s of one device: log lines then report MFU.")
+
+
+def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing", "Save and load (torch.distributed.checkpoint, atomic)")
+    g.add_argument("--save", default=None, help="Folder where checkpoints (and the fine-tuned model) are saved.")
+    g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoints.")
+    g.add_argument("--load", default=None, help="Folder to resume from (its latest_checkpointed_iteration.txt).")
+    g.add_argument("--finetune", action="store_true", help="Load the model only and start at iteration 0.")
+    g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer and scheduler state.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
+
+
+GROUP_BUILDERS = (
+    _add_data,
+    _add_transformer,
+    _add_training,
+    _add_distributed,
+    _add_parallelism,
+    _add_memory,
+    _add_precision,
+    _add_compute,
+    _add_moe,
+    _add_logging,
+    _add_checkpointing,
+)
+
+
+def build_parser(extra_args_provider: ExtraArgsProvider | None = None, prog: str = "rapidtrain") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Train transformers with Rapidformer's command line: DeepSpeed ZeRO, FSDP, OSS, tensor/pipeline/"
+                    "expert parallelism, mixed precision. See `rapidtrain plan --help` for a dry run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for add_group in GROUP_BUILDERS:
+        add_group(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+    extra_args_provider: ExtraArgsProvider | None = None,
+    defaults: dict | None = None,
+    prog: str = "rapidtrain",
+) -> argparse.Namespace:
+    """Parse flags; `defaults` lets an entry point (pretrain.py's demo) choose its own defaults."""
+    parser = build_parser(extra_args_provider, prog=prog)
+    if defaults:
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    if args.dataset_name and not args.data_name:
+        args.data_name = args.dataset_name
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    return args
+
+
+def flag_table(parser: argparse.ArgumentParser | None = None) -> list[tuple[str, str, str]]:
+    """(group, flags, default) of every visible flag: what the snapshot test and the docs read."""
+    parser = parser or build_parser()
+    rows = []
+    for group in parser._action_groups:  # argparse exposes groups only this way
+        for action in group._group_actions:
+            if action.help == argparse.SUPPRESS or not action.option_strings or action.dest == "help":
+                continue
+            rows.append((group.title, " ".join(action.option_strings), repr(action.default)))
+    return rows

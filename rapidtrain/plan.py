@@ -1,0 +1,487 @@
+"""The plan: what the flags resolve to, before anything starts.
+
+Pure and frozen: layout, batch arithmetic, precision, the engine behind each switch (with the reason
+when a substitute serves) and an estimate of model-state bytes per rank. `rapidtrain plan` prints it,
+and every run logs it first. Batch arithmetic and precision resolution live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rapidtrain.models.config import ModelConfig
+
+DeviceType = Literal["cpu", "cuda"]
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+FINETUNE_TASKS = ("sequence_classification", "token_classification", "question_answering", "masked_lm",
+                  "casual_lm", "seq2seq_lm")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the flags alone do not say: how many processes and on which device type."""
+
+    world_size: int = 1
+    device_type: DeviceType = "cpu"
+
+    @staticmethod
+    def detect(args: argparse.Namespace | None = None) -> RunContext:
+        import torch
+
+        device_type: DeviceType = "cuda" if torch.cuda.is_available() else "cpu"
+        if "WORLD_SIZE" in os.environ:
+            return RunContext(int(os.environ["WORLD_SIZE"]), device_type)
+        per_node = getattr(args, "nproc_per_node", None) or default_nproc_per_node(device_type)
+        return RunContext(per_node * int(os.environ.get("NNODES", "1")), device_type)
+
+
+def default_nproc_per_node(device_type: DeviceType) -> int:
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return 1
+
+
+# ---- one place for the arithmetic the rules, the plan and the engine share ----
+
+def data_parallel_size(world_size: int, tensor_parallel: int, pipeline_parallel: int) -> int:
+    return max(world_size // max(tensor_parallel * pipeline_parallel, 1), 1)
+
+
+def expand_num_experts(num_experts: list[int] | None, num_layers: int, moe_layer_freq: int = 1) -> tuple[int, ...]:
+    """Per-layer expert counts: one number applies to every `moe_layer_freq`-th layer, a list to each layer."""
+    if not num_experts:
+        return ()
+    if len(num_experts) == 1:
+        freq = max(moe_layer_freq, 1)
+        return tuple(num_experts[0] if i % freq == freq - 1 else 0 for i in range(num_layers))
+    return tuple(num_experts)
+
+
+def zero_stage(args: argparse.Namespace) -> int:
+    for stage in (3, 2, 1):
+        if getattr(args, f"zero_{stage}_memory_optimization"):
+            return stage
+    return 0
+
+
+def precision_of(args: argparse.Namespace, device_type: DeviceType) -> Precision:
+    if args.bf16:
+        return Precision("bf16", "none", "--bf16: bf16 autocast, fp32 master weights, no loss scaling")
+    if args.fp16:
+        return Precision("fp16", _loss_scaling(args), "--fp16: fp16 autocast with loss scaling, fp32 master weights")
+    if args.mixed_precision:
+        if device_type == "cuda":
+            return Precision("fp16", _loss_scaling(args), "--mixed-precision: fp16 autocast with dynamic loss scaling")
+        return Precision("bf16", "none", "--mixed-precision on CPU resolves to bf16: fp16 is not supported there "
+                         "(DeepSpeed refuses it, CPU fp16 kernels are slow); bf16 needs no loss scaling")
+    return Precision("fp32", "none", "no precision flag: fp32")
+
+
+def _loss_scaling(args: argparse.Namespace) -> str:
+    return f"static {args.loss_scale:g}" if args.loss_scale else "dynamic"
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: Dtype
+    loss_scaling: str  # "none", "dynamic" or "static <scale>"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    data_parallel_size: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    virtual_pipeline_stages: int = 1
+    sequence_parallel: bool = False
+
+    def rank_grid(self) -> list[list[list[int]]]:
+        """Megatron order: pipeline outermost, then data, tensor innermost (tensor ranks are neighbours)."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        return [[[(p * dp + d) * tp + t for t in range(tp)] for d in range(dp)]
+                for p in range(self.pipeline_parallel_size)]
+
+
+@dataclass(frozen=True)
+class Batches:
+    micro_batch_size: int
+    global_batch_size: int
+    accumulation_steps: int
+
+    @staticmethod
+    def resolve(micro: int, global_batch: int | None, data_parallel: int) -> Batches:
+        global_batch = global_batch or micro * data_parallel
+        return Batches(micro, global_batch, global_batch // (micro * data_parallel))
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The structured decisions the Engine acts on (the engines list says them in words)."""
+
+    partitioning: Literal["none", "oss", "sdp", "fsdp", "zero-1", "zero-2", "zero-3"] = "none"
+    partitioning_engine: Literal["ddp", "zero-redundancy", "fsdp2", "deepspeed", "fairscale"] = "ddp"
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    compile: Literal["none", "inductor", "ortmodule"] = "none"
+    dynamic_shape: bool = False
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    switch: str
+    engine: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Model-state bytes per rank (ZeRO paper accounting); activations are not included."""
+
+    parameters: int
+    total_params: int
+    active_params: int
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    optimizer_on_cpu: bool = False
+
+    @property
+    def total_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    template: str
+    task: str
+    layout: Layout
+    batches: Batches
+    precision: Precision
+    engines: tuple[EngineChoice, ...]
+    memory: MemoryEstimate | None
+    model: ModelConfig | None
+    switches: Switches = field(default_factory=Switches)
+    train_iters: int | None = None
+    epochs: int | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def state_partitioning(self) -> str:
+        for choice in self.engines:
+            if choice.switch.endswith("-memory-optimization"):
+                return choice.switch
+        return "none"
+
+    def engine_for(self, switch: str) -> EngineChoice | None:
+        return next((c for c in self.engines if c.switch == switch), None)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def describe(self) -> str:
+        return describe_plan(self)
+
+
+# ---- resolution ----
+
+def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    return ModelConfig(
+        model_type=args.model_type,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        vocab_size=vocab_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        position_embedding_type=args.position_embedding_type,
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        bert_binary_head=args.bert_binary_head,
+        num_tokentypes=2 if args.model_type == "bert" else 0,
+        num_experts=expand_num_experts(args.num_experts, args.num_layers, args.moe_layer_freq),
+        moe_router_topk=args.moe_router_topk,
+        moe_capacity_factor=args.moe_capacity_factor,
+        moe_min_capacity=args.moe_min_capacity,
+        moe_token_dropping=not args.disable_moe_token_dropping,
+        moe_aux_loss_coeff=args.moe_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_jitter_eps=args.moe_jitter_eps,
+    )
+
+
+def template_of(args: argparse.Namespace) -> str:
+    if args.user_script:
+        return f"user script {args.user_script}"
+    if args.task == "pretraining":
+        return "PreTrainer (built-in model)"
+    return "Finetuner (Hugging Face model)"
+
+
+def layout_of(args: argparse.Namespace, ctx: RunContext) -> Layout:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    virtual = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        virtual = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
+    return Layout(ctx.world_size, data_parallel_size(ctx.world_size, tp, pp), tp, pp,
+                  args.expert_model_parallel_size, virtual, args.sequence_parallel)
+
+
+def from_args(args: argparse.Namespace, ctx: RunContext, vocab_size: int | None = None) -> Plan:
+    """Resolve validated flags into a Plan. `vocab_size` is the padded vocabulary of the built-in model."""
+    layout = layout_of(args, ctx)
+    batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, layout.data_parallel_size)
+    precision = precision_of(args, ctx.device_type)
+    builtin = not args.pretrained_model_name_or_path
+    model = model_config_from_args(args, vocab_size) if builtin and vocab_size else None
+    engines, notes = engines_for(args, ctx, layout, precision)
+    memory = memory_estimate(args, model, layout, precision) if model else None
+    return Plan(template_of(args), args.task, layout, batches, precision, tuple(engines), memory, model,
+                switches_of(args, layout), args.train_iters, args.epochs, tuple(notes))
+
+
+PARTITIONING_NAMES = {
+    "oss_memory_optimization": "oss", "oss_sdp_memory_optimization": "sdp", "fsdp_memory_optimization": "fsdp",
+    "zero_1_memory_optimization": "zero-1", "zero_2_memory_optimization": "zero-2",
+    "zero_3_memory_optimization": "zero-3",
+}
+
+
+def switches_of(args: argparse.Namespace, layout: Layout) -> Switches:
+    chosen = [name for dest, name in PARTITIONING_NAMES.items() if getattr(args, dest)]
+    partitioning = chosen[0] if chosen else "none"
+    three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
+    if partitioning.startswith("zero"):
+        engine = "fsdp2" if three_d else "deepspeed"
+    elif partitioning in ("oss", "sdp") and args.sharding_backend == "fairscale":
+        engine = "fairscale"
+    else:
+        engine = {"oss": "zero-redundancy", "sdp": "fsdp2", "fsdp": "fsdp2"}.get(partitioning, "ddp")
+    compile_with = "none"
+    if args.onnx_runtime_training:
+        compile_with = "ortmodule" if _ort_status()[0] else "inductor"
+    elif args.torch_compile:
+        compile_with = "inductor"
+    return Switches(partitioning, engine, args.cpu_offload, args.checkpoint_activations, compile_with,
+                    args.data_iterator == "dynamic-shape")
+
+
+def optimizer_settings(args: argparse.Namespace):
+    """The optimizer's own settings; `--optimizer` (beyond Rapidformer) overrides `--optimizers`."""
+    from rapidtrain.optim.optimizers import OptimizerSettings
+
+    return OptimizerSettings(name=args.optimizer or args.optimizers, lr=args.lr or 0.0, weight_decay=args.weight_decay,
+                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                             sgd_momentum=args.sgd_momentum)
+
+
+def lr_schedule_settings(args: argparse.Namespace, global_batch_size: int, train_iters: int):
+    """The schedule's own settings, in samples (Megatron semantics)."""
+    from rapidtrain.optim.lr_schedule import lr_schedule_from_iters
+
+    return lr_schedule_from_iters(
+        lr=args.lr, min_lr=args.min_lr, style=args.lr_decay_style, train_iters=train_iters,
+        lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
+        lr_warmup_fraction=args.lr_warmup_fraction, global_batch_size=global_batch_size,
+        lr_wsd_decay_iters=args.lr_wsd_decay_iters)
+
+
+# ---- the engine behind each switch (DESIGN.md's table) ----
+
+PARTITIONING_ENGINES = {
+    "oss_memory_optimization": "torch.distributed.optim.ZeroRedundancyOptimizer + DistributedDataParallel",
+    "oss_sdp_memory_optimization": "FSDP2 fully_shard(reshard_after_forward=False)",
+    "fsdp_memory_optimization": "FSDP2 fully_shard (parameters, gradients, optimizer state)",
+    "zero_1_memory_optimization": "DeepSpeed ZeRO stage 1 (deepspeed.initialize, generated config)",
+    "zero_2_memory_optimization": "DeepSpeed ZeRO stage 2 (deepspeed.initialize, generated config)",
+    "zero_3_memory_optimization": "DeepSpeed ZeRO stage 3 (model built under deepspeed.zero.Init)",
+}
+FAIRSCALE_ENGINES = {
+    "oss_memory_optimization": "fairscale.optim.OSS + DistributedDataParallel",
+    "oss_sdp_memory_optimization": "fairscale.optim.OSS + fairscale ShardedDataParallel",
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _partitioning_choice(args: argparse.Namespace, layout: Layout) -> EngineChoice | None:
+    from rapidtrain.arguments import STATE_PARTITIONING_FLAGS
+
+    chosen = [f for f in STATE_PARTITIONING_FLAGS if getattr(args, f)]
+    if not chosen:
+        return None
+    dest = chosen[0]
+    three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
+    if three_d and dest in ("zero_1_memory_optimization", "zero_2_memory_optimization"):
+        return EngineChoice(_flag(dest), "FSDP2 fully_shard over the data-parallel mesh dimension, "
+                            "reshard_after_forward=False", "with tensor/pipeline parallelism DeepSpeed cannot wrap the "
+                            "DTensor/pipeline model; FSDP2 keeps parameters unsharded between forward and backward, "
+                            "so memory is ZeRO-2's (optimizer state and gradients partitioned)")
+    if args.sharding_backend == "fairscale" and dest in FAIRSCALE_ENGINES:
+        return EngineChoice(_flag(dest), FAIRSCALE_ENGINES[dest], "--sharding-backend fairscale")
+    return EngineChoice(_flag(dest), PARTITIONING_ENGINES[dest])
+
+
+def _ort_status() -> tuple[bool, str]:
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime") is None:
+        return False, "onnxruntime-training is not installed (its last release, 1.19.2, does not import with torch 2.13)"
+    try:
+        from onnxruntime.training.ortmodule import ORTModule  # noqa: F401
+    except Exception as error:  # any failure means it cannot serve; say why
+        return False, f"onnxruntime.training does not import with this torch: {type(error).__name__}: {error}"
+    return True, ""
+
+
+def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
+                precision: Precision) -> tuple[list[EngineChoice], list[str]]:
+    from rapidtrain.optim.optimizers import describe_optimizer
+
+    engines: list[EngineChoice] = []
+    notes: list[str] = []
+    backend = args.distributed_backend or ("nccl" if ctx.device_type == "cuda" else "gloo")
+    three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
+    partitioning = _partitioning_choice(args, layout)
+    if layout.data_parallel_size > 1 and (partitioning is None or "DistributedDataParallel" in partitioning.engine):
+        how = "composable replicate() over the data-parallel mesh dimension" if three_d else "DistributedDataParallel"
+        engines.append(EngineChoice("data parallel", f"torch {how} ({backend})",
+                                    "no all-reduce on accumulation micro-batches (no_sync)"))
+    if partitioning:
+        engines.append(partitioning)
+    if args.cpu_offload:
+        engines.append(EngineChoice("--cpu-offload", "DeepSpeed offload_optimizer: cpu with DeepSpeedCPUAdam"))
+    if layout.tensor_parallel_size > 1:
+        engines.append(EngineChoice("--tensor-model-parallel-size", "DTensor parallelize_module: column/row split of "
+                                    "attention and MLP, vocab-parallel embedding and loss"
+                                    + (", sequence parallel norms/dropout" if layout.sequence_parallel else "")))
+    if layout.pipeline_parallel_size > 1:
+        schedule = "interleaved 1F1B" if layout.virtual_pipeline_stages > 1 else "1F1B"
+        engines.append(EngineChoice("--pipeline-model-parallel-size", f"torch.distributed.pipelining, {schedule}, "
+                                    "microbatches = accumulation steps"))
+    if args.num_experts:
+        ep = f", experts sharded over {layout.expert_parallel_size} ranks (all-to-all)" \
+            if layout.expert_parallel_size > 1 else ""
+        engines.append(EngineChoice("--num-experts", f"rapidtrain MoE layers: top-{args.moe_router_topk} router, "
+                                    f"load-balancing loss, capacity factor {args.moe_capacity_factor:g}{ep}"))
+    if precision.dtype != "fp32":
+        deepspeed_own = partitioning is not None and partitioning.engine.startswith("DeepSpeed")
+        engine = f"DeepSpeed {precision.dtype} engine" if deepspeed_own else f"torch.autocast({precision.dtype})"
+        if precision.loss_scaling != "none":
+            engine += f" + {precision.loss_scaling} loss scaling"
+        engines.append(EngineChoice("precision", engine, precision.reason))
+    if args.checkpoint_activations:
+        engines.append(EngineChoice("--checkpoint-activations", "torch.utils.checkpoint per transformer layer"
+                                    if not args.pretrained_model_name_or_path
+                                    else "Hugging Face gradient_checkpointing_enable()"))
+    if args.onnx_runtime_training:
+        usable, why = _ort_status()
+        engines.append(EngineChoice("--onnx-runtime-training", "onnxruntime ORTModule" if usable
+                                    else "torch.compile (inductor) as the graph optimiser", why))
+    if args.torch_compile:
+        engines.append(EngineChoice("--torch-compile", "torch.compile (inductor) per transformer layer"))
+    if args.data_iterator == "dynamic-shape":
+        engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
+                                    "(multiple of 8)"))
+    engines.append(EngineChoice("optimizer", describe_optimizer(optimizer_settings(args), ctx.device_type)))
+    if args.cpu_offload:
+        notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
+                     "selects Adam there")
+    return engines, notes
+
+
+# ---- memory per rank (ZeRO paper accounting) ----
+
+OPTIMIZER_STATE_BYTES = {"apex_adam": 8, "apex_lamb": 8, "adamw": 8, "adam": 8, "adafactor": 0, "sgd": 4}
+
+
+def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout,
+                    precision: Precision) -> MemoryEstimate:
+    from rapidtrain.models.counting import count_parameters
+
+    total, active = count_parameters(model)
+    per_rank = total / (layout.tensor_parallel_size * layout.pipeline_parallel_size)
+    stage = zero_stage(args)
+    deepspeed = stage > 0 and layout.tensor_parallel_size == layout.pipeline_parallel_size == 1
+    half = precision.dtype != "fp32"
+    name = args.optimizer or args.optimizers
+    # DeepSpeed keeps 16-bit weights and gradients beside fp32 master weights; torch autocast keeps fp32 ones.
+    weight, grad = (2, 2) if deepspeed and half else (4, 4)
+    optimizer = OPTIMIZER_STATE_BYTES[name] + (4 if deepspeed and half else 0)
+    n = layout.data_parallel_size
+    shard_optimizer = stage > 0 or args.oss_memory_optimization or args.oss_sdp_memory_optimization \
+        or args.fsdp_memory_optimization
+    shard_grads = stage >= 2 or args.oss_sdp_memory_optimization or args.fsdp_memory_optimization
+    shard_params = stage == 3 or args.fsdp_memory_optimization
+    return MemoryEstimate(
+        parameters=int(per_rank), total_params=total, active_params=active,
+        param_bytes=per_rank * weight / (n if shard_params else 1),
+        grad_bytes=per_rank * grad / (n if shard_grads else 1),
+        optimizer_bytes=per_rank * optimizer / (n if shard_optimizer else 1),
+        optimizer_on_cpu=args.cpu_offload,
+    )
+
+
+# ---- printing ----
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def describe_plan(plan: Plan) -> str:
+    lay, bat = plan.layout, plan.batches
+    lines = [
+        f"rapidtrain plan — template: {plan.template}, task: {plan.task}",
+        f"  layout: world {lay.world_size} = data {lay.data_parallel_size} × tensor {lay.tensor_parallel_size} × "
+        f"pipeline {lay.pipeline_parallel_size}" + (f", expert parallel {lay.expert_parallel_size}"
+                                                    if lay.expert_parallel_size > 1 else ""),
+    ]
+    if lay.world_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1):
+        for stage, dp_rows in enumerate(lay.rank_grid()):
+            lines.append(f"    pipeline stage {stage}: " + "  ".join(
+                f"dp{d}→ranks {row}" for d, row in enumerate(dp_rows)))
+    lines += [
+        f"  batches: micro {bat.micro_batch_size} × accumulation steps {bat.accumulation_steps} × data parallel "
+        f"{lay.data_parallel_size} = global {bat.global_batch_size}",
+        f"  training length: " + (f"{plan.train_iters} iterations" if plan.train_iters else f"{plan.epochs} epochs"),
+        f"  precision: {plan.precision.dtype}, loss scaling {plan.precision.loss_scaling} ({plan.precision.reason})",
+        "  engines:",
+    ]
+    for choice in plan.engines:
+        lines.append(f"    {choice.switch:<30} → {choice.engine}" + (f"\n{'':36}because {choice.reason}"
+                                                                        if choice.reason else ""))
+    if plan.model:
+        m = plan.model
+        lines.append(f"  model: {m.model_type} {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
+                     f"heads, seq {m.seq_length}, padded vocab {m.vocab_size}"
+                     + (f", experts {list(m.num_experts)}" if m.num_experts else ""))
+    if plan.memory:
+        mem = plan.memory
+        lines += [
+            f"  parameters: {mem.total_params:,} total, {mem.active_params:,} active per token; "
+            f"{mem.parameters:,} per model-parallel rank",
+            f"  model-state memory per rank (estimate, ZeRO accounting): parameters {_mib(mem.param_bytes)}, "
+            f"gradients {_mib(mem.grad_bytes)}, optimizer {_mib(mem.optimizer_bytes)}"
+            + (" (on CPU)" if mem.optimizer_on_cpu else "") + f"; total {_mib(mem.total_bytes)}",
+        ]
+    lines += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,419 @@
+"""The conflict table: one row per rule, each a predicate and a message naming flags, reason and fix.
+
+`validate` reports every violated row at once. `docs/compatibility.md` is generated from this table
+(`python -m rapidtrain.rules --write-docs`), and a test fails when the file is out of date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rapidtrain.arguments import STATE_PARTITIONING_FLAGS, TASKS
+from rapidtrain.plan import RunContext, data_parallel_size, expand_num_experts, precision_of, zero_stage
+
+Args = argparse.Namespace
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    flags: tuple[str, ...]  # the flags the rule is about, for the docs' matrix
+    summary: str  # the rule in words, for the docs
+    violated: Callable[[Args, RunContext], bool]
+    message: Callable[[Args, RunContext], str]
+
+
+class FlagConflict(SystemExit):
+    """Raised with every violated rule's message; exits with status 2 when uncaught."""
+
+    def __init__(self, messages: list[str]):
+        self.messages = messages
+        super().__init__(2)
+
+    def __str__(self) -> str:
+        return format_conflicts(self.messages)
+
+
+def format_conflicts(messages: list[str]) -> str:
+    lines = [f"rapidtrain: {len(messages)} problem(s) with the flags:"]
+    lines += [f"  - {m}" for m in messages]
+    return "\n".join(lines)
+
+
+def _partitioning(args: Args) -> list[str]:
+    return [f for f in STATE_PARTITIONING_FLAGS if getattr(args, f)]
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _tp(args: Args) -> int:
+    return args.tensor_model_parallel_size
+
+
+def _pp(args: Args) -> int:
+    return args.pipeline_model_parallel_size
+
+
+def _three_d(args: Args) -> bool:
+    return _tp(args) > 1 or _pp(args) > 1
+
+
+def _dp(args: Args, ctx: RunContext) -> int:
+    return data_parallel_size(ctx.world_size, _tp(args), _pp(args))
+
+
+def _layout_divides(args: Args, ctx: RunContext) -> bool:
+    return _tp(args) >= 1 and _pp(args) >= 1 and ctx.world_size % (_tp(args) * _pp(args)) == 0
+
+
+def _uses_hf_model(args: Args) -> bool:
+    return bool(args.pretrained_model_name_or_path)
+
+
+def _experts(args: Args) -> list[int]:
+    return [e for e in expand_num_experts(args.num_experts, args.num_layers, args.moe_layer_freq) if e > 0]
+
+
+def _num_experts_length_ok(args: Args) -> bool:
+    return not args.num_experts or len(args.num_experts) in (1, args.num_layers)
+
+
+def _needs_iterations(args: Args) -> bool:
+    return args.task == "pretraining"
+
+
+def _positive_sizes(args: Args) -> list[str]:
+    names = ("micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+             "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    bad = [_flag(n) for n in names if getattr(args, n) is not None and getattr(args, n) < 1]
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        bad.append("--global-batch-size")
+    return bad
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "positive-sizes", ("--micro-batch-size", "--tensor-model-parallel-size", "--num-layers"),
+        "Batch sizes, parallel sizes and model dimensions are positive integers.",
+        lambda a, c: bool(_positive_sizes(a)),
+        lambda a, c: f"{', '.join(_positive_sizes(a))} must be at least 1.",
+    ),
+    Rule(
+        "unknown-task", ("--task",),
+        f"--task is one of {', '.join(TASKS)} (causal_lm is accepted for casual_lm).",
+        lambda a, c: a.task not in TASKS,
+        lambda a, c: f"--task {a.task!r} is not a task rapidtrain knows"
+        + (f"; did you mean {difflib.get_close_matches(a.task, TASKS, 1)[0]!r}?"
+           if difflib.get_close_matches(a.task, TASKS, 1) else "")
+        + f" Choose one of: {', '.join(TASKS)}.",
+    ),
+    Rule(
+        "one-state-partitioning", ("--oss-memory-optimization", "--oss-sdp-memory-optimization",
+                                   "--fsdp-memory-optimization", "--zero-1-memory-optimization",
+                                   "--zero-2-memory-optimization", "--zero-3-memory-optimization"),
+        "At most one model-state partitioning switch (OSS, SDP, FSDP, ZeRO-1/2/3).",
+        lambda a, c: len(_partitioning(a)) > 1,
+        lambda a, c: f"{' and '.join(_flag(f) for f in _partitioning(a))} each choose how model state is partitioned; "
+        "they cannot be combined. Keep one (ZeRO-3 or FSDP shard the most, ZeRO-1 or OSS the least).",
+    ),
+    Rule(
+        "3d-only-zero12", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                           "--zero-3-memory-optimization", "--oss-memory-optimization",
+                           "--oss-sdp-memory-optimization", "--fsdp-memory-optimization"),
+        "With tensor or pipeline parallelism only ZeRO-1 or ZeRO-2 partitioning combines (served by FSDP2 over "
+        "the data-parallel dimension).",
+        lambda a, c: _three_d(a) and any(f in _partitioning(a) for f in (
+            "zero_3_memory_optimization", "oss_memory_optimization", "oss_sdp_memory_optimization",
+            "fsdp_memory_optimization")),
+        lambda a, c: f"--tensor-model-parallel-size {_tp(a)} / --pipeline-model-parallel-size {_pp(a)} cannot be "
+        f"combined with {', '.join(_flag(f) for f in _partitioning(a))}: with 3D parallelism parameters are already "
+        "split by layer or column, and only optimizer state and gradients are partitioned further. Use "
+        "--zero-1-memory-optimization or --zero-2-memory-optimization instead, or drop tensor/pipeline parallelism.",
+    ),
+    Rule(
+        "cpu-offload-needs-zero", ("--cpu-offload", "--zero-1-memory-optimization", "--zero-2-memory-optimization",
+                                   "--zero-3-memory-optimization"),
+        "--cpu-offload needs a DeepSpeed ZeRO switch and no tensor/pipeline parallelism (DeepSpeedCPUAdam serves it).",
+        lambda a, c: a.cpu_offload and (zero_stage(a) == 0 or _three_d(a)),
+        lambda a, c: "--cpu-offload moves the optimizer state and step to the CPU with DeepSpeed's DeepSpeedCPUAdam, "
+        "which only DeepSpeed ZeRO without tensor/pipeline parallelism provides. Add --zero-2-memory-optimization "
+        "(or --zero-1/--zero-3), set --tensor-model-parallel-size and --pipeline-model-parallel-size to 1, "
+        "or drop --cpu-offload.",
+    ),
+    Rule(
+        "world-divisible-by-tp-pp", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--nproc-per-node"),
+        "The world size is divisible by tensor × pipeline parallel size.",
+        lambda a, c: _tp(a) >= 1 and _pp(a) >= 1 and c.world_size % (_tp(a) * _pp(a)) != 0,
+        lambda a, c: f"world size {c.world_size} is not divisible by --tensor-model-parallel-size {_tp(a)} × "
+        f"--pipeline-model-parallel-size {_pp(a)} = {_tp(a) * _pp(a)}. Launch a multiple of {_tp(a) * _pp(a)} "
+        "processes (--nproc-per-node × nodes) or change the parallel sizes.",
+    ),
+    Rule(
+        "global-batch-divisible", ("--global-batch-size", "--micro-batch-size"),
+        "The global batch is divisible by micro batch × data-parallel size (the quotient is the accumulation steps).",
+        lambda a, c: _layout_divides(a, c) and a.global_batch_size is not None and a.micro_batch_size >= 1
+        and a.global_batch_size % (a.micro_batch_size * _dp(a, c)) != 0,
+        lambda a, c: f"--global-batch-size {a.global_batch_size} is not divisible by --micro-batch-size "
+        f"{a.micro_batch_size} × data-parallel size {_dp(a, c)} = {a.micro_batch_size * _dp(a, c)}. Choose a global "
+        f"batch that is a multiple of {a.micro_batch_size * _dp(a, c)} (accumulation steps = global / that).",
+    ),
+    Rule(
+        "layers-divisible-by-pp", ("--num-layers", "--pipeline-model-parallel-size"),
+        "The number of layers is divisible by the pipeline-parallel size.",
+        lambda a, c: _pp(a) >= 1 and a.num_layers % _pp(a) != 0,
+        lambda a, c: f"--num-layers {a.num_layers} is not divisible by --pipeline-model-parallel-size {_pp(a)}: "
+        "each stage holds the same number of layers. Change one of them.",
+    ),
+    Rule(
+        "virtual-stages", ("--num-layers-per-virtual-pipeline-stage", "--pipeline-model-parallel-size"),
+        "Interleaved pipelining needs pipeline parallelism and layers per stage divisible by layers per virtual stage.",
+        lambda a, c: a.num_layers_per_virtual_pipeline_stage is not None and (
+            _pp(a) < 2 or a.num_layers_per_virtual_pipeline_stage < 1
+            or (a.num_layers // max(_pp(a), 1)) % a.num_layers_per_virtual_pipeline_stage != 0),
+        lambda a, c: f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} needs "
+        "--pipeline-model-parallel-size ≥ 2 and must divide the layers per stage "
+        f"({a.num_layers} / {_pp(a)}). Adjust it or drop it for the plain 1F1B schedule.",
+    ),
+    Rule(
+        "heads-divisible-by-tp", ("--num-attention-heads", "--tensor-model-parallel-size"),
+        "Attention heads are divisible by the tensor-parallel size.",
+        lambda a, c: _tp(a) >= 1 and a.num_attention_heads % _tp(a) != 0,
+        lambda a, c: f"--num-attention-heads {a.num_attention_heads} is not divisible by --tensor-model-parallel-size "
+        f"{_tp(a)}: heads are split across tensor-parallel ranks. Choose a head count that is a multiple of {_tp(a)}.",
+    ),
+    Rule(
+        "hidden-divisible-by-heads", ("--hidden-size", "--num-attention-heads"),
+        "The hidden size is divisible by the number of attention heads.",
+        lambda a, c: a.num_attention_heads >= 1 and a.hidden_size % a.num_attention_heads != 0,
+        lambda a, c: f"--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
+        f"{a.num_attention_heads}: each head gets hidden / heads dimensions. Change one of them.",
+    ),
+    Rule(
+        "fp16-xor-bf16", ("--fp16", "--bf16"),
+        "--fp16 and --bf16 are exclusive.",
+        lambda a, c: a.fp16 and a.bf16,
+        lambda a, c: "--fp16 and --bf16 both choose the autocast type; keep one (bf16 needs no loss scaling).",
+    ),
+    Rule(
+        "fp16-deepspeed-cpu", ("--fp16", "--mixed-precision", "--zero-1-memory-optimization"),
+        "DeepSpeed refuses fp16 on the CPU: under ZeRO on CPU use --bf16 (--mixed-precision resolves to bf16 there).",
+        lambda a, c: a.fp16 and c.device_type == "cpu" and zero_stage(a) > 0 and not _three_d(a),
+        lambda a, c: "--fp16 with a --zero-*-memory-optimization switch on the CPU: DeepSpeed's CPU accelerator does "
+        "not support fp16. Use --bf16 or --mixed-precision (bf16 on CPU) instead.",
+    ),
+    Rule(
+        "seq-within-positions", ("--seq-length", "--max-position-embeddings"),
+        "The sequence length is at most the position-embedding table (learned absolute positions).",
+        lambda a, c: a.position_embedding_type == "learned_absolute" and a.max_position_embeddings is not None
+        and a.seq_length > a.max_position_embeddings,
+        lambda a, c: f"--seq-length {a.seq_length} exceeds --max-position-embeddings {a.max_position_embeddings}: "
+        "positions past the table have no embedding. Raise --max-position-embeddings or shorten --seq-length.",
+    ),
+    Rule(
+        "sequence-parallel-needs-tp", ("--sequence-parallel", "--tensor-model-parallel-size"),
+        "Sequence parallelism only with tensor parallelism.",
+        lambda a, c: a.sequence_parallel and _tp(a) < 2,
+        lambda a, c: "--sequence-parallel splits norms and dropout over tensor-parallel ranks; it needs "
+        "--tensor-model-parallel-size ≥ 2. Drop it or raise the tensor-parallel size.",
+    ),
+    Rule(
+        "num-experts-length", ("--num-experts", "--num-layers"),
+        "--num-experts is one number or one per layer.",
+        lambda a, c: not _num_experts_length_ok(a),
+        lambda a, c: f"--num-experts has {len(a.num_experts)} values but --num-layers is {a.num_layers}: give one "
+        "number (MoE layers chosen by --moe-layer-freq) or exactly one per layer (0 for dense).",
+    ),
+    Rule(
+        "experts-divisible-by-ep", ("--num-experts", "--expert-model-parallel-size"),
+        "The number of experts of every MoE layer is divisible by the expert-parallel size.",
+        lambda a, c: _num_experts_length_ok(a) and a.expert_model_parallel_size >= 1
+        and any(e % a.expert_model_parallel_size for e in _experts(a)),
+        lambda a, c: f"--num-experts {' '.join(map(str, a.num_experts or []))} is not divisible by "
+        f"--expert-model-parallel-size {a.expert_model_parallel_size}: each expert-parallel rank holds an equal share "
+        "of every MoE layer's experts. Use expert counts that are multiples of it.",
+    ),
+    Rule(
+        "ep-divides-dp", ("--expert-model-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"),
+        "The expert-parallel size divides the data-parallel size, and needs --num-experts.",
+        lambda a, c: a.expert_model_parallel_size > 1 and _layout_divides(a, c) and (
+            not _experts(a) or _dp(a, c) % a.expert_model_parallel_size != 0),
+        lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} needs --num-experts and must divide "
+        f"the data-parallel size {_dp(a, c)} (world {c.world_size} / (TP {_tp(a)} × PP {_pp(a)})): experts are sharded "
+        "over data-parallel ranks. Change the expert-parallel size or the number of processes.",
+    ),
+    Rule(
+        "ep-with-partitioning", ("--expert-model-parallel-size", "--zero-1-memory-optimization",
+                                 "--oss-memory-optimization", "--fsdp-memory-optimization"),
+        "Expert parallelism does not combine with a state-partitioning switch yet.",
+        lambda a, c: a.expert_model_parallel_size > 1 and bool(_partitioning(a)),
+        lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} with "
+        f"{', '.join(_flag(f) for f in _partitioning(a))}: expert parameters are reduced over their own data-parallel "
+        "group, which the partitioning engines do not know about yet. Use --expert-model-parallel-size 1 (experts "
+        "are then ordinary parameters and are partitioned), or drop the partitioning switch.",
+    ),
+    Rule(
+        "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                   "--pretrained-model-name-or-path"),
+        "Tensor and pipeline parallelism apply to the built-in Megatron-style models, not Hugging Face models.",
+        lambda a, c: _three_d(a) and _uses_hf_model(a),
+        lambda a, c: "--tensor-model-parallel-size / --pipeline-model-parallel-size apply to the built-in "
+        "Megatron-style models; --pretrained-model-name-or-path loads a Hugging Face model, which they cannot split. "
+        "For a model that does not fit, use --zero-3-memory-optimization or --fsdp-memory-optimization instead.",
+    ),
+    Rule(
+        "moe-builtin-models-only", ("--num-experts", "--pretrained-model-name-or-path"),
+        "Mixture of experts replaces MLPs of the built-in models only.",
+        lambda a, c: bool(_experts(a)) and _uses_hf_model(a),
+        lambda a, c: "--num-experts turns the built-in models' MLPs into MoE layers; it cannot change a Hugging Face "
+        "model loaded with --pretrained-model-name-or-path. Drop one of them.",
+    ),
+    Rule(
+        "dynamic-shape-no-pp", ("--data-iterator", "--pipeline-model-parallel-size"),
+        "The dynamic-shape iterator does not combine with pipeline parallelism (stages exchange fixed shapes).",
+        lambda a, c: a.data_iterator == "dynamic-shape" and _pp(a) > 1,
+        lambda a, c: "--data-iterator dynamic-shape with --pipeline-model-parallel-size "
+        f"{_pp(a)}: pipeline stages exchange activations of one fixed shape. Drop dynamic shapes or pipelining.",
+    ),
+    Rule(
+        "iters-xor-epochs", ("--train-iters", "--epochs"),
+        "Exactly one of --train-iters / --epochs: pretraining counts iterations, fine-tuning epochs (or iterations).",
+        lambda a, c: (a.train_iters is not None and a.epochs is not None)
+        or (a.train_iters is None and a.epochs is None),
+        lambda a, c: ("--train-iters and --epochs both set the training length; give one." if a.train_iters is not None
+                      else "--train-iters or --epochs is needed: "
+                      + ("pretraining is iteration-based (--train-iters N)." if _needs_iterations(a)
+                         else "fine-tuning runs --epochs N (or --train-iters N).")),
+    ),
+    Rule(
+        "pretraining-needs-iters", ("--epochs", "--task"),
+        "Pretraining (--task pretraining) is iteration-based.",
+        lambda a, c: _needs_iterations(a) and a.epochs is not None and a.train_iters is None,
+        lambda a, c: "--epochs with --task pretraining: Megatron-style pretraining counts iterations over a "
+        "sample stream. Use --train-iters N.",
+    ),
+    Rule(
+        "one-warmup", ("--lr-warmup-fraction", "--lr-warmup-iters"),
+        "Warm-up by fraction or by iterations, not both.",
+        lambda a, c: a.lr_warmup_fraction is not None and a.lr_warmup_iters > 0,
+        lambda a, c: "--lr-warmup-fraction and --lr-warmup-iters both set the warm-up; keep one.",
+    ),
+    Rule(
+        "warmup-within-decay", ("--lr-warmup-iters", "--train-iters", "--lr-decay-iters"),
+        "Warm-up ends before the decay horizon.",
+        lambda a, c: a.train_iters is not None and a.lr_warmup_iters > 0
+        and a.lr_warmup_iters >= (a.lr_decay_iters or a.train_iters),
+        lambda a, c: f"--lr-warmup-iters {a.lr_warmup_iters} is not shorter than the decay horizon "
+        f"({'--lr-decay-iters' if a.lr_decay_iters else '--train-iters'} {a.lr_decay_iters or a.train_iters}). "
+        "Lower --lr-warmup-iters (or use --lr-warmup-fraction) or train longer.",
+    ),
+    Rule(
+        "lr-required", ("--lr",),
+        "--lr is required.",
+        lambda a, c: a.lr is None,
+        lambda a, c: "--lr is missing: give the peak learning rate, e.g. --lr 1e-4.",
+    ),
+    Rule(
+        "fairscale-backend-scope", ("--sharding-backend", "--fsdp-memory-optimization", "--oss-memory-optimization"),
+        "--sharding-backend fairscale serves OSS and SDP only (FairScale's FSDP fails on current PyTorch).",
+        lambda a, c: a.sharding_backend == "fairscale" and not (
+            a.oss_memory_optimization or a.oss_sdp_memory_optimization),
+        lambda a, c: "--sharding-backend fairscale applies to --oss-memory-optimization and "
+        "--oss-sdp-memory-optimization only"
+        + (" (FairScale's FSDP does not run with current PyTorch; use the default torch backend for "
+           "--fsdp-memory-optimization)" if a.fsdp_memory_optimization else "")
+        + ". Drop --sharding-backend or add one of those switches.",
+    ),
+    Rule(
+        "finetune-needs-load", ("--finetune", "--load"),
+        "--finetune loads a model from --load.",
+        lambda a, c: a.finetune and not a.load,
+        lambda a, c: "--finetune loads the model weights of --load and starts at iteration 0; give --load DIR.",
+    ),
+    Rule(
+        "binary-head-bert-only", ("--bert-binary-head", "--model-type"),
+        "The binary (next-sentence) head belongs to BERT.",
+        lambda a, c: a.bert_binary_head and a.model_type != "bert",
+        lambda a, c: "--bert-binary-head needs --model-type bert.",
+    ),
+    Rule(
+        "lora-needs-hf-model", ("--lora-rank", "--pretrained-model-name-or-path"),
+        "LoRA adapters are for fine-tuning a Hugging Face model.",
+        lambda a, c: a.lora_rank > 0 and not _uses_hf_model(a),
+        lambda a, c: "--lora-rank adds peft LoRA adapters to a Hugging Face model; give "
+        "--pretrained-model-name-or-path DIR or drop --lora-rank.",
+    ),
+)
+
+# Rapidformer restrictions that reflected its implementation only; rapidtrain lifts them (docs list these).
+LIFTED_RESTRICTIONS = (
+    "ZeRO partitioning works in every template (Trainer, PreTrainer, Finetuner, Engine.compose), not only Trainer.",
+    "3D parallelism works in the PreTrainer and Trainer templates for the built-in models, not only Trainer.",
+    "Gradient accumulation also works in epoch-based fine-tuning: accumulation steps = global / (micro × data-parallel).",
+    "The dynamic-shape iterator also serves fine-tuning, not only the PreTrainer.",
+    "--mixed-precision works in the black-box command too (it resolves to bf16 where fp16 does not run).",
+)
+
+
+def violations(args: Args, ctx: RunContext) -> list[str]:
+    return [rule.message(args, ctx) for rule in RULES if rule.violated(args, ctx)]
+
+
+def validate(args: Args, ctx: RunContext) -> None:
+    """Raise FlagConflict (exit status 2) listing every violated rule."""
+    messages = violations(args, ctx)
+    if messages:
+        raise FlagConflict(messages)
+
+
+def exit_on_conflicts(args: Args, ctx: RunContext) -> None:
+    """For entry points: print every problem to stderr and exit 2, without a traceback."""
+    messages = violations(args, ctx)
+    if messages:
+        print(format_conflicts(messages), file=sys.stderr)
+        raise SystemExit(2)
+
+
+def compatibility_markdown() -> str:
+    """docs/compatibility.md: the switches × switches matrix and each rule in words, from RULES."""
+    switches = ["--oss-memory-optimization", "--oss-sdp-memory-optimization", "--fsdp-memory-optimization",
+                "--zero-1-memory-optimization", "--zero-2-memory-optimization", "--zero-3-memory-optimization",
+                "--cpu-offload", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                "--expert-model-parallel-size", "--data-iterator", "--pretrained-model-name-or-path",
+                "--fp16", "--bf16"]
+    short = {s: s.removeprefix("--").replace("-memory-optimization", "").replace("-model-parallel-size", "")
+             for s in switches}
+    lines = ["# Compatibility of rapidtrain's switches", "",
+             "Generated from `rapidtrain/rules.py` by `python -m rapidtrain.rules --write-docs`; do not edit.", "",
+             "A cell names the rules that involve both switches (each may hold only under some values, see below);",
+             "an empty cell means no rule relates them.", "",
+             "| | " + " | ".join(short[s] for s in switches) + " |",
+             "|---|" + "---|" * len(switches)]
+    for row in switches:
+        cells = []
+        for col in switches:
+            names = [r.name for r in RULES if row != col and row in r.flags and col in r.flags]
+            cells.append(", ".join(names))
+        lines.append(f"| {short[row]} | " + " | ".join(cells) + " |")
+    lines += ["", "## The rules", "", "| rule | flags | in words |", "|---|---|---|"]
+    lines += [f"| `{r.name}` | {', '.join(f'`{f}`' for f in r.flags)} | {r.summary} |" for r in RULES]
+    lines += ["", "## Rapidformer restrictions that rapidtrain lifts", ""]
+    lines += [f"- {text}" for text in LIFTED_RESTRICTIONS]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    target = Path(__file__).resolve().parent.parent / "docs" / "compatibility.md"
+    if "--write-docs" in sys.argv:
+        target.parent.mkdir(exist_ok=True)
+        target.write_text(compatibility_markdown())
+        print(f"wrote {target}")
+    else:
+        print(compatibility_markdown())

@@ -1,0 +1,29 @@
+"""Packaging for rapidtrain: a Megatron-style training launcher that speaks Rapidformer's flags.
+
+torch is required but never pulled in with an open range: install `torch==2.13.0` (or your CUDA
+build) first; `torch>=2.6` is then already satisfied and pip installs nothing more for it.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="rapidtrain",
+    version="0.1.0",
+    description="Training launcher for transformers with Rapidformer's command line",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rapidtrain", "rapidtrain.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "numpy",
+        "tqdm",
+        "sentencepiece",
+        "tokenizers",
+        "tensorboard",
+    ],
+    extras_require={
+        "deepspeed": ["deepspeed"],
+        "hf": ["transformers", "datasets", "peft", "accelerate"],
+        "dev": ["pytest", "pytest-timeout", "ruff"],
+    },
+    entry_points={"console_scripts": ["rapidtrain=rapidtrain.cli:main"]},
+)
