@@ -1,0 +1,141 @@
+"""Apply the plan to a model, in a fixed order: tensor parallel → activation checkpointing → compile →
+data-parallel wrapping (DDP, ZeroRedundancyOptimizer, FSDP2, or the DeepSpeed engine).
+
+Each step is a free function that knows one engine; `parallelize` calls them as the plan says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from rapidtrain.optim.grad_scaler import LossScaler, LossScaleSettings
+from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer
+from rapidtrain.parallel.mesh import ParallelMesh
+from rapidtrain.parallel.runner import TorchRunner
+from rapidtrain.plan import Plan
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: the built-in models' `layers`, or a Hugging Face model's largest ModuleList."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not candidates:
+        return []
+    return list(max(candidates, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def _replace_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> None:
+    blocks = set(map(id, transformer_blocks(model)))
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in blocks:
+                setattr(parent, name, wrap(child)) if not isinstance(parent, nn.ModuleDict) else parent.update(
+                    {name: wrap(child)})
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every transformer block in backward (torch.utils.checkpoint, non-reentrant)."""
+    if hasattr(model, "gradient_checkpointing_enable"):  # Hugging Face models know their own blocks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    # The wrapper's prefix is stripped by torch.distributed.checkpoint, so checkpoints keep their names.
+    _replace_blocks(model, checkpoint_wrapper)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (module.compile keeps parameter names for checkpoints)."""
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        block.compile()
+    if not blocks:
+        model.compile()
+
+
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
+    group = mesh.group("dp")
+    if group is None:
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+
+
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2 over the data-parallel dimension: each block a unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh.submesh("dp")
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def oss_optimizer(model: nn.Module, settings: OptimizerSettings, device_type: str, mesh: ParallelMesh):
+    """ZeroRedundancyOptimizer: each data-parallel rank keeps the state of its share of parameters."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    template, _ = build_optimizer(model, settings, device_type)
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in template.param_groups]
+    defaults = {k: v for k, v in template.defaults.items() if k != "weight_decay"}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(template), process_group=mesh.group("dp"),
+                                   **defaults)
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    mesh: ParallelMesh,
+    device: torch.device,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    optimizer_settings: OptimizerSettings,
+    clip_grad: float,
+    loss_scale: LossScaleSettings,
+    model_factory: Callable[[], nn.Module] | None = None,
+):
+    """Wrap `model` as the plan says and return its runner (TorchRunner or DeepSpeedRunner)."""
+    switches = plan.switches
+    if switches.partitioning_engine == "deepspeed":
+        from rapidtrain.parallel.deepspeed import deepspeed_runner
+
+        return deepspeed_runner(model, plan, mesh, device, optimizer=optimizer,
+                                optimizer_settings=optimizer_settings, clip_grad=clip_grad,
+                                loss_scale=loss_scale, model_factory=model_factory)
+    if plan.layout.tensor_parallel_size > 1:
+        from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.submesh("tp"), sequence_parallel=plan.layout.sequence_parallel)
+    if switches.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if switches.compile != "none":
+        from rapidtrain.parallel.compile import apply_graph_optimization
+
+        model = apply_graph_optimization(model, switches.compile)
+    model.to(device)
+    gradient_average = plan.layout.data_parallel_size
+    if switches.partitioning_engine == "fsdp2":
+        reshard = switches.partitioning == "fsdp"
+        model = apply_fsdp(model, mesh, reshard_after_forward=reshard) if mesh.group("dp") else model
+    elif switches.partitioning_engine == "fairscale":
+        from rapidtrain.parallel.fairscale_backend import fairscale_runner
+
+        return fairscale_runner(model, plan, mesh, device, optimizer_settings, clip_grad)
+    else:
+        model = apply_ddp(model, mesh, device)
+    if optimizer is None:
+        if switches.partitioning_engine == "zero-redundancy" and mesh.group("dp") is not None:
+            optimizer = oss_optimizer(model, optimizer_settings, device.type, mesh)
+        else:
+            optimizer, _ = build_optimizer(model, optimizer_settings, device.type)
+    scaler = LossScaler(loss_scale) if plan.precision.loss_scaling != "none" else None
+    return TorchRunner(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
+                       clip_grad=clip_grad, gradient_average=gradient_average if mesh.group("dp") else 1,
+                       pipeline_group=mesh.group("pp"), scaler=scaler, found_inf_group=None)

@@ -1,0 +1,1 @@
+"""Training loops: Trainer (the loop), PreTrainer (iteration-based), Finetuner (epoch-based)."""
