@@ -1,0 +1,382 @@
+"""GPT pretraining samples from Megatron indexed data: `--split` parsing, the document, sample and
+shuffle indices (built as Megatron builds them, cached as .npy), and the dataset that reads them."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rapidtrain.data.indexed import IndexedDataset
+
+# Megatron separates the final epoch when it contributes less than this fraction of an epoch's samples.
+SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+class DataConfigError(ValueError):
+    """A data flag or data file does not fit: the message names it and the fix."""
+
+
+def parse_split(split: str) -> list[float]:
+    """`--split "969, 30, 1"` → [0.969, 0.03, 0.001]: numbers whatever the separators, padded to 3."""
+    numbers = [float(x) for x in re.findall(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?", split)]
+    if not numbers or len(numbers) > 3:
+        raise DataConfigError(
+            f"--split {split!r}: expected one to three numbers (train, valid, test weights), "
+            f"found {len(numbers)}; write e.g. --split 969,30,1"
+        )
+    if any(x < 0 for x in numbers) or sum(numbers) <= 0:
+        raise DataConfigError(f"--split {split!r}: weights must be non-negative with a positive sum")
+    numbers += [0.0] * (3 - len(numbers))
+    total = sum(numbers)
+    return [x / total for x in numbers]
+
+
+def split_document_ranges(num_docs: int, split: str | Sequence[float]) -> list[tuple[int, int]]:
+    """The contiguous [round(begin·N), round(end·N)) document range of train, valid and test."""
+    fractions = parse_split(split) if isinstance(split, str) else list(split)
+    ranges = []
+    for i in range(len(fractions)):
+        begin = int(round(sum(fractions[:i]) * num_docs))
+        end = int(round(sum(fractions[: i + 1]) * num_docs))
+        ranges.append((begin, min(end, num_docs)))
+    return ranges
+
+
+def train_valid_test_num_samples(
+    train_iters: int, eval_interval: int, eval_iters: int, global_batch_size: int
+) -> tuple[int, int, int]:
+    """Samples each split must provide for a run, as Megatron's pretraining loop asks for them."""
+    evaluations = train_iters // eval_interval + 1
+    return (
+        train_iters * global_batch_size,
+        evaluations * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    )
+
+
+def num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Smallest E with E × tokens_per_epoch ≥ num_samples × seq_length + 1.
+
+    Each sample reads seq_length + 1 tokens but shares its last token with the next sample,
+    so only the final sample needs the extra one.
+    """
+    if tokens_per_epoch < 2:
+        raise DataConfigError(
+            f"a data split holds {tokens_per_epoch} token(s); a GPT sample needs at least 2. "
+            "Give that split more documents (--split) or use a larger --data-path"
+        )
+    return max(1, math.ceil((num_samples * seq_length + 1) / tokens_per_epoch))
+
+
+def separate_last_epoch(num_samples: int, tokens_per_epoch: int, seq_length: int, epochs: int) -> bool:
+    """Megatron's rule: shuffle the last epoch on its own when it is used for < 80% of its samples."""
+    if epochs == 1:
+        return False
+    samples_before_last = ((epochs - 1) * tokens_per_epoch - 1) // seq_length
+    samples_from_last = num_samples - samples_before_last
+    samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+    return samples_from_last < int(SEPARATE_LAST_EPOCH_THRESHOLD * samples_per_epoch)
+
+
+def build_document_index(
+    documents: np.ndarray, epochs: int, rng: np.random.RandomState, separate_last: bool = False
+) -> np.ndarray:
+    """The documents tiled `epochs` times and shuffled as one array (last epoch apart if asked)."""
+    if separate_last and epochs > 1:
+        first = build_document_index(documents, epochs - 1, rng, False)
+        last = build_document_index(documents, 1, rng, False)
+        return np.concatenate([first, last])
+    doc_idx = np.tile(np.asarray(documents, dtype=np.int32), epochs)
+    rng.shuffle(doc_idx)
+    return doc_idx
+
+
+def build_sample_index(
+    sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, epochs: int, tokens_per_epoch: int
+) -> np.ndarray:
+    """[samples + 1, 2] array of (position in doc_idx, token offset) where each sample starts.
+
+    Sample k covers the seq_length + 1 tokens starting at flat position k·seq_length of the
+    documents laid end to end in doc_idx order; sample k ends where sample k + 1 starts (inclusive).
+    Megatron walks the documents one by one; the positions are the same, computed at once here.
+    """
+    num_samples = (epochs * tokens_per_epoch - 1) // seq_length
+    doc_lengths = np.asarray(sizes, dtype=np.int64)[doc_idx]
+    doc_ends = np.cumsum(doc_lengths)
+    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    # side="right" skips empty documents, as Megatron's walk does.
+    doc_positions = np.searchsorted(doc_ends, positions, side="right")
+    offsets = positions - (doc_ends[doc_positions] - doc_lengths[doc_positions])
+    sample_idx = np.stack([doc_positions, offsets], axis=1).astype(np.int64)
+    sample_idx[0] = (0, 0)  # Megatron starts at (0, 0) even when that document is empty.
+    return sample_idx
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """A permutation of [0, num_samples) followed by a separate permutation of [num_samples, total_size)."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate([first, last])
+
+
+def build_gpt_indices(
+    sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> dict[str, np.ndarray]:
+    """The three index arrays of one split, drawn from one RandomState(seed) in Megatron's order."""
+    tokens_per_epoch = int(np.sum(np.asarray(sizes, dtype=np.int64)[documents]))
+    epochs = num_epochs(tokens_per_epoch, seq_length, num_samples)
+    separate_last = separate_last_epoch(num_samples, tokens_per_epoch, seq_length, epochs)
+    rng = np.random.RandomState(seed)
+    doc_idx = build_document_index(documents, epochs, rng, separate_last)
+    sample_idx = build_sample_index(sizes, doc_idx, seq_length, epochs, tokens_per_epoch)
+    total = sample_idx.shape[0] - 1
+    shuffled = ((epochs - 1) * tokens_per_epoch - 1) // seq_length if separate_last else total
+    shuffle_idx = build_shuffle_index(shuffled, total, rng)
+    return {"document_index": doc_idx, "sample_index": sample_idx, "shuffle_index": shuffle_idx}
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache: rank 0 builds, the others wait and memory-map the same files.
+
+
+def _is_distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _cache_paths(cache_dir: str, description: str, kind: str, names: Sequence[str]) -> dict[str, str]:
+    key = hashlib.md5(description.encode("utf-8")).hexdigest()
+    paths = {name: os.path.join(cache_dir, f"{key}-{kind}-{name}.npy") for name in names}
+    paths["description"] = os.path.join(cache_dir, f"{key}-{kind}-description.txt")
+    return paths
+
+
+def _save_atomically(paths: dict[str, str], arrays: dict[str, np.ndarray], description: str) -> None:
+    # Unique temporary names, then rename: ranks on several nodes may write the same files at once.
+    for name, array in arrays.items():
+        tmp = f"{paths[name]}.{uuid.uuid4().hex}.tmp.npy"
+        np.save(tmp, array)
+        os.replace(tmp, paths[name])
+    tmp = f"{paths['description']}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "w") as f:
+        f.write(description)
+    os.replace(tmp, paths["description"])  # written last: its presence marks a complete cache
+
+
+def load_or_build_cached_indices(
+    cache_dir: str,
+    description: str,
+    kind: str,
+    names: Sequence[str],
+    build: Callable[[], dict[str, np.ndarray]],
+) -> tuple[dict[str, np.ndarray], bool]:
+    """Memory-mapped index arrays from `cache_dir`, built first by rank 0 when missing.
+
+    `build()` returns the arrays called `names`. Returns (arrays, built_here). Files are named by
+    the MD5 of `description`, so any change in data, split, sample count, length or seed gives
+    new files.
+    """
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as error:
+        raise DataConfigError(
+            f"cannot create the index cache folder {cache_dir} ({error}); "
+            "point --data-cache-path to a writable folder"
+        ) from error
+    built_here = False
+    paths = _cache_paths(cache_dir, description, kind, names)
+    complete = lambda: all(os.path.isfile(p) for p in paths.values())  # noqa: E731
+    is_rank0 = not _is_distributed() or torch.distributed.get_rank() == 0
+    if is_rank0 and not complete():
+        _save_atomically(paths, build(), description)
+        built_here = True
+    if _is_distributed():
+        torch.distributed.barrier()
+    if not complete():
+        # This rank does not share rank 0's file system: the build is deterministic, so redo it.
+        _save_atomically(paths, build(), description)
+        built_here = True
+    return {name: np.load(paths[name], mmap_mode="r") for name in names}, built_here
+
+
+# ---------------------------------------------------------------------------------------------
+# The dataset.
+
+
+@dataclass
+class GPTDatasetConfig:
+    """Settings of the GPT pretraining data (from --data-path, --split, --seq-length, --seed ...).
+
+    `data_prefix` is one prefix, or `[w1, p1, w2, p2, ...]` for a weighted blend.
+    `cache_dir` is --data-cache-path; None puts the index cache in `<prefix dir>/cache/`.
+    `mmap_bin=False` (Megatron's --no-mmap-bin-files) is refused: .bin files are always memory-mapped.
+    """
+
+    data_prefix: list[str]
+    split: str
+    seq_length: int
+    seed: int
+    eod: int
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    data_impl: str = "mmap"
+    cache_dir: str | None = None
+    mmap_bin: bool = True
+
+
+def index_cache_dir(prefix: str, cache_dir: str | None) -> str:
+    """Where the .npy index files of `prefix` go: --data-cache-path, else `<prefix dir>/cache`."""
+    return cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+
+
+def ltor_masks_and_position_ids(
+    tokens: np.ndarray,
+    labels: np.ndarray,
+    eod: int,
+    eod_mask_loss: bool,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+) -> dict[str, np.ndarray]:
+    """Loss mask, position ids and (with resets) the left-to-right attention mask of one sample.
+
+    The attention mask is bool [1, s, s] with True where attention is masked out, as Megatron's.
+    """
+    s = tokens.shape[0]
+    loss_mask = np.ones(s, dtype=np.float32)
+    if eod_mask_loss:
+        loss_mask[labels == eod] = 0.0
+    # segment[j] = number of end-of-document tokens before position j: a new document starts after each.
+    segment = np.concatenate([[0], np.cumsum(tokens[:-1] == eod)])
+    positions = np.arange(s, dtype=np.int64)
+    if reset_position_ids:
+        segment_starts = np.maximum.accumulate(np.where(np.diff(segment, prepend=0) > 0, positions, 0))
+        position_ids = positions - segment_starts
+    else:
+        position_ids = positions
+    out = {"loss_mask": loss_mask, "position_ids": position_ids}
+    if reset_attention_mask:
+        allowed = (positions[None, :] <= positions[:, None]) & (segment[None, :] == segment[:, None])
+        out["attention_mask"] = ~allowed[None]
+    return out
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of seq_length + 1 tokens read across document boundaries, in shuffled order."""
+
+    def __init__(
+        self,
+        indexed_dataset: IndexedDataset,
+        prefix: str,
+        documents: np.ndarray,
+        num_samples: int,
+        config: GPTDatasetConfig,
+        split_name: str,
+    ) -> None:
+        self.indexed_dataset = indexed_dataset
+        self.config = config
+        self.split_name = split_name
+        sizes = np.asarray(indexed_dataset.sequence_lengths)
+        self.description = "\n".join(
+            [
+                "class: GPTDataset",
+                f"prefix: {os.path.abspath(prefix)}",
+                f"sequences: {len(sizes)} tokens: {int(np.sum(sizes, dtype=np.int64))}",
+                f"split: {split_name} documents: [{int(documents[0])}, {int(documents[-1]) + 1})",
+                f"num_samples: {num_samples}",
+                f"seq_length: {config.seq_length}",
+                f"seed: {config.seed}",
+            ]
+        )
+        arrays, self.built_indices = load_or_build_cached_indices(
+            index_cache_dir(prefix, config.cache_dir),
+            self.description,
+            f"GPTDataset-{split_name}",
+            ["document_index", "sample_index", "shuffle_index"],
+            lambda: build_gpt_indices(sizes, documents, num_samples, config.seq_length, config.seed),
+        )
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def sample_tokens(self, idx: int) -> np.ndarray:
+        """The seq_length + 1 token ids of sample `idx` (after shuffling)."""
+        i = int(self.shuffle_index[idx])
+        first_doc, first_offset = (int(x) for x in self.sample_index[i])
+        last_doc, last_offset = (int(x) for x in self.sample_index[i + 1])
+        parts = []
+        for position in range(first_doc, last_doc + 1):
+            offset = first_offset if position == first_doc else 0
+            # The last piece ends at last_offset inclusive: the token shared with the next sample.
+            length = last_offset + 1 - offset if position == last_doc else None
+            parts.append(self.indexed_dataset.get(int(self.document_index[position]), offset, length))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        sample = self.sample_tokens(idx)
+        tokens, labels = sample[:-1], sample[1:]
+        config = self.config
+        masks = ltor_masks_and_position_ids(
+            tokens,
+            labels,
+            config.eod,
+            config.eod_mask_loss,
+            config.reset_position_ids,
+            config.reset_attention_mask,
+        )
+        return {"tokens": tokens, "labels": labels, **masks}
+
+
+def open_indexed_dataset(prefix: str, data_impl: str = "mmap") -> IndexedDataset:
+    """The IndexedDataset at `prefix` (its errors name --data-path and the fix)."""
+    return IndexedDataset(prefix, impl=data_impl)
+
+
+def build_gpt_split_datasets(
+    prefix: str, config: GPTDatasetConfig, num_samples: Sequence[int]
+) -> list[GPTDataset | None]:
+    """Train, valid and test GPTDatasets of one prefix; None for a split with no documents."""
+    indexed = open_indexed_dataset(prefix, config.data_impl)
+    datasets: list[GPTDataset | None] = []
+    for name, (begin, end), count in zip(
+        SPLIT_NAMES, split_document_ranges(len(indexed), config.split), num_samples, strict=True
+    ):
+        documents = np.arange(begin, end, dtype=np.int32)
+        datasets.append(
+            GPTDataset(indexed, prefix, documents, int(count), config, name) if end > begin else None
+        )
+    return datasets
+
+
+def build_gpt_datasets(config: GPTDatasetConfig, train_valid_test_num_samples: Sequence[int]) -> tuple:
+    """(train, valid, test) for --data-path: one prefix, or a weighted blend; None for an empty split."""
+    if not config.mmap_bin:
+        raise DataConfigError(
+            "GPTDatasetConfig.mmap_bin=False (Megatron's --no-mmap-bin-files) is not supported: .bin files "
+            "of --data-impl mmap are always memory-mapped; use --data-impl lazy for legacy files read on demand"
+        )
+    from rapidtrain.data.blending import build_blended_splits  # blending imports this module
+
+    return build_blended_splits(
+        config.data_prefix,
+        train_valid_test_num_samples,
+        lambda prefix, counts: build_gpt_split_datasets(prefix, config, counts),
+        config.cache_dir,
+    )
