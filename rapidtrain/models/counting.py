@@ -1,0 +1,107 @@
+"""Parameter and FLOP counts of the built-in models from their settings alone (no model is built),
+for the plan's memory estimate and the log line's TFLOP/s."""
+
+from __future__ import annotations
+
+from rapidtrain.models.config import ModelConfig
+
+
+def _linear(fan_in: int, fan_out: int, bias: bool = True) -> int:
+    return fan_in * fan_out + (fan_out if bias else 0)
+
+
+def _expert_parameters(config: ModelConfig) -> int:
+    """One expert (or the dense MLP): fc1 and fc2 with biases."""
+    return _linear(config.hidden_size, config.ffn_size) + _linear(config.ffn_size, config.hidden_size)
+
+
+def _layer_parameters(config: ModelConfig, layer: int) -> tuple[int, int]:
+    """(total, active) parameters of one transformer layer."""
+    h = config.hidden_size
+    inner = config.head_dim * config.num_attention_heads
+    norms = 2 * 2 * h
+    attention = 3 * _linear(h, inner) + _linear(inner, h)
+    experts = config.experts_in_layer(layer)
+    if not experts:
+        mlp = _expert_parameters(config)
+        return norms + attention + mlp, norms + attention + mlp
+    router = h * experts
+    total = norms + attention + router + experts * _expert_parameters(config)
+    active = norms + attention + router + config.moe_router_topk * _expert_parameters(config)
+    return total, active
+
+
+def _embedding_and_head_parameters(config: ModelConfig) -> int:
+    h, vocab = config.hidden_size, config.vocab_size
+    count = vocab * h + 2 * h  # word embeddings + final norm
+    if config.position_embedding_type == "learned_absolute":
+        count += config.max_position_embeddings * h
+    count += config.num_tokentypes * h
+    if not config.tie_embeddings:
+        count += vocab * h  # the output layer's own weight; tied, the embedding counts once
+    if config.model_type == "bert":
+        count += _linear(h, h) + 2 * h + vocab  # MLM head: dense, LayerNorm, decoder bias
+        if config.bert_binary_head:
+            count += _linear(h, h) + _linear(h, 2)  # pooler, binary head
+    return count
+
+
+def count_parameters(config: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters; active counts only the top-k experts of each MoE layer.
+
+    Equals `sum(p.numel() for p in build_model(config).parameters())` for the total.
+    """
+    shared = _embedding_and_head_parameters(config)
+    layers = [_layer_parameters(config, i) for i in range(config.num_layers)]
+    return shared + sum(t for t, _ in layers), shared + sum(a for _, a in layers)
+
+
+def megatron_gpt_flops(
+    global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int, vocab_size: int
+) -> float:
+    """Megatron's closed form for a dense GPT with ffn = 4h: 72·B·s·L·h²·(1 + s/(12h) + V/(12·L·h))."""
+    b, s, layers, h, v = global_batch_size, seq_length, num_layers, hidden_size, vocab_size
+    return 72 * b * s * layers * h**2 * (1 + s / (12 * h) + v / (12 * layers * h))
+
+
+def model_flops_per_iteration(
+    config: ModelConfig, global_batch_size: int, seq_length: int | None = None
+) -> int:
+    """Matmul FLOPs of one iteration's forward and backward (backward = 2 × forward; recomputation
+    for activation checkpointing is not counted, as Megatron's model FLOPs).
+
+    Forward, with N = B·s tokens, a = heads·head_dim (= h), f = ffn size, 2 FLOPs per multiply-add:
+      q, k, v and o projections        4 · 2·N·h·a                      = 8·N·h²
+      scores Q·Kᵀ and probs·V          2 · 2·N·s·a, halved for causal GPT (only the lower triangle
+                                       is needed)                        = 2·N·s·h  (GPT), 4·N·s·h (BERT)
+      dense MLP fc1 + fc2              2 · 2·N·h·f                      = 16·N·h² for f = 4h
+      MoE layer                        k experts per token: k · 4·N·h·f, plus the router 2·N·h·E
+      logits                           2·N·h·V
+      BERT heads                       MLM dense 2·N·h², pooler 2·B·h², binary head 2·B·h·2
+    Dense GPT with f = 4h: forward = 24·N·L·h² + 2·N·L·s·h + 2·N·h·V
+      = 24·B·s·L·h²·(1 + s/(12h) + V/(12·L·h)); times 3 for forward + backward is Megatron's 72·(...).
+    Capacity padding and dropped tokens are not counted: the routed top-k work is.
+    """
+    s = seq_length or config.seq_length
+    b, h, f = global_batch_size, config.hidden_size, config.ffn_size
+    tokens = b * s
+    inner = config.head_dim * config.num_attention_heads
+    causal = config.model_type == "gpt"
+    attention = 4 * 2 * tokens * h * inner + (2 if causal else 4) * tokens * s * inner
+    forward = 2 * tokens * h * config.vocab_size
+    for layer in range(config.num_layers):
+        experts = config.experts_in_layer(layer)
+        mlp = 4 * tokens * h * f
+        if experts:
+            mlp = config.moe_router_topk * mlp + 2 * tokens * h * experts
+        forward += attention + mlp
+    if config.model_type == "bert":
+        forward += 2 * tokens * h * h
+        if config.bert_binary_head:
+            forward += 2 * b * h * h + 2 * b * h * 2
+    return 3 * forward
+
+
+def gpt_flops_per_iteration(config: ModelConfig, global_batch_size: int) -> int:
+    """FLOPs per iteration under the name Megatron's logging uses; see model_flops_per_iteration."""
+    return model_flops_per_iteration(config, global_batch_size)

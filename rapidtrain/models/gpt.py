@@ -1,0 +1,75 @@
+"""The built-in GPT: a decoder-only, pre-LN, Megatron-shaped transformer in plain PyTorch.
+
+Pipeline stages are this same class with parts set to None (torchtitan style): without
+`embedding` the input is hidden states; without `output` the result is hidden states. `layers` is
+a ModuleDict keyed "0", "1", ... so a stage that deletes layers keeps the names of the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.transformer import (
+    Embedding,
+    OutputLayer,
+    TokenCrossEntropy,
+    TransformerLayer,
+    check_model_config,
+    init_weights,
+    run_layers,
+    tie_weights,
+)
+
+
+class GPTModel(nn.Module):
+    """embedding → layers → final_norm → output (tied to the word embeddings by default) → loss."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        check_model_config(config)
+        self.config = config
+        self.embedding: Embedding | None = Embedding(config)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, i, causal=True) for i in range(config.num_layers)}
+        )
+        self.final_norm: nn.LayerNorm | None = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        tied = self.embedding.word_embeddings.weight if config.tie_embeddings else None
+        self.output: OutputLayer | None = OutputLayer(config.hidden_size, config.vocab_size, tied, bias=False)
+        self.loss = TokenCrossEntropy()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        tokentype_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids [b, s] (hidden states [b, s, h] on a stage without embedding) → per-token loss
+        [b, s] fp32 when `labels` are given, else logits [b, s, V] (hidden states without a head).
+
+        `attention_mask` (optional): [b, s] padding (1 = keep) or [b, (1,) s, s] with True = may
+        attend, e.g. Megatron's reset-attention-mask inverted; it is combined with the causal mask.
+        """
+        if self.embedding is not None:
+            hidden = self.embedding(input_ids, position_ids, tokentype_ids)
+        else:
+            hidden = input_ids
+        hidden = run_layers(self.layers, hidden, self.config, position_ids, attention_mask, causal=True)
+        if self.final_norm is not None:
+            hidden = self.final_norm(hidden)
+        if self.output is None:
+            return hidden
+        logits = self.output(hidden)
+        return logits if labels is None else self.loss(logits, labels)
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPTModel:
+        """Materialize from meta, then restore the embedding/output tie that new Parameters break."""
+        super().to_empty(device=device, recurse=recurse)
+        tie_weights(self)
+        return self
+
+    def init_weights(self, seed: int) -> None:
+        init_weights(self, seed)

@@ -1,0 +1,269 @@
+"""Mixture-of-experts layer (top-k router, capacity, load-balancing and z losses) that replaces the
+dense MLP of chosen layers, plus the tracker the training loop reads to log the balancing loss.
+
+Routing decisions, in one place:
+- The router is a bias-free Linear run in fp32 (autocast off): softmax probabilities in fp32, as
+  Switch Transformer's "selective precision", so bf16 rounding never flips a routing choice.
+- top-1 combines with the raw router probability (Switch); top-k > 1 renormalizes the k chosen
+  probabilities to sum to 1 (GShard / DeepSpeed top-2).
+- Capacity per expert = ceil(k · tokens / experts · capacity_factor), at least `moe_min_capacity`,
+  at most `tokens` (more slots could never fill); with token dropping off it is `tokens`.
+- Priority inside an expert: all first choices in token order, then all second choices in token
+  order (GShard). Assignments past capacity are dropped: weight 0, so the token's MoE output is zero
+  and it passes through the residual.
+- Balancing loss (Switch/GShard): E · Σ_e mean_prob_e · fraction_e, fraction_e = assignments to e
+  (before dropping) / (k · tokens); perfectly even routing gives exactly 1.0.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rapidtrain.models.config import ModelConfig
+
+
+def expert_capacity(
+    num_tokens: int,
+    num_experts: int,
+    topk: int,
+    capacity_factor: float,
+    min_capacity: int,
+    token_dropping: bool = True,
+) -> int:
+    """Slots per expert: ceil(k · tokens / experts · factor), at least min_capacity, at most tokens.
+
+    The factor is read as the decimal it was written as (1.1 is 11/10), so the ceiling is exact.
+    """
+    if not token_dropping:
+        return num_tokens
+    factor = Fraction(capacity_factor).limit_denominator(10**6)
+    numerator = topk * num_tokens * factor.numerator
+    denominator = num_experts * factor.denominator
+    capacity = -(-numerator // denominator)  # integer ceiling, also works on symbolic sizes
+    return min(num_tokens, max(min_capacity, capacity))
+
+
+def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """E · Σ_e (mean router probability of e) · (share of the k·T assignments that went to e)."""
+    num_experts = probs.shape[-1]
+    mean_prob = probs.float().mean(dim=0)
+    fraction = tokens_per_expert.float() / tokens_per_expert.sum()
+    return num_experts * (mean_prob * fraction).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """mean over tokens of logsumexp(router logits)², which keeps the logits small (ST-MoE)."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class Routing(NamedTuple):
+    """Where each of the k·T assignments (choice-major: all first choices, then all second) goes."""
+
+    token_index: torch.Tensor  # [k·T] the token each assignment comes from
+    slot: torch.Tensor  # [k·T] row in the flat [E·C] expert buffer; E·C when dropped
+    weight: torch.Tensor  # [k·T] fp32 combine weight, 0 when dropped
+    num_tokens: int
+    num_experts: int
+    capacity: int
+
+
+# Factor on the injected router-loss gradient; a plain global (not a Function attribute) so
+# torch.compile can read it, guarding on its value.
+_aux_loss_scale = 1.0
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """Multiply the router losses' gradient by `scale` (per process, default 1.0).
+
+    Set it to what the main loss is multiplied by before backward, e.g. 1 / accumulation steps
+    (times the fp16 loss scale), so both gradients carry the same factor. Read at forward time.
+    """
+    global _aux_loss_scale
+    _aux_loss_scale = float(scale)
+
+
+def get_aux_loss_scale() -> float:
+    return _aux_loss_scale
+
+
+class AuxLossInjector(torch.autograd.Function):
+    """Returns the hidden states unchanged; in backward also sends gradient 1 into `router_loss`.
+
+    So the balancing and z losses train the router without appearing in the model's outputs or
+    the training loss (the router loss arrives here already multiplied by the aux-loss scale).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, router_loss: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(router_loss)
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        (router_loss,) = ctx.saved_tensors
+        return grad_hidden, torch.ones_like(router_loss)
+
+
+def _recomputing() -> bool:
+    """True while autograd's engine runs: activation checkpointing re-runs forward there, and the
+    tracker must count each real forward once. A compiled graph never re-runs Python, so False."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+class Experts(nn.Module):
+    """E two-layer GELU MLPs stored stacked (dim 0 = expert), so expert parallelism shards dim 0."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
+        self.b1 = nn.Parameter(torch.empty(num_experts, ffn_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # A usable default for a layer built alone; models overwrite it with init_weights.
+        for weight in (self.w1, self.w2):
+            nn.init.normal_(weight, 0.0, 0.02)
+        for bias in (self.b1, self.b2):
+            nn.init.zeros_(bias)
+
+    def forward(self, buffers: torch.Tensor) -> torch.Tensor:
+        """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts."""
+        hidden = F.gelu(torch.baddbmm(self.b1.unsqueeze(1), buffers, self.w1))
+        return torch.baddbmm(self.b2.unsqueeze(1), hidden, self.w2)
+
+
+class MoELayer(nn.Module):
+    """Router → dispatch into per-expert capacity buffers → experts → weighted combine.
+
+    `dispatch` and `combine` are the replaceable steps: an expert-parallel version swaps them for
+    all-to-all exchanges of the [E, C, h] buffers and shards `experts` along dim 0.
+    """
+
+    def __init__(self, config: ModelConfig, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.topk = config.moe_router_topk
+        self.capacity_factor = config.moe_capacity_factor
+        self.min_capacity = config.moe_min_capacity
+        self.token_dropping = config.moe_token_dropping
+        self.aux_loss_coeff = config.moe_aux_loss_coeff
+        self.z_loss_coeff = config.moe_z_loss_coeff
+        self.jitter_eps = config.moe_jitter_eps
+        self.router = nn.Linear(config.hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, config.hidden_size, config.ffn_size)
+        # Tracker, read by collect_*: [aux-loss sum, forwards, assignments per expert...], float64
+        # (exact counts). One tensor, not Python numbers: torch.compile guards on the values of
+        # int attributes and would recompile every step. Not a buffer: DDP would broadcast it.
+        self.routing_stats: torch.Tensor | None = None
+
+    def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 router logits [T, E]; in training, optional multiplicative jitter on the router input."""
+        if self.training and self.jitter_eps > 0:
+            noise = torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+            tokens = tokens * noise
+        with torch.autocast(device_type=tokens.device.type, enabled=False):
+            return F.linear(tokens.float(), self.router.weight.float())
+
+    def route(self, probs: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+        """Top-k choice, capacity and priority → (Routing, expert index [T, k])."""
+        num_tokens = probs.shape[0]
+        weights, expert_index = probs.topk(self.topk, dim=-1)
+        if self.topk > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        capacity = expert_capacity(
+            num_tokens,
+            self.num_experts,
+            self.topk,
+            self.capacity_factor,
+            self.min_capacity,
+            self.token_dropping,
+        )
+        chosen = expert_index.t().reshape(-1)  # choice-major: first choices outrank second choices
+        one_hot = F.one_hot(chosen, self.num_experts)
+        position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1  # rank inside the chosen expert
+        kept = position < capacity
+        slot = torch.where(kept, chosen * capacity + position, self.num_experts * capacity)
+        token_index = torch.arange(num_tokens, device=probs.device).repeat(self.topk)
+        weight = weights.t().reshape(-1) * kept
+        return Routing(token_index, slot, weight, num_tokens, self.num_experts, capacity), expert_index
+
+    def dispatch(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Tokens [T, h] → per-expert buffers [E, C, h]; empty slots are zero."""
+        rows = routing.num_experts * routing.capacity
+        # One extra row swallows dropped assignments, keeping every shape static (compile-friendly).
+        buffers = tokens.new_zeros(rows + 1, tokens.shape[-1]).index_add(
+            0, routing.slot, tokens[routing.token_index]
+        )
+        return buffers[:rows].view(routing.num_experts, routing.capacity, tokens.shape[-1])
+
+    def combine(self, expert_output: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Expert outputs [E, C, h] → tokens [T, h]: Σ over a token's kept choices of weight · output."""
+        hidden = expert_output.shape[-1]
+        flat = torch.cat([expert_output.reshape(-1, hidden), expert_output.new_zeros(1, hidden)])
+        picked = flat[routing.slot] * routing.weight.unsqueeze(-1).to(flat.dtype)
+        return picked.view(-1, routing.num_tokens, hidden).sum(dim=0)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        logits = self.router_logits(tokens)
+        probs = logits.softmax(dim=-1)
+        routing, expert_index = self.route(probs)
+        output = self.combine(self.experts(self.dispatch(tokens, routing)), routing).view(shape)
+        if not self.training:
+            return output
+        tokens_per_expert = F.one_hot(expert_index, self.num_experts).sum(dim=(0, 1))
+        aux_loss = load_balancing_loss(probs, tokens_per_expert)
+        if not _recomputing():
+            self._record(aux_loss.detach(), tokens_per_expert.detach())
+        if torch.is_grad_enabled():
+            router_loss = self.aux_loss_coeff * aux_loss
+            if self.z_loss_coeff:
+                router_loss = router_loss + self.z_loss_coeff * router_z_loss(logits)
+            output = AuxLossInjector.apply(output, router_loss * _aux_loss_scale)
+        return output
+
+    def _record(self, aux_loss: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+        aux_loss = aux_loss.double().view(1)
+        stats = torch.cat([aux_loss, torch.ones_like(aux_loss), tokens_per_expert.double()])
+        self.routing_stats = stats if self.routing_stats is None else self.routing_stats + stats
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
+    """The MoE layers of `model` by name (wrapper prefixes included, as named_modules gives them)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, MoELayer)}
+
+
+def collect_aux_losses(model: nn.Module) -> torch.Tensor | None:
+    """Mean unscaled balancing loss over MoE layers and training forwards since the last call; resets.
+
+    None when no MoE layer ran forward in training. Each rank returns its own value (detached):
+    average across data-parallel ranks before logging if wanted.
+    """
+    means = []
+    for layer in moe_layers(model).values():
+        stats = layer.routing_stats
+        if stats is not None and stats[1] > 0:
+            means.append(stats[0] / stats[1])
+            stats[:2].zero_()
+    return torch.stack(means).mean().float() if means else None
+
+
+def collect_expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Per MoE layer, assignments each expert received (before dropping) since the last call; resets."""
+    loads = {}
+    for name, layer in moe_layers(model).items():
+        stats = layer.routing_stats
+        if stats is not None and stats[2:].sum() > 0:
+            loads[name] = stats[2:].long()
+            stats[2:].zero_()
+    return loads

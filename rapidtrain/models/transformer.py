@@ -1,0 +1,340 @@
+"""Transformer pieces shared by the built-in GPT and BERT: embeddings, attention, MLP, pre-LN layer,
+output head, per-token loss, and initialization that depends only on (seed, parameter name).
+
+Nothing here knows about parallelism: tensor, pipeline and expert parallelism transform these
+modules from outside (see rapidtrain/parallel/), so the modules keep plain, stable structure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.moe import MoELayer
+
+
+def check_model_config(config: ModelConfig) -> None:
+    """Refuse shapes the model cannot build, naming the flag to change."""
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {config.hidden_size} is not divisible by --num-attention-heads "
+            f"{config.num_attention_heads}: choose a head count that divides the hidden size"
+        )
+    if config.position_embedding_type == "rope" and config.head_dim % 2:
+        raise ValueError(
+            f"rotary position embeddings need an even head size, got {config.head_dim} "
+            "(--hidden-size / --num-attention-heads): change either, or use learned_absolute positions"
+        )
+    if config.num_experts and len(config.num_experts) != config.num_layers:
+        raise ValueError(
+            f"--num-experts has {len(config.num_experts)} entries for {config.num_layers} layers "
+            "(--num-layers): give one value per layer, 0 for a dense layer"
+        )
+    for experts in config.num_experts:
+        if experts and not 1 <= config.moe_router_topk <= experts:
+            raise ValueError(
+                f"--moe-router-topk {config.moe_router_topk} must be between 1 and the number of "
+                f"experts of an MoE layer ({experts}, --num-experts)"
+            )
+
+
+class Embedding(nn.Module):
+    """Word + (learned position) + (token type) embeddings, then dropout."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, h)
+            if config.position_embedding_type == "learned_absolute"
+            else None
+        )
+        self.tokentype_embeddings = nn.Embedding(config.num_tokentypes, h) if config.num_tokentypes else None
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        tokentype_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            seq_length = input_ids.shape[1]
+            if seq_length > self.position_embeddings.num_embeddings:
+                raise ValueError(
+                    f"sequence of {seq_length} tokens is longer than --max-position-embeddings "
+                    f"{self.position_embeddings.num_embeddings}: raise it or shorten --seq-length"
+                )
+            if position_ids is None:
+                position_ids = torch.arange(seq_length, device=input_ids.device).unsqueeze(0)
+            hidden = hidden + self.position_embeddings(position_ids)
+        if tokentype_ids is not None:
+            if self.tokentype_embeddings is None:
+                raise ValueError(
+                    "tokentype_ids were given but the model has no token-type embeddings (num_tokentypes=0)"
+                )
+            hidden = hidden + self.tokentype_embeddings(tokentype_ids)
+        return self.dropout(hidden)
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, base: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, fp32, shaped [b or 1, 1, s, head_dim] to broadcast over heads.
+
+    Computed from positions on the fly (no buffer), so meta-device construction needs no re-init.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    inverse_frequency = 1.0 / (base**exponents)
+    angles = position_ids.float().unsqueeze(-1) * inverse_frequency
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of x [b, heads, s, d] (Megatron's non-interleaved rotary), in fp32."""
+    x32 = x.float()
+    first, second = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def sdpa_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool) -> torch.Tensor | None:
+    """Turn a batch's mask into a boolean SDPA mask [b, 1, s, s] (True = may attend), or None.
+
+    Accepted: [b, s] padding mask (1 = real token) or [b, s, s] / [b, 1, s, s] with True = may attend.
+    Causal models AND it with the causal triangle. Every query may always attend to itself, so no
+    row is fully masked (SDPA would return NaN there; such rows are padding and carry no loss).
+    """
+    if attention_mask is None:
+        return None
+    allowed = attention_mask.bool()
+    if allowed.dim() == 2:
+        allowed = allowed[:, None, None, :]
+    elif allowed.dim() == 3:
+        allowed = allowed[:, None]
+    elif allowed.dim() != 4:
+        raise ValueError(
+            f"attention_mask must be [b, s], [b, s, s] or [b, 1, s, s], got {tuple(allowed.shape)}"
+        )
+    eye = torch.eye(seq_length, dtype=torch.bool, device=allowed.device)
+    if causal:
+        allowed = allowed & torch.ones_like(eye).tril()
+    return allowed | eye
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with separate q/k/v projections (column-split friendly) and o_proj.
+
+    Heads are counted from the projection's output at run time, so after a column split of q/k/v
+    (and row split of o_proj) each rank runs its own heads without knowing the split.
+    """
+
+    def __init__(self, config: ModelConfig, causal: bool) -> None:
+        super().__init__()
+        h, inner = config.hidden_size, config.head_dim * config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.causal = causal
+        self.dropout = config.attention_dropout
+        self.q_proj = nn.Linear(h, inner)
+        self.k_proj = nn.Linear(h, inner)
+        self.v_proj = nn.Linear(h, inner)
+        self.o_proj = nn.Linear(inner, h)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (
+            proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal and attention_mask is None,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """fc1 (h → ffn), GELU, fc2 (ffn → h)."""
+
+    def __init__(self, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, ffn_size)
+        self.fc2 = nn.Linear(ffn_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: x + dropout(attention(ln1(x))), then x + dropout(mlp(ln2(x))).
+
+    `mlp` is a dense MLP, or an MoE layer where `config.experts_in_layer(layer_number) > 0`.
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, causal: bool) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.layernorm_epsilon
+        self.ln1 = nn.LayerNorm(h, eps=eps)
+        self.attention = Attention(config, causal)
+        self.ln2 = nn.LayerNorm(h, eps=eps)
+        experts = config.experts_in_layer(layer_number)
+        self.mlp = MoELayer(config, experts) if experts else MLP(h, config.ffn_size)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.ln1(x), attention_mask, rope))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+def run_layers(
+    layers: nn.ModuleDict,
+    hidden: torch.Tensor,
+    config: ModelConfig,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Run every layer this model (or pipeline stage) holds, with rotary angles and mask made once."""
+    seq_length = hidden.shape[1]
+    rope = None
+    if config.position_embedding_type == "rope":
+        if position_ids is None:
+            position_ids = torch.arange(seq_length, device=hidden.device).unsqueeze(0)
+        rope = rotary_cos_sin(position_ids, config.head_dim, config.rotary_base)
+    mask = sdpa_mask(attention_mask, seq_length, causal)
+    for layer in layers.values():
+        hidden = layer(hidden, mask, rope)
+    return hidden
+
+
+TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+
+
+class OutputLayer(nn.Linear):
+    """Hidden states → vocabulary logits (an nn.Linear, so ColwiseParallel can split the vocabulary).
+
+    Tied: `weight` is the word-embedding Parameter object itself and `tied_to` names it. A pipeline
+    last stage without the embedding keeps this Parameter as its own copy (initialized under the
+    embedding's name, so both stages start equal); the stages then keep the two copies in sync.
+    """
+
+    def __init__(
+        self, hidden_size: int, vocab_size: int, tied_weight: nn.Parameter | None, bias: bool
+    ) -> None:
+        # A tied head builds its placeholder weight on meta: it is replaced at once, so never allocated.
+        super().__init__(
+            hidden_size, vocab_size, bias=bias, device="meta" if tied_weight is not None else None
+        )
+        self.tied_to = TIED_EMBEDDING_NAME if tied_weight is not None else None
+        if tied_weight is not None:
+            self.weight = tied_weight
+            if self.bias is not None:
+                self.bias = nn.Parameter(torch.zeros(vocab_size, device=tied_weight.device))
+
+
+class TokenCrossEntropy(nn.Module):
+    """Per-token cross-entropy [b, s] in fp32, unreduced; labels < 0 (-1, -100) give loss 0.
+
+    A module of its own so tensor parallelism can swap it for a vocab-parallel version
+    (`torch.distributed.tensor.parallel.loss_parallel`); masking and averaging belong to the loop.
+    """
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets = labels.masked_fill(labels < 0, -100).flatten()
+        loss = F.cross_entropy(logits.float().flatten(0, -2), targets, reduction="none", ignore_index=-100)
+        return loss.view(labels.shape)
+
+
+def tie_weights(model: nn.Module) -> None:
+    """Point every tied output layer at the word-embedding Parameter again, where the model holds both.
+
+    Needed after `to_empty` (meta → real device creates new Parameter objects, breaking the tie).
+    """
+    for module in model.modules():
+        if isinstance(module, OutputLayer) and module.tied_to is not None:
+            try:
+                module.weight = model.get_parameter(module.tied_to)
+            except AttributeError:  # pipeline stage without the embedding: keeps its own copy
+                pass
+
+
+# Wrappers that activation checkpointing, torch.compile and FSDP1 insert into parameter names.
+_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+# Megatron's scaled init: projections that write into the residual stream get std / sqrt(2 L).
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "fc2.weight", "experts.w2")
+_BIASES = {"bias", "b1", "b2"}
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A generator seed from (seed, parameter name) that is the same in every process and Python run."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def initial_value(
+    name: str, module: nn.Module, shape: torch.Size, config: ModelConfig, seed: int
+) -> torch.Tensor:
+    """The fp32 CPU value of parameter `name` (canonical, un-wrapped name) of `module`."""
+    leaf = name.rsplit(".", 1)[-1]
+    if isinstance(module, nn.LayerNorm):
+        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+    if leaf in _BIASES:
+        return torch.zeros(shape)
+    std = config.init_method_std
+    if name.endswith(_RESIDUAL_OUTPUTS):
+        std = std / math.sqrt(2.0 * config.num_layers)
+    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Set every parameter from a generator seeded by (seed, its name), whatever the layout.
+
+    A whole model, one built on meta and materialized with `to_empty`, a pipeline stage with some
+    layers deleted, or a model whose parameters are DTensors (tensor/fully sharded) all get the
+    same values for the same parameter. Values are drawn on the CPU (device generators differ).
+    Needs `model.config` (a ModelConfig; num_layers is the whole model's, also in a stage).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for leaf, param in module.named_parameters(recurse=False):
+                if param.is_meta:
+                    continue
+                name = ".".join(
+                    p for p in f"{module_name}.{leaf}".split(".") if p and p not in _WRAPPER_NAMES
+                )
+                if isinstance(module, OutputLayer) and leaf == "weight" and module.tied_to:
+                    name = module.tied_to
+                value = initial_value(name, module, param.shape, config, seed)
+                if isinstance(param, DTensor):
+                    value = distribute_tensor(
+                        value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+                    )
+                param.copy_(value)

@@ -1,0 +1,90 @@
+"""Parameter counts against built models and by hand; FLOPs against Megatron's closed form."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidtrain.models import ModelConfig, build_model
+from rapidtrain.models.counting import (
+    count_parameters,
+    gpt_flops_per_iteration,
+    megatron_gpt_flops,
+    model_flops_per_iteration,
+)
+
+SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=16)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_embeddings": False},
+        {"position_embedding_type": "rope", "ffn_hidden_size": 48},
+        {"num_experts": (0, 4, 0, 8), "moe_router_topk": 2},
+        {"model_type": "bert"},
+        {"model_type": "bert", "bert_binary_head": True, "num_tokentypes": 2, "tie_embeddings": False},
+        {"model_type": "bert", "num_experts": (2, 2, 2, 2)},
+    ],
+)
+def test_total_parameters_match_the_built_model(overrides: dict):
+    config = ModelConfig(**{**SMALL, **overrides})
+    model = build_model(config, seed=None)
+    total, active = count_parameters(config)
+    assert total == sum(p.numel() for p in model.parameters())
+    if not config.num_experts:
+        assert active == total
+
+
+def test_parameters_by_hand():
+    # V=10, h=4, 2 heads, ffn 8, 1 layer, 6 positions, tied:
+    # embeddings 40 + 24; layer: norms 16, attention 4·(16+4) = 80, MLP 32+8+32+4 = 76; final norm 8.
+    config = ModelConfig(
+        num_layers=1,
+        hidden_size=4,
+        num_attention_heads=2,
+        ffn_hidden_size=8,
+        vocab_size=10,
+        max_position_embeddings=6,
+    )
+    assert count_parameters(config) == (244, 244)
+    untied = ModelConfig(**{**config.__dict__, "tie_embeddings": False})
+    assert count_parameters(untied) == (284, 284)
+    # Same with 4 experts top-1: router 16, experts 4·76; active has one expert.
+    moe = ModelConfig(**{**config.__dict__, "num_experts": (4,)})
+    assert count_parameters(moe) == (244 + 16 + 3 * 76, 244 + 16)
+
+
+def test_active_parameters_count_topk_experts():
+    config = ModelConfig(**SMALL, num_experts=(0, 8, 0, 8), moe_router_topk=2)
+    total, active = count_parameters(config)
+    expert = 2 * 32 * 128 + 128 + 32
+    assert total - active == 2 * (8 - 2) * expert
+
+
+@pytest.mark.parametrize(
+    "layers,hidden,heads,seq,vocab,batch",
+    [(24, 1024, 16, 2048, 51200, 512), (2, 64, 4, 128, 128, 8), (96, 12288, 96, 2048, 51200, 1536)],
+)
+def test_dense_gpt_flops_equal_megatron_formula(layers, hidden, heads, seq, vocab, batch):
+    config = ModelConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq, vocab_size=vocab
+    )
+    flops = gpt_flops_per_iteration(config, batch)
+    assert flops == pytest.approx(megatron_gpt_flops(batch, seq, layers, hidden, vocab), rel=1e-12)
+
+
+def test_flops_for_other_ffn_sizes_moe_and_bert():
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=256)
+    dense = model_flops_per_iteration(ModelConfig(**base), 8)
+    tokens = 8 * 128
+    # ffn 3h instead of 4h: MLP forward 4·N·h·f per layer drops by 4·N·h·h; ×3 for backward, ×2 layers.
+    narrow = model_flops_per_iteration(ModelConfig(**base, ffn_hidden_size=192), 8)
+    assert dense - narrow == 3 * 2 * 4 * tokens * 64 * 64
+    # One MoE layer, 8 experts, top-2: one extra expert MLP + router 2·N·h·E, times 3.
+    moe = model_flops_per_iteration(ModelConfig(**base, num_experts=(0, 8), moe_router_topk=2), 8)
+    assert moe - dense == 3 * (4 * tokens * 64 * 256 + 2 * tokens * 64 * 8)
+    # BERT: full (not causal) attention scores, plus the MLM head's dense layer.
+    bert = model_flops_per_iteration(ModelConfig(**base, model_type="bert"), 8)
+    assert bert - dense == 3 * (2 * 2 * tokens * 128 * 64 + 2 * tokens * 64 * 64)
+    assert model_flops_per_iteration(ModelConfig(**base), 8, seq_length=64) < dense
