@@ -252,6 +252,9 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="Peak TFLOP/s of one device: log lines then report MFU.")
+    g.add_argument("--loss-log-file", default=None,
+                   help="Append every iteration's exact loss here (iteration, loss as float.hex, skipped, grad norm as "
+                        "float.hex): for parity and resume checks.")
 
 
 def _add_checkpointing(parser: argparse.ArgumentParser) -> None:

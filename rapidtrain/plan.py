@@ -430,7 +430,9 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     n = layout.data_parallel_size
     shard_optimizer = stage > 0 or args.oss_memory_optimization or args.oss_sdp_memory_optimization \
         or args.fsdp_memory_optimization
-    shard_grads = stage >= 2 or args.oss_sdp_memory_optimization or args.fsdp_memory_optimization
+    # In 3D mode ZeRO-1/2 is FSDP2 over the data-parallel dimension, which reduce-scatters gradients (ZeRO-2 memory).
+    shard_grads = stage >= 2 or (stage == 1 and not deepspeed) or args.oss_sdp_memory_optimization \
+        or args.fsdp_memory_optimization
     shard_params = stage == 3 or args.fsdp_memory_optimization
     return MemoryEstimate(
         parameters=int(per_rank), total_params=total, active_params=active,

@@ -79,6 +79,11 @@ class MegatronPreTrainer(PreTrainer):
 
         return build_model(self.engine.plan.model, seed=self.args.seed), None, None
 
+    def model_factory(self) -> Any:
+        from rapidtrain.models import build_model
+
+        return lambda: build_model(self.engine.plan.model, seed=None)
+
     def flops_per_iteration(self) -> float | None:
         from rapidtrain.models.counting import model_flops_per_iteration
 

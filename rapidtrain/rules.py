@@ -76,6 +76,19 @@ def _uses_hf_model(args: Args) -> bool:
     return bool(args.pretrained_model_name_or_path)
 
 
+def _deepspeed_zero(args: Args) -> bool:
+    return zero_stage(args) > 0 and not _three_d(args)
+
+
+def _optimizer_choice(args: Args) -> tuple[str, str]:
+    """(name, flag that chose it): `--optimizer` overrides `--optimizers`."""
+    return (args.optimizer, "--optimizer") if args.optimizer else (args.optimizers, "--optimizers")
+
+
+NON_ELEMENTWISE_OPTIMIZERS = ("apex_lamb", "adafactor")  # per-parameter norms or factored statistics
+OFFLOADABLE_OPTIMIZERS = ("apex_adam", "adamw", "adam")  # what DeepSpeedCPUAdam implements
+
+
 def _experts(args: Args) -> list[int]:
     return [e for e in expand_num_experts(args.num_experts, args.num_layers, args.moe_layer_freq) if e > 0]
 
@@ -347,6 +360,27 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: a.lora_rank > 0 and not _uses_hf_model(a),
         lambda a, c: "--lora-rank adds peft LoRA adapters to a Hugging Face model; give "
         "--pretrained-model-name-or-path DIR or drop --lora-rank.",
+    ),
+    Rule(
+        "zero-elementwise-optimizer", ("--zero-1-memory-optimization", "--zero-2-memory-optimization",
+                                       "--zero-3-memory-optimization", "--optimizers", "--optimizer"),
+        "DeepSpeed ZeRO steps flat partitions of each parameter group: it takes elementwise optimizers (Adam, "
+        "AdamW, SGD), not LAMB or Adafactor.",
+        lambda a, c: _deepspeed_zero(a) and _optimizer_choice(a)[0] in NON_ELEMENTWISE_OPTIMIZERS,
+        lambda a, c: f"{_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]} with --zero-{zero_stage(a)}-memory-"
+        "optimization: DeepSpeed ZeRO flattens each parameter group into one tensor and partitions it, so LAMB's "
+        "per-layer trust ratio or Adafactor's row/column statistics would be computed over slices of many "
+        "parameters, a different optimizer. Use --optimizers apex_adam (or --optimizer adamw, adam or sgd) with "
+        "ZeRO, or --oss-memory-optimization, which keeps each parameter whole on one rank.",
+    ),
+    Rule(
+        "cpu-offload-adam-only", ("--cpu-offload", "--optimizers", "--optimizer"),
+        "--cpu-offload steps the optimizer with DeepSpeedCPUAdam: the optimizer must be Adam or AdamW.",
+        lambda a, c: a.cpu_offload and _optimizer_choice(a)[0] not in OFFLOADABLE_OPTIMIZERS
+        and not (_deepspeed_zero(a) and _optimizer_choice(a)[0] in NON_ELEMENTWISE_OPTIMIZERS),
+        lambda a, c: f"--cpu-offload with {_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]}: the offloaded "
+        "optimizer step is DeepSpeedCPUAdam, which implements Adam and AdamW only. Use --optimizers apex_adam "
+        "(AdamW) or --optimizer adamw/adam, or drop --cpu-offload.",
     ),
 )
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.optim.grad_scaler import LossScaler, LossScaleSettings
-from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer
+from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import TorchRunner
 from rapidtrain.plan import Plan
@@ -64,6 +64,9 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.
     if group is None:
         return model
     device_ids = [device.index] if device.type == "cuda" else None
+    from rapidtrain.parallel.experts import exclude_experts_from_ddp
+
+    exclude_experts_from_ddp(model)  # sharded experts are reduced over their own group (parallel/experts.py)
     return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
 
 
@@ -79,14 +82,19 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool
 
 
 def oss_optimizer(model: nn.Module, settings: OptimizerSettings, device_type: str, mesh: ParallelMesh):
-    """ZeroRedundancyOptimizer: each data-parallel rank keeps the state of its share of parameters."""
+    """ZeroRedundancyOptimizer: each data-parallel rank keeps the state of its share of parameters.
+
+    The local optimizer comes from the same `build_optimizer` as without OSS (same class, settings and
+    weight-decay groups), so OSS and DDP take identical steps.
+    """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    template, _ = build_optimizer(model, settings, device_type)
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in template.param_groups]
-    defaults = {k: v for k, v in template.defaults.items() if k != "weight_decay"}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(template), process_group=mesh.group("dp"),
-                                   **defaults)
+    def local_optimizer(groups: list[dict], **_defaults) -> torch.optim.Optimizer:
+        return build_optimizer(groups, settings, device_type)[0]
+
+    groups = param_groups(model, settings.weight_decay)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=local_optimizer, process_group=mesh.group("dp"),
+                                   lr=settings.lr)
 
 
 def parallelize(
@@ -109,6 +117,11 @@ def parallelize(
         return deepspeed_runner(model, plan, mesh, device, optimizer=optimizer,
                                 optimizer_settings=optimizer_settings, clip_grad=clip_grad,
                                 loss_scale=loss_scale, model_factory=model_factory)
+    if plan.layout.expert_parallel_size > 1:
+        from rapidtrain.parallel.experts import apply_expert_parallel
+
+        # Before tensor parallelism, which then replicates each rank's expert slice over its TP ranks.
+        apply_expert_parallel(model, mesh, plan.layout.expert_parallel_size)
     if plan.layout.tensor_parallel_size > 1:
         from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -136,6 +149,11 @@ def parallelize(
         else:
             optimizer, _ = build_optimizer(model, optimizer_settings, device.type)
     scaler = LossScaler(loss_scale) if plan.precision.loss_scaling != "none" else None
-    return TorchRunner(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
-                       clip_grad=clip_grad, gradient_average=gradient_average if mesh.group("dp") else 1,
-                       pipeline_group=mesh.group("pp"), scaler=scaler, found_inf_group=None)
+    runner = TorchRunner(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
+                         clip_grad=clip_grad, gradient_average=gradient_average if mesh.group("dp") else 1,
+                         pipeline_group=mesh.group("pp"), scaler=scaler, found_inf_group=None)
+    if plan.layout.expert_parallel_size > 1:
+        from rapidtrain.parallel.experts import expert_parallel_runner
+
+        runner = expert_parallel_runner(runner, mesh)
+    return runner

@@ -20,6 +20,9 @@ class ParallelMesh:
 
     layout: Layout
     mesh: DeviceMesh | None
+    # ("pp", "expert_dp", "ep", "tp") with --expert-model-parallel-size > 1: the dp dimension split into
+    # groups of ep consecutive ranks ("ep", sharing out the experts) and the ranks holding the same experts.
+    expert_mesh: DeviceMesh | None = None
 
     @property
     def rank(self) -> int:
@@ -50,14 +53,21 @@ class ParallelMesh:
     def is_last_stage(self) -> bool:
         return self.pipeline_rank == self.layout.pipeline_parallel_size - 1
 
+    def _mesh_of(self, name: str) -> DeviceMesh | None:
+        if self.expert_mesh is not None and name in ("ep", "expert_dp"):
+            return self.expert_mesh
+        return self.mesh
+
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of one dimension, or None when it has a single rank (nothing to reduce)."""
-        if self.mesh is None or self.mesh.size(self.mesh.mesh_dim_names.index(name)) == 1:
+        mesh = self._mesh_of(name)
+        if mesh is None or name not in mesh.mesh_dim_names or mesh.size(mesh.mesh_dim_names.index(name)) == 1:
             return None
-        return self.mesh.get_group(name)
+        return mesh.get_group(name)
 
     def submesh(self, name: str) -> DeviceMesh | None:
-        return None if self.mesh is None else self.mesh[name]
+        mesh = self._mesh_of(name)
+        return None if mesh is None else mesh[name]
 
 
 def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
@@ -65,4 +75,10 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
         return ParallelMesh(layout, None)
     shape = (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
-    return ParallelMesh(layout, mesh)
+    expert_mesh = None
+    ep = layout.expert_parallel_size
+    if ep > 1:  # data-parallel rank d = expert_dp · ep + ep rank, the same ranks as the main mesh's dp
+        expert_shape = (layout.pipeline_parallel_size, layout.data_parallel_size // ep, ep,
+                        layout.tensor_parallel_size)
+        expert_mesh = init_device_mesh(device_type, expert_shape, mesh_dim_names=("pp", "expert_dp", "ep", "tp"))
+    return ParallelMesh(layout, mesh, expert_mesh)

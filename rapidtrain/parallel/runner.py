@@ -84,12 +84,15 @@ class TorchRunner:
         return self.scaler is not None
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        if hasattr(self.module, "set_requires_gradient_sync"):
+            # FSDP2 decides in backward, which the trainer runs after this context (outside autocast):
+            # so the flag is set for the whole micro-batch, and the last one turns reduction back on.
+            self.module.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
         if enabled:
             return contextlib.nullcontext()
         if hasattr(self.module, "no_sync"):  # DDP
             return self.module.no_sync()
-        if hasattr(self.module, "set_requires_gradient_sync"):  # FSDP2
-            return _fsdp_no_sync(self.module)
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -102,12 +105,16 @@ class TorchRunner:
             if found_inf:
                 self.zero_grad()
                 return StepOutcome(None, skipped=True)
-        norm = total_grad_norm(self.parameters, self.pipeline_group)
+        norm = self.grad_norm()
         if self.clip_grad > 0:
             torch.nn.utils.clip_grads_with_norm_(self.parameters, self.clip_grad, norm.to(self._grad_device()))
         self.optimizer.step()
         self.zero_grad()
         return StepOutcome(float(norm))
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm that clipping and the log line use (expert parallelism overrides it)."""
+        return total_grad_norm(self.parameters, self.pipeline_group)
 
     def _grad_device(self) -> torch.device:
         return self.parameters[0].device if self.parameters else torch.device("cpu")
@@ -146,15 +153,6 @@ class TorchRunner:
             state.pop("optimizer")
             state.pop("loss_scaler", None)
         return state
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
 
 
 def is_finite(value: float | torch.Tensor) -> bool:

@@ -32,6 +32,11 @@ class PreTrainer(Trainer):
     def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, Any, Any]:
         raise NotImplementedError("PreTrainer subclasses implement model_optimizer_lr_scheduler_provider()")
 
+    def model_factory(self) -> Any:
+        """A callable that builds the same model again (None: none), so that ZeRO-3 can create it partitioned
+        under deepspeed.zero.Init; the weights are then copied from the provider's model."""
+        return None
+
     def flops_per_iteration(self) -> float | None:
         """Model FLOPs of one iteration, for TFLOP/s and MFU in the log line; None when unknown."""
         return None
@@ -47,7 +52,8 @@ class PreTrainer(Trainer):
         self.train_ds, self.valid_ds, self.test_ds = self.train_valid_test_datasets_provider(counts)
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         scheduler_fn = (lambda _optimizer: scheduler) if scheduler is not None else None
-        self.model, *_ = self.engine.compose(model, optimizer=optimizer, lr_scheduler_fn=scheduler_fn)
+        self.model, *_ = self.engine.compose(model, optimizer=optimizer, lr_scheduler_fn=scheduler_fn,
+                                             model_factory=self.model_factory())
         self.load()
         self.engine.print_rank0(self.engine.plan.describe())
 
@@ -87,6 +93,7 @@ class PreTrainer(Trainer):
                 self.consumed_samples += plan.batches.global_batch_size
                 meter.record(plan.batches.global_batch_size, result.tokens)
                 totals.add(result)
+                self.record_loss(result)
                 if self.iteration % a.log_interval == 0:
                     self.log(meter, totals, result)
                     totals = IntervalTotals()
@@ -143,6 +150,12 @@ class PreTrainer(Trainer):
             self.writer.add_scalars({f"train/{k}": v for k, v in losses.items()} | {
                 "train/learning rate": self.current_lr(), "train/tokens per second": interval.tokens_per_second,
                 **({"train/grad norm": last.grad_norm} if last.grad_norm is not None else {})}, self.iteration)
+
+    def record_loss(self, result: IterationResult) -> None:
+        if self.args.loss_log_file and self.is_logging_rank:
+            with open(self.args.loss_log_file, "a") as log:
+                grad_norm = "-" if result.grad_norm is None else float(result.grad_norm).hex()
+                log.write(f"{self.iteration} {float(result.loss).hex()} {int(result.skipped)} {grad_norm}\n")
 
     def current_lr(self) -> float:
         return float(self.engine.runner.optimizer.param_groups[0]["lr"])

@@ -1,0 +1,1 @@
+"""Pretraining and fine-tuning data: Megatron indexed files, tokenizers, datasets, the demo corpus."""

@@ -1,0 +1,146 @@
+"""Loss scaling for fp16 training with Megatron's semantics: dynamic (with hysteresis) or constant.
+
+The loop: `scaler.scale(loss).backward()`; `found_inf = scaler.unscale_and_check(optimizer, group)`;
+step the optimizer only when `found_inf` is False; `scaler.update(found_inf)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LossScaleSettings:
+    """Flags `--loss-scale` (constant when given), `--initial-loss-scale`, `--min-loss-scale`,
+    `--loss-scale-window`, `--hysteresis`; growth ×2 and backoff ×0.5 as Megatron fixes them."""
+
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            problems.append(f"--loss-scale {self.loss_scale} must be > 0 (or left out for dynamic scaling)")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            problems.append(
+                f"--min-loss-scale {self.min_loss_scale} must be > 0 and <= --initial-loss-scale "
+                f"{self.initial_loss_scale}"
+            )
+        if self.loss_scale_window <= 0:
+            problems.append(f"--loss-scale-window {self.loss_scale_window} must be >= 1")
+        if self.hysteresis <= 0:
+            problems.append(f"--hysteresis {self.hysteresis} must be >= 1")
+        if self.growth_factor <= 1.0 or not 0.0 < self.backoff_factor < 1.0:
+            problems.append("the growth factor must be > 1 and the backoff factor in (0, 1)")
+        if problems:
+            raise ValueError("loss scaling: " + "; ".join(problems))
+
+
+class LossScaler:
+    """Megatron's `DynamicGradScaler` (or `ConstantGradScaler` when `--loss-scale` is set).
+
+    Dynamic: an overflow resets the growth count and uses up one unit of hysteresis; once the
+    hysteresis is spent, each overflow multiplies the scale by the backoff factor (never below the
+    minimum). After `loss_scale_window` overflow-free steps in a row the scale grows and the
+    hysteresis is restored. As in Megatron's code, steps without overflow do not restore it.
+    """
+
+    def __init__(self, settings: LossScaleSettings | None = None) -> None:
+        self.settings = settings or LossScaleSettings()
+        self.dynamic = self.settings.loss_scale is None
+        self._scale = float(self.settings.initial_loss_scale if self.dynamic else self.settings.loss_scale)
+        self._growth_tracker = 0
+        self._hysteresis_tracker = self.settings.hysteresis
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale (what the log line prints as `loss scale`)."""
+        return self._scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the scale; call `.backward()` on the result."""
+        return loss * self._scale
+
+    def unscale_and_check(
+        self,
+        optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor],
+        process_group: dist.ProcessGroup | None = None,
+    ) -> bool:
+        """Divide every gradient by the scale in place; True if any is inf or NaN.
+
+        With `process_group` the flag is all-reduced (MAX) over its ranks, so all of them skip the
+        same step (pass the model-parallel group, or the world when optimizer state is sharded).
+        """
+        grads = [p.grad for p in _parameters(optimizer_or_params) if p.grad is not None]
+        if any(grad.dtype == torch.float16 for grad in grads):
+            # Dividing fp16 gradients by a scale such as 2^32 flushes them to zero: keep fp32 master
+            # weights (fp16 autocast) or accumulate into fp32 gradients before unscaling.
+            raise ValueError(
+                "loss scaling: the gradients are float16, and unscaling them in place would flush them "
+                "to zero; train with fp32 parameters under fp16 autocast (--fp16 / --mixed-precision do)"
+            )
+        device = grads[0].device if grads else torch.device("cpu")
+        if process_group is not None and dist.get_backend(process_group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        all_finite = torch.ones((), dtype=torch.bool, device=device)
+        inv_scale = 1.0 / self._scale
+        for grad in grads:
+            # Multiply first, then test: an unscaled overflow stays inf, and the test costs no sync.
+            grad.mul_(inv_scale)
+            all_finite &= torch.isfinite(grad).all().to(device)
+        found_inf = (~all_finite).to(torch.float32)
+        if process_group is not None:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
+        return bool(found_inf.item() > 0)
+
+    def update(self, found_inf: bool) -> None:
+        """Adjust the scale after a step (no-op for a constant scale)."""
+        if not self.dynamic:
+            return
+        s = self.settings
+        if found_inf:
+            self._growth_tracker = 0
+            self._hysteresis_tracker -= 1
+            if self._hysteresis_tracker <= 0:
+                self._scale = max(self._scale * s.backoff_factor, s.min_loss_scale)
+            return
+        self._growth_tracker += 1
+        if self._growth_tracker == s.loss_scale_window:
+            self._growth_tracker = 0
+            self._hysteresis_tracker = s.hysteresis
+            self._scale *= s.growth_factor
+
+    def state_dict(self) -> dict[str, Any]:
+        """Megatron's keys: `scale`, `growth_tracker`, `hysteresis_tracker` (empty when constant)."""
+        if not self.dynamic:
+            return {}
+        return {
+            "scale": self._scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a dynamic scaler; a constant scale comes from the flags, so it ignores the state."""
+        if not self.dynamic or not state_dict:
+            return
+        scale = state_dict["scale"]
+        self._scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        self._growth_tracker = int(state_dict["growth_tracker"])
+        self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
+
+
+def _parameters(optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(optimizer_or_params, torch.optim.Optimizer):
+        return [p for group in optimizer_or_params.param_groups for p in group["params"]]
+    return list(optimizer_or_params)

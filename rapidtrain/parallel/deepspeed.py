@@ -1,0 +1,240 @@
+"""DeepSpeed ZeRO stages 1-3 (and ZeRO-Offload) behind the runner interface the trainer uses.
+
+`deepspeed_config` turns the plan into DeepSpeed's configuration; `deepspeed_runner` calls
+`deepspeed.initialize` and returns a `DeepSpeedRunner`. Checkpoint state is the same
+torch.distributed.checkpoint layout every other mode writes (full fp32 weights and per-parameter
+optimizer state keyed by parameter name), so a ZeRO checkpoint loads under DDP, FSDP or another stage
+and world size, and the other way round (see `parallel/deepspeed_state.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rapidtrain.optim.grad_scaler import LossScaleSettings
+from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
+from rapidtrain.parallel.mesh import ParallelMesh
+from rapidtrain.parallel.runner import StepOutcome, autocast
+from rapidtrain.plan import Plan, Precision
+
+# Optimizers DeepSpeed builds from its config for ZeRO-Offload (DeepSpeedCPUAdam); the rules refuse others.
+OFFLOAD_OPTIMIZERS = {"apex_adam": ("AdamW", True), "adamw": ("AdamW", True), "adam": ("Adam", False)}
+
+
+def zero_stage_of(plan: Plan) -> int:
+    partitioning = plan.switches.partitioning
+    if not partitioning.startswith("zero-"):
+        raise ValueError(f"the plan partitions with {partitioning!r}, not a DeepSpeed ZeRO stage")
+    return int(partitioning.removeprefix("zero-"))
+
+
+def deepspeed_config(plan: Plan, optimizer_settings: OptimizerSettings, clip_grad: float,
+                     loss_scale: LossScaleSettings) -> dict[str, Any]:
+    """DeepSpeed's configuration for the plan: batch arithmetic, clipping, ZeRO stage, precision, offload.
+
+    Without --cpu-offload the optimizer is rapidtrain's (passed to `deepspeed.initialize`); with it the
+    config names Adam/AdamW so that DeepSpeed builds DeepSpeedCPUAdam next to the offloaded state.
+    """
+    batches = plan.batches
+    zero: dict[str, Any] = {"stage": zero_stage_of(plan)}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batches.micro_batch_size,
+        "gradient_accumulation_steps": batches.accumulation_steps,
+        "train_batch_size": batches.micro_batch_size * batches.accumulation_steps * plan.layout.data_parallel_size,
+        "gradient_clipping": float(clip_grad),
+        "zero_optimization": zero,
+        # Which optimizers may run under ZeRO is decided by rapidtrain's conflict table (elementwise ones).
+        "zero_allow_untested_optimizer": True,
+        "wall_clock_breakdown": False,
+    }
+    config.update(precision_config(plan.precision, loss_scale))
+    if plan.switches.cpu_offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        config["optimizer"] = offload_optimizer_config(optimizer_settings)
+    return config
+
+
+def precision_config(precision: Precision, loss_scale: LossScaleSettings) -> dict[str, Any]:
+    """DeepSpeed's own bf16/fp16 modes (16-bit weights, fp32 master weights in the optimizer)."""
+    if precision.dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    if precision.dtype == "fp16":
+        s = loss_scale
+        initial_power = max(round(math.log2(s.initial_loss_scale)), 0)
+        return {"fp16": {"enabled": True, "loss_scale": float(s.loss_scale or 0.0),  # 0 = dynamic
+                         "initial_scale_power": initial_power, "loss_scale_window": s.loss_scale_window,
+                         "hysteresis": s.hysteresis, "min_loss_scale": s.min_loss_scale,
+                         "consecutive_hysteresis": False}}
+    return {}
+
+
+def offload_optimizer_config(settings: OptimizerSettings) -> dict[str, Any]:
+    if settings.name not in OFFLOAD_OPTIMIZERS:
+        raise ValueError(f"--cpu-offload runs DeepSpeedCPUAdam; --optimizer {settings.name} cannot be offloaded. "
+                         "Use --optimizers apex_adam (AdamW), --optimizer adamw or adam, or drop --cpu-offload.")
+    kind, decoupled = OFFLOAD_OPTIMIZERS[settings.name]
+    return {"type": kind, "params": {"lr": settings.lr, "betas": [settings.adam_beta1, settings.adam_beta2],
+                                     "eps": settings.adam_eps, "weight_decay": settings.weight_decay,
+                                     "adam_w_mode": decoupled}}
+
+
+# ---- building the engine ----
+
+def ensure_process_group() -> None:
+    """DeepSpeed needs torch.distributed; a single process started without torchrun gets a one-rank group."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers activation checkpointing and compile insert."""
+    return ".".join(part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod"))
+
+
+def build_partitioned(model: nn.Module, model_factory: Callable[[], nn.Module], config: dict[str, Any],
+                      prepare: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """ZeRO-3: build the model again under `deepspeed.zero.Init` (each parameter partitioned as it is
+    created) and give it `model`'s initial values, so that every layout starts from the same weights."""
+    import deepspeed
+
+    # The factory's own initialisation must not advance the global RNG (data order, dropout).
+    with torch.random.fork_rng(devices=[]), deepspeed.zero.Init(config_dict_or_path=config):
+        partitioned = model_factory()
+    partitioned = prepare(partitioned)
+    source = {canonical_name(n): p for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, param in partitioned.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(source[canonical_name(name)].data)
+        buffers = {canonical_name(n): b for n, b in model.named_buffers()}
+        for name, buffer in partitioned.named_buffers():
+            buffer.copy_(buffers[canonical_name(name)])
+    return partitioned
+
+
+def deepspeed_runner(
+    model: nn.Module,
+    plan: Plan,
+    mesh: ParallelMesh,
+    device: torch.device,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    optimizer_settings: OptimizerSettings,
+    clip_grad: float,
+    loss_scale: LossScaleSettings,
+    model_factory: Callable[[], nn.Module] | None = None,
+) -> DeepSpeedRunner:
+    """`deepspeed.initialize` with the generated config; returns the runner the trainer drives."""
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # keep Megatron's log lines readable
+    ensure_process_group()
+    config = deepspeed_config(plan, optimizer_settings, clip_grad, loss_scale)
+    if plan.switches.cpu_offload and optimizer is not None:
+        raise ValueError("--cpu-offload builds DeepSpeedCPUAdam from the flags, so an optimizer passed to "
+                         "Engine.compose cannot be offloaded: leave `optimizer` out, or drop --cpu-offload.")
+
+    def prepare(module: nn.Module) -> nn.Module:
+        """The same steps, in the same order, as `parallelize` applies before data-parallel wrapping."""
+        from rapidtrain.parallel.apply import apply_activation_checkpointing
+        from rapidtrain.parallel.compile import apply_graph_optimization
+
+        if plan.switches.activation_checkpointing:
+            apply_activation_checkpointing(module)
+        if plan.switches.compile != "none":
+            module = apply_graph_optimization(module, plan.switches.compile)
+        return module
+
+    if zero_stage_of(plan) == 3 and model_factory is not None and optimizer is None:
+        model = build_partitioned(model, model_factory, config, prepare)
+    else:
+        model = prepare(model)
+    if optimizer is None:
+        groups = param_groups(model, optimizer_settings.weight_decay)
+        if not plan.switches.cpu_offload:
+            optimizer, _ = build_optimizer(groups, optimizer_settings, device.type)
+    else:
+        groups = [dict(g) for g in optimizer.param_groups]
+    trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False,
+                                      model_parameters=groups if optimizer is None else None)
+    from rapidtrain.parallel.deepspeed_state import ZeroState
+
+    return DeepSpeedRunner(engine=engine, precision=plan.precision, device_type=device.type,
+                           gradient_average=plan.layout.data_parallel_size,
+                           checkpoint_state=ZeroState(engine, [g for g in trainable if g]))
+
+
+class DeepSpeedRunner:
+    """A DeepSpeed engine with TorchRunner's methods (`parallel/runner.py`).
+
+    `module` is the engine itself (its forward gathers ZeRO-3 parameters); `optimizer` is DeepSpeed's
+    ZeRO optimizer, whose `param_groups` are the real optimizer's, so rapidtrain's schedule sets the rate
+    that is used. DeepSpeed's own scheduler is never configured.
+    """
+
+    def __init__(self, engine: Any, precision: Precision, device_type: str, gradient_average: int,
+                 checkpoint_state: Any) -> None:
+        self.engine = engine
+        self.module = engine
+        self.optimizer = engine.optimizer
+        self.precision = precision
+        self.device_type = device_type
+        # DeepSpeed averages gradients over the data-parallel ranks, as DDP does.
+        self.gradient_average = gradient_average
+        self.checkpoint_state = checkpoint_state
+
+    @contextlib.contextmanager
+    def micro_batch(self, is_last: bool) -> Iterator[None]:
+        """Gradients are reduced (ZeRO-1) or the step armed only on the last micro-batch of a global batch."""
+        self.engine.set_gradient_accumulation_boundary(is_last)
+        # DeepSpeed's bf16/fp16 mode runs 16-bit weights; autocast on top keeps norms, softmax and the loss in
+        # fp32 as the torch path computes them.
+        with autocast(self.precision, self.device_type):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The trainer already normalised the loss over the global batch; DeepSpeed must not divide by the
+        # accumulation steps again (its default), only apply its loss scale.
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> StepOutcome:
+        self.engine.step()
+        if not self.engine.was_step_applied():
+            return StepOutcome(None, skipped=True)
+        norm = self.engine.get_global_grad_norm()
+        return StepOutcome(None if norm is None else float(norm))
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        return self.precision.loss_scaling != "none"
+
+    @property
+    def loss_scale(self) -> float:
+        return float(getattr(self.optimizer, "loss_scale", 1.0)) if self.skips_nonfinite else 1.0
+
+    @property
+    def scaler(self) -> DeepSpeedRunner | None:
+        """What the trainer reads `loss_scale` from (MoE auxiliary losses are scaled with it); None without fp16."""
+        return self if self.skips_nonfinite else None
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    # ---- checkpoint state (torch.distributed.checkpoint, reshardable, same layout as TorchRunner) ----
+    def state_dict(self) -> dict[str, Any]:
+        return self.checkpoint_state.state_dict()
+
+    def state_dict_for_loading(self, load_optimizer: bool) -> dict[str, Any]:
+        return self.checkpoint_state.template(load_optimizer)
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+        self.checkpoint_state.load(state, load_optimizer)

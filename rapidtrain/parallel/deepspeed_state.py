@@ -1,0 +1,216 @@
+"""Checkpoint state of a DeepSpeed ZeRO engine in the layout every rapidtrain mode shares.
+
+ZeRO keeps fp32 master weights and optimizer state as flat partitions per parameter group. For a
+checkpoint they are gathered per parameter (DeepSpeed's `safe_get_full_*` API) into the dict that
+`torch.distributed.checkpoint.state_dict.get_state_dict` gives for a plain model: `model` maps each
+parameter name to its fp32 value, `optimizer` holds `state[name][key]` and `param_groups` with names.
+DCP writes each replicated value once, so the files are the ones DDP or FSDP would write, and load into
+any mode, stage or world size; loading scatters the values back into this rank's partitions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rapidtrain.parallel.deepspeed import canonical_name
+
+# torch's Adam/AdamW keep `step` as a float tensor per parameter: checkpoints use that form.
+STEP = "step"
+
+
+class ZeroState:
+    """Reads and writes a ZeRO engine's weights and optimizer state by parameter name."""
+
+    def __init__(self, engine: Any, groups: list[list[nn.Parameter]]) -> None:
+        self.engine = engine
+        self.zero = engine.optimizer  # DeepSpeedZeroOptimizer (stage 1/2) or its stage-3 sibling
+        self.base = self.zero.optimizer  # the real torch optimizer (or DeepSpeedCPUAdam) on flat partitions
+        self.groups = groups  # the model parameters of each optimizer group, in DeepSpeed's group order
+        self.stage3 = hasattr(self.zero, "fp32_partitioned_groups_flat")
+        names: dict[int, str] = {}
+        for name, param in engine.module.named_parameters():
+            names.setdefault(id(param), canonical_name(name))
+        self.names = names
+
+    # ---- the flat partitions the real optimizer steps ----
+    def flat_partitions(self) -> list[torch.Tensor]:
+        if self.stage3:
+            return list(self.zero.fp32_partitioned_groups_flat)
+        return list(self.zero.single_partition_of_fp32_groups)
+
+    def flat_partitions_of_group(self, index: int) -> list[torch.Tensor]:
+        if self.stage3:
+            mapping = self.zero.sub_group_to_group_id
+            return [flat for sub, flat in enumerate(self.zero.fp32_partitioned_groups_flat) if mapping[sub] == index]
+        return [self.zero.single_partition_of_fp32_groups[index]]
+
+    def ensure_optimizer_state(self) -> None:
+        """Create the optimizer's state as torch does before loading: one step with zero gradients at rate 0."""
+        flats = self.flat_partitions()
+        if all(len(self.base.state.get(flat, {})) > 0 for flat in flats):
+            return
+        rates = [group["lr"] for group in self.base.param_groups]
+        kept_grads = [flat.grad for flat in flats]
+        for group in self.base.param_groups:
+            group["lr"] = 0.0
+        for flat in flats:
+            flat.grad = torch.zeros_like(flat)
+        try:
+            if self.stage3:
+                for sub_group in range(len(flats)):
+                    self.zero._optimizer_step(sub_group)  # it points the real optimizer at that partition
+            else:
+                self.base.step()
+                self.zero._lazy_init_hp_params_optimizer_state()  # links each parameter to its state fragment
+        finally:
+            for group, rate in zip(self.base.param_groups, rates, strict=True):
+                group["lr"] = rate
+            for flat, grad in zip(flats, kept_grads, strict=True):
+                flat.grad = grad.zero_() if grad is not None else None
+
+    def optimizer_keys(self) -> list[str]:
+        """The per-element state tensors of the real optimizer (exp_avg, exp_avg_sq, momentum_buffer, ...)."""
+        flat = self.flat_partitions()[0]
+        state = self.base.state[flat]
+        return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape]
+
+    def group_step(self, index: int) -> float:
+        state = self.base.state.get(self.flat_partitions_of_group(index)[0], {})
+        return float(state.get(STEP, 0))
+
+    def set_group_step(self, index: int, value: float) -> None:
+        for flat in self.flat_partitions_of_group(index):
+            state = self.base.state[flat]
+            if torch.is_tensor(state.get(STEP)):
+                state[STEP].fill_(value)
+            else:  # DeepSpeedCPUAdam counts in a Python int
+                state[STEP] = int(value)
+
+    # ---- gathering and scattering by parameter ----
+    @staticmethod
+    def full_shape(param: nn.Parameter) -> torch.Size:
+        return param.ds_shape if hasattr(param, "ds_shape") else param.shape
+
+    def full_weight(self, param: nn.Parameter) -> torch.Tensor:
+        """The fp32 master value of a trained parameter, or the (gathered) value of a frozen one."""
+        from deepspeed.utils import safe_get_full_fp32_param
+        from deepspeed.zero import GatheredParameters
+
+        if param.requires_grad:
+            return safe_get_full_fp32_param(param).detach().float().cpu()
+        with GatheredParameters([param]):
+            return param.data.detach().float().cpu().clone()
+
+    def set_full_weight(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Write the fp32 master (this rank's fragment) and the 16-bit/working copy the forward uses."""
+        from deepspeed.utils import safe_set_full_fp32_param
+        from deepspeed.zero import GatheredParameters
+
+        if param.requires_grad:
+            safe_set_full_fp32_param(param, value.to(self.device_of(param)).float())
+        with GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            param.data.copy_(value.view(param.data.shape).to(param.data.dtype))
+
+    @staticmethod
+    def device_of(param: nn.Parameter) -> torch.device:
+        return param.ds_tensor.device if hasattr(param, "ds_tensor") else param.device
+
+    # ---- the state dicts ----
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Every entry of the module's state dict (tied names too) under its canonical name; fp32 weights."""
+        params = dict(self.engine.module.named_parameters(remove_duplicate=False))
+        gathered: dict[int, torch.Tensor] = {}
+        state: dict[str, torch.Tensor] = {}
+        for key, value in self.engine.module.state_dict(keep_vars=True).items():
+            param = params.get(key)
+            if param is None:
+                state[canonical_name(key)] = value.detach().clone()
+                continue
+            if id(param) not in gathered:
+                gathered[id(param)] = self.full_weight(param)
+            state[canonical_name(key)] = gathered[id(param)]
+        return state
+
+    def optimizer_state(self) -> dict[str, Any]:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        self.ensure_optimizer_state()
+        keys = self.optimizer_keys()
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        groups = []
+        for index, (params, group) in enumerate(zip(self.groups, self.base.param_groups, strict=True)):
+            step = self.group_step(index)
+            for param in params:
+                entry = {STEP: torch.tensor(step, dtype=torch.float32)}
+                for key in keys:
+                    entry[key] = safe_get_full_optimizer_state(param, key).detach().float().cpu()
+                state[self.names[id(param)]] = entry
+            groups.append(self.saved_group(group, params))
+        return {"state": state, "param_groups": groups}
+
+    def saved_group(self, group: dict[str, Any], params: list[nn.Parameter]) -> dict[str, Any]:
+        saved = {k: v for k, v in group.items() if k != "params"}
+        if hasattr(self.base, "adam_w_mode"):  # DeepSpeedCPUAdam: say it as torch's Adam/AdamW would
+            saved["decoupled_weight_decay"] = bool(self.base.adam_w_mode)
+        saved["params"] = [self.names[id(p)] for p in params]
+        return saved
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model_state(), "optimizer": self.optimizer_state()}
+
+    def template(self, load_optimizer: bool) -> dict[str, Any]:
+        """Tensors of the saved shapes for DCP to fill, without gathering anything."""
+        model: dict[str, torch.Tensor] = {}
+        params = dict(self.engine.module.named_parameters(remove_duplicate=False))
+        for key, value in self.engine.module.state_dict(keep_vars=True).items():
+            param = params.get(key)
+            model[canonical_name(key)] = (torch.empty(self.full_shape(param), dtype=torch.float32) if param is not None
+                                          else value.detach().clone())
+        state: dict[str, Any] = {"model": model}
+        if load_optimizer:
+            self.ensure_optimizer_state()
+            keys = self.optimizer_keys()
+            state["optimizer"] = {
+                "state": {self.names[id(p)]: {STEP: torch.tensor(0.0), **{
+                    key: torch.empty(self.full_shape(p), dtype=torch.float32) for key in keys}}
+                    for params in self.groups for p in params},
+                "param_groups": [self.saved_group(g, ps) for g, ps in zip(self.base.param_groups, self.groups,
+                                                                         strict=True)],
+            }
+        return state
+
+    def load(self, state: dict[str, Any], load_optimizer: bool) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        model = state["model"]
+        done: set[int] = set()
+        for name, param in self.engine.module.named_parameters():
+            if id(param) not in done:
+                self.set_full_weight(param, model[canonical_name(name)])
+                done.add(id(param))
+        for name, buffer in self.engine.module.named_buffers():
+            if canonical_name(name) in model:
+                buffer.data.copy_(model[canonical_name(name)])
+        if not load_optimizer:
+            return
+        self.ensure_optimizer_state()
+        saved = state["optimizer"]
+        keys = self.optimizer_keys()
+        for index, (params, group) in enumerate(zip(self.groups, self.base.param_groups, strict=True)):
+            for param in params:
+                entry = saved["state"][self.names[id(param)]]
+                for key in keys:
+                    safe_set_full_optimizer_state(param, entry[key].to(self.device_of(param)).float(), key)
+            if params:
+                self.set_group_step(index, float(saved["state"][self.names[id(params[0])]][STEP]))
+            self.load_hyperparameters(group, saved["param_groups"][index])
+
+    @staticmethod
+    def load_hyperparameters(group: dict[str, Any], saved: dict[str, Any]) -> None:
+        # Only keys this optimizer knows: a checkpoint of another optimizer class must not add or rename any.
+        for key in group:
+            if key != "params" and key in saved:
+                group[key] = saved[key]

@@ -1,0 +1,228 @@
+"""Expert parallelism (`--expert-model-parallel-size E`): each MoE layer's experts sharded over E
+data-parallel ranks, tokens exchanged by all-to-all, expert gradients reduced over their own group.
+
+Layout. The data-parallel ranks split into groups of E consecutive ranks (the "ep" dimension of
+`ParallelMesh.expert_mesh`); rank j of a group holds experts [j·E/ep, (j+1)·E/ep) of every MoE layer.
+Ranks at the same place of different groups hold the same experts and form the "expert_dp" group.
+Under tensor parallelism the experts are replicated over the tensor-parallel ranks, which see the
+same tokens; each tensor-parallel coordinate has its own expert-parallel groups.
+
+Routing, capacity and dropping stay local to each rank exactly as without expert parallelism; only
+the experts' matmuls move: the [E, C, h] capacity buffers go to the ranks owning the experts, which
+run [E/ep, ep·C, h], and come back. So EP E computes the same numbers as EP 1 at the same data-parallel
+size (the matmuls only see more rows at once).
+
+Gradients. DDP ignores the expert parameters. Before the optimizer step the runner sums their
+gradients over the expert_dp group and divides by the data-parallel size: the same mean over all
+data-parallel ranks that DDP takes for the other parameters (the all-to-all's backward already
+summed the contributions of the ep group). The gradient norm counts each expert once.
+
+Checkpoints. A rank's [E/ep, ...] slices (weights and optimizer state) are saved as DTensor shards,
+Shard(0) over the ep mesh, so torch.distributed.checkpoint reshards: EP 2 loads at EP 1 and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.parallel import DistributedDataParallel
+
+from rapidtrain.models.moe import Experts, moe_layers
+from rapidtrain.parallel.mesh import ParallelMesh
+from rapidtrain.parallel.runner import StepOutcome, TorchRunner, total_grad_norm
+
+EXPERT_WEIGHTS = ("w1", "b1", "w2", "b2")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0; its adjoint is the same exchange, so backward repeats it."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(output, tensor.contiguous(), group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Chunk j of dim 0 goes to rank j of `group`; chunk i of the result came from rank i."""
+    return _AllToAll.apply(tensor, group)
+
+
+class ExpertParallelExperts(Experts):
+    """This rank's share of one MoE layer's experts. Takes and returns the layer's full [E, C, h]
+    capacity buffers, so the MoE layer's routing, dispatch and combine are unchanged."""
+
+    def __init__(self, experts: Experts, group: dist.ProcessGroup, ep_rank: int, ep_size: int) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = experts.w1.shape[0]
+        self.ep_size = ep_size
+        self.group = group
+        local = self.num_experts // ep_size
+        self.first_expert = ep_rank * local
+        for name in EXPERT_WEIGHTS:
+            full = getattr(experts, name)
+            if isinstance(full, DTensor):
+                raise ValueError("apply expert parallelism before tensor parallelism (it slices plain expert weights)")
+            if full.is_meta:
+                raise ValueError("expert parallelism slices materialized expert weights: build the model on a real "
+                                 "device (not meta) before apply_expert_parallel")
+            shard = full.detach()[self.first_expert : self.first_expert + local].clone()
+            setattr(self, name, nn.Parameter(shard, requires_grad=full.requires_grad))
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, buffers: torch.Tensor) -> torch.Tensor:
+        """[E, C, h] (this rank's tokens for every expert) → [E, C, h] (those tokens' expert outputs)."""
+        experts, capacity, hidden = buffers.shape
+        local, ep = self.num_local_experts, self.ep_size
+        received = all_to_all(buffers, self.group)  # [ep · local, C, h]: chunk i holds rank i's tokens
+        rows = received.view(ep, local, capacity, hidden).transpose(0, 1).reshape(local, ep * capacity, hidden)
+        output = super().forward(rows)
+        back = output.view(local, ep, capacity, hidden).transpose(0, 1).reshape(experts, capacity, hidden)
+        return all_to_all(back, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, ep_size: int) -> nn.Module:
+    """Shard every MoE layer's experts over the expert-parallel group of `mesh` (in place).
+
+    Call on a materialized model (weights initialized: each rank keeps its slice of the same values),
+    after tensor parallelism and before activation checkpointing, compile and DDP.
+    """
+    group = mesh.group("ep")
+    if ep_size == 1 or group is None:
+        return model
+    ep_rank = dist.get_rank(group)
+    for name, layer in moe_layers(model).items():
+        if layer.num_experts % ep_size:
+            raise ValueError(f"{name} has {layer.num_experts} experts, not divisible by "
+                             f"--expert-model-parallel-size {ep_size}: use expert counts that are multiples of it")
+        if not isinstance(layer.experts, ExpertParallelExperts):
+            layer.experts = ExpertParallelExperts(layer.experts, group, ep_rank, ep_size)
+    return model
+
+
+def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The sharded expert parameters by their current (possibly wrapped) names."""
+    return {f"{module_name}.{leaf}": param
+            for module_name, module in model.named_modules() if isinstance(module, ExpertParallelExperts)
+            for leaf, param in module.named_parameters(recurse=False)}
+
+
+def exclude_experts_from_ddp(model: nn.Module) -> None:
+    """Tell DDP (before wrapping) to neither broadcast nor all-reduce the sharded expert parameters."""
+    names = list(expert_parameters(model))
+    if names:
+        already = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, already + names)
+
+
+def _map_tensors(value: Any, convert: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, convert) for key, item in value.items()}
+    return convert(value) if isinstance(value, torch.Tensor) else value
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's own values: under tensor parallelism expert slices are replicated DTensors."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class ExpertParallelRunner(TorchRunner):
+    """TorchRunner whose step first reduces the expert gradients over the expert_dp group, whose gradient
+    norm counts each expert once, and whose checkpoints hold expert slices as Shard(0) DTensors."""
+
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    expert_parallel_group: dist.ProcessGroup | None = None
+    expert_data_parallel_group: dist.ProcessGroup | None = None
+    # Where saved slices live: the ep mesh, or (ep, tp) with the slice replicated over tp.
+    checkpoint_mesh: DeviceMesh | None = None
+    tensor_parallel_mesh: DeviceMesh | None = None  # set when the expert parameters are TP-replicated DTensors
+
+    def step(self) -> StepOutcome:
+        self.reduce_expert_gradients()
+        return super().step()
+
+    def reduce_expert_gradients(self) -> None:
+        """Sum over the ranks holding the same experts, then divide by the data-parallel size (as DDP)."""
+        grads = [_local(p.grad) for p in self.expert_params if p.grad is not None]
+        if not grads:
+            return
+        if self.expert_data_parallel_group is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.expert_data_parallel_group)
+            for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                grad.copy_(reduced.view_as(grad))
+        torch._foreach_div_(grads, float(self.gradient_average))
+
+    def grad_norm(self) -> torch.Tensor:
+        expert_ids = {id(p) for p in self.expert_params}
+        shared = total_grad_norm([p for p in self.parameters if id(p) not in expert_ids])
+        squared = shared.float() ** 2
+        expert_squared = torch.zeros((), device=squared.device)
+        for param in self.expert_params:
+            if param.grad is not None:
+                expert_squared += _local(param.grad).float().square().sum()
+        if self.expert_parallel_group is not None:  # each ep rank holds other experts; tp ranks the same ones
+            dist.all_reduce(expert_squared, group=self.expert_parallel_group)
+        squared = squared + expert_squared
+        if self.pipeline_group is not None:
+            dist.all_reduce(squared, group=self.pipeline_group)
+        return squared.sqrt()
+
+    # ---- checkpoints: expert slices as shards of the full [E, ...] tensors ----
+    def _to_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:  # e.g. Adam's step count: the same on every rank
+            return tensor
+        placements = [Shard(0)] + [Replicate()] * (self.checkpoint_mesh.ndim - 1)
+        return DTensor.from_local(_local(tensor), self.checkpoint_mesh, placements, run_check=False)
+
+    def _from_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(tensor, DTensor) and tensor.device_mesh == self.checkpoint_mesh):
+            return tensor
+        if self.tensor_parallel_mesh is not None:
+            return DTensor.from_local(tensor.to_local(), self.tensor_parallel_mesh, [Replicate()], run_check=False)
+        return tensor.to_local()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        storage = {_local(p).untyped_storage().data_ptr() for p in self.expert_params}
+        names = {name for name, value in state["model"].items()
+                 if isinstance(value, torch.Tensor) and _local(value).untyped_storage().data_ptr() in storage}
+        for name in names:
+            state["model"][name] = self._to_shard(state["model"][name])
+            if "optimizer" in state and name in state["optimizer"].get("state", {}):
+                state["optimizer"]["state"][name] = _map_tensors(state["optimizer"]["state"][name], self._to_shard)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+        super().load_state_dict(_map_tensors(state, self._from_shard), load_optimizer)
+
+
+def expert_parallel_runner(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunner:
+    """The runner of an expert-parallel model; `runner` itself when the model has no sharded experts."""
+    params = list(expert_parameters(runner.module).values())
+    if not params:
+        return runner
+    fields = {name: getattr(runner, name) for name in TorchRunner.__dataclass_fields__}
+    # Expert gradients differ across the ep group, so an fp16 overflow must skip the step on every rank.
+    fields["found_inf_group"] = fields["found_inf_group"] or dist.group.WORLD
+    tensor_parallel = isinstance(params[0], DTensor)
+    checkpoint_mesh = mesh.expert_mesh["ep", "tp"] if tensor_parallel else mesh.submesh("ep")
+    return ExpertParallelRunner(**fields, expert_params=params, expert_parallel_group=mesh.group("ep"),
+                                expert_data_parallel_group=mesh.group("expert_dp"), checkpoint_mesh=checkpoint_mesh,
+                                tensor_parallel_mesh=params[0].device_mesh if tensor_parallel else None)

@@ -1,0 +1,266 @@
+"""Megatron tensor parallelism for the built-in GPT and BERT with DTensor `parallelize_module`.
+
+Attention q/k/v and the MLP's fc1 are split by columns (each rank owns whole heads), o_proj and fc2 by
+rows; the word embedding is split by vocabulary rows and the logits stay split on the vocabulary
+dimension into `loss_parallel` (no rank ever holds full logits). Every other parameter becomes a
+replicated DTensor, so optimizers, gradient norms and checkpoints see one kind of tensor.
+
+Dropout RNG. Every rank is seeded alike (`seed_everything`), and the ranks of a tensor-parallel group
+run the same operations on the same shapes, so the default generator advances in lockstep: dropout on
+a replicated tensor (embeddings, the residual stream without sequence parallelism) draws the same mask
+on every rank, as it must. Where a rank holds its own part of a tensor (attention probabilities of its
+heads; with --sequence-parallel, its slice of the sequence) Megatron uses a per-rank "model-parallel"
+RNG; here `ShardedDropoutRNG` forks the generator around those modules: it draws one number from the
+shared stream (keeping the ranks in lockstep and making activation recomputation repeat the masks)
+and seeds the module's dropout from it and the tensor-parallel rank. (On CUDA, DTensor's own
+OffsetBasedRNGTracker serves the dropout of sequence-sharded DTensors; CPU has no such tracker.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from rapidtrain.models.moe import MoELayer
+from rapidtrain.models.transformer import Attention, OutputLayer, TransformerLayer
+
+_RNG_SALT = 0x9E3779B97F4A7C15  # spreads the per-rank seeds far apart (golden-ratio constant)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Split a built-in GPT/BERT (or one pipeline stage of it) over `tp_mesh`, in place.
+
+    Parameter names stay the full model's, so checkpoints reshard between layouts.
+    """
+    if not hasattr(model, "layers") or not hasattr(model, "config"):
+        raise ValueError(
+            f"--tensor-model-parallel-size applies to the built-in GPT/BERT models; {type(model).__name__} has no "
+            "`layers`/`config`. Use --tensor-model-parallel-size 1 (and ZeRO/FSDP for memory) for other models."
+        )
+    _enable_loss_parallel()
+    residual = Shard(1) if sequence_parallel else Replicate()
+    if getattr(model, "embedding", None) is not None:
+        _split_embedding(model.embedding, tp_mesh, sequence_parallel)
+    for layer in model.layers.values():
+        _split_layer(layer, tp_mesh, residual, sequence_parallel)
+    _split_head(model, tp_mesh, residual, sequence_parallel)
+    _tie_output_to_embedding(model)
+    parallelize_module(model.loss, tp_mesh, VocabParallelLoss())
+    for module in _unsplit_subtrees(model):
+        parallelize_module(module, tp_mesh, ReplicatedParameters())
+    _fork_rng_where_sharded(model, tp_mesh, sequence_parallel)
+
+
+# ---- the splits ----
+
+def _split_embedding(embedding: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    # Vocabulary rows split; each rank looks up its rows and the partial results are summed.
+    parallelize_module(embedding.word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    if sequence_parallel:  # dropout ran on the replicated sum; from here on each rank keeps its slice
+        parallelize_module(embedding, tp_mesh, PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+
+
+def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequence_parallel: bool) -> None:
+    # With sequence parallelism the residual stream is a DTensor sharded on the sequence (its global
+    # shape keeps the sequence length that masks and rotary angles are made from).
+    keep_dtensor = not sequence_parallel
+    plan: dict[str, ParallelStyle] = {
+        "attention.q_proj": ColwiseParallel(),
+        "attention.k_proj": ColwiseParallel(),
+        "attention.v_proj": ColwiseParallel(),
+        "attention.o_proj": RowwiseParallel(output_layouts=residual, use_local_output=keep_dtensor),
+    }
+    if isinstance(layer.mlp, MoELayer):  # experts are not split; each rank routes the full sequence
+        if sequence_parallel:
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+    else:
+        plan["mlp.fc1"] = ColwiseParallel()
+        plan["mlp.fc2"] = RowwiseParallel(output_layouts=residual, use_local_output=keep_dtensor)
+        if sequence_parallel:
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True)
+    if sequence_parallel:
+        plan["ln1"] = SequenceParallel()
+        plan["ln2"] = SequenceParallel()
+        plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                               desired_input_layouts=(Replicate(), None, None),
+                                               use_local_output=True)
+    parallelize_module(layer, tp_mesh, plan)
+
+
+def _split_head(model: nn.Module, tp_mesh: DeviceMesh, residual, sequence_parallel: bool) -> None:
+    """Final norm and the vocabulary head; logits stay DTensors sharded on the vocabulary."""
+    logits = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "final_norm", None) is not None and sequence_parallel:
+        plan["final_norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:  # GPT
+        plan["output"] = logits
+    if getattr(model, "lm_head", None) is not None:  # BERT: dense + norm on full rows, then the decoder
+        plan["lm_head.output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        if sequence_parallel:
+            plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                 use_local_output=True)
+    if getattr(model, "pooler", None) is not None and sequence_parallel:
+        plan["pooler"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                            use_local_output=True)
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+
+
+def _tie_output_to_embedding(model: nn.Module) -> None:
+    """Point a tied head at the split embedding weight again (both are Shard(0) over the vocabulary).
+
+    A pipeline stage without the embedding keeps its own split copy (the pipeline keeps it in sync).
+    """
+    for module in model.modules():
+        if isinstance(module, OutputLayer) and module.tied_to is not None:
+            try:
+                module.weight = model.get_parameter(module.tied_to)
+            except AttributeError:
+                pass
+
+
+def _unsplit_subtrees(model: nn.Module) -> Iterator[nn.Module]:
+    """The largest subtrees whose parameters are all still plain tensors (norms, position embeddings,
+    BERT's head dense/pooler, MoE layers); a module mixing both kinds yields its plain leaves."""
+    def plain(module: nn.Module) -> list[nn.Parameter]:
+        return [p for p in module.parameters() if not isinstance(p, DTensor)]
+
+    def visit(module: nn.Module) -> Iterator[nn.Module]:
+        params = list(module.parameters())
+        if params and len(plain(module)) == len(params):
+            yield module
+            return
+        for child in module.children():
+            yield from visit(child)
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            raise ValueError(f"{type(module).__name__} holds plain parameters beside split children; "
+                             "tensor parallelism cannot replicate them")
+
+    return visit(model)
+
+
+# ---- styles ----
+
+class ReplicatedParameters(ParallelStyle):
+    """Parameters become replicated DTensors; the module computes on their local (full) values.
+
+    The module sees plain tensors, so any module (an MoE layer, a norm) runs unchanged on replicated
+    inputs; gradients flow back into the DTensor parameters and agree across ranks, because the
+    inputs and the gradients arriving from split neighbours (all-reduced) agree.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        owners = [(owner, name) for owner in module.modules() for name, _ in owner.named_parameters(recurse=False)]
+        for owner, name in owners:
+            param = owner._parameters[name]
+            if not isinstance(param, DTensor):
+                value = distribute_tensor(param.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                owner.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
+        saved: list[list[torch.Tensor]] = []
+
+        def localize(_module: nn.Module, _args: tuple) -> None:
+            # Direct dict access: the local view is not a Parameter (it must stay in the autograd graph).
+            saved.append([owner._parameters[name] for owner, name in owners])
+            for owner, name in owners:
+                param = owner._parameters[name]
+                if isinstance(param, DTensor):
+                    owner._parameters[name] = param.to_local()
+
+        def restore(_module: nn.Module, _args: tuple, _output: object) -> None:
+            for (owner, name), param in zip(owners, saved.pop()):
+                owner._parameters[name] = param
+
+        module.register_forward_pre_hook(localize)
+        module.register_forward_hook(restore, always_call=True)
+        return module
+
+
+class VocabParallelLoss(ParallelStyle):
+    """The per-token cross-entropy on vocabulary-sharded logits (`loss_parallel`), returned as a plain
+    [b, s] tensor so the loop can mask and sum it like the unsplit loss."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_local(_module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+            if isinstance(output, DTensor):
+                return output.redistribute(placements=[Replicate()] * device_mesh.ndim).to_local()
+            return output
+
+        module.register_forward_hook(to_local)
+        return module
+
+
+_LOSS_PARALLEL = None
+
+
+def _enable_loss_parallel() -> None:
+    """Keep `loss_parallel` on for the process: it must also be on during backward, which the loop
+    runs outside the model; it changes only cross-entropy on DTensors, i.e. this model's loss."""
+    global _LOSS_PARALLEL
+    if _LOSS_PARALLEL is None:
+        _LOSS_PARALLEL = loss_parallel()
+        _LOSS_PARALLEL.__enter__()
+
+
+# ---- dropout RNG where a rank holds its own part ----
+
+class ShardedDropoutRNG:
+    """Forward hooks that run a module under a generator seeded per tensor-parallel rank.
+
+    The seed is drawn from the shared stream (so ranks stay in lockstep, and recomputation under
+    activation checkpointing, which restores the shared stream, redraws the same masks); the shared
+    stream's state is restored after the module.
+    """
+
+    def __init__(self, tp_rank: int) -> None:
+        self.tp_rank = tp_rank
+        self.saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def attach(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.enter)
+        module.register_forward_hook(self.leave, always_call=True)
+
+    def enter(self, module: nn.Module, _args: tuple) -> None:
+        if not module.training:
+            return
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.saved.append((torch.get_rng_state(), cuda))
+        torch.manual_seed((seed + self.tp_rank * _RNG_SALT) % 2**63)
+
+    def leave(self, module: nn.Module, _args: tuple, _output: object) -> None:
+        if not module.training or not self.saved:
+            return
+        cpu, cuda = self.saved.pop()
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+
+
+def _fork_rng_where_sharded(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    config = model.config
+    fork = ShardedDropoutRNG(tp_mesh.get_local_rank())
+    for module in model.modules():
+        if isinstance(module, Attention) and config.attention_dropout > 0:
+            fork.attach(module)
+        elif sequence_parallel and isinstance(module, TransformerLayer) and config.hidden_dropout > 0:
+            fork.attach(module.dropout)

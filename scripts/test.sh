@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, then run the whole test suite (unit, multi-process gloo, end to end) on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python -m ruff check rapidtrain tests scripts bench examples templates
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,99 @@
+"""The main job end to end: real torchrun, the demo corpus, exact resume, clean stops."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import PRETRAIN, REPO, child_env, free_port, pretrain, read_losses
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--num-workers", "0", "--log-interval", "1",
+        "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine"]
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_resume_continues_with_identical_losses(tmp_path, demo_data, precision):
+    """Interrupted at iteration 4 and resumed with --load: iterations 5..8 print bitwise the same losses.
+
+    Dropout stays on (0.1), so the RNG state must be restored too, and accumulation is 2 micro-batches.
+    """
+    full, resumed = tmp_path / "full.txt", tmp_path / "resumed.txt"
+    pretrain(1, TINY + precision + ["--train-iters", "8", "--loss-log-file", str(full)])
+    first = pretrain(1, TINY + precision + ["--train-iters", "8", "--exit-interval", "4", "--save", str(tmp_path / "ck"),
+                                            "--loss-log-file", str(resumed)])
+    assert "exiting at iteration 4" in first.stdout
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    second = pretrain(1, TINY + precision + ["--train-iters", "8", "--load", str(tmp_path / "ck"),
+                                             "--loss-log-file", str(resumed)])
+    assert "loaded checkpoint" in second.stdout
+    expected, got = read_losses(full), read_losses(resumed)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[i] for i in range(5, 9)] == [expected[i] for i in range(5, 9)]
+
+
+def test_loading_a_checkpoint_of_another_model_is_refused(tmp_path, demo_data):
+    pretrain(1, TINY + ["--train-iters", "3", "--save", str(tmp_path / "ck")])
+    wider = [a if a != "64" else "128" for a in TINY]  # hidden 128 (and seq 128)
+    result = pretrain(1, wider + ["--train-iters", "4", "--load", str(tmp_path / "ck")], check=False)
+    assert result.returncode != 0
+    assert "--hidden-size (checkpoint 64, now 128)" in result.stdout + result.stderr
+
+
+def test_sigterm_saves_then_exits_cleanly(tmp_path, demo_data):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}",
+               str(PRETRAIN), *TINY, "--train-iters", "100000", "--save", str(tmp_path / "ck")]
+    process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    # Wait for training to be under way (a log line), then ask it to stop as a scheduler would.
+    output = ""
+    for line in process.stdout:
+        output += line
+        if "iteration        3/" in line:
+            break
+    os.kill(process.pid, signal.SIGTERM)
+    output += process.communicate(timeout=300)[0]
+    iteration = int((tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text())
+    assert iteration >= 3
+    assert (tmp_path / "ck" / f"iter_{iteration:07d}" / ".metadata").exists()
+    assert "saved checkpoint" in output
+
+
+def test_non_finite_loss_stops_with_the_iteration_and_saves_nothing(tmp_path, demo_data):
+    result = pretrain(1, TINY + ["--train-iters", "6", "--lr", "1e30", "--clip-grad", "0", "--save",
+                                 str(tmp_path / "ck"), "--save-interval", "100"], check=False)
+    assert result.returncode != 0
+    assert "stops before the optimizer step" in result.stdout + result.stderr
+    assert not (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.slow
+def test_demo_main_job_loss_falls_clearly(tmp_path, demo_data):
+    """The README's main job: from about ln(vocab) to clearly below within 150 iterations."""
+    losses_file = tmp_path / "losses.txt"
+    started = time.time()
+    result = pretrain(1, ["--train-iters", "150", "--num-workers", "0", "--loss-log-file", str(losses_file),
+                          "--eval-interval", "150", "--log-interval", "50"], timeout=1500)
+    losses = read_losses(losses_file)
+    print(f"demo run: {time.time() - started:.0f}s, losses at 1/50/100/150:",
+          [round(losses[i], 3) for i in (1, 50, 100, 150)])
+    assert abs(losses[1] - math.log(8000)) < 1.0  # starts near ln(vocab)
+    assert losses[150] < losses[1] - 2.5  # and clearly learns
+    assert "validation loss at iteration 150" in result.stdout and "lm loss PPL" in result.stdout
+
+
+def test_rapidtrain_command_starts_torchrun_itself(tmp_path, demo_data):
+    losses_file = tmp_path / "losses.txt"
+    result = subprocess.run([os.path.join(sys.prefix, "bin", "rapidtrain"), *TINY, "--train-iters", "2",
+                             "--nproc-per-node", "2", "--loss-log-file", str(losses_file)],
+                            capture_output=True, text=True, env=child_env({"MASTER_PORT": str(free_port())}), cwd=REPO,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world 2 = data 2 × tensor 1 × pipeline 1" in result.stdout
+    assert sorted(read_losses(losses_file)) == [1, 2]

@@ -1,0 +1,67 @@
+"""Run rapidtrain the way users do in tests: real `torchrun` processes on CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PRETRAIN = REPO / "rapidtrain" / "pretrain.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by several ranks: avoid oversubscription
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+def torchrun(nproc: int, script: str | Path, args: list[str], *, timeout: int = 600,
+             env: dict[str, str] | None = None, extra_torchrun: list[str] | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --nproc-per-node N script args`; output captured as text."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", *(extra_torchrun or []), str(script), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env(env),
+                            cwd=REPO)
+    if check and result.returncode != 0:
+        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def pretrain(nproc: int, args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return torchrun(nproc, PRETRAIN, args, **kwargs)
+
+
+def read_losses(path: str | Path) -> dict[int, float]:
+    """The exact per-iteration losses written by --loss-log-file (later lines win, as after a resume)."""
+    losses: dict[int, float] = {}
+    for line in Path(path).read_text().splitlines():
+        iteration, value = line.split()[:2]
+        losses[int(iteration)] = float.fromhex(value)
+    return losses
+
+
+def read_grad_norms(path: str | Path) -> dict[int, float]:
+    """The exact per-iteration global gradient norms of --loss-log-file (4th column; "-" when none)."""
+    norms: dict[int, float] = {}
+    for line in Path(path).read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3] != "-":
+            norms[int(fields[0])] = float.fromhex(fields[3])
+    return norms
+
+
+def relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a.keys() == b.keys(), f"different iterations: {sorted(a)} vs {sorted(b)}"
+    return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in a)

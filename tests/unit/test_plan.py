@@ -1,0 +1,121 @@
+"""The plan: batch arithmetic, precision resolution, engines per switch, memory per rank, `rapidtrain plan`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rapidtrain import arguments, plan
+from rapidtrain.plan import Batches, RunContext
+
+BASE = ["--train-iters", "10", "--lr", "1e-4"]
+
+
+def resolve(argv: list[str], world: int = 1, device: str = "cpu", vocab: int | None = 1024) -> plan.Plan:
+    return plan.from_args(arguments.parse_args(BASE + argv), RunContext(world, device), vocab_size=vocab)  # type: ignore[arg-type]
+
+
+def test_batch_arithmetic():
+    assert Batches.resolve(2, 16, 2) == Batches(2, 16, 4)
+    assert Batches.resolve(4, None, 3) == Batches(4, 12, 1)  # default global: micro × data parallel
+
+
+def test_layout_in_megatron_order():
+    p = resolve(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], world=8)
+    assert (p.layout.data_parallel_size, p.layout.tensor_parallel_size, p.layout.pipeline_parallel_size) == (
+        2,
+        2,
+        2,
+    )
+    assert p.layout.rank_grid() == [
+        [[0, 1], [2, 3]],
+        [[4, 5], [6, 7]],
+    ]  # tensor-parallel ranks are neighbours
+
+
+def test_mixed_precision_resolves_to_bf16_on_cpu_and_fp16_on_cuda():
+    cpu = resolve(["--mixed-precision"], device="cpu").precision
+    assert cpu.dtype == "bf16" and cpu.loss_scaling == "none" and "CPU" in cpu.reason
+    cuda = resolve(["--mixed-precision"], device="cuda").precision
+    assert cuda.dtype == "fp16" and cuda.loss_scaling == "dynamic"
+    assert resolve(["--fp16", "--loss-scale", "128"]).precision.loss_scaling == "static 128"
+
+
+@pytest.mark.parametrize(
+    "flags,world,switch,engine_words",
+    [
+        (["--zero-2-memory-optimization"], 2, "--zero-2-memory-optimization", "DeepSpeed ZeRO stage 2"),
+        (["--zero-3-memory-optimization"], 2, "--zero-3-memory-optimization", "deepspeed.zero.Init"),
+        (["--oss-memory-optimization"], 2, "--oss-memory-optimization", "ZeroRedundancyOptimizer"),
+        (
+            ["--oss-sdp-memory-optimization"],
+            2,
+            "--oss-sdp-memory-optimization",
+            "reshard_after_forward=False",
+        ),
+        (["--fsdp-memory-optimization"], 2, "--fsdp-memory-optimization", "FSDP2 fully_shard"),
+        (
+            ["--zero-1-memory-optimization", "--tensor-model-parallel-size", "2"],
+            4,
+            "--zero-1-memory-optimization",
+            "FSDP2 fully_shard over the data-parallel mesh dimension",
+        ),
+        (["--checkpoint-activations"], 1, "--checkpoint-activations", "torch.utils.checkpoint"),
+        (["--onnx-runtime-training"], 1, "--onnx-runtime-training", "torch.compile"),
+        (["--cpu-offload", "--zero-2-memory-optimization"], 2, "--cpu-offload", "DeepSpeedCPUAdam"),
+    ],
+)
+def test_engine_per_switch(flags, world, switch, engine_words):
+    choice = resolve(flags, world=world).engine_for(switch)
+    assert choice is not None and engine_words in choice.engine
+
+
+def test_onnx_runtime_substitute_says_why():
+    choice = resolve(["--onnx-runtime-training"]).engine_for("--onnx-runtime-training")
+    assert "onnxruntime" in choice.reason
+
+
+def test_memory_follows_zero_paper():
+    # fp32 Adam: 4 + 4 + 8 bytes per parameter; 2 data-parallel ranks.
+    ddp = resolve([], world=2).memory
+    n = ddp.total_params
+    assert (ddp.param_bytes, ddp.grad_bytes, ddp.optimizer_bytes) == (4 * n, 4 * n, 8 * n)
+    zero1 = resolve(["--zero-1-memory-optimization", "--bf16"], world=2).memory  # DeepSpeed: 2 + 2 + 12/N
+    assert (zero1.param_bytes, zero1.grad_bytes, zero1.optimizer_bytes) == (2 * n, 2 * n, 6 * n)
+    zero2 = resolve(["--zero-2-memory-optimization", "--bf16"], world=2).memory  # 2 + 14/N
+    assert zero2.param_bytes + zero2.grad_bytes + zero2.optimizer_bytes == 2 * n + 14 * n / 2
+    zero3 = resolve(["--zero-3-memory-optimization", "--bf16"], world=2).memory  # 16/N
+    assert zero3.param_bytes + zero3.grad_bytes + zero3.optimizer_bytes == 16 * n / 2
+    tp2 = resolve(["--tensor-model-parallel-size", "2"], world=2).memory
+    assert tp2.param_bytes == pytest.approx(2 * n)  # parameters split over tensor-parallel ranks
+
+
+def test_rapidtrain_plan_prints_accumulation_and_engines_for_8_ranks():
+    argv = [
+        "plan",
+        "--world-size",
+        "8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--zero-1-memory-optimization",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        *BASE,
+    ]
+    result = subprocess.run([sys.executable, "-m", "rapidtrain.cli", *argv], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "accumulation steps 4" in result.stdout
+    assert "world 8 = data 2 × tensor 2 × pipeline 2" in result.stdout
+    assert "DTensor parallelize_module" in result.stdout and "torch.distributed.pipelining" in result.stdout
+    as_json = subprocess.run(
+        [sys.executable, "-m", "rapidtrain.cli", *argv, "--json"], capture_output=True, text=True
+    )
+    data = json.loads(as_json.stdout)
+    assert data["batches"]["accumulation_steps"] == 4 and data["layout"]["data_parallel_size"] == 2

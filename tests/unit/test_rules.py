@@ -1,0 +1,288 @@
+"""Every row of the conflict table fires on a bad combination and stays quiet on a good one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rapidtrain import arguments, rules
+from rapidtrain.plan import RunContext
+
+BASE = ["--train-iters", "10", "--lr", "1e-4"]
+
+# rule name → (flags that violate it, flags that pass, world size, device)
+CASES: dict[str, tuple[list[str], list[str], int, str]] = {
+    "positive-sizes": (["--micro-batch-size", "0"], ["--micro-batch-size", "1"], 1, "cpu"),
+    "unknown-task": (["--task", "sequence_clasification"], ["--task", "causal_lm"], 1, "cpu"),
+    "one-state-partitioning": (
+        ["--zero-2-memory-optimization", "--fsdp-memory-optimization"],
+        ["--zero-2-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "3d-only-zero12": (
+        ["--zero-3-memory-optimization", "--pipeline-model-parallel-size", "2"],
+        ["--zero-1-memory-optimization", "--pipeline-model-parallel-size", "2"],
+        4,
+        "cpu",
+    ),
+    "cpu-offload-needs-zero": (
+        ["--cpu-offload", "--fsdp-memory-optimization"],
+        ["--cpu-offload", "--zero-2-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "world-divisible-by-tp-pp": (
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "3", "--pipeline-model-parallel-size", "2"],
+        6,
+        "cpu",
+    ),
+    "global-batch-divisible": (
+        ["--micro-batch-size", "2", "--global-batch-size", "6"],
+        ["--micro-batch-size", "2", "--global-batch-size", "8"],
+        2,
+        "cpu",
+    ),
+    "layers-divisible-by-pp": (
+        ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+        ["--num-layers", "4", "--pipeline-model-parallel-size", "2"],
+        2,
+        "cpu",
+    ),
+    "virtual-stages": (
+        [
+            "--num-layers",
+            "8",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "3",
+        ],
+        [
+            "--num-layers",
+            "8",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "2",
+        ],
+        2,
+        "cpu",
+    ),
+    "heads-divisible-by-tp": (
+        ["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"],
+        ["--num-attention-heads", "8", "--hidden-size", "96", "--tensor-model-parallel-size", "4"],
+        4,
+        "cpu",
+    ),
+    "hidden-divisible-by-heads": (
+        ["--hidden-size", "100", "--num-attention-heads", "8"],
+        ["--hidden-size", "96", "--num-attention-heads", "8"],
+        1,
+        "cpu",
+    ),
+    "fp16-xor-bf16": (["--fp16", "--bf16"], ["--bf16"], 1, "cpu"),
+    "fp16-deepspeed-cpu": (
+        ["--fp16", "--zero-1-memory-optimization"],
+        ["--bf16", "--zero-1-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "seq-within-positions": (
+        ["--seq-length", "512", "--max-position-embeddings", "256"],
+        ["--seq-length", "512", "--position-embedding-type", "rope", "--max-position-embeddings", "256"],
+        1,
+        "cpu",
+    ),
+    "sequence-parallel-needs-tp": (
+        ["--sequence-parallel"],
+        ["--sequence-parallel", "--tensor-model-parallel-size", "2"],
+        2,
+        "cpu",
+    ),
+    "num-experts-length": (
+        ["--num-layers", "4", "--num-experts", "4", "4"],
+        ["--num-layers", "4", "--num-experts", "0", "4", "0", "4"],
+        1,
+        "cpu",
+    ),
+    "experts-divisible-by-ep": (
+        ["--num-experts", "3", "--expert-model-parallel-size", "2"],
+        ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+        2,
+        "cpu",
+    ),
+    "ep-divides-dp": (
+        ["--num-experts", "4", "--expert-model-parallel-size", "4"],
+        ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+        2,
+        "cpu",
+    ),
+    "ep-with-partitioning": (
+        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--oss-memory-optimization"],
+        ["--num-experts", "4", "--oss-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "3d-builtin-models-only": (
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pretrained-model-name-or-path",
+            "m",
+            "--task",
+            "sequence_classification",
+        ],
+        [
+            "--zero-3-memory-optimization",
+            "--pretrained-model-name-or-path",
+            "m",
+            "--task",
+            "sequence_classification",
+        ],
+        2,
+        "cpu",
+    ),
+    "moe-builtin-models-only": (
+        ["--num-experts", "4", "--pretrained-model-name-or-path", "m", "--task", "sequence_classification"],
+        ["--num-experts", "4"],
+        1,
+        "cpu",
+    ),
+    "dynamic-shape-no-pp": (
+        ["--data-iterator", "dynamic-shape", "--pipeline-model-parallel-size", "2"],
+        ["--data-iterator", "dynamic-shape", "--tensor-model-parallel-size", "2"],
+        2,
+        "cpu",
+    ),
+    "one-warmup": (
+        ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+        ["--lr-warmup-fraction", "0.1"],
+        1,
+        "cpu",
+    ),
+    "warmup-within-decay": (["--lr-warmup-iters", "10"], ["--lr-warmup-iters", "9"], 1, "cpu"),
+    "lr-required": ([], [], 1, "cpu"),  # handled specially below: BASE carries --lr
+    "fairscale-backend-scope": (
+        ["--sharding-backend", "fairscale", "--fsdp-memory-optimization"],
+        ["--sharding-backend", "torch", "--fsdp-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "finetune-needs-load": (["--finetune"], ["--finetune", "--load", "ckpt"], 1, "cpu"),
+    "binary-head-bert-only": (
+        ["--bert-binary-head"],
+        ["--bert-binary-head", "--model-type", "bert"],
+        1,
+        "cpu",
+    ),
+    "lora-needs-hf-model": (
+        ["--lora-rank", "8"],
+        ["--lora-rank", "8", "--pretrained-model-name-or-path", "m", "--task", "sequence_classification"],
+        1,
+        "cpu",
+    ),
+}
+ITERS_CASES = {  # the rule about the training length needs argv without BASE's --train-iters
+    "iters-xor-epochs": (
+        ["--lr", "1e-4", "--train-iters", "5", "--epochs", "1"],
+        ["--lr", "1e-4", "--train-iters", "5"],
+    ),
+    "pretraining-needs-iters": (
+        ["--lr", "1e-4", "--epochs", "2"],
+        ["--lr", "1e-4", "--epochs", "2", "--task", "sequence_classification"],
+    ),
+}
+
+
+def fired(argv: list[str], world_size: int, device: str) -> set[str]:
+    args = arguments.parse_args(argv)
+    ctx = RunContext(world_size, device)  # type: ignore[arg-type]
+    return {rule.name for rule in rules.RULES if rule.violated(args, ctx)}
+
+
+def test_every_rule_has_cases():
+    assert {r.name for r in rules.RULES} == set(CASES) | set(ITERS_CASES)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "lr-required"])
+def test_rule_fires_and_passes(name):
+    bad, good, world, device = CASES[name]
+    assert name in fired(BASE + bad, world, device)
+    assert name not in fired(BASE + good, world, device)
+
+
+def test_lr_required_fires_without_lr():
+    assert "lr-required" in fired(["--train-iters", "10"], 1, "cpu")
+    assert "lr-required" not in fired(BASE, 1, "cpu")
+
+
+@pytest.mark.parametrize("name", list(ITERS_CASES))
+def test_training_length_rules(name):
+    bad, good = ITERS_CASES[name]
+    assert name in fired(bad, 1, "cpu")
+    assert name not in fired(good, 1, "cpu")
+
+
+def test_training_length_needed():
+    assert "iters-xor-epochs" in fired(["--lr", "1e-4"], 1, "cpu")  # neither given
+
+
+def test_every_message_names_its_flags():
+    for name, (bad, _, world, device) in CASES.items():
+        argv = BASE + bad if name != "lr-required" else ["--train-iters", "1"]
+        args = arguments.parse_args(argv)
+        ctx = RunContext(world, device)  # type: ignore[arg-type]
+        rule = next(r for r in rules.RULES if r.name == name)
+        message = rule.message(args, ctx)
+        assert any(flag in message for flag in rule.flags), (name, message)
+
+
+def test_all_violations_reported_at_once():
+    args = arguments.parse_args(
+        BASE + ["--fp16", "--bf16", "--hidden-size", "100", "--num-attention-heads", "8"]
+    )
+    messages = rules.violations(args, RunContext(1, "cpu"))
+    assert len(messages) == 2
+    with pytest.raises(rules.FlagConflict) as raised:
+        rules.validate(args, RunContext(1, "cpu"))
+    assert (
+        raised.value.code == 2 and "--fp16" in str(raised.value) and "--hidden-size 100" in str(raised.value)
+    )
+
+
+def test_compatibility_doc_is_up_to_date():
+    from pathlib import Path
+
+    doc = Path(rules.__file__).resolve().parent.parent / "docs" / "compatibility.md"
+    assert doc.read_text() == rules.compatibility_markdown(), (
+        "docs/compatibility.md is stale: run `python -m rapidtrain.rules --write-docs`"
+    )
+
+
+def test_plan_command_refuses_zero3_with_pipeline_naming_both_flags():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rapidtrain.cli",
+            "plan",
+            "--world-size",
+            "4",
+            "--zero-3-memory-optimization",
+            "--pipeline-model-parallel-size",
+            "2",
+            *BASE,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert (
+        "--zero-3-memory-optimization" in result.stderr and "--pipeline-model-parallel-size" in result.stderr
+    )
+    assert "--zero-1-memory-optimization or --zero-2-memory-optimization instead" in result.stderr
+    assert "Traceback" not in result.stderr
