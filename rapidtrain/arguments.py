@@ -223,8 +223,8 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                    help="Fused optimizer (Rapidformer): apex FusedAdam / FusedLAMB when apex is importable, else "
                         "torch AdamW (fused on CUDA, foreach on CPU) / rapidtrain's LAMB.")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="Optimizer (beyond Rapidformer): adamw, adam, adafactor (torch.optim.Adafactor), sgd; "
-                        "overrides --optimizers.")
+                   help="Optimizer (beyond Rapidformer): adamw (adam is accepted for it, as in Megatron: decoupled weight "
+                        "decay), adafactor (torch.optim.Adafactor), sgd; overrides --optimizers.")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
 
 
@@ -306,13 +306,29 @@ def parse_args(
     """Parse flags; `defaults` lets an entry point (pretrain.py's demo) choose its own defaults."""
     parser = build_parser(extra_args_provider, prog=prog)
     if defaults:
-        parser.set_defaults(**defaults)
+        parser.set_defaults(**_defaults_not_overridden(defaults, argv))
     args = parser.parse_args(argv)
     if args.dataset_name and not args.data_name:
         args.data_name = args.dataset_name
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     return args
+
+
+# Flags that say the same thing two ways: a user who gives one overrides an entry point's default for the other.
+ALTERNATIVE_FLAGS = (("lr_warmup_iters", "lr_warmup_fraction"),)
+
+
+def _defaults_not_overridden(defaults: dict, argv: Sequence[str] | None) -> dict:
+    import sys
+
+    given = {token.split("=")[0] for token in (sys.argv[1:] if argv is None else argv) if token.startswith("--")}
+    kept = dict(defaults)
+    for pair in ALTERNATIVE_FLAGS:
+        for dest, other in (pair, pair[::-1]):
+            if "--" + other.replace("_", "-") in given:
+                kept.pop(dest, None)
+    return kept
 
 
 def flag_table(parser: argparse.ArgumentParser | None = None) -> list[tuple[str, str, str]]:

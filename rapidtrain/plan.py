@@ -287,7 +287,10 @@ def optimizer_settings(args: argparse.Namespace):
     """The optimizer's own settings; `--optimizer` (beyond Rapidformer) overrides `--optimizers`."""
     from rapidtrain.optim.optimizers import OptimizerSettings
 
-    return OptimizerSettings(name=args.optimizer or args.optimizers, lr=args.lr or 0.0, weight_decay=args.weight_decay,
+    name = args.optimizer or args.optimizers
+    if name == "adam":  # Megatron's --optimizer adam is Adam with decoupled weight decay, i.e. AdamW
+        name = "adamw"
+    return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              sgd_momentum=args.sgd_momentum)
 
@@ -416,10 +419,13 @@ OPTIMIZER_STATE_BYTES = {"apex_adam": 8, "apex_lamb": 8, "adamw": 8, "adam": 8, 
 
 def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout,
                     precision: Precision) -> MemoryEstimate:
-    from rapidtrain.models.counting import count_parameters
+    from rapidtrain.models.counting import count_parameters, expert_parameter_count
 
     total, active = count_parameters(model)
-    per_rank = total / (layout.tensor_parallel_size * layout.pipeline_parallel_size)
+    # Experts are sharded over the expert-parallel ranks (and replicated over tensor-parallel ones).
+    experts = expert_parameter_count(model)
+    per_rank = (total - experts) / layout.tensor_parallel_size / layout.pipeline_parallel_size \
+        + experts / layout.expert_parallel_size / layout.pipeline_parallel_size
     stage = zero_stage(args)
     deepspeed = stage > 0 and layout.tensor_parallel_size == layout.pipeline_parallel_size == 1
     half = precision.dtype != "fp32"
