@@ -15,7 +15,7 @@ from tests.launch import PRETRAIN, REPO, child_env, free_port, pretrain, read_lo
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--num-workers", "0", "--log-interval", "1",
-        "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine"]
+        "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
 
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
@@ -97,3 +97,19 @@ def test_rapidtrain_command_starts_torchrun_itself(tmp_path, demo_data):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2 = data 2 × tensor 1 × pipeline 1" in result.stdout
     assert sorted(read_losses(losses_file)) == [1, 2]
+
+
+def test_gpt_launch_script_runs_and_resumes_from_its_own_save(tmp_path, demo_data):
+    env = child_env({"NPROC": "1", "TRAIN_ITERS": "3", "NUM_LAYERS": "2", "HIDDEN": "64", "HEADS": "4", "SEQ": "64",
+                      "MICRO": "2", "LOG_INTERVAL": "1", "EVAL_INTERVAL": "3", "EVAL_ITERS": "1", "SAVE_INTERVAL": "2",
+                      "SAVE": str(tmp_path / "gpt"), "EXTRA": "--num-workers 0", "MASTER_PORT": str(free_port())})
+    result = subprocess.run(["bash", "scripts/pretrain_gpt.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "iteration        3/       3" in result.stdout
+    assert (tmp_path / "gpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_all_launch_scripts_parse():
+    for script in sorted((REPO / "scripts").glob("*.sh")):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
