@@ -36,6 +36,10 @@ class OptimizerSettings:
     sgd_momentum: float = 0.9
 
 
+# MoE experts keep their biases stacked per expert ([E, f], [E, h]): 2-D, yet biases, so no weight decay.
+STACKED_BIAS_SUFFIXES = ("experts.b1", "experts.b2")
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Megatron's grouping: biases and 1-D parameters (norms) get no weight decay.
 
@@ -47,7 +51,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.ndim <= 1 or name.endswith(".bias"):
+        if param.ndim <= 1 or name.endswith(".bias") or name.endswith(STACKED_BIAS_SUFFIXES):
             not_decayed.append(param)
         else:
             decayed.append(param)

@@ -215,3 +215,16 @@ def test_importing_the_optimizers_does_not_import_apex():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo_root
     )
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_stacked_expert_biases_get_no_weight_decay():
+    from rapidtrain.models import build_model
+    from rapidtrain.models.config import ModelConfig
+    from rapidtrain.optim.optimizers import param_groups
+
+    model = build_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                    num_experts=(4,)), seed=1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {names[id(p)] for g in param_groups(model, 0.1) if g["weight_decay"] == 0.0 for p in g["params"]}
+    assert {"layers.0.mlp.experts.b1", "layers.0.mlp.experts.b2"} <= no_decay
+    assert "layers.0.mlp.experts.w1" not in no_decay
