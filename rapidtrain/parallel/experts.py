@@ -18,7 +18,8 @@ data-parallel ranks that DDP takes for the other parameters (the all-to-all's ba
 summed the contributions of the ep group). The gradient norm counts each expert once.
 
 Checkpoints. A rank's [E/ep, ...] slices (weights and optimizer state) are saved as DTensor shards,
-Shard(0) over the ep mesh, so torch.distributed.checkpoint reshards: EP 2 loads at EP 1 and back.
+Shard(0) over the ep mesh (Replicate over tp), so torch.distributed.checkpoint reshards: EP 2 loads at
+EP 1 and back, under any data- and tensor-parallel layout.
 """
 
 from __future__ import annotations
@@ -74,10 +75,14 @@ class ExpertParallelExperts(Experts):
         for name in EXPERT_WEIGHTS:
             full = getattr(experts, name)
             if isinstance(full, DTensor):
-                raise ValueError("apply expert parallelism before tensor parallelism (it slices plain expert weights)")
+                raise ValueError(
+                    "apply expert parallelism before tensor parallelism (it slices plain expert weights)"
+                )
             if full.is_meta:
-                raise ValueError("expert parallelism slices materialized expert weights: build the model on a real "
-                                 "device (not meta) before apply_expert_parallel")
+                raise ValueError(
+                    "expert parallelism slices materialized expert weights: build the model on a real "
+                    "device (not meta) before apply_expert_parallel"
+                )
             shard = full.detach()[self.first_expert : self.first_expert + local].clone()
             setattr(self, name, nn.Parameter(shard, requires_grad=full.requires_grad))
 
@@ -90,7 +95,9 @@ class ExpertParallelExperts(Experts):
         experts, capacity, hidden = buffers.shape
         local, ep = self.num_local_experts, self.ep_size
         received = all_to_all(buffers, self.group)  # [ep · local, C, h]: chunk i holds rank i's tokens
-        rows = received.view(ep, local, capacity, hidden).transpose(0, 1).reshape(local, ep * capacity, hidden)
+        rows = (
+            received.view(ep, local, capacity, hidden).transpose(0, 1).reshape(local, ep * capacity, hidden)
+        )
         output = super().forward(rows)
         back = output.view(local, ep, capacity, hidden).transpose(0, 1).reshape(experts, capacity, hidden)
         return all_to_all(back, self.group)
@@ -100,7 +107,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, ep_size: int) ->
     """Shard every MoE layer's experts over the expert-parallel group of `mesh` (in place).
 
     Call on a materialized model (weights initialized: each rank keeps its slice of the same values),
-    after tensor parallelism and before activation checkpointing, compile and DDP.
+    before tensor parallelism (which then replicates the slice over the TP ranks), activation
+    checkpointing, compile and data-parallel wrapping.
     """
     group = mesh.group("ep")
     if ep_size == 1 or group is None:
@@ -108,8 +116,10 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, ep_size: int) ->
     ep_rank = dist.get_rank(group)
     for name, layer in moe_layers(model).items():
         if layer.num_experts % ep_size:
-            raise ValueError(f"{name} has {layer.num_experts} experts, not divisible by "
-                             f"--expert-model-parallel-size {ep_size}: use expert counts that are multiples of it")
+            raise ValueError(
+                f"{name} has {layer.num_experts} experts, not divisible by "
+                f"--expert-model-parallel-size {ep_size}: use expert counts that are multiples of it"
+            )
         if not isinstance(layer.experts, ExpertParallelExperts):
             layer.experts = ExpertParallelExperts(layer.experts, group, ep_rank, ep_size)
     return model
@@ -117,9 +127,12 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, ep_size: int) ->
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The sharded expert parameters by their current (possibly wrapped) names."""
-    return {f"{module_name}.{leaf}": param
-            for module_name, module in model.named_modules() if isinstance(module, ExpertParallelExperts)
-            for leaf, param in module.named_parameters(recurse=False)}
+    return {
+        f"{module_name}.{leaf}": param
+        for module_name, module in model.named_modules()
+        if isinstance(module, ExpertParallelExperts)
+        for leaf, param in module.named_parameters(recurse=False)
+    }
 
 
 def exclude_experts_from_ddp(model: nn.Module) -> None:
@@ -128,6 +141,30 @@ def exclude_experts_from_ddp(model: nn.Module) -> None:
     if names:
         already = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, already + names)
+
+
+def place_experts_on_mesh_of_others(model: nn.Module) -> None:
+    """Put the expert slices on the (dp, tp) mesh that `replicate` gave the other parameters.
+
+    Under TP + DP the other parameters become (dp, tp) DTensors while the experts, left out of
+    `replicate`, stay on the tp mesh; foreach kernels (gradient clipping, the optimizers) refuse to mix
+    meshes. On the (dp, tp) mesh an expert slice is nominally Replicate over dp although its values
+    differ across ep ranks: nothing redistributes it (the forward uses local values, the runner reduces
+    and measures its gradient itself, checkpoints place it as a shard of the full tensor).
+    """
+    experts = {id(p) for p in expert_parameters(model).values()}
+    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and id(p) not in experts}
+    if not experts or len(meshes) != 1:
+        return
+    (mesh,) = meshes
+    for module in model.modules():
+        if isinstance(module, ExpertParallelExperts):
+            for name, param in list(module.named_parameters(recurse=False)):
+                if isinstance(param, DTensor) and param.device_mesh != mesh:
+                    value = DTensor.from_local(
+                        param.to_local(), mesh, [Replicate()] * mesh.ndim, run_check=False
+                    )
+                    module.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
 
 
 def _map_tensors(value: Any, convert: Any) -> Any:
@@ -151,7 +188,9 @@ class ExpertParallelRunner(TorchRunner):
     expert_data_parallel_group: dist.ProcessGroup | None = None
     # Where saved slices live: the ep mesh, or (ep, tp) with the slice replicated over tp.
     checkpoint_mesh: DeviceMesh | None = None
-    tensor_parallel_mesh: DeviceMesh | None = None  # set when the expert parameters are TP-replicated DTensors
+    # The expert parameters' own DTensor mesh and placements under tensor parallelism (None: plain tensors).
+    parameter_mesh: DeviceMesh | None = None
+    parameter_placements: tuple = ()
 
     def step(self) -> StepOutcome:
         self.reduce_expert_gradients()
@@ -194,19 +233,26 @@ class ExpertParallelRunner(TorchRunner):
     def _from_shard(self, tensor: torch.Tensor) -> torch.Tensor:
         if not (isinstance(tensor, DTensor) and tensor.device_mesh == self.checkpoint_mesh):
             return tensor
-        if self.tensor_parallel_mesh is not None:
-            return DTensor.from_local(tensor.to_local(), self.tensor_parallel_mesh, [Replicate()], run_check=False)
+        if self.parameter_mesh is not None:
+            return DTensor.from_local(
+                tensor.to_local(), self.parameter_mesh, self.parameter_placements, run_check=False
+            )
         return tensor.to_local()
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         storage = {_local(p).untyped_storage().data_ptr() for p in self.expert_params}
-        names = {name for name, value in state["model"].items()
-                 if isinstance(value, torch.Tensor) and _local(value).untyped_storage().data_ptr() in storage}
+        names = {
+            name
+            for name, value in state["model"].items()
+            if isinstance(value, torch.Tensor) and _local(value).untyped_storage().data_ptr() in storage
+        }
         for name in names:
             state["model"][name] = self._to_shard(state["model"][name])
             if "optimizer" in state and name in state["optimizer"].get("state", {}):
-                state["optimizer"]["state"][name] = _map_tensors(state["optimizer"]["state"][name], self._to_shard)
+                state["optimizer"]["state"][name] = _map_tensors(
+                    state["optimizer"]["state"][name], self._to_shard
+                )
         return state
 
     def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
@@ -218,11 +264,24 @@ def expert_parallel_runner(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunn
     params = list(expert_parameters(runner.module).values())
     if not params:
         return runner
+    optimized = {id(p) for group in runner.optimizer.param_groups for p in group["params"]}
+    if any(id(p) not in optimized for p in params):
+        raise ValueError(
+            "--expert-model-parallel-size replaces each MoE layer's expert parameters by this rank's slices, "
+            "so an optimizer built before Engine.compose does not hold them: leave `optimizer` out of "
+            "Engine.compose (it is then built from the flags), or use --expert-model-parallel-size 1."
+        )
     fields = {name: getattr(runner, name) for name in TorchRunner.__dataclass_fields__}
     # Expert gradients differ across the ep group, so an fp16 overflow must skip the step on every rank.
     fields["found_inf_group"] = fields["found_inf_group"] or dist.group.WORLD
-    tensor_parallel = isinstance(params[0], DTensor)
-    checkpoint_mesh = mesh.expert_mesh["ep", "tp"] if tensor_parallel else mesh.submesh("ep")
-    return ExpertParallelRunner(**fields, expert_params=params, expert_parallel_group=mesh.group("ep"),
-                                expert_data_parallel_group=mesh.group("expert_dp"), checkpoint_mesh=checkpoint_mesh,
-                                tensor_parallel_mesh=params[0].device_mesh if tensor_parallel else None)
+    distributed = isinstance(params[0], DTensor)  # tensor parallel: replicated over tp
+    checkpoint_mesh = mesh.expert_mesh["ep", "tp"] if distributed else mesh.submesh("ep")
+    return ExpertParallelRunner(
+        **fields,
+        expert_params=params,
+        expert_parallel_group=mesh.group("ep"),
+        expert_data_parallel_group=mesh.group("expert_dp"),
+        checkpoint_mesh=checkpoint_mesh,
+        parameter_mesh=params[0].device_mesh if distributed else None,
+        parameter_placements=tuple(params[0].placements) if distributed else (),
+    )
