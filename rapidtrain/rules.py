@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rapidtrain.arguments import STATE_PARTITIONING_FLAGS, TASKS
-from rapidtrain.plan import RunContext, data_parallel_size, expand_num_experts, precision_of, zero_stage
+from rapidtrain.plan import RunContext, data_parallel_size, expand_num_experts, zero_stage
 
 Args = argparse.Namespace
 
@@ -72,6 +72,15 @@ def _layout_divides(args: Args, ctx: RunContext) -> bool:
     return _tp(args) >= 1 and _pp(args) >= 1 and ctx.world_size % (_tp(args) * _pp(args)) == 0
 
 
+def _accumulation_steps(args: Args, ctx: RunContext) -> int | None:
+    """Micro-batches per iteration, when the batch flags divide (another rule reports when they do not)."""
+    if not _layout_divides(args, ctx) or args.micro_batch_size < 1:
+        return None
+    per_step = args.micro_batch_size * _dp(args, ctx)
+    global_batch = args.global_batch_size or per_step
+    return global_batch // per_step if global_batch % per_step == 0 else None
+
+
 def _uses_hf_model(args: Args) -> bool:
     return bool(args.pretrained_model_name_or_path)
 
@@ -98,7 +107,8 @@ def _num_experts_length_ok(args: Args) -> bool:
 
 
 def _needs_iterations(args: Args) -> bool:
-    return args.task == "pretraining"
+    # A --user-script runs its own template (an epoch-based Finetuner or own loop too), whatever --task says.
+    return args.task == "pretraining" and not args.user_script
 
 
 def _positive_sizes(args: Args) -> list[str]:
@@ -151,13 +161,18 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu-offload-needs-zero", ("--cpu-offload", "--zero-1-memory-optimization", "--zero-2-memory-optimization",
-                                   "--zero-3-memory-optimization"),
-        "--cpu-offload needs a DeepSpeed ZeRO switch and no tensor/pipeline parallelism (DeepSpeedCPUAdam serves it).",
+                                   "--zero-3-memory-optimization", "--fsdp-memory-optimization"),
+        "--cpu-offload needs a DeepSpeed ZeRO switch and no tensor/pipeline parallelism (DeepSpeedCPUAdam serves it); "
+        "FSDP's own CPU offload is not used.",
         lambda a, c: a.cpu_offload and (zero_stage(a) == 0 or _three_d(a)),
         lambda a, c: "--cpu-offload moves the optimizer state and step to the CPU with DeepSpeed's DeepSpeedCPUAdam, "
         "which only DeepSpeed ZeRO without tensor/pipeline parallelism provides. Add --zero-2-memory-optimization "
         "(or --zero-1/--zero-3), set --tensor-model-parallel-size and --pipeline-model-parallel-size to 1, "
-        "or drop --cpu-offload.",
+        "or drop --cpu-offload."
+        + (" With --fsdp-memory-optimization, FSDP2's CPUOffloadPolicy is not used: it would also move the sharded "
+           "parameters and gradients to the CPU and step there (nothing to offload on a CPU-only run); for fully "
+           "sharded states with the optimizer on the CPU use --zero-3-memory-optimization --cpu-offload instead."
+           if a.fsdp_memory_optimization else ""),
     ),
     Rule(
         "world-divisible-by-tp-pp", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--nproc-per-node"),
@@ -192,6 +207,29 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} needs "
         "--pipeline-model-parallel-size ≥ 2 and must divide the layers per stage "
         f"({a.num_layers} / {_pp(a)}). Adjust it or drop it for the plain 1F1B schedule.",
+    ),
+    Rule(
+        "interleaved-micro-batches", ("--num-layers-per-virtual-pipeline-stage", "--global-batch-size",
+                                      "--micro-batch-size"),
+        "The interleaved schedule needs the micro-batches per iteration (accumulation steps) to be a multiple of the "
+        "pipeline size, as in Megatron.",
+        lambda a, c: _pp(a) > 1 and a.num_layers_per_virtual_pipeline_stage is not None
+        and _accumulation_steps(a, c) is not None and _accumulation_steps(a, c) % _pp(a) != 0,
+        lambda a, c: f"--num-layers-per-virtual-pipeline-stage with {_accumulation_steps(a, c)} micro-batches per "
+        f"iteration (--global-batch-size / (--micro-batch-size × data-parallel size {_dp(a, c)})): the interleaved "
+        f"schedule runs micro-batches in rounds of --pipeline-model-parallel-size {_pp(a)}. Make --global-batch-size "
+        f"a multiple of {_pp(a) * a.micro_batch_size * _dp(a, c)}, or drop the virtual stages.",
+    ),
+    Rule(
+        "pipeline-per-token-loss", ("--pipeline-model-parallel-size", "--bert-binary-head", "--expert-model-parallel-size"),
+        "Pipelining runs per-token losses of dense or non-expert-parallel models: not with the BERT binary head or "
+        "expert parallelism.",
+        lambda a, c: _pp(a) > 1 and (a.bert_binary_head or a.expert_model_parallel_size > 1),
+        lambda a, c: f"--pipeline-model-parallel-size {_pp(a)} with "
+        + ("--bert-binary-head: the sentence-order loss is not a per-token loss the last stage can sum"
+           if a.bert_binary_head else f"--expert-model-parallel-size {a.expert_model_parallel_size}: expert "
+           "gradients are reduced by a runner the pipeline does not use")
+        + ". Drop one of them.",
     ),
     Rule(
         "heads-divisible-by-tp", ("--num-attention-heads", "--tensor-model-parallel-size"),
@@ -271,6 +309,15 @@ RULES: tuple[Rule, ...] = (
         "are then ordinary parameters and are partitioned), or drop the partitioning switch.",
     ),
     Rule(
+        "ep-with-pipeline", ("--expert-model-parallel-size", "--pipeline-model-parallel-size"),
+        "Expert parallelism does not combine with pipeline parallelism yet.",
+        lambda a, c: a.expert_model_parallel_size > 1 and _pp(a) > 1,
+        lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} with --pipeline-model-parallel-size "
+        f"{_pp(a)}: the pipeline schedule's optimizer step does not reduce the sharded experts' gradients over their "
+        "own group yet. Use --expert-model-parallel-size 1 (each rank then holds all experts of its stage's MoE "
+        "layers), or --pipeline-model-parallel-size 1.",
+    ),
+    Rule(
         "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                                    "--pretrained-model-name-or-path"),
         "Tensor and pipeline parallelism apply to the built-in Megatron-style models, not Hugging Face models.",
@@ -305,7 +352,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "pretraining-needs-iters", ("--epochs", "--task"),
-        "Pretraining (--task pretraining) is iteration-based.",
+        "Pretraining (--task pretraining, without --user-script) is iteration-based.",
         lambda a, c: _needs_iterations(a) and a.epochs is not None and a.train_iters is None,
         lambda a, c: "--epochs with --task pretraining: Megatron-style pretraining counts iterations over a "
         "sample stream. Use --train-iters N.",

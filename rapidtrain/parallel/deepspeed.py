@@ -10,8 +10,10 @@ and world size, and the other way round (see `parallel/deepspeed_state.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +23,7 @@ from torch import nn
 
 from rapidtrain.optim.grad_scaler import LossScaleSettings
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
+from rapidtrain.parallel.deepspeed_state import ZeroState, canonical_name
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import StepOutcome, autocast
 from rapidtrain.plan import Plan, Precision
@@ -36,8 +39,9 @@ def zero_stage_of(plan: Plan) -> int:
     return int(partitioning.removeprefix("zero-"))
 
 
-def deepspeed_config(plan: Plan, optimizer_settings: OptimizerSettings, clip_grad: float,
-                     loss_scale: LossScaleSettings) -> dict[str, Any]:
+def deepspeed_config(
+    plan: Plan, optimizer_settings: OptimizerSettings, clip_grad: float, loss_scale: LossScaleSettings
+) -> dict[str, Any]:
     """DeepSpeed's configuration for the plan: batch arithmetic, clipping, ZeRO stage, precision, offload.
 
     Without --cpu-offload the optimizer is rapidtrain's (passed to `deepspeed.initialize`); with it the
@@ -48,7 +52,9 @@ def deepspeed_config(plan: Plan, optimizer_settings: OptimizerSettings, clip_gra
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batches.micro_batch_size,
         "gradient_accumulation_steps": batches.accumulation_steps,
-        "train_batch_size": batches.micro_batch_size * batches.accumulation_steps * plan.layout.data_parallel_size,
+        "train_batch_size": batches.micro_batch_size
+        * batches.accumulation_steps
+        * plan.layout.data_parallel_size,
         "gradient_clipping": float(clip_grad),
         "zero_optimization": zero,
         # Which optimizers may run under ZeRO is decided by rapidtrain's conflict table (elementwise ones).
@@ -69,38 +75,73 @@ def precision_config(precision: Precision, loss_scale: LossScaleSettings) -> dic
     if precision.dtype == "fp16":
         s = loss_scale
         initial_power = max(round(math.log2(s.initial_loss_scale)), 0)
-        return {"fp16": {"enabled": True, "loss_scale": float(s.loss_scale or 0.0),  # 0 = dynamic
-                         "initial_scale_power": initial_power, "loss_scale_window": s.loss_scale_window,
-                         "hysteresis": s.hysteresis, "min_loss_scale": s.min_loss_scale,
-                         "consecutive_hysteresis": False}}
+        return {
+            "fp16": {
+                "enabled": True,
+                "loss_scale": float(s.loss_scale or 0.0),  # 0 = dynamic
+                "initial_scale_power": initial_power,
+                "loss_scale_window": s.loss_scale_window,
+                "hysteresis": s.hysteresis,
+                "min_loss_scale": s.min_loss_scale,
+                "consecutive_hysteresis": False,
+            }
+        }
     return {}
 
 
 def offload_optimizer_config(settings: OptimizerSettings) -> dict[str, Any]:
     if settings.name not in OFFLOAD_OPTIMIZERS:
-        raise ValueError(f"--cpu-offload runs DeepSpeedCPUAdam; --optimizer {settings.name} cannot be offloaded. "
-                         "Use --optimizers apex_adam (AdamW), --optimizer adamw or adam, or drop --cpu-offload.")
+        raise ValueError(
+            f"--cpu-offload runs DeepSpeedCPUAdam; --optimizer {settings.name} cannot be offloaded. "
+            "Use --optimizers apex_adam (AdamW), --optimizer adamw or adam, or drop --cpu-offload."
+        )
     kind, decoupled = OFFLOAD_OPTIMIZERS[settings.name]
-    return {"type": kind, "params": {"lr": settings.lr, "betas": [settings.adam_beta1, settings.adam_beta2],
-                                     "eps": settings.adam_eps, "weight_decay": settings.weight_decay,
-                                     "adam_w_mode": decoupled}}
+    return {
+        "type": kind,
+        "params": {
+            "lr": settings.lr,
+            "betas": [settings.adam_beta1, settings.adam_beta2],
+            "eps": settings.adam_eps,
+            "weight_decay": settings.weight_decay,
+            "adam_w_mode": decoupled,
+        },
+    }
+
+
+def describe_offload_optimizer(settings: OptimizerSettings) -> str:
+    """In words, for the plan: the optimizer DeepSpeed builds under --cpu-offload."""
+    if settings.name not in OFFLOAD_OPTIMIZERS:
+        return f"none: --cpu-offload cannot run {settings.name} (DeepSpeedCPUAdam implements Adam and AdamW)"
+    kind, decoupled = OFFLOAD_OPTIMIZERS[settings.name]
+    return (
+        f"DeepSpeedCPUAdam ({kind}, {'decoupled' if decoupled else 'L2'} weight decay) on the CPU, built by "
+        "DeepSpeed from the flags"
+    )
 
 
 # ---- building the engine ----
 
+
 def ensure_process_group() -> None:
-    """DeepSpeed needs torch.distributed; a single process started without torchrun gets a one-rank group."""
+    """DeepSpeed needs torch.distributed; a single process started without torchrun gets a one-rank group.
+
+    DeepSpeed's own communication layer then wraps that group (zero.Init reads its world size from it).
+    """
+    import deepspeed
+
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)  # DeepSpeed reads torchrun's variables
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
 
 
-def canonical_name(name: str) -> str:
-    """A parameter's name without the wrappers activation checkpointing and compile insert."""
-    return ".".join(part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod"))
-
-
-def build_partitioned(model: nn.Module, model_factory: Callable[[], nn.Module], config: dict[str, Any],
-                      prepare: Callable[[nn.Module], nn.Module]) -> nn.Module:
+def build_partitioned(
+    model: nn.Module,
+    model_factory: Callable[[], nn.Module],
+    config: dict[str, Any],
+    prepare: Callable[[nn.Module], nn.Module],
+) -> nn.Module:
     """ZeRO-3: build the model again under `deepspeed.zero.Init` (each parameter partitioned as it is
     created) and give it `model`'s initial values, so that every layout starts from the same weights."""
     import deepspeed
@@ -108,6 +149,7 @@ def build_partitioned(model: nn.Module, model_factory: Callable[[], nn.Module], 
     # The factory's own initialisation must not advance the global RNG (data order, dropout).
     with torch.random.fork_rng(devices=[]), deepspeed.zero.Init(config_dict_or_path=config):
         partitioned = model_factory()
+    undo_skip_init_patch()
     partitioned = prepare(partitioned)
     source = {canonical_name(n): p for n, p in model.named_parameters()}
     with torch.no_grad():
@@ -118,6 +160,60 @@ def build_partitioned(model: nn.Module, model_factory: Callable[[], nn.Module], 
         for name, buffer in partitioned.named_buffers():
             buffer.copy_(buffers[canonical_name(name)])
     return partitioned
+
+
+def undo_skip_init_patch() -> None:
+    """Undo what zero.Init leaves behind when a module is created with `device="meta"` inside it.
+
+    DeepSpeed takes that for torch's `skip_init` and wraps `Module._apply` until the module's `to_empty`
+    runs, so every later `.to()` / `.float()` in the process would turn parameters into ZeRO-3 ones. The
+    built-in tied output layer builds its placeholder weight on meta (it is replaced at once), which is
+    not skip_init: restore the methods as DeepSpeed's own `to_empty` hook would.
+    """
+    classes, pending = [], [nn.Module]
+    while pending:
+        cls = pending.pop()
+        classes.append(cls)
+        pending.extend(cls.__subclasses__())
+    for cls in classes:
+        if "_apply" in cls.__dict__ and hasattr(cls, "_old_apply_of_skip_init_hook"):
+            cls._apply = cls._old_apply_of_skip_init_hook
+
+
+def prepare_model(module: nn.Module, plan: Plan) -> nn.Module:
+    """The steps `parallelize` applies before data-parallel wrapping, in its order."""
+    from rapidtrain.parallel.apply import apply_activation_checkpointing
+    from rapidtrain.parallel.compile import apply_graph_optimization
+
+    if plan.switches.activation_checkpointing:
+        apply_activation_checkpointing(module)
+    if plan.switches.compile != "none":
+        module = apply_graph_optimization(module, plan.switches.compile)
+    return module
+
+
+def client_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    settings: OptimizerSettings,
+    plan: Plan,
+    device: torch.device,
+) -> tuple[torch.optim.Optimizer | None, list[dict[str, Any]]]:
+    """(the optimizer to hand to DeepSpeed, or None for the config's DeepSpeedCPUAdam; its parameter groups).
+
+    The groups are Megatron's (no weight decay on biases and norms) unless the caller brought an optimizer.
+    """
+    if optimizer is not None:
+        if plan.switches.cpu_offload:
+            raise ValueError(
+                "--cpu-offload builds DeepSpeedCPUAdam from the flags, so an optimizer passed to "
+                "Engine.compose cannot be offloaded: leave `optimizer` out, or drop --cpu-offload."
+            )
+        return optimizer, [dict(group) for group in optimizer.param_groups]  # before DeepSpeed flattens them
+    groups = param_groups(model, settings.weight_decay)
+    if plan.switches.cpu_offload:
+        return None, groups
+    return build_optimizer(groups, settings, device.type)[0], groups
 
 
 def deepspeed_runner(
@@ -132,45 +228,43 @@ def deepspeed_runner(
     loss_scale: LossScaleSettings,
     model_factory: Callable[[], nn.Module] | None = None,
 ) -> DeepSpeedRunner:
-    """`deepspeed.initialize` with the generated config; returns the runner the trainer drives."""
+    """`deepspeed.initialize` with the generated config; returns the runner the trainer drives.
+
+    `mesh` is not consulted: DeepSpeed serves ZeRO only without tensor/pipeline/expert parallelism, so its
+    data-parallel group is the world, which DeepSpeed uses by default.
+    """
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # keep Megatron's log lines readable
     ensure_process_group()
+    if plan.layout.data_parallel_size != dist.get_world_size():
+        raise ValueError(
+            f"DeepSpeed ZeRO runs data parallel over all {dist.get_world_size()} ranks, but the plan "
+            f"has data-parallel size {plan.layout.data_parallel_size}"
+        )
     config = deepspeed_config(plan, optimizer_settings, clip_grad, loss_scale)
-    if plan.switches.cpu_offload and optimizer is not None:
-        raise ValueError("--cpu-offload builds DeepSpeedCPUAdam from the flags, so an optimizer passed to "
-                         "Engine.compose cannot be offloaded: leave `optimizer` out, or drop --cpu-offload.")
-
-    def prepare(module: nn.Module) -> nn.Module:
-        """The same steps, in the same order, as `parallelize` applies before data-parallel wrapping."""
-        from rapidtrain.parallel.apply import apply_activation_checkpointing
-        from rapidtrain.parallel.compile import apply_graph_optimization
-
-        if plan.switches.activation_checkpointing:
-            apply_activation_checkpointing(module)
-        if plan.switches.compile != "none":
-            module = apply_graph_optimization(module, plan.switches.compile)
-        return module
-
+    prepare = functools.partial(prepare_model, plan=plan)
     if zero_stage_of(plan) == 3 and model_factory is not None and optimizer is None:
         model = build_partitioned(model, model_factory, config, prepare)
     else:
         model = prepare(model)
-    if optimizer is None:
-        groups = param_groups(model, optimizer_settings.weight_decay)
-        if not plan.switches.cpu_offload:
-            optimizer, _ = build_optimizer(groups, optimizer_settings, device.type)
-    else:
-        groups = [dict(g) for g in optimizer.param_groups]
+    optimizer, groups = client_optimizer(model, optimizer, optimizer_settings, plan, device)
+    # Read before DeepSpeed points its optimizer's groups (these very dicts under --cpu-offload) at flat partitions.
     trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False,
-                                      model_parameters=groups if optimizer is None else None)
-    from rapidtrain.parallel.deepspeed_state import ZeroState
-
-    return DeepSpeedRunner(engine=engine, precision=plan.precision, device_type=device.type,
-                           gradient_average=plan.layout.data_parallel_size,
-                           checkpoint_state=ZeroState(engine, [g for g in trainable if g]))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        config=config,
+        dist_init_required=False,
+        model_parameters=groups if optimizer is None else None,
+    )
+    return DeepSpeedRunner(
+        engine=engine,
+        precision=plan.precision,
+        device_type=device.type,
+        gradient_average=plan.layout.data_parallel_size,
+        checkpoint_state=ZeroState(engine, [g for g in trainable if g]),
+    )
 
 
 class DeepSpeedRunner:
@@ -181,8 +275,14 @@ class DeepSpeedRunner:
     that is used. DeepSpeed's own scheduler is never configured.
     """
 
-    def __init__(self, engine: Any, precision: Precision, device_type: str, gradient_average: int,
-                 checkpoint_state: Any) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        precision: Precision,
+        device_type: str,
+        gradient_average: int,
+        checkpoint_state: Any,
+    ) -> None:
         self.engine = engine
         self.module = engine
         self.optimizer = engine.optimizer

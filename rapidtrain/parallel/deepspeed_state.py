@@ -15,10 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from rapidtrain.parallel.deepspeed import canonical_name
-
 # torch's Adam/AdamW keep `step` as a float tensor per parameter: checkpoints use that form.
 STEP = "step"
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers activation checkpointing and compile insert (as DCP's)."""
+    return ".".join(
+        part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod")
+    )
 
 
 class ZeroState:
@@ -44,14 +49,26 @@ class ZeroState:
     def flat_partitions_of_group(self, index: int) -> list[torch.Tensor]:
         if self.stage3:
             mapping = self.zero.sub_group_to_group_id
-            return [flat for sub, flat in enumerate(self.zero.fp32_partitioned_groups_flat) if mapping[sub] == index]
+            return [
+                flat
+                for sub, flat in enumerate(self.zero.fp32_partitioned_groups_flat)
+                if mapping[sub] == index
+            ]
         return [self.zero.single_partition_of_fp32_groups[index]]
 
     def ensure_optimizer_state(self) -> None:
-        """Create the optimizer's state as torch does before loading: one step with zero gradients at rate 0."""
+        """Create the optimizer's state if no step ran yet, and link each parameter to its state fragment."""
         flats = self.flat_partitions()
-        if all(len(self.base.state.get(flat, {})) > 0 for flat in flats):
-            return
+        if not all(len(self.base.state.get(flat, {})) > 0 for flat in flats):
+            self.initialize_optimizer_state(flats)
+        if not self.stage3:
+            # DeepSpeed 0.19 links the fragments once, right after the first group's first step, when the later
+            # groups have no state yet (their fragments stay empty): link again now that every group has one.
+            self.zero._hp_optimizer_states_linked = False
+            self.zero._lazy_init_hp_params_optimizer_state()
+
+    def initialize_optimizer_state(self, flats: list[torch.Tensor]) -> None:
+        """As torch does before loading into a fresh optimizer: one step with zero gradients at rate 0."""
         rates = [group["lr"] for group in self.base.param_groups]
         kept_grads = [flat.grad for flat in flats]
         for group in self.base.param_groups:
@@ -64,7 +81,6 @@ class ZeroState:
                     self.zero._optimizer_step(sub_group)  # it points the real optimizer at that partition
             else:
                 self.base.step()
-                self.zero._lazy_init_hp_params_optimizer_state()  # links each parameter to its state fragment
         finally:
             for group, rate in zip(self.base.param_groups, rates, strict=True):
                 group["lr"] = rate
@@ -77,14 +93,17 @@ class ZeroState:
         state = self.base.state[flat]
         return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape]
 
+    def counts_steps(self) -> bool:
+        """Whether the optimizer keeps a step count (Adam's bias correction; SGD has none)."""
+        return STEP in self.base.state[self.flat_partitions()[0]]
+
     def group_step(self, index: int) -> float:
-        state = self.base.state.get(self.flat_partitions_of_group(index)[0], {})
-        return float(state.get(STEP, 0))
+        return float(self.base.state[self.flat_partitions_of_group(index)[0]][STEP])
 
     def set_group_step(self, index: int, value: float) -> None:
         for flat in self.flat_partitions_of_group(index):
             state = self.base.state[flat]
-            if torch.is_tensor(state.get(STEP)):
+            if torch.is_tensor(state[STEP]):
                 state[STEP].fill_(value)
             else:  # DeepSpeedCPUAdam counts in a Python int
                 state[STEP] = int(value)
@@ -96,8 +115,8 @@ class ZeroState:
 
     def full_weight(self, param: nn.Parameter) -> torch.Tensor:
         """The fp32 master value of a trained parameter, or the (gathered) value of a frozen one."""
+        from deepspeed.runtime.zero import GatheredParameters
         from deepspeed.utils import safe_get_full_fp32_param
-        from deepspeed.zero import GatheredParameters
 
         if param.requires_grad:
             return safe_get_full_fp32_param(param).detach().float().cpu()
@@ -106,8 +125,8 @@ class ZeroState:
 
     def set_full_weight(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Write the fp32 master (this rank's fragment) and the 16-bit/working copy the forward uses."""
+        from deepspeed.runtime.zero import GatheredParameters
         from deepspeed.utils import safe_set_full_fp32_param
-        from deepspeed.zero import GatheredParameters
 
         if param.requires_grad:
             safe_set_full_fp32_param(param, value.to(self.device_of(param)).float())
@@ -142,9 +161,8 @@ class ZeroState:
         state: dict[str, dict[str, torch.Tensor]] = {}
         groups = []
         for index, (params, group) in enumerate(zip(self.groups, self.base.param_groups, strict=True)):
-            step = self.group_step(index)
             for param in params:
-                entry = {STEP: torch.tensor(step, dtype=torch.float32)}
+                entry = {STEP: torch.tensor(self.group_step(index))} if self.counts_steps() else {}
                 for key in keys:
                     entry[key] = safe_get_full_optimizer_state(param, key).detach().float().cpu()
                 state[self.names[id(param)]] = entry
@@ -159,7 +177,14 @@ class ZeroState:
         return saved
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model_state(), "optimizer": self.optimizer_state()}
+        state = {"model": self.model_state(), "optimizer": self.optimizer_state()}
+        if self.dynamic_loss_scaling:
+            state["loss_scaler"] = loss_scaler_state(self.zero.loss_scaler)
+        return state
+
+    @property
+    def dynamic_loss_scaling(self) -> bool:
+        return bool(getattr(getattr(self.zero, "loss_scaler", None), "dynamic", False))
 
     def template(self, load_optimizer: bool) -> dict[str, Any]:
         """Tensors of the saved shapes for DCP to fill, without gathering anything."""
@@ -167,19 +192,30 @@ class ZeroState:
         params = dict(self.engine.module.named_parameters(remove_duplicate=False))
         for key, value in self.engine.module.state_dict(keep_vars=True).items():
             param = params.get(key)
-            model[canonical_name(key)] = (torch.empty(self.full_shape(param), dtype=torch.float32) if param is not None
-                                          else value.detach().clone())
+            model[canonical_name(key)] = (
+                torch.empty(self.full_shape(param), dtype=torch.float32)
+                if param is not None
+                else value.detach().clone()
+            )
         state: dict[str, Any] = {"model": model}
         if load_optimizer:
             self.ensure_optimizer_state()
             keys = self.optimizer_keys()
             state["optimizer"] = {
-                "state": {self.names[id(p)]: {STEP: torch.tensor(0.0), **{
-                    key: torch.empty(self.full_shape(p), dtype=torch.float32) for key in keys}}
-                    for params in self.groups for p in params},
-                "param_groups": [self.saved_group(g, ps) for g, ps in zip(self.base.param_groups, self.groups,
-                                                                         strict=True)],
+                "state": {
+                    self.names[id(p)]: {
+                        **({STEP: torch.tensor(0.0)} if self.counts_steps() else {}),
+                        **{key: torch.empty(self.full_shape(p), dtype=torch.float32) for key in keys},
+                    }
+                    for params in self.groups
+                    for p in params
+                },
+                "param_groups": [
+                    self.saved_group(g, ps) for g, ps in zip(self.base.param_groups, self.groups, strict=True)
+                ],
             }
+            if self.dynamic_loss_scaling:
+                state["loss_scaler"] = loss_scaler_state(self.zero.loss_scaler)
         return state
 
     def load(self, state: dict[str, Any], load_optimizer: bool) -> None:
@@ -204,9 +240,11 @@ class ZeroState:
                 entry = saved["state"][self.names[id(param)]]
                 for key in keys:
                     safe_set_full_optimizer_state(param, entry[key].to(self.device_of(param)).float(), key)
-            if params:
+            if params and self.counts_steps():
                 self.set_group_step(index, float(saved["state"][self.names[id(params[0])]][STEP]))
             self.load_hyperparameters(group, saved["param_groups"][index])
+        if self.dynamic_loss_scaling and "loss_scaler" in state:
+            load_loss_scaler_state(self.zero.loss_scaler, state["loss_scaler"])
 
     @staticmethod
     def load_hyperparameters(group: dict[str, Any], saved: dict[str, Any]) -> None:
@@ -214,3 +252,24 @@ class ZeroState:
         for key in group:
             if key != "params" and key in saved:
                 group[key] = saved[key]
+
+
+def loss_scaler_state(scaler: Any) -> dict[str, Any]:
+    """DeepSpeed's dynamic fp16 loss scaler in rapidtrain's (Megatron's) keys, so fp16 checkpoints cross modes."""
+    stable_steps = (
+        scaler.cur_iter - scaler.last_overflow_iter - 1
+    )  # overflow-free steps since the last overflow
+    return {
+        "scale": float(scaler.cur_scale),
+        "growth_tracker": stable_steps % scaler.scale_window,
+        "hysteresis_tracker": int(scaler.cur_hysteresis),
+    }
+
+
+def load_loss_scaler_state(scaler: Any, state: dict[str, Any]) -> None:
+    if not state:  # a constant scale (from the flags) was saved
+        return
+    scale = state["scale"]
+    scaler.cur_scale = float(scale.item() if torch.is_tensor(scale) else scale)
+    scaler.cur_iter, scaler.last_overflow_iter = int(state["growth_tracker"]), -1
+    scaler.cur_hysteresis = int(state["hysteresis_tracker"])

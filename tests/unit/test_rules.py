@@ -52,6 +52,20 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
+    "interleaved-micro-batches": (
+        ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+         "--micro-batch-size", "1", "--global-batch-size", "3"],
+        ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+         "--micro-batch-size", "1", "--global-batch-size", "4"],
+        2,
+        "cpu",
+    ),
+    "pipeline-per-token-loss": (
+        ["--pipeline-model-parallel-size", "2", "--model-type", "bert", "--bert-binary-head"],
+        ["--pipeline-model-parallel-size", "2", "--model-type", "bert"],
+        2,
+        "cpu",
+    ),
     "virtual-stages": (
         [
             "--num-layers",
@@ -127,6 +141,12 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
+    "ep-with-pipeline": (
+        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+        8,
+        "cpu",
+    ),
     "3d-builtin-models-only": (
         [
             "--tensor-model-parallel-size",
@@ -177,6 +197,18 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         ["--bert-binary-head"],
         ["--bert-binary-head", "--model-type", "bert"],
         1,
+        "cpu",
+    ),
+    "zero-elementwise-optimizer": (
+        ["--zero-2-memory-optimization", "--optimizers", "apex_lamb"],
+        ["--zero-2-memory-optimization", "--optimizer", "sgd"],
+        2,
+        "cpu",
+    ),
+    "cpu-offload-adam-only": (
+        ["--zero-2-memory-optimization", "--cpu-offload", "--optimizer", "sgd"],
+        ["--zero-2-memory-optimization", "--cpu-offload", "--optimizer", "adam"],
+        2,
         "cpu",
     ),
     "lora-needs-hf-model": (

@@ -1,0 +1,33 @@
+"""Run several `rapidtrain/pretrain.py` trainings one after another inside one torchrun launch.
+
+Usage: `torchrun --nproc-per-node N tests/distributed/pretrain_runs.py RUNS.json`, where RUNS.json is a
+list of argument lists. Each run is `rapidtrain.pretrain.main`'s code path (Engine → MegatronPreTrainer →
+train) on the launch's one process group, so a test pays for process start-up, DeepSpeed's import and
+the rendezvous once instead of once per run. The group is destroyed once, at the end.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rapidtrain.engine import Engine  # noqa: E402
+from rapidtrain.pretrain import DEMO_DEFAULTS, MegatronPreTrainer  # noqa: E402
+
+
+def run_all(runs: list[list[str]]) -> None:
+    engine = None
+    for argv in runs:
+        engine = Engine(argv=argv, defaults=DEMO_DEFAULTS)  # reuses the process group the first run started
+        MegatronPreTrainer(engine).train()
+        gc.collect()  # the previous run's model, engine and optimizer state
+    if engine is not None:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    run_all(json.loads(Path(sys.argv[1]).read_text()))

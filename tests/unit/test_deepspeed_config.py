@@ -1,0 +1,172 @@
+"""DeepSpeed's configuration generated from the plan: batch arithmetic, clipping, ZeRO stage, precision and
+ZeRO-Offload's optimizer; and DeepSpeed's own config parser accepts it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidtrain import arguments, plan
+from rapidtrain.optim.grad_scaler import LossScaleSettings
+from rapidtrain.parallel.deepspeed import canonical_name, deepspeed_config, offload_optimizer_config
+from rapidtrain.plan import RunContext, optimizer_settings
+
+BASE = ["--train-iters", "10", "--lr", "1e-4", "--micro-batch-size", "2", "--global-batch-size", "8"]
+
+
+def config_for(argv: list[str], world: int = 2, device: str = "cpu") -> dict:
+    args = arguments.parse_args(BASE + argv)
+    resolved = plan.from_args(args, RunContext(world, device), vocab_size=1024)  # type: ignore[arg-type]
+    loss_scale = LossScaleSettings(
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+    )
+    return deepspeed_config(resolved, optimizer_settings(args), args.clip_grad, loss_scale)
+
+
+def test_batch_arithmetic_clipping_and_stage_come_from_the_plan():
+    config = config_for(["--zero-2-memory-optimization"])
+    assert (
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+        config["train_batch_size"],
+    ) == (2, 2, 8)
+    assert config["gradient_clipping"] == 1.0
+    assert config["zero_optimization"] == {"stage": 2}
+    assert not {"bf16", "fp16", "optimizer", "scheduler"} & set(config)  # rapidtrain's optimizer and schedule
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_zero_flag_sets_its_stage(stage):
+    assert config_for([f"--zero-{stage}-memory-optimization"])["zero_optimization"]["stage"] == stage
+
+
+def test_clip_grad_zero_turns_clipping_off():
+    assert config_for(["--zero-1-memory-optimization", "--clip-grad", "0"])["gradient_clipping"] == 0.0
+
+
+@pytest.mark.parametrize("flag", ["--bf16", "--mixed-precision"])
+def test_bf16_is_deepspeeds_bf16_mode_on_cpu(flag):
+    assert config_for(["--zero-2-memory-optimization", flag])["bf16"] == {"enabled": True}
+
+
+def test_fp16_carries_the_loss_scale_flags():
+    dynamic = config_for(
+        [
+            "--zero-2-memory-optimization",
+            "--fp16",
+            "--loss-scale-window",
+            "500",
+            "--hysteresis",
+            "3",
+            "--min-loss-scale",
+            "4",
+            "--initial-loss-scale",
+            "65536",
+        ],
+        device="cuda",
+    )["fp16"]
+    assert dynamic == {
+        "enabled": True,
+        "loss_scale": 0.0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 500,
+        "hysteresis": 3,
+        "min_loss_scale": 4.0,
+        "consecutive_hysteresis": False,
+    }
+    static = config_for(["--zero-2-memory-optimization", "--fp16", "--loss-scale", "128"], device="cuda")[
+        "fp16"
+    ]
+    assert static["loss_scale"] == 128.0
+
+
+def test_cpu_offload_has_deepspeed_build_cpu_adam_from_the_flags():
+    config = config_for(
+        [
+            "--zero-2-memory-optimization",
+            "--cpu-offload",
+            "--lr",
+            "3e-4",
+            "--adam-beta2",
+            "0.95",
+            "--adam-eps",
+            "1e-6",
+            "--weight-decay",
+            "0.1",
+        ]
+    )
+    assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert config["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1, "adam_w_mode": True},
+    }
+
+
+def test_offload_keeps_l2_weight_decay_for_an_adam_settings_object():
+    from rapidtrain.optim.optimizers import OptimizerSettings
+
+    adam = offload_optimizer_config(OptimizerSettings(name="adam", lr=1e-3))
+    assert adam["type"] == "Adam" and adam["params"]["adam_w_mode"] is False  # as torch.optim.Adam
+
+
+def test_offload_refuses_an_optimizer_cpu_adam_cannot_run():
+    from rapidtrain.optim.optimizers import OptimizerSettings
+
+    with pytest.raises(ValueError, match="--cpu-offload"):
+        offload_optimizer_config(OptimizerSettings(name="sgd"))
+
+
+def test_config_needs_a_zero_plan():
+    with pytest.raises(ValueError, match="not a DeepSpeed ZeRO stage"):
+        config_for(["--fsdp-memory-optimization"])
+
+
+def test_deepspeed_parses_the_generated_config():
+    """DeepSpeed's own parser (one process: world size 1) checks the batch equation and reads every field."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    parsed = DeepSpeedConfig(
+        config_for(["--zero-2-memory-optimization", "--cpu-offload", "--bf16", "--clip-grad", "0.5"], world=1)
+    )
+    assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (8, 4)
+    assert parsed.zero_optimization_stage == 2 and parsed.gradient_clipping == 0.5
+    assert parsed.bfloat16_config.enabled and not parsed.float16_config.enabled
+    assert parsed.zero_config.offload_optimizer.device == "cpu"
+    assert parsed.optimizer_name == "adamw" and parsed.optimizer_params["lr"] == 1e-4
+
+
+def test_checkpoint_names_drop_wrapper_prefixes():
+    assert (
+        canonical_name("layers.0._checkpoint_wrapped_module.mlp._orig_mod.fc1.weight")
+        == "layers.0.mlp.fc1.weight"
+    )
+
+
+def test_fp16_loss_scaler_state_round_trips_in_rapidtrains_keys():
+    """DeepSpeed's dynamic loss scaler is checkpointed as Megatron's (scale, growth, hysteresis) and continues
+    the same after loading into a fresh scaler."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from rapidtrain.parallel.deepspeed_state import load_loss_scaler_state, loss_scaler_state
+
+    def scaler(initial: float) -> DynamicLossScaler:
+        return DynamicLossScaler(
+            init_scale=initial, scale_window=3, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False
+        )
+
+    saved = scaler(2.0**16)
+    for _ in range(5):
+        saved.update_scale(False)
+    state = loss_scaler_state(saved)
+    assert state == {"scale": 2.0**17, "growth_tracker": 2, "hysteresis_tracker": 2}
+    loaded = scaler(1.0)
+    load_loss_scaler_state(loaded, state)
+    scales = []
+    for _ in range(4):
+        saved.update_scale(False)
+        loaded.update_scale(False)
+        scales.append((saved.cur_scale, loaded.cur_scale))
+    assert scales == [(2.0**17, 2.0**17), (2.0**18, 2.0**18), (2.0**18, 2.0**18), (2.0**18, 2.0**18)]
