@@ -378,7 +378,8 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
                                     "attention and MLP, vocab-parallel embedding and loss"
                                     + (", sequence parallel norms/dropout" if layout.sequence_parallel else "")))
     if layout.pipeline_parallel_size > 1:
-        schedule = "interleaved 1F1B" if layout.virtual_pipeline_stages > 1 else "1F1B"
+        schedule = "interleaved 1F1B" if layout.virtual_pipeline_stages > 1 else \
+            "1F1B (GPipe with fewer micro-batches than stages)"
         engines.append(EngineChoice("--pipeline-model-parallel-size", f"torch.distributed.pipelining, {schedule}, "
                                     "microbatches = accumulation steps"))
     if args.num_experts:
@@ -405,7 +406,12 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
     if args.data_iterator == "dynamic-shape":
         engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
                                     "(multiple of 8)"))
-    engines.append(EngineChoice("optimizer", describe_optimizer(optimizer_settings(args), ctx.device_type)))
+    if args.cpu_offload and zero_stage(args) > 0 and not three_d:
+        from rapidtrain.parallel.deepspeed import describe_offload_optimizer
+
+        engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
+    else:
+        engines.append(EngineChoice("optimizer", describe_optimizer(optimizer_settings(args), ctx.device_type)))
     if args.cpu_offload:
         notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
                      "selects Adam there")
@@ -432,6 +438,8 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     name = args.optimizer or args.optimizers
     # DeepSpeed keeps 16-bit weights and gradients beside fp32 master weights; torch autocast keeps fp32 ones.
     weight, grad = (2, 2) if deepspeed and half else (4, 4)
+    if deepspeed and args.cpu_offload:  # ZeRO-Offload keeps the reduced gradient partition in fp32 on the CPU
+        grad = 4
     optimizer = OPTIMIZER_STATE_BYTES[name] + (4 if deepspeed and half else 0)
     n = layout.data_parallel_size
     shard_optimizer = stage > 0 or args.oss_memory_optimization or args.oss_sdp_memory_optimization \
@@ -470,7 +478,7 @@ def describe_plan(plan: Plan) -> str:
     lines += [
         f"  batches: micro {bat.micro_batch_size} × accumulation steps {bat.accumulation_steps} × data parallel "
         f"{lay.data_parallel_size} = global {bat.global_batch_size}",
-        f"  training length: " + (f"{plan.train_iters} iterations" if plan.train_iters else f"{plan.epochs} epochs"),
+        "  training length: " + (f"{plan.train_iters} iterations" if plan.train_iters else f"{plan.epochs} epochs"),
         f"  precision: {plan.precision.dtype}, loss scaling {plan.precision.loss_scaling} ({plan.precision.reason})",
         "  engines:",
     ]

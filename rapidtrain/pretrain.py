@@ -117,7 +117,10 @@ def masked_sum(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     engine = Engine(argv=argv, defaults=DEMO_DEFAULTS)
-    return MegatronPreTrainer(engine).train()
+    results = MegatronPreTrainer(engine).train()
+    # An undestroyed gloo group can abort the interpreter at exit ("terminate called without an active exception").
+    engine.shutdown()
+    return results
 
 
 if __name__ == "__main__":

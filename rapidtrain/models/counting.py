@@ -46,6 +46,11 @@ def _embedding_and_head_parameters(config: ModelConfig) -> int:
     return count
 
 
+def expert_parameter_count(config: ModelConfig) -> int:
+    """Parameters of all MoE layers' experts (not routers): what expert parallelism shards."""
+    return sum(config.experts_in_layer(i) for i in range(config.num_layers)) * _expert_parameters(config)
+
+
 def count_parameters(config: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters; active counts only the top-k experts of each MoE layer.
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.optim.grad_scaler import LossScaler, LossScaleSettings
-from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
+from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import TorchRunner
 from rapidtrain.plan import Plan
@@ -63,11 +63,26 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.
     group = mesh.group("dp")
     if group is None:
         return model
+    if mesh.layout.tensor_parallel_size > 1:  # DDP cannot reduce DTensor parameters
+        return apply_replicate(model, mesh)
     device_ids = [device.index] if device.type == "cuda" else None
     from rapidtrain.parallel.experts import exclude_experts_from_ddp
 
     exclude_experts_from_ddp(model)  # sharded experts are reduced over their own group (parallel/experts.py)
     return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+
+
+def apply_replicate(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+    """Data parallelism in 3D: composable `replicate` (FSDP2's machinery, so tensor-parallel DTensor
+    parameters become 2D dp × tp DTensors) over the dp mesh dimension; gradients averaged after backward.
+    Sharded experts are left out: they are reduced over their own group (parallel/experts.py)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    from rapidtrain.parallel.experts import expert_parameters, place_experts_on_mesh_of_others
+
+    replicate(model, mesh=mesh.submesh("dp"), ignored_params=set(expert_parameters(model).values()) or None)
+    place_experts_on_mesh_of_others(model)  # one mesh for all parameters: foreach clipping/optimizers need it
+    return model
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool) -> nn.Module:
@@ -79,22 +94,6 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     return model
-
-
-def oss_optimizer(model: nn.Module, settings: OptimizerSettings, device_type: str, mesh: ParallelMesh):
-    """ZeroRedundancyOptimizer: each data-parallel rank keeps the state of its share of parameters.
-
-    The local optimizer comes from the same `build_optimizer` as without OSS (same class, settings and
-    weight-decay groups), so OSS and DDP take identical steps.
-    """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    def local_optimizer(groups: list[dict], **_defaults) -> torch.optim.Optimizer:
-        return build_optimizer(groups, settings, device_type)[0]
-
-    groups = param_groups(model, settings.weight_decay)
-    return ZeroRedundancyOptimizer(groups, optimizer_class=local_optimizer, process_group=mesh.group("dp"),
-                                   lr=settings.lr)
 
 
 def parallelize(
@@ -122,6 +121,11 @@ def parallelize(
 
         # Before tensor parallelism, which then replicates each rank's expert slice over its TP ranks.
         apply_expert_parallel(model, mesh, plan.layout.expert_parallel_size)
+    if plan.layout.pipeline_parallel_size > 1:  # split first; each stage then goes through the same order
+        from rapidtrain.parallel.pipeline import pipeline_runner
+
+        return pipeline_runner(model, plan, mesh, device, optimizer=optimizer, optimizer_settings=optimizer_settings,
+                               clip_grad=clip_grad, loss_scale=loss_scale)
     if plan.layout.tensor_parallel_size > 1:
         from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -140,18 +144,23 @@ def parallelize(
     elif switches.partitioning_engine == "fairscale":
         from rapidtrain.parallel.fairscale_backend import fairscale_runner
 
-        return fairscale_runner(model, plan, mesh, device, optimizer_settings, clip_grad)
+        return fairscale_runner(model, plan, mesh, device, optimizer_settings, clip_grad, optimizer=optimizer,
+                                loss_scale=loss_scale)
     else:
         model = apply_ddp(model, mesh, device)
-    if optimizer is None:
-        if switches.partitioning_engine == "zero-redundancy" and mesh.group("dp") is not None:
-            optimizer = oss_optimizer(model, optimizer_settings, device.type, mesh)
-        else:
-            optimizer, _ = build_optimizer(model, optimizer_settings, device.type)
+    runner_class = TorchRunner
+    if switches.partitioning_engine == "zero-redundancy" and mesh.group("dp") is not None:
+        from rapidtrain.parallel.zero_redundancy import OSSRunner, oss_from_optimizer, oss_optimizer
+
+        runner_class = OSSRunner
+        optimizer = (oss_optimizer(model, optimizer_settings, device.type, mesh) if optimizer is None
+                     else oss_from_optimizer(optimizer, mesh))
+    elif optimizer is None:
+        optimizer, _ = build_optimizer(model, optimizer_settings, device.type)
     scaler = LossScaler(loss_scale) if plan.precision.loss_scaling != "none" else None
-    runner = TorchRunner(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
-                         clip_grad=clip_grad, gradient_average=gradient_average if mesh.group("dp") else 1,
-                         pipeline_group=mesh.group("pp"), scaler=scaler, found_inf_group=None)
+    runner = runner_class(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
+                          clip_grad=clip_grad, gradient_average=gradient_average if mesh.group("dp") else 1,
+                          pipeline_group=mesh.group("pp"), scaler=scaler, found_inf_group=None)
     if plan.layout.expert_parallel_size > 1:
         from rapidtrain.parallel.experts import expert_parallel_runner
 

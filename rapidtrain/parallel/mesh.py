@@ -69,6 +69,28 @@ class ParallelMesh:
         mesh = self._mesh_of(name)
         return None if mesh is None else mesh[name]
 
+    def pipeline_global_rank(self, stage_rank: int) -> int:
+        """The global rank of pipeline rank `stage_rank` with this rank's data and tensor coordinates."""
+        grid = self.layout.rank_grid()
+        return grid[stage_rank][self.data_parallel_rank][self.tensor_parallel_rank]
+
+    def embedding_group(self) -> dist.ProcessGroup | None:
+        """First and last pipeline rank with this rank's data/tensor coordinates (Megatron's embedding
+        group: they sum the gradients of the tied word embedding). Collective: every rank must call it."""
+        pp = self.layout.pipeline_parallel_size
+        if self.mesh is None or pp == 1:
+            return None
+        if pp == 2:
+            return self.mesh.get_group("pp")
+        mine = None
+        for data_rows in zip(*[self.layout.rank_grid()[stage] for stage in (0, pp - 1)], strict=True):
+            # (first-stage rank, last-stage rank) of each tensor-parallel coordinate
+            for ranks in zip(*data_rows, strict=True):
+                group = dist.new_group(list(ranks))  # every rank creates every group, in the same order
+                if self.rank in ranks:
+                    mine = group
+        return mine
+
 
 def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
     if layout.world_size == 1 or not dist.is_initialized():

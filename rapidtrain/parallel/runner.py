@@ -39,11 +39,14 @@ def total_grad_norm(parameters: list[nn.Parameter], pipeline_group: dist.Process
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    # Accumulated in fp64: fp32 sums over millions of elements drift by ~1e-5 relative, and differently
+    # for each way of sharding them, so layouts would log (and clip by) different norms.
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     if pipeline_group is not None:
-        squared = norm.float() ** 2
+        squared = norm**2
         dist.all_reduce(squared, group=pipeline_group)
         norm = squared.sqrt()
     return norm

@@ -49,8 +49,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     """
     if not hasattr(model, "layers") or not hasattr(model, "config"):
         raise ValueError(
-            f"--tensor-model-parallel-size applies to the built-in GPT/BERT models; {type(model).__name__} has no "
-            "`layers`/`config`. Use --tensor-model-parallel-size 1 (and ZeRO/FSDP for memory) for other models."
+            f"--tensor-model-parallel-size applies to the built-in GPT/BERT models; {type(model).__name__} "
+            "has no `layers`/`config`. Use --tensor-model-parallel-size 1 (and ZeRO/FSDP for memory) for "
+            "other models."
         )
     _enable_loss_parallel()
     residual = Shard(1) if sequence_parallel else Replicate()
@@ -68,12 +69,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 
 # ---- the splits ----
 
+
 def _split_embedding(embedding: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     # Vocabulary rows split; each rank looks up its rows and the partial results are summed.
     parallelize_module(embedding.word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    weight = embedding.word_embeddings.weight
+    # DTensor's embedding backward returns a replicated gradient; keep it split like the weight (a local
+    # slice), so optimizer state, gradient reductions and the pipeline's tied-copy sum see one layout.
+    weight.register_hook(
+        lambda grad: (
+            grad if grad.placements == weight.placements else grad.redistribute(placements=weight.placements)
+        )
+    )
     if sequence_parallel:  # dropout ran on the replicated sum; from here on each rank keeps its slice
-        parallelize_module(embedding, tp_mesh, PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+        parallelize_module(
+            embedding,
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+            ),
+        )
 
 
 def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequence_parallel: bool) -> None:
@@ -89,20 +104,28 @@ def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequenc
     if isinstance(layer.mlp, MoELayer):  # experts are not split; each rank routes the full sequence
         if sequence_parallel:
             plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=False,
+            )
     else:
         plan["mlp.fc1"] = ColwiseParallel()
         plan["mlp.fc2"] = RowwiseParallel(output_layouts=residual, use_local_output=keep_dtensor)
         if sequence_parallel:
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                             use_local_output=True)
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
     if sequence_parallel:
         plan["ln1"] = SequenceParallel()
         plan["ln2"] = SequenceParallel()
-        plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                               desired_input_layouts=(Replicate(), None, None),
-                                               use_local_output=True)
+        plan["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True,
+        )
     parallelize_module(layer, tp_mesh, plan)
 
 
@@ -117,11 +140,13 @@ def _split_head(model: nn.Module, tp_mesh: DeviceMesh, residual, sequence_parall
     if getattr(model, "lm_head", None) is not None:  # BERT: dense + norm on full rows, then the decoder
         plan["lm_head.output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         if sequence_parallel:
-            plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                 use_local_output=True)
+            plan["lm_head"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
     if getattr(model, "pooler", None) is not None and sequence_parallel:
-        plan["pooler"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                            use_local_output=True)
+        plan["pooler"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     if plan:
         parallelize_module(model, tp_mesh, plan)
 
@@ -142,6 +167,7 @@ def _tie_output_to_embedding(model: nn.Module) -> None:
 def _unsplit_subtrees(model: nn.Module) -> Iterator[nn.Module]:
     """The largest subtrees whose parameters are all still plain tensors (norms, position embeddings,
     BERT's head dense/pooler, MoE layers); a module mixing both kinds yields its plain leaves."""
+
     def plain(module: nn.Module) -> list[nn.Parameter]:
         return [p for p in module.parameters() if not isinstance(p, DTensor)]
 
@@ -153,13 +179,16 @@ def _unsplit_subtrees(model: nn.Module) -> Iterator[nn.Module]:
         for child in module.children():
             yield from visit(child)
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            raise ValueError(f"{type(module).__name__} holds plain parameters beside split children; "
-                             "tensor parallelism cannot replicate them")
+            raise ValueError(
+                f"{type(module).__name__} holds plain parameters beside split children; "
+                "tensor parallelism cannot replicate them"
+            )
 
     return visit(model)
 
 
 # ---- styles ----
+
 
 class ReplicatedParameters(ParallelStyle):
     """Parameters become replicated DTensors; the module computes on their local (full) values.
@@ -170,11 +199,15 @@ class ReplicatedParameters(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        owners = [(owner, name) for owner in module.modules() for name, _ in owner.named_parameters(recurse=False)]
+        owners = [
+            (owner, name) for owner in module.modules() for name, _ in owner.named_parameters(recurse=False)
+        ]
         for owner, name in owners:
             param = owner._parameters[name]
             if not isinstance(param, DTensor):
-                value = distribute_tensor(param.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                value = distribute_tensor(
+                    param.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank
+                )
                 owner.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
         saved: list[list[torch.Tensor]] = []
 
@@ -187,7 +220,7 @@ class ReplicatedParameters(ParallelStyle):
                     owner._parameters[name] = param.to_local()
 
         def restore(_module: nn.Module, _args: tuple, _output: object) -> None:
-            for (owner, name), param in zip(owners, saved.pop()):
+            for (owner, name), param in zip(owners, saved.pop(), strict=True):
                 owner._parameters[name] = param
 
         module.register_forward_pre_hook(localize)
@@ -223,6 +256,7 @@ def _enable_loss_parallel() -> None:
 
 # ---- dropout RNG where a rank holds its own part ----
 
+
 class ShardedDropoutRNG:
     """Forward hooks that run a module under a generator seeded per tensor-parallel rank.
 
@@ -243,7 +277,9 @@ class ShardedDropoutRNG:
         if not module.training:
             return
         seed = int(torch.randint(0, 2**62, (1,)).item())
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        cuda = (
+            torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
         self.saved.append((torch.get_rng_state(), cuda))
         torch.manual_seed((seed + self.tp_rank * _RNG_SALT) % 2**63)
 

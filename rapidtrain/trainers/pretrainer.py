@@ -9,8 +9,11 @@ Megatron's log line, evaluation, checkpoints and exact resume from consumed samp
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +23,22 @@ from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
 from rapidtrain.data.samplers import MegatronPretrainingSampler
 from rapidtrain.metrics import TensorBoardWriter, ThroughputMeter, format_log_line, mfu, peak_memory_bytes
 from rapidtrain.trainers.trainer import IntervalTotals, IterationResult, StopSignal, Trainer
+
+# Fault-tolerance tests only: rank 1 SIGKILLs itself once after this iteration (see kill_for_fault_test).
+KILL_AT_ITERATION_VARIABLE = "RAPIDTRAIN_TEST_KILL_AT_ITERATION"
+
+
+def kill_for_fault_test(iteration: int, rank: int, save: str | None) -> None:
+    """Rank 1 dies by SIGKILL after `$RAPIDTRAIN_TEST_KILL_AT_ITERATION`, once: a marker file in --save (or
+    `$RAPIDTRAIN_TEST_KILL_MARKER`) keeps the group torchrun restarts from dying again."""
+    at = os.environ.get(KILL_AT_ITERATION_VARIABLE)
+    if not at or rank != 1 or iteration != int(at):
+        return
+    marker = Path(os.environ.get("RAPIDTRAIN_TEST_KILL_MARKER") or Path(save or ".") / ".test_killed")
+    if marker.exists():
+        return
+    marker.write_text(f"killed rank {rank} after iteration {iteration}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class PreTrainer(Trainer):
@@ -102,6 +121,7 @@ class PreTrainer(Trainer):
                 if a.save and a.save_interval and self.iteration % a.save_interval == 0:
                     self.save()
                     saved_at = self.iteration
+                kill_for_fault_test(self.iteration, self.engine.rank, a.save)
                 if self.should_stop(stop_signal, started):
                     self.engine.print_rank0(f" exiting at iteration {self.iteration} (signal, --exit-interval or "
                                             "--exit-duration-in-mins)")
@@ -171,7 +191,13 @@ class PreTrainer(Trainer):
         iterator = iter(self.data_loader(dataset, 0))
         try:
             for _ in range(min(self.args.eval_iters, len(dataset) // self.engine.plan.batches.global_batch_size)):
-                for batch in self.micro_batches(iterator):
+                micro_batches = self.micro_batches(iterator)
+                if hasattr(runner, "evaluate_iteration"):  # pipeline parallel: forward through every stage
+                    value, count = runner.evaluate_iteration(micro_batches, self.run_forward_step)
+                    loss_sum += value
+                    weight += count
+                    continue
+                for batch in micro_batches:
                     with runner.micro_batch(is_last=True):
                         value, count = self._as_loss(self.run_forward_step(iter([batch]), self.model))
                     loss_sum += value.detach().double().cpu()

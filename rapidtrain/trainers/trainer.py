@@ -107,26 +107,29 @@ class Trainer:
         output = model(**batch)
         return output.loss if hasattr(output, "loss") else output["loss"]
 
+    def train(self) -> dict[str, Any]:
+        """The general template's loop: epoch-based (--epochs) or iteration-based (--train-iters) over the hooks
+        `train_valid_test_datasets_provider()` → (train, valid, test, collate_fn) and
+        `model_optimizer_lr_scheduler_provider()`, with the validation loss after each epoch; it is the
+        Finetuner's loop (trainers/finetuner.py), calling this class's `run_forward_step(data_iterator, model)`."""
+        from rapidtrain.trainers.finetuner import TemplateRun
+
+        return TemplateRun(self).train()
+
+    def forward_micro_batch(self, batches: Iterator[Any]) -> Any:
+        """One micro-batch's forward step; Finetuner hands its hook the batch itself, not the iterator."""
+        return self.run_forward_step(batches, self.model)
+
     # ---- one iteration ----
     def train_step(self, micro_batches: list[Any]) -> IterationResult:
         runner = self.engine.runner
         steps = len(micro_batches)
         global_tokens = self._global_tokens(micro_batches)
         self._set_moe_aux_scale(steps)
-        batches = iter(micro_batches)
-        loss_total = torch.zeros((), dtype=torch.float64)
-        per_token = False
-        for index in range(steps):
-            with runner.micro_batch(is_last=index == steps - 1):
-                output = self.run_forward_step(batches, self.model)
-                loss_sum, count = self._as_loss(output)
-            per_token = count is not None and global_tokens is not None
-            if per_token:
-                backward_loss = loss_sum * (runner.gradient_average / global_tokens)
-            else:
-                backward_loss = loss_sum / steps
-            runner.backward(backward_loss)
-            loss_total += loss_sum.detach().double().cpu() if per_token else loss_sum.detach().double().cpu() / steps
+        if hasattr(runner, "train_iteration"):  # pipeline parallel: the schedule runs every micro-batch itself
+            loss_total, per_token = runner.train_iteration(micro_batches, self.run_forward_step, global_tokens)
+        else:
+            loss_total, per_token = self._run_micro_batches(micro_batches, global_tokens)
         loss = self._reduce_loss(loss_total, per_token, global_tokens)
         nan = not math.isfinite(loss)
         if nan and not runner.skips_nonfinite:
@@ -137,6 +140,25 @@ class Trainer:
         outcome = self.engine.step()
         return IterationResult(loss, outcome.grad_norm, outcome.skipped, nan and not outcome.skipped, 0.0,
                                tokens=self._tokens_of(micro_batches), extras=self._moe_extras())
+
+    def _run_micro_batches(self, micro_batches: list[Any], global_tokens: int | None) -> tuple[torch.Tensor, bool]:
+        """Forward and backward of each micro-batch → (loss total, whether it is a per-token sum)."""
+        runner, steps = self.engine.runner, len(micro_batches)
+        batches = iter(micro_batches)
+        loss_total = torch.zeros((), dtype=torch.float64)
+        per_token = False
+        for index in range(steps):
+            with runner.micro_batch(is_last=index == steps - 1):
+                output = self.forward_micro_batch(batches)
+                loss_sum, count = self._as_loss(output)
+            per_token = count is not None and global_tokens is not None
+            if per_token:
+                backward_loss = loss_sum * (runner.gradient_average / global_tokens)
+            else:
+                backward_loss = loss_sum / steps
+            runner.backward(backward_loss)
+            loss_total += loss_sum.detach().double().cpu() if per_token else loss_sum.detach().double().cpu() / steps
+        return loss_total, per_token
 
     def _as_loss(self, output: Any) -> tuple[torch.Tensor, int | None]:
         """A forward step's result as (loss or loss sum, token count or None)."""
@@ -190,6 +212,13 @@ class Trainer:
         return {"load balancing loss": float(value) / self.engine.plan.layout.data_parallel_size}
 
     # ---- stopping, saving ----
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """What a template keeps in a checkpoint beyond model, optimizer and position (Finetuner: best metric)."""
+        return {}
+
+    def restore_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        """Take back what `checkpoint_extra` saved (nothing by default)."""
+
     def should_stop(self, stop_signal: StopSignal, started: float) -> bool:
         a = self.args
         flags = [stop_signal.received,
@@ -206,7 +235,7 @@ class Trainer:
         if not self.args.save:
             return
         path = save_checkpoint(self.args.save, self.iteration, self.engine.runner, self.engine.lr_scheduler,
-                               self.consumed_samples, self.args)
+                               self.consumed_samples, self.args, extra=self.checkpoint_extra())
         self.engine.print_rank0(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
 
     def load(self) -> None:
@@ -221,4 +250,5 @@ class Trainer:
             self.engine.print_rank0(f" no checkpoint in {self.args.load}; starting from scratch")
             return
         self.iteration, self.consumed_samples = loaded.iteration, loaded.consumed_samples
+        self.restore_checkpoint_extra(loaded.extra)
         self.engine.print_rank0(f" loaded checkpoint from {self.args.load} at iteration {self.iteration}")

@@ -1,0 +1,438 @@
+"""Pipeline parallelism for the built-in models with `torch.distributed.pipelining`.
+
+The model is split by layers into --pipeline-model-parallel-size stages (× virtual stages for the
+interleaved schedule): the first stage keeps the embedding, the last the final norm and the head, every
+other part is deleted. `layers` keeps its keys ("0", "1", ...), so a stage's parameter names are the
+full model's and torch.distributed.checkpoint reshards between pipeline sizes.
+
+Tied embeddings stay tied, as in Megatron: the last stage keeps its own copy of the word embedding
+(same initial values) and, after every backward, the first and last stage sum the two copies'
+gradients over their embedding group, so both copies take the same steps. The copy is left out of
+the gradient norm and saved under the embedding's name in the optimizer state.
+
+`PipelineRunner` runs a whole iteration with one `schedule.step` (micro-batches = accumulation steps,
+1F1B or interleaved 1F1B); loss and evaluation come from the last stage, which broadcasts them to
+the other stages of its pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
+from rapidtrain.optim.grad_scaler import LossScaler, LossScaleSettings
+from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer
+from rapidtrain.parallel.mesh import ParallelMesh
+from rapidtrain.parallel.runner import StepOutcome, TorchRunner, autocast, total_grad_norm
+from rapidtrain.plan import Plan
+
+FIRST_STAGE_PARTS = ("embedding",)
+LAST_STAGE_PARTS = ("final_norm", "output", "lm_head", "pooler", "binary_head")
+
+
+# ---- splitting ----
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[list[str]]:
+    """Layer names of each stage, in order: stage s holds layers [s·L/S, (s+1)·L/S)."""
+    per_stage = num_layers // num_stages
+    return [[str(i) for i in range(s * per_stage, (s + 1) * per_stage)] for s in range(num_stages)]
+
+
+def local_stage_indices(pipeline_rank: int, pipeline_size: int, virtual_stages: int) -> list[int]:
+    """Megatron's interleaving: model chunk c of pipeline rank r is stage c·P + r."""
+    return [chunk * pipeline_size + pipeline_rank for chunk in range(virtual_stages)]
+
+
+def keep_stages(model: nn.Module, stages: list[int], num_stages: int) -> nn.Module:
+    """Delete, in place, every part of the built-in model that `stages` do not run."""
+    if not isinstance(getattr(model, "layers", None), nn.ModuleDict) or not hasattr(model, "config"):
+        raise ValueError(
+            f"--pipeline-model-parallel-size splits the built-in GPT/BERT by layers; "
+            f"{type(model).__name__} has no `layers` ModuleDict. Use --pipeline-model-parallel-size 1."
+        )
+    names = stage_layers(model.config.num_layers, num_stages)
+    mine = {name for s in stages for name in names[s]}
+    for name in [n for n in model.layers if n not in mine]:
+        del model.layers[name]
+    for part in FIRST_STAGE_PARTS:
+        if 0 not in stages and getattr(model, part, None) is not None:
+            setattr(model, part, None)
+    for part in LAST_STAGE_PARTS:
+        if num_stages - 1 not in stages and getattr(model, part, None) is not None:
+            setattr(model, part, None)
+    return model
+
+
+def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """A module of the model's class that runs one stage, sharing its submodules with `model`
+    (with interleaving a rank runs several stages of one model whose names stay the full model's)."""
+    view = object.__new__(type(model))
+    nn.Module.__init__(view)
+    view.config = model.config
+    layer_names = set(stage_layers(model.config.num_layers, num_stages)[stage])
+    for name, child in model._modules.items():  # with the parts set to None, which named_children skips
+        if name == "layers":
+            child = nn.ModuleDict({k: v for k, v in child.items() if k in layer_names})
+        elif name in FIRST_STAGE_PARTS and stage != 0 or name in LAST_STAGE_PARTS and stage != num_stages - 1:
+            child = None
+        setattr(view, name, child)
+    view.train(model.training)
+    return view
+
+
+def tied_copies(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the tied word embedding where this stage holds it, and of a head's own copy
+    of it on a stage without the embedding; the embedding group sums their gradients."""
+    if not model.config.tie_embeddings:
+        return []
+    found = {}
+    if getattr(model, "embedding", None) is not None:
+        weight = model.get_parameter(TIED_EMBEDDING_NAME)
+        found[id(weight)] = (TIED_EMBEDDING_NAME, weight)
+    for module_name, module in model.named_modules():
+        if isinstance(module, OutputLayer) and module.tied_to is not None:
+            found.setdefault(id(module.weight), (f"{module_name}.weight", module.weight))
+    return list(found.values())
+
+
+# ---- sequence-parallel stage boundaries: DTensors inside a stage, local shards on the wire ----
+
+
+def _sequence_parallel_boundaries(view: nn.Module, tp_mesh: Any, first: bool, last: bool) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not first:
+        view.register_forward_pre_hook(
+            lambda _m, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
+        )
+    if not last:
+        view.register_forward_hook(lambda _m, _a, out: out.to_local() if isinstance(out, DTensor) else out)
+
+
+# ---- building the runner ----
+
+
+def pipeline_runner(
+    model: nn.Module,
+    plan: Plan,
+    mesh: ParallelMesh,
+    device: torch.device,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    optimizer_settings: OptimizerSettings,
+    clip_grad: float,
+    loss_scale: LossScaleSettings,
+) -> PipelineRunner:
+    """This rank's stage(s) of `model`, wrapped as the plan says, with their optimizer and schedule."""
+    layout = plan.layout
+    num_stages = layout.pipeline_parallel_size * layout.virtual_pipeline_stages
+    stages = local_stage_indices(
+        mesh.pipeline_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_stages
+    )
+    model, views = parallelize_stages(
+        keep_stages(model, stages, num_stages), stages, num_stages, plan, mesh, device
+    )
+    if optimizer is None:
+        optimizer, _ = build_optimizer(model, optimizer_settings, device.type)
+    pipeline_group = mesh.group("pp")
+    runner = PipelineRunner(
+        module=model,
+        optimizer=optimizer,
+        precision=plan.precision,
+        device_type=device.type,
+        clip_grad=clip_grad,
+        gradient_average=layout.data_parallel_size,
+        pipeline_group=pipeline_group,
+        scaler=LossScaler(loss_scale) if plan.precision.loss_scaling != "none" else None,
+        found_inf_group=dist.group.WORLD,
+        views=views,
+        is_first=0 in stages,
+        is_last=num_stages - 1 in stages,
+        last_stage_rank=mesh.pipeline_global_rank(layout.pipeline_parallel_size - 1),
+        embedding_group=mesh.embedding_group() if model.config.tie_embeddings else None,
+    )
+    pipeline_stages = [
+        PipelineStage(view, stage, num_stages, device, group=pipeline_group)
+        for view, stage in zip(views, stages, strict=True)
+    ]
+    runner.schedule = build_schedule(pipeline_stages, plan.batches.accumulation_steps, runner.microbatch_loss)
+    return runner
+
+
+def parallelize_stages(
+    model: nn.Module, stages: list[int], num_stages: int, plan: Plan, mesh: ParallelMesh, device: torch.device
+) -> tuple[nn.Module, list[nn.Module]]:
+    """apply.py's order on the rank's model: tensor parallel → activation checkpointing → compile → data
+    parallel; the last wraps each stage's view (with several virtual stages, one view per stage)."""
+    from rapidtrain.parallel import apply
+
+    layout, switches = plan.layout, plan.switches
+    if layout.tensor_parallel_size > 1:
+        from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.submesh("tp"), sequence_parallel=layout.sequence_parallel)
+    if switches.activation_checkpointing:
+        apply.apply_activation_checkpointing(model)
+    if switches.compile != "none":
+        from rapidtrain.parallel.compile import apply_graph_optimization
+
+        model = apply_graph_optimization(model, switches.compile)
+    model.to(device)
+    views = [model] if len(stages) == 1 else [stage_view(model, s, num_stages) for s in stages]
+    for view, stage in zip(views, stages, strict=True):
+        if layout.sequence_parallel:
+            _sequence_parallel_boundaries(view, mesh.submesh("tp"), stage == 0, stage == num_stages - 1)
+        if mesh.group("dp") is None:
+            continue
+        if switches.partitioning_engine == "fsdp2":  # ZeRO-1/2 in 3D: unsharded between forward and backward
+            apply.apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp")
+        else:
+            apply.apply_replicate(view, mesh)
+    return model, views
+
+
+def build_schedule(stages: list[PipelineStage], micro_batches: int, loss_fn: Callable) -> Any:
+    """Interleaved 1F1B with several stages per rank; 1F1B, or GPipe when there are fewer micro-batches
+    than stages (1F1B needs one per stage; the result is the same). Losses are summed, not averaged."""
+    if len(stages) > 1:
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
+    schedule = Schedule1F1B if micro_batches >= stages[0].num_stages else ScheduleGPipe
+    return schedule(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+
+# ---- running whole iterations ----
+
+
+class _RecordCall:
+    """Stands in for the model in a trainer's forward step: records how the model would be called, so
+    the pipeline can feed those inputs to its stages and apply the returned loss function."""
+
+    def __init__(self) -> None:
+        self.args: tuple = ()
+        self.kwargs: dict[str, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _RecordCall:
+        self.args, self.kwargs = args, kwargs
+        return self
+
+
+_NOT_PIPELINABLE = (
+    "under --pipeline-model-parallel-size the forward step must call the model once and return "
+    "(output, loss_fn), as the built-in pretraining does, so that the last stage can apply loss_fn; a loss "
+    "that is not per token (the BERT binary head's) cannot be pipelined: drop --bert-binary-head or "
+    "--pipeline-model-parallel-size."
+)
+
+
+def _record_micro_batch(forward_step: Callable, batch: Any) -> tuple[_RecordCall, Callable]:
+    call = _RecordCall()
+    try:
+        result = forward_step(iter([batch]), call)
+    except (AttributeError, TypeError, ValueError) as error:  # it used the model's output itself
+        raise ValueError(_NOT_PIPELINABLE) from error
+    if not (isinstance(result, tuple) and len(result) == 2 and result[0] is call and callable(result[1])):
+        raise ValueError(_NOT_PIPELINABLE)
+    if len(call.args) != 1:
+        raise ValueError(
+            "under --pipeline-model-parallel-size the forward step must pass the model one positional "
+            "input (token ids) and everything else by keyword."
+        )
+    return call, result[1]
+
+
+def _concatenate(calls: list[_RecordCall]) -> tuple[tuple, dict[str, Any]]:
+    """One whole-batch input that the schedule splits back into exactly these micro-batches."""
+    args = (torch.cat([c.args[0] for c in calls]),)
+    kwargs = {
+        name: torch.cat([c.kwargs[name] for c in calls])
+        for name, value in calls[0].kwargs.items()
+        if isinstance(value, torch.Tensor)
+    }
+    return args, kwargs
+
+
+def _as_loss(value: Any) -> tuple[torch.Tensor, Any]:
+    return value if isinstance(value, tuple) else (value, None)
+
+
+@dataclass
+class PipelineRunner(TorchRunner):
+    """A pipeline stage's model part(s), optimizer and schedule; `train_iteration` runs every
+    micro-batch of one global batch; `step` clips by the norm over all stages."""
+
+    views: list[nn.Module] = field(default_factory=list)
+    is_first: bool = False
+    is_last: bool = False
+    last_stage_rank: int = 0
+    embedding_group: dist.ProcessGroup | None = None
+    schedule: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Per iteration: the trainer's loss function and the results of each micro-batch.
+        self._loss_fns: list[Callable] = []
+        self._loss_sums: dict[int, torch.Tensor] = {}
+        self._counts: dict[int, Any] = {}
+        self._scale = 1.0
+        copies = tied_copies(self.module)
+        self.tied_parameters = [p for _, p in copies]
+        # The head's copy of the embedding is counted once in the norm (with the embedding itself).
+        self.tied_copy_name = next((n for n, _ in copies if n != TIED_EMBEDDING_NAME), None)
+        copy_ids = {id(p) for n, p in copies if n == self.tied_copy_name}
+        self.norm_parameters = [p for p in self.parameters if id(p) not in copy_ids]
+
+    def microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: `target` is the micro-batch's index; its loss function came from the trainer.
+
+        Results are kept by index: the schedule's first step also calls this once to infer shapes,
+        on uninitialised inputs, before the real micro-batch 0.
+        """
+        index = int(target[0])
+        loss_sum, count = _as_loss(self._loss_fns[index](output))
+        self._loss_sums[index] = loss_sum.detach().double().cpu()
+        self._counts[index] = count
+        loss = loss_sum * self._scale
+        return self.scaler.scale(loss) if self.scaler is not None and torch.is_grad_enabled() else loss
+
+    def _run(
+        self, micro_batches: list[Any], forward_step: Callable, scale: float | None, train: bool
+    ) -> None:
+        recorded = [_record_micro_batch(forward_step, batch) for batch in micro_batches]
+        self._loss_fns = [loss_fn for _, loss_fn in recorded]
+        self._loss_sums, self._counts = {}, {}
+        self._scale = scale if scale is not None else 1.0 / len(micro_batches)
+        args, kwargs = _concatenate([call for call, _ in recorded])
+        args = args if self.is_first else ()  # later stages take their input from the previous stage
+        target = torch.arange(len(micro_batches)) if self.is_last else None
+        with autocast(self.precision, self.device_type):
+            if train:
+                self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+            else:
+                self.schedule.eval(*args, target=target, **kwargs)
+
+    def train_iteration(
+        self, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None
+    ) -> tuple[torch.Tensor, bool]:
+        """Forward and backward of every micro-batch → (loss total, per-token) on every stage; the total
+        is the sum of loss sums (per-token) or of micro-batch means / steps, as the trainer adds them."""
+        scale = self.gradient_average / global_tokens if global_tokens is not None else None
+        self._run(micro_batches, forward_step, scale, train=True)
+        self._sum_tied_gradients()
+        per_token = (
+            bool(self._counts)
+            and all(c is not None for c in self._counts.values())
+            and global_tokens is not None
+        )
+        total = self._total()
+        if not per_token and self._loss_sums:
+            total = total / len(micro_batches)
+        loss_total, per_token = self._from_last_stage(total, per_token)
+        if global_tokens is None:
+            per_token = False
+        return loss_total, per_token
+
+    @torch.no_grad()
+    def evaluate_iteration(self, micro_batches: list[Any], forward_step: Callable) -> tuple[float, float]:
+        """Forward only → (sum of losses, their weight: tokens, or one per micro-batch) on every stage."""
+        self._run(micro_batches, forward_step, None, train=False)
+        total = self._total()
+        weight = float(sum(c if c is not None else 1 for c in self._counts.values()))
+        totals = self._broadcast(torch.tensor([float(total), weight], dtype=torch.float64))
+        return float(totals[0]), float(totals[1])
+
+    def _total(self) -> torch.Tensor:
+        # Summed in micro-batch order, as the unpipelined loop does.
+        sums = [self._loss_sums[i] for i in sorted(self._loss_sums)]
+        return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
+
+    def _from_last_stage(self, total: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, bool]:
+        values = self._broadcast(torch.tensor([float(total), float(per_token)], dtype=torch.float64))
+        return values[0], bool(values[1])
+
+    def _broadcast(self, values: torch.Tensor) -> torch.Tensor:
+        if self.pipeline_group is not None:
+            dist.broadcast(values, src=self.last_stage_rank, group=self.pipeline_group)
+        return values
+
+    @torch.no_grad()
+    def _sum_tied_gradients(self) -> None:
+        if self.embedding_group is None:
+            return
+        for param in self.tied_parameters:
+            grad = param.grad
+            if grad is None:  # keep the collective matched: this stage contributed nothing
+                param.grad = grad = torch.zeros_like(param)
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                param.grad = grad = grad.redistribute(placements=param.placements)
+            dist.all_reduce(
+                grad.to_local() if isinstance(grad, DTensor) else grad, group=self.embedding_group
+            )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise RuntimeError(
+            "under --pipeline-model-parallel-size the pipeline schedule runs forward and backward of every "
+            "micro-batch: train with Trainer.train_step (or runner.train_iteration), not engine.backward(loss)."
+        )
+
+    def step(self) -> StepOutcome:
+        if self.scaler is not None:
+            found_inf = self.scaler.unscale_and_check(self.parameters, process_group=self.found_inf_group)
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.zero_grad()
+                return StepOutcome(None, skipped=True)
+        norm = total_grad_norm(self.norm_parameters, self.pipeline_group)
+        if self.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(
+                self.parameters, self.clip_grad, norm.to(self._grad_device())
+            )
+        self.optimizer.step()
+        self.zero_grad()
+        return StepOutcome(float(norm))
+
+    def train(self, mode: bool = True) -> None:
+        for view in [self.module, *self.views]:
+            view.train(mode)
+
+    # ---- checkpoints ----
+    # Parameter names are the full model's; the head's embedding copy is saved under the embedding's name
+    # in the optimizer state. `param_groups` (one object for the whole checkpoint, so only one stage's)
+    # is not loaded: this stage keeps its own groups, the learning rate comes back with the schedule.
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.tied_copy_name:
+            state["optimizer"] = _rename(state["optimizer"], self.tied_copy_name, TIED_EMBEDDING_NAME)
+        return state
+
+    def state_dict_for_loading(self, load_optimizer: bool) -> dict[str, Any]:
+        state = super().state_dict_for_loading(load_optimizer)
+        if "optimizer" in state:
+            state["optimizer"] = {"state": state["optimizer"]["state"]}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+        if load_optimizer:
+            optimizer = {**state["optimizer"], "param_groups": self.state_dict()["optimizer"]["param_groups"]}
+            if self.tied_copy_name:
+                optimizer = _rename(optimizer, TIED_EMBEDDING_NAME, self.tied_copy_name)
+            state = {**state, "optimizer": optimizer}
+        super().load_state_dict(state, load_optimizer)
+
+
+def _rename(optimizer_state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """Rename one parameter in an optimizer state dict keyed by parameter names."""
+    state = {new if name == old else name: value for name, value in optimizer_state["state"].items()}
+    groups = [
+        {**group, "params": [new if name == old else name for name in group["params"]]}
+        for group in optimizer_state.get("param_groups", [])
+    ]
+    return {**optimizer_state, "state": state, **({"param_groups": groups} if groups else {})}
