@@ -53,6 +53,8 @@ def torchrun_command(args: argparse.Namespace, script: Path, argv: list[str], de
         command += [f"--node-rank={os.environ.get('NODE_RANK', '0')}",
                     f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
                     f"--master-port={os.environ.get('MASTER_PORT', '29500')}"]
+    if args.user_script:  # through rapidtrain.cli, which checks that the script trains something
+        return command + ["-m", "rapidtrain.cli", *argv]
     return command + [str(script), *argv]
 
 
@@ -61,11 +63,32 @@ def run_in_place(script: Path, argv: list[str]) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
+def launch_arguments(argv: list[str]) -> argparse.Namespace:
+    """The flags; a user script may add its own through extra_args_provider, which only its Engine knows."""
+    if any(a == "--user-script" or a.startswith("--user-script=") for a in argv):
+        return arguments.build_parser().parse_known_args(argv)[0]
+    return arguments.parse_args(argv)
+
+
+def run_user_script_in_place(script: Path, argv: list[str]) -> int:
+    from rapidtrain.user_script import UserScriptError, run_user_script
+
+    try:
+        run_user_script(script, argv)
+    except UserScriptError as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(error, file=sys.stderr)
+        return 2
+    return 0
+
+
 def launch(argv: list[str]) -> int:
-    args = arguments.parse_args(argv)
+    args = launch_arguments(argv)
     ctx = plan.RunContext.detect(args)
     script = entry_script(args)
     if under_torchrun():
+        if args.user_script:
+            return run_user_script_in_place(script, argv)
         run_in_place(script, argv)
         return 0
     rules.exit_on_conflicts(args, ctx)

@@ -1,0 +1,105 @@
+"""`rapidtrain --task T --pretrained-model-name-or-path DIR --data-dir D --data-name N --epochs E ...`: the
+black-box fine-tuning of a local Hugging Face model (the `rapidtrain` command starts this file under
+torchrun for every task but pretraining).
+
+Tasks: sequence_classification, token_classification, question_answering, masked_lm, casual_lm
+(causal_lm), seq2seq_lm (rapidtrain/tasks/). With --save, `SAVE/best/` and `SAVE/last/` hold the model,
+tokenizer, `eval_results.json` and the validation predictions; `SAVE/iter_*` resumable checkpoints.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the package importable, not its folder's modules
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from typing import Any  # noqa: E402
+
+from rapidtrain.engine import Engine  # noqa: E402
+from rapidtrain.trainers.finetuner import Finetuner  # noqa: E402
+
+
+class TaskFinetuner(Finetuner):
+    """A Finetuner whose hooks come from the --task's class (data, Auto class, loss, metrics)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        from rapidtrain.tasks import NEEDS_FAST_TOKENIZER, build_task
+        from rapidtrain.tasks.base import load_tokenizer, quiet_transformers
+
+        a = self.args
+        quiet_transformers()
+        if not a.data_dir and not a.data_name:
+            raise SystemExit(
+                f"rapidtrain: --task {a.task} needs its data: --data-dir DIR (GLUE-style .tsv/.csv/.jsonl "
+                "split files or a datasets save_to_disk folder) and/or --data-name NAME."
+            )
+        self.tokenizer = load_tokenizer(a.pretrained_model_name_or_path, a.task in NEEDS_FAST_TOKENIZER)
+        self.task = build_task(
+            a.task, self.tokenizer, a.seq_length, engine.plan.switches.dynamic_shape, a.seed
+        )
+        self.task.mask_prob = a.mask_prob
+        self.metric_for_best_model = self.task.best_metric
+        self.greater_is_better = self.task.greater_is_better
+        self.token_count = self.task.token_count
+        self.predictions: list | None = None
+
+    def train_valid_test_datasets_provider(self) -> tuple[Any, Any, Any, Any]:
+        from rapidtrain.data.finetune import load_finetune_dataset
+
+        splits = load_finetune_dataset(self.args.data_dir, self.args.data_name)
+        if "train" not in splits:
+            raise SystemExit(
+                f"rapidtrain: the data in --data-dir {self.args.data_dir} --data-name "
+                f"{self.args.data_name} has no train split (found: {', '.join(splits)}); add train.tsv "
+                "(or .csv/.jsonl)."
+            )
+        prepared = self.task.prepare(dict(splits))
+        return prepared["train"], prepared.get("validation"), prepared.get("test"), self.task.collate
+
+    def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, None, None]:
+        from rapidtrain.tasks import load_task_model
+
+        return (
+            load_task_model(self.task, self.args.pretrained_model_name_or_path, self.args.lora_rank),
+            None,
+            None,
+        )
+
+    def sample_lengths(self, dataset: Any) -> list[int]:
+        return dataset.lengths
+
+    def run_forward_step(self, batch: Any, model: Any) -> Any:
+        return self.task.forward(batch, model)
+
+    def run_compute_metrics(self, model: Any, eval_dataloader: Any) -> dict[str, Any]:
+        results, self.predictions = self.task.evaluate(model, eval_dataloader, self.gather)
+        return results
+
+    def export_files(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        files = super().export_files(metrics)
+        if self.predictions is not None:
+            files["eval_predictions.jsonl"] = [
+                {"index": i, "prediction": p} for i, p in enumerate(self.predictions)
+            ]
+        return files
+
+    def train(self) -> dict[str, Any]:
+        results = super().train()
+        if self.task.has_labels(self.test_ds) and self.finished():
+            test = self.evaluate(self.test_ds)
+            shown = " | ".join(f"{k}: {v:.6g}" for k, v in test.items() if isinstance(v, float))
+            self.engine.print_rank0(f" test | {shown}")
+            results = {**results, **{f"test {k}": v for k, v in test.items()}}
+        return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    engine = Engine(argv=argv)
+    return TaskFinetuner(engine).train()
+
+
+if __name__ == "__main__":
+    main()

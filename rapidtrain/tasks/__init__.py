@@ -1,0 +1,44 @@
+"""The black-box command's Hugging Face tasks: records → features, the Auto class, loss and metrics.
+
+One class per task (`Task` in base.py); `build_task` picks it by `--task` (`causal_lm` is `casual_lm`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rapidtrain.tasks.base import Task, add_lora, load_model
+from rapidtrain.tasks.classification import SequenceClassification, TokenClassification
+from rapidtrain.tasks.language_modeling import CausalLM, MaskedLM, Seq2SeqLM
+from rapidtrain.tasks.question_answering import QuestionAnswering
+
+TASK_CLASSES: dict[str, type[Task]] = {
+    "sequence_classification": SequenceClassification,
+    "token_classification": TokenClassification,
+    "question_answering": QuestionAnswering,
+    "masked_lm": MaskedLM,
+    "casual_lm": CausalLM,
+    "causal_lm": CausalLM,
+    "seq2seq_lm": Seq2SeqLM,
+}
+NEEDS_FAST_TOKENIZER = ("token_classification", "question_answering")
+
+
+def build_task(
+    name: str, tokenizer: Any, seq_length: int, dynamic_shape: bool = False, seed: int = 0
+) -> Task:
+    if name not in TASK_CLASSES:
+        raise ValueError(
+            f"--task {name}: not a fine-tuning task; choose one of {', '.join(TASK_CLASSES)} "
+            "(--task pretraining runs the built-in PreTrainer)"
+        )
+    return TASK_CLASSES[name](tokenizer, seq_length, dynamic_shape, seed)
+
+
+def load_task_model(task: Task, path: str, lora_rank: int = 0) -> Any:
+    """The task's Auto class from the local folder (new heads initialised from the seed), with LoRA if asked."""
+    model = load_model(task.auto_class, path, **task.model_kwargs())
+    return add_lora(model, lora_rank, task.peft_task_type) if lora_rank > 0 else model
+
+
+__all__ = ["TASK_CLASSES", "Task", "build_task", "load_task_model"]

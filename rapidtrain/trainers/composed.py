@@ -1,0 +1,389 @@
+"""Data loaders over this rank's share of the data, and what `Engine.compose` hands to a user's own loop.
+
+Training loaders give each data-parallel rank its micro-batches (shuffled per epoch, resumable from a
+consumed-samples count); evaluation loaders cover every sample exactly once, in dataset order when the
+ranks' batches are gathered. For an own loop, each training micro-batch is yielded inside the runner's
+micro-batch context (autocast, no gradient all-reduce before the last micro-batch of a global batch), and
+the returned optimizer steps only at the end of a global batch: so a plain PyTorch loop accumulates, runs
+mixed precision and partitions state as the flags say, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+from rapidtrain.data.dynamic_shape import LengthBucketBatchSampler
+from rapidtrain.data.samplers import (
+    MegatronPretrainingSampler,
+    MegatronRandomSampler,
+    check_data_parallel_layout,
+)
+from rapidtrain.parallel.runner import autocast
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors anywhere in a batch (dicts, BatchEncoding, lists, tuples) moved to `device`."""
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(move_to_device(value, device) for value in batch)
+    return batch
+
+
+class EvalBatchSampler:
+    """Every sample once; step k gives rank r its slice of chunk k (micro × dp samples), so the ranks'
+    batches, gathered in rank order, come out in dataset order. The last chunk is split evenly; a rank
+    left without samples gets one repeated sample, which `real_rows` reports as padding (0 real rows).
+    """
+
+    def __init__(
+        self, total_samples: int, micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int
+    ) -> None:
+        check_data_parallel_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
+        self.total = total_samples
+        self.micro = micro_batch_size
+        self.rank = data_parallel_rank
+        self.size = data_parallel_size
+
+    def __len__(self) -> int:
+        return math.ceil(self.total / (self.micro * self.size))
+
+    def _slice(self, step: int) -> tuple[int, int]:
+        chunk = self.micro * self.size
+        start = step * chunk
+        remaining = min(chunk, self.total - start)
+        if remaining == chunk:
+            return start + self.rank * self.micro, start + (self.rank + 1) * self.micro
+        share, extra = divmod(remaining, self.size)  # the first `extra` ranks take one more
+        first = start + self.rank * share + min(self.rank, extra)
+        return first, first + share + (1 if self.rank < extra else 0)
+
+    def real_rows(self, step: int) -> int:
+        begin, end = self._slice(step)
+        return end - begin
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(len(self)):
+            begin, end = self._slice(step)
+            yield list(range(begin, end)) if end > begin else [max(self.total - 1, 0)]
+
+
+class ShardedLoader:
+    """A DataLoader over this rank's share; batches come out on `device`.
+
+    `real_rows` is the number of real (not padding) rows of the batch last yielded; `gather(t)` collects a
+    tensor of that batch from every data-parallel rank without them. `context(step)` may wrap each yielded
+    batch (the own-loop micro-batch context).
+    """
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        device: torch.device,
+        context: Callable[[int], contextlib.AbstractContextManager] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.loader = loader
+        self.device = device
+        self.context = context
+        self.group = group
+        self.real_rows: int | None = None
+        self.batch_sampler = loader.batch_sampler
+        self.dataset = loader.dataset
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        eval_sampler = self.batch_sampler if isinstance(self.batch_sampler, EvalBatchSampler) else None
+        for step, batch in enumerate(self.loader):
+            self.real_rows = eval_sampler.real_rows(step) if eval_sampler else None
+            batch = move_to_device(batch, self.device)
+            with self.context(step) if self.context else contextlib.nullcontext():
+                yield batch
+        self.real_rows = None
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (rows of the current batch) from every data-parallel rank, in dataset order for evaluation."""
+        return gather_across_ranks(tensor, self.group, self.real_rows)
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """How data is shared out: micro batch, this rank's place among the data-parallel ranks, seed."""
+
+    micro_batch_size: int
+    data_parallel_rank: int
+    data_parallel_size: int
+    seed: int
+    num_workers: int = 0
+    pin_memory: bool = False
+    group: dist.ProcessGroup | None = None  # the data-parallel group, for gathering
+
+
+def _data_loader(
+    dataset: Any, batch_sampler: Any, collate_fn: Callable | None, s: ShardSettings
+) -> DataLoader:
+    # Its own generator: each iter() of a DataLoader draws a worker seed, which must not move the global RNG
+    # (dropout), or a run resumed mid-epoch would draw different masks than the run it continues.
+    generator = torch.Generator().manual_seed(s.seed)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=collate_fn,
+        num_workers=s.num_workers,
+        pin_memory=s.pin_memory,
+        persistent_workers=False,
+        generator=generator,
+    )
+
+
+def train_batch_sampler(
+    dataset: Any,
+    s: ShardSettings,
+    consumed_samples: int = 0,
+    shuffle: bool = True,
+    lengths: Sequence[int] | None = None,
+) -> Any:
+    """Dynamic shape (lengths given): length buckets; shuffle: Megatron's epoch permutation; else in order."""
+    if lengths is not None:
+        return LengthBucketBatchSampler(
+            lengths,
+            s.micro_batch_size,
+            s.data_parallel_rank,
+            s.data_parallel_size,
+            seed=s.seed,
+            consumed_samples=consumed_samples,
+        )
+    if shuffle:
+        return MegatronRandomSampler(
+            len(dataset),
+            consumed_samples,
+            s.micro_batch_size,
+            s.data_parallel_rank,
+            s.data_parallel_size,
+            seed=s.seed,
+        )
+    return MegatronPretrainingSampler(
+        len(dataset), consumed_samples, s.micro_batch_size, s.data_parallel_rank, s.data_parallel_size
+    )
+
+
+def samples_per_epoch(batch_sampler: Any) -> int:
+    """Samples one epoch of a training batch sampler walks, over all data-parallel ranks."""
+    if isinstance(batch_sampler, LengthBucketBatchSampler):
+        return batch_sampler.steps_per_epoch * batch_sampler.step_size
+    if isinstance(batch_sampler, MegatronRandomSampler):
+        return batch_sampler.samples_per_epoch
+    chunk = batch_sampler.micro_batch_size * batch_sampler.data_parallel_size
+    return (batch_sampler.total_samples // chunk) * chunk
+
+
+def train_loader(
+    dataset: Any,
+    collate_fn: Callable | None,
+    s: ShardSettings,
+    device: torch.device,
+    consumed_samples: int = 0,
+    lengths: Sequence[int] | None = None,
+    shuffle: bool = True,
+    context: Callable[[int], contextlib.AbstractContextManager] | None = None,
+) -> ShardedLoader:
+    sampler = train_batch_sampler(dataset, s, consumed_samples, shuffle, lengths)
+    return ShardedLoader(_data_loader(dataset, sampler, collate_fn, s), device, context, s.group)
+
+
+def eval_loader(
+    dataset: Any,
+    collate_fn: Callable | None,
+    s: ShardSettings,
+    device: torch.device,
+    context: Callable[[int], contextlib.AbstractContextManager] | None = None,
+) -> ShardedLoader:
+    sampler = EvalBatchSampler(len(dataset), s.micro_batch_size, s.data_parallel_rank, s.data_parallel_size)
+    return ShardedLoader(_data_loader(dataset, sampler, collate_fn, s), device, context, s.group)
+
+
+# ---- gathering across data-parallel ranks ----
+
+
+def gather_across_ranks(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    real_rows: int | None = None,
+    pad_value: float = -100,
+) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along dim 0, in rank order.
+
+    Ranks may hold different shapes (the last evaluation batch, per-batch padding): trailing dimensions
+    are padded with `pad_value` to the largest, and rows past `real_rows` (evaluation padding) dropped.
+    """
+    tensor = tensor.detach()
+    if tensor.ndim == 0:
+        tensor = tensor.reshape(1)
+    if real_rows is not None and tensor.shape[0] >= real_rows:
+        tensor = tensor[:real_rows]
+    if group is None:
+        return tensor
+    size = dist.get_world_size(group)
+    shape = torch.tensor(tensor.shape, dtype=torch.int64)
+    shapes = [torch.zeros_like(shape) for _ in range(size)]
+    dist.all_gather(shapes, shape, group=group)
+    largest = torch.stack(shapes).max(dim=0).values.tolist()
+    padded = tensor.new_full(largest, pad_value)
+    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    pieces = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    rows = [piece[: int(s[0])] for piece, s in zip(pieces, shapes, strict=True)]
+    return torch.cat(rows, dim=0)
+
+
+# ---- an own loop: Engine.compose(model, train_dataloader=..., ...) ----
+
+
+class AccumulationTracker:
+    """Where the own loop stands in its global batch: set by the training loader, read by the engine."""
+
+    def __init__(self, accumulation_steps: int) -> None:
+        self.accumulation_steps = accumulation_steps
+        self.group_size = 1
+        self.is_last = True
+
+    def place(self, step: int, steps_in_epoch: int) -> None:
+        """Micro-batch `step` of an epoch of `steps_in_epoch`: its group is cut short at the epoch's end."""
+        group_start = step - step % self.accumulation_steps
+        self.group_size = min(self.accumulation_steps, steps_in_epoch - group_start)
+        self.is_last = step - group_start == self.group_size - 1
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over the global batch: each micro-batch's mean loss weighs 1 / micro-batches."""
+        return loss / self.group_size
+
+
+class ComposedOptimizer:
+    """The optimizer an own loop sees: `step()` is the engine's (clip, loss scale, schedule) and acts at the
+    end of a global batch only; `zero_grad()` is left to the engine, which clears gradients after each step.
+    Everything else (param_groups, state_dict, ...) is the real optimizer's."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def step(self, closure: Callable | None = None) -> None:
+        self._engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: gradients must survive until the last micro-batch of a global batch."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine.runner.optimizer, name)
+
+
+class ComposedScheduler:
+    """The schedule an own loop sees: it advances with each optimizer step the engine takes (and not after
+    an fp16 overflow), so `lr_scheduler.step()` in the loop is accepted and does nothing more."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Already done by the optimizer step."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+
+def shard_settings(engine: Any) -> ShardSettings:
+    a = engine.args
+    return ShardSettings(
+        a.micro_batch_size,
+        engine.mesh.data_parallel_rank,
+        engine.plan.layout.data_parallel_size,
+        a.seed,
+        a.num_workers,
+        engine.device.type == "cuda",
+        engine.mesh.group("dp"),
+    )
+
+
+def _reshard(loader: Any, engine: Any, train: bool, context: Callable | None) -> Any:
+    """A user's DataLoader rebuilt over this rank's share with --micro-batch-size; other iterables are only
+    moved to the device (an IterableDataset must shard itself)."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        if isinstance(loader, DataLoader):
+            return ShardedLoader(loader, engine.device, context, engine.mesh.group("dp"))
+        return loader
+    settings = shard_settings(engine)
+    if loader.batch_size not in (None, settings.micro_batch_size):
+        engine.print_rank0(
+            f" note: the DataLoader's batch_size {loader.batch_size} is replaced by "
+            f"--micro-batch-size {settings.micro_batch_size} (batch per data-parallel rank)"
+        )
+    if train:
+        shuffle = isinstance(loader.sampler, RandomSampler)
+        return train_loader(
+            loader.dataset, loader.collate_fn, settings, engine.device, shuffle=shuffle, context=context
+        )
+    return eval_loader(loader.dataset, loader.collate_fn, settings, engine.device, context=context)
+
+
+def compose_own_loop(
+    engine: Any, train_dataloader: Any, eval_dataloader: Any, lr_scheduler_fn: Callable | None
+) -> tuple[Any, Any, Any, Any, Any]:
+    """The rest of `Engine.compose` when the user brings data loaders: see the module docstring."""
+    runner = engine.runner
+    tracker = AccumulationTracker(engine.plan.batches.accumulation_steps)
+    train = None
+    if train_dataloader is not None:
+        train = _reshard(train_dataloader, engine, True, None)
+        steps_in_epoch = len(train) if hasattr(train, "__len__") else None
+
+        @contextlib.contextmanager
+        def micro_batch(step: int) -> Iterator[None]:
+            tracker.place(step, steps_in_epoch or math.inf)
+            with runner.micro_batch(is_last=tracker.is_last):
+                yield
+
+        if isinstance(train, ShardedLoader):
+            train.context = micro_batch
+        engine.accumulation = tracker
+    evaluation = None
+    if eval_dataloader is not None:
+        evaluation = _reshard(
+            eval_dataloader, engine, False, lambda step: autocast(runner.precision, engine.device.type)
+        )
+    steps_per_epoch = None
+    if isinstance(train, ShardedLoader):
+        steps_per_epoch = math.ceil(len(train) / tracker.accumulation_steps)
+    engine.lr_scheduler = engine._scheduler(runner.optimizer, lr_scheduler_fn, steps_per_epoch)
+    return runner.module, ComposedOptimizer(engine), ComposedScheduler(engine.lr_scheduler), train, evaluation
+
+
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer, old_names: dict[int, str], module: torch.nn.Module
+) -> int:
+    """Point a user's optimizer at the parameters the wrapping created (FSDP2 and tensor parallelism replace
+    them with DTensors), in place, so schedulers built on it stay valid; returns how many were replaced."""
+    from rapidtrain.parallel.deepspeed import canonical_name  # names without checkpoint/compile wrappers
+    from rapidtrain.trainers.export import unwrap
+
+    current = {canonical_name(name): p for name, p in unwrap(module).named_parameters()}
+    replaced = 0
+    for group in optimizer.param_groups:
+        for index, param in enumerate(group["params"]):
+            new = current.get(canonical_name(old_names.get(id(param), "")))
+            if new is not None and new is not param:
+                if param in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(param)
+                group["params"][index] = new
+                replaced += 1
+    return replaced
