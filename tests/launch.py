@@ -18,9 +18,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(extra: dict[str, str] | None = None, nproc: int = 1) -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by several ranks: avoid oversubscription
+    # Share the cores among the ranks: oversubscribed threads make multi-rank CPU runs many times slower.
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // nproc))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
@@ -32,7 +33,7 @@ def torchrun(nproc: int, script: str | Path, args: list[str], *, timeout: int = 
     """`python -m torch.distributed.run --nproc-per-node N script args`; output captured as text."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={free_port()}", *(extra_torchrun or []), str(script), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env(env),
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env(env, nproc),
                             cwd=REPO)
     if check and result.returncode != 0:
         raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")

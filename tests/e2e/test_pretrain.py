@@ -92,7 +92,7 @@ def test_rapidtrain_command_starts_torchrun_itself(tmp_path, demo_data):
     losses_file = tmp_path / "losses.txt"
     result = subprocess.run([os.path.join(sys.prefix, "bin", "rapidtrain"), *TINY, "--train-iters", "2",
                              "--nproc-per-node", "2", "--loss-log-file", str(losses_file)],
-                            capture_output=True, text=True, env=child_env({"MASTER_PORT": str(free_port())}), cwd=REPO,
+                            capture_output=True, text=True, env=child_env({"MASTER_PORT": str(free_port())}, nproc=2), cwd=REPO,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2 = data 2 × tensor 1 × pipeline 1" in result.stdout
