@@ -9,4 +9,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 # DeepSpeed builds from source against the installed torch: no build isolation, or pip would fetch another torch.
 .venv/bin/python -m pip install -q --no-build-isolation -e ".[deepspeed,hf,dev]"
+# FairScale (optional --sharding-backend fairscale): its last release works with this torch for OSS/ShardedDDP;
+# --no-deps keeps it from touching torch.
+.venv/bin/python -m pip install -q --no-build-isolation --no-deps "fairscale==0.4.13"
 .venv/bin/python -c "import torch, rapidtrain; print('rapidtrain', rapidtrain.__version__, 'on torch', torch.__version__)"

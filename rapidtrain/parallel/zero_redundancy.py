@@ -1,0 +1,163 @@
+"""--oss-memory-optimization: torch's ZeroRedundancyOptimizer over DDP, and its checkpoint state.
+
+Each rank's local optimizer steps only its share of the parameters. A checkpoint holds that share
+under parameter names, in the layout `torch.distributed.checkpoint.state_dict.get_state_dict` gives
+for a plain model (`state[name][key]`, `param_groups` listing names): every rank writes its own
+entries, so nothing is gathered on one rank, and the files load into DDP, FSDP, ZeRO or OSS at any
+world size, as theirs load into OSS.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
+from rapidtrain.parallel.mesh import ParallelMesh
+from rapidtrain.parallel.runner import TorchRunner
+
+# Wrappers whose names torch.distributed.checkpoint leaves out of parameter names.
+WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def oss_optimizer(
+    model: nn.Module, settings: OptimizerSettings, device_type: str, mesh: ParallelMesh
+) -> ZeroRedundancyOptimizer:
+    """ZeroRedundancyOptimizer whose local optimizer is the one `build_optimizer` makes without OSS (same
+    class, settings and weight-decay groups), so OSS and DDP take identical steps."""
+
+    def local_optimizer(groups: list[dict[str, Any]], **_defaults: Any) -> torch.optim.Optimizer:
+        return build_optimizer(groups, settings, device_type)[0]
+
+    return ZeroRedundancyOptimizer(
+        param_groups(model, settings.weight_decay),
+        optimizer_class=local_optimizer,
+        process_group=mesh.group("dp"),
+        lr=settings.lr,
+    )
+
+
+def oss_from_optimizer(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> ZeroRedundancyOptimizer:
+    """A user's (not yet stepped) optimizer as a ZeroRedundancyOptimizer of the same class and settings."""
+    if any(optimizer.state.values()):
+        raise ValueError(
+            "--oss-memory-optimization: the optimizer passed to Engine.compose has already stepped; "
+            "pass a fresh one (its state cannot be partitioned afterwards)."
+        )
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(
+        groups, optimizer_class=type(optimizer), process_group=mesh.group("dp"), **constructor_defaults(optimizer)
+    )
+
+
+def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults its class's constructor accepts (AdamW records `decoupled_weight_decay` in
+    `defaults` but refuses it as an argument)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """Each parameter's name as checkpoints spell it (the first name of a tied one, no wrapper prefixes)."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), ".".join(p for p in name.split(".") if p not in WRAPPER_NAMES))
+    return names
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create missing state as torch's get_state_dict does: one step with zero gradients at rate 0."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+
+class OSSRunner(TorchRunner):
+    """TorchRunner whose optimizer is a ZeroRedundancyOptimizer: checkpoints hold each rank's own share."""
+
+    @property
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer.optim
+
+    @property
+    def state_module(self) -> nn.Module:
+        """The model inside DDP: checkpoints name parameters without the wrapper's prefix."""
+        return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
+
+    def optimizer_state(self) -> dict[str, Any]:
+        local = self.local_optimizer
+        ensure_optimizer_state(local)
+        names = parameter_names(self.state_module)
+        state = {names[id(p)]: dict(local.state[p]) for group in local.param_groups for p in group["params"]}
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [names[id(p)] for p in group["params"]],
+            }
+            for group in self.optimizer.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(self, saved: dict[str, Any]) -> None:
+        local = self.local_optimizer
+        ensure_optimizer_state(local)
+        names = parameter_names(self.state_module)
+        with torch.no_grad():
+            for group in local.param_groups:
+                for p in group["params"]:
+                    for key, value in saved["state"][names[id(p)]].items():
+                        current = local.state[p].get(key)
+                        if torch.is_tensor(current) and torch.is_tensor(value):
+                            current.copy_(value)
+                        else:
+                            local.state[p][key] = value
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        for group, saved_group in zip(local.param_groups, saved["param_groups"], strict=True):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state: dict[str, Any] = {
+            "model": get_model_state_dict(self.state_module),
+            "optimizer": self.optimizer_state(),
+        }
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
+
+    def state_dict_for_loading(self, load_optimizer: bool) -> dict[str, Any]:
+        if load_optimizer:
+            return self.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(self.state_module)}  # no optimizer state is created
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.state_module, state["model"])
+        if load_optimizer:
+            self.load_optimizer_state(state["optimizer"])
+            if self.scaler is not None and "loss_scaler" in state:
+                self.scaler.load_state_dict(state["loss_scaler"])

@@ -1,0 +1,118 @@
+"""Faults: a rank SIGKILLed under `torchrun --max-restarts 1` resumes from the last complete checkpoint with
+the uninterrupted run's losses; half-written checkpoints are never loaded."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rapidtrain.checkpoint import CheckpointError
+from tests.launch import pretrain, read_losses
+
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--num-workers",
+    "0",
+    "--log-interval",
+    "5",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--lr-decay-iters",
+    "20",
+]
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_matches_uninterrupted_losses(tmp_path, demo_data):
+    """Rank 1 is SIGKILLed after iteration 12 (checkpoints every 5): torchrun restarts both ranks, they load
+    iteration 10 from the same folder, redo 11 and 12, and all 20 losses are bitwise the uninterrupted run's."""
+    args = TINY + ["--train-iters", "20"]
+    uninterrupted, faulty, folder = tmp_path / "uninterrupted.txt", tmp_path / "faulty.txt", tmp_path / "ck"
+    pretrain(2, args + ["--loss-log-file", str(uninterrupted)])
+    result = pretrain(
+        2,
+        args
+        + [
+            "--save",
+            str(folder),
+            "--load",
+            str(folder),
+            "--save-interval",
+            "5",
+            "--loss-log-file",
+            str(faulty),
+        ],
+        env={"RAPIDTRAIN_TEST_KILL_AT_ITERATION": "12"},
+        extra_torchrun=["--max-restarts", "1"],
+    )
+    assert (folder / ".test_killed").read_text().startswith("killed rank 1 after iteration 12")
+    assert "loaded checkpoint" in result.stdout and "at iteration 10" in result.stdout
+    iterations = [int(line.split()[0]) for line in faulty.read_text().splitlines()]
+    # 11 and 12 ran twice: before the kill and after the restart.
+    assert iterations == list(range(1, 13)) + list(range(11, 21))
+    assert read_losses(faulty) == read_losses(uninterrupted)
+    assert (folder / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+
+
+def train_here(args: list[str]) -> None:
+    from rapidtrain.pretrain import main
+
+    main(TINY + args)
+
+
+@pytest.fixture
+def saved(tmp_path, demo_data) -> Path:
+    """Checkpoints at iterations 2 and 4 of a one-process run; `latest` says 4."""
+    folder = tmp_path / "ck"
+    train_here(["--train-iters", "4", "--save", str(folder), "--save-interval", "2"])
+    assert (folder / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    return folder
+
+
+def test_unpublished_tmp_checkpoint_is_ignored(saved, tmp_path):
+    """A save that died before publishing leaves `iter_0000006.tmp` (no .metadata, half the files): resuming
+    loads iteration 4, the last complete one, and trains 5 and 6."""
+    partial = saved / "iter_0000006.tmp"
+    shutil.copytree(saved / "iter_0000004", partial)
+    (partial / ".metadata").unlink()
+    log = tmp_path / "resumed.txt"
+    train_here(["--train-iters", "6", "--load", str(saved), "--loss-log-file", str(log)])
+    assert sorted(read_losses(log)) == [5, 6]
+
+
+def test_latest_pointing_at_incomplete_checkpoint_is_refused(saved):
+    """`latest` naming a folder without .metadata (its files never all written) stops with a clear error
+    instead of loading part of a model."""
+    incomplete = saved / "iter_0000006"
+    shutil.copytree(saved / "iter_0000004", incomplete)
+    (incomplete / ".metadata").unlink()
+    (saved / "latest_checkpointed_iteration.txt").write_text("6\n")
+    with pytest.raises(CheckpointError, match=r"iter_0000006 is incomplete \(missing \.metadata\)"):
+        train_here(["--train-iters", "8", "--load", str(saved)])
+
+
+def test_latest_pointing_at_missing_checkpoint_is_refused(saved):
+    (saved / "latest_checkpointed_iteration.txt").write_text("8\n")
+    with pytest.raises(CheckpointError, match=r"names iteration 8, but .*iter_0000008 does not exist"):
+        train_here(["--train-iters", "10", "--load", str(saved)])

@@ -1,0 +1,170 @@
+"""scripts/convert_checkpoint.py: one consolidated state dict from any checkpoint, and the built-in GPT as a
+Hugging Face GPT2LMHeadModel with the same logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import REPO, child_env, pretrain
+
+SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--num-workers",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--train-iters",
+    "2",
+]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_and_save(folder: Path, extra: list[str] | None = None) -> Path:
+    from rapidtrain.pretrain import main
+
+    main(TINY + (extra or []) + ["--save", str(folder)])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, demo_data) -> tuple[Path, Path]:
+    """A one-process checkpoint and its export with --hf, through the script as users run it."""
+    root = tmp_path_factory.mktemp("convert")
+    folder = train_and_save(root / "ck")
+    out = root / "export"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--load", str(folder), "--output", str(out), "--hf"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder, out
+
+
+def test_export_equals_torch_consolidation_of_the_checkpoint(exported, tmp_path):
+    """Every model tensor equals what torch's own dcp_to_torch_save makes of the same iter_* folder."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder, out = exported
+    dcp_to_torch_save(folder / "iter_0000002", tmp_path / "whole.pt")
+    reference = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]
+    state = load_file(out / "model.safetensors")
+    assert sorted(state) == sorted(reference)
+    assert all(torch.equal(state[name], reference[name]) for name in state)
+    assert state["output.weight"].data_ptr() != state["embedding.word_embeddings.weight"].data_ptr()
+    assert torch.equal(state["output.weight"], state["embedding.word_embeddings.weight"])  # tied
+
+
+def test_hf_gpt2_gives_the_builtin_gpt_logits(exported):
+    """GPT2LMHeadModel.from_pretrained(OUT/hf) and the built-in GPT loaded from the consolidated file agree on
+    logits (fp32, within 1e-4) and on the language-model loss."""
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from rapidtrain.models import ModelConfig, build_model
+
+    _, out = exported
+    saved = json.loads((out / "rapidtrain_config.json").read_text())
+    config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+    ours = build_model(config, seed=None)
+    ours.load_state_dict(load_file(out / "model.safetensors"))
+    theirs = GPT2LMHeadModel.from_pretrained(out / "hf")
+    ours.eval(), theirs.eval()
+    tokens = torch.randint(
+        0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        our_logits, their_logits = ours(tokens), theirs(tokens).logits
+        our_loss = ours(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        their_loss = theirs(tokens, labels=tokens).loss  # transformers shifts the labels itself
+    assert their_logits.shape == our_logits.shape == (2, config.seq_length, config.vocab_size)
+    assert (their_logits - our_logits).abs().max() < 1e-4
+    assert abs(float(our_loss) - float(their_loss)) < 1e-5
+    assert theirs.lm_head.weight.data_ptr() == theirs.transformer.wte.weight.data_ptr()  # tied, as in GPT-2
+
+
+def test_torch_format_and_iteration_choice(exported, tmp_path):
+    folder, _ = exported
+    script = load_script()
+    assert (
+        script.main(
+            ["--load", str(folder), "--iteration", "2", "--output", str(tmp_path), "--format", "torch"]
+        )
+        == 0
+    )
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert state["layers.1.mlp.fc2.weight"].shape == (64, 256)
+
+
+def test_missing_or_incomplete_checkpoint_is_refused(exported, tmp_path, capsys):
+    folder, _ = exported
+    script = load_script()
+    assert script.main(["--load", str(folder), "--iteration", "7", "--output", str(tmp_path)]) == 2
+    assert "iter_0000007 is missing .metadata, common.pt" in capsys.readouterr().err
+    assert script.main(["--load", str(tmp_path), "--output", str(tmp_path / "out")]) == 2
+    assert "no latest_checkpointed_iteration.txt" in capsys.readouterr().err
+
+
+def test_hf_export_refuses_models_that_are_not_gpt2():
+    from rapidtrain.models import ModelConfig
+
+    script = load_script()
+    with pytest.raises(
+        ValueError, match="--position-embedding-type rope.*--untie-embeddings-and-output-weights"
+    ):
+        script.check_gpt2_compatible(ModelConfig(position_embedding_type="rope", tie_embeddings=False))
+    assert script.check_gpt2_compatible(ModelConfig()).model_type == "gpt"
+
+
+@pytest.mark.slow
+def test_fsdp_two_rank_checkpoint_exports_the_one_process_weights(tmp_path, demo_data):
+    """Sharded parameters (FSDP on 2 ranks, DTensor shards in the files) consolidate to the weights one
+    process reaches with the same global batch (within fp32 reduction-order noise)."""
+    script = load_script()
+    flags = TINY + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    pretrain(2, flags + ["--fsdp-memory-optimization", "--save", str(tmp_path / "fsdp")])
+    pretrain(1, flags + ["--save", str(tmp_path / "single")])
+    for name in ("fsdp", "single"):
+        assert script.main(["--load", str(tmp_path / name), "--output", str(tmp_path / f"{name}_out")]) == 0
+    from safetensors.torch import load_file
+
+    sharded, single = (
+        load_file(tmp_path / "fsdp_out" / "model.safetensors"),
+        load_file(tmp_path / "single_out" / "model.safetensors"),
+    )
+    assert sorted(sharded) == sorted(single)
+    assert max(float((sharded[k] - single[k]).abs().max()) for k in single) < 1e-5
