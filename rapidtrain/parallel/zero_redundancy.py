@@ -10,7 +10,6 @@ world size, as theirs load into OSS.
 from __future__ import annotations
 
 import inspect
-
 from typing import Any
 
 import torch
