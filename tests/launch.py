@@ -10,6 +10,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PRETRAIN = REPO / "rapidtrain" / "pretrain.py"
+# The tiny GPT the multi-process tests train: small enough for 2 CPU cores, big enough to have every part.
+TINY_GPT_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
 
 
 def free_port() -> int:

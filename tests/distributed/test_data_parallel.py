@@ -17,19 +17,12 @@ import pytest
 if __package__ in (None, ""):  # run by torchrun as the probe
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.launch import read_grad_norms, read_losses, relative_difference, torchrun  # noqa: E402
+from tests.launch import TINY_GPT_SHAPE, read_grad_norms, read_losses, relative_difference, torchrun  # noqa: E402
 
 RUNS = Path(__file__).with_name("pretrain_runs.py")
 # Global batch 8 = micro 2 × accumulation 2 × 2 ranks (accumulation 4 in one process).
 TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
+    *TINY_GPT_SHAPE,
     "--micro-batch-size",
     "2",
     "--global-batch-size",

@@ -9,17 +9,10 @@ from pathlib import Path
 import pytest
 
 from rapidtrain.checkpoint import CheckpointError
-from tests.launch import pretrain, read_losses
+from tests.launch import TINY_GPT_SHAPE, pretrain, read_losses
 
 TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
+    *TINY_GPT_SHAPE,
     "--micro-batch-size",
     "2",
     "--global-batch-size",

@@ -11,10 +11,9 @@ import time
 
 import pytest
 
-from tests.launch import PRETRAIN, REPO, child_env, free_port, pretrain, read_losses
+from tests.launch import PRETRAIN, REPO, TINY_GPT_SHAPE, child_env, free_port, pretrain, read_losses
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--num-workers", "0", "--log-interval", "1",
+TINY = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--global-batch-size", "4", "--num-workers", "0", "--log-interval", "1",
         "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
 
 

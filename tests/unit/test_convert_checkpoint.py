@@ -12,18 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import REPO, child_env, pretrain
+from tests.launch import REPO, TINY_GPT_SHAPE, child_env, pretrain
 
 SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
 TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
+    *TINY_GPT_SHAPE,
     "--micro-batch-size",
     "2",
     "--global-batch-size",
