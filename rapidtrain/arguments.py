@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
+# The tokenizer module owns the list of types (it imports only the standard library at load time).
+from rapidtrain.data.tokenizer import TOKENIZER_TYPES
+
 TASKS = (
     "sequence_classification",
     "token_classification",
@@ -22,16 +25,6 @@ TASKS = (
 # Rapidformer spells it `casual_lm`; users who type the correct spelling get the same task.
 TASK_ALIASES = {"causal_lm": "casual_lm"}
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "Llama2Tokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-)
 OPTIMIZERS_RAPIDFORMER = ("apex_adam", "apex_lamb")
 OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
