@@ -12,6 +12,9 @@ REPO = Path(__file__).resolve().parent.parent
 PRETRAIN = REPO / "rapidtrain" / "pretrain.py"
 # The tiny GPT the multi-process tests train: small enough for 2 CPU cores, big enough to have every part.
 TINY_GPT_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+# ... with what parity runs need: no dropout (masks differ by layout), data in-process, no evaluation.
+TINY_GPT_PARITY = [*TINY_GPT_SHAPE, "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
+                   "--eval-iters", "0"]
 
 
 def free_port() -> int:

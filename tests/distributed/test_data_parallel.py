@@ -17,26 +17,18 @@ import pytest
 if __package__ in (None, ""):  # run by torchrun as the probe
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.launch import TINY_GPT_SHAPE, read_grad_norms, read_losses, relative_difference, torchrun  # noqa: E402
+from tests.launch import TINY_GPT_PARITY, read_grad_norms, read_losses, relative_difference, torchrun  # noqa: E402
 
 RUNS = Path(__file__).with_name("pretrain_runs.py")
 # Global batch 8 = micro 2 × accumulation 2 × 2 ranks (accumulation 4 in one process).
 TINY = [
-    *TINY_GPT_SHAPE,
+    *TINY_GPT_PARITY,
     "--micro-batch-size",
     "2",
     "--global-batch-size",
     "8",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--num-workers",
-    "0",
     "--log-interval",
     "5",
-    "--eval-iters",
-    "0",
     "--lr",
     "1e-3",
     "--train-iters",

@@ -9,24 +9,16 @@ from pathlib import Path
 import pytest
 
 from rapidtrain.checkpoint import CheckpointError
-from tests.launch import TINY_GPT_SHAPE, pretrain, read_losses
+from tests.launch import TINY_GPT_PARITY, pretrain, read_losses
 
 TINY = [
-    *TINY_GPT_SHAPE,
+    *TINY_GPT_PARITY,
     "--micro-batch-size",
     "2",
     "--global-batch-size",
     "8",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--num-workers",
-    "0",
     "--log-interval",
     "5",
-    "--eval-iters",
-    "0",
     "--lr",
     "1e-3",
     "--lr-warmup-iters",
