@@ -115,6 +115,9 @@ def _as_param_groups(model_or_params: ParamsLike, weight_decay: float) -> list[d
     return groups
 
 
+# Devices where torch's Adam/AdamW `fused=True` kernels exist (torch ≥ 2.4 has them on CPU).
+FUSED_DEVICES = ("cuda", "cpu")
+
 Factory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
@@ -139,9 +142,11 @@ def _resolve(settings: OptimizerSettings, device_type: str) -> tuple[Factory, st
             device_type,
             {"momentum": s.sgd_momentum},
             shown=f"momentum={s.sgd_momentum}, ",
+            # DTensor (tensor/fully sharded parameters) has no sharding rule for the fused SGD kernel.
+            has_fused_kernel=False,
         )
     # torch's Adafactor has no fused kernel; foreach is its fast path on every device.
-    return _torch_optimizer(torch.optim.Adafactor, s.lr, "cpu", {})
+    return _torch_optimizer(torch.optim.Adafactor, s.lr, device_type, {}, has_fused_kernel=False)
 
 
 def _resolve_apex(s: OptimizerSettings, device_type: str) -> tuple[Factory, str]:
@@ -173,9 +178,16 @@ def _torch_optimizer(
     options: dict[str, Any],
     shown: str = "",
     note: str = "",
+    has_fused_kernel: bool = True,
 ) -> tuple[Factory, str]:
-    """A torch optimizer on its fastest path: fused kernels on CUDA, foreach (multi-tensor) elsewhere."""
-    speed = {"fused": True} if device_type == "cuda" else {"foreach": True}
+    """A torch optimizer on its fastest path: torch's fused kernels on CUDA and CPU, foreach elsewhere.
+
+    On CPU the fused AdamW step is ~6× faster than foreach (14M parameters: 6 ms against 37 ms on 2
+    cores; foreach is even slower than the per-tensor loop there), which is most of what a plain
+    foreach loop loses to Hugging Face Trainer's default `adamw_torch_fused`.
+    """
+    fused = has_fused_kernel and device_type in FUSED_DEVICES
+    speed = {"fused": True} if fused else {"foreach": True}
     (speed_name,) = speed
     description = f"torch.optim.{kind.__name__}({shown}{speed_name}=True){note}"
     return (lambda groups: kind(groups, lr=lr, **options, **speed)), description

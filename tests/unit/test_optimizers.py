@@ -137,7 +137,7 @@ def test_lamb_resumes_from_a_saved_state_dict(tmp_path):
 def expected_resolution(name, device_type):
     apex_adam = apex_optimizer_class("FusedAdam") is not None
     apex_lamb = apex_optimizer_class("FusedLAMB") is not None
-    speed = "fused=True" if device_type == "cuda" else "foreach=True"
+    speed = "fused=True" if device_type in ("cuda", "cpu") else "foreach=True"
     why = "apex not installed"
     return {
         "apex_adam": "apex FusedAdam"
@@ -150,7 +150,7 @@ def expected_resolution(name, device_type):
         "adamw": f"torch.optim.AdamW({speed})",
         "adam": f"torch.optim.Adam({speed}) (L2 weight decay; adamw decouples it)",
         "adafactor": "torch.optim.Adafactor(foreach=True)",
-        "sgd": f"torch.optim.SGD(momentum=0.9, {speed})",
+        "sgd": "torch.optim.SGD(momentum=0.9, foreach=True)",
     }[name]
 
 
