@@ -210,11 +210,15 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                    help="Recompute each transformer layer in backward: torch.utils.checkpoint "
                         "(gradient_checkpointing_enable() on Hugging Face models).")
     g.add_argument("--torch-compile", action="store_true", help="Compile each transformer layer with torch.compile (inductor).")
+    g.add_argument("--no-cpu-allocator-tuning", dest="cpu_allocator_tuning", action="store_false",
+                   help="On CPU, leave glibc malloc as it is; by default freed blocks under 32 MiB stay in the heap "
+                        "for the next step (as CUDA's caching allocator does) instead of being unmapped and faulted in "
+                        "again.")
     g.add_argument("--onnx-runtime-training", action="store_true",
                    help="Graph optimisation: ONNX Runtime ORTModule when it imports with this torch, else torch.compile.")
     g.add_argument("--optimizers", choices=OPTIMIZERS_RAPIDFORMER, default="apex_adam",
                    help="Fused optimizer (Rapidformer): apex FusedAdam / FusedLAMB when apex is importable, else "
-                        "torch AdamW (fused on CUDA, foreach on CPU) / rapidtrain's LAMB.")
+                        "torch AdamW (fused kernel on CUDA and CPU) / rapidtrain's LAMB.")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="Optimizer (beyond Rapidformer): adamw (adam is accepted for it, as in Megatron: decoupled weight "
                         "decay), adafactor (torch.optim.Adafactor), sgd; overrides --optimizers.")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rapidtrain import arguments, rules
+from rapidtrain.cpu_allocator import keep_freed_memory
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.runner import StepOutcome
 from rapidtrain.plan import Plan, RunContext, from_args, lr_schedule_settings, optimizer_settings
@@ -106,6 +107,8 @@ class Engine:
         _GLOBAL_ARGS = self.args
         init_distributed(self.args.distributed_backend, self.context.device_type)
         self.device = self._device()
+        if self.device.type == "cpu" and self.args.cpu_allocator_tuning:
+            keep_freed_memory()
         seed_everything(self.args.seed)
         self.plan = from_args(self.args, self.context)
         self.mesh: ParallelMesh = build_mesh(self.plan.layout, self.context.device_type)

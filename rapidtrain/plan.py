@@ -403,6 +403,14 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
                                     else "torch.compile (inductor) as the graph optimiser", why))
     if args.torch_compile:
         engines.append(EngineChoice("--torch-compile", "torch.compile (inductor) per transformer layer"))
+    if ctx.device_type == "cpu" and args.cpu_allocator_tuning:
+        from rapidtrain.cpu_allocator import DESCRIPTION, glibc_version
+
+        if glibc_version():
+            engines.append(EngineChoice("CPU allocator", DESCRIPTION, "each step reuses the last step's pages "
+                                        "instead of faulting them in again; --no-cpu-allocator-tuning turns it off"))
+        else:
+            notes.append("CPU allocator: the C library is not glibc, so malloc is left as it is")
     if args.data_iterator == "dynamic-shape":
         engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
                                     "(multiple of 8)"))
