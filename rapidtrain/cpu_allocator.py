@@ -8,7 +8,7 @@ logits every iteration, so each step faults all of those pages in again: on the 
 
 `keep_freed_memory()` raises the mmap threshold to glibc's maximum (32 MiB) and the trim threshold to
 2 GiB, so blocks below 32 MiB come from the heap and are reused after `free` without faulting; the faults
-drop to ~1,000 per step. The cost is that the process keeps its peak heap instead of returning it between
+drop to ~50–2,000 per step. The cost is that the process keeps its peak heap instead of returning it between
 steps, which is what a training loop wants. Launchers for CPU training do the same through the
 environment (jemalloc or tcmalloc preloaded by Intel's launcher, `torch.backends.xeon.run_cpu`); this
 needs no library and works under a plain `torchrun`. Off with `--no-cpu-allocator-tuning`.
