@@ -27,8 +27,8 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes a C int
 
-
-DESCRIPTION = "glibc malloc keeps freed blocks under 32 MiB for reuse (mallopt: mmap threshold 32 MiB, no trim)"
+_MIB = MMAP_THRESHOLD_BYTES >> 20
+DESCRIPTION = f"glibc malloc keeps freed blocks under {_MIB} MiB for reuse (mallopt: mmap threshold {_MIB} MiB, no trim)"
 
 
 @functools.cache
