@@ -1,7 +1,8 @@
 """Fixed --seq-length padding vs `--data-iterator dynamic-shape` on a skewed (log-normal) length mix.
 
 Prints the padded-token fraction and the forward+backward step time of a small causal
-TransformerEncoder LM under both, side by side with their ratio. Same samples, one epoch each, steps of the two interleaved.
+TransformerEncoder LM under both, side by side with their ratio. Same samples, one epoch each, steps of the two
+interleaved.
 
     python bench/dynamic_shape.py --seq-length 512 --num-samples 256 --micro-batch-size 16
 """

@@ -94,7 +94,8 @@ def main() -> None:
         tokenizer = train_tokenizer(args.tokenizer_type, documents, folder)
         size_mb = os.path.getsize(corpus) / 1e6
         print(
-            f"corpus: {len(documents):,} documents, {size_mb:.1f} MB; tokenizer {args.tokenizer_type}; {os.cpu_count()} CPUs"
+            f"corpus: {len(documents):,} documents, {size_mb:.1f} MB; tokenizer {args.tokenizer_type}; "
+            f"{os.cpu_count()} CPUs"
         )
         rows, outputs = [], []
         for workers in args.workers:

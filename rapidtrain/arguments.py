@@ -57,7 +57,8 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=1,
                    help="Samples per data-parallel rank per forward/backward (Rapidformer default 1).")
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Samples over all ranks per optimizer step; accumulation steps = global / (micro × data-parallel "
+                   help="Samples over all ranks per optimizer step; accumulation steps = global / (micro × "
+                        "data-parallel "
                         "size). Default: micro × data-parallel size (Megatron's rule; 1 on one device).")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="Tokenizer of the pretraining data (rapidtrain.data.tokenizer). Default: the demo corpus's "
@@ -72,7 +73,8 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969, 30, 1",
                    help="Train/valid/test weights of the pretraining documents, any separators ('969, 30, 1').")
     g.add_argument("--data-impl", choices=("lazy", "cached", "mmap", "infer"), default="mmap",
-                   help="Indexed dataset implementation: mmap (MMIDIDX), lazy/cached (legacy TNTIDX), infer (by magic).")
+                   help="Indexed dataset implementation: mmap (MMIDIDX), lazy/cached (legacy TNTIDX), infer "
+                        "(by magic).")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="Pretraining data prefix (PREFIX.bin/.idx), or 'w1 p1 w2 p2 ...' for a weighted blend. "
                         "Absent: the built-in demo corpus.")
@@ -122,7 +124,8 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor after decay.")
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
                    help="Decay after warm-up (Megatron semantics, counted in samples).")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay horizon in iterations (default --train-iters).")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay horizon in iterations (default "
+                                                                    "--train-iters).")
     g.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warm-up as a fraction of the decay horizon.")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Warm-up in iterations.")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of the final decay phase.")
@@ -180,13 +183,15 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-memory-optimization", action="store_true",
                    help="Optimizer state, gradients and parameters sharded: FSDP2 fully_shard.")
     g.add_argument("--zero-1-memory-optimization", action="store_true",
-                   help="ZeRO-1 (optimizer state): DeepSpeed stage 1; with TP/PP, FSDP2 over the data-parallel dimension.")
+                   help="ZeRO-1 (optimizer state): DeepSpeed stage 1; with TP/PP, FSDP2 over the "
+                        "data-parallel dimension.")
     g.add_argument("--zero-2-memory-optimization", action="store_true",
                    help="ZeRO-2 (+ gradients): DeepSpeed stage 2; with TP/PP, FSDP2 over the data-parallel dimension.")
     g.add_argument("--zero-3-memory-optimization", action="store_true",
                    help="ZeRO-3 (+ parameters): DeepSpeed stage 3, model built under deepspeed.zero.Init.")
     g.add_argument("--cpu-offload", action="store_true",
-                   help="Optimizer state and step on the CPU: DeepSpeed offload_optimizer with DeepSpeedCPUAdam (ZeRO only).")
+                   help="Optimizer state and step on the CPU: DeepSpeed offload_optimizer with "
+                        "DeepSpeedCPUAdam (ZeRO only).")
     g.add_argument("--sharding-backend", choices=("torch", "fairscale"), default="torch",
                    help="Engine of OSS/SDP: PyTorch (default) or FairScale's OSS/ShardedDDP where it runs.")
 
@@ -195,7 +200,8 @@ def _add_precision(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("acceleration: precision", "Mixed precision (autocast + fp32 master weights)")
     g.add_argument("--mixed-precision", action="store_true",
                    help="FP16 mixed precision with dynamic loss scaling on CUDA; bf16 where fp16 is unsupported (CPU).")
-    g.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (DeepSpeed fp16 under ZeRO).")
+    g.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (DeepSpeed "
+                                                       "fp16 under ZeRO).")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast, no loss scaling (DeepSpeed bf16 under ZeRO).")
     g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default dynamic.")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="Initial dynamic loss scale.")
@@ -209,18 +215,21 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="Recompute each transformer layer in backward: torch.utils.checkpoint "
                         "(gradient_checkpointing_enable() on Hugging Face models).")
-    g.add_argument("--torch-compile", action="store_true", help="Compile each transformer layer with torch.compile (inductor).")
+    g.add_argument("--torch-compile", action="store_true", help="Compile each transformer layer with "
+                                                                "torch.compile (inductor).")
     g.add_argument("--no-cpu-allocator-tuning", dest="cpu_allocator_tuning", action="store_false",
                    help="On CPU, leave glibc malloc as it is; by default freed blocks under 32 MiB stay in the heap "
                         "for the next step (as CUDA's caching allocator does) instead of being unmapped and faulted in "
                         "again.")
     g.add_argument("--onnx-runtime-training", action="store_true",
-                   help="Graph optimisation: ONNX Runtime ORTModule when it imports with this torch, else torch.compile.")
+                   help="Graph optimisation: ONNX Runtime ORTModule when it imports with this torch, else "
+                        "torch.compile.")
     g.add_argument("--optimizers", choices=OPTIMIZERS_RAPIDFORMER, default="apex_adam",
                    help="Fused optimizer (Rapidformer): apex FusedAdam / FusedLAMB when apex is importable, else "
                         "torch AdamW (fused kernel on CUDA and CPU) / rapidtrain's LAMB.")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="Optimizer (beyond Rapidformer): adamw (adam is accepted for it, as in Megatron: decoupled weight "
+                   help="Optimizer (beyond Rapidformer): adamw (adam is accepted for it, as in Megatron: "
+                        "decoupled weight "
                         "decay), adafactor (torch.optim.Adafactor), sgd; overrides --optimizers.")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
 
@@ -228,8 +237,10 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
 def _add_moe(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("acceleration: mixture of experts", "Sparsely gated MoE MLPs in the built-in models")
     g.add_argument("--num-experts", type=num_experts_list, nargs="+", default=None,
-                   help="Experts per MoE layer: one number (layers chosen by --moe-layer-freq) or one per layer (0 = dense).")
-    g.add_argument("--moe-layer-freq", type=int, default=1, help="With one --num-experts value: every Nth layer is MoE.")
+                   help="Experts per MoE layer: one number (layers chosen by --moe-layer-freq) or one per "
+                        "layer (0 = dense).")
+    g.add_argument("--moe-layer-freq", type=int, default=1, help="With one --num-experts value: every Nth "
+                                                                 "layer is MoE.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Shard experts over this many data-parallel ranks; tokens move by all-to-all.")
     g.add_argument("--moe-router-topk", type=int, choices=(1, 2), default=1, help="Experts per token.")
@@ -279,7 +290,9 @@ GROUP_BUILDERS = (
 )
 
 
-def build_parser(extra_args_provider: ExtraArgsProvider | None = None, prog: str = "rapidtrain") -> argparse.ArgumentParser:
+def build_parser(
+    extra_args_provider: ExtraArgsProvider | None = None, prog: str = "rapidtrain"
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Train transformers with Rapidformer's command line: DeepSpeed ZeRO, FSDP, OSS, tensor/pipeline/"

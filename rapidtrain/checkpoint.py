@@ -149,7 +149,8 @@ def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, args: argp
         return None
     directory = iteration_dir(root, iteration)
     if not directory.is_dir():
-        raise CheckpointError(f"{Path(root) / LATEST_FILE} names iteration {iteration}, but {directory} does not exist.")
+        raise CheckpointError(f"{Path(root) / LATEST_FILE} names iteration {iteration}, but {directory} "
+                              f"does not exist.")
     _check_complete(directory)
     common = torch.load(directory / COMMON_FILE, weights_only=False)
     check_same_model(common["args"], args, directory)

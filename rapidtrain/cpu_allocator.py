@@ -28,7 +28,8 @@ MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc refuses more (HEAP_MAX_SIZE / 2
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes a C int
 
 _MIB = MMAP_THRESHOLD_BYTES >> 20
-DESCRIPTION = f"glibc malloc keeps freed blocks under {_MIB} MiB for reuse (mallopt: mmap threshold {_MIB} MiB, no trim)"
+DESCRIPTION = (f"glibc malloc keeps freed blocks under {_MIB} MiB for reuse (mallopt: mmap threshold {_MIB} MiB, "
+               "no trim)")
 
 
 @functools.cache

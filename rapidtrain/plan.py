@@ -348,7 +348,8 @@ def _ort_status() -> tuple[bool, str]:
     import importlib.util
 
     if importlib.util.find_spec("onnxruntime") is None:
-        return False, "onnxruntime-training is not installed (its last release, 1.19.2, does not import with torch 2.13)"
+        return False, ("onnxruntime-training is not installed (its last release, 1.19.2, does not import "
+                       "with torch 2.13)")
     try:
         from onnxruntime.training.ortmodule import ORTModule  # noqa: F401
     except Exception as error:  # any failure means it cannot serve; say why

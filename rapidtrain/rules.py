@@ -175,7 +175,8 @@ RULES: tuple[Rule, ...] = (
            if a.fsdp_memory_optimization else ""),
     ),
     Rule(
-        "world-divisible-by-tp-pp", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--nproc-per-node"),
+        "world-divisible-by-tp-pp",
+        ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--nproc-per-node"),
         "The world size is divisible by tensor × pipeline parallel size.",
         lambda a, c: _tp(a) >= 1 and _pp(a) >= 1 and c.world_size % (_tp(a) * _pp(a)) != 0,
         lambda a, c: f"world size {c.world_size} is not divisible by --tensor-model-parallel-size {_tp(a)} × "
@@ -221,7 +222,8 @@ RULES: tuple[Rule, ...] = (
         f"a multiple of {_pp(a) * a.micro_batch_size * _dp(a, c)}, or drop the virtual stages.",
     ),
     Rule(
-        "pipeline-per-token-loss", ("--pipeline-model-parallel-size", "--bert-binary-head", "--expert-model-parallel-size"),
+        "pipeline-per-token-loss",
+        ("--pipeline-model-parallel-size", "--bert-binary-head", "--expert-model-parallel-size"),
         "Pipelining runs per-token losses of dense or non-expert-parallel models: not with the BERT binary head or "
         "expert parallelism.",
         lambda a, c: _pp(a) > 1 and (a.bert_binary_head or a.expert_model_parallel_size > 1),
@@ -290,7 +292,8 @@ RULES: tuple[Rule, ...] = (
         "of every MoE layer's experts. Use expert counts that are multiples of it.",
     ),
     Rule(
-        "ep-divides-dp", ("--expert-model-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"),
+        "ep-divides-dp",
+        ("--expert-model-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"),
         "The expert-parallel size divides the data-parallel size, and needs --num-experts.",
         lambda a, c: a.expert_model_parallel_size > 1 and _layout_divides(a, c) and (
             not _experts(a) or _dp(a, c) % a.expert_model_parallel_size != 0),
@@ -435,7 +438,8 @@ RULES: tuple[Rule, ...] = (
 LIFTED_RESTRICTIONS = (
     "ZeRO partitioning works in every template (Trainer, PreTrainer, Finetuner, Engine.compose), not only Trainer.",
     "3D parallelism works in the PreTrainer and Trainer templates for the built-in models, not only Trainer.",
-    "Gradient accumulation also works in epoch-based fine-tuning: accumulation steps = global / (micro × data-parallel).",
+    "Gradient accumulation also works in epoch-based fine-tuning: accumulation steps = global / (micro × "
+    "data-parallel).",
     "The dynamic-shape iterator also serves fine-tuning, not only the PreTrainer.",
     "--mixed-precision works in the black-box command too (it resolves to bf16 where fp16 does not run).",
 )

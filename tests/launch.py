@@ -41,7 +41,8 @@ def torchrun(nproc: int, script: str | Path, args: list[str], *, timeout: int = 
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env(env, nproc),
                             cwd=REPO)
     if check and result.returncode != 0:
-        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(f"torchrun failed "
+                             f"({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
     return result
 
 

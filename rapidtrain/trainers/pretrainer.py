@@ -92,7 +92,8 @@ class PreTrainer(Trainer):
         self.setup()
         a, plan = self.args, self.engine.plan
         if self.iteration >= a.train_iters:
-            self.engine.print_rank0(f" nothing to do: the checkpoint is at iteration {self.iteration} of {a.train_iters}")
+            self.engine.print_rank0(f" nothing to do: the checkpoint is at iteration {self.iteration} of "
+                                    f"{a.train_iters}")
             return {}
         train_iterator = iter(self.data_loader(self.train_ds, self.consumed_samples))
         self.writer = TensorBoardWriter(a.tensorboard_dir if self.is_logging_rank else None)

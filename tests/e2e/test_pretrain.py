@@ -13,8 +13,9 @@ import pytest
 
 from tests.launch import PRETRAIN, REPO, TINY_GPT_SHAPE, child_env, free_port, pretrain, read_losses
 
-TINY = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--global-batch-size", "4", "--num-workers", "0", "--log-interval", "1",
-        "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
+TINY = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--global-batch-size", "4", "--num-workers", "0",
+        "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "1",
+        "--lr-decay-style", "cosine"]
 
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
@@ -25,8 +26,8 @@ def test_resume_continues_with_identical_losses(tmp_path, demo_data, precision):
     """
     full, resumed = tmp_path / "full.txt", tmp_path / "resumed.txt"
     pretrain(1, TINY + precision + ["--train-iters", "8", "--loss-log-file", str(full)])
-    first = pretrain(1, TINY + precision + ["--train-iters", "8", "--exit-interval", "4", "--save", str(tmp_path / "ck"),
-                                            "--loss-log-file", str(resumed)])
+    first = pretrain(1, TINY + precision + ["--train-iters", "8", "--exit-interval", "4",
+                                            "--save", str(tmp_path / "ck"), "--loss-log-file", str(resumed)])
     assert "exiting at iteration 4" in first.stdout
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     second = pretrain(1, TINY + precision + ["--train-iters", "8", "--load", str(tmp_path / "ck"),
@@ -92,8 +93,8 @@ def test_rapidtrain_command_starts_torchrun_itself(tmp_path, demo_data):
     losses_file = tmp_path / "losses.txt"
     result = subprocess.run([os.path.join(sys.prefix, "bin", "rapidtrain"), *TINY, "--train-iters", "2",
                              "--nproc-per-node", "2", "--loss-log-file", str(losses_file)],
-                            capture_output=True, text=True, env=child_env({"MASTER_PORT": str(free_port())}, nproc=2), cwd=REPO,
-                            timeout=600)
+                            capture_output=True, text=True, cwd=REPO, timeout=600,
+                            env=child_env({"MASTER_PORT": str(free_port())}, nproc=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2 = data 2 × tensor 1 × pipeline 1" in result.stdout
     assert sorted(read_losses(losses_file)) == [1, 2]
