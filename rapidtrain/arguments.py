@@ -8,6 +8,7 @@ conflict table (`rules.py`) and the plan (`plan.py`) read it, nothing else does.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 # The tokenizer module owns the list of types (it imports only the standard library at load time).
@@ -138,7 +139,9 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None, help="Iterations (iteration-based training).")
     g.add_argument("--epochs", type=int, default=None, help="Epochs (epoch-based fine-tuning).")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (weights, data order, dropout).")
-    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="Iterations between evaluations (default: 1000 in pretraining, as Megatron; in fine-tuning "
+                        "evaluation runs after each epoch, and also every N steps when this is given).")
     g.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")
     g.add_argument("--user-script", default=None,
                    help="White-box script subclassing Finetuner / PreTrainer / Trainer, run under torchrun.")
@@ -312,33 +315,90 @@ def parse_args(
     extra_args_provider: ExtraArgsProvider | None = None,
     defaults: dict | None = None,
     prog: str = "rapidtrain",
+    entry: str | None = None,
 ) -> argparse.Namespace:
-    """Parse flags; `defaults` lets an entry point (pretrain.py's demo) choose its own defaults."""
+    """Parse flags, then apply the entry point's declared defaults (`ENTRY_DEFAULTS[entry]`, and the demo's
+    when pretraining gets no --data-path) and any `defaults` a script passes, to the flags not given.
+
+    `rapidtrain plan` resolves the same entry as the launch would, so a dry run and a run agree.
+    """
     parser = build_parser(extra_args_provider, prog=prog)
-    if defaults:
-        parser.set_defaults(**_defaults_not_overridden(defaults, argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    given = given_flags(parser, argv)
+    chosen = entry_defaults(entry, args, given)
+    chosen.update(defaults or {})
+    for dest, value in _defaults_not_overridden(chosen, given).items():
+        setattr(args, dest, value)
     if args.dataset_name and not args.data_name:
         args.data_name = args.dataset_name
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    args.given_flags = sorted(given)  # which flags the user typed (the plan tells them from defaults)
     return args
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The destinations of the flags present in `argv` (parsed again with every default suppressed)."""
+    saved = [(action, action.default) for action in parser._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        namespace, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(namespace))
+
+
+# Entry points' own defaults, declared once. Megatron's pretrain_gpt.py / pretrain_bert.py default the
+# tokenizer of real data; the demo's small-model settings apply only when pretraining names no data.
+MEGATRON_TOKENIZERS = {"gpt": "GPT2BPETokenizer", "bert": "BertWordPieceLowerCase"}
+ENTRY_DEFAULTS: dict[str, dict] = {
+    "pretrain": {},  # rapidtrain/pretrain.py and `rapidtrain --task pretraining`: GPT unless --model-type bert
+    "pretrain_gpt": {"model_type": "gpt"},
+    "pretrain_bert": {"model_type": "bert"},
+}
+DEMO_DEFAULTS = {"train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style": "cosine",
+                 "lr_warmup_fraction": 0.03, "micro_batch_size": 8, "log_interval": 10, "eval_interval": 100,
+                 "eval_iters": 5, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+
+
+def uses_demo_data(args: argparse.Namespace) -> bool:
+    """Built-in pretraining with no --data-path trains on the demo corpus."""
+    return not args.data_path and not args.pretrained_model_name_or_path
+
+
+def entry_defaults(entry: str | None, args: argparse.Namespace, given: set[str]) -> dict:
+    if entry is None:
+        return {}
+    if entry not in ENTRY_DEFAULTS:
+        raise ValueError(f"unknown entry point {entry!r}; one of {', '.join(ENTRY_DEFAULTS)}")
+    chosen = dict(ENTRY_DEFAULTS[entry])
+    if uses_demo_data(args):
+        chosen.update(DEMO_DEFAULTS)
+    else:
+        model_type = args.model_type if "model_type" in given else chosen.get("model_type", args.model_type)
+        chosen["tokenizer_type"] = MEGATRON_TOKENIZERS[model_type]
+    return chosen
 
 
 # Flags that say the same thing two ways: a user who gives one overrides an entry point's default for the other.
 ALTERNATIVE_FLAGS = (("lr_warmup_iters", "lr_warmup_fraction"),)
 
 
-def _defaults_not_overridden(defaults: dict, argv: Sequence[str] | None) -> dict:
-    import sys
-
-    given = {token.split("=")[0] for token in (sys.argv[1:] if argv is None else argv) if token.startswith("--")}
-    kept = dict(defaults)
+def _defaults_not_overridden(defaults: dict, given: set[str]) -> dict:
+    kept = {dest: value for dest, value in defaults.items() if dest not in given}
     for pair in ALTERNATIVE_FLAGS:
         for dest, other in (pair, pair[::-1]):
-            if "--" + other.replace("_", "-") in given:
+            if other in given:
                 kept.pop(dest, None)
     return kept
+
+
+def flag_values(args: argparse.Namespace) -> dict:
+    """The flags as plain JSON values (for checkpoints and the run's config)."""
+    return {key: value for key, value in vars(args).items() if key != "given_flags"}
 
 
 def flag_table(parser: argparse.ArgumentParser | None = None) -> list[tuple[str, str, str]]:

@@ -8,7 +8,6 @@ is replaced last. A half-written checkpoint is therefore never visible under its
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -23,10 +22,15 @@ import torch.distributed.checkpoint as dcp
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.pt"
-# Flags that fix the model's shape: a checkpoint saved with other values cannot load.
-MODEL_SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                     "padded_vocab_size", "position_embedding_type", "max_position_embeddings",
-                     "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq")
+# The built-in model's settings that fix its parameters' shapes, with the flag that sets each: a checkpoint
+# saved with other values cannot load.
+MODEL_SHAPE_FIELDS = {"model_type": "--model-type", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+                      "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
+                      "vocab_size": "--tokenizer-type/--make-vocab-size-divisible-by (padded vocabulary)",
+                      "position_embedding_type": "--position-embedding-type",
+                      "max_position_embeddings": "--max-position-embeddings",
+                      "tie_embeddings": "--untie-embeddings-and-output-weights",
+                      "bert_binary_head": "--bert-binary-head", "num_experts": "--num-experts/--moe-layer-freq"}
 
 
 class CheckpointError(RuntimeError):
@@ -87,7 +91,8 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
-                    args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Path:
+                    config: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    """Write iteration `iteration` under `root` and publish it; `config` is the run's flags and plan (JSON)."""
     root = Path(root)
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -99,7 +104,7 @@ def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler:
     dcp.save(runner.state_dict(), checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     if _rank() == 0:
-        common = {"iteration": iteration, "consumed_samples": consumed_samples, "args": vars(args),
+        common = {"iteration": iteration, "consumed_samples": consumed_samples, **config,
                   "lr_scheduler": lr_scheduler.state_dict() if hasattr(lr_scheduler, "state_dict") else None,
                   "extra": extra or {}}
         torch.save(common, tmp / COMMON_FILE)
@@ -129,17 +134,25 @@ def _check_complete(directory: Path) -> None:
                               "fully written. Point --load at a folder whose latest iteration is complete.")
 
 
-def check_same_model(saved: dict[str, Any], current: argparse.Namespace, directory: Path) -> None:
+def check_same_model(saved: dict[str, Any] | None, current: dict[str, Any] | None, directory: Path) -> None:
+    """Refuse a checkpoint of another built-in model (`saved`/`current`: the plans' model settings)."""
+    if not saved or not current:
+        return
     differing = []
-    for name in MODEL_SHAPE_FLAGS:
-        if name in saved and hasattr(current, name) and saved[name] != getattr(current, name):
-            differing.append(f"--{name.replace('_', '-')} (checkpoint {saved[name]!r}, now {getattr(current, name)!r})")
+    for name, flag in MODEL_SHAPE_FIELDS.items():
+        before, now = _comparable(saved.get(name)), _comparable(current.get(name))
+        if name in saved and before != now:
+            differing.append(f"{flag} (checkpoint {before!r}, now {now!r})")
     if differing:
         raise CheckpointError(f"checkpoint {directory} holds a different model: " + "; ".join(differing)
                               + ". Use the flags the checkpoint was saved with, or another --load folder.")
 
 
-def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, args: argparse.Namespace, *,
+def _comparable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
+
+
+def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, model: dict[str, Any] | None, *,
                     finetune: bool = False, load_optimizer: bool = True, load_rng: bool = True) -> LoadedState | None:
     """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none."""
     iteration = latest_iteration(root)
@@ -153,7 +166,7 @@ def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, args: argp
                               f"does not exist.")
     _check_complete(directory)
     common = torch.load(directory / COMMON_FILE, weights_only=False)
-    check_same_model(common["args"], args, directory)
+    check_same_model((common.get("plan") or {}).get("model"), model, directory)
     load_optimizer = load_optimizer and not finetune
     state = runner.state_dict_for_loading(load_optimizer)
     dcp.load(state, checkpoint_id=str(directory))

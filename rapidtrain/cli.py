@@ -67,7 +67,7 @@ def launch_arguments(argv: list[str]) -> argparse.Namespace:
     """The flags; a user script may add its own through extra_args_provider, which only its Engine knows."""
     if any(a == "--user-script" or a.startswith("--user-script=") for a in argv):
         return arguments.build_parser().parse_known_args(argv)[0]
-    return arguments.parse_args(argv)
+    return arguments.parse_args(argv, entry=entry_of(argv))
 
 
 def run_user_script_in_place(script: Path, argv: list[str]) -> int:
@@ -101,42 +101,27 @@ def plan_command(argv: list[str]) -> int:
     extra.add_argument("--device", choices=("cpu", "cuda"), default=None)
     extra.add_argument("--json", action="store_true")
     options, rest = extra.parse_known_args(argv)
-    args = arguments.parse_args(rest, prog="rapidtrain plan")
+    args = arguments.parse_args(rest, prog="rapidtrain plan", entry=entry_of(rest))
     detected = plan.RunContext.detect(args)
-    ctx = plan.RunContext(options.world_size or detected.world_size, options.device or detected.device_type)
+    ctx = plan.RunContext(options.world_size or detected.world_size, options.device or detected.device_type,
+                          detected.script)
     rules.exit_on_conflicts(args, ctx)
-    resolved = plan.from_args(args, ctx, vocab_size=plan_vocab_size(args))
+    resolved = plan.from_args(args, ctx)
     print(resolved.to_json() if options.json else resolved.describe())
     return 0
 
 
-def plan_vocab_size(args: argparse.Namespace) -> int | None:
-    """The padded vocabulary of the built-in model, from the tokenizer flags or the demo corpus."""
-    if args.pretrained_model_name_or_path:
+def entry_of(argv: list[str]) -> str | None:
+    """The entry point a launch with these flags runs, whose declared defaults its plan must use."""
+    args = arguments.build_parser().parse_known_args(argv)[0]
+    if args.user_script or args.task != "pretraining":
         return None
-    from rapidtrain.data.tokenizer import padded_vocab_size
-
-    if args.tokenizer_type is None and not args.data_path:
-        from rapidtrain.data.demo import VOCAB_SIZE
-
-        vocab = VOCAB_SIZE
-    elif args.tokenizer_type == "NullTokenizer" and args.vocab_size:
-        vocab = args.vocab_size
-    else:
-        from rapidtrain.data.tokenizer import build_tokenizer
-
-        vocab = build_tokenizer(tokenizer_settings(args)).vocab_size
-    return padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    return "pretrain"
 
 
 def tokenizer_settings(args: argparse.Namespace):
-    from rapidtrain.data.tokenizer import TokenizerSettings
-
-    return TokenizerSettings(
-        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        tensor_model_parallel_size=args.tensor_model_parallel_size)
+    """The tokenizer settings of (possibly edited) flags, for user scripts that build their own tokenizer."""
+    return plan.tokenizer_settings_of(args)
 
 
 def demo_data_command(argv: list[str]) -> int:

@@ -1,9 +1,9 @@
-"""Engine (alias RapidformerEngine): flags → distributed init → plan → wrapped model, optimizer, schedule.
+"""Engine (alias RapidformerEngine): flags → plan → distributed init → wrapped model, optimizer, schedule.
 
-`Engine(extra_args_provider=fn)` parses and checks the flags (exit 2 on conflicts), starts
-torch.distributed, seeds, and builds the mesh. `compose()` applies the plan to a model in the fixed order
-(tensor parallel → activation checkpointing → compile → data-parallel wrapping) and returns a runner
-that the templates, or a user's own loop (`engine.backward`, `engine.step`), drive.
+`Engine(extra_args_provider=fn)` parses and checks the flags (exit 2 on conflicts), resolves the plan once,
+starts torch.distributed, seeds, and builds the mesh. From then on only the plan is read: `compose()`
+applies it to a model and returns the runner that the templates, or a user's own loop (`engine.backward`,
+`engine.step`), drive. `get_args()` keeps the flags for user scripts.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import os
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,15 +23,23 @@ from torch import nn
 
 from rapidtrain import arguments, rules
 from rapidtrain.cpu_allocator import keep_freed_memory
+from rapidtrain.data.loaders import ShardSettings
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
-from rapidtrain.parallel.runner import StepOutcome
-from rapidtrain.plan import Plan, RunContext, from_args, lr_schedule_settings, optimizer_settings
+from rapidtrain.parallel.runner import LossTotal, StepOutcome, agree
+from rapidtrain.plan import Plan, RunContext, from_args
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a non-finite loss without loss scaling); nothing corrupt was saved."""
+
+
 def get_args() -> argparse.Namespace:
-    """The parsed flags, for user scripts (Rapidformer's `get_args`); internal code is handed its settings."""
+    """The parsed flags, for user scripts (Rapidformer's `get_args`); internal code is handed its settings.
+
+    Beside the flags it carries what Megatron's args carry once the model is known: `padded_vocab_size`.
+    """
     if _GLOBAL_ARGS is None:
         raise RuntimeError("get_args() before the Engine parsed the flags: create Engine(...) first.")
     return _GLOBAL_ARGS
@@ -40,15 +49,22 @@ def init_distributed(backend: str | None, device_type: str) -> None:
     global _GROUPS_STARTED
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device_type == "cuda":  # modulo: where each task sees one GPU, LOCAL_RANK may exceed the visible count
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     timeout = timedelta(minutes=10)
     store = fresh_group_store(timeout)
     extra = {}
     if store is not None:
         extra = {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
-    dist.init_process_group(backend or ("nccl" if device_type == "cuda" else "gloo"), timeout=timeout, **extra)
+    dist.init_process_group(process_group_backend(backend, device_type), timeout=timeout, **extra)
     _GROUPS_STARTED += 1
+
+
+def process_group_backend(backend: str | None, device_type: str) -> str:
+    """A backend per device type: NCCL for CUDA tensors and gloo for CPU ones (host-side counts such as the
+    token count travel by gloo without touching the GPU stream), as torchtitan does."""
+    backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 # Default process groups this process started (a run after another's shutdown, as tests do, starts a second).
@@ -88,8 +104,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass
+class StepDecision:
+    """What one optimizer step did, as every rank agreed: its outcome, whether the loss was non-finite (and
+    not skipped), whether a stop was requested anywhere."""
+
+    outcome: StepOutcome
+    nan: bool = False
+    stop: bool = False
+
+
 class Engine:
-    """What a run needs before its model exists: flags, process groups, seeds, the plan."""
+    """What a run needs before its model exists: flags, the plan, process groups, seeds."""
 
     def __init__(
         self,
@@ -97,24 +123,26 @@ class Engine:
         argv: Sequence[str] | None = None,
         defaults: dict | None = None,
         args: argparse.Namespace | None = None,
+        entry: str | None = None,
     ) -> None:
         global _GLOBAL_ARGS
-        self.args = args or arguments.parse_args(argv, extra_args_provider, defaults)
-        if self.args.user_script is None:  # `torchrun my_script.py` is a user script too (its template decides)
-            self.args.user_script = main_script()
-        self.context = RunContext.detect(self.args)
+        self.args = args or arguments.parse_args(argv, extra_args_provider, defaults, entry=entry)
+        self.context = RunContext.detect(self.args, script=main_script())
         rules.exit_on_conflicts(self.args, self.context)
         _GLOBAL_ARGS = self.args
+        self.plan: Plan = from_args(self.args, self.context)
+        if self.plan.model is not None:  # Megatron's args carry it; user scripts read it from get_args()
+            self.args.padded_vocab_size = self.plan.model.vocab_size
         init_distributed(self.args.distributed_backend, self.context.device_type)
         self.device = self._device()
         if self.device.type == "cpu" and self.args.cpu_allocator_tuning:
             keep_freed_memory()
-        seed_everything(self.args.seed)
-        self.plan = from_args(self.args, self.context)
+        seed_everything(self.plan.training.seed)
         self.mesh: ParallelMesh = build_mesh(self.plan.layout, self.context.device_type)
         self.runner: Any = None
         self.lr_scheduler: Any = None
-        self.accumulation: Any = None  # an own loop's place in its global batch (trainers/composed.py)
+        self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
+        self._backward_losses: torch.Tensor | None = None  # an own loop's losses since the last step
 
     def _device(self) -> torch.device:
         if self.context.device_type == "cuda":
@@ -129,14 +157,16 @@ class Engine:
     def is_main_process(self) -> bool:
         return self.rank == 0
 
-    def resolve_model(self, vocab_size: int) -> Plan:
-        """Re-resolve the plan once the padded vocabulary (and so the built-in model's shape) is known."""
-        self.plan = from_args(self.args, self.context, vocab_size=vocab_size)
-        return self.plan
-
     def print_rank0(self, *message: Any) -> None:
         if self.is_main_process:
             print(*message, flush=True)
+
+    def shard_settings(self) -> ShardSettings:
+        """How this rank takes its share of a map-style dataset (the plan's data settings and the mesh)."""
+        data = self.plan.data
+        return ShardSettings(data.micro_batch_size, self.mesh.data_parallel_rank,
+                             self.plan.layout.data_parallel_size, data.seed, data.num_workers,
+                             self.device.type == "cuda", self.mesh.group("dp"))
 
     # ---- composing a model for training ----
 
@@ -159,61 +189,89 @@ class Engine:
 
         names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
         self.runner = parallelize(model, self.plan, self.mesh, self.device, optimizer=optimizer,
-                                  optimizer_settings=optimizer_settings(self.args), clip_grad=self.args.clip_grad,
-                                  loss_scale=self._loss_scale_settings(), model_factory=model_factory)
+                                  model_factory=model_factory)
         if optimizer is not None and self.runner.optimizer is optimizer:  # the user's, over the wrapped parameters
-            from rapidtrain.trainers.composed import rebind_optimizer
+            from rapidtrain.own_loop import rebind_optimizer
 
             rebind_optimizer(optimizer, names, self.runner.module)
         if train_dataloader is not None or eval_dataloader is not None:  # a user's own loop
-            from rapidtrain.trainers.composed import compose_own_loop
+            from rapidtrain.own_loop import compose_own_loop
 
             return compose_own_loop(self, train_dataloader, eval_dataloader, lr_scheduler_fn)
-        self.lr_scheduler = self._scheduler(self.runner.optimizer, lr_scheduler_fn)
+        self.lr_scheduler = self.build_scheduler(self.runner.optimizer, lr_scheduler_fn)
         return self.runner.module, self.runner.optimizer, self.lr_scheduler, train_dataloader, eval_dataloader
 
-    def _loss_scale_settings(self):
-        from rapidtrain.optim.grad_scaler import LossScaleSettings
-
-        a = self.args
-        return LossScaleSettings(loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
-                                 min_loss_scale=a.min_loss_scale, loss_scale_window=a.loss_scale_window,
-                                 hysteresis=a.hysteresis)
-
-    def _scheduler(self, optimizer: torch.optim.Optimizer, lr_scheduler_fn: Callable | None,
-                   steps_per_epoch: int | None = None) -> Any:
+    def build_scheduler(self, optimizer: torch.optim.Optimizer, lr_scheduler_fn: Callable | None,
+                        steps_per_epoch: int | None = None) -> Any:
         if lr_scheduler_fn is not None:
             # DeepSpeed's ZeRO optimizer is no torch Optimizer, which torch schedulers refuse; its inner one
             # holds the same param_groups.
             if not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = getattr(optimizer, "optimizer", optimizer)
             return lr_scheduler_fn(optimizer)
-        from rapidtrain.optim.lr_schedule import LRScheduler
+        from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
 
-        return LRScheduler(optimizer, lr_schedule_settings(self.args, self.plan.batches.global_batch_size,
-                                                           self.total_iterations(steps_per_epoch)))
+        settings = lr_schedule_for(self.plan.schedule, self.plan.batches.global_batch_size,
+                                   self.total_iterations(steps_per_epoch))
+        return LRScheduler(optimizer, settings)
 
     def total_iterations(self, steps_per_epoch: int | None = None) -> int:
-        if self.args.train_iters is not None:
-            return self.args.train_iters
+        training = self.plan.training
+        if training.train_iters is not None:
+            return training.train_iters
         if steps_per_epoch is None:
             return 0
-        return steps_per_epoch * (self.args.epochs or 1)
+        return steps_per_epoch * (training.epochs or 1)
+
+    # ---- one iteration ----
 
     def backward(self, loss: torch.Tensor) -> None:
         """Use instead of `loss.backward()`: applies loss scaling / the DeepSpeed engine's backward."""
         if self.accumulation is not None:  # an own loop: the mean over the global batch's micro-batches
             loss = self.accumulation.scale(loss)
+        detached = loss.detach().reshape(()).double()
+        self._backward_losses = detached if self._backward_losses is None else self._backward_losses + detached
         self.runner.backward(loss)
 
-    def step(self) -> StepOutcome:
-        """Clip, step the optimizer (skipped on fp16 overflow) and advance the schedule by one global batch."""
-        if self.accumulation is not None and not self.accumulation.is_last:
-            return StepOutcome(None)  # an own loop mid global batch: gradients keep accumulating
-        outcome = self.runner.step()
+    def reduce_loss(self, total: LossTotal, global_tokens: int | None) -> torch.Tensor:
+        """The global batch's loss on the device: summed over data-parallel ranks, then averaged over its
+        tokens (per-token sums) or its ranks (mean losses)."""
+        value = total.value.clone()
+        self.all_reduce_data_parallel(value)
+        if total.per_token and global_tokens is not None:
+            return value / global_tokens
+        return value / self.plan.layout.data_parallel_size
+
+    def optimizer_step(self, loss: torch.Tensor | None = None, stop_requested: bool = False,
+                       where: str = "this iteration") -> StepDecision:
+        """Finish the gradients, agree with every rank (overflow, non-finite loss, stop) in one collective
+        and one host read, then step or skip, and advance the schedule by one global batch.
+
+        A non-finite loss without loss scaling stops the run before the optimizer step: nothing is updated
+        and nothing saved (TrainingStopped)."""
+        runner = self.runner
+        found_inf = runner.unscale_gradients()
+        nonfinite = ~torch.isfinite(loss) if loss is not None else False
+        overflow, is_nonfinite, stop = agree(
+            [found_inf if found_inf is not None else False, nonfinite, stop_requested], self.device)
+        if is_nonfinite and not runner.skips_nonfinite:
+            runner.zero_grad()
+            raise TrainingStopped(
+                f"the loss is not finite at {where}; the run stops before the optimizer step and saves nothing "
+                "(the checkpoints in --save stay as they were). Lower --lr, keep --clip-grad on, check the data, "
+                "or use --fp16 with loss scaling, then resume with --load.")
+        outcome = runner.step(skip=overflow)
         if not outcome.skipped and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "step"):
             self._advance_schedule()
-        return outcome
+        return StepDecision(outcome, nan=is_nonfinite and not outcome.skipped, stop=stop)
+
+    def step(self) -> StepOutcome:
+        """An own loop's optimizer step: clip, step (skipped on fp16 overflow) and advance the schedule by one
+        global batch; mid global batch it does nothing (gradients keep accumulating)."""
+        if self.accumulation is not None and not self.accumulation.is_last:
+            return StepOutcome(None)
+        losses, self._backward_losses = self._backward_losses, None
+        return self.optimizer_step(losses).outcome
 
     def _advance_schedule(self) -> None:
         from rapidtrain.optim.lr_schedule import LRScheduler

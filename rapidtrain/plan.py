@@ -12,33 +12,37 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from rapidtrain.optim.grad_scaler import LossScaleSettings
+    from rapidtrain.optim.optimizers import OptimizerSettings
 
 DeviceType = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 
-FINETUNE_TASKS = ("sequence_classification", "token_classification", "question_answering", "masked_lm",
-                  "casual_lm", "seq2seq_lm")
-
-
 @dataclass(frozen=True)
 class RunContext:
-    """What the flags alone do not say: how many processes and on which device type."""
+    """What the flags alone do not say: how many processes, on which device type, running which script
+    (`--user-script FILE`, or a file started as `torchrun FILE` that is not one of rapidtrain's own)."""
 
     world_size: int = 1
     device_type: DeviceType = "cpu"
+    script: str | None = None
 
     @staticmethod
-    def detect(args: argparse.Namespace | None = None) -> RunContext:
+    def detect(args: argparse.Namespace | None = None, script: str | None = None) -> RunContext:
         import torch
 
         device_type: DeviceType = "cuda" if torch.cuda.is_available() else "cpu"
+        script = getattr(args, "user_script", None) or script
         if "WORLD_SIZE" in os.environ:
-            return RunContext(int(os.environ["WORLD_SIZE"]), device_type)
+            return RunContext(int(os.environ["WORLD_SIZE"]), device_type, script)
         per_node = getattr(args, "nproc_per_node", None) or default_nproc_per_node(device_type)
-        return RunContext(per_node * int(os.environ.get("NNODES", "1")), device_type)
+        return RunContext(per_node * int(os.environ.get("NNODES", "1")), device_type, script)
 
 
 def default_nproc_per_node(device_type: DeviceType) -> int:
@@ -161,6 +165,80 @@ class MemoryEstimate:
         return self.param_bytes + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
 
 
+# ---- each component's own settings (nothing after the plan reads the flags) ----
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """How long to train, when to evaluate and when to stop early (the loop's own part of the plan)."""
+
+    train_iters: int | None = None
+    epochs: int | None = None
+    eval_interval: int | None = None  # None: no periodic evaluation (fine-tuning evaluates after each epoch)
+    eval_iters: int = 10
+    seed: int = 1234
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    finetune: bool = False  # load the model only and start at iteration 0
+    load_optimizer: bool = True
+    load_rng: bool = True
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+    peak_tflops: float | None = None
+    loss_log_file: str | None = None
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Where samples come from and how they are batched and shared out.
+
+    `source`: "demo" (the built-in corpus: pretraining with no --data-path), "indexed" (Megatron .bin/.idx
+    from --data-path), "finetune" (--data-dir/--data-name) or "script" (a user script brings its own).
+    """
+
+    source: Literal["demo", "indexed", "finetune", "script"]
+    data_path: tuple[str, ...] = ()
+    split: str = "969, 30, 1"
+    data_impl: str = "mmap"
+    cache_path: str | None = None
+    seq_length: int = 256
+    micro_batch_size: int = 1
+    num_workers: int = 2
+    seed: int = 1234
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    dynamic_shape: bool = False
+    data_dir: str | None = None
+    data_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """Megatron's learning-rate flags, in iterations; `optim.lr_schedule` turns them into samples once the
+    training length is known (fine-tuning knows it only after counting its data)."""
+
+    lr: float = 0.0
+    min_lr: float = 0.0
+    decay_style: str = "linear"
+    decay_iters: int | None = None
+    warmup_iters: int = 0
+    warmup_fraction: float | None = None
+    wsd_decay_iters: int | None = None
+
+
 @dataclass(frozen=True)
 class Plan:
     template: str
@@ -172,16 +250,24 @@ class Plan:
     memory: MemoryEstimate | None
     model: ModelConfig | None
     switches: Switches = field(default_factory=Switches)
-    train_iters: int | None = None
-    epochs: int | None = None
+    training: TrainingSettings = field(default_factory=TrainingSettings)
+    data: DataSettings = field(default_factory=lambda: DataSettings("script"))
+    tokenizer: TokenizerSettings | None = None
+    optimizer: OptimizerSettings | None = None
+    schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
+    loss_scale: LossScaleSettings | None = None
+    clip_grad: float = 1.0
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
-    def state_partitioning(self) -> str:
-        for choice in self.engines:
-            if choice.switch.endswith("-memory-optimization"):
-                return choice.switch
-        return "none"
+    def train_iters(self) -> int | None:
+        return self.training.train_iters
+
+    @property
+    def epochs(self) -> int | None:
+        return self.training.epochs
 
     def engine_for(self, switch: str) -> EngineChoice | None:
         return next((c for c in self.engines if c.switch == switch), None)
@@ -227,9 +313,9 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     )
 
 
-def template_of(args: argparse.Namespace) -> str:
-    if args.user_script:
-        return f"user script {args.user_script}"
+def template_of(args: argparse.Namespace, ctx: RunContext) -> str:
+    if ctx.script:
+        return f"user script {ctx.script}"
     if args.task == "pretraining":
         return "PreTrainer (built-in model)"
     return "Finetuner (Hugging Face model)"
@@ -244,17 +330,106 @@ def layout_of(args: argparse.Namespace, ctx: RunContext) -> Layout:
                   args.expert_model_parallel_size, virtual, args.sequence_parallel)
 
 
-def from_args(args: argparse.Namespace, ctx: RunContext, vocab_size: int | None = None) -> Plan:
-    """Resolve validated flags into a Plan. `vocab_size` is the padded vocabulary of the built-in model."""
+def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
+    """Resolve validated flags into the Plan, once: every component's settings, the padded vocabulary of the
+    built-in model included (read from the tokenizer files; the demo corpus's is known without building it)."""
     layout = layout_of(args, ctx)
     batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, layout.data_parallel_size)
     precision = precision_of(args, ctx.device_type)
-    builtin = not args.pretrained_model_name_or_path
-    model = model_config_from_args(args, vocab_size) if builtin and vocab_size else None
+    tokenizer = tokenizer_settings_of(args)
+    vocab_size = builtin_vocab_size(args, tokenizer)
+    model = model_config_from_args(args, vocab_size) if vocab_size else None
     engines, notes = engines_for(args, ctx, layout, precision)
     memory = memory_estimate(args, model, layout, precision) if model else None
-    return Plan(template_of(args), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches_of(args, layout), args.train_iters, args.epochs, tuple(notes))
+    return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
+                switches_of(args, layout), training_settings(args), data_settings(args, ctx), tokenizer,
+                optimizer_settings(args), schedule_settings(args), loss_scale_settings(args), args.clip_grad,
+                checkpoint_settings(args), logging_settings(args), tuple(notes))
+
+
+def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
+    """rapidtrain's own iteration-based pretraining of the built-in model (no user script)."""
+    return args.task == "pretraining" and not ctx.script
+
+
+def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
+    from rapidtrain.arguments import uses_demo_data
+
+    if is_pretraining(args, ctx):
+        source = "demo" if uses_demo_data(args) else "indexed"
+    elif ctx.script:
+        source = "demo" if uses_demo_data(args) and args.task == "pretraining" else "script"
+    else:
+        source = "finetune"
+    return DataSettings(
+        source=source, data_path=tuple(args.data_path or ()), split=args.split, data_impl=args.data_impl,
+        cache_path=args.data_cache_path, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        num_workers=args.num_workers, seed=args.seed, eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
+        dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name)
+
+
+def tokenizer_settings_of(args: argparse.Namespace) -> TokenizerSettings | None:
+    """The tokenizer of the pretraining data: the flags', or the demo corpus's; None when there is none."""
+    from rapidtrain.arguments import uses_demo_data
+
+    if uses_demo_data(args) and args.tokenizer_type is None:
+        from rapidtrain.data.demo import demo_tokenizer_settings
+
+        return demo_tokenizer_settings()
+    if args.tokenizer_type is None:
+        return None
+    return TokenizerSettings(
+        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=args.tensor_model_parallel_size)
+
+
+def builtin_vocab_size(args: argparse.Namespace, tokenizer: TokenizerSettings | None) -> int | None:
+    """The built-in model's padded vocabulary (Megatron's padding), or None when no built-in model is
+    known: a Hugging Face model folder, or no tokenizer to size it by."""
+    if args.pretrained_model_name_or_path or tokenizer is None:
+        return None
+    from rapidtrain.data.tokenizer import padded_vocab_size, tokenizer_vocab_size
+
+    return padded_vocab_size(tokenizer_vocab_size(tokenizer), args.make_vocab_size_divisible_by,
+                             args.tensor_model_parallel_size)
+
+
+def training_settings(args: argparse.Namespace) -> TrainingSettings:
+    eval_interval = args.eval_interval
+    if eval_interval is None and args.task == "pretraining":
+        eval_interval = 1000  # Megatron's default; fine-tuning evaluates after each epoch instead
+    return TrainingSettings(train_iters=args.train_iters, epochs=args.epochs, eval_interval=eval_interval,
+                            eval_iters=args.eval_iters, seed=args.seed, exit_interval=args.exit_interval,
+                            exit_duration_in_mins=args.exit_duration_in_mins)
+
+
+def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
+    return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
+                              finetune=args.finetune, load_optimizer=not args.no_load_optim,
+                              load_rng=not args.no_load_rng)
+
+
+def logging_settings(args: argparse.Namespace) -> LoggingSettings:
+    return LoggingSettings(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
+                           peak_tflops=args.peak_tflops, loss_log_file=args.loss_log_file)
+
+
+def schedule_settings(args: argparse.Namespace) -> ScheduleSettings:
+    return ScheduleSettings(lr=args.lr or 0.0, min_lr=args.min_lr, decay_style=args.lr_decay_style,
+                            decay_iters=args.lr_decay_iters, warmup_iters=args.lr_warmup_iters,
+                            warmup_fraction=args.lr_warmup_fraction, wsd_decay_iters=args.lr_wsd_decay_iters)
+
+
+def loss_scale_settings(args: argparse.Namespace) -> LossScaleSettings:
+    from rapidtrain.optim.grad_scaler import LossScaleSettings
+
+    return LossScaleSettings(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                             hysteresis=args.hysteresis)
 
 
 PARTITIONING_NAMES = {
@@ -283,7 +458,7 @@ def switches_of(args: argparse.Namespace, layout: Layout) -> Switches:
                     args.data_iterator == "dynamic-shape")
 
 
-def optimizer_settings(args: argparse.Namespace):
+def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
     """The optimizer's own settings; `--optimizer` (beyond Rapidformer) overrides `--optimizers`."""
     from rapidtrain.optim.optimizers import OptimizerSettings
 
@@ -293,17 +468,6 @@ def optimizer_settings(args: argparse.Namespace):
     return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              sgd_momentum=args.sgd_momentum)
-
-
-def lr_schedule_settings(args: argparse.Namespace, global_batch_size: int, train_iters: int):
-    """The schedule's own settings, in samples (Megatron semantics)."""
-    from rapidtrain.optim.lr_schedule import lr_schedule_from_iters
-
-    return lr_schedule_from_iters(
-        lr=args.lr, min_lr=args.min_lr, style=args.lr_decay_style, train_iters=train_iters,
-        lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
-        lr_warmup_fraction=args.lr_warmup_fraction, global_batch_size=global_batch_size,
-        lr_wsd_decay_iters=args.lr_wsd_decay_iters)
 
 
 # ---- the engine behind each switch (DESIGN.md's table) ----
@@ -472,6 +636,33 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
+def _training_length(t: TrainingSettings) -> str:
+    length = f"{t.train_iters} iterations" if t.train_iters else f"{t.epochs or 1} epoch(s)"
+    evaluation = f"evaluation every {t.eval_interval} iterations" if t.eval_interval else "evaluation after each epoch"
+    return f"{length}, {evaluation}, seed {t.seed}"
+
+
+def _schedule(s: ScheduleSettings, clip_grad: float) -> str:
+    if s.warmup_fraction is not None:
+        warmup = f"warm-up {s.warmup_fraction:g} of the decay horizon"
+    else:
+        warmup = f"warm-up {s.warmup_iters} iterations"
+    horizon = f" over {s.decay_iters} iterations" if s.decay_iters else ""
+    clipping = f"clip grad {clip_grad:g}" if clip_grad > 0 else "no clipping"
+    return f"lr {s.lr:.1E} → min {s.min_lr:.1E}, {s.decay_style} decay{horizon}, {warmup}; {clipping}"
+
+
+def _data_source(data: DataSettings, tokenizer: TokenizerSettings | None) -> str:
+    words = {"demo": "the built-in demo corpus (no --data-path; the demo's small-model defaults apply)",
+             "indexed": "Megatron indexed data " + " ".join(data.data_path),
+             "finetune": f"fine-tuning set {data.data_dir or ''} {data.data_name or ''}".rstrip(),
+             "script": "provided by the user script"}
+    text = words[data.source]
+    if tokenizer is not None and data.source != "finetune":
+        text += f"; tokenizer {tokenizer.tokenizer_type}"
+    return text + f"; {data.num_workers} loader workers per rank"
+
+
 def describe_plan(plan: Plan) -> str:
     lay, bat = plan.layout, plan.batches
     lines = [
@@ -487,7 +678,9 @@ def describe_plan(plan: Plan) -> str:
     lines += [
         f"  batches: micro {bat.micro_batch_size} × accumulation steps {bat.accumulation_steps} × data parallel "
         f"{lay.data_parallel_size} = global {bat.global_batch_size}",
-        "  training length: " + (f"{plan.train_iters} iterations" if plan.train_iters else f"{plan.epochs} epochs"),
+        "  training length: " + _training_length(plan.training),
+        "  data: " + _data_source(plan.data, plan.tokenizer),
+        "  schedule: " + _schedule(plan.schedule, plan.clip_grad),
         f"  precision: {plan.precision.dtype}, loss scaling {plan.precision.loss_scaling} ({plan.precision.reason})",
         "  engines:",
     ]
@@ -508,5 +701,11 @@ def describe_plan(plan: Plan) -> str:
             f"gradients {_mib(mem.grad_bytes)}, optimizer {_mib(mem.optimizer_bytes)}"
             + (" (on CPU)" if mem.optimizer_on_cpu else "") + f"; total {_mib(mem.total_bytes)}",
         ]
+    ck = plan.checkpoint
+    if ck.save or ck.load:
+        lines.append("  checkpoints: " + "; ".join(
+            ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
+             if ck.save else [])
+            + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else [])))
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -16,14 +16,11 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size  # noqa: E402
+from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from rapidtrain.engine import Engine  # noqa: E402
 from rapidtrain.trainers.pretrainer import PreTrainer  # noqa: E402
 
-# The main job's defaults: a small GPT that learns visibly within a few hundred iterations on 2 CPU cores.
-DEMO_DEFAULTS = {"train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style": "cosine",
-                 "lr_warmup_iters": 10, "micro_batch_size": 8, "log_interval": 10, "eval_interval": 100,
-                 "eval_iters": 5, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+ENTRY = "pretrain"  # its declared defaults: arguments.ENTRY_DEFAULTS (and the demo's without --data-path)
 
 
 class MegatronPreTrainer(PreTrainer):
@@ -31,67 +28,67 @@ class MegatronPreTrainer(PreTrainer):
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
+        self.data_prefix = self.prepare_data()
         self.tokenizer = self.build_tokenizer()
-        self.args.padded_vocab_size = padded_vocab_size(
-            self.tokenizer.vocab_size, self.args.make_vocab_size_divisible_by, self.args.tensor_model_parallel_size)
-        self.engine.resolve_model(self.args.padded_vocab_size)
+
+    def prepare_data(self) -> list[str]:
+        """The --data-path prefixes (a blend keeps its weights), or the demo corpus, built on first use."""
+        data = self.plan.data
+        if data.source != "demo":
+            return list(data.data_path)
+        from rapidtrain.data.demo import prepare_demo_data
+
+        demo = prepare_demo_data(progress=self.engine.is_main_process)
+        self.engine.print_rank0(f" no --data-path: training on the demo corpus ({demo.num_documents:,} "
+                                f"documents, {demo.num_tokens:,} tokens) at {demo.data_prefix}")
+        return [demo.data_prefix]
 
     def build_tokenizer(self) -> Tokenizer:
-        from rapidtrain.cli import tokenizer_settings
-
-        a = self.args
-        if not a.data_path:
-            from rapidtrain.data.demo import prepare_demo_data
-
-            demo = prepare_demo_data(progress=self.engine.is_main_process)
-            a.data_path = [demo.data_prefix]
-            a.tokenizer_type, a.tokenizer_model = demo.tokenizer_type, demo.tokenizer_model
-            self.engine.print_rank0(f" no --data-path: training on the demo corpus ({demo.num_documents:,} "
-                                    f"documents, {demo.num_tokens:,} tokens) at {demo.data_prefix}")
-        if a.tokenizer_type is None:
-            raise SystemExit("rapidtrain: --data-path needs --tokenizer-type (and its files) to know the vocabulary "
-                             "and the end-of-document token.")
-        return build_tokenizer(tokenizer_settings(a))
+        settings = self.plan.tokenizer
+        if settings is None:  # the rules refuse --data-path without a tokenizer before this point
+            raise SystemExit("rapidtrain: --data-path needs --tokenizer-type (and its files).")
+        return build_tokenizer(settings)
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
-        a = self.args
-        if a.model_type == "bert":
+        data, model = self.plan.data, self.plan.model
+        assert model is not None
+        if model.model_type == "bert":
             from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
 
             t = self.tokenizer
-            config = BERTDatasetConfig(data_prefix=a.data_path, split=a.split, seq_length=a.seq_length, seed=a.seed,
-                                       vocab_size=t.vocab_size, cls_id=t.cls, sep_id=t.sep, mask_id=t.mask,
-                                       pad_id=t.pad, mask_prob=a.mask_prob, short_seq_prob=a.short_seq_prob,
-                                       binary_head=a.bert_binary_head, data_impl=a.data_impl,
-                                       cache_dir=a.data_cache_path)
+            config = BERTDatasetConfig(data_prefix=self.data_prefix, split=data.split, seq_length=model.seq_length,
+                                       seed=data.seed, vocab_size=t.vocab_size, cls_id=t.cls, sep_id=t.sep,
+                                       mask_id=t.mask, pad_id=t.pad, mask_prob=data.mask_prob,
+                                       short_seq_prob=data.short_seq_prob, binary_head=model.bert_binary_head,
+                                       data_impl=data.data_impl, cache_dir=data.cache_path)
             return build_bert_datasets(config, train_val_test_num_samples)
         from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 
-        config = GPTDatasetConfig(data_prefix=a.data_path, split=a.split, seq_length=a.seq_length, seed=a.seed,
-                                  eod=self.tokenizer.eod, eod_mask_loss=a.eod_mask_loss,
-                                  reset_position_ids=a.reset_position_ids,
-                                  reset_attention_mask=a.reset_attention_mask, data_impl=a.data_impl,
-                                  cache_dir=a.data_cache_path)
+        config = GPTDatasetConfig(data_prefix=self.data_prefix, split=data.split, seq_length=model.seq_length,
+                                  seed=data.seed, eod=self.tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
+                                  reset_position_ids=data.reset_position_ids,
+                                  reset_attention_mask=data.reset_attention_mask, data_impl=data.data_impl,
+                                  cache_dir=data.cache_path)
         return build_gpt_datasets(config, train_val_test_num_samples)
 
     def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, None, None]:
         from rapidtrain.models import build_model
 
-        return build_model(self.engine.plan.model, seed=self.args.seed), None, None
+        return build_model(self.plan.model, seed=self.plan.training.seed), None, None
 
     def model_factory(self) -> Any:
         from rapidtrain.models import build_model
 
-        return lambda: build_model(self.engine.plan.model, seed=None)
+        return lambda: build_model(self.plan.model, seed=None)
 
     def flops_per_iteration(self) -> float | None:
         from rapidtrain.models.counting import model_flops_per_iteration
 
-        return float(model_flops_per_iteration(self.engine.plan.model, self.engine.plan.batches.global_batch_size))
+        return float(model_flops_per_iteration(self.plan.model, self.plan.batches.global_batch_size))
 
     def run_forward_step(self, data_iterator: Any, model: Any) -> Any:
         batch = {k: v.to(self.engine.device, non_blocking=True) for k, v in next(data_iterator).items()}
-        if self.args.model_type == "bert":
+        if self.plan.model.model_type == "bert":
             return self._bert_forward(batch, model)
         mask = batch.get("attention_mask")
         losses = model(batch["tokens"], position_ids=batch["position_ids"],
@@ -101,7 +98,7 @@ class MegatronPreTrainer(PreTrainer):
     def _bert_forward(self, batch: dict[str, torch.Tensor], model: Any) -> Any:
         output = model(batch["text"], attention_mask=batch["padding_mask"], tokentype_ids=batch["types"],
                        lm_labels=batch["labels"])
-        if not self.args.bert_binary_head:
+        if not self.plan.model.bert_binary_head:
             return output, lambda per_token: masked_sum(per_token, batch["loss_mask"])
         per_token, binary_logits = output
         lm_loss = masked_sum(per_token, batch["loss_mask"])
@@ -116,7 +113,7 @@ def masked_sum(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    engine = Engine(argv=argv, defaults=DEMO_DEFAULTS)
+    engine = Engine(argv=argv, entry=ENTRY)
     results = MegatronPreTrainer(engine).train()
     # An undestroyed gloo group can abort the interpreter at exit ("terminate called without an active exception").
     engine.shutdown()

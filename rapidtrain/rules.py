@@ -106,9 +106,9 @@ def _num_experts_length_ok(args: Args) -> bool:
     return not args.num_experts or len(args.num_experts) in (1, args.num_layers)
 
 
-def _needs_iterations(args: Args) -> bool:
-    # A --user-script runs its own template (an epoch-based Finetuner or own loop too), whatever --task says.
-    return args.task == "pretraining" and not args.user_script
+def _needs_iterations(args: Args, ctx: RunContext) -> bool:
+    # A user script runs its own template (an epoch-based Finetuner or own loop too), whatever --task says.
+    return args.task == "pretraining" and not (args.user_script or ctx.script)
 
 
 def _positive_sizes(args: Args) -> list[str]:
@@ -350,13 +350,13 @@ RULES: tuple[Rule, ...] = (
         or (a.train_iters is None and a.epochs is None),
         lambda a, c: ("--train-iters and --epochs both set the training length; give one." if a.train_iters is not None
                       else "--train-iters or --epochs is needed: "
-                      + ("pretraining is iteration-based (--train-iters N)." if _needs_iterations(a)
+                      + ("pretraining is iteration-based (--train-iters N)." if _needs_iterations(a, c)
                          else "fine-tuning runs --epochs N (or --train-iters N).")),
     ),
     Rule(
         "pretraining-needs-iters", ("--epochs", "--task"),
         "Pretraining (--task pretraining, without --user-script) is iteration-based.",
-        lambda a, c: _needs_iterations(a) and a.epochs is not None and a.train_iters is None,
+        lambda a, c: _needs_iterations(a, c) and a.epochs is not None and a.train_iters is None,
         lambda a, c: "--epochs with --task pretraining: Megatron-style pretraining counts iterations over a "
         "sample stream. Use --train-iters N.",
     ),

@@ -28,11 +28,11 @@ class UserScriptError(SystemExit):
 
 
 def _templates() -> tuple[type, ...]:
-    from rapidtrain.trainers.finetuner import Finetuner, TemplateRun
+    from rapidtrain.trainers.finetuner import Finetuner
     from rapidtrain.trainers.pretrainer import PreTrainer
     from rapidtrain.trainers.trainer import Trainer
 
-    return Trainer, PreTrainer, Finetuner, TemplateRun
+    return Trainer, PreTrainer, Finetuner
 
 
 def template_subclasses(namespace: dict[str, Any]) -> list[type]:

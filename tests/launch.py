@@ -46,8 +46,8 @@ def torchrun(nproc: int, script: str | Path, args: list[str], *, timeout: int = 
     return result
 
 
-def pretrain(nproc: int, args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return torchrun(nproc, PRETRAIN, args, **kwargs)
+def pretrain(nproc: int, args: list[str], script: str | Path = PRETRAIN, **kwargs) -> subprocess.CompletedProcess:
+    return torchrun(nproc, script, args, **kwargs)
 
 
 def read_losses(path: str | Path) -> dict[int, float]:

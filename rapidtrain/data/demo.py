@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rapidtrain.data.preprocess import PreprocessSettings, preprocess
-from rapidtrain.data.tokenizer import TokenizerSettings
+from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
 
 DEMO_VERSION = "demo-v1"
-VOCAB_SIZE = 8000
+VOCAB_SIZE = 8000  # SentencePiece pieces
+# The SentencePieceTokenizer's size over them (Megatron's <CLS> <SEP> <EOD> <MASK> <PAD> appended): the plan
+# sizes the model by it before the corpus is first built; the build checks it.
+TOKENIZER_VOCAB_SIZE = 8005
 SEED = 1234
 MIN_DOCSTRING_CHARS = 80  # shorter docstrings ("Return self.") teach little and bloat the count
 MAX_CORPUS_CHARS = 4_000_000  # bounds the build time whatever the Python version
@@ -42,6 +45,12 @@ class DemoData:
     def tokenizer_settings(self) -> TokenizerSettings:
         """The tokenizer flags that read this corpus."""
         return TokenizerSettings(self.tokenizer_type, tokenizer_model=self.tokenizer_model)
+
+
+def demo_tokenizer_settings(cache_dir: str | None = None) -> TokenizerSettings:
+    """The tokenizer flags that read the demo corpus (its model is in the cache once the corpus is built)."""
+    model = os.path.join(os.path.abspath(cache_dir or default_cache_dir()), "tokenizer.model")
+    return TokenizerSettings("SentencePieceTokenizer", tokenizer_model=model, known_vocab_size=TOKENIZER_VOCAB_SIZE)
 
 
 def default_cache_dir() -> str:
@@ -108,6 +117,11 @@ def _build(folder: str, progress: bool) -> None:
         for text in documents:
             lines.write(json.dumps({"text": text}) + "\n")
     _train_sentencepiece(documents, os.path.join(folder, "tokenizer.model"))
+    vocab = build_tokenizer(TokenizerSettings("SentencePieceTokenizer", tokenizer_model=os.path.join(
+        folder, "tokenizer.model"))).vocab_size
+    if vocab != TOKENIZER_VOCAB_SIZE:
+        raise RuntimeError(f"the demo tokenizer has {vocab} tokens, not the {TOKENIZER_VOCAB_SIZE} the plan sizes the "
+                           "model by: update demo.TOKENIZER_VOCAB_SIZE (and DEMO_VERSION)")
     result = preprocess(
         PreprocessSettings(
             input=corpus,

@@ -45,6 +45,8 @@ class TokenizerSettings:
     vocab_size: int | None = None  # NullTokenizer only
     make_vocab_size_divisible_by: int = 128
     tensor_model_parallel_size: int = 1
+    # Known without reading the files (the demo corpus's tokenizer, before the corpus is first built).
+    known_vocab_size: int | None = None
 
     def padded_vocab_size_of(self, tokenizer: Tokenizer) -> int:
         """The embedding rows a model needs for `tokenizer` under these settings (Megatron's padding)."""
@@ -87,6 +89,14 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_model_par
             f"× --tensor-model-parallel-size {tensor_model_parallel_size} must be positive"
         )
     return -(-vocab_size // multiple) * multiple
+
+
+def tokenizer_vocab_size(settings: TokenizerSettings) -> int:
+    """The tokenizer's vocabulary size, read from its files (or known in advance, where that is said)."""
+    files = [settings.vocab_file, settings.merge_file, settings.tokenizer_model]
+    if settings.known_vocab_size is not None and not all(f and os.path.exists(f) for f in files if f):
+        return settings.known_vocab_size
+    return build_tokenizer(settings).vocab_size
 
 
 def build_tokenizer(settings: TokenizerSettings) -> Tokenizer:

@@ -1,7 +1,8 @@
 """Loss scaling for fp16 training with Megatron's semantics: dynamic (with hysteresis) or constant.
 
-The loop: `scaler.scale(loss).backward()`; `found_inf = scaler.unscale_and_check(optimizer, group)`;
-step the optimizer only when `found_inf` is False; `scaler.update(found_inf)`.
+The loop: `scaler.scale(loss).backward()`; `found_inf = scaler.unscale(params)` (a flag on the device, reduced
+over every rank with the iteration's other decisions); step the optimizer only when no rank found an overflow;
+`scaler.update(skipped)`.
 """
 
 from __future__ import annotations
@@ -71,17 +72,14 @@ class LossScaler:
         """The loss multiplied by the scale; call `.backward()` on the result."""
         return loss * self._scale
 
-    def unscale_and_check(
-        self,
-        optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor],
-        process_group: dist.ProcessGroup | None = None,
-    ) -> bool:
-        """Divide every gradient by the scale in place; True if any is inf or NaN.
+    def unscale(self, optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor]) -> torch.Tensor:
+        """Divide every gradient by the scale in place (torch's foreach kernel); this rank's overflow flag.
 
-        With `process_group` the flag is all-reduced (MAX) over its ranks, so all of them skip the
-        same step (pass the model-parallel group, or the world when optimizer state is sharded).
+        The flag stays on the device (no wait on the host): a float 1.0 if any local gradient (the local
+        shard of a DTensor one) is inf or NaN. Ranks holding different shards must agree on it before the
+        step is taken or skipped (the loop reduces it over every rank).
         """
-        grads = [p.grad for p in _parameters(optimizer_or_params) if p.grad is not None]
+        grads = [_local(p.grad) for p in _parameters(optimizer_or_params) if p.grad is not None]
         if any(grad.dtype == torch.float16 for grad in grads):
             # Dividing fp16 gradients by a scale such as 2^32 flushes them to zero: keep fp32 master
             # weights (fp16 autocast) or accumulate into fp32 gradients before unscaling.
@@ -90,16 +88,28 @@ class LossScaler:
                 "to zero; train with fp32 parameters under fp16 autocast (--fp16 / --mixed-precision do)"
             )
         device = grads[0].device if grads else torch.device("cpu")
-        if process_group is not None and dist.get_backend(process_group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        all_finite = torch.ones((), dtype=torch.bool, device=device)
-        inv_scale = 1.0 / self._scale
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        inv_scale = torch.full((1,), 1.0 / self._scale, dtype=torch.float32, device=device)
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
-            # Multiply first, then test: an unscaled overflow stays inf, and the test costs no sync.
-            grad.mul_(inv_scale)
-            all_finite &= torch.isfinite(grad).all().to(device)
-        found_inf = (~all_finite).to(torch.float32)
+            by_device.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (grad_device, _), group in by_device.items():
+            flag = found_inf if grad_device == device else torch.zeros(1, device=grad_device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv_scale.to(grad_device))
+            if flag is not found_inf:
+                found_inf = torch.maximum(found_inf, flag.to(device))
+        return found_inf.reshape(())
+
+    def unscale_and_check(
+        self,
+        optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor],
+        process_group: dist.ProcessGroup | None = None,
+    ) -> bool:
+        """`unscale`, then the flag agreed over `process_group` (MAX) and read on the host."""
+        found_inf = self.unscale(optimizer_or_params)
         if process_group is not None:
+            if dist.get_backend(process_group) == "nccl":
+                found_inf = found_inf.to(torch.device("cuda", torch.cuda.current_device()))
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
         return bool(found_inf.item() > 0)
 
@@ -138,6 +148,11 @@ class LossScaler:
         self._scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what the foreach kernels take), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _parameters(optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor]) -> list[torch.Tensor]:

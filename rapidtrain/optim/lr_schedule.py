@@ -98,6 +98,16 @@ def lr_schedule_from_iters(
     )
 
 
+def lr_schedule_for(schedule: Any, global_batch_size: int, train_iters: int | None) -> LRScheduleSettings:
+    """The plan's schedule settings (`plan.ScheduleSettings`, in iterations) in samples, for a run of
+    `train_iters` iterations of `global_batch_size` samples."""
+    return lr_schedule_from_iters(
+        lr=schedule.lr, min_lr=schedule.min_lr, style=schedule.decay_style, train_iters=train_iters,
+        lr_decay_iters=schedule.decay_iters, lr_warmup_iters=schedule.warmup_iters,
+        lr_warmup_fraction=schedule.warmup_fraction, global_batch_size=global_batch_size,
+        lr_wsd_decay_iters=schedule.wsd_decay_iters)
+
+
 def learning_rate_at(settings: LRScheduleSettings, samples: float) -> float:
     """The learning rate after `samples` consumed samples (Megatron's `get_lr`)."""
     s = settings

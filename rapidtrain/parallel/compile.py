@@ -17,7 +17,7 @@ def apply_graph_optimization(model: nn.Module, how: Literal["inductor", "ortmodu
         from onnxruntime.training.ortmodule import ORTModule
 
         return ORTModule(model)
-    from rapidtrain.parallel.apply import apply_compile
+    from rapidtrain.parallel.transforms import apply_compile
 
     apply_compile(model)
     return model

@@ -25,7 +25,13 @@ from rapidtrain.optim.grad_scaler import LossScaleSettings
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.deepspeed_state import ZeroState, canonical_name
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import StepOutcome, autocast
+from rapidtrain.parallel.runner import (
+    LossTotal,
+    StepOutcome,
+    autocast,
+    evaluate_micro_batches,
+    run_micro_batches,
+)
 from rapidtrain.plan import Plan, Precision
 
 # Optimizers DeepSpeed builds from its config for ZeRO-Offload (DeepSpeedCPUAdam); the rules refuse others.
@@ -180,16 +186,11 @@ def undo_skip_init_patch() -> None:
             cls._apply = cls._old_apply_of_skip_init_hook
 
 
-def prepare_model(module: nn.Module, plan: Plan) -> nn.Module:
-    """The steps `parallelize` applies before data-parallel wrapping, in its order."""
-    from rapidtrain.parallel.apply import apply_activation_checkpointing
-    from rapidtrain.parallel.compile import apply_graph_optimization
+def prepare_model(module: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Module:
+    """The transforms every layout applies before data-parallel wrapping (no tensor parallelism here)."""
+    from rapidtrain.parallel.transforms import apply_transforms
 
-    if plan.switches.activation_checkpointing:
-        apply_activation_checkpointing(module)
-    if plan.switches.compile != "none":
-        module = apply_graph_optimization(module, plan.switches.compile)
-    return module
+    return apply_transforms(module, plan, mesh)
 
 
 def client_optimizer(
@@ -223,9 +224,6 @@ def deepspeed_runner(
     device: torch.device,
     *,
     optimizer: torch.optim.Optimizer | None,
-    optimizer_settings: OptimizerSettings,
-    clip_grad: float,
-    loss_scale: LossScaleSettings,
     model_factory: Callable[[], nn.Module] | None = None,
 ) -> DeepSpeedRunner:
     """`deepspeed.initialize` with the generated config; returns the runner the trainer drives.
@@ -242,8 +240,10 @@ def deepspeed_runner(
             f"DeepSpeed ZeRO runs data parallel over all {dist.get_world_size()} ranks, but the plan "
             f"has data-parallel size {plan.layout.data_parallel_size}"
         )
-    config = deepspeed_config(plan, optimizer_settings, clip_grad, loss_scale)
-    prepare = functools.partial(prepare_model, plan=plan)
+    optimizer_settings = plan.optimizer
+    assert optimizer_settings is not None and plan.loss_scale is not None
+    config = deepspeed_config(plan, optimizer_settings, plan.clip_grad, plan.loss_scale)
+    prepare = functools.partial(prepare_model, plan=plan, mesh=mesh)
     if zero_stage_of(plan) == 3 and model_factory is not None and optimizer is None:
         model = build_partitioned(model, model_factory, config, prepare)
     else:
@@ -272,7 +272,8 @@ class DeepSpeedRunner:
 
     `module` is the engine itself (its forward gathers ZeRO-3 parameters); `optimizer` is DeepSpeed's
     ZeRO optimizer, whose `param_groups` are the real optimizer's, so rapidtrain's schedule sets the rate
-    that is used. DeepSpeed's own scheduler is never configured.
+    that is used. DeepSpeed's own scheduler is never configured. DeepSpeed checks fp16 overflow itself
+    (and skips the step on every rank), so `unscale_gradients` has no flag to add.
     """
 
     def __init__(
@@ -301,17 +302,35 @@ class DeepSpeedRunner:
         with autocast(self.precision, self.device_type):
             yield
 
+    def forward_backward(self, micro_batches: list[Any], forward_step: Callable,
+                         global_tokens: int | None) -> LossTotal:
+        return run_micro_batches(self, micro_batches, forward_step, global_tokens)
+
+    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        return evaluate_micro_batches(self, micro_batches, forward_step)
+
     def backward(self, loss: torch.Tensor) -> None:
         # The trainer already normalised the loss over the global batch; DeepSpeed must not divide by the
         # accumulation steps again (its default), only apply its loss scale.
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def step(self) -> StepOutcome:
+    def unscale_gradients(self) -> torch.Tensor | None:
+        return None
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def step(self, skip: bool = False) -> StepOutcome:
+        """DeepSpeed's step (it unscales, checks overflow, clips); `skip` (a non-finite loss elsewhere) is
+        DeepSpeed's own decision under fp16, and stops the run before this call otherwise."""
         self.engine.step()
         if not self.engine.was_step_applied():
             return StepOutcome(None, skipped=True)
         norm = self.engine.get_global_grad_norm()
-        return StepOutcome(None if norm is None else float(norm))
+        if norm is None:
+            return StepOutcome(None)
+        # A copy: ZeRO-3 keeps its norm in a buffer the next step overwrites, and the loop reads it later.
+        return StepOutcome(norm.detach().clone() if torch.is_tensor(norm) else torch.tensor(float(norm)))
 
     @property
     def skips_nonfinite(self) -> bool:
@@ -320,11 +339,6 @@ class DeepSpeedRunner:
     @property
     def loss_scale(self) -> float:
         return float(getattr(self.optimizer, "loss_scale", 1.0)) if self.skips_nonfinite else 1.0
-
-    @property
-    def scaler(self) -> DeepSpeedRunner | None:
-        """What the trainer reads `loss_scale` from (MoE auxiliary losses are scaled with it); None without fp16."""
-        return self if self.skips_nonfinite else None
 
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)

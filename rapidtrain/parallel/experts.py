@@ -24,7 +24,7 @@ EP 1 and back, under any data- and tensor-parallel layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.models.moe import Experts, moe_layers
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import StepOutcome, TorchRunner, total_grad_norm
+from rapidtrain.parallel.runner import GradNorm, TorchRunner
 
 EXPERT_WEIGHTS = ("w1", "b1", "w2", "b2")
 
@@ -179,22 +179,18 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class ExpertParallelRunner(TorchRunner):
-    """TorchRunner whose step first reduces the expert gradients over the expert_dp group, whose gradient
-    norm counts each expert once, and whose checkpoints hold expert slices as Shard(0) DTensors."""
+class ExpertParallelism:
+    """What expert parallelism adds to a runner of any layout: the expert gradients' reduction before the
+    step, the experts' part of the gradient norm, and checkpoint state with expert slices as shards."""
 
-    expert_params: list[nn.Parameter] = field(default_factory=list)
-    expert_parallel_group: dist.ProcessGroup | None = None
-    expert_data_parallel_group: dist.ProcessGroup | None = None
+    expert_params: list[nn.Parameter]
+    gradient_average: int
+    expert_data_parallel_group: dist.ProcessGroup | None
     # Where saved slices live: the ep mesh, or (ep, tp) with the slice replicated over tp.
-    checkpoint_mesh: DeviceMesh | None = None
+    checkpoint_mesh: DeviceMesh
     # The expert parameters' own DTensor mesh and placements under tensor parallelism (None: plain tensors).
     parameter_mesh: DeviceMesh | None = None
     parameter_placements: tuple = ()
-
-    def step(self) -> StepOutcome:
-        self.reduce_expert_gradients()
-        return super().step()
 
     def reduce_expert_gradients(self) -> None:
         """Sum over the ranks holding the same experts, then divide by the data-parallel size (as DDP)."""
@@ -207,21 +203,6 @@ class ExpertParallelRunner(TorchRunner):
             for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 grad.copy_(reduced.view_as(grad))
         torch._foreach_div_(grads, float(self.gradient_average))
-
-    def grad_norm(self) -> torch.Tensor:
-        expert_ids = {id(p) for p in self.expert_params}
-        shared = total_grad_norm([p for p in self.parameters if id(p) not in expert_ids])
-        squared = shared.float() ** 2
-        expert_squared = torch.zeros((), device=squared.device)
-        for param in self.expert_params:
-            if param.grad is not None:
-                expert_squared += _local(param.grad).float().square().sum()
-        if self.expert_parallel_group is not None:  # each ep rank holds other experts; tp ranks the same ones
-            dist.all_reduce(expert_squared, group=self.expert_parallel_group)
-        squared = squared + expert_squared
-        if self.pipeline_group is not None:
-            dist.all_reduce(squared, group=self.pipeline_group)
-        return squared.sqrt()
 
     # ---- checkpoints: expert slices as shards of the full [E, ...] tensors ----
     def _to_shard(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -239,8 +220,7 @@ class ExpertParallelRunner(TorchRunner):
             )
         return tensor.to_local()
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+    def to_saved(self, state: dict[str, Any]) -> dict[str, Any]:
         storage = {_local(p).untyped_storage().data_ptr() for p in self.expert_params}
         names = {
             name
@@ -255,12 +235,13 @@ class ExpertParallelRunner(TorchRunner):
                 )
         return state
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
-        super().load_state_dict(_map_tensors(state, self._from_shard), load_optimizer)
+    def from_saved(self, state: dict[str, Any]) -> dict[str, Any]:
+        return _map_tensors(state, self._from_shard)
 
 
-def expert_parallel_runner(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunner:
-    """The runner of an expert-parallel model; `runner` itself when the model has no sharded experts."""
+def add_expert_parallelism(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunner:
+    """Give the runner of an expert-parallel model (any layout) the experts' reduction, norm and checkpoint
+    transform; the runner is unchanged when the model has no sharded experts."""
     params = list(expert_parameters(runner.module).values())
     if not params:
         return runner
@@ -271,17 +252,20 @@ def expert_parallel_runner(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunn
             "so an optimizer built before Engine.compose does not hold them: leave `optimizer` out of "
             "Engine.compose (it is then built from the flags), or use --expert-model-parallel-size 1."
         )
-    fields = {name: getattr(runner, name) for name in TorchRunner.__dataclass_fields__}
-    # Expert gradients differ across the ep group, so an fp16 overflow must skip the step on every rank.
-    fields["found_inf_group"] = fields["found_inf_group"] or dist.group.WORLD
     distributed = isinstance(params[0], DTensor)  # tensor parallel: replicated over tp
-    checkpoint_mesh = mesh.expert_mesh["ep", "tp"] if distributed else mesh.submesh("ep")
-    return ExpertParallelRunner(
-        **fields,
+    experts = ExpertParallelism(
         expert_params=params,
-        expert_parallel_group=mesh.group("ep"),
+        gradient_average=runner.gradient_average,
         expert_data_parallel_group=mesh.group("expert_dp"),
-        checkpoint_mesh=checkpoint_mesh,
+        checkpoint_mesh=mesh.expert_mesh["ep", "tp"] if distributed else mesh.submesh("ep"),
         parameter_mesh=params[0].device_mesh if distributed else None,
         parameter_placements=tuple(params[0].placements) if distributed else (),
     )
+    runner.before_step.append(experts.reduce_expert_gradients)
+    expert_ids = {id(p) for p in params}
+    assert runner.grad_norm is not None
+    shared = [p for p in runner.grad_norm.parameters if id(p) not in expert_ids]
+    # Each ep rank holds other experts (tp ranks the same ones): their squares are summed over the ep group.
+    runner.grad_norm = GradNorm(shared, runner.grad_norm.pipeline_group, params, mesh.group("ep"))
+    runner.state_transforms.append((experts.to_saved, experts.from_saved))
+    return runner

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rapidtrain.optim.grad_scaler import LossScaler, LossScaleSettings
+from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import StepOutcome, TorchRunner
+from rapidtrain.parallel.runner import GradNorm, TorchRunner
 from rapidtrain.parallel.zero_redundancy import OSSRunner
 from rapidtrain.plan import Plan
 
@@ -67,18 +67,17 @@ def fairscale_runner(
     plan: Plan,
     mesh: ParallelMesh,
     device: torch.device,
-    optimizer_settings: OptimizerSettings,
-    clip_grad: float,
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    loss_scale: LossScaleSettings | None = None,
 ) -> TorchRunner:
     """OSS + DDP (`oss`) or OSS + ShardedDataParallel (`sdp`) over the data-parallel group."""
-    from rapidtrain.parallel.apply import apply_ddp
+    from rapidtrain.parallel.data_parallel import apply_ddp
 
     group = mesh.group("dp")
-    scaler = LossScaler(loss_scale) if plan.precision.loss_scaling != "none" and loss_scale else None
-    common = dict(precision=plan.precision, device_type=device.type, clip_grad=clip_grad, scaler=scaler)
+    optimizer_settings = plan.optimizer
+    assert optimizer_settings is not None and plan.loss_scale is not None
+    scaler = LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None
+    common = dict(precision=plan.precision, device_type=device.type, clip_grad=plan.clip_grad, scaler=scaler)
     if group is None:  # one data-parallel rank: nothing to shard
         optimizer = optimizer or build_optimizer(model, optimizer_settings, device.type)[0]
         return TorchRunner(module=model, optimizer=optimizer, **common)
@@ -88,14 +87,8 @@ def fairscale_runner(
         from fairscale.nn.data_parallel import ShardedDataParallel
 
         module = ShardedDataParallel(model, oss, process_group=group)
-        return ShardedDDPRunner(
-            module=module,
-            optimizer=oss,
-            gradient_average=size,
-            found_inf_group=group,
-            data_parallel_group=group,
-            **common,
-        )
+        return ShardedDDPRunner(module=module, optimizer=oss, gradient_average=size, data_parallel_group=group,
+                                **common)
     return OSSRunner(module=apply_ddp(model, mesh, device), optimizer=oss, gradient_average=size, **common)
 
 
@@ -104,8 +97,10 @@ class ShardedDDPRunner(OSSRunner):
 
     def __init__(self, *args: Any, data_parallel_group: dist.ProcessGroup, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.data_parallel_group = data_parallel_group
         self._accumulating = contextlib.ExitStack()
+        # Gradients of parameters another rank owns were not reduced here: the norm sums the owners' parts.
+        owned = [p for p in self.parameters if self.optimizer._param_to_rank[p] == self.optimizer.rank]
+        self.grad_norm = GradNorm([], local_parameters=owned, local_group=data_parallel_group)
 
     @property
     def state_module(self) -> nn.Module:
@@ -119,36 +114,7 @@ class ShardedDDPRunner(OSSRunner):
             self._accumulating.enter_context(self.module.no_sync())
         return contextlib.nullcontext()
 
-    def step(self) -> StepOutcome:
-        if self.scaler is not None:
-            found_inf = self.scaler.unscale_and_check(self.parameters, process_group=self.found_inf_group)
-            self.scaler.update(found_inf)
-            if found_inf:
-                self.zero_grad()
-                return StepOutcome(None, skipped=True)
-        # Gradients of parameters another rank owns were not reduced here: leave them out.
-        owned = [p for p in self.parameters if self.optimizer._param_to_rank[p] == self.optimizer.rank]
-        norm = owned_grad_norm(owned, self.data_parallel_group, self._grad_device())
-        if self.clip_grad > 0:
-            with_grads = [p for p in owned if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(with_grads, self.clip_grad, norm.to(self._grad_device()))
-        self.optimizer.step()
-        self.zero_grad()
-        return StepOutcome(float(norm))
-
     def zero_grad(self) -> None:
         # Only the module's own: bucketed gradients are views into its reduction buckets and must stay so
         # (the optimizer's zero_grad would set them to None and later steps would lose them).
         self.module.zero_grad(set_to_none=True)
-
-
-def owned_grad_norm(
-    owned: list[nn.Parameter], group: dist.ProcessGroup, device: torch.device
-) -> torch.Tensor:
-    """The global L2 norm from each rank's owned, reduced gradients (accumulated in fp64, as total_grad_norm)."""
-    grads = [p.grad for p in owned if p.grad is not None]
-    squared = torch.zeros((), dtype=torch.float64, device=device)
-    if grads:
-        squared = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum()
-    dist.all_reduce(squared, group=group)
-    return squared.sqrt()

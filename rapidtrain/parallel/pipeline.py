@@ -28,10 +28,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
-from rapidtrain.optim.grad_scaler import LossScaler, LossScaleSettings
-from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer
+from rapidtrain.optim.grad_scaler import LossScaler
+from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import StepOutcome, TorchRunner, autocast, total_grad_norm
+from rapidtrain.parallel.runner import GradNorm, LossTotal, TorchRunner, as_loss, autocast
 from rapidtrain.plan import Plan
 
 FIRST_STAGE_PARTS = ("embedding",)
@@ -128,9 +128,6 @@ def pipeline_runner(
     device: torch.device,
     *,
     optimizer: torch.optim.Optimizer | None,
-    optimizer_settings: OptimizerSettings,
-    clip_grad: float,
-    loss_scale: LossScaleSettings,
 ) -> PipelineRunner:
     """This rank's stage(s) of `model`, wrapped as the plan says, with their optimizer and schedule."""
     layout = plan.layout
@@ -142,18 +139,17 @@ def pipeline_runner(
         keep_stages(model, stages, num_stages), stages, num_stages, plan, mesh, device
     )
     if optimizer is None:
-        optimizer, _ = build_optimizer(model, optimizer_settings, device.type)
+        optimizer, _ = build_optimizer(model, plan.optimizer, device.type)
     pipeline_group = mesh.group("pp")
     runner = PipelineRunner(
         module=model,
         optimizer=optimizer,
         precision=plan.precision,
         device_type=device.type,
-        clip_grad=clip_grad,
+        clip_grad=plan.clip_grad,
         gradient_average=layout.data_parallel_size,
         pipeline_group=pipeline_group,
-        scaler=LossScaler(loss_scale) if plan.precision.loss_scaling != "none" else None,
-        found_inf_group=dist.group.WORLD,
+        scaler=LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None,
         views=views,
         is_first=0 in stages,
         is_last=num_stages - 1 in stages,
@@ -173,19 +169,11 @@ def parallelize_stages(
 ) -> tuple[nn.Module, list[nn.Module]]:
     """apply.py's order on the rank's model: tensor parallel → activation checkpointing → compile → data
     parallel; the last wraps each stage's view (with several virtual stages, one view per stage)."""
-    from rapidtrain.parallel import apply
+    from rapidtrain.parallel.data_parallel import apply_fsdp, apply_replicate
+    from rapidtrain.parallel.transforms import apply_transforms
 
     layout, switches = plan.layout, plan.switches
-    if layout.tensor_parallel_size > 1:
-        from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(model, mesh.submesh("tp"), sequence_parallel=layout.sequence_parallel)
-    if switches.activation_checkpointing:
-        apply.apply_activation_checkpointing(model)
-    if switches.compile != "none":
-        from rapidtrain.parallel.compile import apply_graph_optimization
-
-        model = apply_graph_optimization(model, switches.compile)
+    model = apply_transforms(model, plan, mesh)
     model.to(device)
     views = [model] if len(stages) == 1 else [stage_view(model, s, num_stages) for s in stages]
     for view, stage in zip(views, stages, strict=True):
@@ -194,9 +182,9 @@ def parallelize_stages(
         if mesh.group("dp") is None:
             continue
         if switches.partitioning_engine == "fsdp2":  # ZeRO-1/2 in 3D: unsharded between forward and backward
-            apply.apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp")
+            apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp")
         else:
-            apply.apply_replicate(view, mesh)
+            apply_replicate(view, mesh)
     return model, views
 
 
@@ -260,14 +248,10 @@ def _concatenate(calls: list[_RecordCall]) -> tuple[tuple, dict[str, Any]]:
     return args, kwargs
 
 
-def _as_loss(value: Any) -> tuple[torch.Tensor, Any]:
-    return value if isinstance(value, tuple) else (value, None)
-
-
 @dataclass
 class PipelineRunner(TorchRunner):
-    """A pipeline stage's model part(s), optimizer and schedule; `train_iteration` runs every
-    micro-batch of one global batch; `step` clips by the norm over all stages."""
+    """A pipeline stage's model part(s), optimizer and schedule: `forward_backward` runs every micro-batch
+    of one global batch through the schedule; the norm sums the stages' parts (TorchRunner's step)."""
 
     views: list[nn.Module] = field(default_factory=list)
     is_first: bool = False
@@ -288,7 +272,9 @@ class PipelineRunner(TorchRunner):
         # The head's copy of the embedding is counted once in the norm (with the embedding itself).
         self.tied_copy_name = next((n for n, _ in copies if n != TIED_EMBEDDING_NAME), None)
         copy_ids = {id(p) for n, p in copies if n == self.tied_copy_name}
-        self.norm_parameters = [p for p in self.parameters if id(p) not in copy_ids]
+        self.grad_norm = GradNorm([p for p in self.parameters if id(p) not in copy_ids], self.pipeline_group)
+        if self.embedding_group is not None:
+            self.before_step.append(self._sum_tied_gradients)
 
     def microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: `target` is the micro-batch's index; its loss function came from the trainer.
@@ -296,9 +282,9 @@ class PipelineRunner(TorchRunner):
         Results are kept by index: the schedule's first step also calls this once to infer shapes,
         on uninitialised inputs, before the real micro-batch 0.
         """
-        index = int(target[0])
-        loss_sum, count = _as_loss(self._loss_fns[index](output))
-        self._loss_sums[index] = loss_sum.detach().double().cpu()
+        index = int(target[0])  # the index tensor lives on the host: no device sync
+        loss_sum, count = as_loss(self._loss_fns[index](output))
+        self._loss_sums[index] = loss_sum.detach().double()
         self._counts[index] = count
         loss = loss_sum * self._scale
         return self.scaler.scale(loss) if self.scaler is not None and torch.is_grad_enabled() else loss
@@ -319,44 +305,38 @@ class PipelineRunner(TorchRunner):
             else:
                 self.schedule.eval(*args, target=target, **kwargs)
 
-    def train_iteration(
+    def forward_backward(
         self, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None
-    ) -> tuple[torch.Tensor, bool]:
-        """Forward and backward of every micro-batch → (loss total, per-token) on every stage; the total
-        is the sum of loss sums (per-token) or of micro-batch means / steps, as the trainer adds them."""
+    ) -> LossTotal:
+        """Forward and backward of every micro-batch → the loss total on every stage (from the last).
+
+        With `global_tokens` the loss functions' per-token sums are scaled to the global-batch mean (the
+        forward step must then return `(output, loss_fn)` with `loss_fn` giving `(loss_sum, count)`);
+        without, each micro-batch's mean loss weighs 1 / micro-batches.
+        """
         scale = self.gradient_average / global_tokens if global_tokens is not None else None
         self._run(micro_batches, forward_step, scale, train=True)
-        self._sum_tied_gradients()
-        per_token = (
-            bool(self._counts)
-            and all(c is not None for c in self._counts.values())
-            and global_tokens is not None
-        )
         total = self._total()
-        if not per_token and self._loss_sums:
-            total = total / len(micro_batches)
-        loss_total, per_token = self._from_last_stage(total, per_token)
         if global_tokens is None:
-            per_token = False
-        return loss_total, per_token
+            total = total / len(micro_batches)
+        return LossTotal(self._broadcast(total.reshape(1))[0], global_tokens is not None)
 
     @torch.no_grad()
-    def evaluate_iteration(self, micro_batches: list[Any], forward_step: Callable) -> tuple[float, float]:
+    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only → (sum of losses, their weight: tokens, or one per micro-batch) on every stage."""
         self._run(micro_batches, forward_step, None, train=False)
-        total = self._total()
-        weight = float(sum(c if c is not None else 1 for c in self._counts.values()))
-        totals = self._broadcast(torch.tensor([float(total), weight], dtype=torch.float64))
-        return float(totals[0]), float(totals[1])
+        weight = torch.zeros((), dtype=torch.float64, device=self._grad_device())
+        for count in self._counts.values():
+            weight = weight + (1.0 if count is None else count.to(weight.device, torch.float64))
+        totals = self._broadcast(torch.stack([self._total(), weight]))
+        return totals[0], totals[1]
 
     def _total(self) -> torch.Tensor:
-        # Summed in micro-batch order, as the unpipelined loop does.
-        sums = [self._loss_sums[i] for i in sorted(self._loss_sums)]
-        return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
-
-    def _from_last_stage(self, total: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, bool]:
-        values = self._broadcast(torch.tensor([float(total), float(per_token)], dtype=torch.float64))
-        return values[0], bool(values[1])
+        # Summed in micro-batch order, as the unpipelined loop does; zero on stages without the loss.
+        total = torch.zeros((), dtype=torch.float64, device=self._grad_device())
+        for index in sorted(self._loss_sums):
+            total = total + self._loss_sums[index].to(total.device)
+        return total
 
     def _broadcast(self, values: torch.Tensor) -> torch.Tensor:
         if self.pipeline_group is not None:
@@ -365,8 +345,6 @@ class PipelineRunner(TorchRunner):
 
     @torch.no_grad()
     def _sum_tied_gradients(self) -> None:
-        if self.embedding_group is None:
-            return
         for param in self.tied_parameters:
             grad = param.grad
             if grad is None:  # keep the collective matched: this stage contributed nothing
@@ -380,24 +358,9 @@ class PipelineRunner(TorchRunner):
     def backward(self, loss: torch.Tensor) -> None:
         raise RuntimeError(
             "under --pipeline-model-parallel-size the pipeline schedule runs forward and backward of every "
-            "micro-batch: train with Trainer.train_step (or runner.train_iteration), not engine.backward(loss)."
+            "micro-batch: train with a template's train_step (or runner.forward_backward), not "
+            "engine.backward(loss)."
         )
-
-    def step(self) -> StepOutcome:
-        if self.scaler is not None:
-            found_inf = self.scaler.unscale_and_check(self.parameters, process_group=self.found_inf_group)
-            self.scaler.update(found_inf)
-            if found_inf:
-                self.zero_grad()
-                return StepOutcome(None, skipped=True)
-        norm = total_grad_norm(self.norm_parameters, self.pipeline_group)
-        if self.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(
-                self.parameters, self.clip_grad, norm.to(self._grad_device())
-            )
-        self.optimizer.step()
-        self.zero_grad()
-        return StepOutcome(float(norm))
 
     def train(self, mode: bool = True) -> None:
         for view in [self.module, *self.views]:
@@ -407,8 +370,8 @@ class PipelineRunner(TorchRunner):
     # Parameter names are the full model's; the head's embedding copy is saved under the embedding's name
     # in the optimizer state. `param_groups` (one object for the whole checkpoint, so only one stage's)
     # is not loaded: this stage keeps its own groups, the learning rate comes back with the schedule.
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+    def _own_state_dict(self) -> dict[str, Any]:
+        state = super()._own_state_dict()
         if self.tied_copy_name:
             state["optimizer"] = _rename(state["optimizer"], self.tied_copy_name, TIED_EMBEDDING_NAME)
         return state
@@ -419,13 +382,14 @@ class PipelineRunner(TorchRunner):
             state["optimizer"] = {"state": state["optimizer"]["state"]}
         return state
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+    def _load_own_state_dict(self, state: dict[str, Any], load_optimizer: bool) -> None:
         if load_optimizer:
-            optimizer = {**state["optimizer"], "param_groups": self.state_dict()["optimizer"]["param_groups"]}
+            groups = super()._own_state_dict()["optimizer"]["param_groups"]
+            optimizer = {**state["optimizer"], "param_groups": groups}
             if self.tied_copy_name:
                 optimizer = _rename(optimizer, TIED_EMBEDDING_NAME, self.tied_copy_name)
             state = {**state, "optimizer": optimizer}
-        super().load_state_dict(state, load_optimizer)
+        super()._load_own_state_dict(state, load_optimizer)
 
 
 def _rename(optimizer_state: dict[str, Any], old: str, new: str) -> dict[str, Any]:

@@ -1,14 +1,21 @@
-"""How one wrapped model trains: micro-batch context, backward, optimizer step, state for checkpoints.
+"""How one wrapped model trains: micro-batches, backward, the optimizer step, state for checkpoints.
 
-`TorchRunner` serves plain, DDP, FSDP2 and ZeroRedundancyOptimizer models; the DeepSpeed engine has its
-own runner with the same methods (`parallel/deepspeed.py`). The trainer talks only to this interface.
+Every layout trains through one `TorchRunner` built from parts rather than subclasses: the loss scaler,
+the gradient norm over the right groups (`GradNorm`), clipping, the data-parallel wrapper's gradient
+sync, and `before_step` reductions (tied pipeline embeddings, expert gradients). Pipeline parallelism
+replaces how micro-batches run (`forward_backward`); expert parallelism adds its reduction, its norm
+part and its checkpoint transform to whatever runner the layout built. The DeepSpeed engine has its own
+runner with the same methods (`parallel/deepspeed.py`).
+
+The step never waits on the host by itself: the loop reduces the iteration's decisions (overflow, a
+non-finite loss, a stop request) in one collective and one device-to-host copy (`agree`), then calls
+`step(skip)`; the gradient norm stays on the device until a log line reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +31,17 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class StepOutcome:
-    grad_norm: float | None
+    grad_norm: torch.Tensor | None  # on the device; None when the step was skipped
     skipped: bool = False  # fp16 overflow: no update, the schedule does not advance
+
+
+@dataclass
+class LossTotal:
+    """One iteration's loss before the data-parallel reduction: the sum of per-token loss sums (`per_token`),
+    or the mean of the micro-batches' mean losses."""
+
+    value: torch.Tensor  # fp64 scalar on the device
+    per_token: bool
 
 
 def autocast(precision: Precision, device_type: str) -> contextlib.AbstractContextManager:
@@ -34,36 +50,137 @@ def autocast(precision: Precision, device_type: str) -> contextlib.AbstractConte
     return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPES[precision.dtype])
 
 
-def total_grad_norm(parameters: list[nn.Parameter], pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The global L2 norm of all gradients: DTensor shards (TP, FSDP) are reduced, pipeline stages summed."""
+def agree(flags: Sequence[torch.Tensor | bool], device: torch.device) -> list[bool]:
+    """Each flag true on any rank → true everywhere: one all-reduce (MAX over the world) and one
+    device-to-host copy, the only wait on the host a training iteration makes."""
+    values = torch.stack([f.to(device=device, dtype=torch.float32).reshape(()) if torch.is_tensor(f)
+                          else torch.tensor(float(f), device=device) for f in flags])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [v > 0 for v in values.tolist()]
+
+
+def as_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A forward step's result as (loss or loss sum, token count or None).
+
+    Forms: a loss; `(loss_sum, count)`; or `(output, loss_fn)` whose `loss_fn(output)` gives either.
+    """
+    if isinstance(output, tuple) and len(output) == 2 and callable(output[1]):
+        output = output[1](output[0])
+    if isinstance(output, tuple):
+        loss_sum, count = output
+        return loss_sum, torch.as_tensor(count)
+    return output, None
+
+
+# ---- the gradient norm, over the groups the layout splits gradients across ----
+
+def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all gradients, in fp64: DTensor shards (TP, FSDP) are combined across their mesh.
+
+    torch's fp32 norm kernel drifts by up to ~1e-4 relative on millions of elements, and differently for
+    each way of sharding them, so layouts would log (and clip by) different norms. Plain tensors: fp32
+    sums of squares (cascade summation, within ~1e-7 of fp64) added up in fp64, with no fp64 copy of
+    the gradients (2.5 ms against 5–24 ms at 14M parameters on CPU). DTensors: fp64 per-shard norms,
+    which DTensor combines across the shards.
+    """
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return torch.zeros(())
-    # torch's fp32 norm kernel drifts by up to ~1e-4 relative on millions of elements, and differently for
-    # each way of sharding them, so layouts would log (and clip by) different norms. Plain tensors: fp32
-    # sums of squares (cascade summation, within ~1e-7 of fp64) added up in fp64, with no fp64 copy of
-    # the gradients (2.5 ms against 5–24 ms at 14M parameters on CPU, the upper figure with glibc's
-    # default allocator faulting the copies in every step). DTensors (TP, FSDP): fp64 per-shard norms,
-    # which DTensor combines across the shards.
+        return torch.zeros((), dtype=torch.float64)
     if any(isinstance(grad, DTensor) for grad in grads):
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
         norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-    else:
-        norm = torch.stack([grad.float().square().sum() for grad in grads]).double().sum().sqrt()
-    if pipeline_group is not None:
-        squared = norm**2
-        dist.all_reduce(squared, group=pipeline_group)
-        norm = squared.sqrt()
-    return norm
+        return norm.square()
+    return torch.stack([grad.float().square().sum() for grad in grads]).double().sum()
 
 
 @dataclass
+class GradNorm:
+    """The global L2 norm of the gradients the optimizer steps, each counted once.
+
+    `parameters`: replicated or DTensor-sharded ones; `local_parameters` hold different values on the
+    ranks of `local_group` (expert slices over the expert-parallel group, or FairScale's owned gradients
+    over the data-parallel group), summed over it; pipeline stages are summed over `pipeline_group`.
+    """
+
+    parameters: list[nn.Parameter]
+    pipeline_group: dist.ProcessGroup | None = None
+    local_parameters: list[nn.Parameter] = field(default_factory=list)
+    local_group: dist.ProcessGroup | None = None
+
+    def __call__(self) -> torch.Tensor:
+        squared = squared_norm([p.grad for p in self.parameters if p.grad is not None])
+        if self.local_parameters:
+            local = squared_norm([_local(p.grad) for p in self.local_parameters if p.grad is not None])
+            local = local.to(squared.device)
+            if self.local_group is not None:
+                dist.all_reduce(local, group=self.local_group)
+            squared = squared + local
+        if self.pipeline_group is not None:
+            dist.all_reduce(squared, group=self.pipeline_group)
+        return squared.sqrt()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def total_grad_norm(parameters: list[nn.Parameter], pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global L2 norm of all gradients: DTensor shards (TP, FSDP) are reduced, pipeline stages summed."""
+    return GradNorm(parameters, pipeline_group)()
+
+
+# ---- running the micro-batches of one iteration ----
+
+def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None,
+                      ) -> LossTotal:
+    """Forward and backward of each micro-batch, gradients synchronised on the last.
+
+    With per-token loss sums and `global_tokens` known, each backward loss is scaled to the exact mean over
+    the global batch's tokens (the wrapper averages over `gradient_average` ranks, which is undone here).
+    """
+    steps = len(micro_batches)
+    batches = iter(micro_batches)
+    total: torch.Tensor | None = None
+    per_token = False
+    for index in range(steps):
+        with runner.micro_batch(is_last=index == steps - 1):
+            loss_sum, count = as_loss(forward_step(batches, runner.module))
+        per_token = count is not None and global_tokens is not None
+        scale = runner.gradient_average / global_tokens if per_token else 1.0 / steps
+        runner.backward(loss_sum * scale)
+        contribution = loss_sum.detach().double() * (1.0 if per_token else 1.0 / steps)
+        total = contribution if total is None else total + contribution
+    assert total is not None, "an iteration needs at least one micro-batch"
+    return LossTotal(total, per_token)
+
+
+@torch.no_grad()
+def evaluate_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only → (sum of losses, their weight: tokens, or one per micro-batch), on the device."""
+    loss_sum = weight = None
+    for batch in micro_batches:
+        with runner.micro_batch(is_last=True):
+            value, count = as_loss(forward_step(iter([batch]), runner.module))
+        value = value.detach().double()
+        count_value = (torch.ones((), dtype=torch.float64, device=value.device) if count is None
+                       else count.to(value.device, torch.float64))
+        loss_sum = value if loss_sum is None else loss_sum + value
+        weight = count_value if weight is None else weight + count_value
+    if loss_sum is None or weight is None:
+        return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    return loss_sum, weight
+
+
+# ---- the runner ----
+
+@dataclass
 class TorchRunner:
-    """A torch-wrapped model and its optimizer.
+    """A torch-wrapped model (plain, DDP, FSDP2, ZeroRedundancyOptimizer, pipeline stages) and its optimizer.
 
     `gradient_average` is how many ranks the wrapper averages gradients over (DDP and FSDP divide by the
     data-parallel size), so per-token loss sums can be scaled to the exact global-batch mean.
@@ -77,23 +194,41 @@ class TorchRunner:
     gradient_average: int = 1
     pipeline_group: dist.ProcessGroup | None = None
     scaler: LossScaler | None = None
-    found_inf_group: dist.ProcessGroup | None = None
     parameters: list[nn.Parameter] = field(default_factory=list)
+    grad_norm: GradNorm | None = None
+    # Reductions the layout needs after backward and before unscaling (tied embeddings, expert gradients).
+    before_step: list[Callable[[], None]] = field(default_factory=list)
+    # (to the saved layout, from it) applied to checkpoint state: expert shards, pipeline names.
+    state_transforms: list[tuple[Callable[[dict], dict], Callable[[dict], dict]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.parameters:
             self.parameters = [p for p in self.module.parameters() if p.requires_grad]
+        if self.grad_norm is None:
+            self.grad_norm = GradNorm(self.parameters, self.pipeline_group)
 
+    # ---- one iteration ----
     @contextlib.contextmanager
     def micro_batch(self, is_last: bool) -> Iterator[None]:
         """Forward/backward of one micro-batch; gradients are synchronised only on the last."""
         with self._gradient_sync(is_last), autocast(self.precision, self.device_type):
             yield
 
+    def forward_backward(self, micro_batches: list[Any], forward_step: Callable,
+                         global_tokens: int | None) -> LossTotal:
+        return run_micro_batches(self, micro_batches, forward_step, global_tokens)
+
+    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        return evaluate_micro_batches(self, micro_batches, forward_step)
+
     @property
     def skips_nonfinite(self) -> bool:
         """Under loss scaling an overflow skips the step; otherwise a non-finite loss must stop the run."""
         return self.scaler is not None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale if self.scaler is not None else 1.0
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         if hasattr(self.module, "set_requires_gradient_sync"):
@@ -110,23 +245,30 @@ class TorchRunner:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self) -> StepOutcome:
+    def unscale_gradients(self) -> torch.Tensor | None:
+        """Finish the gradients (the layout's reductions, then unscaling); this rank's overflow flag on the
+        device (None without loss scaling). The loop agrees on it across ranks before `step`."""
+        for reduce in self.before_step:
+            reduce()
+        if self.scaler is None:
+            return None
+        return self.scaler.unscale(self.parameters)
+
+    def step(self, skip: bool = False) -> StepOutcome:
+        """Clip by the global norm and step, or skip (an overflow somewhere); gradients are cleared."""
         if self.scaler is not None:
-            found_inf = self.scaler.unscale_and_check(self.parameters, process_group=self.found_inf_group)
-            self.scaler.update(found_inf)
-            if found_inf:
-                self.zero_grad()
-                return StepOutcome(None, skipped=True)
+            self.scaler.update(skip)
+        if skip:
+            self.zero_grad()
+            return StepOutcome(None, skipped=True)
+        assert self.grad_norm is not None
         norm = self.grad_norm()
         if self.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.parameters, self.clip_grad, norm.to(self._grad_device()))
+            with_grads = [p for p in self.parameters if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(with_grads, self.clip_grad, norm.to(self._grad_device()))
         self.optimizer.step()
         self.zero_grad()
-        return StepOutcome(float(norm))
-
-    def grad_norm(self) -> torch.Tensor:
-        """The global gradient norm that clipping and the log line use (expert parallelism overrides it)."""
-        return total_grad_norm(self.parameters, self.pipeline_group)
+        return StepOutcome(norm)
 
     def _grad_device(self) -> torch.device:
         return self.parameters[0].device if self.parameters else torch.device("cpu")
@@ -139,6 +281,12 @@ class TorchRunner:
 
     # ---- checkpoint state (torch.distributed.checkpoint, reshardable) ----
     def state_dict(self) -> dict[str, Any]:
+        state = self._own_state_dict()
+        for to_saved, _ in self.state_transforms:
+            state = to_saved(state)
+        return state
+
+    def _own_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
@@ -146,17 +294,6 @@ class TorchRunner:
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
-
-    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if load_optimizer:
-            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
-            if self.scaler is not None and "loss_scaler" in state:
-                self.scaler.load_state_dict(state["loss_scaler"])
-        else:
-            set_model_state_dict(self.module, state["model"])
 
     def state_dict_for_loading(self, load_optimizer: bool) -> dict[str, Any]:
         """A state dict of the right shapes for torch.distributed.checkpoint.load to fill in place."""
@@ -166,6 +303,18 @@ class TorchRunner:
             state.pop("loss_scaler", None)
         return state
 
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+        for _, from_saved in reversed(self.state_transforms):
+            state = from_saved(state)
+        self._load_own_state_dict(state, load_optimizer)
 
-def is_finite(value: float | torch.Tensor) -> bool:
-    return math.isfinite(float(value))
+    def _load_own_state_dict(self, state: dict[str, Any], load_optimizer: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if load_optimizer:
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+            if self.scaler is not None and "loss_scaler" in state:
+                self.scaler.load_state_dict(state["loss_scaler"])
+        else:
+            set_model_state_dict(self.module, state["model"])

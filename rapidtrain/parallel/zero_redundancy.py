@@ -134,7 +134,7 @@ class OSSRunner(TorchRunner):
         for group, saved_group in zip(local.param_groups, saved["param_groups"], strict=True):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
 
-    def state_dict(self) -> dict[str, Any]:
+    def _own_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state: dict[str, Any] = {
@@ -150,9 +150,12 @@ class OSSRunner(TorchRunner):
             return self.state_dict()
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return {"model": get_model_state_dict(self.state_module)}  # no optimizer state is created
+        state = {"model": get_model_state_dict(self.state_module)}  # no optimizer state is created
+        for to_saved, _ in self.state_transforms:
+            state = to_saved(state)
+        return state
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+    def _load_own_state_dict(self, state: dict[str, Any], load_optimizer: bool) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         set_model_state_dict(self.state_module, state["model"])

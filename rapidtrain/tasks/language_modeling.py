@@ -182,7 +182,7 @@ class Seq2SeqLM(Task):
         return cross_entropy_sum(model(**model_inputs(batch, self.input_names)).logits, batch["labels"])
 
     def evaluate(self, model: Any, loader: Any, gather: Gather) -> tuple[dict[str, float], list]:
-        from rapidtrain.trainers.export import unwrap
+        from rapidtrain.parallel.data_parallel import unwrap
 
         generator = unwrap(model[0] if isinstance(model, list) else model)
         special = set(self.tokenizer.all_special_ids)

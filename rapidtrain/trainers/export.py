@@ -16,25 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 
-def unwrap(module: Any) -> nn.Module:
-    """The user's model inside DDP, the DeepSpeed engine, ORTModule or a compiled root."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        if (
-            isinstance(module, nn.parallel.DistributedDataParallel)
-            or type(module).__name__ == "DeepSpeedEngine"
-        ):
-            module = module.module
-        elif hasattr(module, "_orig_mod"):
-            module = module._orig_mod
-        elif type(module).__name__ == "ORTModule":
-            module = module.module
-        else:
-            break
-    return module
-
-
 @dataclass
 class ExportRecipe:
     """How to rebuild the model's skeleton on rank 0: its class and config, and the LoRA settings if any."""

@@ -1,8 +1,11 @@
-"""The training loop every template shares: one iteration = one global batch = one optimizer step.
+"""The training loop every template shares, written once: one iteration = one global batch = one optimizer
+step; then the log line, the template's own work (evaluation, epoch ends), the checkpointer, the stop check.
 
-`Trainer` is also Rapidformer's general template: bring a model whose `forward(**batch)` returns an
-object with `.loss` (as Hugging Face models do) or override `run_forward_step`. PreTrainer and
-Finetuner subclass it and supply data and models.
+`Trainer` is also Rapidformer's general template: `train_valid_test_datasets_provider()` → (train, valid,
+test, collate_fn) of map-style datasets, `model_optimizer_lr_scheduler_provider()`, and
+`run_forward_step(data_iterator, model)`; it trains for --epochs (or --train-iters) with the validation loss
+after each epoch. `Finetuner` adds per-epoch metrics, the best model and export; `PreTrainer` replaces the
+data with Megatron's sample stream and evaluates over --eval-iters.
 
 Loss normalisation: a forward step may return a mean loss (each micro-batch then weighs the same,
 Megatron's classic rule) or `(loss_sum, num_tokens)` through a loss function; then the loss is averaged
@@ -12,61 +15,32 @@ over the tokens of the whole global batch, so the result does not depend on how 
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from rapidtrain.engine import Engine
+from rapidtrain.data.loaders import (
+    ShardedLoader,
+    eval_loader,
+    gather_across_ranks,
+    move_to_device,
+    samples_per_epoch,
+    train_batch_sampler,
+    train_loader,
+)
+from rapidtrain.engine import Engine, TrainingStopped
+from rapidtrain.metrics import TensorBoardWriter, ThroughputMeter
+from rapidtrain.parallel.runner import as_loss, autocast
+from rapidtrain.trainers.control import Checkpointer, StopConditions
+from rapidtrain.trainers.reporting import IntervalTotals, IterationResult, LossRecords, build_log_line
 
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (a non-finite loss without loss scaling); nothing corrupt was saved."""
-
-
-@dataclass
-class IterationResult:
-    loss: float
-    grad_norm: float | None
-    skipped: bool
-    nan: bool
-    data_seconds: float
-    tokens: int
-    extras: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class IntervalTotals:
-    """Loss and counters summed over the iterations since the last log line."""
-
-    iterations: int = 0
-    loss_sum: float = 0.0
-    loss_count: int = 0
-    data_seconds: float = 0.0
-    tokens: int = 0
-    skipped: int = 0
-    nan: int = 0
-    extras: dict[str, float] = field(default_factory=dict)
-
-    def add(self, result: IterationResult) -> None:
-        self.iterations += 1
-        if not (result.skipped or result.nan):
-            self.loss_sum += result.loss
-            self.loss_count += 1
-        self.data_seconds += result.data_seconds
-        self.tokens += result.tokens
-        self.skipped += result.skipped
-        self.nan += result.nan
-        for name, value in result.extras.items():
-            self.extras[name] = self.extras.get(name, 0.0) + value
+__all__ = ["Trainer", "TrainingStopped", "IterationResult", "default_token_count"]
 
 
 def default_token_count(batch: Any) -> int | None:
-    """Tokens that carry loss in a micro-batch: the sum of `loss_mask`, or non-ignored `labels`."""
+    """Tokens that carry loss in a micro-batch (on the host): the sum of `loss_mask`, or non-ignored `labels`."""
     if isinstance(batch, dict):
         if "loss_mask" in batch:
             return int(torch.as_tensor(batch["loss_mask"]).sum())
@@ -75,180 +49,359 @@ def default_token_count(batch: Any) -> int | None:
     return None
 
 
-class StopSignal:
-    """SIGTERM (sent by schedulers and torchrun on shutdown) asks the loop to save and exit cleanly."""
-
-    def __init__(self) -> None:
-        self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+def _tokens_in(batch: Any) -> int:
+    """Tokens a micro-batch feeds the model (for throughput), from its shape."""
+    if isinstance(batch, dict):
+        for key in ("tokens", "input_ids", "text"):
+            if key in batch:
+                return torch.as_tensor(batch[key]).numel()
+    return 0
 
 
 class Trainer:
-    """The loop. Subclasses provide data (`train_valid_test_datasets_provider`) and models."""
+    """The loop, and the general template's epoch-based data. Subclasses provide data and models."""
+
+    loss_name = "loss"  # the training loss's name in the log line (PreTrainer: Megatron's "lm loss")
 
     def __init__(self, engine: Engine | None = None, **engine_kwargs: Any) -> None:
         self.engine = engine or Engine(**engine_kwargs)
-        self.args = self.engine.args
+        self.args = self.engine.args  # for Rapidformer user code; rapidtrain's own code reads the plan
+        self.plan = self.engine.plan
         self.iteration = 0
         self.consumed_samples = 0
         self.model: Any = None
         self.token_count: Callable[[Any], int | None] = default_token_count
+        self.checkpointer = Checkpointer(self.plan.checkpoint, self)
+        self.history: list[dict[str, Any]] = []
+        self._eval_loader: ShardedLoader | None = None
+        self._epoch_ends = False
 
-    # ---- hooks ----
+    # ---- hooks a subclass provides ----
+    def train_valid_test_datasets_provider(self) -> tuple[Any, Any, Any, Any]:
+        raise NotImplementedError(
+            f"{type(self).__name__} implements train_valid_test_datasets_provider() → (train, valid, test, "
+            "collate_fn) (see templates/finetuner_template.py for its shape)")
+
+    def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, Any, Any]:
+        raise NotImplementedError(
+            f"{type(self).__name__} implements model_optimizer_lr_scheduler_provider() → (model, optimizer or "
+            "None, scheduler or None)")
+
     def run_forward_step(self, data_iterator: Iterator[Any], model: Any) -> Any:
         """Default for Hugging Face style models: `model(**batch).loss`."""
         batch = next(data_iterator)
         output = model(**batch)
         return output.loss if hasattr(output, "loss") else output["loss"]
 
+    def run_compute_metrics(self, model: Any, eval_dataloader: Any) -> dict[str, Any]:
+        """Default: the validation loss (per token when the forward step returns loss sums)."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        for batch in eval_dataloader:
+            value, count = as_loss(self.forward_step(iter([batch]), self.model))
+            if eval_dataloader.real_rows == 0:  # a padding batch: forward for the collectives, not counted
+                continue
+            rows = count if count is not None else eval_dataloader.real_rows
+            total = value.detach().double() * (1 if count is not None else rows)
+            totals += torch.stack([total.to(totals.device).reshape(()),
+                                   torch.as_tensor(rows, dtype=torch.float64, device=totals.device).reshape(())])
+        self.engine.all_reduce_data_parallel(totals)
+        return {"loss": float(totals[0] / totals[1].clamp(min=1))}
+
+    def forward_step(self, batches: Iterator[Any], model: Any) -> Any:
+        """One micro-batch's forward (`model`: the wrapped model, or the pipeline's recorder of its inputs);
+        the general template hands its hook the iterator, batches on the device."""
+        device = self.engine.device
+        return self.run_forward_step((move_to_device(b, device) for b in batches), model)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """What a template keeps in a checkpoint beyond model, optimizer and position (JSON values)."""
+        return {"history": self.history}
+
+    def restore_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        """Take back what `checkpoint_extra` saved."""
+        self.history = list(extra.get("history", []))
+
+    def sample_lengths(self, dataset: Any) -> list[int]:
+        """Tokens per sample for `--data-iterator dynamic-shape` (length buckets)."""
+        try:
+            return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        except (KeyError, TypeError) as error:
+            raise ValueError(
+                "--data-iterator dynamic-shape groups samples by length: the training samples need "
+                f"an `input_ids` field, or override {type(self).__name__}.sample_lengths(dataset)"
+            ) from error
+
+    def pad_token_id(self) -> int:
+        pad = getattr(getattr(self, "tokenizer", None), "pad_token_id", None)
+        return int(pad) if pad is not None else 0
+
+    # ---- the loop ----
     def train(self) -> dict[str, Any]:
-        """The general template's loop: epoch-based (--epochs) or iteration-based (--train-iters) over the hooks
-        `train_valid_test_datasets_provider()` → (train, valid, test, collate_fn) and
-        `model_optimizer_lr_scheduler_provider()`, with the validation loss after each epoch; it is the
-        Finetuner's loop (trainers/finetuner.py), calling this class's `run_forward_step(data_iterator, model)`."""
-        from rapidtrain.trainers.finetuner import TemplateRun
+        self.setup()
+        return self.run()
 
-        return TemplateRun(self).train()
+    def run(self) -> dict[str, Any]:
+        """Iterate until the end of training or a stop; save at the end; the template's final results."""
+        if self.finished():
+            self.engine.print_rank0(f" nothing to do: the checkpoint is at iteration {self.iteration}, the end")
+            return {}
+        plan, started_at = self.plan, self.iteration
+        self.writer = TensorBoardWriter(plan.logging.tensorboard_dir if self.is_logging_rank else None)
+        self.meter, self.totals = ThroughputMeter(self.engine.device), IntervalTotals()
+        self.records = LossRecords(plan.logging.loss_log_file if self.is_logging_rank else None)
+        stop = StopConditions(plan.training)
+        stopped = False
+        try:
+            self.meter.start()
+            self.engine.runner.train()
+            for micro_batches, data_seconds in self.train_batches():
+                result = self.train_step(micro_batches, stop_requested=stop.requested())
+                result.data_seconds = data_seconds
+                self.after_step(result)
+                self.after_iteration()
+                self.checkpointer.maybe_save(self.iteration)
+                if result.stop or stop.interval_reached(self.iteration):
+                    self.engine.print_rank0(f" exiting at iteration {self.iteration} (signal, --exit-interval or "
+                                            "--exit-duration-in-mins)")
+                    stopped = True
+                    break
+            self.records.flush()
+            if self.iteration != started_at:
+                self.checkpointer.save(self.iteration)
+        finally:
+            self.records.flush()
+            stop.close()
+        results = self.end_of_training(stopped)
+        self.writer.close()
+        return results
 
-    def forward_micro_batch(self, batches: Iterator[Any]) -> Any:
-        """One micro-batch's forward step; Finetuner hands its hook the batch itself, not the iterator."""
-        return self.run_forward_step(batches, self.model)
+    def after_step(self, result: IterationResult) -> None:
+        """Count the iteration; the log line every --log-interval iterations."""
+        self.iteration += 1
+        self.consumed_samples += result.samples
+        self.meter.record(result.samples, result.tokens)
+        self.totals.add(result)
+        self.records.add(self.iteration, result)
+        if self.iteration % self.plan.logging.log_interval == 0:
+            self.log()
+
+    def log(self) -> None:
+        totals, self.totals = self.totals, IntervalTotals()
+        line, scalars = build_log_line(
+            self.plan, totals, self.meter.interval(), iteration=self.iteration,
+            train_iters=self.engine.total_iterations(getattr(self, "steps_per_epoch", None)),
+            consumed_samples=self.consumed_samples, learning_rate=self.current_lr(),
+            loss_scale=self.engine.runner.loss_scale, loss_name=self.loss_name,
+            flops_per_iteration=self.flops_per_iteration(), device=self.engine.device, extras=self.log_extras())
+        self.records.flush()
+        if self.is_logging_rank:
+            self.print_log(line)
+            self.writer.add_scalars(scalars, self.iteration)
+
+    def flops_per_iteration(self) -> float | None:
+        """Model FLOPs of one iteration, for TFLOP/s and MFU in the log line; None when unknown."""
+        return None
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Megatron prints from the last pipeline stage; among its ranks, the first data- and tensor-parallel."""
+        mesh = self.engine.mesh
+        return mesh.is_last_stage and mesh.data_parallel_rank == 0 and mesh.tensor_parallel_rank == 0
+
+    def current_lr(self) -> float:
+        return float(self.engine.runner.optimizer.param_groups[0]["lr"])
 
     # ---- one iteration ----
-    def train_step(self, micro_batches: list[Any]) -> IterationResult:
-        runner = self.engine.runner
-        steps = len(micro_batches)
+    def train_step(self, micro_batches: list[Any], stop_requested: bool = False) -> IterationResult:
+        """Forward and backward of every micro-batch of one global batch, then one optimizer step."""
+        engine, runner = self.engine, self.engine.runner
         global_tokens = self._global_tokens(micro_batches)
-        self._set_moe_aux_scale(steps)
-        if hasattr(runner, "train_iteration"):  # pipeline parallel: the schedule runs every micro-batch itself
-            loss_total, per_token = runner.train_iteration(micro_batches, self.run_forward_step, global_tokens)
-        else:
-            loss_total, per_token = self._run_micro_batches(micro_batches, global_tokens)
-        loss = self._reduce_loss(loss_total, per_token, global_tokens)
-        nan = not math.isfinite(loss)
-        if nan and not runner.skips_nonfinite:
-            raise TrainingStopped(
-                f"the loss is {loss} at iteration {self.iteration + 1}; the run stops before the optimizer step and "
-                "saves nothing (the checkpoints in --save stay as they were). Lower --lr, keep --clip-grad on, check "
-                "the data, or use --fp16 with loss scaling, then resume with --load.")
-        outcome = self.engine.step()
-        return IterationResult(loss, outcome.grad_norm, outcome.skipped, nan and not outcome.skipped, 0.0,
-                               tokens=self._tokens_of(micro_batches), extras=self._moe_extras())
-
-    def _run_micro_batches(self, micro_batches: list[Any], global_tokens: int | None) -> tuple[torch.Tensor, bool]:
-        """Forward and backward of each micro-batch → (loss total, whether it is a per-token sum)."""
-        runner, steps = self.engine.runner, len(micro_batches)
-        batches = iter(micro_batches)
-        loss_total = torch.zeros((), dtype=torch.float64)
-        per_token = False
-        for index in range(steps):
-            with runner.micro_batch(is_last=index == steps - 1):
-                output = self.forward_micro_batch(batches)
-                loss_sum, count = self._as_loss(output)
-            per_token = count is not None and global_tokens is not None
-            if per_token:
-                backward_loss = loss_sum * (runner.gradient_average / global_tokens)
-            else:
-                backward_loss = loss_sum / steps
-            runner.backward(backward_loss)
-            loss_total += loss_sum.detach().double().cpu() if per_token else loss_sum.detach().double().cpu() / steps
-        return loss_total, per_token
-
-    def _as_loss(self, output: Any) -> tuple[torch.Tensor, int | None]:
-        """A forward step's result as (loss or loss sum, token count or None)."""
-        if isinstance(output, tuple) and len(output) == 2 and callable(output[1]):
-            output = output[1](output[0])
-        if isinstance(output, tuple):
-            loss_sum, count = output
-            return loss_sum, int(count)
-        return output, None
+        self._set_moe_aux_scale(len(micro_batches))
+        total = runner.forward_backward(micro_batches, self.forward_step, global_tokens)
+        loss = engine.reduce_loss(total, global_tokens)
+        decision = engine.optimizer_step(loss, stop_requested, where=f"iteration {self.iteration + 1}")
+        samples = len(micro_batches) * self.plan.data.micro_batch_size * self.plan.layout.data_parallel_size
+        tokens = sum(_tokens_in(b) for b in micro_batches) * self.plan.layout.data_parallel_size
+        return IterationResult(loss, decision.outcome.grad_norm, decision.outcome.skipped, decision.nan,
+                               samples, tokens, extras=self._moe_extras(), stop=decision.stop)
 
     def _global_tokens(self, micro_batches: list[Any]) -> int | None:
+        """Loss-carrying tokens of the global batch, counted on the host and summed over data-parallel ranks
+        (a CPU tensor: gloo carries it, so the device is never waited for)."""
         counts = [self.token_count(b) for b in micro_batches]
         if any(c is None for c in counts):
             return None
-        total = torch.tensor(float(sum(counts)))
+        total = torch.tensor(float(sum(counts)), dtype=torch.float64)
         self.engine.all_reduce_data_parallel(total)
         return max(int(total), 1)
-
-    def _reduce_loss(self, loss_total: torch.Tensor, per_token: bool, global_tokens: int | None) -> float:
-        value = loss_total.clone().float()
-        self.engine.all_reduce_data_parallel(value)
-        if per_token:
-            return float(value) / global_tokens
-        return float(value) / self.engine.plan.layout.data_parallel_size
-
-    def _tokens_of(self, micro_batches: list[Any]) -> int:
-        first = micro_batches[0] if micro_batches else None
-        if isinstance(first, dict):
-            for key in ("tokens", "input_ids", "text"):
-                if key in first:
-                    tensor = torch.as_tensor(first[key])
-                    return tensor.numel() * len(micro_batches) * self.engine.plan.layout.data_parallel_size
-        return 0
 
     def _set_moe_aux_scale(self, steps: int) -> None:
         from rapidtrain.models import moe
 
-        scaler = getattr(self.engine.runner, "scaler", None)
-        scale = scaler.loss_scale if scaler is not None else 1.0
-        moe.set_aux_loss_scale(scale / steps)
+        moe.set_aux_loss_scale(self.engine.runner.loss_scale / steps)
 
-    def _moe_extras(self) -> dict[str, float]:
+    def _moe_extras(self) -> dict[str, torch.Tensor]:
         from rapidtrain.models import moe
 
-        module = self.engine.runner.module
-        aux = moe.collect_aux_losses(module)
+        aux = moe.collect_aux_losses(self.engine.runner.module)
         if aux is None:
             return {}
         value = aux.detach().float().reshape(1)
         self.engine.all_reduce_data_parallel(value)
-        return {"load balancing loss": float(value) / self.engine.plan.layout.data_parallel_size}
+        return {"load balancing loss": value[0] / self.plan.layout.data_parallel_size}
 
-    # ---- stopping, saving ----
-    def checkpoint_extra(self) -> dict[str, Any]:
-        """What a template keeps in a checkpoint beyond model, optimizer and position (Finetuner: best metric)."""
-        return {}
+    # ---- the general template's data: epochs over a map-style dataset ----
+    def setup(self) -> None:
+        engine, plan = self.engine, self.plan
+        self.train_ds, self.valid_ds, self.test_ds, collate_fn = self.train_valid_test_datasets_provider()
+        if collate_fn is None and plan.switches.dynamic_shape:
+            from rapidtrain.data.dynamic_shape import FinetuneCollator
 
-    def restore_checkpoint_extra(self, extra: dict[str, Any]) -> None:
-        """Take back what `checkpoint_extra` saved (nothing by default)."""
+            collate_fn = FinetuneCollator(self.pad_token_id())
+        self.collate_fn = collate_fn
+        self.settings = engine.shard_settings()
+        self.lengths = self.sample_lengths(self.train_ds) if plan.switches.dynamic_shape else None
+        sampler = train_batch_sampler(self.train_ds, self.settings, 0, True, self.lengths)
+        self.samples_per_epoch = samples_per_epoch(sampler)
+        self.micro_steps_per_epoch = self.samples_per_epoch // (
+            plan.data.micro_batch_size * plan.layout.data_parallel_size)
+        self.steps_per_epoch = math.ceil(self.micro_steps_per_epoch / plan.batches.accumulation_steps)
+        model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        self.prepare_model(model)
+        if scheduler is not None:
+            scheduler_fn = lambda _optimizer: scheduler  # noqa: E731
+        else:  # Megatron's schedule over the whole run, whose length is known now
+            scheduler_fn = lambda optimizer: engine.build_scheduler(optimizer, None, self.steps_per_epoch)  # noqa: E731
+        self.model, *_ = engine.compose(model, optimizer=optimizer, lr_scheduler_fn=scheduler_fn)
+        self.load()
+        engine.print_rank0(plan.describe())
+        engine.print_rank0(
+            f" training: {len(self.train_ds)} samples, {self.steps_per_epoch} steps of "
+            f"{plan.batches.global_batch_size} samples per epoch, {engine.total_iterations(self.steps_per_epoch)} "
+            "steps in all")
 
-    def should_stop(self, stop_signal: StopSignal, started: float) -> bool:
-        a = self.args
-        flags = [stop_signal.received,
-                 bool(a.exit_interval and self.iteration % a.exit_interval == 0),
-                 bool(a.exit_duration_in_mins and time.time() - started > a.exit_duration_in_mins * 60)]
-        decision = torch.tensor([float(any(flags))])
-        if dist.is_initialized():  # every rank must agree, or a save would hang
-            dist.all_reduce(decision, op=dist.ReduceOp.MAX)
-        return bool(decision.item())
-
-    def save(self) -> None:
-        from rapidtrain.checkpoint import save_checkpoint
-
-        if not self.args.save:
-            return
-        path = save_checkpoint(self.args.save, self.iteration, self.engine.runner, self.engine.lr_scheduler,
-                               self.consumed_samples, self.args, extra=self.checkpoint_extra())
-        self.engine.print_rank0(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
+    def prepare_model(self, model: Any) -> None:
+        """Look at the model before it is wrapped (Finetuner: how to export it)."""
 
     def load(self) -> None:
-        from rapidtrain.checkpoint import load_checkpoint
+        loaded = self.checkpointer.load()
+        if loaded is not None:
+            self.iteration, self.consumed_samples = loaded.iteration, loaded.consumed_samples
+            self.restore_checkpoint_extra(loaded.extra)
 
-        if not self.args.load:
-            return
-        loaded = load_checkpoint(self.args.load, self.engine.runner, self.engine.lr_scheduler, self.args,
-                                 finetune=self.args.finetune, load_optimizer=not self.args.no_load_optim,
-                                 load_rng=not self.args.no_load_rng)
-        if loaded is None:
-            self.engine.print_rank0(f" no checkpoint in {self.args.load}; starting from scratch")
-            return
-        self.iteration, self.consumed_samples = loaded.iteration, loaded.consumed_samples
-        self.restore_checkpoint_extra(loaded.extra)
-        self.engine.print_rank0(f" loaded checkpoint from {self.args.load} at iteration {self.iteration}")
+    def finished(self) -> bool:
+        training = self.plan.training
+        if training.train_iters is not None:
+            return self.iteration >= training.train_iters
+        return self.epoch >= (training.epochs or 1)
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed (the one under way is `epoch + 1` in the progress bar)."""
+        return self.consumed_samples // self.samples_per_epoch
+
+    def train_batches(self) -> Iterator[tuple[list[Any], float]]:
+        """(micro-batches of one global batch, seconds spent fetching them) until the end, epoch by epoch;
+        an epoch's last group may be shorter and still averages exactly over its own samples."""
+        plan = self.plan
+        chunk = plan.data.micro_batch_size * plan.layout.data_parallel_size
+        while not self.finished():
+            done = (self.consumed_samples % self.samples_per_epoch) // chunk
+            loader = train_loader(self.train_ds, self.collate_fn, self.settings, None, self.consumed_samples,
+                                  self.lengths)
+            if hasattr(self.train_ds, "set_epoch"):
+                self.train_ds.set_epoch(self.epoch)
+            self.bar = self.progress_bar(done)
+            iterator = iter(loader)
+            while done < self.micro_steps_per_epoch and not self.finished():
+                fetch_started = time.perf_counter()
+                size = min(plan.batches.accumulation_steps, self.micro_steps_per_epoch - done)
+                group = [next(iterator) for _ in range(size)]
+                done += size
+                self._epoch_ends = done >= self.micro_steps_per_epoch
+                yield group, time.perf_counter() - fetch_started
+            self.bar.close()
+
+    def progress_bar(self, done_micro_steps: int) -> Any:
+        from tqdm.auto import tqdm
+
+        training = self.plan.training
+        epochs = f"/{training.epochs or 1}" if training.train_iters is None else ""
+        return tqdm(total=self.steps_per_epoch,
+                    initial=math.ceil(done_micro_steps / self.plan.batches.accumulation_steps),
+                    desc=f"epoch {self.epoch + 1}{epochs}", disable=not self.is_logging_rank, dynamic_ncols=True)
+
+    def print_log(self, line: str) -> None:
+        """The log line, written above the epoch's progress bar."""
+        bar = getattr(self, "bar", None)
+        (bar.write if bar is not None else print)(line)
+
+    def after_iteration(self) -> None:
+        """The general template's own work after an iteration: progress, step-based evaluation when
+        --eval-interval is given, and the epoch's end (validation, a checkpoint)."""
+        self.bar.update(1)
+        self.bar.set_postfix(lr=f"{self.current_lr():.2e}", refresh=False)
+        interval = self.plan.training.eval_interval
+        if interval and self.iteration % interval == 0 and not self._epoch_ends:
+            self.evaluate_and_report(f"iteration {self.iteration}")
+        if self._epoch_ends:
+            self._epoch_ends = False
+            self.end_of_epoch()
+
+    def end_of_epoch(self) -> None:
+        self.evaluate_and_report(f"epoch {self.epoch}")
+        self.checkpointer.request()
+
+    def log_extras(self) -> dict[str, Any]:
+        """Fields after Megatron's: the epoch the last iteration belongs to."""
+        at_boundary = self.consumed_samples % self.samples_per_epoch == 0
+        return {"epoch": max(self.epoch if at_boundary else self.epoch + 1, 1)}
+
+    def evaluate_and_report(self, when: str) -> dict[str, Any]:
+        """The metrics on the validation set, printed and recorded in the history."""
+        metrics = self.evaluate(self.valid_ds) if self.valid_ds is not None and len(self.valid_ds) else {}
+        self.history.append({"epoch": self.epoch, "iteration": self.iteration, **metrics})
+        shown = " | ".join(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}" for k, v in metrics.items())
+        self.engine.print_rank0(f" {when} | iteration {self.iteration} | validation {shown or '(no data)'}")
+        if self.is_logging_rank:
+            self.writer.add_scalars({f"validation/{k}": v for k, v in metrics.items() if isinstance(v, float)},
+                                    self.iteration)
+        return metrics
+
+    def evaluate(self, dataset: Any) -> dict[str, Any]:
+        """`run_compute_metrics` over every sample of `dataset` (each rank its share, autocast as in training)."""
+        runner = self.engine.runner
+        loader = eval_loader(dataset, self.collate_fn, self.settings, self.engine.device,
+                             context=lambda _step: autocast(runner.precision, self.engine.device.type))
+        self._eval_loader = loader
+        runner.train(False)
+        try:
+            with torch.no_grad():
+                metrics = self.run_compute_metrics(self.metrics_model(), loader)
+        finally:
+            runner.train(True)
+            self._eval_loader = None
+        return {name: _plain(value) for name, value in (metrics or {}).items()}
+
+    def metrics_model(self) -> Any:
+        return self.model
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` of every data-parallel rank concatenated along dim 0 (evaluation padding dropped, so the
+        gathered rows of an evaluation batch are the dataset's samples in order, each once)."""
+        if self._eval_loader is not None:
+            return self._eval_loader.gather(tensor)
+        return gather_across_ranks(tensor, self.engine.mesh.group("dp"))
+
+    def end_of_training(self, stopped: bool) -> dict[str, Any]:
+        """The results `train()` returns: the last evaluation's metrics."""
+        return self.history[-1] if self.history else {}
+
+
+def _plain(value: Any) -> Any:
+    """Metric values as plain Python numbers for printing and JSON (tensors and numpy scalars included)."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return float(value.item())
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value

@@ -29,7 +29,6 @@ from rapidtrain.parallel.experts import ExpertParallelExperts
 from rapidtrain.parallel.runner import TorchRunner
 from rapidtrain.plan import Precision
 from tests.moe_reference import (
-    VOCAB,
     OneStepTrainer,
     canonical,
     capture_step_gradients,
@@ -91,7 +90,6 @@ def main() -> None:
         argv=model_flags(MICRO_BATCHES_PER_RANK, data_parallel)
         + ["--expert-model-parallel-size", str(ep), *extra]
     )
-    engine.resolve_model(VOCAB)
     config = engine.plan.model
     trainer = OneStepTrainer(engine)
     trainer.model, *_ = engine.compose(build_model(config, seed=3))
@@ -103,15 +101,16 @@ def main() -> None:
     first = engine.mesh.data_parallel_rank * MICRO_BATCHES_PER_RANK
     result = trainer.train_step(batches[first : first + MICRO_BATCHES_PER_RANK])
     expected = reference_gradients(build_model(config, seed=3), batches, config.moe_aux_loss_coeff)
-    expected_norm = float(torch.stack([g.norm() for g in expected.values()]).norm())
+    # In fp64: torch's fp32 norm kernel is off by ~1e-5 relative on the embedding's gradient.
+    expected_norm = float(sum(g.double().square().sum() for g in expected.values()).sqrt())
 
     report = {
         "rank": dist.get_rank(),
-        "runner": type(runner).__name__,
-        "loss": result.loss,
+        "expert_parts": [part.__self__.__class__.__name__ for part in runner.before_step],
+        "loss": float(result.loss),
         "gradients_checked": len(seen),
         "gradient_difference": relative_gradient_difference(seen, expected, expert_rank),
-        "grad_norm": result.grad_norm,
+        "grad_norm": float(result.grad_norm),
         "expected_norm": expected_norm,
         "loaded_ok": loads_at_ep1(runner, config, out / "checkpoint", expert_rank),
         "reloaded_ok": reloads_itself(runner, out / "checkpoint"),

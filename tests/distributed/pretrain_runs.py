@@ -16,13 +16,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rapidtrain.engine import Engine  # noqa: E402
-from rapidtrain.pretrain import DEMO_DEFAULTS, MegatronPreTrainer  # noqa: E402
+from rapidtrain.pretrain import ENTRY, MegatronPreTrainer  # noqa: E402
 
 
 def run_all(runs: list[list[str]]) -> None:
     engine = None
     for argv in runs:
-        engine = Engine(argv=argv, defaults=DEMO_DEFAULTS)  # reuses the process group the first run started
+        engine = Engine(argv=argv, entry=ENTRY)  # reuses the process group the first run started
         MegatronPreTrainer(engine).train()
         gc.collect()  # the previous run's model, engine and optimizer state
     if engine is not None:

@@ -222,7 +222,6 @@ def probe_gradient_sync(flags: list[str]) -> dict[str, list]:
     from rapidtrain.models import build_model
 
     engine = Engine(argv=PROBE + flags)
-    engine.resolve_model(VOCAB)
     module, *_ = engine.compose(build_model(engine.plan.model, seed=1))
     calls = [0]
     if isinstance(module, DistributedDataParallel):

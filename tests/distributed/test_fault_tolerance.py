@@ -11,6 +11,8 @@ import pytest
 from rapidtrain.checkpoint import CheckpointError
 from tests.launch import TINY_GPT_PARITY, pretrain, read_losses
 
+KILLED_PRETRAIN = Path(__file__).resolve().parent / "killed_pretrain.py"
+
 TINY = [
     *TINY_GPT_PARITY,
     "--micro-batch-size",
@@ -48,8 +50,9 @@ def test_killed_rank_restarts_and_matches_uninterrupted_losses(tmp_path, demo_da
             "--loss-log-file",
             str(faulty),
         ],
-        env={"RAPIDTRAIN_TEST_KILL_AT_ITERATION": "12"},
+        env={"KILL_AT_ITERATION": "12"},
         extra_torchrun=["--max-restarts", "1"],
+        script=KILLED_PRETRAIN,
     )
     assert (folder / ".test_killed").read_text().startswith("killed rank 1 after iteration 12")
     assert "loaded checkpoint" in result.stdout and "at iteration 10" in result.stdout

@@ -198,7 +198,7 @@ def _local_grads(model) -> dict:
 def _recompute(mesh) -> dict:
     import torch
 
-    from rapidtrain.parallel.apply import apply_activation_checkpointing
+    from rapidtrain.parallel.transforms import apply_activation_checkpointing
 
     config = _config(hidden_dropout=0.3, attention_dropout=0.3)
     losses, grads = [], []

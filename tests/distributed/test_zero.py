@@ -20,7 +20,8 @@ RUNS = Path(__file__).with_name("pretrain_runs.py")
 # fmt: off
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--num-workers", "0", "--log-interval", "5", "--eval-iters", "0", "--lr", "1e-3", "--train-iters", "20"]
+        "--num-workers", "0", "--log-interval", "5", "--eval-iters", "0", "--lr", "1e-3", "--train-iters", "20",
+        "--lr-warmup-iters", "10"]
 MODES = {"zero1": ["--zero-1-memory-optimization"], "zero2": ["--zero-2-memory-optimization"],
          "zero3": ["--zero-3-memory-optimization"],
          "zero2_offload": ["--zero-2-memory-optimization", "--cpu-offload"]}

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from rapidtrain.data.loaders import EvalBatchSampler, gather_across_ranks
 from rapidtrain.finetune import main as finetune
+from rapidtrain.own_loop import AccumulationTracker
 from rapidtrain.tasks import metrics, toy
-from rapidtrain.trainers.composed import AccumulationTracker, EvalBatchSampler, gather_across_ranks
 from tests.launch import REPO, child_env, read_losses, relative_difference
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

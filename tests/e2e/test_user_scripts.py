@@ -249,9 +249,12 @@ def test_a_template_subclass_without_main_is_run(tmp_path, monkeypatch, base):
     assert sorted(values) == list(range(1, 19))  # 48 samples / 8 per step × 3 epochs
     first, last = (sum(values[i] for i in steps) / 6 for steps in (range(1, 7), range(13, 19)))
     assert last < first / 2
-    exported = torch.load(save / "last" / "model.pt")  # not a Hugging Face model: its full state dict
-    assert set(exported) == {"linear.weight", "linear.bias"}
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "18"
+    if base == "Finetuner":  # the Finetuner exports the model; the general Trainer keeps checkpoints only
+        exported = torch.load(save / "last" / "model.pt")  # not a Hugging Face model: its full state dict
+        assert set(exported) == {"linear.weight", "linear.bias"}
+    else:
+        assert not (save / "last").exists()
 
 
 def test_several_template_subclasses_need_a_main(tmp_path, monkeypatch):
@@ -331,7 +334,7 @@ def test_a_user_script_may_count_epochs_while_builtin_pretraining_may_not():
 
 
 def test_a_user_optimizer_follows_parameters_the_wrapping_replaced():
-    from rapidtrain.trainers.composed import rebind_optimizer
+    from rapidtrain.own_loop import rebind_optimizer
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -63,7 +63,7 @@ def test_tuned_steps_fault_far_fewer_pages_than_glibc_defaults():
 def test_the_plan_names_the_allocator_on_cpu_only():
     def engines(argv: list[str], device: str) -> dict[str, str]:
         args = arguments.parse_args(["--train-iters", "10", "--lr", "1e-4", *argv])
-        resolved = plan.from_args(args, RunContext(1, device), vocab_size=1024)  # type: ignore[arg-type]
+        resolved = plan.from_args(args, RunContext(1, device))  # type: ignore[arg-type]
         return {choice.switch: choice.engine for choice in resolved.engines}
 
     on_cpu = engines([], "cpu")

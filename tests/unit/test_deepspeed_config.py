@@ -6,24 +6,16 @@ from __future__ import annotations
 import pytest
 
 from rapidtrain import arguments, plan
-from rapidtrain.optim.grad_scaler import LossScaleSettings
 from rapidtrain.parallel.deepspeed import canonical_name, deepspeed_config, offload_optimizer_config
-from rapidtrain.plan import RunContext, optimizer_settings
+from rapidtrain.plan import RunContext
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--micro-batch-size", "2", "--global-batch-size", "8"]
 
 
 def config_for(argv: list[str], world: int = 2, device: str = "cpu") -> dict:
     args = arguments.parse_args(BASE + argv)
-    resolved = plan.from_args(args, RunContext(world, device), vocab_size=1024)  # type: ignore[arg-type]
-    loss_scale = LossScaleSettings(
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-    )
-    return deepspeed_config(resolved, optimizer_settings(args), args.clip_grad, loss_scale)
+    resolved = plan.from_args(args, RunContext(world, device))  # type: ignore[arg-type]
+    return deepspeed_config(resolved, resolved.optimizer, resolved.clip_grad, resolved.loss_scale)
 
 
 def test_batch_arithmetic_clipping_and_stage_come_from_the_plan():

@@ -12,7 +12,6 @@ from rapidtrain.models import ModelConfig, build_model
 from rapidtrain.models.counting import count_parameters, expert_parameter_count, model_flops_per_iteration
 from rapidtrain.plan import RunContext
 from tests.moe_reference import (
-    VOCAB,
     OneStepTrainer,
     capture_step_gradients,
     global_batches,
@@ -25,7 +24,6 @@ from tests.moe_reference import (
 def one_step_gradients(micro_batches: int, extra: list[str]) -> tuple[dict, dict, ModelConfig]:
     """Gradients the optimizer applies after one Trainer.train_step of `micro_batches` micro-batches."""
     engine = Engine(argv=model_flags(micro_batches, 1) + extra)
-    engine.resolve_model(VOCAB)
     config = engine.plan.model
     trainer = OneStepTrainer(engine)
     trainer.model, *_ = engine.compose(build_model(config, seed=3))
@@ -81,12 +79,8 @@ def test_plan_splits_expert_parameters_over_expert_parallel_ranks():
         "--train-iters 10 --lr 1e-4 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
         "--num-experts 8 --moe-layer-freq 2"
     ).split()
-    one = plan.from_args(arguments.parse_args(argv), RunContext(4, "cpu"), vocab_size=1024)
-    four = plan.from_args(
-        arguments.parse_args(argv + ["--expert-model-parallel-size", "4"]),
-        RunContext(4, "cpu"),
-        vocab_size=1024,
-    )
+    one = plan.from_args(arguments.parse_args(argv), RunContext(4, "cpu"))
+    four = plan.from_args(arguments.parse_args(argv + ["--expert-model-parallel-size", "4"]), RunContext(4, "cpu"))
     experts = expert_parameter_count(one.model)
     assert experts == 2 * 8 * (2 * 64 * 256 + 256 + 64)  # layers 1 and 3, 8 experts each
     assert one.memory.parameters == one.memory.total_params == count_parameters(one.model)[0]

@@ -11,11 +11,11 @@ import pytest
 from rapidtrain import arguments, plan
 from rapidtrain.plan import Batches, RunContext
 
-BASE = ["--train-iters", "10", "--lr", "1e-4"]
+BASE = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
 
-def resolve(argv: list[str], world: int = 1, device: str = "cpu", vocab: int | None = 1024) -> plan.Plan:
-    return plan.from_args(arguments.parse_args(BASE + argv), RunContext(world, device), vocab_size=vocab)  # type: ignore[arg-type]
+def resolve(argv: list[str], world: int = 1, device: str = "cpu") -> plan.Plan:
+    return plan.from_args(arguments.parse_args(BASE + argv), RunContext(world, device))  # type: ignore[arg-type]
 
 
 def test_batch_arithmetic():

@@ -55,8 +55,8 @@ def test_loss_and_update_do_not_depend_on_the_micro_batch_split():
         results.append(trainer.train_step(make_batches(4, micro)))
         weights.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
     for other, w in zip(results[1:], weights[1:], strict=True):
-        assert other.loss == pytest.approx(results[0].loss, rel=1e-6)
-        assert other.grad_norm == pytest.approx(results[0].grad_norm, rel=1e-5)
+        assert float(other.loss) == pytest.approx(float(results[0].loss), rel=1e-6)
+        assert float(other.grad_norm) == pytest.approx(float(results[0].grad_norm), rel=1e-5)
         torch.testing.assert_close(w, weights[0], rtol=1e-5, atol=1e-7)
 
 
@@ -67,7 +67,7 @@ def test_loss_is_the_token_mean_of_the_global_batch():
     with torch.no_grad():
         sums = [(reference(b["tokens"], labels=b["labels"]) * b["loss_mask"]).sum() for b in batches]
     expected = float(sum(sums) / sum(b["loss_mask"].sum() for b in batches))
-    assert trainer.train_step(batches).loss == pytest.approx(expected, rel=1e-6)
+    assert float(trainer.train_step(batches).loss) == pytest.approx(expected, rel=1e-6)
 
 
 def test_clip_grad_zero_still_reports_the_norm_and_clipping_bounds_the_update():
@@ -75,12 +75,12 @@ def test_clip_grad_zero_still_reports_the_norm_and_clipping_bounds_the_update():
     free = trainer_for(["--clip-grad", "0", "--optimizer", "sgd", "--sgd-momentum", "0", "--weight-decay", "0"])
     before = torch.cat([p.detach().flatten() for p in clipped.model.parameters()])
     a, b = clipped.train_step(make_batches(1, 1)), free.train_step(make_batches(1, 1))
-    assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6) and a.grad_norm > 0.01
+    assert float(a.grad_norm) == pytest.approx(float(b.grad_norm), rel=1e-6) and float(a.grad_norm) > 0.01
     moved_clipped = torch.cat([p.detach().flatten() for p in clipped.model.parameters()]) - before
     moved_free = torch.cat([p.detach().flatten() for p in free.model.parameters()]) - before
     # SGD without weight decay moves by lr × grad: clipping scales the step down to norm 0.01.
     assert float(moved_clipped.norm() / 1e-3) == pytest.approx(0.01, rel=1e-3)
-    assert float(moved_free.norm() / 1e-3) == pytest.approx(a.grad_norm, rel=1e-3)
+    assert float(moved_free.norm() / 1e-3) == pytest.approx(float(a.grad_norm), rel=1e-3)
 
 
 def test_learning_rate_schedule_advances_per_step_only():
@@ -158,4 +158,4 @@ def test_torch_compile_trains_like_eager():
     for seed in range(2):
         a = eager.train_step(make_batches(1, 1, seed))
         b = compiled.train_step(make_batches(1, 1, seed))
-        assert b.loss == pytest.approx(a.loss, rel=1e-4)
+        assert float(b.loss) == pytest.approx(float(a.loss), rel=1e-4)

@@ -1,0 +1,70 @@
+"""Data-parallel wrapping of a transformed model: DDP (composable `replicate` when parameters are
+tensor-parallel DTensors) or FSDP2 over the mesh's data-parallel dimension; and `unwrap`, the user's model
+inside whatever wrapped it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from rapidtrain.parallel.mesh import ParallelMesh
+from rapidtrain.parallel.transforms import transformer_blocks
+
+
+def unwrap(module: Any) -> nn.Module:
+    """The user's model inside DDP, the DeepSpeed engine, ORTModule or a compiled root."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if (
+            isinstance(module, nn.parallel.DistributedDataParallel)
+            or type(module).__name__ == "DeepSpeedEngine"
+        ):
+            module = module.module
+        elif hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        elif type(module).__name__ == "ORTModule":
+            module = module.module
+        else:
+            break
+    return module
+
+
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
+    group = mesh.group("dp")
+    if group is None:
+        return model
+    if mesh.layout.tensor_parallel_size > 1:  # DDP cannot reduce DTensor parameters
+        return apply_replicate(model, mesh)
+    device_ids = [device.index] if device.type == "cuda" else None
+    from rapidtrain.parallel.experts import exclude_experts_from_ddp
+
+    exclude_experts_from_ddp(model)  # sharded experts are reduced over their own group (parallel/experts.py)
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+
+
+def apply_replicate(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+    """Data parallelism in 3D: composable `replicate` (FSDP2's machinery, so tensor-parallel DTensor
+    parameters become 2D dp × tp DTensors) over the dp mesh dimension; gradients averaged after backward.
+    Sharded experts are left out: they are reduced over their own group (parallel/experts.py)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    from rapidtrain.parallel.experts import expert_parameters, place_experts_on_mesh_of_others
+
+    replicate(model, mesh=mesh.submesh("dp"), ignored_params=set(expert_parameters(model).values()) or None)
+    place_experts_on_mesh_of_others(model)  # one mesh for all parameters: foreach clipping/optimizers need it
+    return model
+
+
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2 over the data-parallel dimension: each block a unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh.submesh("dp")
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return model

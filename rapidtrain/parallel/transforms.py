@@ -1,0 +1,72 @@
+"""The model transforms every layout applies, in one fixed order: tensor parallel → activation
+checkpointing → graph compilation. Written once; the plain, pipeline and DeepSpeed paths call
+`apply_transforms` before their own data-parallel wrapping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from rapidtrain.parallel.mesh import ParallelMesh
+    from rapidtrain.plan import Plan
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: the built-in models' `layers`, or a Hugging Face model's largest ModuleList."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not candidates:
+        return []
+    return list(max(candidates, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def _replace_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> None:
+    blocks = set(map(id, transformer_blocks(model)))
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in blocks:
+                if isinstance(parent, nn.ModuleDict):
+                    parent.update({name: wrap(child)})
+                else:
+                    setattr(parent, name, wrap(child))
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every transformer block in backward (torch.utils.checkpoint, non-reentrant)."""
+    if hasattr(model, "gradient_checkpointing_enable"):  # Hugging Face models know their own blocks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    # The wrapper's prefix is stripped by torch.distributed.checkpoint, so checkpoints keep their names.
+    _replace_blocks(model, checkpoint_wrapper)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (module.compile keeps parameter names for checkpoints)."""
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        block.compile()
+    if not blocks:
+        model.compile()
+
+
+def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Module:
+    """Tensor parallel → activation checkpointing → compile, as the plan says; returns the model to wrap."""
+    layout, switches = plan.layout, plan.switches
+    if layout.tensor_parallel_size > 1:
+        from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.submesh("tp"), sequence_parallel=layout.sequence_parallel)
+    if switches.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if switches.compile != "none":
+        from rapidtrain.parallel.compile import apply_graph_optimization
+
+        model = apply_graph_optimization(model, switches.compile)
+    return model

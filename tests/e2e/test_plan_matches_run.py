@@ -1,0 +1,80 @@
+"""`rapidtrain plan FLAGS` prints exactly the plan a run with FLAGS prints (and acts on): one table of flag
+sets over GPT, BERT, the demo, real data, each parallel family and fine-tuning."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import PRETRAIN, REPO, child_env, free_port, torchrun
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--num-workers", "0", "--eval-iters", "0"]
+
+
+def printed_plan(output: str) -> str:
+    """The plan block of a command's output: its header and the indented lines after it."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("rapidtrain plan —"))
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    return "\n".join(block)
+
+
+def plan_command(flags: list[str], world: int) -> str:
+    result = subprocess.run([sys.executable, "-m", "rapidtrain.cli", "plan", "--world-size", str(world), *flags],
+                            capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    return printed_plan(result.stdout)
+
+
+def indexed_data(demo_data) -> list[str]:
+    """Real data flags: the demo corpus named explicitly, with its tokenizer."""
+    return ["--data-path", demo_data.data_prefix, "--tokenizer-type", demo_data.tokenizer_type,
+            "--tokenizer-model", demo_data.tokenizer_model]
+
+
+PRETRAINING = {
+    # name: (flags, ranks); "DATA" is replaced by real data flags
+    "demo": ([], 1),
+    "demo_with_user_flags": (["--micro-batch-size", "2", "--lr", "3e-4", "--train-iters", "3"], 1),
+    "gpt_real_data": (["DATA", "--micro-batch-size", "2", "--lr", "1e-3"], 1),
+    "bert_real_data": (["DATA", "--model-type", "bert", "--micro-batch-size", "2", "--lr", "1e-3"], 1),
+    "zero2": (["DATA", "--zero-2-memory-optimization", "--micro-batch-size", "2", "--lr", "1e-3"], 2),
+    "fsdp_bf16": (["DATA", "--fsdp-memory-optimization", "--bf16", "--micro-batch-size", "1", "--lr", "1e-3"], 2),
+    "tp2": (["DATA", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--lr", "1e-3"], 2),
+    "pp2": (["DATA", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "2",
+             "--lr", "1e-3"], 2),
+    "ep2_moe": (["DATA", "--num-experts", "2", "--expert-model-parallel-size", "2", "--micro-batch-size", "1",
+                 "--lr", "1e-3"], 2),
+}
+SLOW = {"zero2", "fsdp_bf16", "pp2", "ep2_moe"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in PRETRAINING])
+def test_plan_command_prints_the_plan_the_pretraining_run_prints(name, demo_data, tmp_path):
+    flags, ranks = PRETRAINING[name]
+    flags = [f for flag in flags for f in (indexed_data(demo_data) if flag == "DATA" else [flag])]
+    flags = SHAPE + flags + (["--train-iters", "2"] if "--train-iters" not in flags else [])
+    run = torchrun(ranks, PRETRAIN, flags, timeout=600)
+    assert printed_plan(run.stdout) == plan_command(flags, ranks)
+
+
+def test_plan_command_prints_the_plan_the_fine_tuning_run_prints(tmp_path):
+    from rapidtrain.tasks import toy
+
+    model, data = toy.make_task("sequence_classification", tmp_path, train=16, dev=8)
+    flags = ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(model),
+             "--data-dir", str(data.parent), "--data-name", data.name, "--epochs", "1", "--micro-batch-size", "4",
+             "--seq-length", "32", "--lr", "1e-3", "--num-workers", "0"]
+    run = subprocess.run([str(Path(sys.executable).parent / "rapidtrain"), *flags, "--nproc-per-node", "1"],
+                         capture_output=True, text=True, cwd=REPO, timeout=600,
+                         env=child_env({"MASTER_PORT": str(free_port())}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert printed_plan(run.stdout) == plan_command(flags, 1)
