@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from rapidtrain.errors import UserError
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.pt"
 # Flags that fix the model's shape: a checkpoint saved with other values cannot load.
@@ -29,7 +31,7 @@ MODEL_SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "num_attention_h
                      "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be loaded: missing, incomplete, or of another model."""
 
 

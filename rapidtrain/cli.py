@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rapidtrain import arguments, plan, rules
+from rapidtrain.errors import UserError, user_errors
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 USAGE = """usage:
@@ -34,8 +35,8 @@ def entry_script(args: argparse.Namespace) -> Path:
     if args.user_script:
         script = Path(args.user_script)
         if not script.is_file():
-            raise SystemExit(f"rapidtrain: --user-script {args.user_script}: no such file. Give the path of a Python "
-                             "file that subclasses Finetuner, PreTrainer or Trainer (see templates/).")
+            raise UserError(f"--user-script {args.user_script}: no such file. Give the path of a Python file that "
+                            "subclasses Finetuner, PreTrainer or Trainer (see templates/).")
         return script
     if args.task == "pretraining":
         return PACKAGE_DIR / "pretrain.py"
@@ -96,14 +97,15 @@ def launch(argv: list[str]) -> int:
 
 
 def plan_command(argv: list[str]) -> int:
-    extra = argparse.ArgumentParser(add_help=False)
+    extra = arguments.FlagParser(prog="rapidtrain plan", add_help=False)
     extra.add_argument("--world-size", type=int, default=None)
     extra.add_argument("--device", choices=("cpu", "cuda"), default=None)
     extra.add_argument("--json", action="store_true")
     options, rest = extra.parse_known_args(argv)
     args = arguments.parse_args(rest, prog="rapidtrain plan")
     detected = plan.RunContext.detect(args)
-    ctx = plan.RunContext(options.world_size or detected.world_size, options.device or detected.device_type)
+    world_size = detected.world_size if options.world_size is None else options.world_size
+    ctx = plan.RunContext(world_size, options.device or detected.device_type)
     rules.exit_on_conflicts(args, ctx)
     resolved = plan.from_args(args, ctx, vocab_size=plan_vocab_size(args))
     print(resolved.to_json() if options.json else resolved.describe())
@@ -155,6 +157,7 @@ def demo_data_command(argv: list[str]) -> int:
 COMMANDS = {"plan": plan_command, "demo-data": demo_data_command}
 
 
+@user_errors()
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:

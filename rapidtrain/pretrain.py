@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size  # noqa: E402
 from rapidtrain.engine import Engine  # noqa: E402
+from rapidtrain.errors import user_errors  # noqa: E402
 from rapidtrain.trainers.pretrainer import PreTrainer  # noqa: E402
 
 # The main job's defaults: a small GPT that learns visibly within a few hundred iterations on 2 CPU cores.
@@ -115,6 +116,7 @@ def masked_sum(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.
     return (per_token.float() * mask).sum(), mask.sum()
 
 
+@user_errors()
 def main(argv: list[str] | None = None) -> dict[str, float]:
     engine = Engine(argv=argv, defaults=DEMO_DEFAULTS)
     results = MegatronPreTrainer(engine).train()

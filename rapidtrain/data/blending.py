@@ -10,12 +10,13 @@ import numpy as np
 import torch
 
 from rapidtrain.data.gpt_dataset import index_cache_dir, load_or_build_cached_indices
+from rapidtrain.errors import UserError
 
 # Megatron asks each component for 0.5% more than its share, so rounding never runs it dry.
 BLEND_MARGIN = 1.005
 
 
-class DataPathError(ValueError):
+class DataPathError(UserError, ValueError):
     """--data-path is malformed: the message says how and shows the expected form."""
 
 

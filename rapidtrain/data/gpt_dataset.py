@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from rapidtrain.data.indexed import IndexedDataset
+from rapidtrain.errors import UserError
 
 # Megatron separates the final epoch when it contributes less than this fraction of an epoch's samples.
 SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
@@ -22,7 +23,7 @@ SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-class DataConfigError(ValueError):
+class DataConfigError(UserError, ValueError):
     """A data flag or data file does not fit: the message names it and the fix."""
 
 

@@ -14,6 +14,8 @@ from typing import Literal, overload
 
 import numpy as np
 
+from rapidtrain.errors import UserError
+
 DataImpl = Literal["mmap", "lazy", "cached", "infer"]
 
 MMAP_MAGIC = b"MMIDIDX\x00\x00"
@@ -36,7 +38,7 @@ _LEGACY_HEADER = struct.Struct("<8sQQQQQQ")
 _PREFIX_HINT = "--data-path is a prefix without extension (PREFIX names PREFIX.bin and PREFIX.idx)"
 
 
-class DataFileError(ValueError):
+class DataFileError(UserError, ValueError):
     """An indexed-dataset file is missing, corrupt, or not in a format rapidtrain reads."""
 
 

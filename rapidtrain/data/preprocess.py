@@ -21,11 +21,12 @@ import numpy as np
 
 from rapidtrain.data.indexed import IndexedDatasetBuilder, best_dtype
 from rapidtrain.data.tokenizer import Tokenizer, TokenizerSettings, build_tokenizer
+from rapidtrain.errors import UserError
 
 _MAX_REPORTED_BAD_LINES = 10
 
 
-class PreprocessError(ValueError):
+class PreprocessError(UserError, ValueError):
     """The input or the preprocessing flags are unusable; the message names the file, line or flag."""
 
 

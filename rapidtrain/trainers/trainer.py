@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from rapidtrain.engine import Engine
+from rapidtrain.errors import UserError
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(UserError, RuntimeError):
     """The run cannot go on (a non-finite loss without loss scaling); nothing corrupt was saved."""
 
 
