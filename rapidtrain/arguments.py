@@ -8,6 +8,7 @@ conflict table (`rules.py`) and the plan (`plan.py`) read it, nothing else does.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Sequence
 
 # The tokenizer module owns the list of types (it imports only the standard library at load time).
@@ -296,6 +297,11 @@ GROUP_BUILDERS = (
 class FlagParser(argparse.ArgumentParser):
     """argparse with errors a person reads first: the problem, a "did you mean" for a misspelled flag, and a
     pointer to --help instead of the whole usage block; exit status 2 as argparse."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse (before 3.13) reads `--lr -1e-3` as two flags: its negative-number pattern has no exponent.
+        self._negative_number_matcher = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         namespace, extras = self.parse_known_args(args, namespace)
