@@ -362,21 +362,23 @@ def _check_bin_size(bin_path: str, lengths: np.ndarray, offsets: np.ndarray, ite
     tokens = int(np.sum(lengths, dtype=np.int64))
     needed = tokens * itemsize
     last_end = int(offsets[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
-    if size < last_end:
+    consistent = size == needed == last_end and (not len(offsets) or int(offsets[0]) == 0)
+    if consistent:
+        return size
+    fits = [str(d) for d in DTYPE_CODES.values() if tokens and d.kind in "iu" and d.itemsize != itemsize
+            and size == tokens * d.itemsize]
+    if not fits and size < last_end:
         raise DataFileError(
             f"{bin_path}: truncated: the index needs {last_end} bytes of tokens but the file has {size}; "
             "the .bin and .idx do not belong together or the copy was cut short"
         )
-    if size != needed or last_end != needed or (len(offsets) and int(offsets[0]) != 0):
-        dtype = next((str(d) for d in DTYPE_CODES.values() if d.itemsize == itemsize), f"{itemsize}-byte")
-        fits = [str(d) for d in DTYPE_CODES.values() if tokens and d.kind in "iu" and size == tokens * d.itemsize]
-        raise DataFileError(
-            f"{bin_path}: {size} bytes, but its index describes {tokens} tokens of {dtype} = {needed} bytes"
-            + (f" (the size fits {' or '.join(fits)}: the dtype code in the .idx header is wrong)" if fits else "")
-            + "; the .bin and .idx do not belong together or were damaged. Rebuild them with "
-            "scripts/preprocess_data.py"
-        )
-    return size
+    dtype = next((str(d) for d in DTYPE_CODES.values() if d.itemsize == itemsize), f"{itemsize}-byte")
+    raise DataFileError(
+        f"{bin_path}: {size} bytes, but its index describes {tokens} tokens of {dtype} = {needed} bytes"
+        + (f" (the size fits {' or '.join(fits)}: the dtype code in the .idx header is wrong)" if fits else "")
+        + "; the .bin and .idx do not belong together or were damaged. Rebuild them with "
+        "scripts/preprocess_data.py"
+    )
 
 
 def check_token_ids(dataset: IndexedDataset, vocab_size: int, sequences: int = 64, tokens_each: int = 4096) -> None:
