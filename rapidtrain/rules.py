@@ -133,7 +133,8 @@ def _not_positive_counts(args: Args) -> list[str]:
              "nproc_per_node")
     bad = [f"{_flag(n)} {getattr(args, n)}" for n in names
            if getattr(args, n, None) is not None and getattr(args, n) < 1]
-    return bad + [f"{_flag(n)} {getattr(args, n)}" for n in ("eval_iters", "num_workers") if getattr(args, n) < 0]
+    return bad + [f"{_flag(n)} {getattr(args, n)}" for n in ("eval_iters", "num_workers")
+                  if getattr(args, n, None) is not None and getattr(args, n) < 0]
 
 
 # (flag, low, high, high included): probabilities; a dropout of 1 zeroes every activation.
@@ -145,7 +146,9 @@ FRACTIONS = (("hidden_dropout", 0.0, 1.0, False), ("attention_dropout", 0.0, 1.0
 def _outside_range(args: Args) -> list[str]:
     bad = []
     for name, low, high, closed in FRACTIONS:
-        value = getattr(args, name)
+        value = getattr(args, name, None)
+        if value is None:  # an entry point fills it in later
+            continue
         if not (low <= value <= high if closed else low <= value < high):  # NaN fails both
             bad.append(f"{_flag(name)} {value} (allowed [{low:g}, {high:g}{']' if closed else ')'})")
     return bad
@@ -524,7 +527,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "seed-range", ("--seed",),
         "--seed lies in [0, 2**32) (numpy's RandomState orders the data with it).",
-        lambda a, c: not 0 <= a.seed < SEED_LIMIT,
+        lambda a, c: a.seed is not None and not 0 <= a.seed < SEED_LIMIT,
         lambda a, c: f"--seed {a.seed}: must lie in [0, {SEED_LIMIT}) because numpy's RandomState, which shuffles "
         "the data, takes no other seeds. Give e.g. --seed 1234.",
     ),
