@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -405,9 +406,10 @@ def safe_dcp_load(state: dict[str, Any], directory: str | Path, *, no_dist: bool
             if isinstance(cause, CheckpointError):
                 raise cause from None
         first = causes[0] if causes else wrapped
-        raise CheckpointError(f"checkpoint {directory} cannot be loaded into this model: "
-                              f"{type(first).__name__}: {_first_line(first)}. Check that it was saved with the "
-                              "same model flags, or resume from another iteration.") from None
+        raise CheckpointError(f"checkpoint {directory} cannot be read into this model: "
+                              f"{type(first).__name__}: {_first_line(first)}. Its files are damaged, or it was "
+                              "saved with other model flags; resume from another iteration or --load "
+                              "folder.") from None
 
 
 # ---- save ----
@@ -450,6 +452,38 @@ def remove_stale_partial_checkpoints(root: str | Path) -> list[str]:
     return done
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _out_of_space(error: BaseException) -> OSError | None:
+    """The disk-full error inside `error`: raised directly, chained, or wrapped by torch.distributed.checkpoint
+    (which also turns it into "enforce fail at inline_container.cc" text)."""
+    seen: list[BaseException] = [error]
+    while seen:
+        current = seen.pop()
+        if isinstance(current, OSError) and current.errno in _NO_SPACE:
+            return current
+        for code in _NO_SPACE:
+            if os.strerror(code) in str(current):
+                return OSError(code, os.strerror(code))
+        seen += [e for e in (current.__cause__, current.__context__) if e is not None]
+        seen += [exc for exc, _ in getattr(current, "failures", {}).values()]
+    return None
+
+
+def _refuse_if_out_of_space(error: BaseException, tmp: Path) -> None:
+    full = _out_of_space(error)
+    if full is None:
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+    free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
+    raise CheckpointError(
+        f"saving {tmp.name.removesuffix('.tmp')} into {tmp.parent} failed: {full.strerror} ({free / 2**20:,.0f} MiB "
+        "free there now). The unfinished checkpoint was removed and the earlier ones are intact; free space, or "
+        "resume with --load from them and another --save."
+    ) from None
+
+
 def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
                     args: Any, extra: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration` (every rank calls this); `args` is a namespace, mapping or settings
@@ -463,10 +497,14 @@ def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
-    dcp.save(runner.state_dict(), checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-    if _rank() == 0:
-        (tmp / COMMON_FILE).write_text(common)
+    try:
+        dcp.save(runner.state_dict(), checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+        if _rank() == 0:
+            (tmp / COMMON_FILE).write_text(common)
+    except BaseException as error:
+        _refuse_if_out_of_space(error, tmp)
+        raise
     _barrier()
     _write_manifest(tmp)
     _barrier()

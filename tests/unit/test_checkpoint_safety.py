@@ -225,3 +225,32 @@ def test_missing_rng_is_said(saved):
 def test_rng_state_holds_no_python_objects():
     state = rng_state()
     assert all(isinstance(v, (torch.Tensor, int, float, str, type(None))) for v in state.values())
+
+
+def test_a_full_disk_during_a_save_is_named_and_leaves_no_partial_checkpoint(tmp_path):
+    """The file-size limit (RLIMIT_FSIZE) makes writes fail as a full disk does; run in a child so the limit
+    stays there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent(f"""
+        import resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG instead of killing
+        from tests.unit.test_checkpoint_safety import ModelAndOptimizer, schedule, ARGS
+        from rapidtrain.checkpoint import save_checkpoint, CheckpointError
+        runner = ModelAndOptimizer()
+        save_checkpoint({str(tmp_path / 'ck')!r}, 2, runner, schedule(runner), 8, ARGS)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+        try:
+            save_checkpoint({str(tmp_path / 'ck')!r}, 4, runner, schedule(runner), 16, ARGS)
+        except CheckpointError as error:
+            print("refused:", error)
+    """)
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=repo, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert "refused: saving iter_0000004 into" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "File too large" in done.stdout and "the earlier ones are intact" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text() == "2\n"
