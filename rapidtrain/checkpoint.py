@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import zlib
 from collections.abc import Mapping
@@ -132,11 +133,17 @@ def _safe_torch_load(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values "
-                              f"({_first_line(error)}). {_TRUST_HINT}") from None
+                              f"({_weights_only_reason(error)}). {_TRUST_HINT}") from None
     except (RuntimeError, EOFError, OSError) as error:
         raise CheckpointError(f"{path}: cannot be read ({_first_line(error)}): the file is damaged or "
                               "truncated. Resume from another iteration (edit latest_checkpointed_iteration.txt) "
                               "or another --load folder.") from None
+
+
+def _weights_only_reason(error: BaseException) -> str:
+    """The part of torch's weights_only refusal that names what the file asked for."""
+    found = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+|but got <class '[\w.]+'>", str(error))
+    return found.group(0) if found else _first_line(error)
 
 
 def _first_line(error: BaseException) -> str:
@@ -383,7 +390,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             stored = self.reader.storage_data.get(read_item.storage_index)
             where = Path(self.reader.path) / (stored.relative_path if stored else "?")
             raise CheckpointError(f"{where}: refused: its entry {read_item.dest_index.fqn!r} holds objects other "
-                                  f"than tensors and plain values ({_first_line(error)}). {_TRUST_HINT}") from None
+                                  f"than tensors and plain values ({_weights_only_reason(error)}). "
+                                  f"{_TRUST_HINT}") from None
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
