@@ -8,6 +8,7 @@ conflict table (`rules.py`) and the plan (`plan.py`) read it, nothing else does.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -266,6 +267,9 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-log-file", default=None,
                    help="Append every iteration's exact loss here (iteration, loss as float.hex, skipped, grad norm as "
                         "float.hex): for parity and resume checks.")
+    g.add_argument("--debug", action="store_true",
+                   help="Show the Python traceback of a user error (a bad flag, file or data) too; "
+                        "RAPIDTRAIN_DEBUG=1 does the same.")
 
 
 def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
@@ -276,6 +280,14 @@ def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true", help="Load the model only and start at iteration 0.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer and scheduler state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
+    g.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler", dest="override_opt_param_scheduler",
+                   action="store_true",
+                   help="On --load, keep the learning-rate schedule of these flags (only the position comes from the "
+                        "checkpoint); without it a schedule that differs from the saved one is refused (Megatron).")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="On --load, take the learning-rate schedule saved in the checkpoint, whatever these flags say "
+                        "(Megatron).")
 
 
 GROUP_BUILDERS = (
@@ -293,10 +305,48 @@ GROUP_BUILDERS = (
 )
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse with errors a person reads first: the problem, a "did you mean" for a misspelled flag, and a
+    pointer to --help instead of the whole usage block; exit status 2 as argparse."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse (before 3.13) reads `--lr -1e-3` as two flags: its negative-number pattern has no exponent.
+        self._negative_number_matcher = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_flags_message(self, extras))
+        return namespace
+
+    def error(self, message: str):  # type: ignore[override]
+        lines = "".join(f"{self.prog}: error: {line}\n" for line in message.splitlines())
+        self.exit(2, f"{lines}{self.prog}: `{self.prog} --help` lists every flag.\n")
+
+
+def unknown_flags_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """`--lr-warmup-iter 5` → "unknown flag --lr-warmup-iter (did you mean --lr-warmup-iters?)", a line per flag."""
+    import difflib
+
+    known = [option for action in parser._actions for option in action.option_strings]  # argparse's own list
+    parts = []
+    for token in extras:
+        if not token.startswith("-") or token == "-":
+            continue
+        flag = token.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        parts.append(f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+    values = [token for token in extras if not token.startswith("-") or token == "-"]
+    if values and not parts:
+        parts.append(f"unexpected value(s) {' '.join(values)}: a value belongs after its flag")
+    return "\n".join(parts) if parts else f"unrecognized arguments: {' '.join(extras)}"
+
+
 def build_parser(
     extra_args_provider: ExtraArgsProvider | None = None, prog: str = "rapidtrain"
 ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog=prog,
         description="Train transformers with Rapidformer's command line: DeepSpeed ZeRO, FSDP, OSS, tensor/pipeline/"
                     "expert parallelism, mixed precision. See `rapidtrain plan --help` for a dry run.",

@@ -1,17 +1,31 @@
-"""Checkpoints in Megatron's layout, written with torch.distributed.checkpoint so they reshard.
+"""Checkpoints in Megatron's layout, written with torch.distributed.checkpoint so they reshard, and read
+without running any code stored in them.
 
-SAVE/iter_0000100/ holds the model and optimizer (`.metadata` + `__{rank}_{k}.distcp`), `common.pt`
-(iteration, consumed samples, scheduler, arguments) and `rng/rank_{r}.pt`. Everything is written under
-a temporary name and published by a rename after every rank finished; `latest_checkpointed_iteration.txt`
-is replaced last. A half-written checkpoint is therefore never visible under its final name.
+SAVE/iter_0000100/ holds the model and optimizer (`.metadata` + `__{rank}_{k}.distcp`), `common.json`
+(iteration, consumed samples, schedule, arguments, a template's extras), `rng/rank_{r}.pt` (tensors and
+numbers only) and `manifest.json` (size and CRC-32 of every file, checked before anything is read).
+Everything is written under a temporary name and published by a rename after every rank finished;
+`latest_checkpointed_iteration.txt` is replaced last, so a half-written checkpoint is never visible.
+
+Loading never unpickles arbitrary objects: JSON for the common state, `torch.load(weights_only=True)` for
+RNG states and the non-tensor entries of `.distcp` files, and an unpickler that admits only
+torch.distributed.checkpoint's own metadata classes for `.metadata` (torch 2.13's reader calls plain
+`pickle.load` there, and its planner `torch.load(weights_only=False)` for non-tensor entries).
+Checkpoints of earlier rapidtrain versions (`common.pt`, no manifest) are read the same safe way.
 """
 
 from __future__ import annotations
 
+import errno
+import io
+import json
 import os
+import pickle
 import random
+import re
 import shutil
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +33,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from rapidtrain.errors import UserError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
-COMMON_FILE = "common.pt"
+COMMON_FILE = "common.json"
+LEGACY_COMMON_FILE = "common.pt"  # rapidtrain before checkpoint format 2
+MANIFEST_FILE = "manifest.json"
+METADATA_FILE = ".metadata"
+FORMAT_VERSION = 2
 # The built-in model's settings that fix its parameters' shapes, with the flag that sets each: a checkpoint
 # saved with other values cannot load.
 MODEL_SHAPE_FIELDS = {"model_type": "--model-type", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
@@ -31,10 +52,11 @@ MODEL_SHAPE_FIELDS = {"model_type": "--model-type", "num_layers": "--num-layers"
                       "max_position_embeddings": "--max-position-embeddings",
                       "tie_embeddings": "--untie-embeddings-and-output-weights",
                       "bert_binary_head": "--bert-binary-head", "num_experts": "--num-experts/--moe-layer-freq"}
+_TRUST_HINT = "Nothing from it was run. Use a checkpoint from a source you trust, or one this run's rapidtrain wrote."
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: missing, incomplete, or of another model."""
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be loaded: missing, incomplete, damaged, unsafe, or of another model."""
 
 
 @dataclass
@@ -42,6 +64,7 @@ class LoadedState:
     iteration: int
     consumed_samples: int
     extra: dict[str, Any]
+    notes: list[str] = field(default_factory=list)  # what was not restored, for the log
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -52,25 +75,346 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
+# ---- RNG state: tensors and numbers, so weights_only=True reads it ----
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    python_version, python_internal, python_gauss = random.getstate()
+    numpy_kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "python_version": python_version, "python_state": torch.tensor(python_internal, dtype=torch.int64),
+        "python_gauss": python_gauss,
+        "numpy_kind": numpy_kind, "numpy_keys": torch.from_numpy(np.asarray(numpy_keys, dtype=np.int64)),
+        "numpy_pos": int(numpy_pos), "numpy_has_gauss": int(numpy_has_gauss),
+        "numpy_cached_gaussian": float(numpy_cached),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    if state.get("format") == FORMAT_VERSION:
+        random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()),
+                         state["python_gauss"]))
+        np.random.set_state((state["numpy_kind"], state["numpy_keys"].numpy().astype(np.uint32),
+                             state["numpy_pos"], state["numpy_has_gauss"], state["numpy_cached_gaussian"]))
+    else:  # rapidtrain before format 2: the getstate() tuples as they are
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
+
+def read_rng_file(path: Path) -> dict[str, Any]:
+    """An RNG file read with weights_only=True; the legacy format's numpy array needs numpy's array classes,
+    which rebuild arrays and run nothing else."""
+    numpy_array_classes = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _numpy_reconstruct()]
+    with torch.serialization.safe_globals(numpy_array_classes):
+        return _safe_torch_load(path)
+
+
+def _numpy_reconstruct() -> Any:
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
+    return core.multiarray._reconstruct
+
+
+def _safe_torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values "
+                              f"({_weights_only_reason(error)}). {_TRUST_HINT}") from None
+    except (RuntimeError, EOFError, OSError) as error:
+        raise CheckpointError(f"{path}: cannot be read ({_first_line(error)}): the file is damaged or "
+                              "truncated. Resume from another iteration (edit latest_checkpointed_iteration.txt) "
+                              "or another --load folder.") from None
+
+
+def _weights_only_reason(error: BaseException) -> str:
+    """The part of torch's weights_only refusal that names what the file asked for."""
+    found = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+|but got <class '[\w.]+'>", str(error))
+    return found.group(0) if found else _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+# ---- the common state: JSON ----
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.generic, torch.Tensor)) and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """A record of the run as JSON values: what JSON cannot hold (a callable) is kept as its text."""
+    return json.loads(json.dumps(values, default=lambda v: _try_json(v)))
+
+
+def _try_json(value: Any) -> Any:
+    try:
+        return _json_default(value)
+    except TypeError:
+        return repr(value)
+
+
+def common_state(iteration: int, consumed_samples: int, config: dict[str, Any], lr_scheduler: Any,
+                 extra: dict[str, Any] | None) -> str:
+    """The checkpoint's common state as JSON: position, the run's `config` (flags and plan), schedule, extras."""
+    schedule = lr_scheduler.state_dict() if hasattr(lr_scheduler, "state_dict") else None
+    state = {"format": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
+             **_plain(config), "lr_scheduler": schedule, "extra": extra or {}}
+    try:
+        return json.dumps(state, default=_json_default, indent=1)
+    except TypeError as error:  # a template's extras or a user's scheduler holding an object
+        raise CheckpointError(f"the checkpoint's common state cannot be written as JSON: {error}. "
+                              "checkpoint_extra() and the learning-rate scheduler's state_dict() must hold "
+                              "numbers, strings, lists and dicts only.") from None
+
+
+def read_common(directory: Path) -> dict[str, Any]:
+    """iteration, consumed_samples, args, lr_scheduler, extra: from common.json, or a legacy common.pt."""
+    path = directory / COMMON_FILE
+    if path.exists():
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{path}: damaged ({error}); resume from another iteration or --load "
+                                  "folder.") from None
+    legacy = directory / LEGACY_COMMON_FILE
+    if legacy.exists():
+        return _safe_torch_load(legacy)
+    raise CheckpointError(f"checkpoint {directory} has no {COMMON_FILE}: it was not fully written. Point --load at "
+                          "a folder whose latest iteration is complete.")
+
+
+# ---- integrity: a manifest of sizes and CRC-32s ----
+# CRC-32 reads at ~3 GB/s here (zlib 1.2.13, PCLMUL), SHA-256 at ~1.1 GB/s with SHA-NI (~0.4 GB/s without):
+# a checksum guards against damage (a flipped byte, a truncated or overwritten file), not against an attacker,
+# who could rewrite the manifest too; what keeps loading safe is that it runs no code.
+
+_CHUNK = 8 * 2**20
+
+
+def file_checksum(path: Path) -> dict[str, Any]:
+    crc, size = 0, 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as stream:
+        while count := stream.readinto(buffer):
+            crc = zlib.crc32(view[:count], crc)
+            size += count
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def _files_written_by(directory: Path, rank: int) -> list[Path]:
+    # torch.distributed.checkpoint names each rank's data files __{rank}_{k}.distcp.
+    return sorted(directory.glob(f"__{rank}_*.distcp")) + [directory / "rng" / f"rank_{rank}.pt"]
+
+
+def _write_manifest(directory: Path) -> None:
+    """Each rank checksums the files it wrote (still in its page cache); rank 0 writes them all."""
+    mine = {str(p.relative_to(directory)): file_checksum(p) for p in _files_written_by(directory, _rank())}
+    if _rank() == 0:
+        for name in (METADATA_FILE, COMMON_FILE):
+            mine[name] = file_checksum(directory / name)
+    gathered: list[dict[str, Any]] = [mine]
+    if dist.is_initialized():
+        gathered = [{} for _ in range(_world())]
+        dist.all_gather_object(gathered, mine)
+    if _rank() != 0:
+        return
+    files = {name: entry for part in gathered for name, entry in part.items()}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):  # anything no rank claimed
+        name = str(path.relative_to(directory))
+        if name not in files:
+            files[name] = file_checksum(path)
+    manifest = {"format": FORMAT_VERSION, "algorithm": "crc32", "files": dict(sorted(files.items()))}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _first_damaged(directory: Path, files: dict[str, Any], names: list[str], share: range) -> tuple[int, str]:
+    """(index into `names`, reason) of the first damaged file among this rank's share; (-1, "") if none."""
+    for index in share:
+        name = names[index]
+        path = directory / name
+        expected = files[name]
+        if not path.is_file():
+            return index, "missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return index, f"{size} bytes, the manifest says {expected['size']} (truncated or overwritten)"
+        found = file_checksum(path)["crc32"]
+        if found != expected["crc32"]:
+            return index, f"CRC-32 {found}, the manifest says {expected['crc32']} (its bytes changed)"
+    return -1, ""
+
+
+def verify_checkpoint(directory: str | Path) -> bool:
+    """Check every file against manifest.json, the work shared among the ranks; False when the checkpoint has
+    no manifest (written before format 2). Raises CheckpointError naming the damaged file on every rank."""
+    directory = Path(directory)
+    path = directory / MANIFEST_FILE
+    if not path.exists():
+        return False
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path}: damaged ({error}); resume from another iteration or --load folder.") from None
+    names = sorted(files)
+    index, reason = _first_damaged(directory, files, names, range(_rank(), len(names), _world()))
+    if dist.is_initialized():  # every rank must stop, or the others would wait in the load for ever
+        found = torch.tensor([index if index >= 0 else len(names)], dtype=torch.int64)
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+            found = found.cuda()
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+        first = int(found.item())
+        if first < len(names) and first != index:
+            reason = "found by another rank"
+        index = first if first < len(names) else -1
+    if index >= 0:
+        raise CheckpointError(f"{directory / names[index]} is damaged: {reason}. Its checkpoint cannot be trusted; "
+                              "resume from another iteration (write its number into latest_checkpointed_iteration.txt)"
+                              " or another --load folder.")
+    return True
+
+
+# ---- torch.distributed.checkpoint, read safely ----
+
+# What a `.metadata` file holds in torch 2.x: the checkpoint library's dataclasses and enums, torch.Size, dtypes,
+# layouts and paths. Nothing else is imported while unpickling it.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset"},
+}
+
+
+class _RefusedClass(pickle.UnpicklingError):
+    """The file names a class or function outside the allow-list."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                         torch.memory_format)):
+            return getattr(torch, name)
+        raise _RefusedClass(f"it asks to import {module}.{name}, which checkpoint metadata never holds")
+
+
+def read_metadata_file(path: Path) -> Any:
+    try:
+        with open(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+    except _RefusedClass as error:
+        raise CheckpointError(f"{path}: refused: {error}. {_TRUST_HINT}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            OSError) as error:
+        raise CheckpointError(f"{path}: damaged ({type(error).__name__}: {_first_line(error)}): truncated or "
+                              "overwritten. Resume from another iteration or --load folder.") from None
+    if type(metadata).__name__ != "Metadata" or not hasattr(metadata, "state_dict_metadata"):
+        raise CheckpointError(f"{path}: not torch.distributed.checkpoint metadata ({type(metadata).__name__}).")
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata comes through the allow-list unpickler (read once, before the load)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._metadata: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("rank") is not None:  # rank-local metadata: rapidtrain never writes it
+            raise FileNotFoundError("no rank-local metadata")
+        if self._metadata is None:
+            self._metadata = read_metadata_file(Path(self.path) / METADATA_FILE)
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that reads non-tensor entries (optimizer hyper-parameters, the loss scaler) with
+    weights_only=True instead of unpickling whatever the file holds."""
+
+    def __init__(self, reader: SafeFileSystemReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            loaded = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            stored = self.reader.storage_data.get(read_item.storage_index)
+            where = Path(self.reader.path) / (stored.relative_path if stored else "?")
+            raise CheckpointError(f"{where}: refused: its entry {read_item.dest_index.fqn!r} holds objects other "
+                                  f"than tensors and plain values ({_weights_only_reason(error)}). "
+                                  f"{_TRUST_HINT}") from None
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def safe_dcp_load(state: dict[str, Any], directory: str | Path, *, no_dist: bool = False) -> None:
+    """torch.distributed.checkpoint.load into `state`, through the safe reader and planner, with its failures
+    (which torch wraps per rank, traceback text included) turned into one CheckpointError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = SafeFileSystemReader(str(directory))
+    reader.read_metadata()  # refused or damaged metadata stops here, before any collective
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
+    except CheckpointException as wrapped:
+        causes = [exc for exc, _ in wrapped.failures.values()]
+        for cause in causes:
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+        first = causes[0] if causes else wrapped
+        raise CheckpointError(f"checkpoint {directory} cannot be read into this model: "
+                              f"{type(first).__name__}: {_first_line(first)}. Its files are damaged, or it was "
+                              "saved with other model flags; resume from another iteration or --load "
+                              "folder.") from None
+
+
+# ---- save ----
 
 def _publish(tmp: Path, final: Path) -> None:
     """Replace `final` by `tmp` so that a reader sees either the old or the new directory, never half."""
@@ -90,24 +434,81 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def remove_stale_partial_checkpoints(root: str | Path) -> list[str]:
+    """Clean what a killed save leaves in `root`, for the one run that holds its save lock: `iter_*.tmp`
+    folders are removed; an `iter_*.old` is put back when its checkpoint is missing (killed mid-publish),
+    removed otherwise. Returns what was done, for the log."""
+    root = Path(root)
+    done = []
+    for path in sorted(root.glob("iter_*.tmp")):
+        shutil.rmtree(path, ignore_errors=True)
+        done.append(f"removed the unfinished {path.name} left by an interrupted save")
+    for path in sorted(root.glob("iter_*.old")):
+        final = path.with_name(path.name.removesuffix(".old"))
+        if final.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed {path.name}, the replaced copy of {final.name}")
+        else:
+            path.rename(final)
+            done.append(f"restored {final.name} from {path.name} (a save was interrupted while replacing it)")
+    return done
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _out_of_space(error: BaseException) -> OSError | None:
+    """The disk-full error inside `error`: raised directly, chained, or wrapped by torch.distributed.checkpoint
+    (which also turns it into "enforce fail at inline_container.cc" text)."""
+    seen: list[BaseException] = [error]
+    while seen:
+        current = seen.pop()
+        if isinstance(current, OSError) and current.errno in _NO_SPACE:
+            return current
+        for code in _NO_SPACE:
+            if os.strerror(code) in str(current):
+                return OSError(code, os.strerror(code))
+        seen += [e for e in (current.__cause__, current.__context__) if e is not None]
+        seen += [exc for exc, _ in getattr(current, "failures", {}).values()]
+    return None
+
+
+def _refuse_if_out_of_space(error: BaseException, tmp: Path) -> None:
+    full = _out_of_space(error)
+    if full is None:
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+    free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
+    raise CheckpointError(
+        f"saving {tmp.name.removesuffix('.tmp')} into {tmp.parent} failed: {full.strerror} ({free / 2**20:,.0f} MiB "
+        "free there now). The unfinished checkpoint was removed and the earlier ones are intact; free space, or "
+        "resume with --load from them and another --save."
+    ) from None
+
+
 def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
                     config: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
-    """Write iteration `iteration` under `root` and publish it; `config` is the run's flags and plan (JSON)."""
+    """Write iteration `iteration` (every rank calls this); `config` is the run's flags and plan as JSON values
+    (the plan's model settings are checked at load)."""
     root = Path(root)
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
+    common = common_state(iteration, consumed_samples, config, lr_scheduler, extra) if _rank() == 0 else ""
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
-    dcp.save(runner.state_dict(), checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-    if _rank() == 0:
-        common = {"iteration": iteration, "consumed_samples": consumed_samples, **config,
-                  "lr_scheduler": lr_scheduler.state_dict() if hasattr(lr_scheduler, "state_dict") else None,
-                  "extra": extra or {}}
-        torch.save(common, tmp / COMMON_FILE)
+    try:
+        dcp.save(runner.state_dict(), checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+        if _rank() == 0:
+            (tmp / COMMON_FILE).write_text(common)
+    except BaseException as error:
+        _refuse_if_out_of_space(error, tmp)
+        raise
+    _barrier()
+    _write_manifest(tmp)
     _barrier()
     if _rank() == 0:
         _publish(tmp, final)
@@ -115,6 +516,8 @@ def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler:
     _barrier()
     return final
 
+
+# ---- load ----
 
 def latest_iteration(root: str | Path) -> int | None:
     path = Path(root) / LATEST_FILE
@@ -127,8 +530,10 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
-def _check_complete(directory: Path) -> None:
-    missing = [name for name in (".metadata", COMMON_FILE) if not (directory / name).exists()]
+def check_complete(directory: Path) -> None:
+    missing = [name for name in (METADATA_FILE,) if not (directory / name).exists()]
+    if not (directory / COMMON_FILE).exists() and not (directory / LEGACY_COMMON_FILE).exists():
+        missing.append(COMMON_FILE)
     if missing:
         raise CheckpointError(f"checkpoint {directory} is incomplete (missing {', '.join(missing)}): it was not "
                               "fully written. Point --load at a folder whose latest iteration is complete.")
@@ -149,11 +554,21 @@ def check_same_model(saved: dict[str, Any] | None, current: dict[str, Any] | Non
 
 
 def _comparable(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple | list) else value
+    return list(value) if isinstance(value, tuple) else value  # JSON brings tuples back as lists
+
+
+def _read_rng(directory: Path, notes: list[str]) -> dict[str, Any] | None:
+    path = directory / "rng" / f"rank_{_rank()}.pt"
+    if not path.exists():
+        notes.append(f"{path} is missing: random state not restored, so dropout and sampling after the resume "
+                     "differ from an uninterrupted run (was the checkpoint saved with more or fewer ranks?)")
+        return None
+    return read_rng_file(path)
 
 
 def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, model: dict[str, Any] | None, *,
-                    finetune: bool = False, load_optimizer: bool = True, load_rng: bool = True) -> LoadedState | None:
+                    finetune: bool = False, load_optimizer: bool = True, load_rng: bool = True,
+                    schedule_from: str = "same") -> LoadedState | None:
     """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none."""
     iteration = latest_iteration(root)
     if iteration is None:
@@ -164,18 +579,41 @@ def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, model: dic
     if not directory.is_dir():
         raise CheckpointError(f"{Path(root) / LATEST_FILE} names iteration {iteration}, but {directory} "
                               f"does not exist.")
-    _check_complete(directory)
-    common = torch.load(directory / COMMON_FILE, weights_only=False)
+    check_complete(directory)
+    notes: list[str] = []
+    if not verify_checkpoint(directory):
+        notes.append(f"{directory} has no {MANIFEST_FILE} (written before checkpoint format {FORMAT_VERSION}): "
+                     "its files were not checked for damage")
+    common = read_common(directory)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
     load_optimizer = load_optimizer and not finetune
     state = runner.state_dict_for_loading(load_optimizer)
-    dcp.load(state, checkpoint_id=str(directory))
+    safe_dcp_load(state, directory)
     runner.load_state_dict(state, load_optimizer=load_optimizer)
     if load_optimizer and common.get("lr_scheduler") and hasattr(lr_scheduler, "load_state_dict"):
-        lr_scheduler.load_state_dict(common["lr_scheduler"])
-    rng_file = directory / "rng" / f"rank_{_rank()}.pt"
-    if load_rng and not finetune and rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        _load_schedule(lr_scheduler, common["lr_scheduler"], schedule_from, directory)
+    if load_rng and not finetune:
+        rng = _read_rng(directory, notes)
+        if rng is not None:
+            set_rng_state(rng)
+    if _rank() == 0:
+        for note in notes:
+            print(f" note: {note}", flush=True)
     if finetune:
-        return LoadedState(0, 0, {})
-    return LoadedState(iteration, common["consumed_samples"], common.get("extra", {}))
+        return LoadedState(0, 0, {}, notes)
+    return LoadedState(iteration, common["consumed_samples"], common.get("extra", {}), notes)
+
+
+def _load_schedule(lr_scheduler: Any, saved: dict[str, Any], schedule_from: str, directory: Path) -> None:
+    from rapidtrain.optim.lr_schedule import LRScheduler
+
+    try:
+        if isinstance(lr_scheduler, LRScheduler):
+            lr_scheduler.load_state_dict(saved, schedule_from=schedule_from)
+        else:
+            lr_scheduler.load_state_dict(saved)
+    except ValueError as error:
+        raise CheckpointError(f"--load {directory}: {error} (the flags --lr, --min-lr, --lr-decay-style, "
+                              "--lr-decay-iters and the warm-up must be the saved run's to continue it; "
+                              "--override-opt_param-scheduler keeps these flags' schedule, "
+                              "--use-checkpoint-opt_param-scheduler the saved one).") from None

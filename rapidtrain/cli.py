@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rapidtrain import arguments, plan, rules
+from rapidtrain.errors import UserError, user_errors
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 USAGE = """usage:
@@ -34,8 +35,8 @@ def entry_script(args: argparse.Namespace) -> Path:
     if args.user_script:
         script = Path(args.user_script)
         if not script.is_file():
-            raise SystemExit(f"rapidtrain: --user-script {args.user_script}: no such file. Give the path of a Python "
-                             "file that subclasses Finetuner, PreTrainer or Trainer (see templates/).")
+            raise UserError(f"--user-script {args.user_script}: no such file. Give the path of a Python file that "
+                            "subclasses Finetuner, PreTrainer or Trainer (see templates/).")
         return script
     if args.task == "pretraining":
         return PACKAGE_DIR / "pretrain.py"
@@ -43,10 +44,11 @@ def entry_script(args: argparse.Namespace) -> Path:
 
 
 def torchrun_command(args: argparse.Namespace, script: Path, argv: list[str], device_type: str) -> list[str]:
-    """`python -m torch.distributed.run ...` with Rapidformer's environment (NNODES, NODE_RANK, MASTER_*)."""
+    """torchrun (through `torchrun_command`'s quiet wrapper) with Rapidformer's environment (NNODES, NODE_RANK,
+    MASTER_*)."""
     nproc = args.nproc_per_node or plan.default_nproc_per_node(device_type) or 1
     nnodes = int(os.environ.get("NNODES", "1"))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
+    command = [sys.executable, "-m", "rapidtrain.cli", TORCHRUN, f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if nnodes == 1 and "MASTER_ADDR" not in os.environ:
         command.append("--standalone")
     else:
@@ -92,19 +94,35 @@ def launch(argv: list[str]) -> int:
         run_in_place(script, argv)
         return 0
     rules.exit_on_conflicts(args, ctx)
+    check_inputs_before_launch(args)
     return subprocess.call(torchrun_command(args, script, argv, ctx.device_type))
 
 
+def check_inputs_before_launch(args: argparse.Namespace) -> None:
+    """What can fail on files is checked here, before torchrun starts its workers: the save folder, and for
+    the built-in pretraining the tokenizer and data files (a UserError names the flag or file)."""
+    from rapidtrain.save_folder import check_resume_safety, check_save_writable
+
+    check_resume_safety(args.save, args.load)
+    if args.save:
+        check_save_writable(args.save)
+    if args.task == "pretraining" and not args.user_script:
+        from rapidtrain.data.inputs import check_pretraining_inputs
+
+        tokenizer = tokenizer_settings(args) if args.tokenizer_type else None
+        check_pretraining_inputs(args.data_path, args.data_impl, tokenizer)
+
+
 def plan_command(argv: list[str]) -> int:
-    extra = argparse.ArgumentParser(add_help=False)
+    extra = arguments.FlagParser(prog="rapidtrain plan", add_help=False)
     extra.add_argument("--world-size", type=int, default=None)
     extra.add_argument("--device", choices=("cpu", "cuda"), default=None)
     extra.add_argument("--json", action="store_true")
     options, rest = extra.parse_known_args(argv)
     args = arguments.parse_args(rest, prog="rapidtrain plan", entry=entry_of(rest))
     detected = plan.RunContext.detect(args)
-    ctx = plan.RunContext(options.world_size or detected.world_size, options.device or detected.device_type,
-                          detected.script)
+    world_size = detected.world_size if options.world_size is None else options.world_size
+    ctx = plan.RunContext(world_size, options.device or detected.device_type, detected.script)
     rules.exit_on_conflicts(args, ctx)
     resolved = plan.from_args(args, ctx)
     print(resolved.to_json() if options.json else resolved.describe())
@@ -137,9 +155,32 @@ def demo_data_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"plan": plan_command, "demo-data": demo_data_command}
+TORCHRUN = "_torchrun"  # internal: the launcher's torchrun, not a command users type
 
 
+def quiet_torchrun(argv: list[str]) -> int:
+    """torch.distributed.run, except that workers that all stopped on a user error (status 2, their message
+    already printed by rank 0) end with status 2 instead of torchrun's traceback and failure report."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # Its per-worker "failed (exitcode: N)" log line; a real crash is still reported in full below.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as failed:
+        if {failure.exitcode for failure in failed.failures.values()} == {2}:
+            return 2
+        raise
+    return 0
+
+
+COMMANDS = {"plan": plan_command, "demo-data": demo_data_command, TORCHRUN: quiet_torchrun}
+
+
+@user_errors()
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:

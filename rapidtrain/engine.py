@@ -24,6 +24,7 @@ from torch import nn
 from rapidtrain import arguments, rules
 from rapidtrain.cpu_allocator import keep_freed_memory
 from rapidtrain.data.loaders import ShardSettings
+from rapidtrain.errors import UserError
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.runner import LossTotal, StepOutcome, agree
 from rapidtrain.plan import Plan, RunContext, from_args
@@ -31,7 +32,7 @@ from rapidtrain.plan import Plan, RunContext, from_args
 _GLOBAL_ARGS: argparse.Namespace | None = None
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(UserError, RuntimeError):
     """The run cannot go on (a non-finite loss without loss scaling); nothing corrupt was saved."""
 
 

@@ -18,6 +18,7 @@ if __package__ in (None, ""):  # run as a file: make the package importable, not
 from typing import Any  # noqa: E402
 
 from rapidtrain.engine import Engine  # noqa: E402
+from rapidtrain.errors import user_errors  # noqa: E402
 from rapidtrain.trainers.finetuner import Finetuner  # noqa: E402
 
 
@@ -96,6 +97,7 @@ class TaskFinetuner(Finetuner):
         return results
 
 
+@user_errors()
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = Engine(argv=argv)
     return TaskFinetuner(engine).train()

@@ -188,6 +188,9 @@ class CheckpointSettings:
     finetune: bool = False  # load the model only and start at iteration 0
     load_optimizer: bool = True
     load_rng: bool = True
+    # On --load, the learning-rate schedule: "same" (the flags must match the saved one), "flags"
+    # (--override-opt_param-scheduler) or "checkpoint" (--use-checkpoint-opt_param-scheduler).
+    schedule_from: Literal["same", "flags", "checkpoint"] = "same"
 
 
 @dataclass(frozen=True)
@@ -408,9 +411,11 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
 
 
 def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
+    schedule_from = "flags" if args.override_opt_param_scheduler else (
+        "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
     return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
                               finetune=args.finetune, load_optimizer=not args.no_load_optim,
-                              load_rng=not args.no_load_rng)
+                              load_rng=not args.no_load_rng, schedule_from=schedule_from)
 
 
 def logging_settings(args: argparse.Namespace) -> LoggingSettings:

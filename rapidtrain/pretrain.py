@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from rapidtrain.engine import Engine  # noqa: E402
+from rapidtrain.errors import user_errors  # noqa: E402
 from rapidtrain.trainers.pretrainer import PreTrainer  # noqa: E402
 
 ENTRY = "pretrain"  # its declared defaults: arguments.ENTRY_DEFAULTS (and the demo's without --data-path)
@@ -68,7 +69,7 @@ class MegatronPreTrainer(PreTrainer):
                                   seed=data.seed, eod=self.tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
                                   reset_position_ids=data.reset_position_ids,
                                   reset_attention_mask=data.reset_attention_mask, data_impl=data.data_impl,
-                                  cache_dir=data.cache_path)
+                                  cache_dir=data.cache_path, vocab_size=model.vocab_size)
         return build_gpt_datasets(config, train_val_test_num_samples)
 
     def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, None, None]:
@@ -112,6 +113,7 @@ def masked_sum(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.
     return (per_token.float() * mask).sum(), mask.sum()
 
 
+@user_errors()
 def main(argv: list[str] | None = None) -> dict[str, float]:
     engine = Engine(argv=argv, entry=ENTRY)
     results = MegatronPreTrainer(engine).train()

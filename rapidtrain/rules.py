@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +119,69 @@ def _positive_sizes(args: Args) -> list[str]:
     if args.global_batch_size is not None and args.global_batch_size < 1:
         bad.append("--global-batch-size")
     return bad
+
+
+def _non_finite_or_negative(args: Args) -> list[str]:
+    names = ("lr", "min_lr", "weight_decay", "clip_grad")
+    return [f"{_flag(n)} {getattr(args, n)}" for n in names
+            if getattr(args, n) is not None and not (math.isfinite(getattr(args, n)) and getattr(args, n) >= 0)]
+
+
+def _not_positive_counts(args: Args) -> list[str]:
+    """Counts that must be at least 1 when given: a 0 would divide by zero or never log, evaluate or stop."""
+    names = ("train_iters", "epochs", "log_interval", "eval_interval", "save_interval", "exit_interval",
+             "nproc_per_node")
+    bad = [f"{_flag(n)} {getattr(args, n)}" for n in names
+           if getattr(args, n, None) is not None and getattr(args, n) < 1]
+    return bad + [f"{_flag(n)} {getattr(args, n)}" for n in ("eval_iters", "num_workers")
+                  if getattr(args, n, None) is not None and getattr(args, n) < 0]
+
+
+# (flag, low, high, high included): probabilities; a dropout of 1 zeroes every activation.
+FRACTIONS = (("hidden_dropout", 0.0, 1.0, False), ("attention_dropout", 0.0, 1.0, False),
+             ("mask_prob", 0.0, 1.0, True), ("short_seq_prob", 0.0, 1.0, True),
+             ("adam_beta1", 0.0, 1.0, False), ("adam_beta2", 0.0, 1.0, False))
+
+
+def _outside_range(args: Args) -> list[str]:
+    bad = []
+    for name, low, high, closed in FRACTIONS:
+        value = getattr(args, name, None)
+        if value is None:  # an entry point fills it in later
+            continue
+        if not (low <= value <= high if closed else low <= value < high):  # NaN fails both
+            bad.append(f"{_flag(name)} {value} (allowed [{low:g}, {high:g}{']' if closed else ')'})")
+    return bad
+
+
+SEED_LIMIT = 2**32  # numpy's RandomState, which orders the data, takes seeds in [0, 2**32)
+
+
+def _split_problem(args: Args, ctx: RunContext) -> str | None:
+    """Why --split cannot be used, or None: unparseable, all zero, or no training share in pretraining."""
+    from rapidtrain.data.gpt_dataset import DataConfigError, parse_split
+
+    try:
+        weights = parse_split(args.split)
+    except DataConfigError as error:
+        return str(error)
+    if _needs_iterations(args, ctx) and weights[0] == 0:
+        return (f"--split {args.split!r} gives the training split no documents; pretraining needs a positive first "
+                "(train) weight, e.g. --split 969,30,1")
+    return None
+
+
+# The sample stream's indices take about 28 bytes per sample (sample index 16, shuffle index 8, document index
+# ~4): beyond 2**36 samples (~1.8 TiB of indices, 35 times the largest public pretraining runs of ~2·10^9
+# samples) the count is a typo, not a plan.
+MAX_TRAIN_SAMPLES = 2**36
+INDEX_BYTES_PER_SAMPLE = 28
+
+
+def _train_samples(args: Args, ctx: RunContext) -> int | None:
+    if args.train_iters is None or args.train_iters < 1 or args.micro_batch_size < 1:
+        return None
+    return args.train_iters * (args.global_batch_size or args.micro_batch_size * max(_dp(args, ctx), 1))
 
 
 RULES: tuple[Rule, ...] = (
@@ -431,6 +495,65 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: f"--cpu-offload with {_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]}: the offloaded "
         "optimizer step is DeepSpeedCPUAdam, which implements Adam and AdamW only. Use --optimizers apex_adam "
         "(AdamW) or --optimizer adamw/adam, or drop --cpu-offload.",
+    ),
+    Rule(
+        "world-size-positive", ("--nproc-per-node",),
+        "The world size (processes per node × nodes; `rapidtrain plan --world-size`) is at least 1.",
+        lambda a, c: c.world_size < 1,
+        lambda a, c: f"world size {c.world_size}: the number of processes must be at least 1 (rapidtrain plan "
+        "--world-size N, or --nproc-per-node × NNODES for a run).",
+    ),
+    Rule(
+        "rates-finite", ("--lr", "--min-lr", "--weight-decay", "--clip-grad"),
+        "Learning rates, weight decay and the clipping norm are finite and not negative.",
+        lambda a, c: bool(_non_finite_or_negative(a)),
+        lambda a, c: f"{', '.join(_non_finite_or_negative(a))}: must be a finite number ≥ 0 (a negative rate "
+        "climbs the loss, NaN poisons every weight at the first step). Give e.g. --lr 1e-4.",
+    ),
+    Rule(
+        "counts-positive", ("--train-iters", "--log-interval", "--eval-interval", "--num-workers"),
+        "Iteration counts and intervals are at least 1; --eval-iters and --num-workers are not negative.",
+        lambda a, c: bool(_not_positive_counts(a)),
+        lambda a, c: f"{', '.join(_not_positive_counts(a))}: iteration counts and intervals must be at least 1, "
+        "--eval-iters and --num-workers at least 0 (leave an interval out to use its default).",
+    ),
+    Rule(
+        "probabilities-in-range", ("--hidden-dropout", "--attention-dropout", "--mask-prob"),
+        "Dropout rates and betas lie in [0, 1); masking probabilities in [0, 1].",
+        lambda a, c: bool(_outside_range(a)),
+        lambda a, c: f"{', '.join(_outside_range(a))}: these are probabilities. Give a value in the range shown "
+        "(dropout 0.1 is Megatron's default).",
+    ),
+    Rule(
+        "seed-range", ("--seed",),
+        "--seed lies in [0, 2**32) (numpy's RandomState orders the data with it).",
+        lambda a, c: a.seed is not None and not 0 <= a.seed < SEED_LIMIT,
+        lambda a, c: f"--seed {a.seed}: must lie in [0, {SEED_LIMIT}) because numpy's RandomState, which shuffles "
+        "the data, takes no other seeds. Give e.g. --seed 1234.",
+    ),
+    Rule(
+        "split-usable", ("--split",),
+        "--split is one to three non-negative weights with a positive sum; pretraining needs a positive train weight.",
+        lambda a, c: _split_problem(a, c) is not None,
+        lambda a, c: str(_split_problem(a, c)),
+    ),
+    Rule(
+        "train-samples-bound", ("--train-iters", "--global-batch-size"),
+        f"--train-iters × global batch stays below 2**36 samples: the data indices take ~{INDEX_BYTES_PER_SAMPLE} "
+        "bytes per sample.",
+        lambda a, c: (_train_samples(a, c) or 0) > MAX_TRAIN_SAMPLES,
+        lambda a, c: f"--train-iters {a.train_iters} × global batch "
+        f"{(_train_samples(a, c) or 0) // max(a.train_iters or 1, 1)} = {_train_samples(a, c):,} samples: the sample "
+        f"and shuffle indices of that stream would need about "
+        f"{(_train_samples(a, c) or 0) * INDEX_BYTES_PER_SAMPLE / 2**40:,.0f} TiB ({INDEX_BYTES_PER_SAMPLE} bytes "
+        f"per sample), and {MAX_TRAIN_SAMPLES:,} samples (2**36) is far beyond any real run. Check --train-iters.",
+    ),
+    Rule(
+        "nccl-needs-cuda", ("--distributed-backend",),
+        "--distributed-backend nccl needs CUDA devices.",
+        lambda a, c: a.distributed_backend == "nccl" and c.device_type != "cuda",
+        lambda a, c: "--distributed-backend nccl: NCCL runs collectives between CUDA devices, and this run has none "
+        "(device cpu). Use --distributed-backend gloo, or leave the flag out (gloo on CPU, nccl on CUDA).",
     ),
 )
 

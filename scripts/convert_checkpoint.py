@@ -24,10 +24,23 @@ if __package__ in (None, ""):
         sys.path.insert(0, _root)
 
 import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from rapidtrain.checkpoint import COMMON_FILE, CheckpointError, iteration_dir, latest_iteration  # noqa: E402
+from rapidtrain.checkpoint import (  # noqa: E402
+    CheckpointError,
+    check_complete,
+    iteration_dir,
+    latest_iteration,
+    read_common,
+    read_metadata_file,
+    safe_dcp_load,
+    verify_checkpoint,
+)
+from rapidtrain.errors import UserError, user_errors  # noqa: E402
 from rapidtrain.models.config import ModelConfig  # noqa: E402
+
+
+class ExportError(UserError, ValueError):
+    """The checkpoint cannot be exported in the form asked for (--hf of a model that is not GPT-2's)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,19 +81,18 @@ def checkpoint_directory(load: str | Path, iteration: int | None) -> Path:
                 "point it at a --save folder or one of its iter_* folders."
             )
         directory = iteration_dir(load, iteration)
-    missing = [name for name in (".metadata", COMMON_FILE) if not (directory / name).exists()]
-    if missing:
+    if not directory.is_dir():
         raise CheckpointError(
-            f"checkpoint {directory} is missing {', '.join(missing)}: it does not exist or was not "
-            "completely written. Choose a complete iteration with --iteration."
+            f"checkpoint {directory} does not exist: choose a complete iteration with --iteration."
         )
+    check_complete(directory)
     return directory
 
 
 def consolidated_model_state(directory: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a DCP checkpoint, whole, read in this one process (no process group needed):
     shards written by FSDP/TP ranks are stitched by torch.distributed.checkpoint from its metadata."""
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    metadata = read_metadata_file(directory / ".metadata")  # runs nothing stored in the file
     model: dict[str, torch.Tensor] = {}
     for key, path in metadata.planner_data.items():
         stored = metadata.state_dict_metadata[key]
@@ -90,7 +102,7 @@ def consolidated_model_state(directory: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(
             f"checkpoint {directory} holds no model tensors (was it written by rapidtrain?)"
         )
-    dcp.load({"model": model}, checkpoint_id=str(directory), no_dist=True)
+    safe_dcp_load({"model": model}, directory, no_dist=True)
     return model
 
 
@@ -98,7 +110,7 @@ def saved_model_config(directory: Path) -> ModelConfig | None:
     """The built-in model's shape from the flags saved with the checkpoint; None for other models."""
     from rapidtrain.plan import model_config_from_args
 
-    saved = torch.load(directory / COMMON_FILE, weights_only=False)["args"]
+    saved = read_common(directory)["args"]
     if saved.get("pretrained_model_name_or_path") or not saved.get("padded_vocab_size"):
         return None
     return model_config_from_args(argparse.Namespace(**saved), saved["padded_vocab_size"])
@@ -126,7 +138,7 @@ def write_state(state: dict[str, torch.Tensor], output: Path, file_format: str) 
 
 def check_gpt2_compatible(config: ModelConfig | None) -> ModelConfig:
     if config is None:
-        raise ValueError(
+        raise ExportError(
             "--hf exports the built-in GPT; this checkpoint holds another model (a Hugging Face "
             "model is already in its own format: use its fine-tuning output instead)."
         )
@@ -142,7 +154,7 @@ def check_gpt2_compatible(config: ModelConfig | None) -> ModelConfig:
     if any(config.num_experts):
         problems.append("--num-experts (GPT-2 has dense MLPs)")
     if problems:
-        raise ValueError(
+        raise ExportError(
             "--hf: the checkpoint's model is not GPT-2's architecture: "
             + "; ".join(problems)
             + ". Export without --hf (consolidated state dict only)."
@@ -214,6 +226,8 @@ def export_gpt2(state: dict[str, torch.Tensor], config: ModelConfig, output: Pat
 
 def convert(args: argparse.Namespace) -> list[Path]:
     directory = checkpoint_directory(args.load, args.iteration)
+    if not verify_checkpoint(directory):
+        print(f"note: {directory} has no manifest.json (an older checkpoint): its files were not checked for damage")
     state = consolidated_model_state(directory)
     output = Path(args.output)
     config = saved_model_config(directory)
@@ -228,13 +242,10 @@ def convert(args: argparse.Namespace) -> list[Path]:
     return written
 
 
+@user_errors("convert_checkpoint")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        written = convert(args)
-    except (CheckpointError, ValueError) as error:
-        print(f"convert_checkpoint: {error}", file=sys.stderr)
-        return 2
+    written = convert(args)
     for path in written:
         print(f"wrote {path}")
     return 0

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Megatron's tools/preprocess_data.py: JSON lines → PREFIX_{key}_document.bin/.idx for `--data-path`.
+"""Megatron's tools/preprocess_data.py: JSON lines → PREFIX_{key}_document.bin/.idx for `--data-path`
+(PREFIX_{key}_sentence.bin/.idx with --split-sentences, for BERT's sentence pairs).
 
     python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/my-corpus \
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
@@ -20,19 +21,29 @@ if __package__ in (None, ""):
     if os.path.isdir(os.path.join(_root, "rapidtrain")) and _root not in sys.path:
         sys.path.insert(0, _root)
 
-from rapidtrain.data.indexed import DataFileError  # noqa: E402
-from rapidtrain.data.preprocess import PreprocessError, PreprocessSettings, preprocess  # noqa: E402
-from rapidtrain.data.tokenizer import TOKENIZER_TYPES, TokenizerSettings, TokenizerSettingsError  # noqa: E402
+from rapidtrain.arguments import FlagParser  # noqa: E402
+from rapidtrain.data.preprocess import PreprocessSettings, preprocess  # noqa: E402
+from rapidtrain.data.tokenizer import TOKENIZER_TYPES, TokenizerSettings  # noqa: E402
+from rapidtrain.errors import user_errors  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = FlagParser(
+        prog="preprocess_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     data = parser.add_argument_group("input data")
     data.add_argument("--input", required=True, help="JSON-lines file, one object per line (.gz is read too)")
     data.add_argument(
         "--json-keys", nargs="+", default=["text"], help="keys to tokenize; each writes its own .bin/.idx"
+    )
+    data.add_argument(
+        "--split-sentences", action="store_true",
+        help="one sequence per sentence, documents as sentence groups (BERT's input); writes PREFIX_{key}_sentence "
+             "(rapidtrain.data.sentences: a rule-based splitter, no model download)",
+    )
+    data.add_argument(
+        "--keep-newlines", action="store_true",
+        help="with --split-sentences: each sentence keeps the whitespace after it, newlines included",
     )
     tok = parser.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
@@ -54,6 +65,7 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+@user_errors("preprocess_data.py")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = PreprocessSettings(
@@ -71,17 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         log_interval=args.log_interval,
         skip_bad_lines=args.skip_bad_lines,
+        split_sentences=args.split_sentences,
+        keep_newlines=args.keep_newlines,
     )
     # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the partial files are removed on the way out.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         result = preprocess(settings)
-    except (PreprocessError, TokenizerSettingsError, DataFileError) as error:
-        print(f"preprocess_data.py: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("preprocess_data.py: interrupted; no output was written", file=sys.stderr)
         return 130
+    for path in result.removed_stale:
+        print(f"removed {path}, left by an earlier run that was killed")
     for prefix in result.data_prefixes.values():
         print(f"wrote {prefix}.bin and {prefix}.idx (use --data-path {prefix})")
     print(

@@ -15,6 +15,7 @@ from rapidtrain.data.blending import build_blended_splits
 from rapidtrain.data.gpt_dataset import (
     SPLIT_NAMES,
     DataConfigError,
+    check_index_memory,
     index_cache_dir,
     load_or_build_cached_indices,
     open_indexed_dataset,
@@ -76,6 +77,8 @@ def build_samples_mapping(
     is cut after a sentence once the piece reaches its target length, keeping at least
     `min_sentences` sentences per piece and never leaving a single sentence behind.
     """
+    # The mapping grows as Python tuples (~100 bytes each) before it becomes 24 bytes per sample.
+    check_index_memory(124 * num_samples, f"a BERT split of {num_samples:,} samples")
     rng = np.random.RandomState(seed)
     samples: list[tuple[int, int, int]] = []
     epoch = 0
@@ -255,7 +258,7 @@ def build_bert_split_datasets(
     prefix: str, config: BERTDatasetConfig, num_samples: Sequence[int]
 ) -> list[BERTDataset | None]:
     """Train, valid and test BERTDatasets of one prefix, split by documents; None for an empty split."""
-    indexed = open_indexed_dataset(prefix, config.data_impl)
+    indexed = open_indexed_dataset(prefix, config.data_impl, config.vocab_size)
     document_indices = np.asarray(indexed.document_indices)
     datasets: list[BERTDataset | None] = []
     ranges = split_document_ranges(len(document_indices) - 1, config.split)

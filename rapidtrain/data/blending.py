@@ -4,40 +4,59 @@ index, and the per-component sample counts with Megatron's 0.5% margin."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from rapidtrain.data.gpt_dataset import index_cache_dir, load_or_build_cached_indices
+from rapidtrain.data.gpt_dataset import DataConfigError, index_cache_dir, load_or_build_cached_indices
+from rapidtrain.errors import UserError
 
 # Megatron asks each component for 0.5% more than its share, so rounding never runs it dry.
 BLEND_MARGIN = 1.005
 
 
-class DataPathError(ValueError):
+class DataPathError(UserError, ValueError):
     """--data-path is malformed: the message says how and shows the expected form."""
+
+
+def _is_dataset(prefix: str) -> bool:
+    return os.path.isfile(prefix + ".idx") or os.path.isfile(prefix + ".bin")
+
+
+def _items(data_path: Sequence[str]) -> list[str]:
+    """The tokens of --data-path: an entry is split on whitespace (a blend quoted as one string, "0.7 a 0.3 b"),
+    unless the entry as a whole names a dataset: a path with a space in it."""
+    items = []
+    for entry in map(str, data_path):
+        items += [entry] if " " in entry.strip() and _is_dataset(entry) else entry.split()
+    return items
 
 
 def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
     """`[p]` → ([p], [1.0]); `[w1, p1, w2, p2, ...]` → (prefixes, weights normalized to sum 1)."""
-    items = [part for item in data_path for part in str(item).split()]
+    items = _items(data_path)
     if not items:
         raise DataPathError("--data-path is empty; give a prefix, or weights and prefixes: 0.7 a 0.3 b")
+    spaced = [entry for entry in map(str, data_path) if len(entry.split()) > 1 and not _is_dataset(entry)]
+    hint = (f" (--data-path {spaced[0]!r} was read as several items because it has a space and no dataset "
+            f"{spaced[0]!r}.idx exists: check the path)" if spaced else "")
     if len(items) == 1:
         return items, [1.0]
     if len(items) % 2:
         raise DataPathError(
             f"--data-path {' '.join(items)}: a blend needs weight/prefix pairs (w1 p1 w2 p2 ...), "
-            f"got {len(items)} items"
+            f"got {len(items)} items{hint}"
         )
     weights, prefixes = [], []
-    for weight, prefix in zip(items[0::2], items[1::2], strict=True):
+    for position, (weight, prefix) in enumerate(zip(items[0::2], items[1::2], strict=True)):
         try:
             weights.append(float(weight))
         except ValueError:
             raise DataPathError(
-                f"--data-path: {weight!r} should be a weight before prefix {prefix!r}; write w1 p1 w2 p2 ..."
+                f"--data-path: item {2 * position + 1}, {weight!r}, should be a number: the weight of the prefix "
+                f"after it ({prefix!r}); a blend is written w1 p1 w2 p2 ...{hint}"
             ) from None
         prefixes.append(prefix)
     return prefixes, normalize_weights(weights)
@@ -149,6 +168,23 @@ def build_blended_splits(
     The blending indices are cached in `cache_dir` (--data-cache-path), else next to the first prefix.
     """
     prefixes, weights = parse_data_path(data_path)
+    splits = _build_blended_splits(prefixes, weights, num_samples, build_splits, cache_dir)
+    if splits[0] is None and num_samples[0] > 0:
+        raise DataConfigError(
+            f"--split leaves no training documents in --data-path {' '.join(map(str, data_path))}: the train share "
+            "of the documents rounds to none. Give the first --split weight a larger share (e.g. --split 969,30,1) "
+            "or use more documents."
+        )
+    return splits
+
+
+def _build_blended_splits(
+    prefixes: list[str],
+    weights: list[float],
+    num_samples: Sequence[int],
+    build_splits: Callable[[str, Sequence[int]], Sequence],
+    cache_dir: str | None,
+) -> tuple:
     if len(prefixes) == 1:
         return tuple(build_splits(prefixes[0], num_samples))
     per_component = [

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rapidtrain.data.indexed import IndexedDataset
+from rapidtrain.data.indexed import IndexedDataset, check_token_ids
+from rapidtrain.errors import UserError
 
 # Megatron separates the final epoch when it contributes less than this fraction of an epoch's samples.
 SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
@@ -22,7 +23,7 @@ SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-class DataConfigError(ValueError):
+class DataConfigError(UserError, ValueError):
     """A data flag or data file does not fit: the message names it and the fix."""
 
 
@@ -140,6 +141,9 @@ def build_gpt_indices(
     """The three index arrays of one split, drawn from one RandomState(seed) in Megatron's order."""
     tokens_per_epoch = int(np.sum(np.asarray(sizes, dtype=np.int64)[documents]))
     epochs = num_epochs(tokens_per_epoch, seq_length, num_samples)
+    # document index (int32 per document per epoch), sample index (2 int64), shuffle index (≤ int64) per sample
+    check_index_memory(4 * epochs * len(documents) + 24 * (num_samples + 1),
+                       f"a GPT split of {num_samples:,} samples ({epochs:,} epochs of {len(documents):,} documents)")
     separate_last = separate_last_epoch(num_samples, tokens_per_epoch, seq_length, epochs)
     rng = np.random.RandomState(seed)
     doc_idx = build_document_index(documents, epochs, rng, separate_last)
@@ -237,6 +241,7 @@ class GPTDatasetConfig:
     data_impl: str = "mmap"
     cache_dir: str | None = None
     mmap_bin: bool = True
+    vocab_size: int | None = None  # the padded vocabulary: token ids are checked against it (sampled) when given
 
 
 def index_cache_dir(prefix: str, cache_dir: str | None) -> str:
@@ -344,16 +349,50 @@ class GPTDataset(torch.utils.data.Dataset):
         return {"tokens": tokens, "labels": labels, **masks}
 
 
-def open_indexed_dataset(prefix: str, data_impl: str = "mmap") -> IndexedDataset:
-    """The IndexedDataset at `prefix` (its errors name --data-path and the fix)."""
-    return IndexedDataset(prefix, impl=data_impl)
+def open_indexed_dataset(prefix: str, data_impl: str = "mmap", vocab_size: int | None = None) -> IndexedDataset:
+    """The IndexedDataset at `prefix` (its errors name --data-path and the fix), refused when it holds no
+    tokens, and with its token ids checked (sampled) against `vocab_size` when given."""
+    dataset = IndexedDataset(prefix, impl=data_impl)
+    if len(dataset.document_indices) < 2 or not np.any(np.asarray(dataset.sequence_lengths)):
+        raise DataConfigError(
+            f"--data-path {prefix}: the dataset holds no tokens ({len(dataset.document_indices) - 1} documents); "
+            "was its JSON-lines input empty? Rebuild it with scripts/preprocess_data.py from a file with text."
+        )
+    if vocab_size is not None:
+        check_token_ids(dataset, vocab_size)
+    return dataset
+
+
+def check_index_memory(nbytes: int, what: str) -> None:
+    """Refuse to build an index that cannot fit in this machine's memory, before allocating it."""
+    available = _available_memory()
+    if available is not None and nbytes > available:
+        raise DataConfigError(
+            f"{what} would need {nbytes / 2**30:,.1f} GiB of memory for its index, more than the "
+            f"{available / 2**30:,.1f} GiB available here. Lower --train-iters (or --global-batch-size), or "
+            "build the index on a machine with more memory (it is cached in --data-cache-path)."
+        )
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def build_gpt_split_datasets(
     prefix: str, config: GPTDatasetConfig, num_samples: Sequence[int]
 ) -> list[GPTDataset | None]:
     """Train, valid and test GPTDatasets of one prefix; None for a split with no documents."""
-    indexed = open_indexed_dataset(prefix, config.data_impl)
+    indexed = open_indexed_dataset(prefix, config.data_impl, config.vocab_size)
     datasets: list[GPTDataset | None] = []
     for name, (begin, end), count in zip(
         SPLIT_NAMES, split_document_ranges(len(indexed), config.split), num_samples, strict=True

@@ -14,6 +14,8 @@ from typing import Literal, overload
 
 import numpy as np
 
+from rapidtrain.errors import UserError
+
 DataImpl = Literal["mmap", "lazy", "cached", "infer"]
 
 MMAP_MAGIC = b"MMIDIDX\x00\x00"
@@ -36,7 +38,7 @@ _LEGACY_HEADER = struct.Struct("<8sQQQQQQ")
 _PREFIX_HINT = "--data-path is a prefix without extension (PREFIX names PREFIX.bin and PREFIX.idx)"
 
 
-class DataFileError(ValueError):
+class DataFileError(UserError, ValueError):
     """An indexed-dataset file is missing, corrupt, or not in a format rapidtrain reads."""
 
 
@@ -353,11 +355,50 @@ def _read_legacy_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray,
 
 
 def _check_bin_size(bin_path: str, lengths: np.ndarray, offsets: np.ndarray, itemsize: int) -> int:
+    """The .bin must hold exactly the tokens the index describes, at the header's dtype: Megatron's writer
+    leaves no gap and no tail, so any other size means a wrong dtype code or files that do not belong together
+    (a wrong dtype would otherwise be read as other, wrong tokens)."""
     size = os.path.getsize(bin_path)
-    needed = int(offsets[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
-    if size < needed:
+    tokens = int(np.sum(lengths, dtype=np.int64))
+    needed = tokens * itemsize
+    last_end = int(offsets[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    consistent = size == needed == last_end and (not len(offsets) or int(offsets[0]) == 0)
+    if consistent:
+        return size
+    fits = [str(d) for d in DTYPE_CODES.values() if tokens and d.kind in "iu" and d.itemsize != itemsize
+            and size == tokens * d.itemsize]
+    if not fits and size < last_end:
         raise DataFileError(
-            f"{bin_path}: truncated: the index needs {needed} bytes of tokens but the file has {size}; "
+            f"{bin_path}: truncated: the index needs {last_end} bytes of tokens but the file has {size}; "
             "the .bin and .idx do not belong together or the copy was cut short"
         )
-    return size
+    dtype = next((str(d) for d in DTYPE_CODES.values() if d.itemsize == itemsize), f"{itemsize}-byte")
+    raise DataFileError(
+        f"{bin_path}: {size} bytes, but its index describes {tokens} tokens of {dtype} = {needed} bytes"
+        + (f" (the size fits {' or '.join(fits)}: the dtype code in the .idx header is wrong)" if fits else "")
+        + "; the .bin and .idx do not belong together or were damaged. Rebuild them with "
+        "scripts/preprocess_data.py"
+    )
+
+
+def check_token_ids(dataset: IndexedDataset, vocab_size: int, sequences: int = 64, tokens_each: int = 4096) -> None:
+    """Sampled check that token ids lie in [0, vocab_size): up to `sequences` sequences spread over the file
+    (first and last included), `tokens_each` tokens of each. Catches data made with another tokenizer or a
+    larger vocabulary, and a misread dtype, before the embedding meets an id it has no row for."""
+    count = len(dataset)
+    if count == 0:
+        return
+    for i in sorted({int(i) for i in np.linspace(0, count - 1, num=min(sequences, count))}):
+        length = min(int(dataset.sequence_lengths[i]), tokens_each)
+        if length == 0:
+            continue
+        ids = dataset.get(i, 0, length)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise DataFileError(
+                f"{dataset.prefix}: token id {bad} in sequence {i} is outside the vocabulary [0, {vocab_size}) of "
+                "the tokenizer flags: the data was preprocessed with another tokenizer (or --vocab-size), or its "
+                ".idx names the wrong dtype. Use the tokenizer flags the data was made with, or rebuild it with "
+                "scripts/preprocess_data.py and these flags."
+            )

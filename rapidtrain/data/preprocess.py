@@ -1,7 +1,10 @@
-"""JSON lines → Megatron `PREFIX_{key}_document.bin/.idx`: the work behind scripts/preprocess_data.py.
+"""JSON lines → Megatron `PREFIX_{key}_document.bin/.idx` (`_sentence` with --split-sentences): the work
+behind scripts/preprocess_data.py.
 
 Chunks of lines are tokenized in a process pool, written in input order, and published under their
-final names only when every file is complete.
+final names only when every file is complete. Temporary files a killed run left behind are removed by the
+next run for the same output (or named, when their writer still lives); an input without documents writes
+nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections import deque
@@ -20,12 +24,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rapidtrain.data.indexed import IndexedDatasetBuilder, best_dtype
+from rapidtrain.data.sentences import split_sentences
 from rapidtrain.data.tokenizer import Tokenizer, TokenizerSettings, build_tokenizer
+from rapidtrain.errors import UserError
 
 _MAX_REPORTED_BAD_LINES = 10
 
 
-class PreprocessError(ValueError):
+class PreprocessError(UserError, ValueError):
     """The input or the preprocessing flags are unusable; the message names the file, line or flag."""
 
 
@@ -43,6 +49,8 @@ class PreprocessSettings:
     skip_bad_lines: bool = False
     progress: bool = True
     lines_per_chunk: int = 256  # lines a worker tokenizes per task
+    split_sentences: bool = False  # one sequence per sentence; documents group them (BERT's input)
+    keep_newlines: bool = False  # with split_sentences: each sentence keeps the whitespace after it
 
 
 @dataclass
@@ -55,6 +63,7 @@ class PreprocessResult:
     seconds: float
     skipped_lines: int = 0
     bad_line_examples: list[str] = field(default_factory=list)  # the first few, as "file:line: reason"
+    removed_stale: list[str] = field(default_factory=list)  # temporary files of killed runs, removed
 
     @property
     def documents_per_second(self) -> float:
@@ -65,9 +74,47 @@ class PreprocessResult:
         return self.num_tokens / max(self.seconds, 1e-9)
 
 
-def data_prefix_for(output_prefix: str, json_key: str) -> str:
-    """The `--data-path` prefix that preprocessing writes for one JSON key."""
-    return f"{output_prefix}_{json_key}_document"
+def data_prefix_for(output_prefix: str, json_key: str, split_sentences: bool = False) -> str:
+    """The `--data-path` prefix that preprocessing writes for one JSON key (Megatron's level names)."""
+    return f"{output_prefix}_{json_key}_{'sentence' if split_sentences else 'document'}"
+
+
+_TEMPORARY = re.compile(r"\.(bin|idx)\.tmp-(\d+)$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temporaries(prefixes: list[str]) -> list[str]:
+    """Remove `PREFIX.bin.tmp-PID` / `.idx.tmp-PID` files whose writer is gone (a SIGKILLed run cleans nothing);
+    refuse when the writer still runs: two runs would publish over each other."""
+    removed = []
+    for prefix in prefixes:
+        folder = os.path.dirname(os.path.abspath(prefix)) or "."
+        base = os.path.basename(prefix)
+        if not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            match = _TEMPORARY.search(name)
+            if not match or name[: match.start()] != base:
+                continue
+            path, pid = os.path.join(folder, name), int(match.group(2))
+            if pid != os.getpid() and _process_alive(pid):
+                raise PreprocessError(
+                    f"--output-prefix: {path} is being written by another preprocess (pid {pid}) with the same "
+                    "output; wait for it to finish, or give another --output-prefix (remove the file if no such "
+                    "process is a preprocess)"
+                )
+            os.remove(path)
+            removed.append(path)
+    return removed
 
 
 def preprocess(settings: PreprocessSettings) -> PreprocessResult:
@@ -80,8 +127,10 @@ def preprocess(settings: PreprocessSettings) -> PreprocessResult:
             f"--append-eod: {settings.tokenizer.tokenizer_type} has no end-of-document token; "
             "leave out --append-eod or choose a tokenizer that has one"
         )
-    prefixes = {key: data_prefix_for(settings.output_prefix, key) for key in settings.json_keys}
-    os.makedirs(os.path.dirname(os.path.abspath(settings.output_prefix)), exist_ok=True)
+    prefixes = {key: data_prefix_for(settings.output_prefix, key, settings.split_sentences)
+                for key in settings.json_keys}
+    _make_output_folder(settings.output_prefix)
+    removed = remove_stale_temporaries(list(prefixes.values()))
     temporary = {
         key: (f"{p}.bin.tmp-{os.getpid()}", f"{p}.idx.tmp-{os.getpid()}") for key, p in prefixes.items()
     }
@@ -90,6 +139,12 @@ def preprocess(settings: PreprocessSettings) -> PreprocessResult:
         for key, (bin_path, _) in temporary.items():
             builders[key] = IndexedDatasetBuilder(bin_path, dtype=best_dtype(tokenizer.vocab_size))
         result = _write_documents(settings, tokenizer, builders)
+        if result.num_documents == 0:
+            skipped = f", {result.skipped_lines} bad line(s) skipped" if result.skipped_lines else ""
+            raise PreprocessError(
+                f"--input {settings.input}: no documents (every line blank{skipped}): nothing was written. "
+                "Give a JSON-lines file with one object per line holding the --json-keys"
+            )
         for key, (_, idx_path) in temporary.items():
             builders[key].finalize(idx_path)
     except BaseException:
@@ -102,8 +157,21 @@ def preprocess(settings: PreprocessSettings) -> PreprocessResult:
         os.replace(bin_path, prefixes[key] + ".bin")  # the .idx last: it is what readers open first
         os.replace(idx_path, prefixes[key] + ".idx")
     result.data_prefixes = prefixes
+    result.removed_stale = removed
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _make_output_folder(output_prefix: str) -> None:
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:  # a path through a regular file, no permission
+        raise PreprocessError(f"--output-prefix {output_prefix}: cannot create the folder {folder} "
+                              f"({error.strerror or error}); give a prefix in a writable folder") from None
+    if not os.access(folder, os.W_OK):
+        raise PreprocessError(f"--output-prefix {output_prefix}: the folder {folder} is not writable; give a "
+                              "prefix in a writable folder")
 
 
 def _check_settings(settings: PreprocessSettings) -> None:
@@ -197,11 +265,14 @@ class _BadLine(ValueError):
 class _Encoder:
     """Turns numbered JSON lines into token ids per key, exactly as Megatron's Encoder.encode does."""
 
-    def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool, input_name: str):
+    def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool, input_name: str,
+                 split_sentences: bool = False, keep_newlines: bool = False):
         self.tokenizer = tokenizer
         self.json_keys = list(json_keys)
         self.eod_tokens = [tokenizer.eod] if append_eod and tokenizer.eod is not None else []
         self.input_name = input_name
+        self.split_sentences = split_sentences
+        self.keep_newlines = keep_newlines
 
     def encode_chunk(self, chunk: tuple[int, list[bytes]]) -> _EncodedChunk:
         first_line, lines = chunk
@@ -243,6 +314,8 @@ class _Encoder:
                 raise _BadLine(
                     f"key {key!r} holds {type(value).__name__}; expected a string or a list of strings"
                 )
+            if self.split_sentences:
+                texts = [s for text in texts for s in split_sentences(text, self.keep_newlines)]
             try:
                 encoded[key] = [ids for ids in map(self.tokenizer.tokenize, texts) if ids]
             except ValueError as error:  # NullTokenizer's complaint about non-integer text
@@ -287,14 +360,17 @@ def _read_chunks(path: str, lines_per_chunk: int) -> Iterator[tuple[int, list[by
 _worker_encoder: _Encoder | None = None
 
 
-def _start_worker(
-    tokenizer: TokenizerSettings, json_keys: list[str], append_eod: bool, input_name: str
-) -> None:
+def _start_worker(settings: PreprocessSettings) -> None:
     global _worker_encoder
     # The parent alone answers Ctrl-C and SIGTERM, and stops the pool; workers just end with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _worker_encoder = _Encoder(build_tokenizer(tokenizer), json_keys, append_eod, input_name)
+    _worker_encoder = _encoder(settings, build_tokenizer(settings.tokenizer))
+
+
+def _encoder(settings: PreprocessSettings, tokenizer: Tokenizer) -> _Encoder:
+    return _Encoder(tokenizer, settings.json_keys, settings.append_eod, settings.input, settings.split_sentences,
+                    settings.keep_newlines)
 
 
 def _encode_in_worker(chunk: tuple[int, list[bytes]]) -> _EncodedChunk:
@@ -308,11 +384,9 @@ def _encoded_chunks(
     """Encoded chunks in input order: in this process for one worker, else from a pool."""
     chunks = _read_chunks(settings.input, settings.lines_per_chunk)
     if settings.workers == 1:
-        encoder = _Encoder(tokenizer, settings.json_keys, settings.append_eod, settings.input)
-        yield from map(encoder.encode_chunk, chunks)
+        yield from map(_encoder(settings, tokenizer).encode_chunk, chunks)
         return
-    initargs = (settings.tokenizer, list(settings.json_keys), settings.append_eod, settings.input)
-    with multiprocessing.Pool(settings.workers, initializer=_start_worker, initargs=initargs) as pool:
+    with multiprocessing.Pool(settings.workers, initializer=_start_worker, initargs=(settings,)) as pool:
         # Pool.imap would read the whole input ahead into its queue; a bounded window of
         # apply_async keeps memory flat for corpora larger than RAM and still yields in order.
         pending: deque = deque()

@@ -7,8 +7,10 @@ from collections.abc import Iterator
 
 import torch
 
+from rapidtrain.errors import UserError
 
-class SamplerError(ValueError):
+
+class SamplerError(UserError, ValueError):
     """Sampler settings that cannot work together; the message names the flags."""
 
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from rapidtrain.errors import UserError
+
 TokenizerType = Literal[
     "GPT2BPETokenizer",
     "BertWordPieceLowerCase",
@@ -26,7 +28,7 @@ TokenizerType = Literal[
 TOKENIZER_TYPES: tuple[str, ...] = get_args(TokenizerType)
 
 
-class TokenizerSettingsError(ValueError):
+class TokenizerSettingsError(UserError, ValueError):
     """A tokenizer flag is missing or names something unusable."""
 
 

@@ -3,6 +3,8 @@ for the plan's memory estimate and the log line's TFLOP/s."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from rapidtrain.models.config import ModelConfig
 
 
@@ -13,22 +15,6 @@ def _linear(fan_in: int, fan_out: int, bias: bool = True) -> int:
 def _expert_parameters(config: ModelConfig) -> int:
     """One expert (or the dense MLP): fc1 and fc2 with biases."""
     return _linear(config.hidden_size, config.ffn_size) + _linear(config.ffn_size, config.hidden_size)
-
-
-def _layer_parameters(config: ModelConfig, layer: int) -> tuple[int, int]:
-    """(total, active) parameters of one transformer layer."""
-    h = config.hidden_size
-    inner = config.head_dim * config.num_attention_heads
-    norms = 2 * 2 * h
-    attention = 3 * _linear(h, inner) + _linear(inner, h)
-    experts = config.experts_in_layer(layer)
-    if not experts:
-        mlp = _expert_parameters(config)
-        return norms + attention + mlp, norms + attention + mlp
-    router = h * experts
-    total = norms + attention + router + experts * _expert_parameters(config)
-    active = norms + attention + router + config.moe_router_topk * _expert_parameters(config)
-    return total, active
 
 
 def _embedding_and_head_parameters(config: ModelConfig) -> int:
@@ -46,9 +32,33 @@ def _embedding_and_head_parameters(config: ModelConfig) -> int:
     return count
 
 
+def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
+    """{experts per layer (0 = dense): how many layers}: layers of one kind count alike, so counts take time
+    per kind, not per layer (`rapidtrain plan --num-layers 100000000` answers at once)."""
+    if not config.num_experts:
+        return {0: config.num_layers}
+    return dict(Counter(config.num_experts))
+
+
+def _layer_parameters_of_kind(config: ModelConfig, experts: int) -> tuple[int, int]:
+    """(total, active) parameters of one layer with `experts` experts (0: dense MLP)."""
+    h = config.hidden_size
+    inner = config.head_dim * config.num_attention_heads
+    norms = 2 * 2 * h
+    attention = 3 * _linear(h, inner) + _linear(inner, h)
+    if not experts:
+        mlp = _expert_parameters(config)
+        return norms + attention + mlp, norms + attention + mlp
+    router = h * experts
+    total = norms + attention + router + experts * _expert_parameters(config)
+    active = norms + attention + router + config.moe_router_topk * _expert_parameters(config)
+    return total, active
+
+
 def expert_parameter_count(config: ModelConfig) -> int:
     """Parameters of all MoE layers' experts (not routers): what expert parallelism shards."""
-    return sum(config.experts_in_layer(i) for i in range(config.num_layers)) * _expert_parameters(config)
+    experts = sum(kind * layers for kind, layers in _layers_by_experts(config).items())
+    return experts * _expert_parameters(config)
 
 
 def count_parameters(config: ModelConfig) -> tuple[int, int]:
@@ -57,8 +67,11 @@ def count_parameters(config: ModelConfig) -> tuple[int, int]:
     Equals `sum(p.numel() for p in build_model(config).parameters())` for the total.
     """
     shared = _embedding_and_head_parameters(config)
-    layers = [_layer_parameters(config, i) for i in range(config.num_layers)]
-    return shared + sum(t for t, _ in layers), shared + sum(a for _, a in layers)
+    total = active = shared
+    for kind, layers in _layers_by_experts(config).items():
+        layer_total, layer_active = _layer_parameters_of_kind(config, kind)
+        total, active = total + layers * layer_total, active + layers * layer_active
+    return total, active
 
 
 def megatron_gpt_flops(
@@ -94,12 +107,11 @@ def model_flops_per_iteration(
     causal = config.model_type == "gpt"
     attention = 4 * 2 * tokens * h * inner + (2 if causal else 4) * tokens * s * inner
     forward = 2 * tokens * h * config.vocab_size
-    for layer in range(config.num_layers):
-        experts = config.experts_in_layer(layer)
+    for experts, layers in _layers_by_experts(config).items():
         mlp = 4 * tokens * h * f
         if experts:
             mlp = config.moe_router_topk * mlp + 2 * tokens * h * experts
-        forward += attention + mlp
+        forward += layers * (attention + mlp)
     if config.model_type == "bert":
         forward += 2 * tokens * h * h
         if config.bert_binary_head:

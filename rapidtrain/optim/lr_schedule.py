@@ -7,7 +7,7 @@ Warm-up, then constant / linear / cosine / inverse-square-root / WSD decay, as M
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -192,14 +192,17 @@ class LRScheduler:
             "num_steps": self.num_steps,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any], override: bool = False) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], schedule_from: str = "same") -> None:
         """Resume at the saved sample count.
 
-        The saved schedule must equal the current one, else a ValueError lists the differences;
-        `override=True` keeps the current flags' schedule instead (Megatron's
-        `--override-opt_param-scheduler`).
+        `schedule_from="same"`: the saved schedule must equal the current one, else a ValueError lists the
+        differences; "flags" keeps the current flags' schedule (Megatron's `--override-opt_param-scheduler`);
+        "checkpoint" takes the saved one (`--use-checkpoint-opt_param-scheduler`).
         """
-        if not override:
+        if schedule_from == "checkpoint":
+            self.settings = replace(self.settings, **{
+                name: state_dict[saved] for name, saved in _SAVED_NAMES.items() if saved in state_dict})
+        elif schedule_from != "flags":
             differences = _schedule_differences(asdict(self.settings), state_dict)
             if differences:
                 raise ValueError(

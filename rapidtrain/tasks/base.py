@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from rapidtrain.data.dynamic_shape import round_up
+from rapidtrain.errors import UserError
 
 Records = list[dict[str, Any]]
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
-class ModelFolderError(FileNotFoundError):
+class ModelFolderError(UserError, FileNotFoundError):
     """--pretrained-model-name-or-path does not name a usable local Hugging Face folder."""
 
 

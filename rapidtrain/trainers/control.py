@@ -57,6 +57,23 @@ class Checkpointer:
         self.trainer = trainer
         self.saved_at: int | None = None
         self._requested = False
+        self._lock: Any = None
+
+    def open(self) -> None:
+        """Before anything is loaded or saved: rank 0 takes --save for this run (one writer per folder), refuses
+        to overwrite checkpoints it did not load, and cleans what killed saves left."""
+        if not self.enabled or self.trainer.engine.rank != 0:
+            return
+        from rapidtrain.save_folder import prepare_save_folder
+
+        self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
+        for line in cleaned:
+            print(f" {line}", flush=True)
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @property
     def enabled(self) -> bool:
@@ -96,7 +113,7 @@ class Checkpointer:
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
         loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=s.finetune,
-                                 load_optimizer=s.load_optimizer, load_rng=s.load_rng)
+                                 load_optimizer=s.load_optimizer, load_rng=s.load_rng, schedule_from=s.schedule_from)
         if loaded is None:
             engine.print_rank0(f" no checkpoint in {s.load}; starting from scratch")
         else:

@@ -171,6 +171,7 @@ class Trainer:
         finally:
             self.records.flush()
             stop.close()
+            self.checkpointer.close()
         results = self.end_of_training(stopped)
         self.writer.close()
         return results
@@ -284,6 +285,7 @@ class Trainer:
         """Look at the model before it is wrapped (Finetuner: how to export it)."""
 
     def load(self) -> None:
+        self.checkpointer.open()
         loaded = self.checkpointer.load()
         if loaded is not None:
             self.iteration, self.consumed_samples = loaded.iteration, loaded.consumed_samples

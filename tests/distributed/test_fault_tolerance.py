@@ -3,6 +3,7 @@ the uninterrupted run's losses; half-written checkpoints are never loaded."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -89,18 +90,28 @@ def test_unpublished_tmp_checkpoint_is_ignored(saved, tmp_path):
     assert sorted(read_losses(log)) == [5, 6]
 
 
-def test_latest_pointing_at_incomplete_checkpoint_is_refused(saved):
+def refused(args: list[str], capsys) -> str:
+    """The message a user sees when the run stops with a CheckpointError: exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as raised:
+        train_here(args)
+    assert raised.value.code == 2 and isinstance(raised.value.__cause__, CheckpointError)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_latest_pointing_at_incomplete_checkpoint_is_refused(saved, capsys):
     """`latest` naming a folder without .metadata (its files never all written) stops with a clear error
     instead of loading part of a model."""
     incomplete = saved / "iter_0000006"
     shutil.copytree(saved / "iter_0000004", incomplete)
     (incomplete / ".metadata").unlink()
     (saved / "latest_checkpointed_iteration.txt").write_text("6\n")
-    with pytest.raises(CheckpointError, match=r"iter_0000006 is incomplete \(missing \.metadata\)"):
-        train_here(["--train-iters", "8", "--load", str(saved)])
+    err = refused(["--train-iters", "8", "--load", str(saved)], capsys)
+    assert re.search(r"iter_0000006 is incomplete \(missing \.metadata\)", err)
 
 
-def test_latest_pointing_at_missing_checkpoint_is_refused(saved):
+def test_latest_pointing_at_missing_checkpoint_is_refused(saved, capsys):
     (saved / "latest_checkpointed_iteration.txt").write_text("8\n")
-    with pytest.raises(CheckpointError, match=r"names iteration 8, but .*iter_0000008 does not exist"):
-        train_here(["--train-iters", "10", "--load", str(saved)])
+    err = refused(["--train-iters", "10", "--load", str(saved)], capsys)
+    assert re.search(r"names iteration 8, but .*iter_0000008 does not exist", err)

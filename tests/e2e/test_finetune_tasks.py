@@ -296,8 +296,8 @@ def test_lora_trains_adapters_only_and_exports_a_merged_model(tiny, tmp_path):
     assert (tmp_path / "last" / "adapter" / "adapter_config.json").is_file()
 
 
-def test_a_missing_model_folder_names_the_flag(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--pretrained-model-name-or-path .*never downloads"):
+def test_a_missing_model_folder_names_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
         finetune(
             [
                 "--task",
@@ -312,6 +312,9 @@ def test_a_missing_model_folder_names_the_flag(tmp_path):
                 "1e-4",
             ]
         )
+    assert stopped.value.code == 2 and isinstance(stopped.value.__cause__, FileNotFoundError)
+    assert "--pretrained-model-name-or-path bert-base-cased" in capsys.readouterr().err
+    assert "never downloads" in str(stopped.value.__cause__)
 
 
 # ---- the headline: 2 gloo ranks, ZeRO-2, mixed precision, through the `rapidtrain` command ----

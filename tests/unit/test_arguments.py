@@ -216,3 +216,20 @@ def test_importing_rapidtrain_loads_no_heavy_dependencies():
 if __name__ == "__main__":
     SNAPSHOT.write_text(current_table())
     print(f"updated {SNAPSHOT}")
+
+
+def test_misspelled_flag_is_reported_first_with_the_closest_flag(capsys):
+    with pytest.raises(SystemExit) as raised:
+        arguments.parse_args(["--train-iters", "5", "--lr-warmup-iter", "2", "--trian-iters", "3"])
+    assert raised.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "rapidtrain: error: unknown flag --lr-warmup-iter (did you mean --lr-warmup-iters?)",
+        "rapidtrain: error: unknown flag --trian-iters (did you mean --train-iters?)",
+        "rapidtrain: `rapidtrain --help` lists every flag.",
+    ]  # no usage block: the error comes first and alone
+
+
+def test_negative_numbers_in_exponent_form_are_values():
+    args = arguments.parse_args(["--lr", "-1e-3", "--min-lr", "-.5", "--seed", "-2"])
+    assert (args.lr, args.min_lr, args.seed) == (-1e-3, -0.5, -2)  # the rules then refuse them, naming each

@@ -126,10 +126,15 @@ def test_torch_format_and_iteration_choice(exported, tmp_path):
 def test_missing_or_incomplete_checkpoint_is_refused(exported, tmp_path, capsys):
     folder, _ = exported
     script = load_script()
-    assert script.main(["--load", str(folder), "--iteration", "7", "--output", str(tmp_path)]) == 2
-    assert "iter_0000007 is missing .metadata, common.pt" in capsys.readouterr().err
-    assert script.main(["--load", str(tmp_path), "--output", str(tmp_path / "out")]) == 2
-    assert "no latest_checkpointed_iteration.txt" in capsys.readouterr().err
+    for argv, message in ((["--load", str(folder), "--iteration", "7", "--output", str(tmp_path)],
+                           "iter_0000007 does not exist"),
+                          (["--load", str(tmp_path), "--output", str(tmp_path / "out")],
+                           "no latest_checkpointed_iteration.txt")):
+        with pytest.raises(SystemExit) as raised:
+            script.main(argv)
+        assert raised.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("convert_checkpoint: error: ") and message in err and "Traceback" not in err
 
 
 def test_hf_export_refuses_models_that_are_not_gpt2():

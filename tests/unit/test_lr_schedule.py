@@ -144,8 +144,13 @@ def test_loading_a_different_schedule_is_refused_unless_overridden():
     other = LRScheduler(optimizer, schedule("linear", lr=0.02))
     with pytest.raises(ValueError, match="lr saved 0.01, now 0.02"):
         other.load_state_dict(saved)
-    other.load_state_dict(saved, override=True)
+    other.load_state_dict(saved, schedule_from="flags")  # --override-opt_param-scheduler
     assert other.get_lr() == pytest.approx(0.001 + 0.5 * 0.019)
+    other.load_state_dict(saved, schedule_from="checkpoint")  # --use-checkpoint-opt_param-scheduler
+    assert other.settings.lr == 0.01 and other.settings.decay_style == "cosine"
+    original = LRScheduler(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), schedule("cosine"))
+    original.step(440)
+    assert other.get_lr() == pytest.approx(original.get_lr())
 
 
 def test_bad_flags_are_refused_with_their_names():

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from pydoc_data.topics import topics
 
+import numpy as np
 import pytest
 import sentencepiece
 
@@ -227,3 +228,89 @@ def test_interrupted_script_removes_its_partial_files(tmp_path, sig, workers):
     assert child.returncode == 130, stderr
     assert "interrupted; no output was written" in stderr and "Traceback" not in stderr
     assert os.listdir(out) == []
+
+
+def test_killed_run_leaves_temporaries_that_the_next_run_removes(tmp_path):
+    """SIGKILL runs no cleanup: the `.tmp-PID` files stay until the next run for that output removes them."""
+    line = json.dumps({"text": " ".join(["7"] * 200)}) + "\n"
+    (tmp_path / "in.jsonl").write_text(line * 50_000)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["--input", "in.jsonl", "--output-prefix", "out/p", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            "10"]
+    child = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE)
+    out = tmp_path / "out"
+    while child.poll() is None and not (out.exists() and os.listdir(out)):
+        time.sleep(0.01)
+    child.kill()
+    child.wait(timeout=60)
+    stale = sorted(os.listdir(out))
+    assert stale == [f"p_text_document.bin.tmp-{child.pid}", f"p_text_document.idx.tmp-{child.pid}"][: len(stale)]
+    (tmp_path / "in.jsonl").write_text(line * 3)
+    done = script(tmp_path, *args)
+    assert done.returncode == 0, done.stderr
+    assert f"removed {out / stale[0]}, left by an earlier run that was killed" in done.stdout
+    assert sorted(os.listdir(out)) == ["p_text_document.bin", "p_text_document.idx"]
+
+
+def test_temporaries_of_a_living_writer_are_refused_not_removed(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        partial = out / f"p_text_document.bin.tmp-{living.pid}"
+        partial.write_bytes(b"\0" * 10)
+        with pytest.raises(PreprocessError, match=rf"is being written by another preprocess \(pid {living.pid}\)"):
+            run(tmp_path, [{"text": "1 2"}])
+        assert partial.exists()
+    finally:
+        living.kill()
+        living.wait()
+
+
+def test_input_without_documents_writes_nothing(tmp_path):
+    with pytest.raises(PreprocessError, match=r"--input .*in\.jsonl: no documents \(every line blank\): nothing"):
+        run(tmp_path, ["", "  "])
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def test_output_prefix_under_a_regular_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    write_lines(tmp_path / "in.jsonl", [{"text": "1"}])
+    done = script(tmp_path, "--input", "in.jsonl", "--output-prefix", "file/p", "--tokenizer-type", "NullTokenizer",
+                  "--vocab-size", "10")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--output-prefix file/p: cannot create the folder" in done.stderr
+
+
+def test_split_sentences_writes_sentences_grouped_by_document_that_bert_reads(tmp_path, sentencepiece_corpus):
+    from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
+    from rapidtrain.data.tokenizer import build_tokenizer
+
+    settings = sentencepiece_corpus[0]
+    texts = ["Mr. Smith reads the manual. He finds the answer! Then he writes code.",
+             "One sentence only.",
+             "The list, e.g. files and folders, is long. Is it complete? Not yet. We check it again."]
+    records = [{"text": text} for text in texts * 10]
+    result = run(tmp_path, records, tokenizer=settings, split_sentences=True)
+    prefix = result.data_prefixes["text"]
+    assert prefix.endswith("p_text_sentence")
+    dataset = IndexedDataset(prefix)
+    assert np.diff(dataset.document_indices).tolist()[:3] == [3, 1, 4]  # sentences per document
+    tokenizer = build_tokenizer(settings)
+    assert tokenizer.detokenize(dataset[0].tolist()) == "Mr. Smith reads the manual."
+    assert dataset[2].tolist()[-1] == tokenizer.eod  # --append-eod ends the document's last sentence
+    config = BERTDatasetConfig(data_prefix=[prefix], split="1,0,0", seq_length=32, seed=1,
+                               vocab_size=tokenizer.vocab_size, cls_id=tokenizer.cls, sep_id=tokenizer.sep,
+                               mask_id=tokenizer.mask, pad_id=tokenizer.pad, binary_head=True,
+                               cache_dir=str(tmp_path / "cache"))
+    train, _, _ = build_bert_datasets(config, (20, 0, 0))
+    sample = train[0]
+    assert sample["types"].max() == 1 and sample["is_random"] in (0, 1)  # a sentence pair: segments A and B
+
+
+def test_keep_newlines_keeps_the_whitespace_after_each_sentence(tmp_path):
+    from rapidtrain.data.sentences import split_sentences
+
+    text = "First one.\nSecond one. Third."
+    assert split_sentences(text) == ["First one.", "Second one.", "Third."]
+    assert split_sentences(text, keep_newlines=True) == ["First one.\n", "Second one. ", "Third."]

@@ -217,7 +217,18 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "rates-finite": (["--lr", "-1e-3", "--min-lr", "nan"], ["--lr", "3e-4", "--min-lr", "0"], 1, "cpu"),
+    "counts-positive": (["--log-interval", "0", "--num-workers", "-1"], ["--log-interval", "1", "--num-workers", "0"],
+                        1, "cpu"),
+    "probabilities-in-range": (["--hidden-dropout", "1"], ["--hidden-dropout", "0.99"], 1, "cpu"),
+    "seed-range": (["--seed", "-1"], ["--seed", "0"], 1, "cpu"),
+    "split-usable": (["--split", "0,0,1"], ["--split", "1,0,0"], 1, "cpu"),
+    "train-samples-bound": (["--train-iters", "100000000000", "--global-batch-size", "1024"],
+                            ["--train-iters", "1000000", "--global-batch-size", "1024"], 1, "cpu"),
+    "nccl-needs-cuda": (["--distributed-backend", "nccl"], ["--distributed-backend", "nccl"], 1, "cuda"),
 }
+# Rules about what the flags alone do not say: (context that violates, context that passes).
+CONTEXT_CASES = {"world-size-positive": (RunContext(-3, "cpu"), RunContext(2, "cpu"))}
 ITERS_CASES = {  # the rule about the training length needs argv without BASE's --train-iters
     "iters-xor-epochs": (
         ["--lr", "1e-4", "--train-iters", "5", "--epochs", "1"],
@@ -237,14 +248,32 @@ def fired(argv: list[str], world_size: int, device: str) -> set[str]:
 
 
 def test_every_rule_has_cases():
-    assert {r.name for r in rules.RULES} == set(CASES) | set(ITERS_CASES)
+    assert {r.name for r in rules.RULES} == set(CASES) | set(ITERS_CASES) | set(CONTEXT_CASES)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "lr-required"])
 def test_rule_fires_and_passes(name):
     bad, good, world, device = CASES[name]
-    assert name in fired(BASE + bad, world, device)
+    if name == "nccl-needs-cuda":  # the same flags: the device decides
+        assert name in fired(BASE + bad, world, "cpu")
+    else:
+        assert name in fired(BASE + bad, world, device)
     assert name not in fired(BASE + good, world, device)
+
+
+@pytest.mark.parametrize("name", list(CONTEXT_CASES))
+def test_context_rules(name):
+    bad, good = CONTEXT_CASES[name]
+    args = arguments.parse_args(BASE)
+    assert name in {rule.name for rule in rules.RULES if rule.violated(args, bad)}
+    assert name not in {rule.name for rule in rules.RULES if rule.violated(args, good)}
+
+
+def test_probabilities_refuse_nan_and_the_split_names_its_problem():
+    assert "probabilities-in-range" in fired(BASE + ["--attention-dropout", "nan"], 1, "cpu")
+    args = arguments.parse_args(BASE + ["--split", "a,b"])
+    messages = rules.violations(args, RunContext(1, "cpu"))
+    assert any(m.startswith("--split 'a,b': expected one to three numbers") for m in messages)
 
 
 def test_lr_required_fires_without_lr():

@@ -1,0 +1,112 @@
+"""Stale locks of interrupted op builds, cleared before DeepSpeed compiles its CPU ops.
+
+DeepSpeed JIT-builds `cpu_adam` (for --cpu-offload) and `deepspeed_shm_comm` (CPU collectives) with
+torch.utils.cpp_extension, which guards each build folder with a FileBaton: `lock` created with O_EXCL,
+held open by the builder and removed when the build ends. A build killed midway leaves the file, and every
+later process waits on it for ever (FileBaton.wait polls until the file disappears, without a timeout).
+
+A lock has a living holder when some process on this host has the file open (/proc/PID/fd). Without one, on
+a local file system, the builder is gone: the lock is removed. On a network file system a builder on another
+node cannot be seen, so the lock is removed only once the build folder has been idle for `idle_seconds`
+(ninja writes its log and objects as a build runs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+DEEPSPEED_CPU_OPS = ("cpu_adam", "deepspeed_shm_comm")
+NETWORK_FILE_SYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "fuse.sshfs", "glusterfs",
+                        "9p", "afs")
+
+
+def build_directory(name: str) -> Path:
+    """Where torch.utils.cpp_extension builds extension `name` (TORCH_EXTENSIONS_DIR or its cache root)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(name, verbose=False))  # torch's own rule, not a copy
+
+
+def lock_holders(lock: Path) -> list[int]:
+    """Pids of the processes on this host that have `lock` open (those this user may inspect)."""
+    target = os.path.realpath(lock)
+    holders = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                if os.readlink(fd.path) == target:
+                    holders.append(int(entry.name))
+                    break
+        except OSError:  # the process ended, or belongs to another user
+            continue
+    return holders
+
+
+def file_system_type(path: Path) -> str:
+    """The type of the mount holding `path`, from /proc/self/mounts ('' when unknown)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                mount_point = fields[1].replace("\\040", " ")
+                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) > len(best):
+                    best, kind = mount_point, fields[2]
+    except OSError:
+        return ""
+    return kind
+
+
+def _last_activity(folder: Path) -> float:
+    times = [entry.stat().st_mtime for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)]
+    return max(times, default=0.0)
+
+
+def clear_stale_lock(lock: Path, idle_seconds: float = 300.0, poll_seconds: float = 1.0) -> str | None:
+    """Remove `lock` if its builder is gone; returns what was done, None when there was nothing to do or a
+    living build holds it (the caller then waits for that build, as torch does)."""
+    network = file_system_type(lock.parent) in NETWORK_FILE_SYSTEMS
+    announced = False
+    while lock.exists():
+        if lock_holders(lock):
+            return None
+        idle = time.time() - _last_activity(lock.parent)
+        if not network or idle >= idle_seconds:
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                return None
+            return (f"removed {lock}: the build that created it is gone (no process holds it"
+                    + (f", its folder idle {idle:.0f} s" if network else "") + "), so torch would wait on it for ever")
+        if not announced:
+            print(f"rapidtrain: waiting for {lock}: no process on this host builds it; on this network file system "
+                  f"a build on another node may (removed after {idle_seconds:.0f} s without activity)",
+                  file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(poll_seconds)
+    return None
+
+
+def clear_stale_op_build_locks(names: Sequence[str] = DEEPSPEED_CPU_OPS, idle_seconds: float = 300.0) -> list[str]:
+    """Before DeepSpeed builds its CPU ops: the first process of each node clears the stale locks of `names`,
+    the others wait for it at a barrier (so none removes a lock another has just taken). Returns what was done."""
+    import torch.distributed as dist
+
+    done: list[str] = []
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for name in names:
+            message = clear_stale_lock(build_directory(name) / "lock", idle_seconds)
+            if message:
+                print(f"rapidtrain: {message}", file=sys.stderr, flush=True)
+                done.append(message)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return done

@@ -1,0 +1,64 @@
+"""A torch-extension build killed midway leaves FileBaton's lock; the next DeepSpeed run would wait on it for ever.
+The lock is removed when no process holds it, and kept while a build holds it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rapidtrain.parallel.op_build import build_directory, clear_stale_lock, clear_stale_op_build_locks, lock_holders
+
+BUILDER = textwrap.dedent("""
+    import sys, time
+    from torch.utils.file_baton import FileBaton
+    baton = FileBaton(sys.argv[1])
+    assert baton.try_acquire()
+    print("building", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def extensions(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # never the shared cache
+    return tmp_path
+
+
+def start_build(lock) -> subprocess.Popen:
+    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert builder.stdout.readline().strip() == "building"
+    return builder
+
+
+def test_lock_of_a_killed_build_is_removed_and_a_new_build_can_take_it(extensions):
+    lock = build_directory("cpu_adam") / "lock"
+    assert lock.parent == extensions / "cpu_adam"
+    builder = start_build(lock)
+    builder.kill()  # as an interrupted first --cpu-offload run
+    builder.wait()
+    assert lock.exists() and lock_holders(lock) == []
+    done = clear_stale_op_build_locks(["cpu_adam"])
+    assert done == [f"removed {lock}: the build that created it is gone (no process holds it), so torch would "
+                    "wait on it for ever"]
+    from torch.utils.file_baton import FileBaton
+
+    assert FileBaton(str(lock)).try_acquire()  # torch's next build proceeds instead of waiting
+
+
+def test_lock_of_a_running_build_is_kept(extensions):
+    lock = build_directory("cpu_adam") / "lock"
+    builder = start_build(lock)
+    try:
+        assert lock_holders(lock) == [builder.pid]
+        assert clear_stale_lock(lock) is None and lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
+
+
+def test_nothing_to_do_without_a_lock(extensions):
+    assert clear_stale_op_build_locks() == []
+    assert not any((extensions / name / "lock").exists() for name in ("cpu_adam", "deepspeed_shm_comm"))
