@@ -96,7 +96,9 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
 def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("transformer", "Regular settings: transformer (built-in Megatron-style models)")
     g.add_argument("--pretrained-model-name-or-path", default=None,
-                   help="Local Hugging Face model folder for fine-tuning (transformers Auto classes; never the hub).")
+                   help="Local Hugging Face model folder (never the hub). Fine-tuning tasks load it with transformers' "
+                        "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, Llama, "
+                        "Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
     g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
@@ -110,10 +112,35 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
     g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight initialisation.")
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", type=float, default=1e-5,
+                   help="Epsilon of LayerNorm and RMSNorm.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate output-layer weights instead of the tied input embedding.")
     g.add_argument("--bert-binary-head", action="store_true", help="BERT: add the next-sentence (binary) head.")
+    # Llama-family architecture, with Megatron's flag names.
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
+                   help="Norm of every layer, the final norm and BERT's head (Llama: RMSNorm).")
+    g.add_argument("--swiglu", action="store_true",
+                   help="Gated MLP fc2(silu(gate(x)) · fc1(x)) in dense layers and experts (Llama); without "
+                        "--ffn-hidden-size the MLP is 2/3 of 4 × hidden, rounded down to a multiple of 64 (Megatron).")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Grouped-query attention: --num-query-groups key/value heads shared by the query heads.")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="Key/value heads with --group-query-attention (default 1); divides the heads, and is "
+                        "divisible by the tensor-parallel size.")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="No biases in attention, MLP and expert linear layers (Llama).")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="With --disable-bias-linear: biases on the q/k/v projections only (Qwen2).")
+    g.add_argument("--rotary-base", type=float, default=None,
+                   help="Rotary base theta with --position-embedding-type rope (default 10000).")
+    g.add_argument("--rotary-percent", type=float, default=None,
+                   help="Share of each head's dimensions that rope rotates (default 1.0).")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact GELU.")
+    g.add_argument("--post-layernorm", action="store_true",
+                   help="Original BERT order: x = norm(x + f(x)) in every layer, a norm on the embedding sum and "
+                        "no final norm (Hugging Face BERT). Default: pre-norm, as Megatron.")
 
 
 def _add_training(parser: argparse.ArgumentParser) -> None:
@@ -322,7 +349,24 @@ def parse_args(
         args.data_name = args.dataset_name
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.task == "pretraining" and args.pretrained_model_name_or_path:
+        from rapidtrain.models.hf_config import apply_pretrained_defaults
+
+        apply_pretrained_defaults(args, given_dests(parser, argv))
     return args
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The dests of the flags written on the command line (not left at a default)."""
+    import copy
+    import sys
+
+    quiet = copy.deepcopy(parser)
+    for action in quiet._actions:  # argparse exposes the actions only this way
+        action.default = argparse.SUPPRESS
+    quiet._defaults.clear()  # an entry point's set_defaults, which parse_known_args would otherwise fill in
+    given, _ = quiet.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return set(vars(given))
 
 
 # Flags that say the same thing two ways: a user who gives one overrides an entry point's default for the other.

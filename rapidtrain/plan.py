@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.hf_config import initialises_builtin
 
 DeviceType = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -224,7 +225,28 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         moe_aux_loss_coeff=args.moe_loss_coeff,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_jitter_eps=args.moe_jitter_eps,
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        rotary_base=args.rotary_base or 10000,
+        rotary_percent=args.rotary_percent or 1.0,
+        openai_gelu=args.openai_gelu,
+        post_layernorm=args.post_layernorm,
+        hf_weights=args.pretrained_model_name_or_path if initialises_builtin(args) else None,
     )
+
+
+def builtin_vocab_size(args: argparse.Namespace, tokenizer_vocab_size: int) -> int:
+    """The built-in model's padded vocabulary: the tokenizer's, padded as Megatron pads it (a multiple of
+    --make-vocab-size-divisible-by × TP), or a Hugging Face model's own vocabulary padded so, if larger
+    (its embedding rows must all fit; rows added by padding start at zero)."""
+    from rapidtrain.data.tokenizer import padded_vocab_size
+    from rapidtrain.models.hf_config import pretrained_vocab_size
+
+    vocab = max(tokenizer_vocab_size, pretrained_vocab_size(args) or 0)
+    return padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 def template_of(args: argparse.Namespace) -> str:
@@ -249,7 +271,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext, vocab_size: int | None 
     layout = layout_of(args, ctx)
     batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, layout.data_parallel_size)
     precision = precision_of(args, ctx.device_type)
-    builtin = not args.pretrained_model_name_or_path
+    builtin = args.task == "pretraining" or not args.pretrained_model_name_or_path
     model = model_config_from_args(args, vocab_size) if builtin and vocab_size else None
     engines, notes = engines_for(args, ctx, layout, precision)
     memory = memory_estimate(args, model, layout, precision) if model else None
@@ -396,7 +418,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
         engines.append(EngineChoice("precision", engine, precision.reason))
     if args.checkpoint_activations:
         engines.append(EngineChoice("--checkpoint-activations", "torch.utils.checkpoint per transformer layer"
-                                    if not args.pretrained_model_name_or_path
+                                    if args.task == "pretraining" or not args.pretrained_model_name_or_path
                                     else "Hugging Face gradient_checkpointing_enable()"))
     if args.onnx_runtime_training:
         usable, why = _ort_status()
@@ -496,8 +518,11 @@ def describe_plan(plan: Plan) -> str:
                                                                         if choice.reason else ""))
     if plan.model:
         m = plan.model
-        lines.append(f"  model: {m.model_type} {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
-                     f"heads, seq {m.seq_length}, padded vocab {m.vocab_size}"
+        groups = f" ({m.query_groups} key/value groups)" if m.query_groups != m.num_attention_heads else ""
+        lines.append(f"  model: {m.architecture}"
+                     + (f" initialised from Hugging Face weights in {m.hf_weights}" if m.hf_weights else "")
+                     + f": {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads{groups}, "
+                     f"ffn {m.ffn_size}, seq {m.seq_length}, padded vocab {m.vocab_size}"
                      + (f", experts {list(m.num_experts)}" if m.num_experts else ""))
     if plan.memory:
         mem = plan.memory

@@ -64,6 +64,19 @@ class ModelConfig:
         return 4 * self.hidden_size
 
     @property
+    def architecture(self) -> str:
+        """The model in words, for the plan: built-in GPT (GPT-2-style / Llama-family) or BERT."""
+        if self.model_type == "bert":
+            kind = "built-in BERT" + (" (post-LN, original BERT order)" if self.post_layernorm else "")
+        elif self.normalization == "RMSNorm" and self.swiglu and self.position_embedding_type == "rope":
+            kind = "built-in GPT (Llama-family)"
+        elif self.normalization == "LayerNorm" and not self.swiglu and self.position_embedding_type != "rope":
+            kind = "built-in GPT (GPT-2-style)"
+        else:
+            kind = "built-in GPT"
+        return kind + (" with mixture-of-experts layers" if any(self.num_experts) else "")
+
+    @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 

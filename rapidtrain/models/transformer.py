@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -405,6 +406,31 @@ def initial_value(
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
+def canonical_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Parameter]]:
+    """(name in the whole unwrapped model, owning module, parameter) for every materialized parameter.
+
+    Wrapper prefixes (activation checkpointing, compile, FSDP1) are dropped, and a tied head's own copy
+    on a pipeline stage without the embedding is named after the embedding it copies.
+    """
+    for module_name, module in model.named_modules():
+        for leaf, param in module.named_parameters(recurse=False):
+            if param.is_meta:
+                continue
+            name = ".".join(p for p in f"{module_name}.{leaf}".split(".") if p and p not in _WRAPPER_NAMES)
+            if isinstance(module, OutputLayer) and leaf == "weight" and module.tied_to:
+                name = module.tied_to
+            yield name, module, param
+
+
+def set_parameter(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Copy a whole (CPU) value into `param`, which may be a DTensor holding a shard of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
+
+
 def init_weights(model: nn.Module, seed: int) -> None:
     """Set every parameter from a generator seeded by (seed, its name), whatever the layout.
 
@@ -413,22 +439,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     same values for the same parameter. Values are drawn on the CPU (device generators differ).
     Needs `model.config` (a ModelConfig; num_layers is the whole model's, also in a stage).
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     config: ModelConfig = model.config  # type: ignore[assignment]
     with torch.no_grad():
-        for module_name, module in model.named_modules():
-            for leaf, param in module.named_parameters(recurse=False):
-                if param.is_meta:
-                    continue
-                name = ".".join(
-                    p for p in f"{module_name}.{leaf}".split(".") if p and p not in _WRAPPER_NAMES
-                )
-                if isinstance(module, OutputLayer) and leaf == "weight" and module.tied_to:
-                    name = module.tied_to
-                value = initial_value(name, module, param.shape, config, seed)
-                if isinstance(param, DTensor):
-                    value = distribute_tensor(
-                        value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-                    )
-                param.copy_(value)
+        for name, module, param in canonical_parameters(model):
+            set_parameter(param, initial_value(name, module, param.shape, config, seed))
