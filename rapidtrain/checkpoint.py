@@ -26,7 +26,9 @@ COMMON_FILE = "common.pt"
 # Flags that fix the model's shape: a checkpoint saved with other values cannot load.
 MODEL_SHAPE_FLAGS = ("model_type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "padded_vocab_size", "position_embedding_type", "max_position_embeddings",
-                     "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq")
+                     "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
+                     "normalization", "swiglu", "group_query_attention", "num_query_groups", "add_bias_linear",
+                     "add_qkv_bias", "post_layernorm")
 
 
 class CheckpointError(RuntimeError):

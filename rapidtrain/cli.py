@@ -112,10 +112,8 @@ def plan_command(argv: list[str]) -> int:
 
 def plan_vocab_size(args: argparse.Namespace) -> int | None:
     """The padded vocabulary of the built-in model, from the tokenizer flags or the demo corpus."""
-    if args.pretrained_model_name_or_path:
+    if args.pretrained_model_name_or_path and args.task != "pretraining":
         return None
-    from rapidtrain.data.tokenizer import padded_vocab_size
-
     if args.tokenizer_type is None and not args.data_path:
         from rapidtrain.data.demo import VOCAB_SIZE
 
@@ -126,7 +124,7 @@ def plan_vocab_size(args: argparse.Namespace) -> int | None:
         from rapidtrain.data.tokenizer import build_tokenizer
 
         vocab = build_tokenizer(tokenizer_settings(args)).vocab_size
-    return padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    return plan.builtin_vocab_size(args, vocab)
 
 
 def tokenizer_settings(args: argparse.Namespace):

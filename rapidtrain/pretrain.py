@@ -16,8 +16,9 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size  # noqa: E402
+from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from rapidtrain.engine import Engine  # noqa: E402
+from rapidtrain.plan import builtin_vocab_size  # noqa: E402
 from rapidtrain.trainers.pretrainer import PreTrainer  # noqa: E402
 
 # The main job's defaults: a small GPT that learns visibly within a few hundred iterations on 2 CPU cores.
@@ -32,8 +33,8 @@ class MegatronPreTrainer(PreTrainer):
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
         self.tokenizer = self.build_tokenizer()
-        self.args.padded_vocab_size = padded_vocab_size(
-            self.tokenizer.vocab_size, self.args.make_vocab_size_divisible_by, self.args.tensor_model_parallel_size)
+        # A Hugging Face model's own vocabulary counts too (plan.builtin_vocab_size).
+        self.args.padded_vocab_size = builtin_vocab_size(self.args, self.tokenizer.vocab_size)
         self.engine.resolve_model(self.args.padded_vocab_size)
 
     def build_tokenizer(self) -> Tokenizer:
