@@ -1,5 +1,6 @@
 """The Llama-shaped built-in GPT (RMSNorm, SwiGLU, grouped-query attention, rope, no biases, untied output) on
-2 ranks: tensor and pipeline parallelism give one process's losses, a run resumes exactly, and continued
+2 ranks: tensor, pipeline and (its MoE variant) expert parallelism give one process's losses, a run resumes
+exactly, and continued
 pretraining from a Hugging Face Llama folder runs under pipeline parallelism and gives its weights back out of
 a tensor-parallel checkpoint, resharded and exported.
 
@@ -66,6 +67,7 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     out = tmp_path_factory.mktemp("llama_layouts")
     hf = save_hf_llama(out / "hf_llama")
     llama = LLAMA_SHAPE + TRAINING + data_flags(demo_data) + ["--train-iters", "4"]
+    moe = llama + ["--num-experts", "4", "--moe-router-topk", "2"]  # SwiGLU experts without biases
     from_hf = ["--pretrained-model-name-or-path", str(hf), *TRAINING, *data_flags(demo_data)]
 
     def log(name: str) -> list[str]:
@@ -77,6 +79,7 @@ def runs(tmp_path_factory, demo_data) -> Runs:
                  *log("tp2_resumed")],
         llama + ["--tensor-model-parallel-size", "2", "--load", str(out / "tp2_cut"), *log("tp2_resumed")],
         llama + ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), *log("pp2")],
+        moe + ["--expert-model-parallel-size", "2", *log("moe_ep2")],
         from_hf + ["--pipeline-model-parallel-size", "2", "--train-iters", "3", *log("hf_pp2")],
         # lr 0: the weights stay the Hugging Face ones, through a tensor-parallel save
         from_hf + ["--tensor-model-parallel-size", "2", "--train-iters", "1", "--lr", "0", "--min-lr", "0",
@@ -85,6 +88,7 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     (out / "runs.json").write_text(json.dumps(two_ranks))
     result = torchrun(2, RUNS, [str(out / "runs.json")], timeout=1200)
     train_here(llama + log("single"))
+    train_here(moe + log("moe_single"))
     train_here(from_hf + ["--train-iters", "3", *log("hf_single")])
     return Runs(out, hf, result.stdout)
 
@@ -99,6 +103,18 @@ def test_llama_tensor_and_pipeline_parallel_match_one_process(runs, layout):
     assert relative_difference(losses, runs.losses("single")) < TOLERANCE
     norms = read_grad_norms(runs.out / f"{layout}.txt")
     assert relative_difference(norms, read_grad_norms(runs.out / "single.txt")) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_llama_moe_expert_parallel_matches_one_process(runs):
+    """Top-2 of 4 SwiGLU experts in both layers, sharded 2 + 2 over the ranks (DP 2 × EP 2): one process's losses
+    and gradient norms (the expert weights w1, w_gate, w2 without biases, sliced by expert)."""
+    assert "expert parallel 2" in runs.launch_output
+    losses = runs.losses("moe_ep2")
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert relative_difference(losses, runs.losses("moe_single")) < TOLERANCE
+    norms = read_grad_norms(runs.out / "moe_ep2.txt")
+    assert relative_difference(norms, read_grad_norms(runs.out / "moe_single.txt")) < TOLERANCE
 
 
 @pytest.mark.slow
