@@ -8,6 +8,7 @@ plain data only, no pickled code runs.
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,9 @@ def consolidated_model_state(directory: Path) -> dict[str, torch.Tensor]:
             model[path[1]] = torch.empty(stored.size, dtype=stored.properties.dtype)
     if not model:
         raise CheckpointError(f"checkpoint {directory} holds no model tensors (was it written by rapidtrain?)")
-    dcp.load({"model": model}, checkpoint_id=str(directory), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model}, checkpoint_id=str(directory), no_dist=True)
     return model
 
 

@@ -23,6 +23,8 @@ USAGE = """usage:
   rapidtrain plan FLAGS [--world-size N] [--device cpu|cuda] [--json]
                                          print what the flags resolve to, start nothing
   rapidtrain demo-data [--cache-dir DIR] prepare the built-in demo corpus
+  rapidtrain generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
+                                         continue a prompt with a trained built-in GPT (any saved layout)
 """
 
 
@@ -150,7 +152,13 @@ def demo_data_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"plan": plan_command, "demo-data": demo_data_command}
+def generate_command(argv: list[str]) -> int:
+    from rapidtrain.generation import generate_command as run
+
+    return run(argv)
+
+
+COMMANDS = {"plan": plan_command, "demo-data": demo_data_command, "generate": generate_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -153,3 +153,26 @@ def test_hugging_face_weights_come_back_out_of_a_tensor_parallel_checkpoint(runs
         assert torch.equal(tensor, exported[name]), name
     reloaded = LlamaForCausalLM.from_pretrained(export / "hf")
     assert reloaded.config.num_key_value_heads == 2 and not reloaded.config.tie_word_embeddings
+
+
+@pytest.mark.slow
+def test_checkpoints_saved_under_tp2_and_pp2_generate_in_one_process(runs, capsys):
+    """`rapidtrain generate` loads each checkpoint whole (DCP reshards the TP shards and the PP stages): the two
+    runs' weights give the same logits (within fp32 noise) and the same greedy text."""
+    import argparse
+
+    from rapidtrain import cli
+    from rapidtrain.generation import load_for_generation
+
+    prompt = torch.tensor([[5, 17, 300, 42, 7]])
+    logits, texts = [], []
+    for name in ("tp2", "pp2"):
+        model, _ = load_for_generation(argparse.Namespace(load=str(runs.out / name), iteration=None), [])
+        assert model.config.query_groups == 2 and model.config.swiglu
+        with torch.no_grad():
+            logits.append(model(prompt))
+        assert cli.main(["generate", "--load", str(runs.out / name), "--prompt", "The first", "--max-new-tokens",
+                         "16"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert (logits[0] - logits[1]).abs().max() < 1e-4
+    assert texts[0] == texts[1] and texts[0].startswith("The first")
