@@ -199,7 +199,7 @@ def test_one_training_step_equals_hugging_face(kind, tmp_path):
     ids = tokens()
     our_loss = ours(ids[:, :-1], labels=ids[:, 1:]).mean()
     their_loss = theirs(ids, labels=ids).loss  # transformers shifts the labels itself
-    assert abs(float(our_loss) - float(their_loss)) < TOLERANCE
+    assert abs(our_loss.item() - their_loss.item()) < TOLERANCE
     one_sgd_step(ours, our_loss)
     one_sgd_step(theirs, their_loss)
     updated = hf_state_dict(ours.state_dict(), ours.config, kind)
