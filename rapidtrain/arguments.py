@@ -329,6 +329,8 @@ def build_parser(
     )
     for add_group in GROUP_BUILDERS:
         add_group(parser)
+    # Not a flag: whether --pretrained-model-name-or-path initialises the built-in model (parse_args decides).
+    parser.set_defaults(builtin_from_pretrained=False)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
@@ -349,11 +351,19 @@ def parse_args(
         args.data_name = args.dataset_name
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.task == "pretraining" and args.pretrained_model_name_or_path:
+    args.builtin_from_pretrained = builtin_from_pretrained(args)
+    if args.builtin_from_pretrained:
         from rapidtrain.models.hf_config import apply_pretrained_defaults
 
         apply_pretrained_defaults(args, given_dests(parser, argv))
     return args
+
+
+def builtin_from_pretrained(args: argparse.Namespace) -> bool:
+    """--task pretraining with --pretrained-model-name-or-path, and no --user-script (whose script decides what
+    the folder is for): the folder initialises the built-in model, its config.json giving the shape flags not
+    written. The fine-tuning tasks load the folder as a Hugging Face model instead."""
+    return args.task == "pretraining" and bool(args.pretrained_model_name_or_path) and not args.user_script
 
 
 def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:

@@ -77,11 +77,11 @@ def saved_args(directory: Path) -> argparse.Namespace:
 def saved_model_config(directory: Path) -> ModelConfig | None:
     """The built-in model's shape from the saved flags; None for a Hugging Face model's checkpoint. The
     Hugging Face folder that initialised it (if any) is not needed again: the weights are in the checkpoint."""
+    from rapidtrain.models.hf_config import trains_builtin_model
     from rapidtrain.plan import model_config_from_args
 
     args = saved_args(directory)
-    builtin = args.task == "pretraining" or not args.pretrained_model_name_or_path
-    if not builtin or not getattr(args, "padded_vocab_size", None):
+    if not trains_builtin_model(args) or not getattr(args, "padded_vocab_size", None):
         return None
-    args.pretrained_model_name_or_path = None
+    args.pretrained_model_name_or_path, args.builtin_from_pretrained = None, False
     return model_config_from_args(args, args.padded_vocab_size)

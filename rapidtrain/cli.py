@@ -114,7 +114,9 @@ def plan_command(argv: list[str]) -> int:
 
 def plan_vocab_size(args: argparse.Namespace) -> int | None:
     """The padded vocabulary of the built-in model, from the tokenizer flags or the demo corpus."""
-    if args.pretrained_model_name_or_path and args.task != "pretraining":
+    from rapidtrain.models.hf_config import trains_builtin_model
+
+    if not trains_builtin_model(args):
         return None
     if args.tokenizer_type is None and not args.data_path:
         from rapidtrain.data.demo import VOCAB_SIZE

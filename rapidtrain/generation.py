@@ -179,6 +179,7 @@ def load_for_generation(options: argparse.Namespace, overrides: list[str]) -> tu
     from rapidtrain.checkpoint_reader import checkpoint_directory, consolidated_model_state, saved_args
     from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
     from rapidtrain.models import build_model
+    from rapidtrain.models.hf_config import trains_builtin_model
     from rapidtrain.plan import model_config_from_args
 
     directory = checkpoint_directory(options.load, options.iteration)
@@ -189,10 +190,11 @@ def load_for_generation(options: argparse.Namespace, overrides: list[str]) -> tu
     for dest in given_dests(parser, overrides):
         setattr(args, dest, given[dest])
     check_same_model(saved, args, directory)
-    if args.model_type != "gpt" or (args.pretrained_model_name_or_path and args.task != "pretraining"):
+    if args.model_type != "gpt" or not trains_builtin_model(args):
         raise CheckpointError(f"{directory} holds no built-in GPT: `rapidtrain generate` continues text with the "
                               "built-in GPT (GPT-2-style or Llama-family)")
-    args.pretrained_model_name_or_path = None  # the weights come from the checkpoint
+    # The weights come from the checkpoint, not from the Hugging Face folder that started the run.
+    args.pretrained_model_name_or_path, args.builtin_from_pretrained = None, False
     config = model_config_from_args(args, args.padded_vocab_size)
     model = build_model(config, seed=None)
     model.load_state_dict(consolidated_model_state(directory), strict=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.models.hf_config import initialises_builtin
+from rapidtrain.models.hf_config import initialises_builtin, trains_builtin_model
 
 DeviceType = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -271,7 +271,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext, vocab_size: int | None 
     layout = layout_of(args, ctx)
     batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, layout.data_parallel_size)
     precision = precision_of(args, ctx.device_type)
-    builtin = args.task == "pretraining" or not args.pretrained_model_name_or_path
+    builtin = trains_builtin_model(args)
     model = model_config_from_args(args, vocab_size) if builtin and vocab_size else None
     engines, notes = engines_for(args, ctx, layout, precision)
     memory = memory_estimate(args, model, layout, precision) if model else None
@@ -418,7 +418,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
         engines.append(EngineChoice("precision", engine, precision.reason))
     if args.checkpoint_activations:
         engines.append(EngineChoice("--checkpoint-activations", "torch.utils.checkpoint per transformer layer"
-                                    if args.task == "pretraining" or not args.pretrained_model_name_or_path
+                                    if trains_builtin_model(args)
                                     else "Hugging Face gradient_checkpointing_enable()"))
     if args.onnx_runtime_training:
         usable, why = _ort_status()

@@ -83,9 +83,9 @@ def _accumulation_steps(args: Args, ctx: RunContext) -> int | None:
 
 
 def _uses_hf_model(args: Args) -> bool:
-    """A Hugging Face model is trained (fine-tuning tasks); with --task pretraining the folder only gives the
-    built-in model its initial weights."""
-    return bool(args.pretrained_model_name_or_path) and args.task != "pretraining"
+    """A Hugging Face model is trained (fine-tuning tasks, user scripts); with --task pretraining the folder
+    only gives the built-in model its initial weights."""
+    return not hf_config.trains_builtin_model(args)
 
 
 def _query_groups(args: Args) -> int:

@@ -58,11 +58,16 @@ def read_config(path: str) -> dict[str, Any]:
         raise UnsupportedModel(f"--pretrained-model-name-or-path {path}: cannot read {file} ({error})") from error
 
 
+def trains_builtin_model(args: argparse.Namespace) -> bool:
+    """The run trains a built-in model (no Hugging Face model), perhaps from Hugging Face weights
+    (args.builtin_from_pretrained, decided by arguments.parse_args)."""
+    return not args.pretrained_model_name_or_path or bool(getattr(args, "builtin_from_pretrained", False))
+
+
 def initialises_builtin(args: argparse.Namespace) -> bool:
-    """--task pretraining with a Hugging Face folder: the built-in model starts from the folder's weights
-    (the fine-tuning tasks load the folder as a Hugging Face model instead)."""
-    folder = getattr(args, "pretrained_model_name_or_path", None)
-    return args.task == "pretraining" and bool(folder) and classify_folder(folder) == "huggingface"
+    """The built-in model starts from the weights of the Hugging Face folder the flags name."""
+    folder = args.pretrained_model_name_or_path
+    return bool(getattr(args, "builtin_from_pretrained", False) and folder) and classify_folder(folder) == "huggingface"
 
 
 def family(config: dict[str, Any]) -> str:
@@ -302,8 +307,8 @@ def pretrained_conflicts(args: argparse.Namespace) -> list[str]:
 
 def unsupported_reason(args: argparse.Namespace) -> str | None:
     """Why the folder cannot initialise the built-in model (pretraining only); None when it can."""
-    folder = getattr(args, "pretrained_model_name_or_path", None)
-    if args.task != "pretraining" or not folder:
+    folder = args.pretrained_model_name_or_path
+    if not getattr(args, "builtin_from_pretrained", False):
         return None
     kind = classify_folder(folder)
     if kind == "missing":

@@ -148,6 +148,17 @@ def test_fine_tuning_tasks_keep_the_hugging_face_model(tmp_path):
     assert resolved.template == "Finetuner (Hugging Face model)" and resolved.model is None
 
 
+def test_a_user_script_decides_what_the_folder_is_for(tmp_path):
+    """With --user-script (a white-box Finetuner, say) the folder stays a Hugging Face model for the script to load,
+    even at the default --task pretraining: nothing is taken from it and nothing is refused."""
+    folder = save_tiny("bert", tmp_path / "bert")
+    args = arguments.parse_args(["--user-script", "my_finetuner.py", "--pretrained-model-name-or-path", str(folder),
+                                 "--epochs", "1", "--lr", "1e-4"])
+    assert not args.builtin_from_pretrained and args.model_type == "gpt" and args.tokenizer_type is None
+    assert "pretrained-shape-flags" not in {r.name for r in rules.RULES if r.violated(args, plan.RunContext(1, "cpu"))}
+    assert plan.from_args(args, plan.RunContext(1, "cpu")).model is None
+
+
 def test_padded_vocabulary_rows_start_at_zero(tmp_path):
     """A vocabulary of 250 pads to 256: the real rows give Hugging Face's logits, the padding logit 0."""
     folder = save_tiny("llama", tmp_path / "llama", vocab_size=250)
