@@ -306,6 +306,14 @@ RULES: tuple[Rule, ...] = (
         "value in (0, 1].",
     ),
     Rule(
+        "swiglu-ffn-size", ("--swiglu", "--ffn-hidden-size", "--hidden-size"),
+        "With --swiglu and no --ffn-hidden-size the MLP is 2/3 of 4 × hidden rounded down to a multiple of 64 "
+        "(Megatron); that must leave at least 64.",
+        lambda a, c: a.swiglu and a.ffn_hidden_size is None and int(4 * a.hidden_size * 2 / 3 / 64) < 1,
+        lambda a, c: f"--swiglu with --hidden-size {a.hidden_size} and no --ffn-hidden-size: 2/3 of 4 × hidden "
+        "rounded down to a multiple of 64 leaves no MLP. Give --ffn-hidden-size.",
+    ),
+    Rule(
         "openai-gelu-needs-gelu", ("--openai-gelu", "--swiglu"),
         "--openai-gelu changes the GELU of GELU MLPs; a GPT with --swiglu has none.",
         lambda a, c: a.openai_gelu and a.swiglu and a.model_type == "gpt",

@@ -244,6 +244,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "swiglu-ffn-size": (["--swiglu", "--hidden-size", "16"], ["--swiglu", "--hidden-size", "16", "--ffn-hidden-size",
+                                                             "96"], 1, "cpu"),
     "openai-gelu-needs-gelu": (["--swiglu", "--openai-gelu"], ["--openai-gelu"], 1, "cpu"),
     # HF_* and CHECKPOINT_DIR are replaced by folders the `folders` fixture writes.
     "pretrained-folder-initialises-builtin": (
