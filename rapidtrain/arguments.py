@@ -98,7 +98,9 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
 def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("transformer", "Regular settings: transformer (built-in Megatron-style models)")
     g.add_argument("--pretrained-model-name-or-path", default=None,
-                   help="Local Hugging Face model folder for fine-tuning (transformers Auto classes; never the hub).")
+                   help="Local Hugging Face model folder (never the hub). Fine-tuning tasks load it with transformers' "
+                        "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, Llama, "
+                        "Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
     g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
@@ -112,10 +114,35 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
     g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight initialisation.")
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", type=float, default=1e-5,
+                   help="Epsilon of LayerNorm and RMSNorm.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate output-layer weights instead of the tied input embedding.")
     g.add_argument("--bert-binary-head", action="store_true", help="BERT: add the next-sentence (binary) head.")
+    # Llama-family architecture, with Megatron's flag names.
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
+                   help="Norm of every layer, the final norm and BERT's head (Llama: RMSNorm).")
+    g.add_argument("--swiglu", action="store_true",
+                   help="Gated MLP fc2(silu(gate(x)) · fc1(x)) in dense layers and experts (Llama); without "
+                        "--ffn-hidden-size the MLP is 2/3 of 4 × hidden, rounded down to a multiple of 64 (Megatron).")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Grouped-query attention: --num-query-groups key/value heads shared by the query heads.")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="Key/value heads with --group-query-attention (default 1); divides the heads, and is "
+                        "divisible by the tensor-parallel size.")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="No biases in attention, MLP and expert linear layers (Llama).")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="With --disable-bias-linear: biases on the q/k/v projections only (Qwen2).")
+    g.add_argument("--rotary-base", type=float, default=None,
+                   help="Rotary base theta with --position-embedding-type rope (default 10000).")
+    g.add_argument("--rotary-percent", type=float, default=None,
+                   help="Share of each head's dimensions that rope rotates (default 1.0).")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact GELU.")
+    g.add_argument("--post-layernorm", action="store_true",
+                   help="Original BERT order: x = norm(x + f(x)) in every layer, a norm on the embedding sum and "
+                        "no final norm (Hugging Face BERT). Default: pre-norm, as Megatron.")
 
 
 def _add_training(parser: argparse.ArgumentParser) -> None:
@@ -355,6 +382,8 @@ def build_parser(
     )
     for add_group in GROUP_BUILDERS:
         add_group(parser)
+    # Not a flag: whether --pretrained-model-name-or-path initialises the built-in model (parse_args decides).
+    parser.set_defaults(builtin_from_pretrained=False)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
@@ -380,6 +409,11 @@ def parse_args(
     chosen.update(defaults or {})
     for dest, value in _defaults_not_overridden(chosen, given).items():
         setattr(args, dest, value)
+    args.builtin_from_pretrained = builtin_from_pretrained(args)
+    if args.builtin_from_pretrained:  # shape flags not given come from the Hugging Face folder's config.json
+        from rapidtrain.models.hf_config import apply_pretrained_defaults
+
+        apply_pretrained_defaults(args, given)
     if args.dataset_name and not args.data_name:
         args.data_name = args.dataset_name
     if args.max_position_embeddings is None:
@@ -388,16 +422,26 @@ def parse_args(
     return args
 
 
+def builtin_from_pretrained(args: argparse.Namespace) -> bool:
+    """--task pretraining with --pretrained-model-name-or-path, and no --user-script (whose script decides what
+    the folder is for): the folder initialises the built-in model, its config.json giving the shape flags not
+    written. The fine-tuning tasks load the folder as a Hugging Face model instead."""
+    return args.task == "pretraining" and bool(args.pretrained_model_name_or_path) and not args.user_script
+
+
 def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The destinations of the flags present in `argv` (parsed again with every default suppressed)."""
     saved = [(action, action.default) for action in parser._actions]
+    parser_defaults = dict(parser._defaults)  # an entry point's set_defaults, which parsing would fill in
     try:
         for action, _ in saved:
             action.default = argparse.SUPPRESS
+        parser._defaults.clear()
         namespace, _ = parser.parse_known_args(argv)
     finally:
         for action, default in saved:
             action.default = default
+        parser._defaults.update(parser_defaults)
     return set(vars(namespace))
 
 

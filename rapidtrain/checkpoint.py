@@ -51,7 +51,11 @@ MODEL_SHAPE_FIELDS = {"model_type": "--model-type", "num_layers": "--num-layers"
                       "position_embedding_type": "--position-embedding-type",
                       "max_position_embeddings": "--max-position-embeddings",
                       "tie_embeddings": "--untie-embeddings-and-output-weights",
-                      "bert_binary_head": "--bert-binary-head", "num_experts": "--num-experts/--moe-layer-freq"}
+                      "bert_binary_head": "--bert-binary-head", "num_experts": "--num-experts/--moe-layer-freq",
+                      "normalization": "--normalization", "swiglu": "--swiglu",
+                      "num_query_groups": "--group-query-attention/--num-query-groups",
+                      "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+                      "post_layernorm": "--post-layernorm"}
 _TRUST_HINT = "Nothing from it was run. Use a checkpoint from a source you trust, or one this run's rapidtrain wrote."
 
 

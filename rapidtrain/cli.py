@@ -24,6 +24,8 @@ USAGE = """usage:
   rapidtrain plan FLAGS [--world-size N] [--device cpu|cuda] [--json]
                                          print what the flags resolve to, start nothing
   rapidtrain demo-data [--cache-dir DIR] prepare the built-in demo corpus
+  rapidtrain generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
+                                         continue a prompt with a trained built-in GPT (any saved layout)
 """
 
 
@@ -155,6 +157,12 @@ def demo_data_command(argv: list[str]) -> int:
     return 0
 
 
+def generate_command(argv: list[str]) -> int:
+    from rapidtrain.generation import generate_command as run
+
+    return run(argv)
+
+
 TORCHRUN = "_torchrun"  # internal: the launcher's torchrun, not a command users type
 
 
@@ -177,7 +185,8 @@ def quiet_torchrun(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"plan": plan_command, "demo-data": demo_data_command, TORCHRUN: quiet_torchrun}
+COMMANDS = {"plan": plan_command, "demo-data": demo_data_command, "generate": generate_command,
+            TORCHRUN: quiet_torchrun}
 
 
 @user_errors()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.hf_config import initialises_builtin, trains_builtin_model
 
 if TYPE_CHECKING:
     from rapidtrain.optim.grad_scaler import LossScaleSettings
@@ -313,6 +314,16 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         moe_aux_loss_coeff=args.moe_loss_coeff,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_jitter_eps=args.moe_jitter_eps,
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        rotary_base=args.rotary_base or 10000,
+        rotary_percent=args.rotary_percent or 1.0,
+        openai_gelu=args.openai_gelu,
+        post_layernorm=args.post_layernorm,
+        hf_weights=args.pretrained_model_name_or_path if initialises_builtin(args) else None,
     )
 
 
@@ -391,14 +402,19 @@ def tokenizer_settings_of(args: argparse.Namespace) -> TokenizerSettings | None:
 
 
 def builtin_vocab_size(args: argparse.Namespace, tokenizer: TokenizerSettings | None) -> int | None:
-    """The built-in model's padded vocabulary (Megatron's padding), or None when no built-in model is
-    known: a Hugging Face model folder, or no tokenizer to size it by."""
-    if args.pretrained_model_name_or_path or tokenizer is None:
+    """The built-in model's padded vocabulary (Megatron's padding: a multiple of --make-vocab-size-divisible-by
+    × TP), or None when no built-in model is trained (a Hugging Face model, or no tokenizer to size it by).
+    A Hugging Face model initialising it counts with its own vocabulary, if larger (all its embedding rows must
+    fit; rows added by padding start at zero)."""
+    if not trains_builtin_model(args):
         return None
     from rapidtrain.data.tokenizer import padded_vocab_size, tokenizer_vocab_size
+    from rapidtrain.models.hf_config import pretrained_vocab_size
 
-    return padded_vocab_size(tokenizer_vocab_size(tokenizer), args.make_vocab_size_divisible_by,
-                             args.tensor_model_parallel_size)
+    vocab = max(tokenizer_vocab_size(tokenizer) if tokenizer is not None else 0, pretrained_vocab_size(args) or 0)
+    if not vocab:
+        return None
+    return padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 def training_settings(args: argparse.Namespace) -> TrainingSettings:
@@ -565,7 +581,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
         engines.append(EngineChoice("precision", engine, precision.reason))
     if args.checkpoint_activations:
         engines.append(EngineChoice("--checkpoint-activations", "torch.utils.checkpoint per transformer layer"
-                                    if not args.pretrained_model_name_or_path
+                                    if trains_builtin_model(args)
                                     else "Hugging Face gradient_checkpointing_enable()"))
     if args.onnx_runtime_training:
         usable, why = _ort_status()
@@ -694,8 +710,11 @@ def describe_plan(plan: Plan) -> str:
                                                                         if choice.reason else ""))
     if plan.model:
         m = plan.model
-        lines.append(f"  model: {m.model_type} {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
-                     f"heads, seq {m.seq_length}, padded vocab {m.vocab_size}"
+        groups = f" ({m.query_groups} key/value groups)" if m.query_groups != m.num_attention_heads else ""
+        lines.append(f"  model: {m.architecture}"
+                     + (f" initialised from Hugging Face weights in {m.hf_weights}" if m.hf_weights else "")
+                     + f": {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads{groups}, "
+                     f"ffn {m.ffn_size}, seq {m.seq_length}, padded vocab {m.vocab_size}"
                      + (f", experts {list(m.num_experts)}" if m.num_experts else ""))
     if plan.memory:
         mem = plan.memory

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rapidtrain.arguments import STATE_PARTITIONING_FLAGS, TASKS
+from rapidtrain.models import hf_config
 from rapidtrain.plan import RunContext, data_parallel_size, expand_num_experts, zero_stage
 
 Args = argparse.Namespace
@@ -83,7 +84,13 @@ def _accumulation_steps(args: Args, ctx: RunContext) -> int | None:
 
 
 def _uses_hf_model(args: Args) -> bool:
-    return bool(args.pretrained_model_name_or_path)
+    """A Hugging Face model is trained (fine-tuning tasks, user scripts); with --task pretraining the folder
+    only gives the built-in model its initial weights."""
+    return not hf_config.trains_builtin_model(args)
+
+
+def _query_groups(args: Args) -> int:
+    return (args.num_query_groups or 1) if args.group_query_attention else args.num_attention_heads
 
 
 def _deepspeed_zero(args: Args) -> bool:
@@ -93,6 +100,16 @@ def _deepspeed_zero(args: Args) -> bool:
 def _optimizer_choice(args: Args) -> tuple[str, str]:
     """(name, flag that chose it): `--optimizer` overrides `--optimizers`."""
     return (args.optimizer, "--optimizer") if args.optimizer else (args.optimizers, "--optimizers")
+
+
+def _sliding_window(args: Args) -> int | None:
+    """The sliding window a Hugging Face model that initialises the built-in one attends within, if any."""
+    if not hf_config.initialises_builtin(args) or hf_config.unsupported_reason(args):
+        return None
+    config = hf_config.read_config(args.pretrained_model_name_or_path)
+    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window"):
+        return None
+    return config.get("sliding_window")
 
 
 NON_ELEMENTWISE_OPTIMIZERS = ("apex_lamb", "adafactor")  # per-parameter norms or factored statistics
@@ -114,7 +131,8 @@ def _needs_iterations(args: Args, ctx: RunContext) -> bool:
 
 def _positive_sizes(args: Args) -> list[str]:
     names = ("micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-             "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+             "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+             "num_query_groups")
     bad = [_flag(n) for n in names if getattr(args, n) is not None and getattr(args, n) < 1]
     if args.global_batch_size is not None and args.global_batch_size < 1:
         bad.append("--global-batch-size")
@@ -303,6 +321,102 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: _tp(a) >= 1 and a.num_attention_heads % _tp(a) != 0,
         lambda a, c: f"--num-attention-heads {a.num_attention_heads} is not divisible by --tensor-model-parallel-size "
         f"{_tp(a)}: heads are split across tensor-parallel ranks. Choose a head count that is a multiple of {_tp(a)}.",
+    ),
+    Rule(
+        "query-groups-need-gqa", ("--num-query-groups", "--group-query-attention"),
+        "--num-query-groups takes effect with --group-query-attention only.",
+        lambda a, c: a.num_query_groups is not None and not a.group_query_attention,
+        lambda a, c: f"--num-query-groups {a.num_query_groups} without --group-query-attention would be ignored: "
+        "add --group-query-attention, or drop --num-query-groups for one key/value head per attention head.",
+    ),
+    Rule(
+        "heads-divisible-by-query-groups", ("--num-attention-heads", "--num-query-groups"),
+        "The attention heads are divisible by the query groups (each key/value head serves as many query heads).",
+        lambda a, c: a.num_attention_heads >= 1 and _query_groups(a) >= 1
+        and a.num_attention_heads % _query_groups(a) != 0,
+        lambda a, c: f"--num-attention-heads {a.num_attention_heads} is not divisible by --num-query-groups "
+        f"{_query_groups(a)}: each key/value head serves an equal share of the query heads. Choose a group count "
+        "that divides the heads.",
+    ),
+    Rule(
+        "query-groups-divisible-by-tp", ("--num-query-groups", "--tensor-model-parallel-size"),
+        "With grouped-query attention the query groups (key/value heads) are divisible by the tensor-parallel size.",
+        lambda a, c: a.group_query_attention and _tp(a) >= 1 and _query_groups(a) >= 1
+        and _query_groups(a) % _tp(a) != 0,
+        lambda a, c: f"--num-query-groups {_query_groups(a)} is not divisible by --tensor-model-parallel-size "
+        f"{_tp(a)}: tensor parallelism splits the key/value heads, each rank holding whole ones for its query "
+        f"heads. Use a group count that is a multiple of {_tp(a)}, or a smaller tensor-parallel size.",
+    ),
+    Rule(
+        "qkv-bias-needs-no-bias-linear", ("--add-qkv-bias", "--disable-bias-linear"),
+        "--add-qkv-bias adds q/k/v biases to a model without biases (--disable-bias-linear).",
+        lambda a, c: a.add_qkv_bias and a.add_bias_linear,
+        lambda a, c: "--add-qkv-bias without --disable-bias-linear changes nothing: every linear layer already has "
+        "a bias. Add --disable-bias-linear (biases on q/k/v only, as Qwen2) or drop --add-qkv-bias.",
+    ),
+    Rule(
+        "rotary-flags-need-rope", ("--rotary-base", "--rotary-percent", "--position-embedding-type"),
+        "--rotary-base and --rotary-percent apply to rotary position embeddings.",
+        lambda a, c: a.position_embedding_type != "rope" and (a.rotary_base is not None
+                                                              or a.rotary_percent is not None),
+        lambda a, c: "--rotary-base / --rotary-percent configure rotary embeddings, but --position-embedding-type is "
+        f"{a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
+    ),
+    Rule(
+        "rotary-percent-range", ("--rotary-percent",),
+        "--rotary-percent lies in (0, 1].",
+        lambda a, c: a.rotary_percent is not None and not 0 < a.rotary_percent <= 1,
+        lambda a, c: f"--rotary-percent {a.rotary_percent} is the share of each head that rope rotates: give a "
+        "value in (0, 1].",
+    ),
+    Rule(
+        "swiglu-ffn-size", ("--swiglu", "--ffn-hidden-size", "--hidden-size"),
+        "With --swiglu and no --ffn-hidden-size the MLP is 2/3 of 4 × hidden rounded down to a multiple of 64 "
+        "(Megatron); that must leave at least 64.",
+        lambda a, c: a.swiglu and a.ffn_hidden_size is None and int(4 * a.hidden_size * 2 / 3 / 64) < 1,
+        lambda a, c: f"--swiglu with --hidden-size {a.hidden_size} and no --ffn-hidden-size: 2/3 of 4 × hidden "
+        "rounded down to a multiple of 64 leaves no MLP. Give --ffn-hidden-size.",
+    ),
+    Rule(
+        "openai-gelu-needs-gelu", ("--openai-gelu", "--swiglu"),
+        "--openai-gelu changes the GELU of GELU MLPs; a GPT with --swiglu has none.",
+        lambda a, c: a.openai_gelu and a.swiglu and a.model_type == "gpt",
+        lambda a, c: "--openai-gelu with --swiglu: the GPT's MLPs use SiLU gates, no GELU is left to change. Drop "
+        "one of them.",
+    ),
+    Rule(
+        "pretrained-folder-initialises-builtin", ("--pretrained-model-name-or-path", "--task"),
+        "With --task pretraining, --pretrained-model-name-or-path is a Hugging Face folder (config.json) of a "
+        "GPT-2, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
+        lambda a, c: hf_config.unsupported_reason(a) is not None,
+        lambda a, c: f"{hf_config.unsupported_reason(a)}.",
+    ),
+    Rule(
+        "pretrained-shape-flags", ("--pretrained-model-name-or-path", "--num-layers", "--hidden-size", "--swiglu"),
+        "Shape flags given beside a Hugging Face folder that initialises the built-in model agree with its "
+        "config.json (flags not given are taken from it).",
+        lambda a, c: bool(hf_config.pretrained_conflicts(a)),
+        lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path}: its config.json fixes the "
+        "model's shape, and these flags contradict it: " + "; ".join(hf_config.pretrained_conflicts(a))
+        + ". Drop them (flags not given are taken from config.json), or use another folder.",
+    ),
+    Rule(
+        "pretrained-needs-data", ("--pretrained-model-name-or-path", "--data-path"),
+        "Continued pretraining from Hugging Face weights reads --data-path (the demo corpus has its own tokenizer).",
+        lambda a, c: hf_config.initialises_builtin(a) and not a.data_path and not a.user_script,
+        lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path} without --data-path would "
+        "train on the demo corpus, whose token ids come from the demo's own tokenizer and mean nothing to this "
+        "model. Preprocess text with the model's tokenizer (scripts/preprocess_data.py --tokenizer-type "
+        f"HuggingFaceTokenizer --tokenizer-model {a.pretrained_model_name_or_path}) and give --data-path.",
+    ),
+    Rule(
+        "pretrained-sliding-window", ("--pretrained-model-name-or-path", "--seq-length"),
+        "A Hugging Face model with sliding-window attention trains with --seq-length within the window (where the "
+        "window changes nothing).",
+        lambda a, c: _sliding_window(a) is not None and a.seq_length > _sliding_window(a),
+        lambda a, c: f"--seq-length {a.seq_length} is longer than the sliding_window {_sliding_window(a)} of "
+        f"{a.pretrained_model_name_or_path}/config.json: the built-in attention sees the whole sequence. Use "
+        f"--seq-length {_sliding_window(a)} or less.",
     ),
     Rule(
         "hidden-divisible-by-heads", ("--hidden-size", "--num-attention-heads"),

@@ -17,6 +17,8 @@ def build_model(config: ModelConfig, seed: int | None = 1234) -> nn.Module:
 
     Built under `torch.device("meta")` nothing is initialized: call `model.to_empty(device=...)`
     then `init_weights(model, seed)` after parallelizing. `seed=None` skips initialization.
+    With `config.hf_weights` (a Hugging Face folder) the weights are then read from it
+    (`load_hf_weights`, which also takes a sharded model).
     """
     models = {"gpt": GPTModel, "bert": BertModel}
     if config.model_type not in models:
@@ -24,4 +26,8 @@ def build_model(config: ModelConfig, seed: int | None = 1234) -> nn.Module:
     model = models[config.model_type](config)
     if seed is not None:
         init_weights(model, seed)
+        if config.hf_weights:
+            from rapidtrain.models.hf_weights import load_hf_weights
+
+            load_hf_weights(model, config.hf_weights)
     return model

@@ -1,5 +1,6 @@
-"""The built-in BERT: a bidirectional pre-LN encoder (Megatron BERT's default) with a masked-LM head
-tied to the word embeddings and an optional binary (next-sentence) head on the pooled [CLS].
+"""The built-in BERT: a bidirectional pre-LN encoder (Megatron BERT's default; post-LN as the original
+BERT with `post_layernorm`) with a masked-LM head tied to the word embeddings and an optional binary
+(next-sentence) head on the pooled [CLS].
 
 Like GPT, parts may be None for a pipeline stage: no `embedding` → input is hidden states; no
 `lm_head` → output is hidden states.
@@ -8,7 +9,6 @@ Like GPT, parts may be None for a pipeline stage: no `embedding` → input is hi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
@@ -18,24 +18,27 @@ from rapidtrain.models.transformer import (
     TokenCrossEntropy,
     TransformerLayer,
     check_model_config,
+    gelu,
     init_weights,
+    make_norm,
     run_layers,
     tie_weights,
 )
 
 
 class BertLMHead(nn.Module):
-    """dense (h → h) + GELU + LayerNorm, then the decoder `output` (tied weight, own bias)."""
+    """dense (h → h) + GELU + norm, then the decoder `output` (tied weight, own bias)."""
 
     def __init__(self, config: ModelConfig, tied_weight: nn.Parameter | None) -> None:
         super().__init__()
         h = config.hidden_size
+        self.openai_gelu = config.openai_gelu
         self.dense = nn.Linear(h, h)
-        self.norm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        self.norm = make_norm(config)
         self.output = OutputLayer(h, config.vocab_size, tied_weight, bias=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(F.gelu(self.dense(hidden))))
+        return self.output(self.norm(gelu(self.dense(hidden), self.openai_gelu)))
 
 
 class Pooler(nn.Module):
@@ -60,7 +63,7 @@ class BertModel(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, i, causal=False) for i in range(config.num_layers)}
         )
-        self.final_norm: nn.LayerNorm | None = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.final_norm: nn.Module | None = None if config.post_layernorm else make_norm(config)
         tied = self.embedding.word_embeddings.weight if config.tie_embeddings else None
         self.lm_head: BertLMHead | None = BertLMHead(config, tied)
         self.pooler = Pooler(config.hidden_size) if config.bert_binary_head else None

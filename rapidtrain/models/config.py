@@ -12,6 +12,8 @@ class ModelConfig:
 
     `vocab_size` is already padded (a multiple of make-vocab-size-divisible-by × TP), so every
     layout builds the same embedding table. `num_experts` has one entry per layer: 0 is a dense MLP.
+    The defaults are GPT-2's architecture; Llama's is RMSNorm, SwiGLU, rope, no biases, untied
+    output, with `num_query_groups` < heads for grouped-query attention.
     """
 
     model_type: Literal["gpt", "bert"] = "gpt"
@@ -27,7 +29,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
-    rotary_base: int = 10000
+    rotary_base: float = 10000
     tie_embeddings: bool = True
     bert_binary_head: bool = False
     num_tokentypes: int = 0  # BERT: 2 when the binary head is on
@@ -40,9 +42,52 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0
     moe_jitter_eps: float = 0.0
 
+    # Llama-family switches (Megatron's flag names); the defaults keep GPT-2's architecture.
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    swiglu: bool = False  # gated MLP: fc2(silu(gate(x)) * fc1(x)), experts too
+    num_query_groups: int | None = None  # key/value heads; None: one per attention head (no GQA)
+    add_bias_linear: bool = True  # biases of every linear layer (--disable-bias-linear turns them off)
+    add_qkv_bias: bool = False  # biases of q/k/v only, when add_bias_linear is off (Qwen2)
+    rotary_percent: float = 1.0  # share of each head's dimensions that rope rotates
+    openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's gelu_new)
+    post_layernorm: bool = False  # original BERT order: x = norm(x + f(x)), normed embeddings, no final norm
+    hf_weights: str | None = None  # a Hugging Face folder whose weights replace the seeded initial values
+
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """--ffn-hidden-size, else 4h, or with SwiGLU Megatron's 2/3 of that rounded down to a multiple of 64
+        (the same parameters as a 4h GELU MLP)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def architecture(self) -> str:
+        """The model in words, for the plan: built-in GPT (GPT-2-style / Llama-family) or BERT."""
+        if self.model_type == "bert":
+            kind = "built-in BERT" + (" (post-LN, original BERT order)" if self.post_layernorm else "")
+        elif self.normalization == "RMSNorm" and self.swiglu and self.position_embedding_type == "rope":
+            kind = "built-in GPT (Llama-family)"
+        elif self.normalization == "LayerNorm" and not self.swiglu and self.position_embedding_type != "rope":
+            kind = "built-in GPT (GPT-2-style)"
+        else:
+            kind = "built-in GPT"
+        return kind + (" with mixture-of-experts layers" if any(self.num_experts) else "")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that rope rotates (even)."""
+        return int(self.head_dim * self.rotary_percent) // 2 * 2
 
     @property
     def head_dim(self) -> int:

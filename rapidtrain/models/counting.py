@@ -12,21 +12,38 @@ def _linear(fan_in: int, fan_out: int, bias: bool = True) -> int:
     return fan_in * fan_out + (fan_out if bias else 0)
 
 
+def _norm(config: ModelConfig) -> int:
+    """A LayerNorm has a weight and a bias, an RMSNorm a weight only."""
+    return config.hidden_size * (1 if config.normalization == "RMSNorm" else 2)
+
+
 def _expert_parameters(config: ModelConfig) -> int:
-    """One expert (or the dense MLP): fc1 and fc2 with biases."""
-    return _linear(config.hidden_size, config.ffn_size) + _linear(config.ffn_size, config.hidden_size)
+    """One expert (or the dense MLP): fc1 and fc2 (and the SwiGLU gate), with biases unless disabled."""
+    h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
+    matrices = 3 if config.swiglu else 2
+    return matrices * h * f + ((2 if config.swiglu else 1) * f + h if bias else 0)
+
+
+def _attention_parameters(config: ModelConfig) -> int:
+    h, d = config.hidden_size, config.head_dim
+    queries, keys = d * config.num_attention_heads, d * config.query_groups
+    return (
+        _linear(h, queries, config.qkv_bias)
+        + 2 * _linear(h, keys, config.qkv_bias)
+        + _linear(queries, h, config.add_bias_linear)
+    )
 
 
 def _embedding_and_head_parameters(config: ModelConfig) -> int:
     h, vocab = config.hidden_size, config.vocab_size
-    count = vocab * h + 2 * h  # word embeddings + final norm
+    count = vocab * h + _norm(config)  # word embeddings + final norm (post-norm: the embedding norm instead)
     if config.position_embedding_type == "learned_absolute":
         count += config.max_position_embeddings * h
     count += config.num_tokentypes * h
     if not config.tie_embeddings:
         count += vocab * h  # the output layer's own weight; tied, the embedding counts once
     if config.model_type == "bert":
-        count += _linear(h, h) + 2 * h + vocab  # MLM head: dense, LayerNorm, decoder bias
+        count += _linear(h, h) + _norm(config) + vocab  # MLM head: dense, norm, decoder bias
         if config.bert_binary_head:
             count += _linear(h, h) + _linear(h, 2)  # pooler, binary head
     return count
@@ -42,16 +59,13 @@ def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
 
 def _layer_parameters_of_kind(config: ModelConfig, experts: int) -> tuple[int, int]:
     """(total, active) parameters of one layer with `experts` experts (0: dense MLP)."""
-    h = config.hidden_size
-    inner = config.head_dim * config.num_attention_heads
-    norms = 2 * 2 * h
-    attention = 3 * _linear(h, inner) + _linear(inner, h)
+    shared = 2 * _norm(config) + _attention_parameters(config)
     if not experts:
         mlp = _expert_parameters(config)
-        return norms + attention + mlp, norms + attention + mlp
-    router = h * experts
-    total = norms + attention + router + experts * _expert_parameters(config)
-    active = norms + attention + router + config.moe_router_topk * _expert_parameters(config)
+        return shared + mlp, shared + mlp
+    router = config.hidden_size * experts
+    total = shared + router + experts * _expert_parameters(config)
+    active = shared + router + config.moe_router_topk * _expert_parameters(config)
     return total, active
 
 
@@ -88,12 +102,14 @@ def model_flops_per_iteration(
     """Matmul FLOPs of one iteration's forward and backward (backward = 2 × forward; recomputation
     for activation checkpointing is not counted, as Megatron's model FLOPs).
 
-    Forward, with N = B·s tokens, a = heads·head_dim (= h), f = ffn size, 2 FLOPs per multiply-add:
-      q, k, v and o projections        4 · 2·N·h·a                      = 8·N·h²
+    Forward, with N = B·s tokens, a = heads·head_dim (= h), g = query groups·head_dim (= a without
+    grouped-query attention), f = ffn size, 2 FLOPs per multiply-add:
+      q and o projections, k and v     2 · 2·N·h·a + 2 · 2·N·h·g        = 8·N·h²  (g = a = h)
       scores Q·Kᵀ and probs·V          2 · 2·N·s·a, halved for causal GPT (only the lower triangle
                                        is needed)                        = 2·N·s·h  (GPT), 4·N·s·h (BERT)
       dense MLP fc1 + fc2              2 · 2·N·h·f                      = 16·N·h² for f = 4h
-      MoE layer                        k experts per token: k · 4·N·h·f, plus the router 2·N·h·E
+                                       (SwiGLU: 3 · 2·N·h·f, the gate is a third matrix)
+      MoE layer                        k experts per token: k · that, plus the router 2·N·h·E
       logits                           2·N·h·V
       BERT heads                       MLM dense 2·N·h², pooler 2·B·h², binary head 2·B·h·2
     Dense GPT with f = 4h: forward = 24·N·L·h² + 2·N·L·s·h + 2·N·h·V
@@ -104,11 +120,13 @@ def model_flops_per_iteration(
     b, h, f = global_batch_size, config.hidden_size, config.ffn_size
     tokens = b * s
     inner = config.head_dim * config.num_attention_heads
+    groups = config.head_dim * config.query_groups
     causal = config.model_type == "gpt"
-    attention = 4 * 2 * tokens * h * inner + (2 if causal else 4) * tokens * s * inner
+    projections = 2 * 2 * tokens * h * inner + 2 * 2 * tokens * h * groups
+    attention = projections + (2 if causal else 4) * tokens * s * inner
     forward = 2 * tokens * h * config.vocab_size
     for experts, layers in _layers_by_experts(config).items():
-        mlp = 4 * tokens * h * f
+        mlp = (3 if config.swiglu else 2) * 2 * tokens * h * f
         if experts:
             mlp = config.moe_router_topk * mlp + 2 * tokens * h * experts
         forward += layers * (attention + mlp)

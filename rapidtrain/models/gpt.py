@@ -1,4 +1,5 @@
-"""The built-in GPT: a decoder-only, pre-LN, Megatron-shaped transformer in plain PyTorch.
+"""The built-in GPT: a decoder-only, pre-norm, Megatron-shaped transformer in plain PyTorch; GPT-2's
+architecture by default, Llama's with RMSNorm, SwiGLU, rope, grouped-query attention and no biases.
 
 Pipeline stages are this same class with parts set to None (torchtitan style): without
 `embedding` the input is hidden states; without `output` the result is hidden states. `layers` is
@@ -13,11 +14,14 @@ from torch import nn
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.transformer import (
     Embedding,
+    KVCache,
     OutputLayer,
     TokenCrossEntropy,
     TransformerLayer,
+    cached_positions,
     check_model_config,
     init_weights,
+    make_norm,
     run_layers,
     tie_weights,
 )
@@ -34,7 +38,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, i, causal=True) for i in range(config.num_layers)}
         )
-        self.final_norm: nn.LayerNorm | None = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.final_norm: nn.Module | None = None if config.post_layernorm else make_norm(config)
         tied = self.embedding.word_embeddings.weight if config.tie_embeddings else None
         self.output: OutputLayer | None = OutputLayer(config.hidden_size, config.vocab_size, tied, bias=False)
         self.loss = TokenCrossEntropy()
@@ -46,18 +50,24 @@ class GPTModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         tokentype_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Token ids [b, s] (hidden states [b, s, h] on a stage without embedding) → per-token loss
         [b, s] fp32 when `labels` are given, else logits [b, s, V] (hidden states without a head).
 
         `attention_mask` (optional): [b, s] padding (1 = keep) or [b, (1,) s, s] with True = may
         attend, e.g. Megatron's reset-attention-mask inverted; it is combined with the causal mask.
+        `kv_cache` (decoding): the tokens continue the cached ones, whose keys and values are reused.
         """
+        if kv_cache is not None and position_ids is None:
+            position_ids = cached_positions(input_ids, kv_cache)
         if self.embedding is not None:
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)
         else:
             hidden = input_ids
-        hidden = run_layers(self.layers, hidden, self.config, position_ids, attention_mask, causal=True)
+        hidden = run_layers(
+            self.layers, hidden, self.config, position_ids, attention_mask, causal=True, cache=kv_cache
+        )
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         if self.output is None:

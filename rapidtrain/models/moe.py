@@ -118,27 +118,48 @@ def _recomputing() -> bool:
 
 
 class Experts(nn.Module):
-    """E two-layer GELU MLPs stored stacked (dim 0 = expert), so expert parallelism shards dim 0."""
+    """E two-layer MLPs (GELU, or SwiGLU with a third matrix `w_gate`), stored stacked (dim 0 = expert) and
+    input-major ([E, in, out]), so expert parallelism shards dim 0 and one batched matmul runs them all.
+    Biases b1/b2 exist unless --disable-bias-linear."""
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_size: int,
+        swiglu: bool = False,
+        bias: bool = True,
+        openai_gelu: bool = False,
+    ) -> None:
         super().__init__()
+        self.openai_gelu = openai_gelu
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
-        self.b1 = nn.Parameter(torch.empty(num_experts, ffn_size))
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size)) if swiglu else None
+        self.b1 = nn.Parameter(torch.empty(num_experts, ffn_size)) if bias else None
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
-        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # A usable default for a layer built alone; models overwrite it with init_weights.
-        for weight in (self.w1, self.w2):
-            nn.init.normal_(weight, 0.0, 0.02)
-        for bias in (self.b1, self.b2):
-            nn.init.zeros_(bias)
+        for name, param in self.named_parameters(recurse=False):
+            if name.startswith("b"):
+                nn.init.zeros_(param)
+            else:
+                nn.init.normal_(param, 0.0, 0.02)
+
+    @staticmethod
+    def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
 
     def forward(self, buffers: torch.Tensor) -> torch.Tensor:
         """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts."""
-        hidden = F.gelu(torch.baddbmm(self.b1.unsqueeze(1), buffers, self.w1))
-        return torch.baddbmm(self.b2.unsqueeze(1), hidden, self.w2)
+        hidden = self._project(buffers, self.w1, self.b1)
+        if self.w_gate is not None:
+            hidden = F.silu(torch.bmm(buffers, self.w_gate)) * hidden
+        else:
+            hidden = F.gelu(hidden, approximate="tanh" if self.openai_gelu else "none")
+        return self._project(hidden, self.w2, self.b2)
 
 
 class MoELayer(nn.Module):
@@ -159,7 +180,14 @@ class MoELayer(nn.Module):
         self.z_loss_coeff = config.moe_z_loss_coeff
         self.jitter_eps = config.moe_jitter_eps
         self.router = nn.Linear(config.hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, config.hidden_size, config.ffn_size)
+        self.experts = Experts(
+            num_experts,
+            config.hidden_size,
+            config.ffn_size,
+            swiglu=config.swiglu,
+            bias=config.add_bias_linear,
+            openai_gelu=config.openai_gelu,
+        )
         # Tracker, read by collect_*: [aux-loss sum, forwards, assignments per expert...], float64
         # (exact counts). One tensor, not Python numbers: torch.compile guards on the values of
         # int attributes and would recompile every step. Not a buffer: DDP would broadcast it.

@@ -1,4 +1,5 @@
-"""Transformer pieces shared by the built-in GPT and BERT: embeddings, attention, MLP, pre-LN layer,
+"""Transformer pieces shared by the built-in GPT and BERT: embeddings, attention (multi-head or
+grouped-query, with an optional KV cache for decoding), MLP (GELU or SwiGLU), pre- or post-norm layer,
 output head, per-token loss, and initialization that depends only on (seed, parameter name).
 
 Nothing here knows about parallelism: tensor, pipeline and expert parallelism transform these
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,22 @@ def check_model_config(config: ModelConfig) -> None:
         raise ValueError(
             f"--hidden-size {config.hidden_size} is not divisible by --num-attention-heads "
             f"{config.num_attention_heads}: choose a head count that divides the hidden size"
+        )
+    if config.num_attention_heads % config.query_groups:
+        raise ValueError(
+            f"--num-attention-heads {config.num_attention_heads} is not divisible by --num-query-groups "
+            f"{config.query_groups}: each key/value head serves an equal share of the query heads"
+        )
+    if config.ffn_size < 1:
+        raise ValueError(
+            f"the MLP hidden size works out to {config.ffn_size} (--hidden-size {config.hidden_size}"
+            + (" with --swiglu: 2/3 of 4h rounded down to a multiple of 64" if config.swiglu else "")
+            + "): give --ffn-hidden-size"
+        )
+    if config.position_embedding_type == "rope" and config.rotary_dim < 2:
+        raise ValueError(
+            f"--rotary-percent {config.rotary_percent} of the head size {config.head_dim} leaves no pair of "
+            "dimensions to rotate: raise it"
         )
     if config.position_embedding_type == "rope" and config.head_dim % 2:
         raise ValueError(
@@ -43,8 +61,24 @@ def check_model_config(config: ModelConfig) -> None:
             )
 
 
+def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm (--normalization) over the last dimension."""
+    size = size or config.hidden_size
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(size, eps=config.layernorm_epsilon)
+
+
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def gelu(x: torch.Tensor, tanh_approximation: bool) -> torch.Tensor:
+    """Exact GELU, or with --openai-gelu its tanh approximation (GPT-2's gelu_new)."""
+    return F.gelu(x, approximate="tanh" if tanh_approximation else "none")
+
+
 class Embedding(nn.Module):
-    """Word + (learned position) + (token type) embeddings, then dropout."""
+    """Word + (learned position) + (token type) embeddings, (a norm in post-norm models,) then dropout."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -56,6 +90,7 @@ class Embedding(nn.Module):
             else None
         )
         self.tokentype_embeddings = nn.Embedding(config.num_tokentypes, h) if config.num_tokentypes else None
+        self.norm = make_norm(config) if config.post_layernorm else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -81,17 +116,19 @@ class Embedding(nn.Module):
                     "tokentype_ids were given but the model has no token-type embeddings (num_tokentypes=0)"
                 )
             hidden = hidden + self.tokentype_embeddings(tokentype_ids)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
         return self.dropout(hidden)
 
 
 def rotary_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, base: float
+    position_ids: torch.Tensor, rotary_dim: int, base: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, fp32, shaped [b or 1, 1, s, head_dim] to broadcast over heads.
+    """cos and sin of the rotary angles, fp32, shaped [b or 1, 1, s, rotary_dim] to broadcast over heads.
 
     Computed from positions on the fly (no buffer), so meta-device construction needs no re-init.
     """
-    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    exponents = torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim
     inverse_frequency = 1.0 / (base**exponents)
     angles = position_ids.float().unsqueeze(-1) * inverse_frequency
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
@@ -99,11 +136,14 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + d/2) of x [b, heads, s, d] (Megatron's non-interleaved rotary), in fp32."""
+    """Rotate pairs (i, i + r/2) of the first r = cos.shape[-1] dimensions of x [b, heads, s, d]
+    (Megatron's non-interleaved rotary; r < d with --rotary-percent), in fp32."""
+    rotary_dim = cos.shape[-1]
     x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
+    part, rest = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    first, second = part.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    return torch.cat([part * cos + rotated * sin, rest], dim=-1).to(x.dtype)
 
 
 def sdpa_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool) -> torch.Tensor | None:
@@ -130,29 +170,50 @@ def sdpa_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool
     return allowed | eye
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention with separate q/k/v projections (column-split friendly) and o_proj.
+class KVCache:
+    """Keys and values of the tokens decoded so far, per layer, so each new token attends to them
+    without recomputing them. `length` tokens are cached; the next token's position is `length`."""
 
-    Heads are counted from the projection's output at run time, so after a column split of q/k/v
-    (and row split of o_proj) each rank runs its own heads without knowing the split.
+    def __init__(self) -> None:
+        self.keys: dict[str, torch.Tensor] = {}
+        self.values: dict[str, torch.Tensor] = {}
+        self.length = 0
+
+    def extend(self, layer: str, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's keys/values [b, groups, s, d] of `layer`; all of them so far."""
+        if layer in self.keys:
+            keys = torch.cat([self.keys[layer], keys], dim=2)
+            values = torch.cat([self.values[layer], values], dim=2)
+        self.keys[layer], self.values[layer] = keys, values
+        return keys, values
+
+
+class Attention(nn.Module):
+    """Self-attention with separate q/k/v projections (column-split friendly) and o_proj.
+
+    Grouped-query attention: k/v project to `num_query_groups` heads, each shared by
+    heads / groups consecutive query heads. Heads and groups are counted from the projections' outputs
+    at run time, so after a column split of q/k/v (and row split of o_proj) each rank runs its own
+    heads and groups without knowing the split.
     """
 
     def __init__(self, config: ModelConfig, causal: bool) -> None:
         super().__init__()
-        h, inner = config.hidden_size, config.head_dim * config.num_attention_heads
-        self.head_dim = config.head_dim
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
         self.causal = causal
         self.dropout = config.attention_dropout
-        self.q_proj = nn.Linear(h, inner)
-        self.k_proj = nn.Linear(h, inner)
-        self.v_proj = nn.Linear(h, inner)
-        self.o_proj = nn.Linear(inner, h)
+        self.q_proj = nn.Linear(h, d * config.num_attention_heads, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(d * config.num_attention_heads, h, bias=config.add_bias_linear)
 
     def forward(
         self,
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: tuple[KVCache, str] | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (
@@ -161,43 +222,54 @@ class Attention(nn.Module):
         )
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache[0].extend(cache[1], k, v)
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=attention_mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal and attention_mask is None,
+            # Decoding one token after cached ones: it may attend to all of them (no mask).
+            is_causal=self.causal and attention_mask is None and q.shape[2] == k.shape[2],
+            enable_gqa=q.shape[1] != k.shape[1],
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
-    """fc1 (h → ffn), GELU, fc2 (ffn → h)."""
+    """fc1 (h → ffn), GELU, fc2 (ffn → h); with SwiGLU fc2(silu(gate(x)) · fc1(x))."""
 
-    def __init__(self, hidden_size: int, ffn_size: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(hidden_size, ffn_size)
-        self.fc2 = nn.Linear(ffn_size, hidden_size)
+        h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
+        self.openai_gelu = config.openai_gelu
+        self.fc1 = nn.Linear(h, f, bias=bias)
+        self.gate = nn.Linear(h, f, bias=bias) if config.swiglu else None
+        self.fc2 = nn.Linear(f, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        if self.gate is not None:
+            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+        return self.fc2(gelu(self.fc1(x), self.openai_gelu))
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN block: x + dropout(attention(ln1(x))), then x + dropout(mlp(ln2(x))).
+    """Pre-norm block: x + dropout(attention(ln1(x))), then x + dropout(mlp(ln2(x))); post-norm
+    (`config.post_layernorm`, original BERT): ln1(x + dropout(attention(x))), then ln2(x + dropout(mlp(x))).
 
     `mlp` is a dense MLP, or an MoE layer where `config.experts_in_layer(layer_number) > 0`.
     """
 
     def __init__(self, config: ModelConfig, layer_number: int, causal: bool) -> None:
         super().__init__()
-        h, eps = config.hidden_size, config.layernorm_epsilon
-        self.ln1 = nn.LayerNorm(h, eps=eps)
+        self.name = str(layer_number)  # the KV cache's key for this layer
+        self.post_layernorm = config.post_layernorm
+        self.ln1 = make_norm(config)
         self.attention = Attention(config, causal)
-        self.ln2 = nn.LayerNorm(h, eps=eps)
+        self.ln2 = make_norm(config)
         experts = config.experts_in_layer(layer_number)
-        self.mlp = MoELayer(config, experts) if experts else MLP(h, config.ffn_size)
+        self.mlp = MoELayer(config, experts) if experts else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -205,9 +277,20 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.ln1(x), attention_mask, rope))
+        layer_cache = None if cache is None else (cache, self.name)
+        if self.post_layernorm:
+            x = self.ln1(x + self.dropout(self.attention(x, attention_mask, rope, layer_cache)))
+            return self.ln2(x + self.dropout(self.mlp(x)))
+        x = x + self.dropout(self.attention(self.ln1(x), attention_mask, rope, layer_cache))
         return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+def cached_positions(hidden: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    """Positions [1, s] of this step's tokens: after the cached ones."""
+    start = cache.length if cache is not None else 0
+    return torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
 def run_layers(
@@ -217,17 +300,29 @@ def run_layers(
     position_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     causal: bool,
+    cache: KVCache | None = None,
 ) -> torch.Tensor:
-    """Run every layer this model (or pipeline stage) holds, with rotary angles and mask made once."""
+    """Run every layer this model (or pipeline stage) holds, with rotary angles and mask made once.
+
+    With a KV cache, this step's tokens follow the `cache.length` cached ones; the cache grows by them.
+    """
     seq_length = hidden.shape[1]
     rope = None
     if config.position_embedding_type == "rope":
         if position_ids is None:
-            position_ids = torch.arange(seq_length, device=hidden.device).unsqueeze(0)
-        rope = rotary_cos_sin(position_ids, config.head_dim, config.rotary_base)
+            position_ids = cached_positions(hidden, cache)
+        rope = rotary_cos_sin(position_ids, config.rotary_dim, config.rotary_base)
     mask = sdpa_mask(attention_mask, seq_length, causal)
+    if cache is not None and cache.length and seq_length > 1:
+        if mask is not None:
+            raise ValueError("a KV cache decodes without an attention mask (one unpadded sequence per row)")
+        # Several new tokens after cached ones: token i sees the cache and new tokens up to i.
+        total = cache.length + seq_length
+        mask = torch.ones(seq_length, total, dtype=torch.bool, device=hidden.device).tril(cache.length)
     for layer in layers.values():
-        hidden = layer(hidden, mask, rope)
+        hidden = layer(hidden, mask, rope, cache)
+    if cache is not None:
+        cache.length += seq_length
     return hidden
 
 
@@ -300,7 +395,7 @@ def initial_value(
 ) -> torch.Tensor:
     """The fp32 CPU value of parameter `name` (canonical, un-wrapped name) of `module`."""
     leaf = name.rsplit(".", 1)[-1]
-    if isinstance(module, nn.LayerNorm):
+    if isinstance(module, NORMS):
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
     if leaf in _BIASES:
         return torch.zeros(shape)
@@ -311,6 +406,31 @@ def initial_value(
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
+def canonical_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Parameter]]:
+    """(name in the whole unwrapped model, owning module, parameter) for every materialized parameter.
+
+    Wrapper prefixes (activation checkpointing, compile, FSDP1) are dropped, and a tied head's own copy
+    on a pipeline stage without the embedding is named after the embedding it copies.
+    """
+    for module_name, module in model.named_modules():
+        for leaf, param in module.named_parameters(recurse=False):
+            if param.is_meta:
+                continue
+            name = ".".join(p for p in f"{module_name}.{leaf}".split(".") if p and p not in _WRAPPER_NAMES)
+            if isinstance(module, OutputLayer) and leaf == "weight" and module.tied_to:
+                name = module.tied_to
+            yield name, module, param
+
+
+def set_parameter(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Copy a whole (CPU) value into `param`, which may be a DTensor holding a shard of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
+
+
 def init_weights(model: nn.Module, seed: int) -> None:
     """Set every parameter from a generator seeded by (seed, its name), whatever the layout.
 
@@ -319,22 +439,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     same values for the same parameter. Values are drawn on the CPU (device generators differ).
     Needs `model.config` (a ModelConfig; num_layers is the whole model's, also in a stage).
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     config: ModelConfig = model.config  # type: ignore[assignment]
     with torch.no_grad():
-        for module_name, module in model.named_modules():
-            for leaf, param in module.named_parameters(recurse=False):
-                if param.is_meta:
-                    continue
-                name = ".".join(
-                    p for p in f"{module_name}.{leaf}".split(".") if p and p not in _WRAPPER_NAMES
-                )
-                if isinstance(module, OutputLayer) and leaf == "weight" and module.tied_to:
-                    name = module.tied_to
-                value = initial_value(name, module, param.shape, config, seed)
-                if isinstance(param, DTensor):
-                    value = distribute_tensor(
-                        value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-                    )
-                param.copy_(value)
+        for name, module, param in canonical_parameters(model):
+            set_parameter(param, initial_value(name, module, param.shape, config, seed))

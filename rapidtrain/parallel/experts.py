@@ -38,7 +38,7 @@ from rapidtrain.models.moe import Experts, moe_layers
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import GradNorm, TorchRunner
 
-EXPERT_WEIGHTS = ("w1", "b1", "w2", "b2")
+EXPERT_WEIGHTS = ("w1", "w_gate", "b1", "w2", "b2")  # those the layer has (no w_gate without SwiGLU, ...)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -72,8 +72,12 @@ class ExpertParallelExperts(Experts):
         self.group = group
         local = self.num_experts // ep_size
         self.first_expert = ep_rank * local
+        self.openai_gelu = experts.openai_gelu
         for name in EXPERT_WEIGHTS:
             full = getattr(experts, name)
+            if full is None:
+                setattr(self, name, None)
+                continue
             if isinstance(full, DTensor):
                 raise ValueError(
                     "apply expert parallelism before tensor parallelism (it slices plain expert weights)"

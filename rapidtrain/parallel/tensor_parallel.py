@@ -1,9 +1,11 @@
 """Megatron tensor parallelism for the built-in GPT and BERT with DTensor `parallelize_module`.
 
-Attention q/k/v and the MLP's fc1 are split by columns (each rank owns whole heads), o_proj and fc2 by
-rows; the word embedding is split by vocabulary rows and the logits stay split on the vocabulary
-dimension into `loss_parallel` (no rank ever holds full logits). Every other parameter becomes a
-replicated DTensor, so optimizers, gradient norms and checkpoints see one kind of tensor.
+Attention q/k/v and the MLP's fc1 (and SwiGLU gate) are split by columns (each rank owns whole heads and,
+with grouped-query attention, whole key/value groups: query_groups / TP of them, which serve exactly the
+rank's query heads), o_proj and fc2 by rows; the word embedding is split by vocabulary rows and the
+logits stay split on the vocabulary dimension into `loss_parallel` (no rank ever holds full logits).
+Every other parameter becomes a replicated DTensor, so optimizers, gradient norms and checkpoints see
+one kind of tensor.
 
 Dropout RNG. Every rank is seeded alike (`seed_everything`), and the ranks of a tensor-parallel group
 run the same operations on the same shapes, so the default generator advances in lockstep: dropout on
@@ -53,6 +55,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             "has no `layers`/`config`. Use --tensor-model-parallel-size 1 (and ZeRO/FSDP for memory) for "
             "other models."
         )
+    check_tensor_parallel_shape(model.config, tp_mesh.size())
     _enable_loss_parallel()
     residual = Shard(1) if sequence_parallel else Replicate()
     if getattr(model, "embedding", None) is not None:
@@ -65,6 +68,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     for module in _unsplit_subtrees(model):
         parallelize_module(module, tp_mesh, ReplicatedParameters())
     _fork_rng_where_sharded(model, tp_mesh, sequence_parallel)
+
+
+def check_tensor_parallel_shape(config, tp_size: int) -> None:
+    """Each rank must own whole heads and whole key/value groups (the rules refuse these flags earlier)."""
+    for what, count in (("--num-attention-heads", config.num_attention_heads),
+                        ("--num-query-groups", config.query_groups)):
+        if count % tp_size:
+            raise ValueError(f"{what} {count} is not divisible by --tensor-model-parallel-size {tp_size}: each "
+                             "tensor-parallel rank holds whole heads")
 
 
 # ---- the splits ----
@@ -113,6 +125,8 @@ def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequenc
             )
     else:
         plan["mlp.fc1"] = ColwiseParallel()
+        if layer.mlp.gate is not None:  # SwiGLU: the gate's columns pair with fc1's on each rank
+            plan["mlp.gate"] = ColwiseParallel()
         plan["mlp.fc2"] = RowwiseParallel(output_layouts=residual, use_local_output=keep_dtensor)
         if sequence_parallel:
             plan["mlp"] = PrepareModuleInput(
@@ -121,9 +135,9 @@ def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequenc
     if sequence_parallel:
         plan["ln1"] = SequenceParallel()
         plan["ln2"] = SequenceParallel()
-        plan["attention"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None),
-            desired_input_layouts=(Replicate(), None, None),
+        plan["attention"] = PrepareModuleInput(  # (x, mask, rope, KV cache)
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
             use_local_output=True,
         )
     parallelize_module(layer, tp_mesh, plan)

@@ -1,5 +1,6 @@
 """scripts/convert_checkpoint.py: one consolidated state dict from any checkpoint, and the built-in GPT as a
-Hugging Face GPT2LMHeadModel with the same logits."""
+Hugging Face GPT2LMHeadModel with the same logits (Llama-family, MoE and BERT exports: test_hf_weights.py and
+tests/distributed/test_llama_layouts.py)."""
 
 from __future__ import annotations
 
@@ -137,15 +138,10 @@ def test_missing_or_incomplete_checkpoint_is_refused(exported, tmp_path, capsys)
         assert err.startswith("convert_checkpoint: error: ") and message in err and "Traceback" not in err
 
 
-def test_hf_export_refuses_models_that_are_not_gpt2():
-    from rapidtrain.models import ModelConfig
-
+def test_hf_export_of_a_hugging_face_fine_tuning_checkpoint_is_refused(tmp_path):
     script = load_script()
-    with pytest.raises(
-        ValueError, match="--position-embedding-type rope.*--untie-embeddings-and-output-weights"
-    ):
-        script.check_gpt2_compatible(ModelConfig(position_embedding_type="rope", tie_embeddings=False))
-    assert script.check_gpt2_compatible(ModelConfig()).model_type == "gpt"
+    with pytest.raises(ValueError, match="built-in models"):
+        script.export_hf({}, None, tmp_path, tmp_path / "hf", "5GB")
 
 
 @pytest.mark.slow

@@ -13,6 +13,9 @@ from rapidtrain.models.counting import (
 )
 
 SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=16)
+# RMSNorm, SwiGLU, grouped-query attention (2 key/value heads), rope, no biases, untied output.
+LLAMA = dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, add_bias_linear=False,
+             position_embedding_type="rope", tie_embeddings=False, ffn_hidden_size=48)
 
 
 @pytest.mark.parametrize(
@@ -25,6 +28,10 @@ SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64,
         {"model_type": "bert"},
         {"model_type": "bert", "bert_binary_head": True, "num_tokentypes": 2, "tie_embeddings": False},
         {"model_type": "bert", "num_experts": (2, 2, 2, 2)},
+        LLAMA,
+        {**LLAMA, "add_qkv_bias": True, "num_experts": (0, 4, 0, 4), "moe_router_topk": 2},
+        {**LLAMA, "swiglu": False, "tie_embeddings": True},
+        {"model_type": "bert", "post_layernorm": True, "bert_binary_head": True, "num_tokentypes": 2},
     ],
 )
 def test_total_parameters_match_the_built_model(overrides: dict):
@@ -88,3 +95,12 @@ def test_flops_for_other_ffn_sizes_moe_and_bert():
     bert = model_flops_per_iteration(ModelConfig(**base, model_type="bert"), 8)
     assert bert - dense == 3 * (2 * 2 * tokens * 128 * 64 + 2 * tokens * 64 * 64)
     assert model_flops_per_iteration(ModelConfig(**base), 8, seq_length=64) < dense
+
+
+def test_llama_flops_count_the_gate_and_the_smaller_key_value_projections():
+    """SwiGLU's third matrix adds 2·N·h·f per layer; 2 key/value heads of 4 halve k and v (4·N·h·h/2 saved)."""
+    dense = ModelConfig(**SMALL, ffn_hidden_size=48)
+    llama = ModelConfig(**{**SMALL, **LLAMA})
+    tokens, h, f, layers = 8 * 16, 32, 48, 4
+    extra = layers * (2 * tokens * h * f - 2 * 2 * tokens * h * h // 2)
+    assert model_flops_per_iteration(llama, 8, 16) == model_flops_per_iteration(dense, 8, 16) + 3 * extra

@@ -291,3 +291,94 @@ def _tensor_parallel_worker(rank: int, store_path: str) -> None:
 
 def test_tensor_parallel_init_and_forward_match_the_whole_model(tmp_path):
     torch.multiprocessing.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+# ---- Llama-family shape: RMSNorm, SwiGLU, grouped-query attention, rope, no biases, untied ----
+
+LLAMA = dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, add_bias_linear=False,
+             position_embedding_type="rope", tie_embeddings=False, ffn_hidden_size=48)
+
+
+def test_llama_shape_has_its_parts_and_no_biases():
+    model = gpt(**LLAMA)
+    layer = model.layers["0"]
+    assert isinstance(layer.ln1, torch.nn.RMSNorm) and isinstance(model.final_norm, torch.nn.RMSNorm)
+    assert torch.equal(layer.ln1.weight, torch.ones(32))
+    assert layer.attention.k_proj.weight.shape == (16, 32)  # 2 key/value heads of size 8
+    assert layer.mlp.gate.weight.shape == (48, 32) and layer.mlp.fc1.weight.shape == (48, 32)
+    assert not [name for name, _ in model.named_parameters() if name.endswith("bias")]
+    qwen = gpt(**LLAMA, add_qkv_bias=True)
+    biased = sorted({name.split(".", 2)[2] for name, _ in qwen.named_parameters() if name.endswith("bias")})
+    assert biased == ["attention.k_proj.bias", "attention.q_proj.bias", "attention.v_proj.bias"]
+
+
+def test_grouped_query_attention_equals_heads_sharing_repeated_keys_and_values():
+    """Query heads 2g and 2g+1 read key/value group g: the same as multi-head attention whose k/v
+    projections repeat each group's rows for its heads."""
+    grouped = gpt(**LLAMA).layers["0"].attention.eval()
+    full = gpt(**{**LLAMA, "num_query_groups": None}).layers["0"].attention.eval()
+    full.load_state_dict(grouped.state_dict() | {
+        f"{p}_proj.weight": getattr(grouped, f"{p}_proj").weight.view(2, 8, 32).repeat_interleave(2, dim=0)
+        .reshape(32, 32) for p in "kv"
+    })
+    x = torch.randn(2, 12, 32)
+    rope = rotary_cos_sin(torch.arange(12).unsqueeze(0), 8, 10000)
+    torch.testing.assert_close(grouped(x, rope=rope), full(x, rope=rope))
+
+
+def test_rotary_percent_leaves_the_other_dimensions_alone():
+    x = torch.randn(1, 2, 5, 8)
+    cos, sin = rotary_cos_sin(torch.arange(5).unsqueeze(0), 4, 10000)  # half of the 8 dimensions
+    rotated = apply_rotary(x, cos, sin)
+    assert torch.equal(rotated[..., 4:], x[..., 4:])
+    assert not torch.allclose(rotated[..., 1:, :4], x[..., 1:, :4])
+    assert gpt(**LLAMA, rotary_percent=0.5).config.rotary_dim == 4
+
+
+def test_llama_meta_build_then_init_equals_direct_init():
+    config = ModelConfig(**SMALL, **LLAMA, num_experts=(0, 4, 0, 4), moe_router_topk=2)
+    direct = build_model(config, seed=11)
+    with torch.device("meta"):
+        lazy = build_model(config)
+    lazy.to_empty(device="cpu")
+    init_weights(lazy, 11)
+    assert "layers.1.mlp.experts.w_gate" in direct.state_dict()
+    assert "layers.1.mlp.experts.b1" not in direct.state_dict()
+    for name, value in direct.state_dict().items():
+        assert torch.equal(value, lazy.state_dict()[name]), name
+
+
+def test_post_layernorm_bert_normalises_each_residual_sum():
+    config = ModelConfig(**SMALL, **NO_DROPOUT, model_type="bert", post_layernorm=True)
+    model = build_model(config, seed=3).eval()
+    assert model.final_norm is None and isinstance(model.embedding.norm, torch.nn.LayerNorm)
+    outputs = []
+    model.layers["1"].register_forward_hook(lambda _m, _a, out: outputs.append(out))
+    model(tokens(), torch.ones(2, 12))
+    normalised = outputs[0]
+    torch.testing.assert_close(normalised.mean(-1), torch.zeros(2, 12), atol=1e-5, rtol=0)  # ln2 weight 1, bias 0
+
+
+MIXTRAL = {**LLAMA, "num_experts": (0, 4, 0, 4), "moe_router_topk": 2, "moe_token_dropping": False}
+
+
+@pytest.mark.parametrize("shape", [{}, LLAMA, MIXTRAL], ids=["gpt2", "llama", "llama-moe"])
+def test_kv_cache_decoding_gives_the_full_forward_logits(shape):
+    """A prompt of 5, then 1 token, then 3 at once through the cache: the logits of a full forward.
+    (MoE without token dropping: with capacity, which tokens drop depends on how many run at once.)"""
+    from rapidtrain.models.transformer import KVCache
+
+    model = gpt(**shape).eval()
+    ids = tokens(length=9)
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache()
+        steps = [model(ids[:, :5], kv_cache=cache), model(ids[:, 5:6], kv_cache=cache),
+                 model(ids[:, 6:], kv_cache=cache)]
+    assert cache.length == 9 and cache.keys["0"].shape[2] == 9
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_query_groups_that_do_not_divide_heads():
+    with pytest.raises(ValueError, match="--num-query-groups 3"):
+        build_model(ModelConfig(**{**SMALL, **LLAMA, "num_query_groups": 3}))

@@ -226,6 +226,61 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "train-samples-bound": (["--train-iters", "100000000000", "--global-batch-size", "1024"],
                             ["--train-iters", "1000000", "--global-batch-size", "1024"], 1, "cpu"),
     "nccl-needs-cuda": (["--distributed-backend", "nccl"], ["--distributed-backend", "nccl"], 1, "cuda"),
+    "query-groups-need-gqa": (["--num-query-groups", "2"], ["--group-query-attention", "--num-query-groups", "2"],
+                              1, "cpu"),
+    "heads-divisible-by-query-groups": (
+        ["--group-query-attention", "--num-query-groups", "3"],
+        ["--group-query-attention", "--num-query-groups", "2"],
+        1,
+        "cpu",
+    ),
+    "query-groups-divisible-by-tp": (
+        ["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"],
+        ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "2"],
+        2,
+        "cpu",
+    ),
+    "qkv-bias-needs-no-bias-linear": (["--add-qkv-bias"], ["--add-qkv-bias", "--disable-bias-linear"], 1, "cpu"),
+    "rotary-flags-need-rope": (
+        ["--rotary-base", "500000"],
+        ["--rotary-base", "500000", "--position-embedding-type", "rope"],
+        1,
+        "cpu",
+    ),
+    "rotary-percent-range": (
+        ["--position-embedding-type", "rope", "--rotary-percent", "1.5"],
+        ["--position-embedding-type", "rope", "--rotary-percent", "0.5"],
+        1,
+        "cpu",
+    ),
+    "swiglu-ffn-size": (["--swiglu", "--hidden-size", "16"], ["--swiglu", "--hidden-size", "16", "--ffn-hidden-size",
+                                                             "96"], 1, "cpu"),
+    "openai-gelu-needs-gelu": (["--swiglu", "--openai-gelu"], ["--openai-gelu"], 1, "cpu"),
+    # HF_* and CHECKPOINT_DIR are replaced by folders the `folders` fixture writes.
+    "pretrained-folder-initialises-builtin": (
+        ["--pretrained-model-name-or-path", "CHECKPOINT_DIR", "--data-path", "d"],
+        ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d"],
+        1,
+        "cpu",
+    ),
+    "pretrained-shape-flags": (
+        ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d", "--num-layers", "3"],
+        ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d", "--num-layers", "2"],
+        1,
+        "cpu",
+    ),
+    "pretrained-needs-data": (
+        ["--pretrained-model-name-or-path", "HF_LLAMA"],
+        ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d"],
+        1,
+        "cpu",
+    ),
+    "pretrained-sliding-window": (
+        ["--pretrained-model-name-or-path", "HF_MISTRAL", "--data-path", "d", "--seq-length", "64"],
+        ["--pretrained-model-name-or-path", "HF_MISTRAL", "--data-path", "d", "--seq-length", "32"],
+        1,
+        "cpu",
+    ),
 }
 # Rules about what the flags alone do not say: (context that violates, context that passes).
 CONTEXT_CASES = {"world-size-positive": (RunContext(-3, "cpu"), RunContext(2, "cpu"))}
@@ -251,9 +306,28 @@ def test_every_rule_has_cases():
     assert {r.name for r in rules.RULES} == set(CASES) | set(ITERS_CASES) | set(CONTEXT_CASES)
 
 
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    """config.json files of a tiny Llama and a Mistral with a 32-token window, and a rapidtrain checkpoint."""
+    import json
+
+    root = tmp_path_factory.mktemp("pretrained")
+    llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 512, "vocab_size": 256,
+             "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    configs = {"HF_LLAMA": llama, "HF_MISTRAL": llama | {"model_type": "mistral", "sliding_window": 32}}
+    for name, config in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    (root / "CHECKPOINT_DIR").mkdir()
+    (root / "CHECKPOINT_DIR" / "latest_checkpointed_iteration.txt").write_text("5\n")
+    return {name: str(root / name) for name in [*configs, "CHECKPOINT_DIR"]}
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if n != "lr-required"])
-def test_rule_fires_and_passes(name):
+def test_rule_fires_and_passes(name, folders):
     bad, good, world, device = CASES[name]
+    bad, good = [folders.get(t, t) for t in bad], [folders.get(t, t) for t in good]
     if name == "nccl-needs-cuda":  # the same flags: the device decides
         assert name in fired(BASE + bad, world, "cpu")
     else:

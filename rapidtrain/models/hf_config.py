@@ -1,0 +1,329 @@
+"""What a `--pretrained-model-name-or-path` folder holds, and the built-in model's flags that a Hugging Face
+config.json fixes (GPT-2, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
+
+Reads config.json as JSON only: nothing from the folder is imported or run. With `--task pretraining` a
+Hugging Face folder initialises the built-in model; the shape flags not given are taken from the config,
+and flags that contradict it are refused (rules.py), naming both values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from rapidtrain.errors import UserError
+
+FolderKind = Literal["huggingface", "rapidtrain", "missing", "other"]
+
+# Hugging Face model_type → what the built-in model becomes.
+SUPPORTED = {
+    "gpt2": "GPT (GPT-2)",
+    "llama": "GPT (Llama-family)",
+    "mistral": "GPT (Llama-family, Mistral)",
+    "qwen2": "GPT (Llama-family, Qwen2)",
+    "mixtral": "GPT (Llama-family MoE, Mixtral)",
+    "bert": "BERT",
+    "megatron-bert": "BERT (Megatron pre-LN)",
+}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "mixtral")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
+class UnsupportedModel(UserError, ValueError):
+    """A Hugging Face config the built-in models cannot reproduce exactly."""
+
+
+def classify_folder(path: str | Path) -> FolderKind:
+    """What a --pretrained-model-name-or-path folder is: a Hugging Face model (config.json), a rapidtrain or
+    Megatron-style checkpoint (latest_checkpointed_iteration.txt; loading one here is issue 15's), missing,
+    or something else."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return "missing"
+    if (folder / "latest_checkpointed_iteration.txt").exists():
+        return "rapidtrain"
+    if (folder / "config.json").is_file():
+        return "huggingface"
+    return "other"
+
+
+@functools.lru_cache(maxsize=8)
+def read_config(path: str) -> dict[str, Any]:
+    """config.json of a Hugging Face folder, as plain JSON."""
+    file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UnsupportedModel(f"--pretrained-model-name-or-path {path}: cannot read {file} ({error})") from error
+
+
+def trains_builtin_model(args: argparse.Namespace) -> bool:
+    """The run trains a built-in model (no Hugging Face model), perhaps from Hugging Face weights
+    (args.builtin_from_pretrained, decided by arguments.parse_args)."""
+    return not args.pretrained_model_name_or_path or bool(getattr(args, "builtin_from_pretrained", False))
+
+
+def initialises_builtin(args: argparse.Namespace) -> bool:
+    """The built-in model starts from the weights of the Hugging Face folder the flags name."""
+    folder = args.pretrained_model_name_or_path
+    return bool(getattr(args, "builtin_from_pretrained", False) and folder) and classify_folder(folder) == "huggingface"
+
+
+def family(config: dict[str, Any]) -> str:
+    kind = config.get("model_type")
+    if kind not in SUPPORTED:
+        raise UnsupportedModel(
+            f"config.json model_type {kind!r} cannot initialise a built-in model; supported: "
+            f"{', '.join(SUPPORTED)}"
+        )
+    return kind
+
+
+# ---- config.json → flags ----
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    """rope theta, refusing rope scalings the built-in rotary does not implement (transformers 4 and 5 keys)."""
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kind = parameters.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise UnsupportedModel(
+            f"config.json uses rope scaling {kind!r}; the built-in rotary embedding implements plain rope only"
+        )
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModel("config.json has partial_rotary_factor; Llama-family models rotate whole heads")
+    return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _head_dim_matches(config: dict[str, Any], hidden: int, heads: int) -> None:
+    head_dim = config.get("head_dim")
+    if head_dim not in (None, hidden // heads):
+        raise UnsupportedModel(
+            f"config.json head_dim {head_dim} differs from hidden_size / num_attention_heads = {hidden // heads}; "
+            "the built-in attention uses hidden / heads"
+        )
+
+
+def _gelu(activation: str) -> bool:
+    """openai_gelu for a Hugging Face activation name."""
+    if activation in ("gelu", "gelu_python"):
+        return False
+    if activation in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return True
+    raise UnsupportedModel(f"config.json activation {activation!r}: the built-in models use GELU (exact or tanh)")
+
+
+def _gpt2_flags(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
+        raise UnsupportedModel("config.json scales GPT-2's attention differently from 1/sqrt(head size)")
+    hidden = config["n_embd"]
+    return {
+        "model_type": "gpt",
+        "num_layers": config["n_layer"],
+        "hidden_size": hidden,
+        "num_attention_heads": config["n_head"],
+        "ffn_hidden_size": config.get("n_inner") or 4 * hidden,
+        "max_position_embeddings": config["n_positions"],
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+        "openai_gelu": _gelu(config.get("activation_function", "gelu_new")),
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
+    }
+
+
+def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
+    kind = config["model_type"]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    _head_dim_matches(config, hidden, heads)
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"config.json hidden_act {config['hidden_act']!r}: Llama-family MLPs use SwiGLU (silu)")
+    if config.get("mlp_bias"):
+        raise UnsupportedModel("config.json mlp_bias: the built-in SwiGLU MLP has biases only with every linear layer")
+    if config.get("attention_bias"):
+        raise UnsupportedModel(
+            "config.json attention_bias (biases on q, k, v and o but not the MLP): no combination of "
+            "--disable-bias-linear / --add-qkv-bias builds that"
+        )
+    groups = config.get("num_key_value_heads") or heads
+    flags: dict[str, Any] = {
+        "model_type": "gpt",
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        "rotary_base": _rope_theta(config),
+        "rotary_percent": 1.0,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": config.get("rms_norm_eps", 1e-6),
+        "swiglu": True,
+        "group_query_attention": groups != heads,
+        "num_query_groups": groups if groups != heads else None,
+        "add_bias_linear": False,
+        "add_qkv_bias": kind == "qwen2",  # Qwen2's q/k/v projections always have biases
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+    }
+    if kind == "mixtral":
+        topk = config["num_experts_per_tok"]
+        if topk == 1:
+            raise UnsupportedModel("Mixtral with num_experts_per_tok 1 renormalises its top-1 weight to 1; the "
+                                   "built-in top-1 router (Switch) keeps the router probability")
+        flags |= {
+            "num_experts": [config["num_local_experts"]],
+            "moe_layer_freq": 1,
+            "moe_router_topk": topk,
+            "disable_moe_token_dropping": True,  # Mixtral has no expert capacity
+        }
+    return flags
+
+
+def _bert_flags(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedModel(
+            f"config.json position_embedding_type {config['position_embedding_type']!r}: BERT's learned "
+            "absolute positions only"
+        )
+    if config.get("type_vocab_size", 2) != 2:
+        raise UnsupportedModel(f"config.json type_vocab_size {config['type_vocab_size']}: the built-in BERT has 2")
+    architectures = config.get("architectures") or []
+    return {
+        "model_type": "bert",
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": config["hidden_size"],
+        "num_attention_heads": config["num_attention_heads"],
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "layernorm_epsilon": config.get("layer_norm_eps", 1e-12),
+        "openai_gelu": _gelu(config.get("hidden_act", "gelu")),
+        "post_layernorm": config["model_type"] == "bert",  # Megatron-BERT is pre-LN like the built-in BERT
+        "bert_binary_head": any(name.endswith("ForPreTraining") for name in architectures),
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
+    }
+
+
+# Flags every family fixes to their defaults unless it says otherwise (GPT-2's architecture).
+_BASE = {
+    "rotary_base": None,
+    "rotary_percent": None,
+    "swiglu": False,
+    "group_query_attention": False,
+    "num_query_groups": None,
+    "add_bias_linear": True,
+    "add_qkv_bias": False,
+    "openai_gelu": False,
+    "post_layernorm": False,
+    "bert_binary_head": False,
+    "num_experts": None,
+}
+
+
+def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """flag dest → the value the built-in model needs to hold these weights exactly."""
+    kind = family(config)
+    if kind == "gpt2":
+        flags = _gpt2_flags(config)
+    elif kind in LLAMA_FAMILY:
+        flags = _llama_flags(config)
+    else:
+        flags = _bert_flags(config)
+    return _BASE | flags
+
+
+def pretrained_vocab_size(args: argparse.Namespace) -> int | None:
+    """vocab_size of the Hugging Face config when it initialises the built-in model, else None."""
+    if not initialises_builtin(args):
+        return None
+    try:
+        return int(read_config(args.pretrained_model_name_or_path)["vocab_size"])
+    except (UnsupportedModel, KeyError):
+        return None
+
+
+# ---- applying it to the flags ----
+
+
+def apply_pretrained_defaults(args: argparse.Namespace, given: set[str]) -> None:
+    """Shape flags the user did not give take the Hugging Face config's values; so does the tokenizer, when
+    the folder holds one. Flags given keep their values (rules.py refuses those that contradict the config)."""
+    if not initialises_builtin(args):
+        return
+    folder = args.pretrained_model_name_or_path
+    try:
+        wanted = builtin_flags(read_config(folder))
+    except UnsupportedModel:
+        return  # the rules report it
+    for dest, value in wanted.items():
+        if dest not in given:
+            setattr(args, dest, value)
+    has_tokenizer = any((Path(folder) / name).exists() for name in TOKENIZER_FILES)
+    if has_tokenizer and "tokenizer_type" not in given:
+        args.tokenizer_type = "HuggingFaceTokenizer"
+        if "tokenizer_model" not in given:
+            args.tokenizer_model = folder
+
+
+def _flag_text(dest: str, value: Any) -> str:
+    """How a user writes `dest = value` on the command line."""
+    if dest == "add_bias_linear":
+        return "no --disable-bias-linear" if value else "--disable-bias-linear"
+    if dest == "disable_moe_token_dropping":
+        return "--disable-moe-token-dropping" if value else "no --disable-moe-token-dropping"
+    flag = "--" + dest.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"no {flag}"
+    if value is None:
+        return f"no {flag}"
+    if isinstance(value, (list, tuple)):
+        return f"{flag} {' '.join(map(str, value))}"
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+
+
+def _same(have: Any, want: Any) -> bool:
+    if isinstance(have, (list, tuple)) or isinstance(want, (list, tuple)):
+        return list(have or []) == list(want or [])
+    return have == want
+
+
+def pretrained_conflicts(args: argparse.Namespace) -> list[str]:
+    """Each flag whose value contradicts the Hugging Face config, as 'FLAG VALUE (config.json: VALUE)'."""
+    if not initialises_builtin(args):
+        return []
+    try:
+        wanted = builtin_flags(read_config(args.pretrained_model_name_or_path))
+    except UnsupportedModel:
+        return []
+    return [
+        f"{_flag_text(dest, getattr(args, dest, None))} (config.json needs {_flag_text(dest, value)})"
+        for dest, value in wanted.items()
+        if not _same(getattr(args, dest, None), value)
+    ]
+
+
+def unsupported_reason(args: argparse.Namespace) -> str | None:
+    """Why the folder cannot initialise the built-in model (pretraining only); None when it can."""
+    folder = args.pretrained_model_name_or_path
+    if not getattr(args, "builtin_from_pretrained", False):
+        return None
+    kind = classify_folder(folder)
+    if kind == "missing":
+        return f"--pretrained-model-name-or-path {folder}: no such folder"
+    if kind == "rapidtrain":
+        return (f"--pretrained-model-name-or-path {folder} holds a rapidtrain/Megatron-style checkpoint "
+                "(latest_checkpointed_iteration.txt), not Hugging Face weights: continue it with --load "
+                f"{folder} (or start at iteration 0 from its weights with --finetune --load {folder})")
+    if kind == "other":
+        return (f"--pretrained-model-name-or-path {folder} has no config.json: give a folder written by "
+                "save_pretrained (or scripts/convert_checkpoint.py --hf)")
+    try:
+        builtin_flags(read_config(folder))
+    except UnsupportedModel as error:
+        return f"--pretrained-model-name-or-path {folder}: {error}"
+    return None

@@ -1,0 +1,376 @@
+"""Hugging Face weights ↔ the built-in models, both ways.
+
+`load_hf_weights` reads a `save_pretrained` folder (safetensors, or pytorch_model.bin through
+`torch.load(weights_only=True)`: never code) into a built-in GPT or BERT of any layout: a whole model, a
+pipeline stage, or one whose parameters are DTensor shards. `save_hf_folder` writes a built-in model's whole
+state dict as a folder transformers loads (config.json + safetensors, in the hub's canonical names).
+
+Each family's map is a list of Links: built-in tensors on one side, Hugging Face tensors on the other, and a
+function each way (GPT-2 fuses q/k/v and stores Conv1D weights transposed; Mixtral keeps one matrix per
+expert, the built-in MoE stacks them input-major).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.hf_config import LLAMA_FAMILY, TOKENIZER_FILES, UnsupportedModel, family, read_config
+from rapidtrain.models.transformer import canonical_parameters, set_parameter
+
+Tensors = list[torch.Tensor]
+
+
+def _same(tensors: Tensors) -> Tensors:
+    return list(tensors)
+
+
+def _transposed(tensors: Tensors) -> Tensors:
+    return [t.t() for t in tensors]
+
+
+@dataclass(frozen=True)
+class Link:
+    """Built-in tensors `ours` are made from Hugging Face tensors `theirs` by `to_ours`, and back by `to_theirs`."""
+
+    ours: tuple[str, ...]
+    theirs: tuple[str, ...]
+    to_ours: Callable[[Tensors], Tensors] = _same
+    to_theirs: Callable[[Tensors], Tensors] = _same
+
+
+def one(ours: str, theirs: str, transpose: bool = False) -> Link:
+    how = _transposed if transpose else _same
+    return Link((ours,), (theirs,), how, how)
+
+
+def same_leaves(ours: str, theirs: str, leaves: tuple[str, ...] = ("weight", "bias")) -> list[Link]:
+    return [one(f"{ours}.{leaf}", f"{theirs}.{leaf}") for leaf in leaves]
+
+
+# ---- the maps ----
+
+
+def _gpt2_links(config: ModelConfig) -> list[Link]:
+    links = [one("embedding.word_embeddings.weight", "transformer.wte.weight"),
+             one("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+             *same_leaves("final_norm", "transformer.ln_f")]
+    if not config.tie_embeddings:
+        links.append(one("output.weight", "lm_head.weight"))
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}", f"transformer.h.{i}"
+        qkv = tuple(f"{ours}.attention.{p}_proj.weight" for p in "qkv")
+        links.append(Link(qkv, (f"{theirs}.attn.c_attn.weight",),
+                          to_ours=lambda t: list(t[0].t().chunk(3, dim=0)),
+                          to_theirs=lambda t: [torch.cat(t, dim=0).t()]))
+        qkv_bias = tuple(f"{ours}.attention.{p}_proj.bias" for p in "qkv")
+        links.append(Link(qkv_bias, (f"{theirs}.attn.c_attn.bias",),
+                          to_ours=lambda t: list(t[0].chunk(3)), to_theirs=lambda t: [torch.cat(t)]))
+        links += same_leaves(f"{ours}.ln1", f"{theirs}.ln_1") + same_leaves(f"{ours}.ln2", f"{theirs}.ln_2")
+        for our_name, their_name in (("attention.o_proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"),
+                                     ("mlp.fc2", "mlp.c_proj")):
+            links.append(one(f"{ours}.{our_name}.weight", f"{theirs}.{their_name}.weight", transpose=True))
+            links.append(one(f"{ours}.{our_name}.bias", f"{theirs}.{their_name}.bias"))
+    return links
+
+
+def _stacked_experts(ours: str, theirs: list[str]) -> Link:
+    """[E, in, out] built-in ↔ E Hugging Face Linear weights [out, in]."""
+    return Link((ours,), tuple(theirs),
+                to_ours=lambda t: [torch.stack([m.t() for m in t])],
+                to_theirs=lambda t: [m.t() for m in t[0].unbind(0)])
+
+
+def _llama_links(config: ModelConfig) -> list[Link]:
+    links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+             one("final_norm.weight", "model.norm.weight")]
+    if not config.tie_embeddings:
+        links.append(one("output.weight", "lm_head.weight"))
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}", f"model.layers.{i}"
+        links += [one(f"{ours}.ln1.weight", f"{theirs}.input_layernorm.weight"),
+                  one(f"{ours}.ln2.weight", f"{theirs}.post_attention_layernorm.weight")]
+        for p in "qkvo":
+            links.append(one(f"{ours}.attention.{p}_proj.weight", f"{theirs}.self_attn.{p}_proj.weight"))
+            if config.add_qkv_bias and p != "o":
+                links.append(one(f"{ours}.attention.{p}_proj.bias", f"{theirs}.self_attn.{p}_proj.bias"))
+        experts = config.experts_in_layer(i)
+        if not experts:
+            links += [one(f"{ours}.mlp.fc1.weight", f"{theirs}.mlp.up_proj.weight"),
+                      one(f"{ours}.mlp.gate.weight", f"{theirs}.mlp.gate_proj.weight"),
+                      one(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight")]
+            continue
+        moe = f"{theirs}.block_sparse_moe"
+        links.append(one(f"{ours}.mlp.router.weight", f"{moe}.gate.weight"))
+        # Mixtral's w1 is the gate, w3 the up projection, w2 the down projection.
+        for our_name, their_name in (("w_gate", "w1"), ("w1", "w3"), ("w2", "w2")):
+            links.append(_stacked_experts(f"{ours}.mlp.experts.{our_name}",
+                                          [f"{moe}.experts.{e}.{their_name}.weight" for e in range(experts)]))
+    return links
+
+
+def _bert_links(config: ModelConfig) -> list[Link]:
+    """HF BERT (post-LN) or Megatron-BERT (pre-LN, as the built-in BERT's default)."""
+    links = [one("embedding.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
+             one("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
+             one("embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight"),
+             *same_leaves("lm_head.dense", "cls.predictions.transform.dense"),
+             *same_leaves("lm_head.norm", "cls.predictions.transform.LayerNorm"),
+             one("lm_head.output.bias", "cls.predictions.bias")]
+    if config.post_layernorm:
+        links += same_leaves("embedding.norm", "bert.embeddings.LayerNorm")
+    else:
+        links += same_leaves("final_norm", "bert.encoder.ln")
+    if not config.tie_embeddings:
+        links.append(one("lm_head.output.weight", "cls.predictions.decoder.weight"))
+    if config.bert_binary_head:
+        links += same_leaves("pooler.dense", "bert.pooler.dense") + same_leaves("binary_head", "cls.seq_relationship")
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}", f"bert.encoder.layer.{i}"
+        for p, name in zip("qkv", ("query", "key", "value"), strict=True):
+            links += same_leaves(f"{ours}.attention.{p}_proj", f"{theirs}.attention.self.{name}")
+        links += same_leaves(f"{ours}.attention.o_proj", f"{theirs}.attention.output.dense")
+        links += same_leaves(f"{ours}.mlp.fc1", f"{theirs}.intermediate.dense")
+        links += same_leaves(f"{ours}.mlp.fc2", f"{theirs}.output.dense")
+        if config.post_layernorm:
+            links += same_leaves(f"{ours}.ln1", f"{theirs}.attention.output.LayerNorm")
+            links += same_leaves(f"{ours}.ln2", f"{theirs}.output.LayerNorm")
+        else:
+            links += same_leaves(f"{ours}.ln1", f"{theirs}.attention.ln") + same_leaves(f"{ours}.ln2", f"{theirs}.ln")
+    return links
+
+
+def links_for(hf_model_type: str, config: ModelConfig) -> list[Link]:
+    if hf_model_type == "gpt2":
+        return _gpt2_links(config)
+    if hf_model_type in LLAMA_FAMILY:
+        return _llama_links(config)
+    return _bert_links(config)
+
+
+# ---- reading a folder ----
+
+_BASE_PREFIXES = ("transformer.", "model.", "bert.")
+
+
+def _normalized(name: str) -> str:
+    """One spelling for names saved by the head class or the base class, and old BERT's gamma/beta."""
+    for prefix in _BASE_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name.endswith(".gamma"):
+        name = name[: -len("gamma")] + "weight"
+    elif name.endswith(".beta"):
+        name = name[: -len("beta")] + "bias"
+    return name
+
+
+class WeightsReader:
+    """The tensors of a save_pretrained folder by name, read when asked for (safetensors memory-maps them)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self._opened: dict[Path, Any] = {}
+        self.location: dict[str, tuple[Path, str]] = {}  # normalized name → (file, name in the file)
+        for file in self._weight_files():
+            for name in self._open(file).keys():
+                self.location[_normalized(name)] = (file, name)
+
+    def _weight_files(self) -> list[Path]:
+        for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                                   ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+            index = self.folder / index_name
+            if index.exists():
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                return [self.folder / shard for shard in shards]
+            if (self.folder / single).exists():
+                return [self.folder / single]
+        raise UnsupportedModel(
+            f"{self.folder} holds no model.safetensors or pytorch_model.bin (nor their .index.json shards)"
+        )
+
+    def _open(self, file: Path) -> Any:
+        if file not in self._opened:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                self._opened[file] = safe_open(str(file), framework="pt")
+            else:  # weights_only: plain tensors only, no pickled code runs
+                self._opened[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return self._opened[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        if _normalized(name) not in self.location:
+            raise UnsupportedModel(f"{self.folder}: no weight {name!r} in the folder's files")
+        file, stored = self.location[_normalized(name)]
+        opened = self._open(file)
+        return opened.get_tensor(stored) if file.suffix == ".safetensors" else opened[stored]
+
+
+# ---- into a built-in model ----
+
+VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output.weight", "lm_head.output.weight", "lm_head.output.bias")
+
+
+def _fit(name: str, value: torch.Tensor, shape: torch.Size, source: str) -> torch.Tensor:
+    """The value for a parameter of `shape`; vocabulary rows the padding added start at zero."""
+    if name in VOCABULARY_ROWS and value.shape[0] < shape[0] and value.shape[1:] == shape[1:]:
+        padding = value.new_zeros((shape[0] - value.shape[0], *value.shape[1:]))
+        value = torch.cat([value, padding])
+    if value.shape != shape:
+        raise UnsupportedModel(f"{source}: {name} needs shape {tuple(shape)}, the folder's weights give "
+                               f"{tuple(value.shape)}")
+    return value
+
+
+def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
+    """Give every parameter of a built-in model (whole, a pipeline stage, or DTensor-sharded) its value from
+    the Hugging Face folder; the model's shape must be the folder's (hf_config.builtin_flags)."""
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    links = links_for(family(read_config(str(folder))), config)
+    by_name = {name: link for link in links for name in link.ours}
+    reader = WeightsReader(folder)
+    ready: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, _module, param in canonical_parameters(model):
+            if name not in by_name:
+                raise UnsupportedModel(f"{folder}: nothing in the Hugging Face map gives the built-in {name}")
+            if name not in ready:  # a link may make several tensors at once (GPT-2's q, k, v)
+                link = by_name[name]
+                ready.update(zip(link.ours, link.to_ours([reader.get(t) for t in link.theirs]), strict=True))
+            value = _fit(name, ready.pop(name), param.shape, str(folder))
+            set_parameter(param, value.to(param.dtype))
+
+
+# ---- out of a built-in model ----
+
+
+def export_family(config: ModelConfig) -> str:
+    """The Hugging Face model_type that holds this built-in model exactly, or UnsupportedModel saying why not."""
+    problems: list[str] = []
+
+    def need(condition: bool, text: str) -> None:
+        if not condition:
+            problems.append(text)
+
+    gelu_mlp = not config.swiglu
+    need(config.position_embedding_type != "rope" or config.rotary_percent == 1.0, "--rotary-percent 1.0")
+    if config.model_type == "bert":
+        need(config.normalization == "LayerNorm", "--normalization LayerNorm")
+        need(config.position_embedding_type == "learned_absolute", "learned absolute positions")
+        need(gelu_mlp and config.add_bias_linear and config.query_groups == config.num_attention_heads,
+             "GELU MLPs with biases and one key/value head per head")
+        need(not any(config.num_experts), "dense MLPs (no --num-experts)")
+        kind = "bert" if config.post_layernorm else "megatron-bert"
+    elif config.normalization == "LayerNorm":
+        need(config.position_embedding_type == "learned_absolute", "learned absolute positions (GPT-2)")
+        need(gelu_mlp and config.add_bias_linear, "GELU MLPs with biases (GPT-2)")
+        need(config.query_groups == config.num_attention_heads, "one key/value head per head (GPT-2)")
+        need(not any(config.num_experts) and not config.post_layernorm, "dense pre-LN layers (GPT-2)")
+        kind = "gpt2"
+    else:
+        need(config.position_embedding_type == "rope" and config.swiglu and not config.add_bias_linear,
+             "rope, --swiglu and --disable-bias-linear (Llama)")
+        need(not config.post_layernorm, "pre-norm layers")
+        experts = set(config.num_experts)
+        if any(config.num_experts):
+            need(len(experts) == 1, "the same number of experts in every layer (Mixtral)")
+            need(config.moe_router_topk > 1, "--moe-router-topk 2 (Mixtral renormalises the top-k weights)")
+            need(not config.add_qkv_bias, "no --add-qkv-bias (Mixtral)")
+            kind = "mixtral"
+        else:
+            kind = "qwen2" if config.add_qkv_bias else "llama"
+    if problems:
+        raise UnsupportedModel(
+            f"no Hugging Face architecture holds this {config.architecture} exactly; exporting it as "
+            f"{kind} needs " + "; ".join(problems)
+        )
+    return kind
+
+
+def hf_config_for(config: ModelConfig, kind: str) -> Any:
+    """The transformers config object (GPT2Config, LlamaConfig, ...) of the exported model."""
+    import transformers
+
+    tie, dropout = config.tie_embeddings, config.attention_dropout
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+            n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_size,
+            activation_function="gelu_new" if config.openai_gelu else "gelu", resid_pdrop=config.hidden_dropout,
+            embd_pdrop=config.hidden_dropout, attn_pdrop=dropout, layer_norm_epsilon=config.layernorm_epsilon,
+            initializer_range=config.init_method_std, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
+            architectures=["GPT2LMHeadModel"])
+    if kind in LLAMA_FAMILY:
+        common = dict(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.query_groups, max_position_embeddings=config.max_position_embeddings,
+            rms_norm_eps=config.layernorm_epsilon, rope_theta=float(config.rotary_base), tie_word_embeddings=tie,
+            attention_dropout=dropout, initializer_range=config.init_method_std, hidden_act="silu",
+            bos_token_id=None, eos_token_id=None)
+        if kind == "mixtral":
+            return transformers.MixtralConfig(
+                **common, num_local_experts=max(config.num_experts), num_experts_per_tok=config.moe_router_topk,
+                router_aux_loss_coef=config.moe_aux_loss_coeff, router_jitter_noise=config.moe_jitter_eps,
+                architectures=["MixtralForCausalLM"])
+        if kind == "qwen2":
+            return transformers.Qwen2Config(**common, use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
+        return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False,
+                                        architectures=["LlamaForCausalLM"])
+    bert_class = transformers.BertConfig if kind == "bert" else transformers.MegatronBertConfig
+    head = "ForPreTraining" if config.bert_binary_head else "ForMaskedLM"
+    return bert_class(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_size,
+        hidden_act="gelu_new" if config.openai_gelu else "gelu",
+        hidden_dropout_prob=config.hidden_dropout, attention_probs_dropout_prob=dropout,
+        max_position_embeddings=config.max_position_embeddings, type_vocab_size=2,
+        layer_norm_eps=config.layernorm_epsilon, initializer_range=config.init_method_std, tie_word_embeddings=tie,
+        architectures=[("Bert" if kind == "bert" else "MegatronBert") + head])
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, kind: str) -> dict[str, torch.Tensor]:
+    """The built-in model's whole state dict in the Hugging Face family's names and layouts."""
+    out: dict[str, torch.Tensor] = {}
+    for link in links_for(kind, config):
+        missing = [name for name in link.ours if name not in state]
+        if missing:
+            raise UnsupportedModel(f"the checkpoint has no {', '.join(missing)} for the {kind} export")
+        out.update(zip(link.theirs, link.to_theirs([state[name] for name in link.ours]), strict=True))
+    if kind in ("bert", "megatron-bert"):  # transformers ties the decoder's bias to cls.predictions.bias
+        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"].clone()
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def save_hf_folder(state: dict[str, torch.Tensor], config: ModelConfig, output: str | Path,
+                   tokenizer_folder: str | None = None, max_shard_size: str = "5GB") -> str:
+    """Write config.json and safetensors (sharded past `max_shard_size`) that transformers' from_pretrained
+    loads; copy the Hugging Face tokenizer the model trained with, when there is one. Returns the family."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    kind = export_family(config)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    hf_config_for(config, kind).save_pretrained(output)
+    tensors = hf_state_dict(state, config, kind)
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for file, names in split.filename_to_tensors.items():
+        save_file({name: tensors[name] for name in names}, str(output / file), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": split.metadata.get("total_size")}, "weight_map": split.tensor_to_filename}
+        (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if tokenizer_folder and any((Path(tokenizer_folder) / name).exists() for name in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True).save_pretrained(output)
+    return kind

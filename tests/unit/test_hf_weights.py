@@ -1,0 +1,285 @@
+"""Hugging Face weights both ways: tiny models built with from_config and save_pretrained here start the
+built-in model through the flags (--task pretraining --pretrained-model-name-or-path DIR), give the same
+logits (fp32, within 1e-5) and the same training step; built-in models exported with save_hf_folder load
+in transformers with the same logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidtrain import arguments, plan, rules
+from rapidtrain.models import build_model
+from rapidtrain.models.hf_config import UnsupportedModel
+from rapidtrain.models.hf_weights import WeightsReader, export_family, hf_state_dict, save_hf_folder
+
+TOLERANCE = 1e-5
+SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+             max_position_embeddings=64)
+LLAMA = SHAPE | dict(num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=50000.0)
+
+
+def hf_configs():
+    import transformers as t
+
+    return {
+        "gpt2": (t.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=96),
+                 t.GPT2LMHeadModel),
+        "llama": (t.LlamaConfig(**LLAMA), t.LlamaForCausalLM),
+        "mistral": (t.MistralConfig(**LLAMA, sliding_window=64), t.MistralForCausalLM),
+        "qwen2": (t.Qwen2Config(**LLAMA | {"tie_word_embeddings": True}), t.Qwen2ForCausalLM),
+        "mixtral": (t.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2), t.MixtralForCausalLM),
+        "bert": (t.BertConfig(**SHAPE), t.BertForPreTraining),
+        "megatron-bert": (t.MegatronBertConfig(**SHAPE), t.MegatronBertForMaskedLM),
+    }
+
+
+def save_tiny(kind: str, folder: Path, **overrides) -> Path:
+    config, model_class = hf_configs()[kind]
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():  # BERT's LayerNorms start at (1, 0); make every parameter matter
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(folder)
+    return folder
+
+
+def flags(folder: Path, *extra: str) -> list[str]:
+    return ["--pretrained-model-name-or-path", str(folder), "--data-path", "unused", "--train-iters", "1",
+            "--lr", "0.1", "--seq-length", "16", "--hidden-dropout", "0", "--attention-dropout", "0", *extra]
+
+
+def builtin_from(folder: Path, *extra: str):
+    """The built-in model the run's flags make: parsed, checked by the rules, resolved by the plan."""
+    args = arguments.parse_args(flags(folder, *extra))
+    rules.validate(args, plan.RunContext(1, "cpu"))
+    vocab = plan.builtin_vocab_size(args, None)
+    config = plan.model_config_from_args(args, vocab)
+    return build_model(config, seed=1), args
+
+
+def load_hf(folder: Path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    return getattr(transformers, config.architectures[0]).from_pretrained(folder, attn_implementation="eager")
+
+
+def tokens(vocab: int = 256, length: int = 16) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(3))
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        if model.config.model_type == "bert":
+            out = model(ids, attention_mask=torch.ones_like(ids), tokentype_ids=torch.zeros_like(ids))
+            return out[0] if isinstance(out, tuple) else out
+        return model(ids)
+
+
+def hf_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids, attention_mask=torch.ones_like(ids))
+    return out.prediction_logits if hasattr(out, "prediction_logits") else out.logits
+
+
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "mixtral", "bert", "megatron-bert"]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_hugging_face_weights_give_the_builtin_model_the_same_logits(kind, tmp_path):
+    folder = save_tiny(kind, tmp_path / kind)
+    ours, args = builtin_from(folder)
+    theirs = load_hf(folder).eval()
+    ours.eval()
+    ids = tokens()
+    difference = (logits_of(ours, ids) - hf_logits_of(theirs, ids)).abs().max()
+    assert difference < TOLERANCE, f"{kind}: {difference}"
+    described = plan.from_args(args, plan.RunContext(1, "cpu")).describe()
+    assert f"initialised from Hugging Face weights in {folder}" in described
+
+
+def test_bert_binary_head_and_tie_follow_the_config(tmp_path):
+    folder = save_tiny("bert", tmp_path / "bert")
+    ours, args = builtin_from(folder)
+    assert args.bert_binary_head and args.post_layernorm and args.model_type == "bert"
+    assert ours.lm_head.output.weight is ours.embedding.word_embeddings.weight
+    theirs = load_hf(folder).eval()
+    ids = tokens()
+    with torch.no_grad():
+        _, binary = ours.eval()(ids, attention_mask=torch.ones_like(ids), tokentype_ids=torch.zeros_like(ids))
+        expected = theirs(ids, attention_mask=torch.ones_like(ids)).seq_relationship_logits
+    assert (binary - expected).abs().max() < TOLERANCE
+
+
+def test_flags_not_given_come_from_the_config_and_the_plan_says_llama(tmp_path):
+    folder = save_tiny("llama", tmp_path / "llama")
+    args = arguments.parse_args(flags(folder))
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size) == (2, 64, 4, 96)
+    assert args.normalization == "RMSNorm" and args.swiglu and not args.add_bias_linear
+    assert args.group_query_attention and args.num_query_groups == 2
+    assert args.position_embedding_type == "rope" and args.rotary_base == 50000.0
+    assert args.untie_embeddings_and_output_weights and args.layernorm_epsilon == 1e-6
+    described = plan.from_args(args, plan.RunContext(1, "cpu")).describe()
+    assert f"model: built-in GPT (Llama-family) initialised from Hugging Face weights in {folder}" in described
+
+
+def test_flags_that_contradict_the_config_are_refused_naming_both_values(tmp_path):
+    folder = save_tiny("llama", tmp_path / "llama")
+    args = arguments.parse_args(flags(folder, "--num-layers", "3", "--normalization", "LayerNorm"))
+    with pytest.raises(rules.FlagConflict) as refused:
+        rules.validate(args, plan.RunContext(1, "cpu"))
+    message = str(refused.value)
+    assert "--num-layers 3 (config.json needs --num-layers 2)" in message
+    assert "--normalization LayerNorm (config.json needs --normalization RMSNorm)" in message
+
+
+def test_fine_tuning_tasks_keep_the_hugging_face_model(tmp_path):
+    folder = save_tiny("llama", tmp_path / "llama")
+    args = arguments.parse_args(["--pretrained-model-name-or-path", str(folder), "--task", "casual_lm",
+                                 "--epochs", "1", "--lr", "1e-4"])
+    assert args.num_layers == 4 and not args.swiglu  # nothing taken from the folder
+    resolved = plan.from_args(args, plan.RunContext(1, "cpu"))
+    assert resolved.template == "Finetuner (Hugging Face model)" and resolved.model is None
+
+
+def test_a_user_script_decides_what_the_folder_is_for(tmp_path):
+    """With --user-script (a white-box Finetuner, say) the folder stays a Hugging Face model for the script to load,
+    even at the default --task pretraining: nothing is taken from it and nothing is refused."""
+    folder = save_tiny("bert", tmp_path / "bert")
+    args = arguments.parse_args(["--user-script", "my_finetuner.py", "--pretrained-model-name-or-path", str(folder),
+                                 "--epochs", "1", "--lr", "1e-4"])
+    assert not args.builtin_from_pretrained and args.model_type == "gpt" and args.tokenizer_type is None
+    assert "pretrained-shape-flags" not in {r.name for r in rules.RULES if r.violated(args, plan.RunContext(1, "cpu"))}
+    assert plan.from_args(args, plan.RunContext(1, "cpu")).model is None
+
+
+def test_padded_vocabulary_rows_start_at_zero(tmp_path):
+    """A vocabulary of 250 pads to 256: the real rows give Hugging Face's logits, the padding logit 0."""
+    folder = save_tiny("llama", tmp_path / "llama", vocab_size=250)
+    ours, _ = builtin_from(folder)
+    assert ours.config.vocab_size == 256
+    ids = tokens(vocab=250)
+    logits = logits_of(ours.eval(), ids)
+    assert (logits[..., :250] - hf_logits_of(load_hf(folder).eval(), ids)).abs().max() < TOLERANCE
+    assert logits[..., 250:].abs().max() == 0
+
+
+def test_pytorch_bin_folders_load_without_running_code(tmp_path):
+    """pytorch_model.bin goes through torch.load(weights_only=True): a pickle that would run code is refused."""
+    folder = save_tiny("gpt2", tmp_path / "gpt2")
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save({f"transformer.{k}" if not k.startswith("transformer.") else k: v for k, v in state.items()},
+               folder / "pytorch_model.bin")
+    ours, _ = builtin_from(folder)
+    ids = tokens()
+    assert (logits_of(ours.eval(), ids) - hf_logits_of(load_hf(folder).eval(), ids)).abs().max() < TOLERANCE
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("code ran",))
+
+    torch.save({"transformer.wte.weight": Payload()}, folder / "pytorch_model.bin")
+    with pytest.raises(Exception, match="Weights only load failed|weights_only"):
+        WeightsReader(folder)
+
+
+def one_sgd_step(model, loss: torch.Tensor) -> None:
+    loss.backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.grad is not None:
+                param.sub_(0.1 * param.grad)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_one_training_step_equals_hugging_face(kind, tmp_path):
+    """Same loss, and after one SGD step (lr 0.1) the same weights, in Hugging Face's names."""
+    folder = save_tiny(kind, tmp_path / kind, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ours, _ = builtin_from(folder)
+    theirs = load_hf(folder)
+    ours.train(), theirs.train()
+    ids = tokens()
+    our_loss = ours(ids[:, :-1], labels=ids[:, 1:]).mean()
+    their_loss = theirs(ids, labels=ids).loss  # transformers shifts the labels itself
+    assert abs(our_loss.item() - their_loss.item()) < TOLERANCE
+    one_sgd_step(ours, our_loss)
+    one_sgd_step(theirs, their_loss)
+    updated = hf_state_dict(ours.state_dict(), ours.config, kind)
+    expected = theirs.state_dict()
+    worst = max(float((updated[name] - expected[name]).abs().max()) for name in updated)
+    assert worst < TOLERANCE
+
+
+@pytest.mark.parametrize("shape, kind", [
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, openai_gelu=True), "gpt2"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
+          rotary_base=50000.0, tie_embeddings=False, layernorm_epsilon=1e-6), "llama"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, add_bias_linear=False, add_qkv_bias=True, position_embedding_type="rope"), "qwen2"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
+          tie_embeddings=False, num_experts=(4, 4), moe_router_topk=2, moe_token_dropping=False), "mixtral"),
+    (dict(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4, num_tokentypes=2,
+          bert_binary_head=True), "megatron-bert"),
+    (dict(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4, num_tokentypes=2,
+          post_layernorm=True), "bert"),
+], ids=["gpt2", "llama", "qwen2", "mixtral", "megatron-bert", "bert"])
+def test_builtin_models_export_to_folders_transformers_loads_with_the_same_logits(shape, kind, tmp_path):
+    from rapidtrain.models import ModelConfig
+
+    config = ModelConfig(vocab_size=256, seq_length=16, max_position_embeddings=64, hidden_dropout=0.0,
+                         attention_dropout=0.0, **shape)
+    ours = build_model(config, seed=5).eval()
+    assert export_family(config) == kind
+    assert save_hf_folder(ours.state_dict(), config, tmp_path / "out") == kind
+    theirs = load_hf(tmp_path / "out").eval()
+    ids = tokens()
+    assert (logits_of(ours, ids) - hf_logits_of(theirs, ids)).abs().max() < TOLERANCE
+
+
+def test_hugging_face_round_trip_keeps_every_tensor(tmp_path):
+    folder = save_tiny("mixtral", tmp_path / "in")
+    ours, _ = builtin_from(folder)
+    save_hf_folder(ours.state_dict(), ours.config, tmp_path / "out")
+    source, again = WeightsReader(folder), WeightsReader(tmp_path / "out")
+    assert set(source.location) == set(again.location)
+    for name in source.location:
+        assert torch.equal(source.get(name), again.get(name)), name
+
+
+def test_export_refuses_models_without_a_hugging_face_twin():
+    from rapidtrain.models import ModelConfig
+
+    with pytest.raises(UnsupportedModel, match="learned absolute positions"):
+        export_family(ModelConfig(position_embedding_type="rope"))
+    with pytest.raises(UnsupportedModel, match="--rotary-percent 1.0"):
+        export_family(ModelConfig(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                                  position_embedding_type="rope", rotary_percent=0.5))
+
+
+def test_unsupported_configs_and_checkpoint_folders_are_refused_clearly(tmp_path):
+    folder = save_tiny("llama", tmp_path / "scaled")
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    args = arguments.parse_args(flags(folder))
+    with pytest.raises(rules.FlagConflict, match="rope scaling 'llama3'"):
+        rules.validate(args, plan.RunContext(1, "cpu"))
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "latest_checkpointed_iteration.txt").write_text("3\n")
+    args = arguments.parse_args(flags(checkpoint))
+    with pytest.raises(rules.FlagConflict, match="rapidtrain/Megatron-style checkpoint.*--load"):
+        rules.validate(args, plan.RunContext(1, "cpu"))
