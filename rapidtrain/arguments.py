@@ -26,7 +26,8 @@ TASKS = (
 TASK_ALIASES = {"causal_lm": "casual_lm"}
 
 OPTIMIZERS_RAPIDFORMER = ("apex_adam", "apex_lamb")
-OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd")
+OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit",
+              "adamw_4bit")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 STATE_PARTITIONING_FLAGS = (
     "oss_memory_optimization",
@@ -225,12 +226,17 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                    help="Graph optimisation: ONNX Runtime ORTModule when it imports with this torch, else "
                         "torch.compile.")
     g.add_argument("--optimizers", choices=OPTIMIZERS_RAPIDFORMER, default="apex_adam",
-                   help="Fused optimizer (Rapidformer): apex FusedAdam / FusedLAMB when apex is importable, else "
-                        "torch AdamW (fused kernel on CUDA and CPU) / rapidtrain's LAMB.")
+                   help="Fused optimizer (Rapidformer): apex FusedAdam / FusedLAMB when apex is importable, on CUDA, "
+                        "and the parameters are plain tensors (one process, DDP, OSS, DeepSpeed); else torch AdamW "
+                        "(fused kernel on CUDA and CPU) / rapidtrain's LAMB, as for DTensor layouts (TP, FSDP, SDP, "
+                        "3D). The plan says which and why.")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="Optimizer (beyond Rapidformer): adamw (adam is accepted for it, as in Megatron: "
-                        "decoupled weight "
-                        "decay), adafactor (torch.optim.Adafactor), sgd; overrides --optimizers.")
+                   help="Optimizer (beyond Rapidformer), overrides --optimizers: adamw (adam is accepted for it, as "
+                        "in Megatron: decoupled weight decay), adafactor (torch.optim.Adafactor, factored second "
+                        "moment), sgd; adamw_8bit: 8-bit AdamW (~2 bytes of state per parameter instead of 8), "
+                        "bitsandbytes AdamW8bit for plain-tensor layouts, torchao AdamW8bit for DTensor layouts "
+                        "(TP, FSDP, SDP, 3D); paged_adamw_8bit: bitsandbytes PagedAdamW8bit (CUDA, plain tensors); "
+                        "adamw_4bit: torchao AdamW4bit (plain tensors).")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
 
 

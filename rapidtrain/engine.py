@@ -24,7 +24,7 @@ from rapidtrain import arguments, rules
 from rapidtrain.cpu_allocator import keep_freed_memory
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.runner import StepOutcome
-from rapidtrain.plan import Plan, RunContext, from_args, lr_schedule_settings, optimizer_settings
+from rapidtrain.plan import Plan, RunContext, from_args, lr_schedule_settings
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
 
@@ -159,7 +159,7 @@ class Engine:
 
         names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
         self.runner = parallelize(model, self.plan, self.mesh, self.device, optimizer=optimizer,
-                                  optimizer_settings=optimizer_settings(self.args), clip_grad=self.args.clip_grad,
+                                  optimizer_settings=self.plan.optimizer, clip_grad=self.args.clip_grad,
                                   loss_scale=self._loss_scale_settings(), model_factory=model_factory)
         if optimizer is not None and self.runner.optimizer is optimizer:  # the user's, over the wrapped parameters
             from rapidtrain.trainers.composed import rebind_optimizer

@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rapidtrain.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from rapidtrain.optim.optimizers import OptimizerSettings
 
 DeviceType = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -175,6 +179,7 @@ class Plan:
     train_iters: int | None = None
     epochs: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    optimizer: OptimizerSettings | None = None  # what builds the optimizer (its implementation follows the layout)
 
     @property
     def state_partitioning(self) -> str:
@@ -251,10 +256,12 @@ def from_args(args: argparse.Namespace, ctx: RunContext, vocab_size: int | None 
     precision = precision_of(args, ctx.device_type)
     builtin = not args.pretrained_model_name_or_path
     model = model_config_from_args(args, vocab_size) if builtin and vocab_size else None
+    switches = switches_of(args, layout)
+    optimizer = optimizer_settings(args, layout, switches)
     engines, notes = engines_for(args, ctx, layout, precision)
-    memory = memory_estimate(args, model, layout, precision) if model else None
+    memory = memory_estimate(args, model, layout, precision, ctx.device_type) if model else None
     return Plan(template_of(args), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches_of(args, layout), args.train_iters, args.epochs, tuple(notes))
+                switches, args.train_iters, args.epochs, tuple(notes), optimizer)
 
 
 PARTITIONING_NAMES = {
@@ -283,16 +290,28 @@ def switches_of(args: argparse.Namespace, layout: Layout) -> Switches:
                     args.data_iterator == "dynamic-shape")
 
 
-def optimizer_settings(args: argparse.Namespace):
-    """The optimizer's own settings; `--optimizer` (beyond Rapidformer) overrides `--optimizers`."""
+def parameters_are_dtensors(layout: Layout, switches: Switches) -> bool:
+    """Whether the optimizer receives DTensor parameters: tensor parallelism, FSDP2 (FSDP, SDP, ZeRO-1/2 with
+    TP/PP) and composable `replicate` (data parallel beside pipeline stages) make them; one process, DDP,
+    ZeroRedundancyOptimizer, FairScale and DeepSpeed hand over plain tensors."""
+    if layout.tensor_parallel_size > 1:
+        return True
+    sharded_or_replicated = switches.partitioning_engine == "fsdp2" or layout.pipeline_parallel_size > 1
+    return layout.data_parallel_size > 1 and sharded_or_replicated
+
+
+def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, switches: Switches | None = None):
+    """The optimizer's own settings; `--optimizer` (beyond Rapidformer) overrides `--optimizers`. With the
+    layout, they say whether the parameters are DTensors (the implementation is chosen from that)."""
     from rapidtrain.optim.optimizers import OptimizerSettings
 
     name = args.optimizer or args.optimizers
     if name == "adam":  # Megatron's --optimizer adam is Adam with decoupled weight decay, i.e. AdamW
         name = "adamw"
+    dtensors = layout is not None and switches is not None and parameters_are_dtensors(layout, switches)
     return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             sgd_momentum=args.sgd_momentum)
+                             sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors)
 
 
 def lr_schedule_settings(args: argparse.Namespace, global_batch_size: int, train_iters: int):
@@ -420,7 +439,10 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
 
         engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
     else:
-        engines.append(EngineChoice("optimizer", describe_optimizer(optimizer_settings(args), ctx.device_type)))
+        settings = optimizer_settings(args, layout, switches_of(args, layout))
+        engines.append(EngineChoice("optimizer", describe_optimizer(settings, ctx.device_type),
+                                    "the layout's parameters are " + ("DTensors (tensor parallel / FSDP2 / "
+                                    "replicate)" if settings.dtensor_parameters else "plain tensors")))
     if args.cpu_offload:
         notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
                      "selects Adam there")
@@ -429,11 +451,23 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
 
 # ---- memory per rank (ZeRO paper accounting) ----
 
-OPTIMIZER_STATE_BYTES = {"apex_adam": 8, "apex_lamb": 8, "adamw": 8, "adam": 8, "adafactor": 0, "sgd": 4}
+def optimizer_state_bytes_per_parameter(model: ModelConfig, settings: OptimizerSettings, device_type: str) -> float:
+    """The chosen implementation's state per parameter, from the model's real tensor shapes (Adafactor's
+    factored rows and columns, 8-bit blocks and the small tensors they leave in fp32)."""
+    import torch
+
+    from rapidtrain.models import build_model
+    from rapidtrain.optim.optimizers import resolve_optimizer
+    from rapidtrain.optim.state_bytes import optimizer_state_bytes
+
+    with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+        shapes = [tuple(p.shape) for p in build_model(model, seed=None).parameters()]
+    total = sum(math.prod(shape) for shape in shapes)
+    return optimizer_state_bytes(resolve_optimizer(settings, device_type).state, shapes) / max(total, 1)
 
 
 def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout,
-                    precision: Precision) -> MemoryEstimate:
+                    precision: Precision, device_type: str = "cpu") -> MemoryEstimate:
     from rapidtrain.models.counting import count_parameters, expert_parameter_count
 
     total, active = count_parameters(model)
@@ -444,12 +478,15 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     stage = zero_stage(args)
     deepspeed = stage > 0 and layout.tensor_parallel_size == layout.pipeline_parallel_size == 1
     half = precision.dtype != "fp32"
-    name = args.optimizer or args.optimizers
     # DeepSpeed keeps 16-bit weights and gradients beside fp32 master weights; torch autocast keeps fp32 ones.
     weight, grad = (2, 2) if deepspeed and half else (4, 4)
     if deepspeed and args.cpu_offload:  # ZeRO-Offload keeps the reduced gradient partition in fp32 on the CPU
         grad = 4
-    optimizer = OPTIMIZER_STATE_BYTES[name] + (4 if deepspeed and half else 0)
+        state = 8.0  # DeepSpeedCPUAdam: fp32 moments
+    else:
+        settings = optimizer_settings(args, layout, switches_of(args, layout))
+        state = optimizer_state_bytes_per_parameter(model, settings, device_type)
+    optimizer = state + (4 if deepspeed and half else 0)
     n = layout.data_parallel_size
     shard_optimizer = stage > 0 or args.oss_memory_optimization or args.oss_sdp_memory_optimization \
         or args.fsdp_memory_optimization

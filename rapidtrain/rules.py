@@ -13,7 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rapidtrain.arguments import STATE_PARTITIONING_FLAGS, TASKS
-from rapidtrain.plan import RunContext, data_parallel_size, expand_num_experts, zero_stage
+from rapidtrain.plan import (
+    RunContext,
+    data_parallel_size,
+    expand_num_experts,
+    layout_of,
+    optimizer_settings,
+    switches_of,
+    zero_stage,
+)
 
 Args = argparse.Namespace
 
@@ -94,8 +102,19 @@ def _optimizer_choice(args: Args) -> tuple[str, str]:
     return (args.optimizer, "--optimizer") if args.optimizer else (args.optimizers, "--optimizers")
 
 
+LOW_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "adamw_4bit")
 NON_ELEMENTWISE_OPTIMIZERS = ("apex_lamb", "adafactor")  # per-parameter norms or factored statistics
 OFFLOADABLE_OPTIMIZERS = ("apex_adam", "adamw", "adam")  # what DeepSpeedCPUAdam implements
+
+
+def _low_bit_optimizer_problem(args: Args, ctx: RunContext) -> str | None:
+    """Why no library serves the chosen 8/4-bit optimizer on this layout and device (None: one does)."""
+    if _optimizer_choice(args)[0] not in LOW_BIT_OPTIMIZERS or not _layout_divides(args, ctx):
+        return None
+    from rapidtrain.optim.optimizers import low_bit_optimizer_problem
+
+    layout = layout_of(args, ctx)
+    return low_bit_optimizer_problem(optimizer_settings(args, layout, switches_of(args, layout)), ctx.device_type)
 
 
 def _experts(args: Args) -> list[int]:
@@ -431,6 +450,15 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: f"--cpu-offload with {_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]}: the offloaded "
         "optimizer step is DeepSpeedCPUAdam, which implements Adam and AdamW only. Use --optimizers apex_adam "
         "(AdamW) or --optimizer adamw/adam, or drop --cpu-offload.",
+    ),
+    Rule(
+        "low-bit-optimizer-available", ("--optimizer", "--tensor-model-parallel-size", "--fsdp-memory-optimization"),
+        "--optimizer adamw_8bit needs bitsandbytes (plain-tensor layouts) or torchao (any layout); "
+        "paged_adamw_8bit needs bitsandbytes on CUDA with plain tensors; adamw_4bit needs torchao and plain tensors.",
+        lambda a, c: _low_bit_optimizer_problem(a, c) is not None,
+        lambda a, c: f"{_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]}: {_low_bit_optimizer_problem(a, c)}. "
+        "Install the library, choose --optimizer adamw_8bit (bitsandbytes or torchao, every layout), or use "
+        "--optimizer adamw.",
     ),
 )
 

@@ -217,6 +217,12 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "low-bit-optimizer-available": (  # torchao's 4-bit AdamW fails on FSDP2's DTensors; its 8-bit one works
+        ["--optimizer", "adamw_4bit", "--fsdp-memory-optimization"],
+        ["--optimizer", "adamw_8bit", "--fsdp-memory-optimization"],
+        2,
+        "cpu",
+    ),
 }
 ITERS_CASES = {  # the rule about the training length needs argv without BASE's --train-iters
     "iters-xor-epochs": (
