@@ -144,6 +144,20 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--user-script", default=None,
                    help="White-box script subclassing Finetuner / PreTrainer / Trainer, run under torchrun.")
     g.add_argument("--lora-rank", type=int, default=0, help="Fine-tuning: LoRA adapters of this rank (peft); 0 = off.")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA scaling numerator: adapters add (alpha / rank) · B·A·x (peft lora_alpha). "
+                        "Default 2 × --lora-rank.")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="Dropout on the LoRA adapters' input "
+                                                                   "(peft lora_dropout).")
+    g.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="Module names that get adapters (peft target_modules, e.g. query value), or all-linear. "
+                        "Default: peft's choice for the architecture, every linear layer where it has none.")
+    g.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: load the frozen base model in 4-bit NF4 with double quantisation (bitsandbytes via "
+                        "transformers BitsAndBytesConfig, peft prepare_model_for_kbit_training); needs --lora-rank.")
+    g.add_argument("--load-in-8bit", action="store_true",
+                   help="Load the frozen base model in 8-bit (bitsandbytes LLM.int8() via transformers "
+                        "BitsAndBytesConfig, peft prepare_model_for_kbit_training); needs --lora-rank.")
     g.add_argument("--exit-interval", type=int, default=None, help="Save and exit at an iteration divisible by this.")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Save and exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true",

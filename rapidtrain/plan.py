@@ -19,6 +19,7 @@ from rapidtrain.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from rapidtrain.optim.optimizers import OptimizerSettings
+    from rapidtrain.tasks.lora import LoraSettings
 
 DeviceType = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -180,6 +181,7 @@ class Plan:
     epochs: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     optimizer: OptimizerSettings | None = None  # what builds the optimizer (its implementation follows the layout)
+    lora: LoraSettings | None = None  # adapters and k-bit base of a Hugging Face fine-tune (None: not one)
 
     @property
     def state_partitioning(self) -> str:
@@ -261,7 +263,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext, vocab_size: int | None 
     engines, notes = engines_for(args, ctx, layout, precision)
     memory = memory_estimate(args, model, layout, precision, ctx.device_type) if model else None
     return Plan(template_of(args), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches, args.train_iters, args.epochs, tuple(notes), optimizer)
+                switches, args.train_iters, args.epochs, tuple(notes), optimizer, lora_settings(args))
 
 
 PARTITIONING_NAMES = {
@@ -312,6 +314,20 @@ def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, s
     return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors)
+
+
+def load_in_bits(args: argparse.Namespace) -> int | None:
+    return 4 if args.load_in_4bit else 8 if args.load_in_8bit else None
+
+
+def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
+    """The adapters' and k-bit base's settings of a Hugging Face fine-tune (None for the built-in models)."""
+    if not args.pretrained_model_name_or_path:
+        return None
+    from rapidtrain.tasks.lora import LoraSettings
+
+    return LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                        target_modules=tuple(args.lora_target_modules or ()), load_in_bits=load_in_bits(args))
 
 
 def lr_schedule_settings(args: argparse.Namespace, global_batch_size: int, train_iters: int):
@@ -421,6 +437,14 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
         usable, why = _ort_status()
         engines.append(EngineChoice("--onnx-runtime-training", "onnxruntime ORTModule" if usable
                                     else "torch.compile (inductor) as the graph optimiser", why))
+    lora = lora_settings(args)
+    if lora is not None and lora.load_in_bits:
+        from rapidtrain.tasks.lora import describe_quantization
+
+        engines.append(EngineChoice(f"--load-in-{lora.load_in_bits}bit",
+                                    describe_quantization(lora.load_in_bits, precision.dtype)))
+    if lora is not None and lora.rank > 0:
+        engines.append(EngineChoice("--lora-rank", lora.describe()))
     if args.torch_compile:
         engines.append(EngineChoice("--torch-compile", "torch.compile (inductor) per transformer layer"))
     if ctx.device_type == "cpu" and args.cpu_allocator_tuning:

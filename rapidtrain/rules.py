@@ -117,6 +117,35 @@ def _low_bit_optimizer_problem(args: Args, ctx: RunContext) -> str | None:
     return low_bit_optimizer_problem(optimizer_settings(args, layout, switches_of(args, layout)), ctx.device_type)
 
 
+def _lora_settings_given(args: Args) -> list[str]:
+    given = [("--lora-alpha", args.lora_alpha is not None), ("--lora-dropout", args.lora_dropout != 0.0),
+             ("--lora-target-modules", bool(args.lora_target_modules))]
+    return [flag for flag, is_given in given if is_given]
+
+
+def _bad_lora_values(args: Args) -> list[str]:
+    bad = []
+    if args.lora_rank < 0:
+        bad.append(f"--lora-rank {args.lora_rank} must be >= 0 (0 turns LoRA off)")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        bad.append(f"--lora-alpha {args.lora_alpha:g} must be > 0")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        bad.append(f"--lora-dropout {args.lora_dropout:g} must be in [0, 1)")
+    return bad
+
+
+def _k_bit_flag(args: Args) -> str:
+    return "--load-in-4bit" if args.load_in_4bit else "--load-in-8bit"
+
+
+def _k_bit_problem(args: Args, ctx: RunContext) -> str | None:
+    if not (args.load_in_4bit or args.load_in_8bit):
+        return None
+    from rapidtrain.optim.optimizers import bitsandbytes_problem
+
+    return bitsandbytes_problem(ctx.device_type, kernels="4/8-bit layer")
+
+
 def _experts(args: Args) -> list[int]:
     return [e for e in expand_num_experts(args.num_experts, args.num_layers, args.moe_layer_freq) if e > 0]
 
@@ -459,6 +488,61 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: f"{_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]}: {_low_bit_optimizer_problem(a, c)}. "
         "Install the library, choose --optimizer adamw_8bit (bitsandbytes or torchao, every layout), or use "
         "--optimizer adamw.",
+    ),
+    Rule(
+        "lora-values", ("--lora-rank", "--lora-alpha", "--lora-dropout"),
+        "LoRA's rank is >= 0, its alpha > 0 and its dropout in [0, 1).",
+        lambda a, c: bool(_bad_lora_values(a)),
+        lambda a, c: "; ".join(_bad_lora_values(a)) + ".",
+    ),
+    Rule(
+        "lora-settings-need-rank", ("--lora-alpha", "--lora-dropout", "--lora-target-modules", "--lora-rank"),
+        "--lora-alpha, --lora-dropout and --lora-target-modules shape LoRA adapters: they need --lora-rank > 0.",
+        lambda a, c: bool(_lora_settings_given(a)) and a.lora_rank <= 0,
+        lambda a, c: f"{', '.join(_lora_settings_given(a))} set LoRA adapters, but --lora-rank is {a.lora_rank} "
+        "(no adapters), so they would do nothing. Add --lora-rank R (e.g. 8), or drop them.",
+    ),
+    Rule(
+        "k-bit-needs-lora", ("--load-in-4bit", "--load-in-8bit", "--lora-rank"),
+        "A 4/8-bit base is frozen: it trains through LoRA adapters (--lora-rank > 0), one width at a time.",
+        lambda a, c: (a.load_in_4bit or a.load_in_8bit) and (a.lora_rank <= 0 or (a.load_in_4bit and a.load_in_8bit)),
+        lambda a, c: "--load-in-4bit and --load-in-8bit both choose the base's width; keep one."
+        if a.load_in_4bit and a.load_in_8bit else
+        f"{_k_bit_flag(a)} loads the base model quantised, and quantised weights cannot be trained: add "
+        "--lora-rank R (QLoRA trains adapters on the frozen quantised base), or drop it for full fine-tuning.",
+    ),
+    Rule(
+        "k-bit-plain-data-parallel", ("--load-in-4bit", "--load-in-8bit", "--zero-3-memory-optimization",
+                                      "--fsdp-memory-optimization", "--oss-sdp-memory-optimization"),
+        "A 4/8-bit base trains under one process, DDP or OSS; ZeRO, FSDP and SDP would flatten or shard its packed "
+        "quantised weights.",
+        lambda a, c: (a.load_in_4bit or a.load_in_8bit) and (zero_stage(a) > 0 or a.fsdp_memory_optimization
+                                                              or a.oss_sdp_memory_optimization),
+        lambda a, c: f"{_k_bit_flag(a)} with {', '.join(_flag(f) for f in _partitioning(a))}: the partitioning "
+        "engine would flatten or shard bitsandbytes' packed weights and their quantisation state. The frozen "
+        "quantised base is already small and only the adapters train: drop the partitioning switch (plain data "
+        "parallel), or use --oss-memory-optimization.",
+    ),
+    Rule(
+        "k-bit-available", ("--load-in-4bit", "--load-in-8bit"),
+        "--load-in-4bit / --load-in-8bit need bitsandbytes with 4/8-bit kernels for the device (≥ 0.50 on CPU).",
+        lambda a, c: _k_bit_problem(a, c) is not None,
+        lambda a, c: f"{_k_bit_flag(a)}: {_k_bit_problem(a, c)}. Install bitsandbytes>=0.50 (pip install "
+        "'rapidtrain[lowbit]'), or drop the flag to fine-tune the fp32 base with LoRA.",
+    ),
+    Rule(
+        "k-bit-checkpoints", ("--load-in-4bit", "--load-in-8bit", "--save", "--load"),
+        "Checkpoints of a 4/8-bit base: torch.distributed.checkpoint cannot save bitsandbytes' 8-bit layers, nor "
+        "load into 4-bit ones; a 4-bit run's exported model (SAVE/best, SAVE/last) is written dequantised.",
+        lambda a, c: (a.load_in_8bit and bool(a.save or a.load)) or (a.load_in_4bit and bool(a.load)),
+        lambda a, c: ("--load-in-8bit with --save/--load: torch.distributed.checkpoint cannot save bitsandbytes' "
+                      "Linear8bitLt layers (their state dict carries SCB/weight_format entries that are not module "
+                      "attributes). Use --load-in-4bit (QLoRA), or run without --save/--load."
+                      if a.load_in_8bit else
+                      "--load-in-4bit with --load: resuming into bitsandbytes' packed 4-bit layers is not supported "
+                      "(the checkpoint's packed weights do not load into freshly quantised ones). Start a new run "
+                      "without --load; the exported SAVE/best and SAVE/last models (dequantised, adapters merged) "
+                      "load with from_pretrained."),
     ),
 )
 

@@ -211,7 +211,8 @@ def _resolve_apex(s: OptimizerSettings, device_type: str) -> Resolution:
     )
 
 
-# The first bitsandbytes release verified here to step its 8-bit optimizers on a CPU (0.50.2 is verified).
+# The first bitsandbytes release verified here to step its 8-bit optimizers and run its 4/8-bit layers on a CPU
+# (0.50.2 is verified; older releases were CUDA-only for these).
 BITSANDBYTES_CPU_VERSION = (0, 50)
 
 
@@ -226,8 +227,8 @@ def _version(package: str) -> tuple[int, ...] | None:
     return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
 
 
-def bitsandbytes_problem(device_type: str, dtensor_parameters: bool) -> str | None:
-    """Why bitsandbytes' optimizers cannot serve here, or None when they can."""
+def bitsandbytes_problem(device_type: str, dtensor_parameters: bool = False, kernels: str = "optimizer") -> str | None:
+    """Why bitsandbytes' `kernels` (optimizer, or 4/8-bit layer) cannot serve here, or None when they can."""
     version = _version("bitsandbytes")
     if version is None:
         return "bitsandbytes is not installed (pip install bitsandbytes)"
@@ -235,7 +236,7 @@ def bitsandbytes_problem(device_type: str, dtensor_parameters: bool) -> str | No
         # Measured with 0.50.2: its 8-bit kernels refuse DTensors ("got mixed torch.Tensor and DTensor").
         return "bitsandbytes' kernels take plain tensors, and this layout's parameters are DTensors"
     if device_type == "cpu" and version < BITSANDBYTES_CPU_VERSION:
-        return (f"bitsandbytes {'.'.join(map(str, version))} has no CPU optimizer kernels "
+        return (f"bitsandbytes {'.'.join(map(str, version))} has no CPU {kernels} kernels "
                 f"(≥ {'.'.join(map(str, BITSANDBYTES_CPU_VERSION))} has)")
     return None
 

@@ -217,6 +217,26 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "lora-values": (["--lora-dropout", "1.0"], ["--lora-dropout", "0.1", "--lora-rank", "4"], 1, "cpu"),
+    "lora-settings-need-rank": (["--lora-alpha", "16"], ["--lora-alpha", "16", "--lora-rank", "8"], 1, "cpu"),
+    "k-bit-needs-lora": (
+        ["--load-in-4bit", "--pretrained-model-name-or-path", "m"],
+        ["--load-in-4bit", "--pretrained-model-name-or-path", "m", "--lora-rank", "4"],
+        1,
+        "cpu",
+    ),
+    "k-bit-plain-data-parallel": (
+        ["--load-in-4bit", "--lora-rank", "4", "--fsdp-memory-optimization"],
+        ["--load-in-4bit", "--lora-rank", "4", "--oss-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "k-bit-checkpoints": (
+        ["--load-in-8bit", "--lora-rank", "4", "--save", "out"],
+        ["--load-in-4bit", "--lora-rank", "4", "--save", "out"],
+        1,
+        "cpu",
+    ),
     "low-bit-optimizer-available": (  # torchao's 4-bit AdamW fails on FSDP2's DTensors; its 8-bit one works
         ["--optimizer", "adamw_4bit", "--fsdp-memory-optimization"],
         ["--optimizer", "adamw_8bit", "--fsdp-memory-optimization"],
@@ -242,8 +262,12 @@ def fired(argv: list[str], world_size: int, device: str) -> set[str]:
     return {rule.name for rule in rules.RULES if rule.violated(args, ctx)}
 
 
+# Rules about what is installed: flags alone cannot make them fire here (test_lora_settings.py removes the package).
+ENVIRONMENT_RULES = {"k-bit-available"}
+
+
 def test_every_rule_has_cases():
-    assert {r.name for r in rules.RULES} == set(CASES) | set(ITERS_CASES)
+    assert {r.name for r in rules.RULES} == set(CASES) | set(ITERS_CASES) | ENVIRONMENT_RULES
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "lr-required"])
