@@ -28,6 +28,7 @@ TASK_ALIASES = {"causal_lm": "casual_lm"}
 OPTIMIZERS_RAPIDFORMER = ("apex_adam", "apex_lamb")
 OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit",
               "adamw_4bit")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 STATE_PARTITIONING_FLAGS = (
     "oss_memory_optimization",
@@ -230,8 +231,17 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="Recompute each transformer layer in backward: torch.utils.checkpoint "
                         "(gradient_checkpointing_enable() on Hugging Face models).")
-    g.add_argument("--torch-compile", action="store_true", help="Compile each transformer layer with "
-                                                                "torch.compile (inductor).")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="Compile each transformer layer with torch.compile (backend and mode: --torch-compile-backend, "
+                        "--torch-compile-mode).")
+    g.add_argument("--torch-compile-backend", default="inductor",
+                   help="torch.compile backend for --torch-compile (and --onnx-runtime-training's fallback): inductor "
+                        "(generated kernels), aot_eager / eager (graph capture only, for debugging), cudagraphs, or "
+                        "any backend registered with torch._dynamo.")
+    g.add_argument("--torch-compile-mode", choices=COMPILE_MODES, default=None,
+                   help="torch.compile mode of the inductor backend: default, reduce-overhead (CUDA graphs), "
+                        "max-autotune (searches kernel configurations; slow to compile), max-autotune-no-cudagraphs. "
+                        "Default: torch's default.")
     g.add_argument("--no-cpu-allocator-tuning", dest="cpu_allocator_tuning", action="store_false",
                    help="On CPU, leave glibc malloc as it is; by default freed blocks under 32 MiB stay in the heap "
                         "for the next step (as CUDA's caching allocator does) instead of being unmapped and faulted in "

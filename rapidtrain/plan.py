@@ -138,8 +138,10 @@ class Switches:
     partitioning_engine: Literal["ddp", "zero-redundancy", "fsdp2", "deepspeed", "fairscale"] = "ddp"
     cpu_offload: bool = False
     activation_checkpointing: bool = False
-    compile: Literal["none", "inductor", "ortmodule"] = "none"
+    compile: Literal["none", "inductor", "ortmodule"] = "none"  # "inductor": torch.compile, with the backend below
     dynamic_shape: bool = False
+    compile_backend: str = "inductor"  # torch.compile's backend (--torch-compile-backend)
+    compile_mode: str | None = None  # torch.compile's mode (--torch-compile-mode); None is torch's "default"
 
 
 @dataclass(frozen=True)
@@ -289,7 +291,7 @@ def switches_of(args: argparse.Namespace, layout: Layout) -> Switches:
     elif args.torch_compile:
         compile_with = "inductor"
     return Switches(partitioning, engine, args.cpu_offload, args.checkpoint_activations, compile_with,
-                    args.data_iterator == "dynamic-shape")
+                    args.data_iterator == "dynamic-shape", args.torch_compile_backend, args.torch_compile_mode)
 
 
 def parameters_are_dtensors(layout: Layout, switches: Switches) -> bool:
@@ -392,6 +394,10 @@ def _ort_status() -> tuple[bool, str]:
     return True, ""
 
 
+def describe_compile(args: argparse.Namespace) -> str:
+    return f"torch.compile(backend={args.torch_compile_backend!r}, mode={args.torch_compile_mode or 'default'!r})"
+
+
 def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
                 precision: Precision) -> tuple[list[EngineChoice], list[str]]:
     from rapidtrain.optim.optimizers import describe_optimizer
@@ -436,7 +442,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
     if args.onnx_runtime_training:
         usable, why = _ort_status()
         engines.append(EngineChoice("--onnx-runtime-training", "onnxruntime ORTModule" if usable
-                                    else "torch.compile (inductor) as the graph optimiser", why))
+                                    else f"{describe_compile(args)} as the graph optimiser", why))
     lora = lora_settings(args)
     if lora is not None and lora.load_in_bits:
         from rapidtrain.tasks.lora import describe_quantization
@@ -446,7 +452,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
     if lora is not None and lora.rank > 0:
         engines.append(EngineChoice("--lora-rank", lora.describe()))
     if args.torch_compile:
-        engines.append(EngineChoice("--torch-compile", "torch.compile (inductor) per transformer layer"))
+        engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer"))
     if ctx.device_type == "cpu" and args.cpu_allocator_tuning:
         from rapidtrain.cpu_allocator import DESCRIPTION, glibc_version
 

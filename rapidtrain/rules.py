@@ -146,6 +146,29 @@ def _k_bit_problem(args: Args, ctx: RunContext) -> str | None:
     return bitsandbytes_problem(ctx.device_type, kernels="4/8-bit layer")
 
 
+def _compile_settings_given(args: Args) -> list[str]:
+    given = [("--torch-compile-backend", args.torch_compile_backend != "inductor"),
+             ("--torch-compile-mode", args.torch_compile_mode is not None)]
+    return [flag for flag, is_given in given if is_given]
+
+
+def _compiles(args: Args) -> bool:
+    """Whether torch.compile runs: --torch-compile, or --onnx-runtime-training where ORTModule cannot serve."""
+    if args.torch_compile:
+        return True
+    if args.onnx_runtime_training:
+        from rapidtrain.plan import _ort_status
+
+        return not _ort_status()[0]
+    return False
+
+
+def _compile_backends() -> list[str]:
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
 def _experts(args: Args) -> list[int]:
     return [e for e in expand_num_experts(args.num_experts, args.num_layers, args.moe_layer_freq) if e > 0]
 
@@ -543,6 +566,29 @@ RULES: tuple[Rule, ...] = (
                       "(the checkpoint's packed weights do not load into freshly quantised ones). Start a new run "
                       "without --load; the exported SAVE/best and SAVE/last models (dequantised, adapters merged) "
                       "load with from_pretrained."),
+    ),
+    Rule(
+        "compile-settings-need-compile", ("--torch-compile-backend", "--torch-compile-mode", "--torch-compile"),
+        "--torch-compile-backend and --torch-compile-mode configure torch.compile: they need --torch-compile (or "
+        "--onnx-runtime-training where torch.compile serves it).",
+        lambda a, c: bool(_compile_settings_given(a)) and not _compiles(a),
+        lambda a, c: f"{', '.join(_compile_settings_given(a))} configure torch.compile, which this run does not use, "
+        "so they would do nothing. Add --torch-compile, or drop them.",
+    ),
+    Rule(
+        "compile-backend-known", ("--torch-compile-backend",),
+        "--torch-compile-backend names a backend registered with torch._dynamo.",
+        lambda a, c: a.torch_compile_backend not in _compile_backends(),
+        lambda a, c: f"--torch-compile-backend {a.torch_compile_backend!r} is not a torch.compile backend here; "
+        f"choose one of {', '.join(_compile_backends())} (inductor is the default).",
+    ),
+    Rule(
+        "compile-mode-inductor", ("--torch-compile-mode", "--torch-compile-backend"),
+        "--torch-compile-mode chooses how inductor compiles: it needs the inductor backend.",
+        lambda a, c: a.torch_compile_mode is not None and a.torch_compile_backend != "inductor",
+        lambda a, c: f"--torch-compile-mode {a.torch_compile_mode} with --torch-compile-backend "
+        f"{a.torch_compile_backend}: modes are options of the inductor backend. Drop the mode, or use "
+        "--torch-compile-backend inductor.",
     ),
 )
 

@@ -188,7 +188,7 @@ def prepare_model(module: nn.Module, plan: Plan) -> nn.Module:
     if plan.switches.activation_checkpointing:
         apply_activation_checkpointing(module)
     if plan.switches.compile != "none":
-        module = apply_graph_optimization(module, plan.switches.compile)
+        module = apply_graph_optimization(module, plan.switches)
     return module
 
 

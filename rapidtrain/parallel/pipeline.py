@@ -185,7 +185,7 @@ def parallelize_stages(
     if switches.compile != "none":
         from rapidtrain.parallel.compile import apply_graph_optimization
 
-        model = apply_graph_optimization(model, switches.compile)
+        model = apply_graph_optimization(model, switches)
     model.to(device)
     views = [model] if len(stages) == 1 else [stage_view(model, s, num_stages) for s in stages]
     for view, stage in zip(views, stages, strict=True):

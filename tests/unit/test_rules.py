@@ -237,6 +237,16 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "compile-settings-need-compile": (["--torch-compile-mode", "max-autotune"],
+                                      ["--torch-compile-mode", "max-autotune", "--torch-compile"], 1, "cpu"),
+    "compile-backend-known": (["--torch-compile", "--torch-compile-backend", "inductr"],
+                              ["--torch-compile", "--torch-compile-backend", "aot_eager"], 1, "cpu"),
+    "compile-mode-inductor": (
+        ["--torch-compile", "--torch-compile-backend", "eager", "--torch-compile-mode", "default"],
+        ["--torch-compile", "--torch-compile-mode", "default"],
+        1,
+        "cpu",
+    ),
     "low-bit-optimizer-available": (  # torchao's 4-bit AdamW fails on FSDP2's DTensors; its 8-bit one works
         ["--optimizer", "adamw_4bit", "--fsdp-memory-optimization"],
         ["--optimizer", "adamw_8bit", "--fsdp-memory-optimization"],
