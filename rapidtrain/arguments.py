@@ -208,6 +208,32 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-offload", action="store_true",
                    help="Optimizer state and step on the CPU: DeepSpeed offload_optimizer with "
                         "DeepSpeedCPUAdam (ZeRO only).")
+    g.add_argument("--cpu-offload-params", action="store_true",
+                   help="ZeRO-3 parameter offload: each rank's parameter partition lives in host memory and is "
+                        "gathered to the device layer by layer (DeepSpeed offload_param: cpu; needs "
+                        "--zero-3-memory-optimization).")
+    g.add_argument("--nvme-offload-dir", default=None, metavar="DIR",
+                   help="ZeRO-Infinity: optimizer state and parameters offloaded to files in DIR on a fast local disk "
+                        "through DeepSpeed's async I/O (offload_optimizer and offload_param: nvme; DeepSpeedCPUAdam "
+                        "steps; needs --zero-3-memory-optimization and libaio).")
+    g.add_argument("--zero-overlap-comm", action=argparse.BooleanOptionalAction, default=True,
+                   help="DeepSpeed ZeRO: overlap gradient reduction with the backward pass (overlap_comm).")
+    g.add_argument("--zero-contiguous-gradients", action=argparse.BooleanOptionalAction, default=True,
+                   help="DeepSpeed ZeRO: copy gradients into one contiguous buffer as they are produced, against "
+                        "fragmentation (contiguous_gradients).")
+    g.add_argument("--zero-reduce-bucket-size", type=int, default=500_000_000,
+                   help="DeepSpeed ZeRO: elements reduced at once (reduce_bucket_size; DeepSpeed's default).")
+    g.add_argument("--zero-allgather-bucket-size", type=int, default=500_000_000,
+                   help="DeepSpeed ZeRO-1/2: elements all-gathered at once after the step (allgather_bucket_size).")
+    g.add_argument("--zero-stage3-prefetch-bucket-size", type=int, default=50_000_000,
+                   help="DeepSpeed ZeRO-3: elements of upcoming layers' parameters fetched ahead "
+                        "(stage3_prefetch_bucket_size).")
+    g.add_argument("--zero-stage3-param-persistence-threshold", type=int, default=100_000,
+                   help="DeepSpeed ZeRO-3: parameters smaller than this many elements stay gathered instead of "
+                        "being partitioned (stage3_param_persistence_threshold).")
+    g.add_argument("--zero-stage3-max-live-parameters", type=int, default=1_000_000_000,
+                   help="DeepSpeed ZeRO-3: most parameter elements kept gathered at once "
+                        "(stage3_max_live_parameters).")
     g.add_argument("--sharding-backend", choices=("torch", "fairscale"), default="torch",
                    help="Engine of OSS/SDP: PyTorch (default) or FairScale's OSS/ShardedDDP where it runs.")
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 DeviceType = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16", "fp16"]
+OffloadTarget = Literal["none", "cpu", "nvme"]
 
 FINETUNE_TASKS = ("sequence_classification", "token_classification", "question_answering", "masked_lm",
                   "casual_lm", "seq2seq_lm")
@@ -145,6 +146,27 @@ class Switches:
 
 
 @dataclass(frozen=True)
+class ZeroSettings:
+    """DeepSpeed ZeRO's own part of the plan: communication overlap and bucket sizes (elements), stage-3
+    prefetching and persistence, where optimizer state and parameters are offloaded (ZeRO-Offload, ZeRO-Infinity),
+    pinned host buffers, and the threads DeepSpeedCPUAdam steps with (None where it does not run)."""
+
+    stage: int
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    offload_optimizer: OffloadTarget = "none"
+    offload_params: OffloadTarget = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    cpu_adam_threads: int | None = None
+
+
+@dataclass(frozen=True)
 class EngineChoice:
     switch: str
     engine: str
@@ -162,10 +184,12 @@ class MemoryEstimate:
     grad_bytes: float
     optimizer_bytes: float
     optimizer_on_cpu: bool = False
+    params_offloaded: OffloadTarget = "none"  # ZeRO-3 parameter partitions in host memory or on NVMe
 
     @property
     def total_bytes(self) -> float:
-        return self.param_bytes + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
+        params = 0 if self.params_offloaded != "none" else self.param_bytes
+        return params + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
 
 
 @dataclass(frozen=True)
@@ -184,6 +208,7 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     optimizer: OptimizerSettings | None = None  # what builds the optimizer (its implementation follows the layout)
     lora: LoraSettings | None = None  # adapters and k-bit base of a Hugging Face fine-tune (None: not one)
+    zero: ZeroSettings | None = None  # DeepSpeed ZeRO's settings (None: DeepSpeed does not serve this layout)
 
     @property
     def state_partitioning(self) -> str:
@@ -265,7 +290,8 @@ def from_args(args: argparse.Namespace, ctx: RunContext, vocab_size: int | None 
     engines, notes = engines_for(args, ctx, layout, precision)
     memory = memory_estimate(args, model, layout, precision, ctx.device_type) if model else None
     return Plan(template_of(args), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches, args.train_iters, args.epochs, tuple(notes), optimizer, lora_settings(args))
+                switches, args.train_iters, args.epochs, tuple(notes), optimizer, lora_settings(args),
+                zero_settings(args, layout, ctx))
 
 
 PARTITIONING_NAMES = {
@@ -316,6 +342,61 @@ def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, s
     return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors)
+
+
+def uses_deepspeed(args: argparse.Namespace, layout: Layout) -> bool:
+    """ZeRO switches are served by DeepSpeed unless tensor/pipeline parallelism asks for FSDP2 instead."""
+    return zero_stage(args) > 0 and layout.tensor_parallel_size == layout.pipeline_parallel_size == 1
+
+
+def cores_per_rank(local_ranks: int) -> int:
+    """This machine's usable cores shared among the node's ranks (at least one each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores // max(local_ranks, 1), 1)
+
+
+def cpu_adam_threads(ctx: RunContext) -> int:
+    """DeepSpeedCPUAdam's OpenMP threads: an explicit OMP_NUM_THREADS other than torchrun's default of 1, else
+    the cores per rank (torchrun sets 1, which would leave the offloaded optimizer step on one core)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 1:
+        return int(given)
+    nodes = int(os.environ.get("NNODES", "1"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", max(ctx.world_size // max(nodes, 1), 1)))
+    return cores_per_rank(local_ranks)
+
+
+def zero_settings(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> ZeroSettings | None:
+    if not uses_deepspeed(args, layout):
+        return None
+    nvme = args.nvme_offload_dir
+    offload_optimizer: OffloadTarget = "nvme" if nvme else "cpu" if args.cpu_offload else "none"
+    offload_params: OffloadTarget = "nvme" if nvme else "cpu" if args.cpu_offload_params else "none"
+    offloads = offload_optimizer != "none" or offload_params != "none"
+    return ZeroSettings(
+        stage=zero_stage(args), overlap_comm=args.zero_overlap_comm,
+        contiguous_gradients=args.zero_contiguous_gradients,
+        reduce_bucket_size=args.zero_reduce_bucket_size, allgather_bucket_size=args.zero_allgather_bucket_size,
+        stage3_prefetch_bucket_size=args.zero_stage3_prefetch_bucket_size,
+        stage3_param_persistence_threshold=args.zero_stage3_param_persistence_threshold,
+        stage3_max_live_parameters=args.zero_stage3_max_live_parameters,
+        offload_optimizer=offload_optimizer, offload_params=offload_params, nvme_path=nvme,
+        # Page-locked host buffers let CUDA copy asynchronously; a CPU-only run has nothing to pin for.
+        pin_memory=offloads and ctx.device_type == "cuda",
+        cpu_adam_threads=cpu_adam_threads(ctx) if offload_optimizer != "none" else None,
+    )
+
+
+def describe_zero(zero: ZeroSettings) -> str:
+    parts = [f"overlap_comm {zero.overlap_comm}", f"contiguous gradients {zero.contiguous_gradients}",
+             f"reduce bucket {zero.reduce_bucket_size:,}"]
+    if zero.stage == 3:
+        parts += [f"prefetch bucket {zero.stage3_prefetch_bucket_size:,}",
+                  f"parameters under {zero.stage3_param_persistence_threshold:,} elements stay gathered",
+                  f"at most {zero.stage3_max_live_parameters:,} live parameters"]
+    else:
+        parts.append(f"allgather bucket {zero.allgather_bucket_size:,}")
+    return "DeepSpeed ZeRO: " + ", ".join(parts) + " (bucket sizes in elements)"
 
 
 def load_in_bits(args: argparse.Namespace) -> int | None:
@@ -413,8 +494,23 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
                                     "no all-reduce on accumulation micro-batches (no_sync)"))
     if partitioning:
         engines.append(partitioning)
+    zero = zero_settings(args, layout, ctx)
+    if zero is not None:
+        engines.append(EngineChoice("ZeRO communication", describe_zero(zero)))
+    pinned = "pinned host buffers" if zero is not None and zero.pin_memory else "no pinned buffers (CPU run)"
     if args.cpu_offload:
-        engines.append(EngineChoice("--cpu-offload", "DeepSpeed offload_optimizer: cpu with DeepSpeedCPUAdam"))
+        threads = f", {zero.cpu_adam_threads} OpenMP threads per rank" if zero and zero.cpu_adam_threads else ""
+        engines.append(EngineChoice("--cpu-offload", f"DeepSpeed offload_optimizer: cpu with DeepSpeedCPUAdam{threads}"
+                                    f", {pinned}", "DeepSpeedCPUAdam steps with the cores per rank (or "
+                                    "OMP_NUM_THREADS when set above 1), not torchrun's single thread"))
+    if args.cpu_offload_params:
+        engines.append(EngineChoice("--cpu-offload-params", f"DeepSpeed ZeRO-3 offload_param: cpu, {pinned}",
+                                    "each rank's parameter partition lives in host memory and is gathered to the "
+                                    "device layer by layer"))
+    if args.nvme_offload_dir:
+        threads = f", DeepSpeedCPUAdam on {zero.cpu_adam_threads} threads" if zero and zero.cpu_adam_threads else ""
+        engines.append(EngineChoice("--nvme-offload-dir", "DeepSpeed ZeRO-Infinity: offload_optimizer and "
+                                    f"offload_param to nvme at {args.nvme_offload_dir} (async_io){threads}, {pinned}"))
     if layout.tensor_parallel_size > 1:
         engines.append(EngineChoice("--tensor-model-parallel-size", "DTensor parallelize_module: column/row split of "
                                     "attention and MLP, vocab-parallel embedding and loss"
@@ -464,7 +560,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
     if args.data_iterator == "dynamic-shape":
         engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
                                     "(multiple of 8)"))
-    if args.cpu_offload and zero_stage(args) > 0 and not three_d:
+    if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not three_d:
         from rapidtrain.parallel.deepspeed import describe_offload_optimizer
 
         engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
@@ -510,7 +606,7 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     half = precision.dtype != "fp32"
     # DeepSpeed keeps 16-bit weights and gradients beside fp32 master weights; torch autocast keeps fp32 ones.
     weight, grad = (2, 2) if deepspeed and half else (4, 4)
-    if deepspeed and args.cpu_offload:  # ZeRO-Offload keeps the reduced gradient partition in fp32 on the CPU
+    if deepspeed and (args.cpu_offload or args.nvme_offload_dir):  # the reduced fp32 gradient partition is on the CPU
         grad = 4
         state = 8.0  # DeepSpeedCPUAdam: fp32 moments
     else:
@@ -529,7 +625,8 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
         param_bytes=per_rank * weight / (n if shard_params else 1),
         grad_bytes=per_rank * grad / (n if shard_grads else 1),
         optimizer_bytes=per_rank * optimizer / (n if shard_optimizer else 1),
-        optimizer_on_cpu=args.cpu_offload,
+        optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
+        params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
     )
 
 
@@ -571,7 +668,8 @@ def describe_plan(plan: Plan) -> str:
         lines += [
             f"  parameters: {mem.total_params:,} total, {mem.active_params:,} active per token; "
             f"{mem.parameters:,} per model-parallel rank",
-            f"  model-state memory per rank (estimate, ZeRO accounting): parameters {_mib(mem.param_bytes)}, "
+            f"  model-state memory per rank (estimate, ZeRO accounting): parameters {_mib(mem.param_bytes)}"
+            + (f" (offloaded to {mem.params_offloaded})" if mem.params_offloaded != "none" else "") + ", "
             f"gradients {_mib(mem.grad_bytes)}, optimizer {_mib(mem.optimizer_bytes)}"
             + (" (on CPU)" if mem.optimizer_on_cpu else "") + f"; total {_mib(mem.total_bytes)}",
         ]

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rapidtrain import arguments
 from rapidtrain.arguments import STATE_PARTITIONING_FLAGS, TASKS
 from rapidtrain.plan import (
     RunContext,
@@ -167,6 +168,31 @@ def _compile_backends() -> list[str]:
     import torch._dynamo
 
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+ZERO_DEFAULTS = {dest: arguments.build_parser().get_default(dest) for dest in (
+    "zero_overlap_comm", "zero_contiguous_gradients", "zero_reduce_bucket_size", "zero_allgather_bucket_size",
+    "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold", "zero_stage3_max_live_parameters")}
+
+
+def _zero_settings_given(args: Args, stage3_only: bool = False) -> list[str]:
+    """The DeepSpeed ZeRO flags given other values than their defaults (stage-3 ones only, if asked)."""
+    dests = [d for d in ZERO_DEFAULTS if not stage3_only or "stage3" in d]
+    flags = [_flag(d) for d in dests if getattr(args, d) != ZERO_DEFAULTS[d]]
+    return [f.replace("--zero-overlap-comm", "--no-zero-overlap-comm").replace(
+        "--zero-contiguous-gradients", "--no-zero-contiguous-gradients") for f in flags]
+
+
+def _async_io_problem() -> str | None:
+    """Why DeepSpeed's async I/O op (ZeRO-Infinity's NVMe offload) cannot build here, or None when it can."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception as error:  # DeepSpeed missing or broken: say so rather than fail
+        return f"DeepSpeed's AsyncIOBuilder does not import ({type(error).__name__}: {error})"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return ("DeepSpeed's async_io op cannot build here: it needs libaio's headers and library (Debian/Ubuntu: "
+                "apt-get install libaio-dev)")
+    return None
 
 
 def _experts(args: Args) -> list[int]:
@@ -497,9 +523,11 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpu-offload-adam-only", ("--cpu-offload", "--optimizers", "--optimizer"),
         "--cpu-offload steps the optimizer with DeepSpeedCPUAdam: the optimizer must be Adam or AdamW.",
-        lambda a, c: a.cpu_offload and _optimizer_choice(a)[0] not in OFFLOADABLE_OPTIMIZERS
+        lambda a, c: bool(a.cpu_offload or a.nvme_offload_dir)
+        and _optimizer_choice(a)[0] not in OFFLOADABLE_OPTIMIZERS
         and not (_deepspeed_zero(a) and _optimizer_choice(a)[0] in NON_ELEMENTWISE_OPTIMIZERS),
-        lambda a, c: f"--cpu-offload with {_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]}: the offloaded "
+        lambda a, c: f"{'--cpu-offload' if a.cpu_offload else '--nvme-offload-dir'} with {_optimizer_choice(a)[1]} "
+        f"{_optimizer_choice(a)[0]}: the offloaded "
         "optimizer step is DeepSpeedCPUAdam, which implements Adam and AdamW only. Use --optimizers apex_adam "
         "(AdamW) or --optimizer adamw/adam, or drop --cpu-offload.",
     ),
@@ -589,6 +617,51 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: f"--torch-compile-mode {a.torch_compile_mode} with --torch-compile-backend "
         f"{a.torch_compile_backend}: modes are options of the inductor backend. Drop the mode, or use "
         "--torch-compile-backend inductor.",
+    ),
+    Rule(
+        "zero-settings-need-deepspeed", ("--zero-overlap-comm", "--no-zero-overlap-comm", "--zero-reduce-bucket-size",
+                                         "--zero-allgather-bucket-size", "--zero-1-memory-optimization"),
+        "The --zero-* communication settings configure DeepSpeed ZeRO: they need a ZeRO switch without tensor/pipeline "
+        "parallelism (with TP/PP, FSDP2 serves ZeRO-1/2).",
+        lambda a, c: bool(_zero_settings_given(a)) and not _deepspeed_zero(a),
+        lambda a, c: f"{', '.join(_zero_settings_given(a))} configure DeepSpeed ZeRO, which does not serve this run "
+        f"({'FSDP2 serves ZeRO-1/2 with tensor/pipeline parallelism' if _three_d(a) else 'no ZeRO switch'}), so they "
+        "would do nothing. Add --zero-1/2/3-memory-optimization without tensor/pipeline parallelism, or drop them.",
+    ),
+    Rule(
+        "zero-stage3-settings", ("--zero-stage3-prefetch-bucket-size", "--zero-stage3-param-persistence-threshold",
+                                 "--zero-3-memory-optimization"),
+        "The --zero-stage3-* settings apply to ZeRO-3 only.",
+        lambda a, c: bool(_zero_settings_given(a, stage3_only=True)) and _deepspeed_zero(a) and zero_stage(a) != 3,
+        lambda a, c: f"{', '.join(_zero_settings_given(a, stage3_only=True))} tune how ZeRO-3 gathers partitioned "
+        f"parameters; --zero-{zero_stage(a)}-memory-optimization does not partition parameters. Use "
+        "--zero-3-memory-optimization, or drop them.",
+    ),
+    Rule(
+        "param-offload-needs-zero3", ("--cpu-offload-params", "--nvme-offload-dir", "--zero-3-memory-optimization"),
+        "--cpu-offload-params and --nvme-offload-dir offload parameter partitions: they need DeepSpeed ZeRO-3.",
+        lambda a, c: bool(a.cpu_offload_params or a.nvme_offload_dir)
+        and not (_deepspeed_zero(a) and zero_stage(a) == 3),
+        lambda a, c: f"{'--cpu-offload-params' if a.cpu_offload_params else '--nvme-offload-dir'} offloads each "
+        "rank's parameter partition, which only DeepSpeed ZeRO-3 keeps (ZeRO-Infinity). Add "
+        "--zero-3-memory-optimization (without tensor/pipeline parallelism), or use --cpu-offload with ZeRO-1/2 to "
+        "offload the optimizer only.",
+    ),
+    Rule(
+        "one-offload-target", ("--nvme-offload-dir", "--cpu-offload", "--cpu-offload-params"),
+        "--nvme-offload-dir puts optimizer state and parameters on NVMe: not with --cpu-offload or "
+        "--cpu-offload-params.",
+        lambda a, c: bool(a.nvme_offload_dir) and (a.cpu_offload or a.cpu_offload_params),
+        lambda a, c: "--nvme-offload-dir offloads optimizer state and parameters to NVMe, and "
+        f"{'--cpu-offload' if a.cpu_offload else '--cpu-offload-params'} sends them to host memory instead: choose "
+        "one target (NVMe for models whose states exceed host memory).",
+    ),
+    Rule(
+        "nvme-offload-needs-async-io", ("--nvme-offload-dir",),
+        "--nvme-offload-dir needs DeepSpeed's async_io op, which builds against libaio.",
+        lambda a, c: bool(a.nvme_offload_dir) and _async_io_problem() is not None,
+        lambda a, c: f"--nvme-offload-dir {a.nvme_offload_dir}: {_async_io_problem()}. Install it, or offload to "
+        "host memory with --cpu-offload --cpu-offload-params.",
     ),
 )
 

@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# libaio for DeepSpeed's async_io op (--nvme-offload-dir, ZeRO-Infinity): installed from Debian/Ubuntu where this
+# runs as root with apt (CI does); elsewhere --nvme-offload-dir is refused with the reason and its test skips.
+if [ ! -f /usr/include/libaio.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null 2>&1 || echo "setup: libaio-dev not installed"
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
