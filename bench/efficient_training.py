@@ -15,10 +15,11 @@ option where one exists. Rows:
   ZeRO-3 parameter placement (demo GPT, one process, --optimizer via DeepSpeedCPUAdam):
     ZeRO-3 + --cpu-offload, + --cpu-offload-params, --nvme-offload-dir (where libaio lets DeepSpeed's async_io build)
 
-Columns: tokens/s (steady steps), peak RSS of the process (includes Python and torch, ~0.5 GB), model-state bytes
-measured on the live objects (parameters as stored, gradients of trainable ones, optimizer state), optimizer state
-bytes per trained parameter, trainable parameters, and the result: the mean lm loss of the last 10 iterations, or
-the classification accuracy on the dev split.
+Columns: tokens/s (steady steps; fine-tuning: padded training tokens over the whole run's wall time), peak RSS of
+the process (includes Python and torch, ~0.5 GB), model-state bytes measured on the live objects (parameters as held
+in memory, fp32 gradients of trainable ones, optimizer state in memory: NVMe-swapped state is not counted), optimizer
+state bytes per trained parameter, trainable parameters, and the result: the mean lm loss of the last 10 iterations
+(Trainer: its last logged 10-step mean), or the classification accuracy on the dev split.
 
     python bench/efficient_training.py [--iters 300] [--epochs 3] [--only ROW ...]
 
@@ -70,11 +71,17 @@ def model_state_bytes(module: torch.nn.Module, optimizer: object) -> tuple[int, 
 
     params = {}
     for p in module.parameters():
-        for tensor in _storages(p.data if not hasattr(p, "quant_state") else p):
-            params[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        # ZeRO-3 keeps a parameter's shard apart from its (released) full tensor; count what is in memory.
+        for held in (p.data, getattr(p, "ds_tensor", None)):
+            for tensor in _storages(held):
+                params[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate / DeepSpeed wrappers
-    return sum(params.values()), 4 * trainable, measured_state_bytes(inner)
+    return sum(params.values()), 4 * trained_parameters(module), measured_state_bytes(inner)
+
+
+def trained_parameters(module: torch.nn.Module) -> int:
+    """Trainable parameters, full size even where ZeRO-3 has released them (ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
 
 
 def steady_tokens_per_second(stamps: list[float], tokens_per_step: int) -> float:
@@ -113,7 +120,7 @@ def pretrain_demo(o: argparse.Namespace, flags: list[str]) -> tuple[dict, object
     plan, runner = trainer.engine.plan, trainer.engine.runner
     module = runner.module
     params, grads, state = model_state_bytes(module, runner.optimizer)
-    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    trained = trained_parameters(module)
     last = [losses[i] for i in sorted(losses)[-10:]]
     return {"tokens/s": steady_tokens_per_second(stamps, plan.batches.global_batch_size * plan.model.seq_length),
             "peak RSS MiB": peak_rss_mib(), "model state MiB": (params + grads + state) / 2**20,
@@ -172,7 +179,11 @@ def hf_trainer_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
     return {"tokens/s": steady_tokens_per_second(stamps, batch * seq), "peak RSS MiB": peak_rss_mib(),
             "model state MiB": (params + grads + state) / 2**20, "state B/param": state / trained,
             "trainable": trained, "result": f"loss {logged[-1]:.3f}",
-            "engine": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
+            "engine": _class_name(getattr(trainer.optimizer, "optimizer", trainer.optimizer))}
+
+
+def _class_name(value: object) -> str:
+    return f"{type(value).__module__.split('.')[0]} {type(value).__name__}"
 
 
 # ---- fine-tuning the local classification task ----
@@ -200,7 +211,7 @@ def rapidtrain_finetune(o: argparse.Namespace, flags: list[str]) -> dict:
         seconds = time.perf_counter() - start
     runner = tuner.engine.runner
     params, grads, state = model_state_bytes(runner.module, runner.optimizer)
-    trained = sum(p.numel() for p in runner.module.parameters() if p.requires_grad)
+    trained = trained_parameters(runner.module)
     tokens = 1024 * 32 * o.epochs  # padded tokens seen in training (1024 samples × seq 32 per epoch)
     return {"tokens/s": tokens / seconds, "peak RSS MiB": peak_rss_mib(),
             "model state MiB": (params + grads + state) / 2**20, "state B/param": state / trained,
@@ -219,7 +230,8 @@ def rapidtrain_zero3(o: argparse.Namespace, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as nvme:
         flags = [nvme if f == "NVME" else f for f in flags]
         short = argparse.Namespace(**{**vars(o), "iters": o.offload_iters})
-        result, trainer = pretrain_demo(short, ["--zero-3-memory-optimization", *flags])
+        # The demo's 10 warm-up iterations would not fit in a short run.
+        result, trainer = pretrain_demo(short, ["--zero-3-memory-optimization", "--lr-warmup-iters", "2", *flags])
         engine = trainer.engine
         where = parameter_residency(engine.runner.engine.module, engine.plan.zero.offload_params)
     device = (where["gathered on device"] + where["shard on device"]) / 2**20

@@ -387,6 +387,10 @@ def zero_settings(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> 
     )
 
 
+def _threads(count: int) -> str:
+    return f"{count} OpenMP thread" + ("s" if count != 1 else "")
+
+
 def describe_zero(zero: ZeroSettings) -> str:
     parts = [f"overlap_comm {zero.overlap_comm}", f"contiguous gradients {zero.contiguous_gradients}",
              f"reduce bucket {zero.reduce_bucket_size:,}"]
@@ -499,7 +503,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
         engines.append(EngineChoice("ZeRO communication", describe_zero(zero)))
     pinned = "pinned host buffers" if zero is not None and zero.pin_memory else "no pinned buffers (CPU run)"
     if args.cpu_offload:
-        threads = f", {zero.cpu_adam_threads} OpenMP threads per rank" if zero and zero.cpu_adam_threads else ""
+        threads = f", {_threads(zero.cpu_adam_threads)} per rank" if zero and zero.cpu_adam_threads else ""
         engines.append(EngineChoice("--cpu-offload", f"DeepSpeed offload_optimizer: cpu with DeepSpeedCPUAdam{threads}"
                                     f", {pinned}", "DeepSpeedCPUAdam steps with the cores per rank (or "
                                     "OMP_NUM_THREADS when set above 1), not torchrun's single thread"))
@@ -508,9 +512,11 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
                                     "each rank's parameter partition lives in host memory and is gathered to the "
                                     "device layer by layer"))
     if args.nvme_offload_dir:
-        threads = f", DeepSpeedCPUAdam on {zero.cpu_adam_threads} threads" if zero and zero.cpu_adam_threads else ""
+        threads = f", DeepSpeedCPUAdam on {_threads(zero.cpu_adam_threads)}" if zero and zero.cpu_adam_threads else ""
         engines.append(EngineChoice("--nvme-offload-dir", "DeepSpeed ZeRO-Infinity: offload_optimizer and "
-                                    f"offload_param to nvme at {args.nvme_offload_dir} (async_io){threads}, {pinned}"))
+                                    f"offload_param to nvme at {args.nvme_offload_dir} (async_io){threads}, {pinned}",
+                                    "parameter shards of at least DeepSpeed's 1 MiB I/O block are swapped to files; "
+                                    "smaller ones stay in host memory"))
     if layout.tensor_parallel_size > 1:
         engines.append(EngineChoice("--tensor-model-parallel-size", "DTensor parallelize_module: column/row split of "
                                     "attention and MLP, vocab-parallel embedding and loss"

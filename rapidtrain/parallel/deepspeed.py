@@ -112,15 +112,25 @@ def zero_optimization_config(zero: ZeroSettings) -> dict[str, Any]:
     return section
 
 
-def size_nvme_buffers(config: dict[str, Any], model: nn.Module) -> None:
-    """ZeRO-Infinity reads parameters back from NVMe through `buffer_count` buffers of `buffer_size` elements,
-    each of which must hold the largest parameter: size them to the model (DeepSpeed's 1e8 default pins 2 GB)."""
-    offload = config["zero_optimization"].get("offload_param", {})
-    if offload.get("device") == "nvme":
-        largest = max((p.numel() for p in model.parameters()), default=1)
-        offload["buffer_size"] = max(largest, NVME_MIN_BUFFER)
+def size_nvme_buffers(config: dict[str, Any], model: nn.Module, world_size: int = 1) -> None:
+    """ZeRO-Infinity reads parameter shards back from NVMe through `buffer_count` buffers of `buffer_size`
+    elements. Each buffer must hold the largest parameter (DeepSpeed's 1e8-element default pins 2 GB per buffer),
+    and there must be one per shard in flight: the prefetch window (stage3_prefetch_bucket_size) plus the layer
+    being computed, and never more than the shards that are swapped at all (those of at least one I/O block)."""
+    zero = config["zero_optimization"]
+    offload = zero.get("offload_param", {})
+    if offload.get("device") != "nvme":
+        return
+    sizes = [p.numel() for p in model.parameters()]
+    largest = max(max(sizes, default=1), NVME_MIN_BUFFER)
+    block = config.get("aio", AIO_CONFIG)["block_size"] // 4  # fp32 elements of one I/O block
+    swapped = sum(1 for n in sizes if math.ceil(n / world_size) >= block)
+    window = math.ceil(zero.get("stage3_prefetch_bucket_size", 0) / largest) + 2
+    offload["buffer_size"] = largest
+    offload["buffer_count"] = max(min(max(swapped, 1), max(NVME_MIN_BUFFERS, window)), 1)
 
 
+NVME_MIN_BUFFERS = 5  # DeepSpeed's default buffer_count
 NVME_MIN_BUFFER = 1 << 16  # elements; DeepSpeed aligns swap buffers to its I/O block size
 
 
@@ -299,7 +309,7 @@ def deepspeed_runner(
             f"has data-parallel size {plan.layout.data_parallel_size}"
         )
     config = deepspeed_config(plan, optimizer_settings, clip_grad, loss_scale)
-    size_nvme_buffers(config, model)
+    size_nvme_buffers(config, model, dist.get_world_size())
     threads = zero_settings_of(plan).cpu_adam_threads
     if threads:
         use_cpu_threads(threads)

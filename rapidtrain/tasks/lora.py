@@ -88,7 +88,20 @@ def prepare_quantised(model: nn.Module) -> nn.Module:
     from peft import prepare_model_for_kbit_training
 
     keep_new_layers_unquantised(model)
+    keep_training_layout(model)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def keep_training_layout(model: nn.Module) -> None:
+    """bitsandbytes (0.50) repacks a 4-bit layer's weight for its AVX512-BF16 inference kernel the first time the
+    layer runs in eval mode on such a CPU, and does not undo it when training resumes: the next training step then
+    fails inside matmul_4bit. Evaluation between epochs is part of fine-tuning, so the layers keep the layout they
+    train with (evaluation runs the training kernel)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def add_lora(model: nn.Module, settings: LoraSettings, task_type: str | None) -> nn.Module:

@@ -71,3 +71,26 @@ def test_lora_on_an_8bit_base_learns(tiny, tmp_path):
     first, *_, last = epoch_means(read_losses(log), per_epoch=16)
     assert last < 0.8 * first
     assert results["accuracy"] > 0.7
+
+
+def test_a_4bit_base_trains_again_after_an_evaluation(tiny):
+    """bitsandbytes repacks 4-bit weights for its CPU inference kernel when a layer first runs in eval mode (on
+    AVX512-BF16 CPUs) and never undoes it; rapidtrain keeps the training layout, so evaluating between epochs does
+    not break the next training step."""
+    from rapidtrain.tasks import build_task, load_task_model
+    from rapidtrain.tasks.base import load_tokenizer
+    from rapidtrain.tasks.lora import LoraSettings
+
+    model_dir, _ = tiny
+    task = build_task("sequence_classification", load_tokenizer(str(model_dir)), seq_length=16)
+    task.prepare({"train": toy.sentiment_records(8, 0)})
+    model = load_task_model(task, str(model_dir), LoraSettings(rank=4, load_in_bits=4))
+    tokens = torch.randint(5, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 0, 1])
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=tokens)
+    model.train()
+    model(input_ids=tokens, labels=labels).loss.backward()
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert adapters and all(p.grad is not None for p in adapters)

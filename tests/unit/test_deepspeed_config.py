@@ -215,8 +215,14 @@ def test_nvme_buffers_hold_the_largest_parameter():
     from rapidtrain.parallel.deepspeed import NVME_MIN_BUFFER, size_nvme_buffers
 
     config = config_for(["--zero-3-memory-optimization", "--nvme-offload-dir", "d"])
-    size_nvme_buffers(config, nn.Sequential(nn.Linear(512, 1024), nn.Linear(4, 4)))
-    assert config["zero_optimization"]["offload_param"]["buffer_size"] == max(512 * 1024, NVME_MIN_BUFFER)
+    size_nvme_buffers(config, nn.Sequential(nn.Linear(512, 1024), nn.Linear(4, 4)), world_size=2)
+    offload = config["zero_optimization"]["offload_param"]
+    assert offload["buffer_size"] == max(512 * 1024, NVME_MIN_BUFFER)
+    # One shard is large enough to be swapped (512 × 1024 / 2 ranks ≥ one 1 MiB block): one buffer serves it.
+    assert offload["buffer_count"] == 1
+    many = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])  # 12 swapped shards, window 50e6 / 1M + 2
+    size_nvme_buffers(config, many, world_size=1)
+    assert offload["buffer_count"] == 12
 
 
 @pytest.mark.parametrize(
@@ -240,7 +246,8 @@ def test_cpu_adam_threads_are_the_cores_per_rank(monkeypatch, environment, world
     args = arguments.parse_args(BASE + ["--zero-2-memory-optimization", "--cpu-offload"])
     resolved = plan.from_args(args, RunContext(world, "cpu"), vocab_size=1024)
     assert resolved.zero.cpu_adam_threads == want
-    assert f"DeepSpeedCPUAdam, {want} OpenMP threads per rank" in resolved.engine_for("--cpu-offload").engine
+    threads = f"{want} OpenMP thread" + ("s" if want != 1 else "")
+    assert f"DeepSpeedCPUAdam, {threads} per rank" in resolved.engine_for("--cpu-offload").engine
     assert plan.from_args(arguments.parse_args(BASE + ["--zero-2-memory-optimization"]), RunContext(world, "cpu"),
                           vocab_size=1024).zero.cpu_adam_threads is None  # no DeepSpeedCPUAdam, nothing to set
 
