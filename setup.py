@@ -23,6 +23,9 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed"],
         "hf": ["transformers", "datasets", "peft", "accelerate"],
+        # --optimizer adamw_8bit / paged_adamw_8bit / adamw_4bit, --load-in-4bit / --load-in-8bit: bitsandbytes
+        # (0.50 steps its 8-bit optimizers and runs 4/8-bit layers on CPU too) and torchao (DTensor layouts).
+        "lowbit": ["bitsandbytes>=0.50", "torchao>=0.18"],
         "dev": ["pytest", "pytest-timeout", "ruff"],
     },
     entry_points={"console_scripts": ["rapidtrain=rapidtrain.cli:main"]},

@@ -28,7 +28,9 @@ TASKS = (
 TASK_ALIASES = {"causal_lm": "casual_lm"}
 
 OPTIMIZERS_RAPIDFORMER = ("apex_adam", "apex_lamb")
-OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd")
+OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit",
+              "adamw_4bit")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 STATE_PARTITIONING_FLAGS = (
     "oss_memory_optimization",
@@ -174,6 +176,20 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--user-script", default=None,
                    help="White-box script subclassing Finetuner / PreTrainer / Trainer, run under torchrun.")
     g.add_argument("--lora-rank", type=int, default=0, help="Fine-tuning: LoRA adapters of this rank (peft); 0 = off.")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA scaling numerator: adapters add (alpha / rank) · B·A·x (peft lora_alpha). "
+                        "Default 2 × --lora-rank.")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="Dropout on the LoRA adapters' input "
+                                                                   "(peft lora_dropout).")
+    g.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="Module names that get adapters (peft target_modules, e.g. query value), or all-linear. "
+                        "Default: peft's choice for the architecture, every linear layer where it has none.")
+    g.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: load the frozen base model in 4-bit NF4 with double quantisation (bitsandbytes via "
+                        "transformers BitsAndBytesConfig, peft prepare_model_for_kbit_training); needs --lora-rank.")
+    g.add_argument("--load-in-8bit", action="store_true",
+                   help="Load the frozen base model in 8-bit (bitsandbytes LLM.int8() via transformers "
+                        "BitsAndBytesConfig, peft prepare_model_for_kbit_training); needs --lora-rank.")
     g.add_argument("--exit-interval", type=int, default=None, help="Save and exit at an iteration divisible by this.")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Save and exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -223,6 +239,32 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-offload", action="store_true",
                    help="Optimizer state and step on the CPU: DeepSpeed offload_optimizer with "
                         "DeepSpeedCPUAdam (ZeRO only).")
+    g.add_argument("--cpu-offload-params", action="store_true",
+                   help="ZeRO-3 parameter offload: each rank's parameter partition lives in host memory and is "
+                        "gathered to the device layer by layer (DeepSpeed offload_param: cpu; needs "
+                        "--zero-3-memory-optimization).")
+    g.add_argument("--nvme-offload-dir", default=None, metavar="DIR",
+                   help="ZeRO-Infinity: optimizer state and parameters offloaded to files in DIR on a fast local disk "
+                        "through DeepSpeed's async I/O (offload_optimizer and offload_param: nvme; DeepSpeedCPUAdam "
+                        "steps; needs --zero-3-memory-optimization and libaio).")
+    g.add_argument("--zero-overlap-comm", action=argparse.BooleanOptionalAction, default=True,
+                   help="DeepSpeed ZeRO: overlap gradient reduction with the backward pass (overlap_comm).")
+    g.add_argument("--zero-contiguous-gradients", action=argparse.BooleanOptionalAction, default=True,
+                   help="DeepSpeed ZeRO: copy gradients into one contiguous buffer as they are produced, against "
+                        "fragmentation (contiguous_gradients).")
+    g.add_argument("--zero-reduce-bucket-size", type=int, default=500_000_000,
+                   help="DeepSpeed ZeRO: elements reduced at once (reduce_bucket_size; DeepSpeed's default).")
+    g.add_argument("--zero-allgather-bucket-size", type=int, default=500_000_000,
+                   help="DeepSpeed ZeRO-1/2: elements all-gathered at once after the step (allgather_bucket_size).")
+    g.add_argument("--zero-stage3-prefetch-bucket-size", type=int, default=50_000_000,
+                   help="DeepSpeed ZeRO-3: elements of upcoming layers' parameters fetched ahead "
+                        "(stage3_prefetch_bucket_size).")
+    g.add_argument("--zero-stage3-param-persistence-threshold", type=int, default=100_000,
+                   help="DeepSpeed ZeRO-3: parameters smaller than this many elements stay gathered instead of "
+                        "being partitioned (stage3_param_persistence_threshold).")
+    g.add_argument("--zero-stage3-max-live-parameters", type=int, default=1_000_000_000,
+                   help="DeepSpeed ZeRO-3: most parameter elements kept gathered at once "
+                        "(stage3_max_live_parameters).")
     g.add_argument("--sharding-backend", choices=("torch", "fairscale"), default="torch",
                    help="Engine of OSS/SDP: PyTorch (default) or FairScale's OSS/ShardedDDP where it runs.")
 
@@ -246,8 +288,17 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="Recompute each transformer layer in backward: torch.utils.checkpoint "
                         "(gradient_checkpointing_enable() on Hugging Face models).")
-    g.add_argument("--torch-compile", action="store_true", help="Compile each transformer layer with "
-                                                                "torch.compile (inductor).")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="Compile each transformer layer with torch.compile (backend and mode: --torch-compile-backend, "
+                        "--torch-compile-mode).")
+    g.add_argument("--torch-compile-backend", default="inductor",
+                   help="torch.compile backend for --torch-compile (and --onnx-runtime-training's fallback): inductor "
+                        "(generated kernels), aot_eager / eager (graph capture only, for debugging), cudagraphs, or "
+                        "any backend registered with torch._dynamo.")
+    g.add_argument("--torch-compile-mode", choices=COMPILE_MODES, default=None,
+                   help="torch.compile mode of the inductor backend: default, reduce-overhead (CUDA graphs), "
+                        "max-autotune (searches kernel configurations; slow to compile), max-autotune-no-cudagraphs. "
+                        "Default: torch's default.")
     g.add_argument("--no-cpu-allocator-tuning", dest="cpu_allocator_tuning", action="store_false",
                    help="On CPU, leave glibc malloc as it is; by default freed blocks under 32 MiB stay in the heap "
                         "for the next step (as CUDA's caching allocator does) instead of being unmapped and faulted in "
@@ -256,12 +307,17 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                    help="Graph optimisation: ONNX Runtime ORTModule when it imports with this torch, else "
                         "torch.compile.")
     g.add_argument("--optimizers", choices=OPTIMIZERS_RAPIDFORMER, default="apex_adam",
-                   help="Fused optimizer (Rapidformer): apex FusedAdam / FusedLAMB when apex is importable, else "
-                        "torch AdamW (fused kernel on CUDA and CPU) / rapidtrain's LAMB.")
+                   help="Fused optimizer (Rapidformer): apex FusedAdam / FusedLAMB when apex is importable, on CUDA, "
+                        "and the parameters are plain tensors (one process, DDP, OSS, DeepSpeed); else torch AdamW "
+                        "(fused kernel on CUDA and CPU) / rapidtrain's LAMB, as for DTensor layouts (TP, FSDP, SDP, "
+                        "3D). The plan says which and why.")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="Optimizer (beyond Rapidformer): adamw (adam is accepted for it, as in Megatron: "
-                        "decoupled weight "
-                        "decay), adafactor (torch.optim.Adafactor), sgd; overrides --optimizers.")
+                   help="Optimizer (beyond Rapidformer), overrides --optimizers: adamw (adam is accepted for it, as "
+                        "in Megatron: decoupled weight decay), adafactor (torch.optim.Adafactor, factored second "
+                        "moment), sgd; adamw_8bit: 8-bit AdamW (~2 bytes of state per parameter instead of 8), "
+                        "bitsandbytes AdamW8bit for plain-tensor layouts, torchao AdamW8bit for DTensor layouts "
+                        "(TP, FSDP, SDP, 3D); paged_adamw_8bit: bitsandbytes PagedAdamW8bit (CUDA, plain tensors); "
+                        "adamw_4bit: torchao AdamW4bit (plain tensors).")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
 
 

@@ -17,6 +17,8 @@ if __package__ in (None, ""):  # run as a file: make the package importable, not
 
 from typing import Any  # noqa: E402
 
+import torch  # noqa: E402
+
 from rapidtrain.engine import Engine  # noqa: E402
 from rapidtrain.errors import user_errors  # noqa: E402
 from rapidtrain.trainers.finetuner import Finetuner  # noqa: E402
@@ -63,11 +65,11 @@ class TaskFinetuner(Finetuner):
     def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, None, None]:
         from rapidtrain.tasks import load_task_model
 
-        return (
-            load_task_model(self.task, self.args.pretrained_model_name_or_path, self.args.lora_rank),
-            None,
-            None,
-        )
+        plan = self.engine.plan
+        compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.dtype, torch.float32)
+        model = load_task_model(self.task, self.args.pretrained_model_name_or_path, plan.lora,
+                                device=self.engine.device, compute_dtype=compute_dtype)
+        return model, None, None
 
     def sample_lengths(self, dataset: Any) -> list[int]:
         return dataset.lengths

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -22,8 +23,13 @@ if TYPE_CHECKING:
     from rapidtrain.optim.grad_scaler import LossScaleSettings
     from rapidtrain.optim.optimizers import OptimizerSettings
 
+if TYPE_CHECKING:
+    from rapidtrain.optim.optimizers import OptimizerSettings
+    from rapidtrain.tasks.lora import LoraSettings
+
 DeviceType = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16", "fp16"]
+OffloadTarget = Literal["none", "cpu", "nvme"]
 
 @dataclass(frozen=True)
 class RunContext:
@@ -138,8 +144,31 @@ class Switches:
     partitioning_engine: Literal["ddp", "zero-redundancy", "fsdp2", "deepspeed", "fairscale"] = "ddp"
     cpu_offload: bool = False
     activation_checkpointing: bool = False
-    compile: Literal["none", "inductor", "ortmodule"] = "none"
+    compile: Literal["none", "inductor", "ortmodule"] = "none"  # "inductor": torch.compile, with the backend below
     dynamic_shape: bool = False
+    compile_backend: str = "inductor"  # torch.compile's backend (--torch-compile-backend)
+    compile_mode: str | None = None  # torch.compile's mode (--torch-compile-mode); None is torch's "default"
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """DeepSpeed ZeRO's own part of the plan: communication overlap and bucket sizes (elements), stage-3
+    prefetching and persistence, where optimizer state and parameters are offloaded (ZeRO-Offload, ZeRO-Infinity),
+    pinned host buffers, and the threads DeepSpeedCPUAdam steps with (None where it does not run)."""
+
+    stage: int
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    offload_optimizer: OffloadTarget = "none"
+    offload_params: OffloadTarget = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    cpu_adam_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -160,10 +189,12 @@ class MemoryEstimate:
     grad_bytes: float
     optimizer_bytes: float
     optimizer_on_cpu: bool = False
+    params_offloaded: OffloadTarget = "none"  # ZeRO-3 parameter partitions in host memory or on NVMe
 
     @property
     def total_bytes(self) -> float:
-        return self.param_bytes + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
+        params = 0 if self.params_offloaded != "none" else self.param_bytes
+        return params + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
 
 
 # ---- each component's own settings (nothing after the plan reads the flags) ----
@@ -257,13 +288,15 @@ class Plan:
     training: TrainingSettings = field(default_factory=TrainingSettings)
     data: DataSettings = field(default_factory=lambda: DataSettings("script"))
     tokenizer: TokenizerSettings | None = None
-    optimizer: OptimizerSettings | None = None
+    optimizer: OptimizerSettings | None = None  # what builds the optimizer (its implementation follows the layout)
     schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
     loss_scale: LossScaleSettings | None = None
     clip_grad: float = 1.0
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    lora: LoraSettings | None = None  # adapters and k-bit base of a Hugging Face fine-tune (None: not one)
+    zero: ZeroSettings | None = None  # DeepSpeed ZeRO's settings (None: DeepSpeed does not serve this layout)
 
     @property
     def train_iters(self) -> int | None:
@@ -353,12 +386,14 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     tokenizer = tokenizer_settings_of(args)
     vocab_size = builtin_vocab_size(args, tokenizer)
     model = model_config_from_args(args, vocab_size) if vocab_size else None
+    switches = switches_of(args, layout)
     engines, notes = engines_for(args, ctx, layout, precision)
-    memory = memory_estimate(args, model, layout, precision) if model else None
+    memory = memory_estimate(args, model, layout, precision, ctx.device_type) if model else None
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches_of(args, layout), training_settings(args), data_settings(args, ctx), tokenizer,
-                optimizer_settings(args), schedule_settings(args), loss_scale_settings(args), args.clip_grad,
-                checkpoint_settings(args), logging_settings(args), tuple(notes))
+                switches, training_settings(args), data_settings(args, ctx), tokenizer,
+                optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
+                args.clip_grad, checkpoint_settings(args), logging_settings(args), tuple(notes),
+                lora_settings(args), zero_settings(args, layout, ctx))
 
 
 def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
@@ -476,19 +511,104 @@ def switches_of(args: argparse.Namespace, layout: Layout) -> Switches:
     elif args.torch_compile:
         compile_with = "inductor"
     return Switches(partitioning, engine, args.cpu_offload, args.checkpoint_activations, compile_with,
-                    args.data_iterator == "dynamic-shape")
+                    args.data_iterator == "dynamic-shape", args.torch_compile_backend, args.torch_compile_mode)
 
 
-def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
-    """The optimizer's own settings; `--optimizer` (beyond Rapidformer) overrides `--optimizers`."""
+def parameters_are_dtensors(layout: Layout, switches: Switches) -> bool:
+    """Whether the optimizer receives DTensor parameters: tensor parallelism, FSDP2 (FSDP, SDP, ZeRO-1/2 with
+    TP/PP) and composable `replicate` (data parallel beside pipeline stages) make them; one process, DDP,
+    ZeroRedundancyOptimizer, FairScale and DeepSpeed hand over plain tensors."""
+    if layout.tensor_parallel_size > 1:
+        return True
+    sharded_or_replicated = switches.partitioning_engine == "fsdp2" or layout.pipeline_parallel_size > 1
+    return layout.data_parallel_size > 1 and sharded_or_replicated
+
+
+def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, switches: Switches | None = None):
+    """The optimizer's own settings; `--optimizer` (beyond Rapidformer) overrides `--optimizers`. With the
+    layout, they say whether the parameters are DTensors (the implementation is chosen from that)."""
     from rapidtrain.optim.optimizers import OptimizerSettings
 
     name = args.optimizer or args.optimizers
     if name == "adam":  # Megatron's --optimizer adam is Adam with decoupled weight decay, i.e. AdamW
         name = "adamw"
+    dtensors = layout is not None and switches is not None and parameters_are_dtensors(layout, switches)
     return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             sgd_momentum=args.sgd_momentum)
+                             sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors)
+
+
+def uses_deepspeed(args: argparse.Namespace, layout: Layout) -> bool:
+    """ZeRO switches are served by DeepSpeed unless tensor/pipeline parallelism asks for FSDP2 instead."""
+    return zero_stage(args) > 0 and layout.tensor_parallel_size == layout.pipeline_parallel_size == 1
+
+
+def cores_per_rank(local_ranks: int) -> int:
+    """This machine's usable cores shared among the node's ranks (at least one each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores // max(local_ranks, 1), 1)
+
+
+def cpu_adam_threads(ctx: RunContext) -> int:
+    """DeepSpeedCPUAdam's OpenMP threads: an explicit OMP_NUM_THREADS other than torchrun's default of 1, else
+    the cores per rank (torchrun sets 1, which would leave the offloaded optimizer step on one core)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 1:
+        return int(given)
+    nodes = int(os.environ.get("NNODES", "1"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", max(ctx.world_size // max(nodes, 1), 1)))
+    return cores_per_rank(local_ranks)
+
+
+def zero_settings(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> ZeroSettings | None:
+    if not uses_deepspeed(args, layout):
+        return None
+    nvme = args.nvme_offload_dir
+    offload_optimizer: OffloadTarget = "nvme" if nvme else "cpu" if args.cpu_offload else "none"
+    offload_params: OffloadTarget = "nvme" if nvme else "cpu" if args.cpu_offload_params else "none"
+    offloads = offload_optimizer != "none" or offload_params != "none"
+    return ZeroSettings(
+        stage=zero_stage(args), overlap_comm=args.zero_overlap_comm,
+        contiguous_gradients=args.zero_contiguous_gradients,
+        reduce_bucket_size=args.zero_reduce_bucket_size, allgather_bucket_size=args.zero_allgather_bucket_size,
+        stage3_prefetch_bucket_size=args.zero_stage3_prefetch_bucket_size,
+        stage3_param_persistence_threshold=args.zero_stage3_param_persistence_threshold,
+        stage3_max_live_parameters=args.zero_stage3_max_live_parameters,
+        offload_optimizer=offload_optimizer, offload_params=offload_params, nvme_path=nvme,
+        # Page-locked host buffers let CUDA copy asynchronously; a CPU-only run has nothing to pin for.
+        pin_memory=offloads and ctx.device_type == "cuda",
+        cpu_adam_threads=cpu_adam_threads(ctx) if offload_optimizer != "none" else None,
+    )
+
+
+def _threads(count: int) -> str:
+    return f"{count} OpenMP thread" + ("s" if count != 1 else "")
+
+
+def describe_zero(zero: ZeroSettings) -> str:
+    parts = [f"overlap_comm {zero.overlap_comm}", f"contiguous gradients {zero.contiguous_gradients}",
+             f"reduce bucket {zero.reduce_bucket_size:,}"]
+    if zero.stage == 3:
+        parts += [f"prefetch bucket {zero.stage3_prefetch_bucket_size:,}",
+                  f"parameters under {zero.stage3_param_persistence_threshold:,} elements stay gathered",
+                  f"at most {zero.stage3_max_live_parameters:,} live parameters"]
+    else:
+        parts.append(f"allgather bucket {zero.allgather_bucket_size:,}")
+    return "DeepSpeed ZeRO: " + ", ".join(parts) + " (bucket sizes in elements)"
+
+
+def load_in_bits(args: argparse.Namespace) -> int | None:
+    return 4 if args.load_in_4bit else 8 if args.load_in_8bit else None
+
+
+def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
+    """The adapters' and k-bit base's settings of a Hugging Face fine-tune (None for the built-in models)."""
+    if trains_builtin_model(args):
+        return None
+    from rapidtrain.tasks.lora import LoraSettings
+
+    return LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                        target_modules=tuple(args.lora_target_modules or ()), load_in_bits=load_in_bits(args))
 
 
 # ---- the engine behind each switch (DESIGN.md's table) ----
@@ -542,6 +662,10 @@ def _ort_status() -> tuple[bool, str]:
     return True, ""
 
 
+def describe_compile(args: argparse.Namespace) -> str:
+    return f"torch.compile(backend={args.torch_compile_backend!r}, mode={args.torch_compile_mode or 'default'!r})"
+
+
 def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
                 precision: Precision) -> tuple[list[EngineChoice], list[str]]:
     from rapidtrain.optim.optimizers import describe_optimizer
@@ -557,8 +681,25 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
                                     "no all-reduce on accumulation micro-batches (no_sync)"))
     if partitioning:
         engines.append(partitioning)
+    zero = zero_settings(args, layout, ctx)
+    if zero is not None:
+        engines.append(EngineChoice("ZeRO communication", describe_zero(zero)))
+    pinned = "pinned host buffers" if zero is not None and zero.pin_memory else "no pinned buffers (CPU run)"
     if args.cpu_offload:
-        engines.append(EngineChoice("--cpu-offload", "DeepSpeed offload_optimizer: cpu with DeepSpeedCPUAdam"))
+        threads = f", {_threads(zero.cpu_adam_threads)} per rank" if zero and zero.cpu_adam_threads else ""
+        engines.append(EngineChoice("--cpu-offload", f"DeepSpeed offload_optimizer: cpu with DeepSpeedCPUAdam{threads}"
+                                    f", {pinned}", "DeepSpeedCPUAdam steps with the cores per rank (or "
+                                    "OMP_NUM_THREADS when set above 1), not torchrun's single thread"))
+    if args.cpu_offload_params:
+        engines.append(EngineChoice("--cpu-offload-params", f"DeepSpeed ZeRO-3 offload_param: cpu, {pinned}",
+                                    "each rank's parameter partition lives in host memory and is gathered to the "
+                                    "device layer by layer"))
+    if args.nvme_offload_dir:
+        threads = f", DeepSpeedCPUAdam on {_threads(zero.cpu_adam_threads)}" if zero and zero.cpu_adam_threads else ""
+        engines.append(EngineChoice("--nvme-offload-dir", "DeepSpeed ZeRO-Infinity: offload_optimizer and "
+                                    f"offload_param to nvme at {args.nvme_offload_dir} (async_io){threads}, {pinned}",
+                                    "parameter shards of at least DeepSpeed's 1 MiB I/O block are swapped to files; "
+                                    "smaller ones stay in host memory"))
     if layout.tensor_parallel_size > 1:
         engines.append(EngineChoice("--tensor-model-parallel-size", "DTensor parallelize_module: column/row split of "
                                     "attention and MLP, vocab-parallel embedding and loss"
@@ -586,9 +727,17 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
     if args.onnx_runtime_training:
         usable, why = _ort_status()
         engines.append(EngineChoice("--onnx-runtime-training", "onnxruntime ORTModule" if usable
-                                    else "torch.compile (inductor) as the graph optimiser", why))
+                                    else f"{describe_compile(args)} as the graph optimiser", why))
+    lora = lora_settings(args)
+    if lora is not None and lora.load_in_bits:
+        from rapidtrain.tasks.lora import describe_quantization
+
+        engines.append(EngineChoice(f"--load-in-{lora.load_in_bits}bit",
+                                    describe_quantization(lora.load_in_bits, precision.dtype)))
+    if lora is not None and lora.rank > 0:
+        engines.append(EngineChoice("--lora-rank", lora.describe()))
     if args.torch_compile:
-        engines.append(EngineChoice("--torch-compile", "torch.compile (inductor) per transformer layer"))
+        engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer"))
     if ctx.device_type == "cpu" and args.cpu_allocator_tuning:
         from rapidtrain.cpu_allocator import DESCRIPTION, glibc_version
 
@@ -600,12 +749,15 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
     if args.data_iterator == "dynamic-shape":
         engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
                                     "(multiple of 8)"))
-    if args.cpu_offload and zero_stage(args) > 0 and not three_d:
+    if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not three_d:
         from rapidtrain.parallel.deepspeed import describe_offload_optimizer
 
         engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
     else:
-        engines.append(EngineChoice("optimizer", describe_optimizer(optimizer_settings(args), ctx.device_type)))
+        settings = optimizer_settings(args, layout, switches_of(args, layout))
+        engines.append(EngineChoice("optimizer", describe_optimizer(settings, ctx.device_type),
+                                    "the layout's parameters are " + ("DTensors (tensor parallel / FSDP2 / "
+                                    "replicate)" if settings.dtensor_parameters else "plain tensors")))
     if args.cpu_offload:
         notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
                      "selects Adam there")
@@ -614,11 +766,42 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
 
 # ---- memory per rank (ZeRO paper accounting) ----
 
-OPTIMIZER_STATE_BYTES = {"apex_adam": 8, "apex_lamb": 8, "adamw": 8, "adam": 8, "adafactor": 0, "sgd": 4}
+def optimizer_state_bytes_per_parameter(model: ModelConfig, settings: OptimizerSettings, device_type: str) -> float:
+    """The chosen implementation's state per parameter, from the model's real tensor shapes (Adafactor's
+    factored rows and columns, 8-bit blocks and the small tensors they leave in fp32)."""
+    from rapidtrain.optim.optimizers import resolve_optimizer
+    from rapidtrain.optim.state_bytes import optimizer_state_bytes
+
+    shapes = parameter_shape_counts(model)
+    total = sum(math.prod(shape) * count for shape, count in shapes.items())
+    return optimizer_state_bytes(resolve_optimizer(settings, device_type).state, shapes) / max(total, 1)
+
+
+def parameter_shape_counts(model: ModelConfig) -> dict[tuple[int, ...], int]:
+    """How many parameter tensors of each shape the built-in model has, from a one-layer model of each layer kind
+    built on the meta device (shapes only, nothing allocated; layers of one kind count alike, so a plan of
+    10^8 layers answers at once)."""
+    from collections import Counter
+
+    import torch
+
+    from rapidtrain.models import build_model
+
+    kinds = Counter(model.num_experts) if model.num_experts else Counter({0: model.num_layers})
+    counts: Counter[tuple[int, ...]] = Counter()
+    for index, (experts, layers) in enumerate(kinds.items()):
+        one_layer = dataclasses.replace(model, num_layers=1, num_experts=(experts,) if model.num_experts else ())
+        with torch.device("meta"):
+            built = build_model(one_layer, seed=None)
+        for name, param in built.named_parameters():
+            in_layer = name.startswith("layers.")
+            if in_layer or index == 0:  # the embedding, head and norms once
+                counts[tuple(param.shape)] += layers if in_layer else 1
+    return dict(counts)
 
 
 def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout,
-                    precision: Precision) -> MemoryEstimate:
+                    precision: Precision, device_type: str = "cpu") -> MemoryEstimate:
     from rapidtrain.models.counting import count_parameters, expert_parameter_count
 
     total, active = count_parameters(model)
@@ -629,12 +812,15 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     stage = zero_stage(args)
     deepspeed = stage > 0 and layout.tensor_parallel_size == layout.pipeline_parallel_size == 1
     half = precision.dtype != "fp32"
-    name = args.optimizer or args.optimizers
     # DeepSpeed keeps 16-bit weights and gradients beside fp32 master weights; torch autocast keeps fp32 ones.
     weight, grad = (2, 2) if deepspeed and half else (4, 4)
-    if deepspeed and args.cpu_offload:  # ZeRO-Offload keeps the reduced gradient partition in fp32 on the CPU
+    if deepspeed and (args.cpu_offload or args.nvme_offload_dir):  # the reduced fp32 gradient partition is on the CPU
         grad = 4
-    optimizer = OPTIMIZER_STATE_BYTES[name] + (4 if deepspeed and half else 0)
+        state = 8.0  # DeepSpeedCPUAdam: fp32 moments
+    else:
+        settings = optimizer_settings(args, layout, switches_of(args, layout))
+        state = optimizer_state_bytes_per_parameter(model, settings, device_type)
+    optimizer = state + (4 if deepspeed and half else 0)
     n = layout.data_parallel_size
     shard_optimizer = stage > 0 or args.oss_memory_optimization or args.oss_sdp_memory_optimization \
         or args.fsdp_memory_optimization
@@ -647,7 +833,8 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
         param_bytes=per_rank * weight / (n if shard_params else 1),
         grad_bytes=per_rank * grad / (n if shard_grads else 1),
         optimizer_bytes=per_rank * optimizer / (n if shard_optimizer else 1),
-        optimizer_on_cpu=args.cpu_offload,
+        optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
+        params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
     )
 
 
@@ -721,7 +908,8 @@ def describe_plan(plan: Plan) -> str:
         lines += [
             f"  parameters: {mem.total_params:,} total, {mem.active_params:,} active per token; "
             f"{mem.parameters:,} per model-parallel rank",
-            f"  model-state memory per rank (estimate, ZeRO accounting): parameters {_mib(mem.param_bytes)}, "
+            f"  model-state memory per rank (estimate, ZeRO accounting): parameters {_mib(mem.param_bytes)}"
+            + (f" (offloaded to {mem.params_offloaded})" if mem.params_offloaded != "none" else "") + ", "
             f"gradients {_mib(mem.grad_bytes)}, optimizer {_mib(mem.optimizer_bytes)}"
             + (" (on CPU)" if mem.optimizer_on_cpu else "") + f"; total {_mib(mem.total_bytes)}",
         ]

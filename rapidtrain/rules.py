@@ -13,9 +13,18 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rapidtrain import arguments
 from rapidtrain.arguments import STATE_PARTITIONING_FLAGS, TASKS
 from rapidtrain.models import hf_config
-from rapidtrain.plan import RunContext, data_parallel_size, expand_num_experts, zero_stage
+from rapidtrain.plan import (
+    RunContext,
+    data_parallel_size,
+    expand_num_experts,
+    layout_of,
+    optimizer_settings,
+    switches_of,
+    zero_stage,
+)
 
 Args = argparse.Namespace
 
@@ -112,8 +121,96 @@ def _sliding_window(args: Args) -> int | None:
     return config.get("sliding_window")
 
 
+LOW_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "adamw_4bit")
 NON_ELEMENTWISE_OPTIMIZERS = ("apex_lamb", "adafactor")  # per-parameter norms or factored statistics
 OFFLOADABLE_OPTIMIZERS = ("apex_adam", "adamw", "adam")  # what DeepSpeedCPUAdam implements
+
+
+def _low_bit_optimizer_problem(args: Args, ctx: RunContext) -> str | None:
+    """Why no library serves the chosen 8/4-bit optimizer on this layout and device (None: one does)."""
+    if _optimizer_choice(args)[0] not in LOW_BIT_OPTIMIZERS or not _layout_divides(args, ctx):
+        return None
+    from rapidtrain.optim.optimizers import low_bit_optimizer_problem
+
+    layout = layout_of(args, ctx)
+    return low_bit_optimizer_problem(optimizer_settings(args, layout, switches_of(args, layout)), ctx.device_type)
+
+
+def _lora_settings_given(args: Args) -> list[str]:
+    given = [("--lora-alpha", args.lora_alpha is not None), ("--lora-dropout", args.lora_dropout != 0.0),
+             ("--lora-target-modules", bool(args.lora_target_modules))]
+    return [flag for flag, is_given in given if is_given]
+
+
+def _bad_lora_values(args: Args) -> list[str]:
+    bad = []
+    if args.lora_rank < 0:
+        bad.append(f"--lora-rank {args.lora_rank} must be >= 0 (0 turns LoRA off)")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        bad.append(f"--lora-alpha {args.lora_alpha:g} must be > 0")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        bad.append(f"--lora-dropout {args.lora_dropout:g} must be in [0, 1)")
+    return bad
+
+
+def _k_bit_flag(args: Args) -> str:
+    return "--load-in-4bit" if args.load_in_4bit else "--load-in-8bit"
+
+
+def _k_bit_problem(args: Args, ctx: RunContext) -> str | None:
+    if not (args.load_in_4bit or args.load_in_8bit):
+        return None
+    from rapidtrain.optim.optimizers import bitsandbytes_problem
+
+    return bitsandbytes_problem(ctx.device_type, kernels="4/8-bit layer")
+
+
+def _compile_settings_given(args: Args) -> list[str]:
+    given = [("--torch-compile-backend", args.torch_compile_backend != "inductor"),
+             ("--torch-compile-mode", args.torch_compile_mode is not None)]
+    return [flag for flag, is_given in given if is_given]
+
+
+def _compiles(args: Args) -> bool:
+    """Whether torch.compile runs: --torch-compile, or --onnx-runtime-training where ORTModule cannot serve."""
+    if args.torch_compile:
+        return True
+    if args.onnx_runtime_training:
+        from rapidtrain.plan import _ort_status
+
+        return not _ort_status()[0]
+    return False
+
+
+def _compile_backends() -> list[str]:
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+ZERO_DEFAULTS = {dest: arguments.build_parser().get_default(dest) for dest in (
+    "zero_overlap_comm", "zero_contiguous_gradients", "zero_reduce_bucket_size", "zero_allgather_bucket_size",
+    "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold", "zero_stage3_max_live_parameters")}
+
+
+def _zero_settings_given(args: Args, stage3_only: bool = False) -> list[str]:
+    """The DeepSpeed ZeRO flags given other values than their defaults (stage-3 ones only, if asked)."""
+    dests = [d for d in ZERO_DEFAULTS if not stage3_only or "stage3" in d]
+    flags = [_flag(d) for d in dests if getattr(args, d) != ZERO_DEFAULTS[d]]
+    return [f.replace("--zero-overlap-comm", "--no-zero-overlap-comm").replace(
+        "--zero-contiguous-gradients", "--no-zero-contiguous-gradients") for f in flags]
+
+
+def _async_io_problem() -> str | None:
+    """Why DeepSpeed's async I/O op (ZeRO-Infinity's NVMe offload) cannot build here, or None when it can."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception as error:  # DeepSpeed missing or broken: say so rather than fail
+        return f"DeepSpeed's AsyncIOBuilder does not import ({type(error).__name__}: {error})"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return ("DeepSpeed's async_io op cannot build here: it needs libaio's headers and library (Debian/Ubuntu: "
+                "apt-get install libaio-dev)")
+    return None
 
 
 def _experts(args: Args) -> list[int]:
@@ -604,9 +701,11 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpu-offload-adam-only", ("--cpu-offload", "--optimizers", "--optimizer"),
         "--cpu-offload steps the optimizer with DeepSpeedCPUAdam: the optimizer must be Adam or AdamW.",
-        lambda a, c: a.cpu_offload and _optimizer_choice(a)[0] not in OFFLOADABLE_OPTIMIZERS
+        lambda a, c: bool(a.cpu_offload or a.nvme_offload_dir)
+        and _optimizer_choice(a)[0] not in OFFLOADABLE_OPTIMIZERS
         and not (_deepspeed_zero(a) and _optimizer_choice(a)[0] in NON_ELEMENTWISE_OPTIMIZERS),
-        lambda a, c: f"--cpu-offload with {_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]}: the offloaded "
+        lambda a, c: f"{'--cpu-offload' if a.cpu_offload else '--nvme-offload-dir'} with {_optimizer_choice(a)[1]} "
+        f"{_optimizer_choice(a)[0]}: the offloaded "
         "optimizer step is DeepSpeedCPUAdam, which implements Adam and AdamW only. Use --optimizers apex_adam "
         "(AdamW) or --optimizer adamw/adam, or drop --cpu-offload.",
     ),
@@ -668,6 +767,138 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: a.distributed_backend == "nccl" and c.device_type != "cuda",
         lambda a, c: "--distributed-backend nccl: NCCL runs collectives between CUDA devices, and this run has none "
         "(device cpu). Use --distributed-backend gloo, or leave the flag out (gloo on CPU, nccl on CUDA).",
+    ),
+    Rule(
+        "low-bit-optimizer-available", ("--optimizer", "--tensor-model-parallel-size", "--fsdp-memory-optimization"),
+        "--optimizer adamw_8bit needs bitsandbytes (plain-tensor layouts) or torchao (any layout); "
+        "paged_adamw_8bit needs bitsandbytes on CUDA with plain tensors; adamw_4bit needs torchao and plain tensors.",
+        lambda a, c: _low_bit_optimizer_problem(a, c) is not None,
+        lambda a, c: f"{_optimizer_choice(a)[1]} {_optimizer_choice(a)[0]}: {_low_bit_optimizer_problem(a, c)}. "
+        "Install the library, choose --optimizer adamw_8bit (bitsandbytes or torchao, every layout), or use "
+        "--optimizer adamw.",
+    ),
+    Rule(
+        "lora-values", ("--lora-rank", "--lora-alpha", "--lora-dropout"),
+        "LoRA's rank is >= 0, its alpha > 0 and its dropout in [0, 1).",
+        lambda a, c: bool(_bad_lora_values(a)),
+        lambda a, c: "; ".join(_bad_lora_values(a)) + ".",
+    ),
+    Rule(
+        "lora-settings-need-rank", ("--lora-alpha", "--lora-dropout", "--lora-target-modules", "--lora-rank"),
+        "--lora-alpha, --lora-dropout and --lora-target-modules shape LoRA adapters: they need --lora-rank > 0.",
+        lambda a, c: bool(_lora_settings_given(a)) and a.lora_rank <= 0,
+        lambda a, c: f"{', '.join(_lora_settings_given(a))} set LoRA adapters, but --lora-rank is {a.lora_rank} "
+        "(no adapters), so they would do nothing. Add --lora-rank R (e.g. 8), or drop them.",
+    ),
+    Rule(
+        "k-bit-needs-lora", ("--load-in-4bit", "--load-in-8bit", "--lora-rank"),
+        "A 4/8-bit base is frozen: it trains through LoRA adapters (--lora-rank > 0), one width at a time.",
+        lambda a, c: (a.load_in_4bit or a.load_in_8bit) and (a.lora_rank <= 0 or (a.load_in_4bit and a.load_in_8bit)),
+        lambda a, c: "--load-in-4bit and --load-in-8bit both choose the base's width; keep one."
+        if a.load_in_4bit and a.load_in_8bit else
+        f"{_k_bit_flag(a)} loads the base model quantised, and quantised weights cannot be trained: add "
+        "--lora-rank R (QLoRA trains adapters on the frozen quantised base), or drop it for full fine-tuning.",
+    ),
+    Rule(
+        "k-bit-plain-data-parallel", ("--load-in-4bit", "--load-in-8bit", "--zero-3-memory-optimization",
+                                      "--fsdp-memory-optimization", "--oss-sdp-memory-optimization"),
+        "A 4/8-bit base trains under one process, DDP or OSS; ZeRO, FSDP and SDP would flatten or shard its packed "
+        "quantised weights.",
+        lambda a, c: (a.load_in_4bit or a.load_in_8bit) and (zero_stage(a) > 0 or a.fsdp_memory_optimization
+                                                              or a.oss_sdp_memory_optimization),
+        lambda a, c: f"{_k_bit_flag(a)} with {', '.join(_flag(f) for f in _partitioning(a))}: the partitioning "
+        "engine would flatten or shard bitsandbytes' packed weights and their quantisation state. The frozen "
+        "quantised base is already small and only the adapters train: drop the partitioning switch (plain data "
+        "parallel), or use --oss-memory-optimization.",
+    ),
+    Rule(
+        "k-bit-available", ("--load-in-4bit", "--load-in-8bit"),
+        "--load-in-4bit / --load-in-8bit need bitsandbytes with 4/8-bit kernels for the device (≥ 0.50 on CPU).",
+        lambda a, c: _k_bit_problem(a, c) is not None,
+        lambda a, c: f"{_k_bit_flag(a)}: {_k_bit_problem(a, c)}. Install bitsandbytes>=0.50 (pip install "
+        "'rapidtrain[lowbit]'), or drop the flag to fine-tune the fp32 base with LoRA.",
+    ),
+    Rule(
+        "k-bit-checkpoints", ("--load-in-4bit", "--load-in-8bit", "--save", "--load"),
+        "Checkpoints of a 4/8-bit base: torch.distributed.checkpoint cannot save bitsandbytes' 8-bit layers, nor "
+        "load into 4-bit ones; a 4-bit run's exported model (SAVE/best, SAVE/last) is written dequantised.",
+        lambda a, c: (a.load_in_8bit and bool(a.save or a.load)) or (a.load_in_4bit and bool(a.load)),
+        lambda a, c: ("--load-in-8bit with --save/--load: torch.distributed.checkpoint cannot save bitsandbytes' "
+                      "Linear8bitLt layers (their state dict carries SCB/weight_format entries that are not module "
+                      "attributes). Use --load-in-4bit (QLoRA), or run without --save/--load."
+                      if a.load_in_8bit else
+                      "--load-in-4bit with --load: resuming into bitsandbytes' packed 4-bit layers is not supported "
+                      "(the checkpoint's packed weights do not load into freshly quantised ones). Start a new run "
+                      "without --load; the exported SAVE/best and SAVE/last models (dequantised, adapters merged) "
+                      "load with from_pretrained."),
+    ),
+    Rule(
+        "compile-settings-need-compile", ("--torch-compile-backend", "--torch-compile-mode", "--torch-compile"),
+        "--torch-compile-backend and --torch-compile-mode configure torch.compile: they need --torch-compile (or "
+        "--onnx-runtime-training where torch.compile serves it).",
+        lambda a, c: bool(_compile_settings_given(a)) and not _compiles(a),
+        lambda a, c: f"{', '.join(_compile_settings_given(a))} configure torch.compile, which this run does not use, "
+        "so they would do nothing. Add --torch-compile, or drop them.",
+    ),
+    Rule(
+        "compile-backend-known", ("--torch-compile-backend",),
+        "--torch-compile-backend names a backend registered with torch._dynamo.",
+        lambda a, c: a.torch_compile_backend not in _compile_backends(),
+        lambda a, c: f"--torch-compile-backend {a.torch_compile_backend!r} is not a torch.compile backend here; "
+        f"choose one of {', '.join(_compile_backends())} (inductor is the default).",
+    ),
+    Rule(
+        "compile-mode-inductor", ("--torch-compile-mode", "--torch-compile-backend"),
+        "--torch-compile-mode chooses how inductor compiles: it needs the inductor backend.",
+        lambda a, c: a.torch_compile_mode is not None and a.torch_compile_backend != "inductor",
+        lambda a, c: f"--torch-compile-mode {a.torch_compile_mode} with --torch-compile-backend "
+        f"{a.torch_compile_backend}: modes are options of the inductor backend. Drop the mode, or use "
+        "--torch-compile-backend inductor.",
+    ),
+    Rule(
+        "zero-settings-need-deepspeed", ("--zero-overlap-comm", "--no-zero-overlap-comm", "--zero-reduce-bucket-size",
+                                         "--zero-allgather-bucket-size", "--zero-1-memory-optimization"),
+        "The --zero-* communication settings configure DeepSpeed ZeRO: they need a ZeRO switch without tensor/pipeline "
+        "parallelism (with TP/PP, FSDP2 serves ZeRO-1/2).",
+        lambda a, c: bool(_zero_settings_given(a)) and not _deepspeed_zero(a),
+        lambda a, c: f"{', '.join(_zero_settings_given(a))} configure DeepSpeed ZeRO, which does not serve this run "
+        f"({'FSDP2 serves ZeRO-1/2 with tensor/pipeline parallelism' if _three_d(a) else 'no ZeRO switch'}), so they "
+        "would do nothing. Add --zero-1/2/3-memory-optimization without tensor/pipeline parallelism, or drop them.",
+    ),
+    Rule(
+        "zero-stage3-settings", ("--zero-stage3-prefetch-bucket-size", "--zero-stage3-param-persistence-threshold",
+                                 "--zero-3-memory-optimization"),
+        "The --zero-stage3-* settings apply to ZeRO-3 only.",
+        lambda a, c: bool(_zero_settings_given(a, stage3_only=True)) and _deepspeed_zero(a) and zero_stage(a) != 3,
+        lambda a, c: f"{', '.join(_zero_settings_given(a, stage3_only=True))} tune how ZeRO-3 gathers partitioned "
+        f"parameters; --zero-{zero_stage(a)}-memory-optimization does not partition parameters. Use "
+        "--zero-3-memory-optimization, or drop them.",
+    ),
+    Rule(
+        "param-offload-needs-zero3", ("--cpu-offload-params", "--nvme-offload-dir", "--zero-3-memory-optimization"),
+        "--cpu-offload-params and --nvme-offload-dir offload parameter partitions: they need DeepSpeed ZeRO-3.",
+        lambda a, c: bool(a.cpu_offload_params or a.nvme_offload_dir)
+        and not (_deepspeed_zero(a) and zero_stage(a) == 3),
+        lambda a, c: f"{'--cpu-offload-params' if a.cpu_offload_params else '--nvme-offload-dir'} offloads each "
+        "rank's parameter partition, which only DeepSpeed ZeRO-3 keeps (ZeRO-Infinity). Add "
+        "--zero-3-memory-optimization (without tensor/pipeline parallelism), or use --cpu-offload with ZeRO-1/2 to "
+        "offload the optimizer only.",
+    ),
+    Rule(
+        "one-offload-target", ("--nvme-offload-dir", "--cpu-offload", "--cpu-offload-params"),
+        "--nvme-offload-dir puts optimizer state and parameters on NVMe: not with --cpu-offload or "
+        "--cpu-offload-params.",
+        lambda a, c: bool(a.nvme_offload_dir) and (a.cpu_offload or a.cpu_offload_params),
+        lambda a, c: "--nvme-offload-dir offloads optimizer state and parameters to NVMe, and "
+        f"{'--cpu-offload' if a.cpu_offload else '--cpu-offload-params'} sends them to host memory instead: choose "
+        "one target (NVMe for models whose states exceed host memory).",
+    ),
+    Rule(
+        "nvme-offload-needs-async-io", ("--nvme-offload-dir",),
+        "--nvme-offload-dir needs DeepSpeed's async_io op, which builds against libaio.",
+        lambda a, c: bool(a.nvme_offload_dir) and _async_io_problem() is not None,
+        lambda a, c: f"--nvme-offload-dir {a.nvme_offload_dir}: {_async_io_problem()}. Install it, or offload to "
+        "host memory with --cpu-offload --cpu-offload-params.",
     ),
 )
 

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Set up rapidtrain in ./.venv: torch 2.13.0 first (pinned, so pip never resolves a CUDA build by itself),
-# then the package with its DeepSpeed, Hugging Face and dev extras. Safe to run again.
+# then the package with its DeepSpeed, Hugging Face, low-bit (bitsandbytes, torchao) and dev extras. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# libaio for DeepSpeed's async_io op (--nvme-offload-dir, ZeRO-Infinity): installed from Debian/Ubuntu where this
+# runs as root with apt (CI does); elsewhere --nvme-offload-dir is refused with the reason and its test skips.
+if [ ! -f /usr/include/libaio.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null 2>&1 || echo "setup: libaio-dev not installed"
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 # DeepSpeed builds from source against the installed torch: no build isolation, or pip would fetch another torch.
-.venv/bin/python -m pip install -q --no-build-isolation -e ".[deepspeed,hf,dev]"
+.venv/bin/python -m pip install -q --no-build-isolation -e ".[deepspeed,hf,dev,lowbit]"
 # FairScale (optional --sharding-backend fairscale): its last release works with this torch for OSS/ShardedDDP;
 # --no-deps keeps it from touching torch.
 .venv/bin/python -m pip install -q --no-build-isolation --no-deps "fairscale==0.4.13"

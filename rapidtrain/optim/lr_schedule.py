@@ -148,6 +148,15 @@ def _decay_coefficient(s: LRScheduleSettings, samples: float, decay_ratio: float
     raise ValueError(f"--lr-decay-style {s.decay_style!r} is not one of {DecayStyle}")
 
 
+def set_group_lr(group: dict[str, Any], value: float) -> None:
+    """Set an optimizer group's learning rate. torchao's low-bit AdamW keeps it as a tensor (so its compiled
+    step never recompiles) and refuses a float in its place: the value is written into that tensor."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(value)
+    else:
+        group["lr"] = value
+
+
 class LRScheduler:
     """Sets `group["lr"]` of every optimizer group from the schedule.
 
@@ -175,7 +184,7 @@ class LRScheduler:
         self.num_steps += increment
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            set_group_lr(group, lr * group.get("lr_mult", 1.0))
 
     def state_dict(self) -> dict[str, Any]:
         """Megatron's scheduler keys (steps in samples), plus the WSD settings."""

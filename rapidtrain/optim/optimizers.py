@@ -1,12 +1,15 @@
-"""The optimizer behind `--optimizers` / `--optimizer`: apex's fused kernels when apex works, else torch's.
+"""The optimizer behind `--optimizers` / `--optimizer`: apex's fused kernels where they fit, else torch's;
+8-bit and 4-bit AdamW from bitsandbytes or torchao, whichever takes the layout's parameters.
 
-`describe_optimizer` and `build_optimizer` share one resolution, so the plan prints exactly what runs.
+`describe_optimizer` and `build_optimizer` share one resolution (`resolve_optimizer`), so the plan prints
+exactly what runs, and the plan's memory estimate counts the state that implementation allocates.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -16,16 +19,27 @@ import torch
 from torch import nn
 
 from rapidtrain.optim.lamb import LAMB
+from rapidtrain.optim.state_bytes import StateKind
 
-OptimizerName = Literal["apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd"]
-OPTIMIZER_NAMES: tuple[str, ...] = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd")
+OptimizerName = Literal[
+    "apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit"
+]
+OPTIMIZER_NAMES: tuple[str, ...] = (
+    "apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit"
+)
+LOW_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "adamw_4bit")
 
 ParamsLike = nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """The optimizer's own part of the plan (flags `--optimizers`, `--lr`, `--weight-decay`, ...)."""
+    """The optimizer's own part of the plan (flags `--optimizers`, `--lr`, `--weight-decay`, ...).
+
+    `dtensor_parameters` says whether the layout hands the optimizer DTensors (tensor parallelism, FSDP2,
+    composable replicate) or plain tensors (one process, DDP, ZeroRedundancyOptimizer, DeepSpeed): apex's
+    and bitsandbytes' kernels take plain tensors only, so the plan decides the implementation from it.
+    """
 
     name: OptimizerName = "apex_adam"
     lr: float = 1e-4
@@ -34,6 +48,7 @@ class OptimizerSettings:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
+    dtensor_parameters: bool = False
 
 
 # MoE experts keep their biases stacked per expert ([E, f], [E, h]): 2-D, yet biases, so no weight decay.
@@ -81,7 +96,7 @@ def apex_optimizer_class(class_name: str) -> type | None:
 
 def describe_optimizer(settings: OptimizerSettings, device_type: str) -> str:
     """In words, which implementation serves `settings.name` on `device_type` (for the plan)."""
-    return _resolve(settings, device_type)[1]
+    return resolve_optimizer(settings, device_type).description
 
 
 def build_optimizer(
@@ -94,8 +109,8 @@ def build_optimizer(
     a group lacks it).
     """
     groups = _as_param_groups(model_or_params, settings.weight_decay)
-    factory, resolution = _resolve(settings, device_type)
-    return factory(groups), resolution
+    resolution = resolve_optimizer(settings, device_type)
+    return resolution.factory(groups), resolution.description
 
 
 def _as_param_groups(model_or_params: ParamsLike, weight_decay: float) -> list[dict[str, Any]]:
@@ -121,19 +136,34 @@ FUSED_DEVICES = ("cuda", "cpu")
 Factory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-def _resolve(settings: OptimizerSettings, device_type: str) -> tuple[Factory, str]:
-    """One place that decides the implementation: used by both the plan and the build."""
+@dataclass(frozen=True)
+class Resolution:
+    """What serves an optimizer name: how to build it, the plan's words, and the state it keeps."""
+
+    factory: Factory
+    description: str
+    state: StateKind
+
+
+class OptimizerUnavailable(ValueError):
+    """The chosen optimizer has no implementation for this layout and device; the message says why."""
+
+
+def resolve_optimizer(settings: OptimizerSettings, device_type: str) -> Resolution:
+    """The one place that decides the implementation: used by the plan, the memory estimate and the build."""
     s = settings
     if s.name not in OPTIMIZER_NAMES:
         raise ValueError(f"--optimizers {s.name!r} is not known; choose one of {', '.join(OPTIMIZER_NAMES)}")
     if s.name in ("apex_adam", "apex_lamb"):
         return _resolve_apex(s, device_type)
+    if s.name in LOW_BIT_OPTIMIZERS:
+        return _resolve_low_bit(s, device_type)
     adam = {"betas": (s.adam_beta1, s.adam_beta2), "eps": s.adam_eps}
     if s.name == "adamw":
-        return _torch_optimizer(torch.optim.AdamW, s.lr, device_type, adam)
+        return _torch_optimizer(torch.optim.AdamW, s.lr, device_type, adam, state="adam")
     if s.name == "adam":
         return _torch_optimizer(
-            torch.optim.Adam, s.lr, device_type, adam, note=" (L2 weight decay; adamw decouples it)"
+            torch.optim.Adam, s.lr, device_type, adam, state="adam", note=" (L2 weight decay; adamw decouples it)"
         )
     if s.name == "sgd":
         return _torch_optimizer(
@@ -141,34 +171,133 @@ def _resolve(settings: OptimizerSettings, device_type: str) -> tuple[Factory, st
             s.lr,
             device_type,
             {"momentum": s.sgd_momentum},
+            state="sgd_momentum" if s.sgd_momentum else "none",
             shown=f"momentum={s.sgd_momentum}, ",
             # DTensor (tensor/fully sharded parameters) has no sharding rule for the fused SGD kernel.
             has_fused_kernel=False,
         )
     # torch's Adafactor has no fused kernel; foreach is its fast path on every device.
-    return _torch_optimizer(torch.optim.Adafactor, s.lr, device_type, {}, has_fused_kernel=False)
+    return _torch_optimizer(
+        torch.optim.Adafactor, s.lr, device_type, {}, state="adafactor", has_fused_kernel=False
+    )
 
 
-def _resolve_apex(s: OptimizerSettings, device_type: str) -> tuple[Factory, str]:
+def _resolve_apex(s: OptimizerSettings, device_type: str) -> Resolution:
+    """apex FusedAdam/FusedLAMB only where its kernels fit: apex imports, CUDA, plain-tensor parameters."""
     apex_class_name = "FusedAdam" if s.name == "apex_adam" else "FusedLAMB"
     apex_class = apex_optimizer_class(apex_class_name)
     betas = (s.adam_beta1, s.adam_beta2)
-    if apex_class is not None and device_type == "cuda":
-        return (
-            lambda groups: apex_class(
-                groups, lr=s.lr, betas=betas, eps=s.adam_eps, weight_decay=s.weight_decay
-            ),
+    if apex_class is not None and device_type == "cuda" and not s.dtensor_parameters:
+        return Resolution(
+            lambda groups: apex_class(groups, lr=s.lr, betas=betas, eps=s.adam_eps, weight_decay=s.weight_decay),
             f"apex {apex_class_name}",
+            "adam",
         )
-    why = "apex not installed" if apex_class is None else f"apex {apex_class_name} needs CUDA"
+    if apex_class is None:
+        why = "apex not installed"
+    elif device_type != "cuda":
+        why = f"apex {apex_class_name} needs CUDA"
+    else:
+        why = (f"apex {apex_class_name}'s multi-tensor kernels take plain tensors, and this layout's parameters "
+               "are DTensors (tensor parallel / FSDP2 / replicate)")
     if s.name == "apex_adam":
         # FusedAdam's default adam_w_mode=True is decoupled weight decay: torch's AdamW.
         adam = {"betas": betas, "eps": s.adam_eps}
-        return _torch_optimizer(torch.optim.AdamW, s.lr, device_type, adam, note=f" ({why})")
-    return (
+        return _torch_optimizer(torch.optim.AdamW, s.lr, device_type, adam, state="adam", note=f" ({why})")
+    return Resolution(
         lambda groups: LAMB(groups, lr=s.lr, betas=betas, eps=s.adam_eps, weight_decay=s.weight_decay),
         f"rapidtrain LAMB with apex FusedLAMB's update rule ({why})",
+        "adam",
     )
+
+
+# The first bitsandbytes release verified here to step its 8-bit optimizers and run its 4/8-bit layers on a CPU
+# (0.50.2 is verified; older releases were CUDA-only for these).
+BITSANDBYTES_CPU_VERSION = (0, 50)
+
+
+def _version(package: str) -> tuple[int, ...] | None:
+    """The installed version as numbers, or None when the package is not installed."""
+    if importlib.util.find_spec(package) is None:
+        return None
+    try:
+        text = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def bitsandbytes_problem(device_type: str, dtensor_parameters: bool = False, kernels: str = "optimizer") -> str | None:
+    """Why bitsandbytes' `kernels` (optimizer, or 4/8-bit layer) cannot serve here, or None when they can."""
+    version = _version("bitsandbytes")
+    if version is None:
+        return "bitsandbytes is not installed (pip install bitsandbytes)"
+    if dtensor_parameters:
+        # Measured with 0.50.2: its 8-bit kernels refuse DTensors ("got mixed torch.Tensor and DTensor").
+        return "bitsandbytes' kernels take plain tensors, and this layout's parameters are DTensors"
+    if device_type == "cpu" and version < BITSANDBYTES_CPU_VERSION:
+        return (f"bitsandbytes {'.'.join(map(str, version))} has no CPU {kernels} kernels "
+                f"(≥ {'.'.join(map(str, BITSANDBYTES_CPU_VERSION))} has)")
+    return None
+
+
+def torchao_problem(name: str, dtensor_parameters: bool) -> str | None:
+    """Why torchao's low-bit AdamW cannot serve `name` here, or None when it can."""
+    if _version("torchao") is None:
+        return "torchao is not installed (pip install torchao)"
+    if name == "paged_adamw_8bit":
+        return "torchao has no paged optimizer"
+    if name == "adamw_4bit" and dtensor_parameters:
+        # Measured with torchao 0.18: AdamW4bit's step fails on FSDP2 and tensor-parallel DTensors.
+        return "torchao's AdamW4bit fails on DTensor parameters (its 8-bit AdamW works with them)"
+    return None
+
+
+def low_bit_optimizer_problem(settings: OptimizerSettings, device_type: str) -> str | None:
+    """Why no library serves the low-bit optimizer `settings.name` on this layout and device (None: one does)."""
+    name = settings.name
+    if name == "paged_adamw_8bit":
+        if device_type != "cuda":
+            return ("paging moves optimizer state between GPU and host memory through CUDA unified memory; "
+                    f"on {device_type} there is nothing to page to (use --optimizer adamw_8bit)")
+        problem = bitsandbytes_problem(device_type, settings.dtensor_parameters)
+        return None if problem is None else f"only bitsandbytes has paged optimizers, and {problem}"
+    if name == "adamw_4bit":
+        return torchao_problem(name, settings.dtensor_parameters)
+    bnb, ao = bitsandbytes_problem(device_type, settings.dtensor_parameters), torchao_problem(
+        name, settings.dtensor_parameters)
+    return None if bnb is None or ao is None else f"{bnb}; and {ao}"
+
+
+def _resolve_low_bit(s: OptimizerSettings, device_type: str) -> Resolution:
+    """bitsandbytes for plain tensors (its kernels are the reference 8-bit Adam), torchao for DTensors."""
+    problem = low_bit_optimizer_problem(s, device_type)
+    if problem is not None:
+        raise OptimizerUnavailable(f"--optimizer {s.name}: {problem}")
+    options = {"lr": s.lr, "betas": (s.adam_beta1, s.adam_beta2), "eps": s.adam_eps}
+    if s.name in ("adamw_8bit", "paged_adamw_8bit") and bitsandbytes_problem(device_type, s.dtensor_parameters) is None:
+        class_name = "PagedAdamW8bit" if s.name == "paged_adamw_8bit" else "AdamW8bit"
+
+        def bitsandbytes_adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            import bitsandbytes
+
+            return getattr(bitsandbytes.optim, class_name)(groups, **options)
+
+        return Resolution(bitsandbytes_adamw, f"bitsandbytes {class_name} (block-wise 8-bit moments; tensors "
+                          "under 4096 elements keep fp32 state)", "bitsandbytes_8bit")
+    class_name = "AdamW4bit" if s.name == "adamw_4bit" else "AdamW8bit"
+
+    def torchao_adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        import torchao.optim
+
+        return getattr(torchao.optim, class_name)(groups, **options)
+
+    why = ("bitsandbytes' kernels take plain tensors, and this layout's parameters are DTensors"
+           if s.dtensor_parameters and s.name == "adamw_8bit" else "")
+    bits = 4 if s.name == "adamw_4bit" else 8
+    return Resolution(torchao_adamw, f"torchao {class_name} ({bits}-bit moments as tensor subclasses, each "
+                      "parameter's step compiled by torch.compile)" + (f" ({why})" if why else ""),
+                      "torchao_4bit" if bits == 4 else "torchao_8bit")
 
 
 def _torch_optimizer(
@@ -176,10 +305,11 @@ def _torch_optimizer(
     lr: float,
     device_type: str,
     options: dict[str, Any],
+    state: StateKind,
     shown: str = "",
     note: str = "",
     has_fused_kernel: bool = True,
-) -> tuple[Factory, str]:
+) -> Resolution:
     """A torch optimizer on its fastest path: torch's fused kernels on CUDA and CPU, foreach elsewhere.
 
     On CPU the fused AdamW step is ~6× faster than foreach (14M parameters: 6 ms against 37 ms on 2
@@ -190,4 +320,4 @@ def _torch_optimizer(
     speed = {"fused": True} if fused else {"foreach": True}
     (speed_name,) = speed
     description = f"torch.optim.{kind.__name__}({shown}{speed_name}=True){note}"
-    return (lambda groups: kind(groups, lr=lr, **options, **speed)), description
+    return Resolution(lambda groups: kind(groups, lr=lr, **options, **speed), description, state)

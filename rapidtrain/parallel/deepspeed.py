@@ -32,7 +32,7 @@ from rapidtrain.parallel.runner import (
     evaluate_micro_batches,
     run_micro_batches,
 )
-from rapidtrain.plan import Plan, Precision
+from rapidtrain.plan import Plan, Precision, ZeroSettings
 
 # Optimizers DeepSpeed builds from its config for ZeRO-Offload (DeepSpeedCPUAdam); the rules refuse others.
 OFFLOAD_OPTIMIZERS = {"apex_adam": ("AdamW", True), "adamw": ("AdamW", True), "adam": ("Adam", False)}
@@ -48,13 +48,14 @@ def zero_stage_of(plan: Plan) -> int:
 def deepspeed_config(
     plan: Plan, optimizer_settings: OptimizerSettings, clip_grad: float, loss_scale: LossScaleSettings
 ) -> dict[str, Any]:
-    """DeepSpeed's configuration for the plan: batch arithmetic, clipping, ZeRO stage, precision, offload.
+    """DeepSpeed's configuration for the plan: batch arithmetic, clipping, ZeRO stage and its communication
+    settings, precision, offload.
 
-    Without --cpu-offload the optimizer is rapidtrain's (passed to `deepspeed.initialize`); with it the
-    config names Adam/AdamW so that DeepSpeed builds DeepSpeedCPUAdam next to the offloaded state.
+    Without an optimizer offload the optimizer is rapidtrain's (passed to `deepspeed.initialize`); with one
+    (--cpu-offload, --nvme-offload-dir) the config names Adam/AdamW so that DeepSpeed builds DeepSpeedCPUAdam next
+    to the offloaded state.
     """
     batches = plan.batches
-    zero: dict[str, Any] = {"stage": zero_stage_of(plan)}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batches.micro_batch_size,
         "gradient_accumulation_steps": batches.accumulation_steps,
@@ -62,16 +63,81 @@ def deepspeed_config(
         * batches.accumulation_steps
         * plan.layout.data_parallel_size,
         "gradient_clipping": float(clip_grad),
-        "zero_optimization": zero,
+        "zero_optimization": zero_optimization_config(zero_settings_of(plan)),
         # Which optimizers may run under ZeRO is decided by rapidtrain's conflict table (elementwise ones).
         "zero_allow_untested_optimizer": True,
         "wall_clock_breakdown": False,
     }
     config.update(precision_config(plan.precision, loss_scale))
-    if plan.switches.cpu_offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+    if optimizer_offloaded(plan):
         config["optimizer"] = offload_optimizer_config(optimizer_settings)
+    if zero_settings_of(plan).nvme_path:
+        config["aio"] = AIO_CONFIG
     return config
+
+
+# DeepSpeed's documented async I/O defaults, written out so the generated config says what runs.
+AIO_CONFIG = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+              "overlap_events": True}
+
+
+def zero_settings_of(plan: Plan) -> ZeroSettings:
+    """The plan's ZeRO settings (plans built without them, as in older callers, get the defaults)."""
+    return plan.zero or ZeroSettings(stage=zero_stage_of(plan), offload_optimizer="cpu" if plan.switches.cpu_offload
+                                     else "none")
+
+
+def optimizer_offloaded(plan: Plan) -> bool:
+    """Whether DeepSpeed builds DeepSpeedCPUAdam from the config (optimizer state on the CPU or NVMe)."""
+    return zero_settings_of(plan).offload_optimizer != "none"
+
+
+def zero_optimization_config(zero: ZeroSettings) -> dict[str, Any]:
+    """DeepSpeed's `zero_optimization` section: stage, overlap, buckets, stage-3 fetching, offload targets."""
+    section: dict[str, Any] = {
+        "stage": zero.stage,
+        "overlap_comm": zero.overlap_comm,
+        "contiguous_gradients": zero.contiguous_gradients,
+        "reduce_bucket_size": zero.reduce_bucket_size,
+    }
+    if zero.stage == 3:
+        section.update(stage3_prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+                       stage3_param_persistence_threshold=zero.stage3_param_persistence_threshold,
+                       stage3_max_live_parameters=zero.stage3_max_live_parameters)
+    else:
+        section["allgather_bucket_size"] = zero.allgather_bucket_size
+    for key, target in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_params)):
+        if target != "none":
+            section[key] = {"device": target, "pin_memory": zero.pin_memory}
+            if target == "nvme":
+                section[key]["nvme_path"] = zero.nvme_path
+    if zero.offload_params == "nvme":
+        # DeepSpeed keeps up to max_in_cpu elements of NVMe-offloaded parameters in host memory (1e9 by default:
+        # every model under a billion parameters would never touch the disk); 0 sends them all to NVMe.
+        section["offload_param"]["max_in_cpu"] = 0
+    return section
+
+
+def size_nvme_buffers(config: dict[str, Any], model: nn.Module, world_size: int = 1) -> None:
+    """ZeRO-Infinity reads parameter shards back from NVMe through `buffer_count` buffers of `buffer_size`
+    elements. Each buffer must hold the largest parameter (DeepSpeed's 1e8-element default pins 2 GB per buffer),
+    and there must be one per shard in flight: the prefetch window (stage3_prefetch_bucket_size) plus the layer
+    being computed, and never more than the shards that are swapped at all (those of at least one I/O block)."""
+    zero = config["zero_optimization"]
+    offload = zero.get("offload_param", {})
+    if offload.get("device") != "nvme":
+        return
+    sizes = [p.numel() for p in model.parameters()]
+    largest = max(max(sizes, default=1), NVME_MIN_BUFFER)
+    block = config.get("aio", AIO_CONFIG)["block_size"] // 4  # fp32 elements of one I/O block
+    swapped = sum(1 for n in sizes if math.ceil(n / world_size) >= block)
+    window = math.ceil(zero.get("stage3_prefetch_bucket_size", 0) / largest) + 2
+    offload["buffer_size"] = largest
+    offload["buffer_count"] = max(min(max(swapped, 1), max(NVME_MIN_BUFFERS, window)), 1)
+
+
+NVME_MIN_BUFFERS = 5  # DeepSpeed's default buffer_count
+NVME_MIN_BUFFER = 1 << 16  # elements; DeepSpeed aligns swap buffers to its I/O block size
 
 
 def precision_config(precision: Precision, loss_scale: LossScaleSettings) -> dict[str, Any]:
@@ -205,14 +271,14 @@ def client_optimizer(
     The groups are Megatron's (no weight decay on biases and norms) unless the caller brought an optimizer.
     """
     if optimizer is not None:
-        if plan.switches.cpu_offload:
+        if optimizer_offloaded(plan):
             raise ValueError(
-                "--cpu-offload builds DeepSpeedCPUAdam from the flags, so an optimizer passed to "
-                "Engine.compose cannot be offloaded: leave `optimizer` out, or drop --cpu-offload."
+                "--cpu-offload / --nvme-offload-dir build DeepSpeedCPUAdam from the flags, so an optimizer passed to "
+                "Engine.compose cannot be offloaded: leave `optimizer` out, or drop the offload flag."
             )
         return optimizer, [dict(group) for group in optimizer.param_groups]  # before DeepSpeed flattens them
     groups = param_groups(model, settings.weight_decay)
-    if plan.switches.cpu_offload:
+    if optimizer_offloaded(plan):
         return None, groups
     return build_optimizer(groups, settings, device.type)[0], groups
 
@@ -246,6 +312,10 @@ def deepspeed_runner(
     optimizer_settings = plan.optimizer
     assert optimizer_settings is not None and plan.loss_scale is not None
     config = deepspeed_config(plan, optimizer_settings, plan.clip_grad, plan.loss_scale)
+    size_nvme_buffers(config, model, dist.get_world_size())
+    threads = zero_settings_of(plan).cpu_adam_threads
+    if threads:
+        use_cpu_threads(threads)
     prepare = functools.partial(prepare_model, plan=plan, mesh=mesh)
     if zero_stage_of(plan) == 3 and model_factory is not None and optimizer is None:
         model = build_partitioned(model, model_factory, config, prepare)
@@ -268,6 +338,39 @@ def deepspeed_runner(
         gradient_average=plan.layout.data_parallel_size,
         checkpoint_state=ZeroState(engine, [g for g in trainable if g]),
     )
+
+
+def parameter_residency(module: nn.Module, offload_params: str = "none") -> dict[str, int]:
+    """This rank's parameter bytes by where they live now: full values in the module's own tensors on the
+    device (ZeRO-3's persistent small parameters, or every parameter below stage 3), ZeRO-3 shards on the device,
+    shards offloaded to host memory (--cpu-offload-params, or NVMe-offloaded ones held in host buffers) and shards
+    swapped out to --nvme-offload-dir. A CPU-only machine's device and host memory are the same RAM: there the
+    split follows DeepSpeed's configuration (`offload_params`), not a physical place."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+    residency = {"gathered on device": 0, "shard on device": 0, "shard in host memory": 0, "shard on nvme": 0}
+    for param in module.parameters():
+        residency["gathered on device"] += param.data.numel() * param.element_size()
+        shard = getattr(param, "ds_tensor", None)
+        if shard is None:
+            continue
+        swapped = (getattr(shard, "final_location", None) == OffloadDeviceEnum.nvme
+                   and shard.status == PartitionedParamStatus.NOT_AVAILABLE)
+        if swapped:
+            residency["shard on nvme"] += param.partition_numel() * param.element_size()  # shard: a placeholder
+        else:
+            where = "shard in host memory" if offload_params != "none" else "shard on device"
+            residency[where] += shard.numel() * shard.element_size()
+    return residency
+
+
+def use_cpu_threads(threads: int) -> None:
+    """Give DeepSpeedCPUAdam its threads. Its step is an OpenMP loop that reads OMP_NUM_THREADS when the
+    runtime starts (DeepSpeed's own launcher sets it to the cores per rank; torchrun sets 1): set it before the op
+    loads, and set torch's count too, which also drives a runtime torch shares with the op."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 class DeepSpeedRunner:

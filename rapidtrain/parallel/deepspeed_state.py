@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rapidtrain.optim.lr_schedule import set_group_lr
+
 # torch's Adam/AdamW keep `step` as a float tensor per parameter: checkpoints use that form.
 STEP = "step"
 
@@ -69,10 +71,10 @@ class ZeroState:
 
     def initialize_optimizer_state(self, flats: list[torch.Tensor]) -> None:
         """As torch does before loading into a fresh optimizer: one step with zero gradients at rate 0."""
-        rates = [group["lr"] for group in self.base.param_groups]
+        rates = [float(group["lr"]) for group in self.base.param_groups]
         kept_grads = [flat.grad for flat in flats]
         for group in self.base.param_groups:
-            group["lr"] = 0.0
+            set_group_lr(group, 0.0)
         for flat in flats:
             flat.grad = torch.zeros_like(flat)
         try:
@@ -83,7 +85,7 @@ class ZeroState:
                 self.base.step()
         finally:
             for group, rate in zip(self.base.param_groups, rates, strict=True):
-                group["lr"] = rate
+                set_group_lr(group, rate)
             for flat, grad in zip(flats, kept_grads, strict=True):
                 flat.grad = grad.zero_() if grad is not None else None
 

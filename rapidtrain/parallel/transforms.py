@@ -47,13 +47,14 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     _replace_blocks(model, checkpoint_wrapper)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block in place (module.compile keeps parameter names for checkpoints)."""
+def apply_compile(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> None:
+    """torch.compile each block in place (module.compile keeps parameter names for checkpoints), with the
+    plan's backend and mode (--torch-compile-backend, --torch-compile-mode)."""
     blocks = transformer_blocks(model)
     for block in blocks:
-        block.compile()
+        block.compile(backend=backend, mode=mode)
     if not blocks:
-        model.compile()
+        model.compile(backend=backend, mode=mode)
 
 
 def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Module:
@@ -68,5 +69,5 @@ def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Mod
     if switches.compile != "none":
         from rapidtrain.parallel.compile import apply_graph_optimization
 
-        model = apply_graph_optimization(model, switches.compile)
+        model = apply_graph_optimization(model, switches)
     return model

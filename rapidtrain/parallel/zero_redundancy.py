@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from rapidtrain.optim.lr_schedule import set_group_lr
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import TorchRunner
@@ -75,17 +76,17 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if all(optimizer.state.get(p) for p in params):
         return
-    rates = [group["lr"] for group in optimizer.param_groups]
+    rates = [float(group["lr"]) for group in optimizer.param_groups]
     grads = [p.grad for p in params]
     for group in optimizer.param_groups:
-        group["lr"] = 0.0
+        set_group_lr(group, 0.0)
     for p in params:
         p.grad = torch.zeros_like(p)
     try:
         optimizer.step()
     finally:
         for group, rate in zip(optimizer.param_groups, rates, strict=True):
-            group["lr"] = rate
+            set_group_lr(group, rate)
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
 

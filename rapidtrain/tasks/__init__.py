@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rapidtrain.tasks.base import Task, add_lora, load_model
+import torch
+
+from rapidtrain.tasks.base import Task, load_model
 from rapidtrain.tasks.classification import SequenceClassification, TokenClassification
 from rapidtrain.tasks.language_modeling import CausalLM, MaskedLM, Seq2SeqLM
+from rapidtrain.tasks.lora import LoraSettings, add_lora, prepare_quantised, quantization_config
 from rapidtrain.tasks.question_answering import QuestionAnswering
 
 TASK_CLASSES: dict[str, type[Task]] = {
@@ -35,10 +38,17 @@ def build_task(
     return TASK_CLASSES[name](tokenizer, seq_length, dynamic_shape, seed)
 
 
-def load_task_model(task: Task, path: str, lora_rank: int = 0) -> Any:
-    """The task's Auto class from the local folder (new heads initialised from the seed), with LoRA if asked."""
-    model = load_model(task.auto_class, path, **task.model_kwargs())
-    return add_lora(model, lora_rank, task.peft_task_type) if lora_rank > 0 else model
+def load_task_model(task: Task, path: str, lora: LoraSettings | int = 0, device: Any = None,
+                    compute_dtype: torch.dtype = torch.float32) -> Any:
+    """The task's Auto class from the local folder (new heads initialised from the seed), with LoRA adapters
+    (and a 4/8-bit base) as `lora` says; an int is a rank with the other settings at their defaults."""
+    settings = lora if isinstance(lora, LoraSettings) else LoraSettings(rank=lora)
+    bits = settings.load_in_bits
+    quantization = quantization_config(bits, compute_dtype) if bits else None
+    model = load_model(task.auto_class, path, quantization=quantization, device=device, **task.model_kwargs())
+    if bits:
+        model = prepare_quantised(model)
+    return add_lora(model, settings, task.peft_task_type) if settings.rank > 0 else model
 
 
 __all__ = ["TASK_CLASSES", "Task", "build_task", "load_task_model"]

@@ -60,31 +60,22 @@ def load_tokenizer(path: str | None, need_fast: bool = False) -> Any:
     return tokenizer
 
 
-def load_model(auto_class: str, path: str | None, **kwargs: Any) -> torch.nn.Module:
+def load_model(auto_class: str, path: str | None, quantization: Any = None, device: Any = None,
+               **kwargs: Any) -> torch.nn.Module:
     """`transformers.<auto_class>.from_pretrained(path, local_files_only=True)` in fp32 (the master weights;
-    mixed precision comes from autocast or DeepSpeed, not from the checkpoint's dtype)."""
+    mixed precision comes from autocast or DeepSpeed, not from the checkpoint's dtype). With `quantization` (a
+    BitsAndBytesConfig) the linear layers load quantised, placed on `device` (a quantised model cannot be moved
+    whole afterwards)."""
     import transformers
 
     folder = _check_folder(path)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device_map"] = {"": torch.device(device).index or 0}
     return getattr(transformers, auto_class).from_pretrained(
         str(folder), local_files_only=True, dtype=torch.float32, **kwargs
     )
-
-
-def add_lora(model: torch.nn.Module, rank: int, task_type: str | None) -> torch.nn.Module:
-    """peft LoRA adapters of `rank` (alpha 2 × rank) on peft's default modules for the model type, or on every
-    linear layer when peft has no default; only adapters and the task head train."""
-    from peft import LoraConfig, get_peft_model
-
-    def config(targets: Any) -> LoraConfig:
-        return LoraConfig(
-            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type=task_type, target_modules=targets
-        )
-
-    try:
-        return get_peft_model(model, config(None))
-    except ValueError:  # no default target modules for this architecture
-        return get_peft_model(model, config("all-linear"))
 
 
 class FeatureDataset(torch.utils.data.Dataset):

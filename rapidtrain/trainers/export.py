@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rapidtrain.parallel.data_parallel import unwrap
+
 
 @dataclass
 class ExportRecipe:
@@ -34,13 +36,21 @@ def recipe_of(model: nn.Module) -> ExportRecipe | None:
         base = model.get_base_model()
     if not (hasattr(base, "save_pretrained") and hasattr(base, "config")):
         return None
-    return ExportRecipe(type(base), copy.deepcopy(base.config), peft_config)
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):  # a 4/8-bit base is exported dequantised (full_model_state)
+        del config.quantization_config
+    return ExportRecipe(type(base), config, peft_config)
 
 
 def full_model_state(runner: Any) -> dict[str, torch.Tensor]:
     """Every rank takes part (gathers are collective); the full fp32 values come back on rank 0."""
     if hasattr(runner, "checkpoint_state"):  # DeepSpeed: fp32 master weights by parameter name
         return runner.checkpoint_state.model_state()
+    from rapidtrain.tasks.lora import dequantised_state, is_quantised
+
+    module = unwrap(runner.module)
+    if is_quantised(module):  # a k-bit base runs unsharded (one process, DDP or OSS): every rank holds it all
+        return dequantised_state(module)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

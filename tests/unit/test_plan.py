@@ -79,16 +79,18 @@ def test_onnx_runtime_substitute_says_why():
 
 
 def test_memory_follows_zero_paper():
-    # fp32 Adam: 4 + 4 + 8 bytes per parameter; 2 data-parallel ranks.
+    # fp32 Adam: 4 + 4 + 8 bytes per parameter (plus torch's 4-byte step counter per tensor); 2 data-parallel ranks.
     ddp = resolve([], world=2).memory
     n = ddp.total_params
-    assert (ddp.param_bytes, ddp.grad_bytes, ddp.optimizer_bytes) == (4 * n, 4 * n, 8 * n)
+    assert (ddp.param_bytes, ddp.grad_bytes) == (4 * n, 4 * n)
+    assert ddp.optimizer_bytes == pytest.approx(8 * n, rel=1e-4)
     zero1 = resolve(["--zero-1-memory-optimization", "--bf16"], world=2).memory  # DeepSpeed: 2 + 2 + 12/N
-    assert (zero1.param_bytes, zero1.grad_bytes, zero1.optimizer_bytes) == (2 * n, 2 * n, 6 * n)
+    assert (zero1.param_bytes, zero1.grad_bytes) == (2 * n, 2 * n)
+    assert zero1.optimizer_bytes == pytest.approx(6 * n, rel=1e-4)
     zero2 = resolve(["--zero-2-memory-optimization", "--bf16"], world=2).memory  # 2 + 14/N
-    assert zero2.param_bytes + zero2.grad_bytes + zero2.optimizer_bytes == 2 * n + 14 * n / 2
+    assert zero2.param_bytes + zero2.grad_bytes + zero2.optimizer_bytes == pytest.approx(2 * n + 14 * n / 2, rel=1e-4)
     zero3 = resolve(["--zero-3-memory-optimization", "--bf16"], world=2).memory  # 16/N
-    assert zero3.param_bytes + zero3.grad_bytes + zero3.optimizer_bytes == 16 * n / 2
+    assert zero3.param_bytes + zero3.grad_bytes + zero3.optimizer_bytes == pytest.approx(16 * n / 2, rel=1e-4)
     tp2 = resolve(["--tensor-model-parallel-size", "2"], world=2).memory
     assert tp2.param_bytes == pytest.approx(2 * n)  # parameters split over tensor-parallel ranks
 

@@ -281,6 +281,66 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "lora-values": (["--lora-dropout", "1.0"], ["--lora-dropout", "0.1", "--lora-rank", "4"], 1, "cpu"),
+    "lora-settings-need-rank": (["--lora-alpha", "16"], ["--lora-alpha", "16", "--lora-rank", "8"], 1, "cpu"),
+    "k-bit-needs-lora": (
+        ["--load-in-4bit", "--pretrained-model-name-or-path", "m"],
+        ["--load-in-4bit", "--pretrained-model-name-or-path", "m", "--lora-rank", "4"],
+        1,
+        "cpu",
+    ),
+    "k-bit-plain-data-parallel": (
+        ["--load-in-4bit", "--lora-rank", "4", "--fsdp-memory-optimization"],
+        ["--load-in-4bit", "--lora-rank", "4", "--oss-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "k-bit-checkpoints": (
+        ["--load-in-8bit", "--lora-rank", "4", "--save", "out"],
+        ["--load-in-4bit", "--lora-rank", "4", "--save", "out"],
+        1,
+        "cpu",
+    ),
+    "compile-settings-need-compile": (["--torch-compile-mode", "max-autotune"],
+                                      ["--torch-compile-mode", "max-autotune", "--torch-compile"], 1, "cpu"),
+    "compile-backend-known": (["--torch-compile", "--torch-compile-backend", "inductr"],
+                              ["--torch-compile", "--torch-compile-backend", "aot_eager"], 1, "cpu"),
+    "compile-mode-inductor": (
+        ["--torch-compile", "--torch-compile-backend", "eager", "--torch-compile-mode", "default"],
+        ["--torch-compile", "--torch-compile-mode", "default"],
+        1,
+        "cpu",
+    ),
+    "zero-settings-need-deepspeed": (
+        ["--no-zero-overlap-comm", "--fsdp-memory-optimization"],
+        ["--no-zero-overlap-comm", "--zero-2-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "zero-stage3-settings": (
+        ["--zero-stage3-prefetch-bucket-size", "1000", "--zero-2-memory-optimization"],
+        ["--zero-stage3-prefetch-bucket-size", "1000", "--zero-3-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "param-offload-needs-zero3": (
+        ["--cpu-offload-params", "--cpu-offload", "--zero-2-memory-optimization"],
+        ["--cpu-offload-params", "--cpu-offload", "--zero-3-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "one-offload-target": (
+        ["--nvme-offload-dir", "d", "--cpu-offload", "--zero-3-memory-optimization"],
+        ["--nvme-offload-dir", "d", "--zero-3-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "low-bit-optimizer-available": (  # torchao's 4-bit AdamW fails on FSDP2's DTensors; its 8-bit one works
+        ["--optimizer", "adamw_4bit", "--fsdp-memory-optimization"],
+        ["--optimizer", "adamw_8bit", "--fsdp-memory-optimization"],
+        2,
+        "cpu",
+    ),
 }
 # Rules about what the flags alone do not say: (context that violates, context that passes).
 CONTEXT_CASES = {"world-size-positive": (RunContext(-3, "cpu"), RunContext(2, "cpu"))}
@@ -302,8 +362,13 @@ def fired(argv: list[str], world_size: int, device: str) -> set[str]:
     return {rule.name for rule in rules.RULES if rule.violated(args, ctx)}
 
 
+# Rules about what is installed: flags alone cannot make them fire here (test_lora_settings.py removes bitsandbytes;
+# test_nvme_offload_without_async_io_is_refused below takes libaio away).
+ENVIRONMENT_RULES = {"k-bit-available", "nvme-offload-needs-async-io"}
+
+
 def test_every_rule_has_cases():
-    assert {r.name for r in rules.RULES} == set(CASES) | set(ITERS_CASES) | set(CONTEXT_CASES)
+    assert {r.name for r in rules.RULES} == set(CASES) | set(ITERS_CASES) | set(CONTEXT_CASES) | ENVIRONMENT_RULES
 
 
 @pytest.fixture(scope="module")
@@ -421,3 +486,14 @@ def test_plan_command_refuses_zero3_with_pipeline_naming_both_flags():
     )
     assert "--zero-1-memory-optimization or --zero-2-memory-optimization instead" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_nvme_offload_without_async_io_is_refused(monkeypatch):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    # Stand-in for a machine without libaio: DeepSpeed's own compatibility check answers no.
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    argv = BASE + ["--zero-3-memory-optimization", "--nvme-offload-dir", "d"]
+    assert "nvme-offload-needs-async-io" in fired(argv, 2, "cpu")
+    message = rules.violations(arguments.parse_args(argv), RunContext(2, "cpu"))[0]
+    assert "apt-get install libaio-dev" in message and "--cpu-offload --cpu-offload-params" in message
