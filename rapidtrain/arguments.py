@@ -293,7 +293,8 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
                    help="Peak TFLOP/s of one device: log lines then report MFU.")
     g.add_argument("--loss-log-file", default=None,
                    help="Append every iteration's exact loss here (iteration, loss as float.hex, skipped, grad norm as "
-                        "float.hex): for parity and resume checks.")
+                        "float.hex, then logged extras as name=float.hex, e.g. load_balancing_loss): for parity and "
+                        "resume checks.")
     g.add_argument("--debug", action="store_true",
                    help="Show the Python traceback of a user error (a bad flag, file or data) too; "
                         "RAPIDTRAIN_DEBUG=1 does the same.")
