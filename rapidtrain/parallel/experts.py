@@ -5,21 +5,27 @@ Layout. The data-parallel ranks split into groups of E consecutive ranks (the "e
 `ParallelMesh.expert_mesh`); rank j of a group holds experts [j·E/ep, (j+1)·E/ep) of every MoE layer.
 Ranks at the same place of different groups hold the same experts and form the "expert_dp" group.
 Under tensor parallelism the experts are replicated over the tensor-parallel ranks, which see the
-same tokens; each tensor-parallel coordinate has its own expert-parallel groups.
+same tokens; each tensor-parallel coordinate has its own expert-parallel groups, and under pipeline
+parallelism each stage has its own (the mesh's "pp" dimension).
 
 Routing, capacity and dropping stay local to each rank exactly as without expert parallelism; only
 the experts' matmuls move: the [E, C, h] capacity buffers go to the ranks owning the experts, which
 run [E/ep, ep·C, h], and come back. So EP E computes the same numbers as EP 1 at the same data-parallel
 size (the matmuls only see more rows at once).
 
-Gradients. DDP ignores the expert parameters. Before the optimizer step the runner sums their
-gradients over the expert_dp group and divides by the data-parallel size: the same mean over all
-data-parallel ranks that DDP takes for the other parameters (the all-to-all's backward already
-summed the contributions of the ep group). The gradient norm counts each expert once.
+Gradients. The data-parallel wrapper (DDP, `replicate`) ignores the expert parameters. Before the
+optimizer step the runner sums their gradients over the expert_dp group and divides by the
+data-parallel size: the same mean over all data-parallel ranks that the wrapper takes for the other
+parameters (the all-to-all's backward already summed the contributions of the ep group). Under FSDP2
+(FSDP, SDP, and ZeRO-1/2 with EP) the slices are instead fully_shard-ed over expert_dp, whose
+reduce-scatter does the same sum with the same divide factor (`shard_experts_with_fsdp`); under OSS they
+stay out of ZeroRedundancyOptimizer's partitioning (parallel/zero_redundancy.py). The gradient norm
+counts each expert once.
 
-Checkpoints. A rank's [E/ep, ...] slices (weights and optimizer state) are saved as DTensor shards,
-Shard(0) over the ep mesh (Replicate over tp), so torch.distributed.checkpoint reshards: EP 2 loads at
-EP 1 and back, under any data- and tensor-parallel layout.
+Checkpoints. A rank's [E/ep, ...] slices (weights and optimizer state) are saved as DTensor shards of
+the full [E, ...] tensors, Shard(0) over the ep mesh (Replicate over tp), or under FSDP2 (Shard(1),
+Shard(0)) over (expert_dp, ep), so torch.distributed.checkpoint reshards: EP 2 loads at EP 1 and back,
+under any data-, tensor- and pipeline-parallel layout and partitioning.
 """
 
 from __future__ import annotations

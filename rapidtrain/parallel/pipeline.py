@@ -13,6 +13,9 @@ the gradient norm and saved under the embedding's name in the optimizer state.
 `PipelineRunner` runs a whole iteration with one `schedule.step` (micro-batches = accumulation steps,
 1F1B or interleaved 1F1B); loss and evaluation come from the last stage, which broadcasts them to
 the other stages of its pipeline.
+
+Expert parallelism shards each stage's experts over that stage's expert-parallel group (apply.py
+shards them before the split); the ranks of a group run the same schedule, so their all-to-alls meet.
 """
 
 from __future__ import annotations
