@@ -214,10 +214,11 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-memory-optimization", action="store_true",
                    help="Optimizer state, gradients and parameters sharded: FSDP2 fully_shard.")
     g.add_argument("--zero-1-memory-optimization", action="store_true",
-                   help="ZeRO-1 (optimizer state): DeepSpeed stage 1; with TP/PP, FSDP2 over the "
+                   help="ZeRO-1 (optimizer state): DeepSpeed stage 1; with TP/PP/EP, FSDP2 over the "
                         "data-parallel dimension.")
     g.add_argument("--zero-2-memory-optimization", action="store_true",
-                   help="ZeRO-2 (+ gradients): DeepSpeed stage 2; with TP/PP, FSDP2 over the data-parallel dimension.")
+                   help="ZeRO-2 (+ gradients): DeepSpeed stage 2; with TP/PP/EP, FSDP2 over the data-parallel "
+                        "dimension.")
     g.add_argument("--zero-3-memory-optimization", action="store_true",
                    help="ZeRO-3 (+ parameters): DeepSpeed stage 3, model built under deepspeed.zero.Init.")
     g.add_argument("--cpu-offload", action="store_true",
