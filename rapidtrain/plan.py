@@ -361,7 +361,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     tokenizer = tokenizer_settings_of(args)
     vocab_size = builtin_vocab_size(args, tokenizer)
     model = model_config_from_args(args, vocab_size) if vocab_size else None
-    engines, notes = engines_for(args, ctx, layout, precision)
+    engines, notes = engines_for(args, ctx, layout, precision, model)
     memory = memory_estimate(args, model, layout, precision) if model else None
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
                 switches_of(args, layout), training_settings(args), data_settings(args, ctx), tokenizer,
@@ -518,16 +518,26 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def experts_sharded_by_fsdp2(layout: Layout) -> bool:
+def experts_sharded_by_fsdp2(layout: Layout, second_dims: tuple[int, ...]) -> bool:
     """Under FSDP2 (FSDP, SDP, ZeRO-1/2 through FSDP2) with expert parallelism, whether the expert slices are
-    fully_shard-ed over the ranks holding the same experts (torchtitan's way). Not when no other rank holds
-    them (data parallel = EP: nothing to shard), nor under tensor parallelism, where they are replicated
-    DTensors on the tensor-parallel mesh: they then stay out of FSDP2 and are all-reduced over their group."""
-    return (layout.expert_parallel_size > 1 and layout.tensor_parallel_size == 1
-            and layout.data_parallel_size > layout.expert_parallel_size)
+    fully_shard-ed over the ranks holding the same experts (torchtitan's way), on their second dimension
+    (`second_dims`: the experts' hidden and FFN sizes; dimension 0 is expert parallelism's).
+
+    Not when no other rank holds them (data parallel = EP: nothing to shard), nor under tensor parallelism,
+    where they are replicated DTensors on the tensor-parallel mesh, nor when a second dimension does not
+    divide evenly (FSDP2 splits only dimension 0 unevenly): they then stay out of FSDP2 and are all-reduced
+    over their group."""
+    holders = layout.data_parallel_size // layout.expert_parallel_size
+    return (layout.expert_parallel_size > 1 and layout.tensor_parallel_size == 1 and holders > 1
+            and all(size % holders == 0 for size in second_dims))
 
 
-def _expert_partitioning_note(dest: str, layout: Layout) -> str:
+def expert_second_dims(model: ModelConfig | None) -> tuple[int, ...]:
+    """The experts' second dimensions (w1, w_gate, b2: hidden; w2, b1: FFN); () when the model is not known."""
+    return (model.hidden_size, model.ffn_size) if model is not None else ()
+
+
+def _expert_partitioning_note(dest: str, layout: Layout, model: ModelConfig | None) -> str:
     """How a partitioning switch treats the expert slices, which differ from one expert-parallel rank to the next."""
     dp, ep = layout.data_parallel_size, layout.expert_parallel_size
     if dest == "oss_memory_optimization":
@@ -535,23 +545,28 @@ def _expert_partitioning_note(dest: str, layout: Layout) -> str:
                 "its owner over all data-parallel ranks, and each expert-parallel rank holds other experts): every "
                 "rank's local optimizer steps its own slices, whose gradients are all-reduced over the "
                 f"{dp // ep} ranks holding the same experts")
-    if experts_sharded_by_fsdp2(layout):
+    if experts_sharded_by_fsdp2(layout, expert_second_dims(model)):
         return (f"expert slices (1/{ep} of each MoE layer's experts) are fully_shard-ed on their second dimension over "
                 f"the {dp // ep} ranks holding the same experts, gradients averaged over all {dp} data-parallel ranks")
-    why = "under tensor parallelism" if layout.tensor_parallel_size > 1 else \
-        f"no other rank holds the same experts (data parallel {dp} = expert parallel {ep})"
+    if layout.tensor_parallel_size > 1:
+        why = "under tensor parallelism"
+    elif dp == ep:
+        why = f"no other rank holds the same experts (data parallel {dp} = expert parallel {ep})"
+    else:
+        why = (f"their second dimensions {expert_second_dims(model)} (hidden, FFN) do not split evenly over the "
+               f"{dp // ep} ranks holding the same experts")
     return (f"expert slices (1/{ep} of each MoE layer's experts) stay out of FSDP2: {why}; their gradients are "
             "averaged by the expert all-reduce")
 
 
-def _partitioning_choice(args: argparse.Namespace, layout: Layout) -> EngineChoice | None:
+def _partitioning_choice(args: argparse.Namespace, layout: Layout, model: ModelConfig | None) -> EngineChoice | None:
     from rapidtrain.arguments import STATE_PARTITIONING_FLAGS
 
     chosen = [f for f in STATE_PARTITIONING_FLAGS if getattr(args, f)]
     if not chosen:
         return None
     dest = chosen[0]
-    experts = _expert_partitioning_note(dest, layout) if layout.expert_parallel_size > 1 else ""
+    experts = _expert_partitioning_note(dest, layout, model) if layout.expert_parallel_size > 1 else ""
     if zero_by_fsdp2(args) and dest in ("zero_1_memory_optimization", "zero_2_memory_optimization"):
         splits = [name for name, size in (("tensor", layout.tensor_parallel_size),
                                           ("pipeline", layout.pipeline_parallel_size)) if size > 1]
@@ -580,15 +595,15 @@ def _ort_status() -> tuple[bool, str]:
     return True, ""
 
 
-def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
-                precision: Precision) -> tuple[list[EngineChoice], list[str]]:
+def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,
+                model: ModelConfig | None = None) -> tuple[list[EngineChoice], list[str]]:
     from rapidtrain.optim.optimizers import describe_optimizer
 
     engines: list[EngineChoice] = []
     notes: list[str] = []
     backend = args.distributed_backend or ("nccl" if ctx.device_type == "cuda" else "gloo")
     three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
-    partitioning = _partitioning_choice(args, layout)
+    partitioning = _partitioning_choice(args, layout, model)
     if layout.data_parallel_size > 1 and (partitioning is None or "DistributedDataParallel" in partitioning.engine):
         how = "composable replicate() over the data-parallel mesh dimension" if three_d else "DistributedDataParallel"
         engines.append(EngineChoice("data parallel", f"torch {how} ({backend})",
@@ -683,7 +698,8 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     # Under expert parallelism FSDP2 shards the expert slices over the ranks holding the same experts, if at all;
     # OSS leaves them whole on each rank (see _expert_partitioning_note).
     fsdp2 = args.oss_sdp_memory_optimization or args.fsdp_memory_optimization or (stage in (1, 2) and not deepspeed)
-    expert_ranks = n // layout.expert_parallel_size if fsdp2 and experts_sharded_by_fsdp2(layout) else 1
+    sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
+    expert_ranks = n // layout.expert_parallel_size if sharded else 1
 
     def per_rank(nbytes: int, sharded: bool) -> float:
         return shared * nbytes / (n if sharded else 1) + own_experts * nbytes / (expert_ranks if sharded else 1)

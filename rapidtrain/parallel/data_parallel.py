@@ -71,7 +71,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool
     from rapidtrain.plan import experts_sharded_by_fsdp2
 
     experts = set(expert_parameters(model).values())
-    if experts and experts_sharded_by_fsdp2(mesh.layout):
+    if experts and experts_sharded_by_fsdp2(mesh.layout, tuple({p.shape[1] for p in experts})):
         shard_experts_with_fsdp(model, mesh, reshard_after_forward)
         experts = set()
     ignored = experts or None

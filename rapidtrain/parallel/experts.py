@@ -278,11 +278,7 @@ class ExpertParallelism:
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
+    return torch.empty(shape, device="meta").stride()
 
 
 def add_expert_parallelism(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunner:

@@ -143,7 +143,7 @@ def test_expert_parallelism_combines_with_partitioning_and_the_plan_says_how_exp
     assert ep2.memory.optimizer_bytes == pytest.approx(8 * (shared / 8 + experts / 2 / expert_ranks))
 
 
-def test_experts_stay_out_of_fsdp2_where_no_other_rank_holds_them_or_under_tensor_parallelism():
+def test_experts_stay_out_of_fsdp2_where_nothing_to_shard_under_tensor_parallelism_or_uneven():
     whole = resolve(["--expert-model-parallel-size", "8", "--fsdp-memory-optimization"])
     assert "no other rank holds the same experts (data parallel 8 = expert parallel 8)" in next(
         e.reason for e in whole.engines if e.switch == "--fsdp-memory-optimization")
@@ -152,6 +152,10 @@ def test_experts_stay_out_of_fsdp2_where_no_other_rank_holds_them_or_under_tenso
     reason = next(e.reason for e in tp.engines if e.switch == "--zero-2-memory-optimization")
     assert "DeepSpeed cannot wrap the tensor-parallel model or reduce expert slices" in reason
     assert "stay out of FSDP2: under tensor parallelism" in reason
+    # 6 ranks, EP 2: three ranks hold each slice, and hidden 64 / FFN 256 do not split in three.
+    uneven = resolve(["--expert-model-parallel-size", "2", "--oss-sdp-memory-optimization"], world=6)
+    assert "second dimensions (64, 256) (hidden, FFN) do not split evenly over the 3 ranks" in next(
+        e.reason for e in uneven.engines if e.switch == "--oss-sdp-memory-optimization")
 
 
 def test_expert_parallelism_with_pipeline_is_accepted_and_zero3_cpu_offload_fairscale_are_refused():
