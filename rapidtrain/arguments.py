@@ -230,10 +230,11 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-memory-optimization", action="store_true",
                    help="Optimizer state, gradients and parameters sharded: FSDP2 fully_shard.")
     g.add_argument("--zero-1-memory-optimization", action="store_true",
-                   help="ZeRO-1 (optimizer state): DeepSpeed stage 1; with TP/PP, FSDP2 over the "
+                   help="ZeRO-1 (optimizer state): DeepSpeed stage 1; with TP/PP/EP, FSDP2 over the "
                         "data-parallel dimension.")
     g.add_argument("--zero-2-memory-optimization", action="store_true",
-                   help="ZeRO-2 (+ gradients): DeepSpeed stage 2; with TP/PP, FSDP2 over the data-parallel dimension.")
+                   help="ZeRO-2 (+ gradients): DeepSpeed stage 2; with TP/PP/EP, FSDP2 over the data-parallel "
+                        "dimension.")
     g.add_argument("--zero-3-memory-optimization", action="store_true",
                    help="ZeRO-3 (+ parameters): DeepSpeed stage 3, model built under deepspeed.zero.Init.")
     g.add_argument("--cpu-offload", action="store_true",
@@ -349,7 +350,8 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
                    help="Peak TFLOP/s of one device: log lines then report MFU.")
     g.add_argument("--loss-log-file", default=None,
                    help="Append every iteration's exact loss here (iteration, loss as float.hex, skipped, grad norm as "
-                        "float.hex): for parity and resume checks.")
+                        "float.hex, then logged extras as name=float.hex, e.g. load_balancing_loss): for parity and "
+                        "resume checks.")
     g.add_argument("--debug", action="store_true",
                    help="Show the Python traceback of a user error (a bad flag, file or data) too; "
                         "RAPIDTRAIN_DEBUG=1 does the same.")

@@ -288,6 +288,13 @@ class Engine:
             dist.all_reduce(tensor, op=op, group=group)
         return tensor
 
+    def all_reduce_pipeline(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Over the pipeline stages holding this rank's data- and tensor-parallel coordinates."""
+        group = self.mesh.group("pp")
+        if group is not None:
+            dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.barrier()

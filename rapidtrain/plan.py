@@ -83,6 +83,14 @@ def zero_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def zero_by_fsdp2(args: argparse.Namespace) -> bool:
+    """ZeRO-1/2 served by FSDP2 over the data-parallel dimension instead of DeepSpeed: DeepSpeed's engine can
+    neither wrap tensor-parallel DTensors or pipeline stages, nor reduce expert slices that differ from one
+    expert-parallel rank to the next over their own group."""
+    return (args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1
+            or args.expert_model_parallel_size > 1)
+
+
 def precision_of(args: argparse.Namespace, device_type: DeviceType) -> Precision:
     if args.bf16:
         return Precision("bf16", "none", "--bf16: bf16 autocast, fp32 master weights, no loss scaling")
@@ -387,7 +395,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     vocab_size = builtin_vocab_size(args, tokenizer)
     model = model_config_from_args(args, vocab_size) if vocab_size else None
     switches = switches_of(args, layout)
-    engines, notes = engines_for(args, ctx, layout, precision)
+    engines, notes = engines_for(args, ctx, layout, precision, model)
     memory = memory_estimate(args, model, layout, precision, ctx.device_type) if model else None
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
                 switches, training_settings(args), data_settings(args, ctx), tokenizer,
@@ -498,9 +506,8 @@ PARTITIONING_NAMES = {
 def switches_of(args: argparse.Namespace, layout: Layout) -> Switches:
     chosen = [name for dest, name in PARTITIONING_NAMES.items() if getattr(args, dest)]
     partitioning = chosen[0] if chosen else "none"
-    three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
     if partitioning.startswith("zero"):
-        engine = "fsdp2" if three_d else "deepspeed"
+        engine = "fsdp2" if zero_by_fsdp2(args) else "deepspeed"
     elif partitioning in ("oss", "sdp") and args.sharding_backend == "fairscale":
         engine = "fairscale"
     else:
@@ -631,22 +638,68 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _partitioning_choice(args: argparse.Namespace, layout: Layout) -> EngineChoice | None:
+def experts_sharded_by_fsdp2(layout: Layout, second_dims: tuple[int, ...]) -> bool:
+    """Under FSDP2 (FSDP, SDP, ZeRO-1/2 through FSDP2) with expert parallelism, whether the expert slices are
+    fully_shard-ed over the ranks holding the same experts (torchtitan's way), on their second dimension
+    (`second_dims`: the experts' hidden and FFN sizes; dimension 0 is expert parallelism's).
+
+    Not when no other rank holds them (data parallel = EP: nothing to shard), nor under tensor parallelism,
+    where they are replicated DTensors on the tensor-parallel mesh, nor when a second dimension does not
+    divide evenly (FSDP2 splits only dimension 0 unevenly): they then stay out of FSDP2 and are all-reduced
+    over their group."""
+    holders = layout.data_parallel_size // layout.expert_parallel_size
+    return (layout.expert_parallel_size > 1 and layout.tensor_parallel_size == 1 and holders > 1
+            and all(size % holders == 0 for size in second_dims))
+
+
+def expert_second_dims(model: ModelConfig | None) -> tuple[int, ...]:
+    """The experts' second dimensions (w1, w_gate, b2: hidden; w2, b1: FFN); () when the model is not known."""
+    return (model.hidden_size, model.ffn_size) if model is not None else ()
+
+
+def _expert_partitioning_note(dest: str, layout: Layout, model: ModelConfig | None) -> str:
+    """How a partitioning switch treats the expert slices, which differ from one expert-parallel rank to the next."""
+    dp, ep = layout.data_parallel_size, layout.expert_parallel_size
+    if dest == "oss_memory_optimization":
+        return ("expert slices stay out of ZeroRedundancyOptimizer's partitioning (it broadcasts each parameter from "
+                "its owner over all data-parallel ranks, and each expert-parallel rank holds other experts): every "
+                "rank's local optimizer steps its own slices, whose gradients are all-reduced over the "
+                f"{dp // ep} ranks holding the same experts")
+    if experts_sharded_by_fsdp2(layout, expert_second_dims(model)):
+        return (f"expert slices (1/{ep} of each MoE layer's experts) are fully_shard-ed on their second dimension over "
+                f"the {dp // ep} ranks holding the same experts, gradients averaged over all {dp} data-parallel ranks")
+    if layout.tensor_parallel_size > 1:
+        why = "under tensor parallelism"
+    elif dp == ep:
+        why = f"no other rank holds the same experts (data parallel {dp} = expert parallel {ep})"
+    else:
+        why = (f"their second dimensions {expert_second_dims(model)} (hidden, FFN) do not split evenly over the "
+               f"{dp // ep} ranks holding the same experts")
+    return (f"expert slices (1/{ep} of each MoE layer's experts) stay out of FSDP2: {why}; their gradients are "
+            "averaged by the expert all-reduce")
+
+
+def _partitioning_choice(args: argparse.Namespace, layout: Layout, model: ModelConfig | None) -> EngineChoice | None:
     from rapidtrain.arguments import STATE_PARTITIONING_FLAGS
 
     chosen = [f for f in STATE_PARTITIONING_FLAGS if getattr(args, f)]
     if not chosen:
         return None
     dest = chosen[0]
-    three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
-    if three_d and dest in ("zero_1_memory_optimization", "zero_2_memory_optimization"):
+    experts = _expert_partitioning_note(dest, layout, model) if layout.expert_parallel_size > 1 else ""
+    if zero_by_fsdp2(args) and dest in ("zero_1_memory_optimization", "zero_2_memory_optimization"):
+        splits = [name for name, size in (("tensor", layout.tensor_parallel_size),
+                                          ("pipeline", layout.pipeline_parallel_size)) if size > 1]
+        cannot = [f"wrap the {'/'.join(splits)}-parallel model"] if splits else []
+        if layout.expert_parallel_size > 1:
+            cannot.append("reduce expert slices over their own group")
         return EngineChoice(_flag(dest), "FSDP2 fully_shard over the data-parallel mesh dimension, "
-                            "reshard_after_forward=False", "with tensor/pipeline parallelism DeepSpeed cannot wrap the "
-                            "DTensor/pipeline model; FSDP2 keeps parameters unsharded between forward and backward, "
-                            "so memory is ZeRO-2's (optimizer state and gradients partitioned)")
+                            "reshard_after_forward=False", f"DeepSpeed cannot {' or '.join(cannot)}; FSDP2 keeps "
+                            "parameters unsharded between forward and backward, so memory is ZeRO-2's (optimizer "
+                            "state and gradients partitioned)" + (f"; {experts}" if experts else ""))
     if args.sharding_backend == "fairscale" and dest in FAIRSCALE_ENGINES:
         return EngineChoice(_flag(dest), FAIRSCALE_ENGINES[dest], "--sharding-backend fairscale")
-    return EngineChoice(_flag(dest), PARTITIONING_ENGINES[dest])
+    return EngineChoice(_flag(dest), PARTITIONING_ENGINES[dest], experts)
 
 
 def _ort_status() -> tuple[bool, str]:
@@ -666,15 +719,15 @@ def describe_compile(args: argparse.Namespace) -> str:
     return f"torch.compile(backend={args.torch_compile_backend!r}, mode={args.torch_compile_mode or 'default'!r})"
 
 
-def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
-                precision: Precision) -> tuple[list[EngineChoice], list[str]]:
+def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,
+                model: ModelConfig | None = None) -> tuple[list[EngineChoice], list[str]]:
     from rapidtrain.optim.optimizers import describe_optimizer
 
     engines: list[EngineChoice] = []
     notes: list[str] = []
     backend = args.distributed_backend or ("nccl" if ctx.device_type == "cuda" else "gloo")
     three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
-    partitioning = _partitioning_choice(args, layout)
+    partitioning = _partitioning_choice(args, layout, model)
     if layout.data_parallel_size > 1 and (partitioning is None or "DistributedDataParallel" in partitioning.engine):
         how = "composable replicate() over the data-parallel mesh dimension" if three_d else "DistributedDataParallel"
         engines.append(EngineChoice("data parallel", f"torch {how} ({backend})",
@@ -749,7 +802,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
     if args.data_iterator == "dynamic-shape":
         engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
                                     "(multiple of 8)"))
-    if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not three_d:
+    if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
         from rapidtrain.parallel.deepspeed import describe_offload_optimizer
 
         engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
@@ -807,10 +860,10 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     total, active = count_parameters(model)
     # Experts are sharded over the expert-parallel ranks (and replicated over tensor-parallel ones).
     experts = expert_parameter_count(model)
-    per_rank = (total - experts) / layout.tensor_parallel_size / layout.pipeline_parallel_size \
-        + experts / layout.expert_parallel_size / layout.pipeline_parallel_size
+    shared = (total - experts) / layout.tensor_parallel_size / layout.pipeline_parallel_size
+    own_experts = experts / layout.expert_parallel_size / layout.pipeline_parallel_size
     stage = zero_stage(args)
-    deepspeed = stage > 0 and layout.tensor_parallel_size == layout.pipeline_parallel_size == 1
+    deepspeed = stage > 0 and not zero_by_fsdp2(args)
     half = precision.dtype != "fp32"
     # DeepSpeed keeps 16-bit weights and gradients beside fp32 master weights; torch autocast keeps fp32 ones.
     weight, grad = (2, 2) if deepspeed and half else (4, 4)
@@ -828,11 +881,19 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     shard_grads = stage >= 2 or (stage == 1 and not deepspeed) or args.oss_sdp_memory_optimization \
         or args.fsdp_memory_optimization
     shard_params = stage == 3 or args.fsdp_memory_optimization
+    # Under expert parallelism FSDP2 shards the expert slices over the ranks holding the same experts, if at all;
+    # OSS leaves them whole on each rank (see _expert_partitioning_note).
+    fsdp2 = args.oss_sdp_memory_optimization or args.fsdp_memory_optimization or (stage in (1, 2) and not deepspeed)
+    sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
+    expert_ranks = n // layout.expert_parallel_size if sharded else 1
+
+    def per_rank(nbytes: int, sharded: bool) -> float:
+        return shared * nbytes / (n if sharded else 1) + own_experts * nbytes / (expert_ranks if sharded else 1)
+
     return MemoryEstimate(
-        parameters=int(per_rank), total_params=total, active_params=active,
-        param_bytes=per_rank * weight / (n if shard_params else 1),
-        grad_bytes=per_rank * grad / (n if shard_grads else 1),
-        optimizer_bytes=per_rank * optimizer / (n if shard_optimizer else 1),
+        parameters=int(shared + own_experts), total_params=total, active_params=active,
+        param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
+        optimizer_bytes=per_rank(optimizer, shard_optimizer),
         optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
         params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
     )

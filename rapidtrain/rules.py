@@ -23,6 +23,7 @@ from rapidtrain.plan import (
     layout_of,
     optimizer_settings,
     switches_of,
+    zero_by_fsdp2,
     zero_stage,
 )
 
@@ -103,7 +104,7 @@ def _query_groups(args: Args) -> int:
 
 
 def _deepspeed_zero(args: Args) -> bool:
-    return zero_stage(args) > 0 and not _three_d(args)
+    return zero_stage(args) > 0 and not zero_by_fsdp2(args)
 
 
 def _optimizer_choice(args: Args) -> tuple[str, str]:
@@ -341,13 +342,13 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpu-offload-needs-zero", ("--cpu-offload", "--zero-1-memory-optimization", "--zero-2-memory-optimization",
                                    "--zero-3-memory-optimization", "--fsdp-memory-optimization"),
-        "--cpu-offload needs a DeepSpeed ZeRO switch and no tensor/pipeline parallelism (DeepSpeedCPUAdam serves it); "
-        "FSDP's own CPU offload is not used.",
-        lambda a, c: a.cpu_offload and (zero_stage(a) == 0 or _three_d(a)),
+        "--cpu-offload needs a DeepSpeed ZeRO switch and no tensor/pipeline/expert parallelism (DeepSpeedCPUAdam "
+        "serves it); FSDP's own CPU offload is not used.",
+        lambda a, c: a.cpu_offload and not _deepspeed_zero(a),
         lambda a, c: "--cpu-offload moves the optimizer state and step to the CPU with DeepSpeed's DeepSpeedCPUAdam, "
-        "which only DeepSpeed ZeRO without tensor/pipeline parallelism provides. Add --zero-2-memory-optimization "
-        "(or --zero-1/--zero-3), set --tensor-model-parallel-size and --pipeline-model-parallel-size to 1, "
-        "or drop --cpu-offload."
+        "which only DeepSpeed ZeRO without tensor/pipeline/expert parallelism provides. Add "
+        "--zero-2-memory-optimization (or --zero-1/--zero-3), set --tensor-model-parallel-size, "
+        "--pipeline-model-parallel-size and --expert-model-parallel-size to 1, or drop --cpu-offload."
         + (" With --fsdp-memory-optimization, FSDP2's CPUOffloadPolicy is not used: it would also move the sharded "
            "parameters and gradients to the CPU and step there (nothing to offload on a CPU-only run); for fully "
            "sharded states with the optimizer on the CPU use --zero-3-memory-optimization --cpu-offload instead."
@@ -401,16 +402,11 @@ RULES: tuple[Rule, ...] = (
         f"a multiple of {_pp(a) * a.micro_batch_size * _dp(a, c)}, or drop the virtual stages.",
     ),
     Rule(
-        "pipeline-per-token-loss",
-        ("--pipeline-model-parallel-size", "--bert-binary-head", "--expert-model-parallel-size"),
-        "Pipelining runs per-token losses of dense or non-expert-parallel models: not with the BERT binary head or "
-        "expert parallelism.",
-        lambda a, c: _pp(a) > 1 and (a.bert_binary_head or a.expert_model_parallel_size > 1),
-        lambda a, c: f"--pipeline-model-parallel-size {_pp(a)} with "
-        + ("--bert-binary-head: the sentence-order loss is not a per-token loss the last stage can sum"
-           if a.bert_binary_head else f"--expert-model-parallel-size {a.expert_model_parallel_size}: expert "
-           "gradients are reduced by a runner the pipeline does not use")
-        + ". Drop one of them.",
+        "pipeline-per-token-loss", ("--pipeline-model-parallel-size", "--bert-binary-head"),
+        "Pipelining runs per-token losses: not the BERT binary head's sentence-order loss.",
+        lambda a, c: _pp(a) > 1 and a.bert_binary_head,
+        lambda a, c: f"--pipeline-model-parallel-size {_pp(a)} with --bert-binary-head: the sentence-order loss is "
+        "not a per-token loss the last stage can sum. Drop one of them.",
     ),
     Rule(
         "heads-divisible-by-tp", ("--num-attention-heads", "--tensor-model-parallel-size"),
@@ -531,7 +527,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "fp16-deepspeed-cpu", ("--fp16", "--mixed-precision", "--zero-1-memory-optimization"),
         "DeepSpeed refuses fp16 on the CPU: under ZeRO on CPU use --bf16 (--mixed-precision resolves to bf16 there).",
-        lambda a, c: a.fp16 and c.device_type == "cpu" and zero_stage(a) > 0 and not _three_d(a),
+        lambda a, c: a.fp16 and c.device_type == "cpu" and _deepspeed_zero(a),
         lambda a, c: "--fp16 with a --zero-*-memory-optimization switch on the CPU: DeepSpeed's CPU accelerator does "
         "not support fp16. Use --bf16 or --mixed-precision (bf16 on CPU) instead.",
     ),
@@ -577,23 +573,21 @@ RULES: tuple[Rule, ...] = (
         "over data-parallel ranks. Change the expert-parallel size or the number of processes.",
     ),
     Rule(
-        "ep-with-partitioning", ("--expert-model-parallel-size", "--zero-1-memory-optimization",
-                                 "--oss-memory-optimization", "--fsdp-memory-optimization"),
-        "Expert parallelism does not combine with a state-partitioning switch yet.",
-        lambda a, c: a.expert_model_parallel_size > 1 and bool(_partitioning(a)),
+        "ep-with-zero3-or-fairscale", ("--expert-model-parallel-size", "--zero-3-memory-optimization",
+                                       "--sharding-backend"),
+        "Expert parallelism combines with OSS, SDP, FSDP and ZeRO-1/2 (torch engines), not with DeepSpeed ZeRO-3 or "
+        "FairScale.",
+        lambda a, c: a.expert_model_parallel_size > 1 and (
+            a.zero_3_memory_optimization or (a.sharding_backend == "fairscale" and bool(_partitioning(a)))),
         lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} with "
-        f"{', '.join(_flag(f) for f in _partitioning(a))}: expert parameters are reduced over their own data-parallel "
-        "group, which the partitioning engines do not know about yet. Use --expert-model-parallel-size 1 (experts "
-        "are then ordinary parameters and are partitioned), or drop the partitioning switch.",
-    ),
-    Rule(
-        "ep-with-pipeline", ("--expert-model-parallel-size", "--pipeline-model-parallel-size"),
-        "Expert parallelism does not combine with pipeline parallelism yet.",
-        lambda a, c: a.expert_model_parallel_size > 1 and _pp(a) > 1,
-        lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} with --pipeline-model-parallel-size "
-        f"{_pp(a)}: the pipeline schedule's optimizer step does not reduce the sharded experts' gradients over their "
-        "own group yet. Use --expert-model-parallel-size 1 (each rank then holds all experts of its stage's MoE "
-        "layers), or --pipeline-model-parallel-size 1.",
+        + ("--zero-3-memory-optimization: DeepSpeed partitions every parameter over all data-parallel ranks, but "
+           "each expert-parallel rank holds other experts, which must be reduced over their own group. Use "
+           "--fsdp-memory-optimization (FSDP2 shards the expert slices over the ranks holding the same experts)"
+           if a.zero_3_memory_optimization else
+           "--sharding-backend fairscale: FairScale's OSS broadcasts every parameter over all data-parallel ranks, "
+           "which would overwrite the expert slices that differ between expert-parallel ranks. Use the default "
+           "torch backend")
+        + ", or --expert-model-parallel-size 1.",
     ),
     Rule(
         "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -859,11 +853,12 @@ RULES: tuple[Rule, ...] = (
         "zero-settings-need-deepspeed", ("--zero-overlap-comm", "--no-zero-overlap-comm", "--zero-reduce-bucket-size",
                                          "--zero-allgather-bucket-size", "--zero-1-memory-optimization"),
         "The --zero-* communication settings configure DeepSpeed ZeRO: they need a ZeRO switch without tensor/pipeline "
-        "parallelism (with TP/PP, FSDP2 serves ZeRO-1/2).",
+        "parallelism (with TP/PP/EP, FSDP2 serves ZeRO-1/2).",
         lambda a, c: bool(_zero_settings_given(a)) and not _deepspeed_zero(a),
         lambda a, c: f"{', '.join(_zero_settings_given(a))} configure DeepSpeed ZeRO, which does not serve this run "
-        f"({'FSDP2 serves ZeRO-1/2 with tensor/pipeline parallelism' if _three_d(a) else 'no ZeRO switch'}), so they "
-        "would do nothing. Add --zero-1/2/3-memory-optimization without tensor/pipeline parallelism, or drop them.",
+        f"({'FSDP2 serves ZeRO-1/2 with tensor/pipeline/expert parallelism' if zero_by_fsdp2(a) else 'no ZeRO switch'})"
+        ", so they would do nothing. Add --zero-1/2/3-memory-optimization without tensor/pipeline/expert parallelism, "
+        "or drop them.",
     ),
     Rule(
         "zero-stage3-settings", ("--zero-stage3-prefetch-bucket-size", "--zero-stage3-param-persistence-threshold",

@@ -69,6 +69,18 @@ def read_grad_norms(path: str | Path) -> dict[int, float]:
     return norms
 
 
+def read_extra(path: str | Path, name: str) -> dict[int, float]:
+    """An extra value of --loss-log-file (`name=float.hex` columns, e.g. load_balancing_loss) per iteration."""
+    values: dict[int, float] = {}
+    for line in Path(path).read_text().splitlines():
+        fields = line.split()
+        for field in fields[4:]:
+            key, _, value = field.partition("=")
+            if key == name:
+                values[int(fields[0])] = float.fromhex(value)
+    return values
+
+
 def relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
     assert a.keys() == b.keys(), f"different iterations: {sorted(a)} vs {sorted(b)}"
     return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in a)

@@ -17,6 +17,8 @@ Routing decisions, in one place:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -109,6 +111,21 @@ class AuxLossInjector(torch.autograd.Function):
         return grad_hidden, torch.ones_like(router_loss)
 
 
+_stats_paused = False
+
+
+@contextlib.contextmanager
+def routing_stats_paused() -> Iterator[None]:
+    """Forwards inside do not count in the routing statistics: forwards that are no training step, such as a
+    pipeline stage's shape inference on placeholder inputs."""
+    global _stats_paused
+    before, _stats_paused = _stats_paused, True
+    try:
+        yield
+    finally:
+        _stats_paused = before
+
+
 def _recomputing() -> bool:
     """True while autograd's engine runs: activation checkpointing re-runs forward there, and the
     tracker must count each real forward once. A compiled graph never re-runs Python, so False."""
@@ -154,12 +171,16 @@ class Experts(nn.Module):
 
     def forward(self, buffers: torch.Tensor) -> torch.Tensor:
         """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts."""
-        hidden = self._project(buffers, self.w1, self.b1)
-        if self.w_gate is not None:
-            hidden = F.silu(torch.bmm(buffers, self.w_gate)) * hidden
+        return self.run_experts(buffers, self.w1, self.w_gate, self.b1, self.w2, self.b2)
+
+    def run_experts(self, buffers: torch.Tensor, w1: torch.Tensor, w_gate: torch.Tensor | None,
+                    b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
+        hidden = self._project(buffers, w1, b1)
+        if w_gate is not None:
+            hidden = F.silu(torch.bmm(buffers, w_gate)) * hidden
         else:
             hidden = F.gelu(hidden, approximate="tanh" if self.openai_gelu else "none")
-        return self._project(hidden, self.w2, self.b2)
+        return self._project(hidden, w2, b2)
 
 
 class MoELayer(nn.Module):
@@ -251,7 +272,7 @@ class MoELayer(nn.Module):
             return output
         tokens_per_expert = F.one_hot(expert_index, self.num_experts).sum(dim=(0, 1))
         aux_loss = load_balancing_loss(probs, tokens_per_expert)
-        if not _recomputing():
+        if not (_stats_paused or _recomputing()):
             self._record(aux_loss.detach(), tokens_per_expert.detach())
         if torch.is_grad_enabled():
             router_loss = self.aux_loss_coeff * aux_loss
@@ -271,11 +292,11 @@ def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
     return {name: module for name, module in model.named_modules() if isinstance(module, MoELayer)}
 
 
-def collect_aux_losses(model: nn.Module) -> torch.Tensor | None:
-    """Mean unscaled balancing loss over MoE layers and training forwards since the last call; resets.
+def collect_aux_loss_sum(model: nn.Module) -> tuple[torch.Tensor | None, int]:
+    """(Σ over MoE layers of each layer's mean unscaled balancing loss over its training forwards since the last
+    call, how many layers ran); resets. (None, 0) when no MoE layer ran forward in training.
 
-    None when no MoE layer ran forward in training. Each rank returns its own value (detached):
-    average across data-parallel ranks before logging if wanted.
+    Sums, so that the parts of a model split into pipeline stages add up to the whole model's mean.
     """
     means = []
     for layer in moe_layers(model).values():
@@ -283,7 +304,17 @@ def collect_aux_losses(model: nn.Module) -> torch.Tensor | None:
         if stats is not None and stats[1] > 0:
             means.append(stats[0] / stats[1])
             stats[:2].zero_()
-    return torch.stack(means).mean().float() if means else None
+    return (torch.stack(means).sum(), len(means)) if means else (None, 0)
+
+
+def collect_aux_losses(model: nn.Module) -> torch.Tensor | None:
+    """Mean unscaled balancing loss over MoE layers and training forwards since the last call; resets.
+
+    None when no MoE layer ran forward in training. Each rank returns its own value (detached):
+    average across data-parallel ranks before logging if wanted.
+    """
+    total, layers = collect_aux_loss_sum(model)
+    return None if total is None else (total / layers).float()
 
 
 def collect_expert_load(model: nn.Module) -> dict[str, torch.Tensor]:

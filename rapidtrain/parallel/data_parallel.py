@@ -60,11 +60,25 @@ def apply_replicate(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool) -> nn.Module:
-    """FSDP2 over the data-parallel dimension: each block a unit, then the root."""
+    """FSDP2 over the data-parallel dimension: each block a unit, then the root.
+
+    Expert slices (expert parallelism) are sharded over their own ranks first where the plan says so
+    (`plan.experts_sharded_by_fsdp2`); otherwise they stay out of FSDP2, placed beside the other parameters'
+    DTensors, and are reduced over their own group (parallel/experts.py)."""
     from torch.distributed.fsdp import fully_shard
 
+    from rapidtrain.parallel.experts import expert_parameters, place_experts_on_mesh_of_others, shard_experts_with_fsdp
+    from rapidtrain.plan import experts_sharded_by_fsdp2
+
+    experts = set(expert_parameters(model).values())
+    if experts and experts_sharded_by_fsdp2(mesh.layout, tuple({p.shape[1] for p in experts})):
+        shard_experts_with_fsdp(model, mesh, reshard_after_forward)
+        experts = set()
+    ignored = experts or None
     dp_mesh = mesh.submesh("dp")
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+    if ignored:
+        place_experts_on_mesh_of_others(model)
     return model

@@ -5,21 +5,27 @@ Layout. The data-parallel ranks split into groups of E consecutive ranks (the "e
 `ParallelMesh.expert_mesh`); rank j of a group holds experts [j·E/ep, (j+1)·E/ep) of every MoE layer.
 Ranks at the same place of different groups hold the same experts and form the "expert_dp" group.
 Under tensor parallelism the experts are replicated over the tensor-parallel ranks, which see the
-same tokens; each tensor-parallel coordinate has its own expert-parallel groups.
+same tokens; each tensor-parallel coordinate has its own expert-parallel groups, and under pipeline
+parallelism each stage has its own (the mesh's "pp" dimension).
 
 Routing, capacity and dropping stay local to each rank exactly as without expert parallelism; only
 the experts' matmuls move: the [E, C, h] capacity buffers go to the ranks owning the experts, which
 run [E/ep, ep·C, h], and come back. So EP E computes the same numbers as EP 1 at the same data-parallel
 size (the matmuls only see more rows at once).
 
-Gradients. DDP ignores the expert parameters. Before the optimizer step the runner sums their
-gradients over the expert_dp group and divides by the data-parallel size: the same mean over all
-data-parallel ranks that DDP takes for the other parameters (the all-to-all's backward already
-summed the contributions of the ep group). The gradient norm counts each expert once.
+Gradients. The data-parallel wrapper (DDP, `replicate`) ignores the expert parameters. Before the
+optimizer step the runner sums their gradients over the expert_dp group and divides by the
+data-parallel size: the same mean over all data-parallel ranks that the wrapper takes for the other
+parameters (the all-to-all's backward already summed the contributions of the ep group). Under FSDP2
+(FSDP, SDP, and ZeRO-1/2 with EP) the slices are instead fully_shard-ed over expert_dp, whose
+reduce-scatter does the same sum with the same divide factor (`shard_experts_with_fsdp`); under OSS they
+stay out of ZeroRedundancyOptimizer's partitioning (parallel/zero_redundancy.py). The gradient norm
+counts each expert once.
 
-Checkpoints. A rank's [E/ep, ...] slices (weights and optimizer state) are saved as DTensor shards,
-Shard(0) over the ep mesh (Replicate over tp), so torch.distributed.checkpoint reshards: EP 2 loads at
-EP 1 and back, under any data- and tensor-parallel layout.
+Checkpoints. A rank's [E/ep, ...] slices (weights and optimizer state) are saved as DTensor shards of
+the full [E, ...] tensors, Shard(0) over the ep mesh (Replicate over tp), or under FSDP2 (Shard(1),
+Shard(0)) over (expert_dp, ep), so torch.distributed.checkpoint reshards: EP 2 loads at EP 1 and back,
+under any data-, tensor- and pipeline-parallel layout and partitioning.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -102,7 +109,9 @@ class ExpertParallelExperts(Experts):
         rows = (
             received.view(ep, local, capacity, hidden).transpose(0, 1).reshape(local, ep * capacity, hidden)
         )
-        output = super().forward(rows)
+        # Local values: expert slices are DTensors when placed beside data-parallel DTensors (replicate, FSDP2).
+        output = self.run_experts(rows, *(None if w is None else _local(w)
+                                          for w in (self.w1, self.w_gate, self.b1, self.w2, self.b2)))
         back = output.view(local, ep, capacity, hidden).transpose(0, 1).reshape(experts, capacity, hidden)
         return all_to_all(back, self.group)
 
@@ -129,6 +138,10 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, ep_size: int) ->
     return model
 
 
+def expert_modules(model: nn.Module) -> list[ExpertParallelExperts]:
+    return [module for module in model.modules() if isinstance(module, ExpertParallelExperts)]
+
+
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The sharded expert parameters by their current (possibly wrapped) names."""
     return {
@@ -148,13 +161,14 @@ def exclude_experts_from_ddp(model: nn.Module) -> None:
 
 
 def place_experts_on_mesh_of_others(model: nn.Module) -> None:
-    """Put the expert slices on the (dp, tp) mesh that `replicate` gave the other parameters.
+    """Put the expert slices on the mesh that `replicate` or FSDP2 gave the other parameters.
 
-    Under TP + DP the other parameters become (dp, tp) DTensors while the experts, left out of
-    `replicate`, stay on the tp mesh; foreach kernels (gradient clipping, the optimizers) refuse to mix
-    meshes. On the (dp, tp) mesh an expert slice is nominally Replicate over dp although its values
-    differ across ep ranks: nothing redistributes it (the forward uses local values, the runner reduces
-    and measures its gradient itself, checkpoints place it as a shard of the full tensor).
+    Left out of `replicate`/`fully_shard`, the experts stay plain tensors (or, under TP, replicated DTensors on
+    the tp mesh) while the other parameters become DTensors on the (dp[, tp]) mesh; foreach kernels (gradient
+    clipping, the optimizers) refuse lists that mix plain tensors and DTensors. On that mesh an expert slice is
+    nominally Replicate over dp although its values differ across ep ranks: nothing redistributes it (the
+    forward uses local values, the runner reduces and measures its gradient itself, checkpoints place it as a
+    shard of the full tensor).
     """
     experts = {id(p) for p in expert_parameters(model).values()}
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and id(p) not in experts}
@@ -164,11 +178,26 @@ def place_experts_on_mesh_of_others(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, ExpertParallelExperts):
             for name, param in list(module.named_parameters(recurse=False)):
-                if isinstance(param, DTensor) and param.device_mesh != mesh:
-                    value = DTensor.from_local(
-                        param.to_local(), mesh, [Replicate()] * mesh.ndim, run_check=False
-                    )
+                if not (isinstance(param, DTensor) and param.device_mesh == mesh):
+                    value = DTensor.from_local(_local(param.detach()), mesh, [Replicate()] * mesh.ndim,
+                                               run_check=False)
                     module.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
+
+
+def shard_experts_with_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool) -> None:
+    """FSDP2 for the expert slices, before the blocks around them are wrapped (torchtitan's way): each layer's
+    slice is fully_shard-ed over the ranks holding the same experts (expert_dp), on its second dimension since
+    the first (the experts) is expert parallelism's. The reduce-scatter sums over expert_dp what the all-to-all's
+    backward summed over ep; dividing by the data-parallel size gives the mean DDP would take."""
+    from torch.distributed.fsdp import fully_shard
+
+    expert_dp = mesh.submesh("expert_dp")
+    for module in expert_modules(model):
+        fully_shard(module, mesh=expert_dp, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=lambda _param: Shard(1))
+        module.set_gradient_divide_factor(float(mesh.layout.data_parallel_size))
+        if expert_dp.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def _map_tensors(value: Any, convert: Any) -> Any:
@@ -190,9 +219,12 @@ class ExpertParallelism:
     expert_params: list[nn.Parameter]
     gradient_average: int
     expert_data_parallel_group: dist.ProcessGroup | None
-    # Where saved slices live: the ep mesh, or (ep, tp) with the slice replicated over tp.
+    expert_parallel_size: int
+    # Where saved slices live, and how: Shard(0) over ep (Replicate over tp), or under FSDP2 (expert_dp, ep)
+    # with Shard(1) over expert_dp, FSDP2's own split of each slice.
     checkpoint_mesh: DeviceMesh
-    # The expert parameters' own DTensor mesh and placements under tensor parallelism (None: plain tensors).
+    checkpoint_placements: tuple
+    # The expert parameters' own DTensor mesh and placements (None: plain tensors).
     parameter_mesh: DeviceMesh | None = None
     parameter_placements: tuple = ()
 
@@ -212,17 +244,19 @@ class ExpertParallelism:
     def _to_shard(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() == 0:  # e.g. Adam's step count: the same on every rank
             return tensor
-        placements = [Shard(0)] + [Replicate()] * (self.checkpoint_mesh.ndim - 1)
-        return DTensor.from_local(_local(tensor), self.checkpoint_mesh, placements, run_check=False)
+        # tensor.shape is the slice's ([E/ep, ...]; a DTensor's global shape when FSDP2 splits it further).
+        shape = (tensor.shape[0] * self.expert_parallel_size, *tensor.shape[1:])
+        return DTensor.from_local(_local(tensor), self.checkpoint_mesh, self.checkpoint_placements,
+                                  run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
     def _from_shard(self, tensor: torch.Tensor) -> torch.Tensor:
         if not (isinstance(tensor, DTensor) and tensor.device_mesh == self.checkpoint_mesh):
             return tensor
-        if self.parameter_mesh is not None:
-            return DTensor.from_local(
-                tensor.to_local(), self.parameter_mesh, self.parameter_placements, run_check=False
-            )
-        return tensor.to_local()
+        if self.parameter_mesh is None:
+            return tensor.to_local()
+        shape = (tensor.shape[0] // self.expert_parallel_size, *tensor.shape[1:])
+        return DTensor.from_local(tensor.to_local(), self.parameter_mesh, self.parameter_placements,
+                                  run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
     def to_saved(self, state: dict[str, Any]) -> dict[str, Any]:
         storage = {_local(p).untyped_storage().data_ptr() for p in self.expert_params}
@@ -243,33 +277,52 @@ class ExpertParallelism:
         return _map_tensors(state, self._from_shard)
 
 
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
 def add_expert_parallelism(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunner:
     """Give the runner of an expert-parallel model (any layout) the experts' reduction, norm and checkpoint
     transform; the runner is unchanged when the model has no sharded experts."""
+    from torch.distributed.fsdp import FSDPModule
+
     params = list(expert_parameters(runner.module).values())
     if not params:
         return runner
-    optimized = {id(p) for group in runner.optimizer.param_groups for p in group["params"]}
+    optimizers = [runner.optimizer]
+    if isinstance(runner.optimizer, ZeroRedundancyOptimizer):  # its local optimizer steps the expert slices
+        optimizers.append(runner.optimizer.optim)
+    optimized = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
     if any(id(p) not in optimized for p in params):
         raise ValueError(
             "--expert-model-parallel-size replaces each MoE layer's expert parameters by this rank's slices, "
             "so an optimizer built before Engine.compose does not hold them: leave `optimizer` out of "
             "Engine.compose (it is then built from the flags), or use --expert-model-parallel-size 1."
         )
-    distributed = isinstance(params[0], DTensor)  # tensor parallel: replicated over tp
+    assert mesh.expert_mesh is not None
+    by_fsdp = any(isinstance(module, FSDPModule) for module in expert_modules(runner.module))
+    if by_fsdp:  # FSDP2 reduces them and splits each slice over expert_dp (shard_experts_with_fsdp)
+        checkpoint_mesh, placements = mesh.expert_mesh["expert_dp", "ep"], (Shard(1), Shard(0))
+        norm_group = mesh.group("dp")  # every data-parallel rank holds a different piece
+    else:
+        checkpoint_mesh, placements = mesh.expert_mesh["ep", "tp"], (Shard(0), Replicate())
+        norm_group = mesh.group("ep")  # each ep rank holds other experts, the tp ranks the same ones
+    distributed = isinstance(params[0], DTensor)
     experts = ExpertParallelism(
         expert_params=params,
         gradient_average=runner.gradient_average,
         expert_data_parallel_group=mesh.group("expert_dp"),
-        checkpoint_mesh=mesh.expert_mesh["ep", "tp"] if distributed else mesh.submesh("ep"),
+        expert_parallel_size=mesh.layout.expert_parallel_size,
+        checkpoint_mesh=checkpoint_mesh,
+        checkpoint_placements=placements,
         parameter_mesh=params[0].device_mesh if distributed else None,
         parameter_placements=tuple(params[0].placements) if distributed else (),
     )
-    runner.before_step.append(experts.reduce_expert_gradients)
+    if not by_fsdp:
+        runner.before_step.append(experts.reduce_expert_gradients)
     expert_ids = {id(p) for p in params}
     assert runner.grad_norm is not None
     shared = [p for p in runner.grad_norm.parameters if id(p) not in expert_ids]
-    # Each ep rank holds other experts (tp ranks the same ones): their squares are summed over the ep group.
-    runner.grad_norm = GradNorm(shared, runner.grad_norm.pipeline_group, params, mesh.group("ep"))
+    runner.grad_norm = GradNorm(shared, runner.grad_norm.pipeline_group, params, norm_group)
     runner.state_transforms.append((experts.to_saved, experts.from_saved))
     return runner

@@ -13,6 +13,9 @@ the gradient norm and saved under the embedding's name in the optimizer state.
 `PipelineRunner` runs a whole iteration with one `schedule.step` (micro-batches = accumulation steps,
 1F1B or interleaved 1F1B); loss and evaluation come from the last stage, which broadcasts them to
 the other stages of its pipeline.
+
+Expert parallelism shards each stage's experts over that stage's expert-parallel group (apply.py
+shards them before the split); the ranks of a group run the same schedule, so their all-to-alls meet.
 """
 
 from __future__ import annotations
@@ -121,6 +124,19 @@ def _sequence_parallel_boundaries(view: nn.Module, tp_mesh: Any, first: bool, la
 # ---- building the runner ----
 
 
+class Stage(PipelineStage):
+    """A PipelineStage whose shape inference leaves the MoE routing statistics alone: torch runs the stage once
+    on placeholder inputs before the first step (and after each switch between training and evaluation),
+    which is no training forward and must not enter the logged balancing loss."""
+
+    def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
+        from rapidtrain.models.moe import routing_stats_paused
+
+        with routing_stats_paused():
+            return super()._compute_outputs(*args, **kwargs)
+
+
+
 def pipeline_runner(
     model: nn.Module,
     plan: Plan,
@@ -157,7 +173,7 @@ def pipeline_runner(
         embedding_group=mesh.embedding_group() if model.config.tie_embeddings else None,
     )
     pipeline_stages = [
-        PipelineStage(view, stage, num_stages, device, group=pipeline_group)
+        Stage(view, stage, num_stages, device, group=pipeline_group)
         for view, stage in zip(views, stages, strict=True)
     ]
     runner.schedule = build_schedule(pipeline_stages, plan.batches.accumulation_steps, runner.microbatch_loss)

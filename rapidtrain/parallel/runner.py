@@ -133,6 +133,16 @@ def total_grad_norm(parameters: list[nn.Parameter], pipeline_group: dist.Process
     return GradNorm(parameters, pipeline_group)()
 
 
+def clip_by_norm(parameters: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale the gradients by max_norm / total_norm where that is below 1: one foreach multiply per DTensor
+    mesh, which the multiply cannot span (FSDP2 puts expert slices on the expert_dp mesh, the rest on dp)."""
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for param in parameters:
+        by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+
+
 # ---- running the micro-batches of one iteration ----
 
 def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None,
@@ -264,8 +274,8 @@ class TorchRunner:
         assert self.grad_norm is not None
         norm = self.grad_norm()
         if self.clip_grad > 0:
-            with_grads = [p for p in self.parameters if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(with_grads, self.clip_grad, norm.to(self._grad_device()))
+            clip_by_norm([p for p in self.parameters if p.grad is not None], self.clip_grad,
+                         norm.to(self._grad_device()))
         self.optimizer.step()
         self.zero_grad()
         return StepOutcome(norm)

@@ -5,6 +5,12 @@ under parameter names, in the layout `torch.distributed.checkpoint.state_dict.ge
 for a plain model (`state[name][key]`, `param_groups` listing names): every rank writes its own
 entries, so nothing is gathered on one rank, and the files load into DDP, FSDP, ZeRO or OSS at any
 world size, as theirs load into OSS.
+
+Under expert parallelism the expert slices stay out of the partitioning: ZeroRedundancyOptimizer
+broadcasts each parameter it partitions from its owner over the whole data-parallel group, which would
+overwrite the slices that differ from one expert-parallel rank to the next. Each rank's local optimizer
+steps its own slices beside its share of the rest, in the same parameter groups (so the schedule's
+learning rate reaches them); their gradients are reduced over their own group (parallel/experts.py).
 """
 
 from __future__ import annotations
@@ -31,12 +37,20 @@ def oss_optimizer(
 ) -> ZeroRedundancyOptimizer:
     """ZeroRedundancyOptimizer whose local optimizer is the one `build_optimizer` makes without OSS (same
     class, settings and weight-decay groups), so OSS and DDP take identical steps."""
+    from rapidtrain.parallel.experts import expert_parameters
 
-    def local_optimizer(groups: list[dict[str, Any]], **_defaults: Any) -> torch.optim.Optimizer:
-        return build_optimizer(groups, settings, device_type)[0]
+    experts = {id(p) for p in expert_parameters(model).values()}
+    groups = param_groups(model, settings.weight_decay)
+    partitioned = [{**g, "params": [p for p in g["params"] if id(p) not in experts]} for g in groups]
+    own = [[p for p in g["params"] if id(p) in experts] for g in groups]
+
+    def local_optimizer(local_groups: list[dict[str, Any]], **_defaults: Any) -> torch.optim.Optimizer:
+        # ZeroRedundancyOptimizer hands this rank's share group by group, in the order of `partitioned`.
+        mine = [{**g, "params": list(g["params"]) + extra} for g, extra in zip(local_groups, own, strict=True)]
+        return build_optimizer(mine, settings, device_type)[0]
 
     return ZeroRedundancyOptimizer(
-        param_groups(model, settings.weight_decay),
+        partitioned,
         optimizer_class=local_optimizer,
         process_group=mesh.group("dp"),
         lr=settings.lr,
@@ -103,17 +117,24 @@ class OSSRunner(TorchRunner):
         """The model inside DDP: checkpoints name parameters without the wrapper's prefix."""
         return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
 
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.local_optimizer.zero_grad(set_to_none=True)  # also the expert slices, which only it holds
+
     def optimizer_state(self) -> dict[str, Any]:
         local = self.local_optimizer
         ensure_optimizer_state(local)
         names = parameter_names(self.state_module)
         state = {names[id(p)]: dict(local.state[p]) for group in local.param_groups for p in group["params"]}
+        partitioned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         groups = [
             {
                 **{k: v for k, v in group.items() if k != "params"},
-                "params": [names[id(p)] for p in group["params"]],
+                # every parameter of the group: all partitioned ones, and this rank's expert slices
+                "params": [names[id(p)] for p in group["params"]]
+                + [names[id(p)] for p in local_group["params"] if id(p) not in partitioned],
             }
-            for group in self.optimizer.param_groups
+            for group, local_group in zip(self.optimizer.param_groups, local.param_groups, strict=True)
         ]
         return {"state": state, "param_groups": groups}
 

@@ -97,7 +97,8 @@ def build_log_line(plan: Plan, totals: IntervalTotals, interval: IntervalStats, 
 
 class LossRecords:
     """--loss-log-file: every iteration's exact loss (`iteration loss skipped grad_norm`, floats as
-    float.hex), kept on the device and written when the loop logs or ends."""
+    float.hex, then each extra value as `name=float.hex`, e.g. `load_balancing_loss=0x...`), kept on the
+    device and written when the loop logs or ends."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -111,9 +112,15 @@ class LossRecords:
         if not self.path or not self._pending:
             return
         norms = [r.grad_norm for _, r in self._pending]
-        losses = torch.stack([r.loss.detach().double().reshape(()) for _, r in self._pending]).tolist()
+        # One device-to-host copy: every loss, then every extra value, in order.
+        names = [sorted(r.extras) for _, r in self._pending]
+        values = torch.stack([r.loss.detach().double().reshape(()) for _, r in self._pending]
+                             + [r.extras[n].detach().double().reshape(()).to(r.loss.device)
+                                for (_, r), row in zip(self._pending, names, strict=True) for n in row]).tolist()
+        losses, extras = values[:len(self._pending)], iter(values[len(self._pending):])
         with open(self.path, "a") as log:
-            for (iteration, result), loss, norm in zip(self._pending, losses, norms, strict=True):
+            for (iteration, result), loss, norm, row in zip(self._pending, losses, norms, names, strict=True):
                 shown = "-" if norm is None else float(norm).hex()
-                log.write(f"{iteration} {float(loss).hex()} {int(result.skipped)} {shown}\n")
+                columns = "".join(f" {name.replace(' ', '_')}={float(next(extras)).hex()}" for name in row)
+                log.write(f"{iteration} {float(loss).hex()} {int(result.skipped)} {shown}{columns}\n")
         self._pending = []

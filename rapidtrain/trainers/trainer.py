@@ -242,14 +242,22 @@ class Trainer:
         moe.set_aux_loss_scale(self.engine.runner.loss_scale / steps)
 
     def _moe_extras(self) -> dict[str, torch.Tensor]:
+        """The MoE balancing loss: the mean over all MoE layers (of every pipeline stage) and data-parallel ranks."""
         from rapidtrain.models import moe
 
-        aux = moe.collect_aux_losses(self.engine.runner.module)
-        if aux is None:
+        total, layers = moe.collect_aux_loss_sum(self.engine.runner.module)
+        pipeline = self.engine.mesh.group("pp")
+        # Under pipelining every stage joins the sum, also one whose layers are all dense.
+        staged = pipeline is not None and self.plan.model is not None and any(self.plan.model.num_experts)
+        if total is None and not staged:
             return {}
-        value = aux.detach().float().reshape(1)
-        self.engine.all_reduce_data_parallel(value)
-        return {"load balancing loss": value[0] / self.plan.layout.data_parallel_size}
+        device = self.engine.device if total is None else total.device
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        if total is not None:
+            totals[0], totals[1] = total.detach(), layers
+        self.engine.all_reduce_pipeline(totals)
+        self.engine.all_reduce_data_parallel(totals)
+        return {"load balancing loss": (totals[0] / totals[1]).float()}
 
     # ---- the general template's data: epochs over a map-style dataset ----
     def setup(self) -> None:

@@ -106,3 +106,70 @@ def test_expert_parallel_needs_materialized_weights():
         experts = Experts(4, 8, 16)
     with pytest.raises(ValueError, match="real device"):
         ExpertParallelExperts(experts, group=None, ep_rank=0, ep_size=2)  # type: ignore[arg-type]
+
+
+MOE_8 = "--train-iters 10 --lr 1e-4 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-experts 8".split()
+
+
+def resolve(extra: list[str], world: int = 8) -> plan.Plan:
+    args = arguments.parse_args(MOE_8 + extra)
+    from rapidtrain import rules
+
+    assert rules.violations(args, RunContext(world, "cpu")) == []
+    return plan.from_args(args, RunContext(world, "cpu"))
+
+
+@pytest.mark.parametrize("switch", ["--zero-1-memory-optimization", "--zero-2-memory-optimization",
+                                    "--oss-memory-optimization", "--oss-sdp-memory-optimization",
+                                    "--fsdp-memory-optimization"])
+def test_expert_parallelism_combines_with_partitioning_and_the_plan_says_how_experts_are_treated(switch):
+    """EP 2 on 8 ranks: two ranks hold each slice. FSDP2 (also serving ZeRO-1/2 here) shards the slices over
+    those two; OSS keeps them out of its partitioning; the memory estimate follows."""
+    ep2 = resolve(["--expert-model-parallel-size", "2", switch])
+    choice = next(e for e in ep2.engines if e.switch == switch)
+    if switch == "--oss-memory-optimization":
+        assert ep2.switches.partitioning_engine == "zero-redundancy"
+        assert "expert slices stay out of ZeroRedundancyOptimizer's partitioning" in choice.reason
+    else:
+        assert ep2.switches.partitioning_engine == "fsdp2"  # never DeepSpeed: it cannot reduce expert slices
+        assert "fully_shard-ed on their second dimension over the 4 ranks holding the same experts" in choice.reason
+    if switch.startswith("--zero"):
+        assert choice.engine.startswith("FSDP2") and "reduce expert slices over their own group" in choice.reason
+    # Optimizer state per rank: the shared part over 8 ranks; the experts' (1/2 each) over 4 ranks under FSDP2,
+    # whole under OSS.
+    experts = expert_parameter_count(ep2.model)
+    shared = count_parameters(ep2.model)[0] - experts
+    expert_ranks = 1 if switch == "--oss-memory-optimization" else 4
+    state = plan.optimizer_state_bytes_per_parameter(ep2.model, ep2.optimizer, "cpu")  # AdamW: 8 B + the step scalars
+    assert 8 < state < 8.001
+    assert ep2.memory.optimizer_bytes == pytest.approx(state * (shared / 8 + experts / 2 / expert_ranks))
+
+
+def test_experts_stay_out_of_fsdp2_where_nothing_to_shard_under_tensor_parallelism_or_uneven():
+    whole = resolve(["--expert-model-parallel-size", "8", "--fsdp-memory-optimization"])
+    assert "no other rank holds the same experts (data parallel 8 = expert parallel 8)" in next(
+        e.reason for e in whole.engines if e.switch == "--fsdp-memory-optimization")
+    tp = resolve(["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                  "--zero-2-memory-optimization"])
+    reason = next(e.reason for e in tp.engines if e.switch == "--zero-2-memory-optimization")
+    assert "DeepSpeed cannot wrap the tensor-parallel model or reduce expert slices" in reason
+    assert "stay out of FSDP2: under tensor parallelism" in reason
+    # 6 ranks, EP 2: three ranks hold each slice, and hidden 64 / FFN 256 do not split in three.
+    uneven = resolve(["--expert-model-parallel-size", "2", "--oss-sdp-memory-optimization"], world=6)
+    assert "second dimensions (64, 256) (hidden, FFN) do not split evenly over the 3 ranks" in next(
+        e.reason for e in uneven.engines if e.switch == "--oss-sdp-memory-optimization")
+
+
+def test_expert_parallelism_with_pipeline_is_accepted_and_zero3_cpu_offload_fairscale_are_refused():
+    staged = resolve(["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    assert staged.layout.expert_parallel_size == 2 and staged.layout.data_parallel_size == 4
+    from rapidtrain import rules
+
+    def refused(extra: list[str]) -> set[str]:
+        args = arguments.parse_args(MOE_8 + ["--expert-model-parallel-size", "2", *extra])
+        return {rule.name for rule in rules.RULES if rule.violated(args, RunContext(8, "cpu"))}
+
+    assert "ep-with-zero3-or-fairscale" in refused(["--zero-3-memory-optimization"])
+    assert "ep-with-zero3-or-fairscale" in refused(["--oss-memory-optimization", "--sharding-backend", "fairscale"])
+    # ZeRO-2 with EP is FSDP2, where --cpu-offload (DeepSpeedCPUAdam) would silently do nothing.
+    assert "cpu-offload-needs-zero" in refused(["--zero-2-memory-optimization", "--cpu-offload"])

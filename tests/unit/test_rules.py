@@ -135,16 +135,10 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
-    "ep-with-partitioning": (
-        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--oss-memory-optimization"],
-        ["--num-experts", "4", "--oss-memory-optimization"],
+    "ep-with-zero3-or-fairscale": (
+        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-3-memory-optimization"],
+        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-2-memory-optimization"],
         2,
-        "cpu",
-    ),
-    "ep-with-pipeline": (
-        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
-        8,
         "cpu",
     ),
     "3d-builtin-models-only": (
