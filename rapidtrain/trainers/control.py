@@ -4,6 +4,7 @@ stop signal turns SIGTERM (sent by schedulers and torchrun on shutdown) into a r
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from typing import Any
@@ -13,39 +14,51 @@ from rapidtrain.plan import CheckpointSettings, TrainingSettings
 
 
 class StopSignal:
-    """SIGTERM asks the loop to save and exit cleanly; the handler stays until `restore()` (after the final
-    save), so a second SIGTERM during that save does not kill it."""
+    """SIGTERM asks the loop to save and exit cleanly. The handler stays until `restore()` (after the final
+    save), so a second SIGTERM during that save does not kill it; after a stop by signal it stays for good, as
+    the process is on its way out and a repeat must not kill the exit. A process forked from this one (a
+    multiprocessing pool, whose terminate() sends SIGTERM) still ends on SIGTERM as usual."""
 
     def __init__(self) -> None:
         self.received = False
+        self._owner = os.getpid()
         self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._owner:  # inherited by a fork: not the trainer, so the default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.received = True
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        if not self.received:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 class StopConditions:
     """--exit-interval (the same on every rank), and the requests a rank makes alone (SIGTERM,
-    --exit-duration-in-mins), which the loop agrees on with the iteration's other decisions."""
+    --exit-duration-in-mins, counted from when the trainer is built), which the loop agrees on with the
+    iteration's other decisions. SIGTERM is handled with --save or --exit-signal-handler (plan.training.on_sigterm);
+    otherwise it ends the process at once, as in Megatron without --exit-signal-handler."""
 
     def __init__(self, settings: TrainingSettings) -> None:
         self.settings = settings
         self.started = time.time()
-        self.signal = StopSignal()
+        self.signal = StopSignal() if settings.on_sigterm != "default" else None
 
     def requested(self) -> bool:
         minutes = self.settings.exit_duration_in_mins
-        return self.signal.received or bool(minutes and time.time() - self.started > minutes * 60)
+        received = self.signal is not None and self.signal.received
+        return received or bool(minutes and time.time() - self.started > minutes * 60)
 
     def interval_reached(self, iteration: int) -> bool:
         interval = self.settings.exit_interval
         return bool(interval and iteration % interval == 0)
 
     def close(self) -> None:
-        self.signal.restore()
+        if self.signal is not None:
+            self.signal.restore()
 
 
 class Checkpointer:

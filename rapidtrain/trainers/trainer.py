@@ -72,6 +72,8 @@ class Trainer:
         self.model: Any = None
         self.token_count: Callable[[Any], int | None] = default_token_count
         self.checkpointer = Checkpointer(self.plan.checkpoint, self)
+        # SIGTERM from here on asks for a save at the end of an iteration, even if it comes during setup.
+        self.stop = StopConditions(self.plan.training)
         self.history: list[dict[str, Any]] = []
         self._eval_loader: ShardedLoader | None = None
         self._epoch_ends = False
@@ -142,14 +144,19 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Iterate until the end of training or a stop; save at the end; the template's final results."""
-        if self.finished():
-            self.engine.print_rank0(f" nothing to do: the checkpoint is at iteration {self.iteration}, the end")
-            return {}
-        plan, started_at = self.plan, self.iteration
+        try:
+            if self.finished():
+                self.engine.print_rank0(f" nothing to do: the checkpoint is at iteration {self.iteration}, the end")
+                return {}
+            return self._run()
+        finally:
+            self.stop.close()  # only now: a SIGTERM during the final save must not cut it
+
+    def _run(self) -> dict[str, Any]:
+        plan, started_at, stop = self.plan, self.iteration, self.stop
         self.writer = TensorBoardWriter(plan.logging.tensorboard_dir if self.is_logging_rank else None)
         self.meter, self.totals = ThroughputMeter(self.engine.device), IntervalTotals()
         self.records = LossRecords(plan.logging.loss_log_file if self.is_logging_rank else None)
-        stop = StopConditions(plan.training)
         stopped = False
         try:
             self.meter.start()
@@ -170,7 +177,6 @@ class Trainer:
                 self.checkpointer.save(self.iteration)
         finally:
             self.records.flush()
-            stop.close()
             self.checkpointer.close()
         results = self.end_of_training(stopped)
         self.writer.close()
