@@ -73,9 +73,10 @@ class Checkpointer:
         self._lock: Any = None
 
     def open(self) -> None:
-        """Before anything is loaded or saved: rank 0 takes --save for this run (one writer per folder), refuses
-        to overwrite checkpoints it did not load, and cleans what killed saves left."""
-        if not self.enabled or self.trainer.engine.rank != 0:
+        """Before the data and the model are built (the templates' setup starts with it), and again harmlessly
+        before loading: rank 0 takes --save for this run (one writer per folder), refuses to overwrite
+        checkpoints it did not load, and cleans what killed saves left."""
+        if not self.enabled or self.trainer.engine.rank != 0 or self._lock is not None:
             return
         from rapidtrain.save_folder import prepare_save_folder
 

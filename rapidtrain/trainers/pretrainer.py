@@ -48,6 +48,7 @@ class PreTrainer(Trainer):
     # ---- setup ----
     def setup(self) -> None:
         plan, training = self.plan, self.plan.training
+        self.checkpointer.open()  # --save usable and ours, before minutes go into data and model
         counts = train_valid_test_num_samples(training.train_iters, training.eval_interval or training.train_iters,
                                               training.eval_iters, plan.batches.global_batch_size)
         self.train_ds, self.valid_ds, self.test_ds = self.train_valid_test_datasets_provider(counts)
