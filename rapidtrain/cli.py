@@ -205,6 +205,8 @@ def quiet_torchrun(argv: list[str]) -> int:
         raise
     except SignalException as stopped:  # a signal torchrun handles itself (SIGINT, SIGHUP, SIGQUIT)
         return 128 + int(stopped.sigval)
+    finally:
+        forwarder.settle()
     return 0
 
 

@@ -78,27 +78,29 @@ def exit_status(returncode: int) -> int:
 
 def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = None) -> int:
     """Run `command` in its own session, forward every stop signal this process receives to it, and wait for
-    it however long it takes; its exit status. The child learns this process's pid (PARENT_PID_ENV)."""
+    it however long it takes; its exit status. The child learns this process's pid (PARENT_PID_ENV).
+
+    A signal that was forwarded stays ignored afterwards: this process is about to exit with the child's
+    status, and a repeat arriving in between must not replace that status with its own death."""
     env = dict(os.environ if env is None else env, **{PARENT_PID_ENV: str(os.getpid())})
     process: subprocess.Popen | None = None
-    pending: list[int] = []
+    received: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
-        if process is None:
-            pending.append(signum)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signum)
+        received.append(signum)
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
     try:
         process = subprocess.Popen(list(command), env=env, start_new_session=True)
-        for signum in pending:
+        for signum in list(received):  # arrived while it was being started
             process.send_signal(signum)
         return exit_status(process.wait())
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if signum in received else handler)
 
 
 def child_pids(parent: int | None = None) -> list[int]:
@@ -133,11 +135,17 @@ class RankSignalForwarder:
 
     def _forward(self, signum: int, _frame: FrameType | None) -> None:
         ranks = child_pids()
-        if not ranks:
+        if not ranks and not self.forwarded:  # none started yet: torchrun's own shutdown
             from torch.distributed.elastic.multiprocessing.api import SignalException
 
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
-        self.forwarded.add(signum)
+        self.forwarded.add(signum)  # a repeat after the ranks have gone changes nothing: they were told
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
+
+    def settle(self) -> None:
+        """torchrun is done: after a forwarded stop, a repeat must not kill it on its way out (the interpreter
+        drops Python handlers while it finalizes), or its status would be the signal's, not the ranks'."""
+        if self.forwarded:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -3,6 +3,7 @@ stop signal turns SIGTERM (sent by schedulers and torchrun on shutdown) into a r
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -15,9 +16,10 @@ from rapidtrain.plan import CheckpointSettings, TrainingSettings
 
 class StopSignal:
     """SIGTERM asks the loop to save and exit cleanly. The handler stays until `restore()` (after the final
-    save), so a second SIGTERM during that save does not kill it; after a stop by signal it stays for good, as
-    the process is on its way out and a repeat must not kill the exit. A process forked from this one (a
-    multiprocessing pool, whose terminate() sends SIGTERM) still ends on SIGTERM as usual."""
+    save), so a second SIGTERM during that save does not kill it; after a stop by signal it stays until the
+    process exits (then ignored through the interpreter's finalization), as a repeat must not kill the exit. A
+    process forked from this one (a multiprocessing pool, whose terminate() sends SIGTERM) still ends on
+    SIGTERM as usual."""
 
     def __init__(self) -> None:
         self.received = False
@@ -34,6 +36,11 @@ class StopSignal:
     def restore(self) -> None:
         if not self.received:
             signal.signal(signal.SIGTERM, self._previous)
+            return
+        # The process is on its way out. The interpreter puts back the default action for Python handlers when
+        # it finalizes, which a late repeat would turn into death by SIGTERM after a good save: from the
+        # atexit hooks on, repeats are ignored by the kernel instead.
+        atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
 
 
 class StopConditions:
