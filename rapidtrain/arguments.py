@@ -193,7 +193,8 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None, help="Save and exit at an iteration divisible by this.")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Save and exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="On SIGTERM, save a checkpoint and exit cleanly (always on when --save is given).")
+                   help="On SIGTERM, stop at the end of the iteration and exit 0, saving a checkpoint when --save "
+                        "is given (with --save this is always on; without either, SIGTERM ends the process at once).")
 
 
 def _add_distributed(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -97,7 +96,10 @@ def launch(argv: list[str]) -> int:
         return 0
     rules.exit_on_conflicts(args, ctx)
     check_inputs_before_launch(args)
-    return subprocess.call(torchrun_command(args, script, argv, ctx.device_type))
+    from rapidtrain.shutdown import run_forwarding_signals
+
+    # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/shutdown.py).
+    return run_forwarding_signals(torchrun_command(args, script, argv, ctx.device_type))
 
 
 def check_inputs_before_launch(args: argparse.Namespace) -> None:
@@ -167,21 +169,44 @@ TORCHRUN = "_torchrun"  # internal: the launcher's torchrun, not a command users
 
 
 def quiet_torchrun(argv: list[str]) -> int:
-    """torch.distributed.run, except that workers that all stopped on a user error (status 2, their message
+    """torch.distributed.run as the launcher starts it: SIGTERM is passed to the ranks, which save and exit,
+    and waited for (rapidtrain/shutdown.py); workers that all stopped on a user error (status 2, their message
     already printed by rank 0) end with status 2 instead of torchrun's traceback and failure report."""
     import logging
+    import signal
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from rapidtrain.shutdown import PARENT_PID_ENV, RankSignalForwarder, parent_pid_from_env, stop_with_parent
+
+    stop_with_parent(parent_pid_from_env())  # the launcher SIGKILLed: stop the ranks (they save), not orphan them
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the ranks' parent, for their own parent-death check
+    options = parse_args(argv)
+    forwarder = RankSignalForwarder()
+    if RankSignalForwarder.available():
+        forwarder.install()  # torchrun then leaves SIGTERM alone; it still handles the others its own way
+        options.signals_to_handle = ",".join(
+            name for name in options.signals_to_handle.split(",") if name.strip() != "SIGTERM")
     # Its per-worker "failed (exitcode: N)" log line; a real crash is still reported in full below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
-        run(parse_args(argv))
+        run(options)
     except ChildFailedError as failed:
-        if {failure.exitcode for failure in failed.failures.values()} == {2}:
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        if 2 in codes and codes <= {2, -signal.SIGTERM, -signal.SIGKILL}:  # the others stopped by torchrun
             return 2
+        if forwarder.forwarded and codes <= {-signum for signum in forwarder.forwarded}:
+            print("rapidtrain: the ranks ended on SIGTERM without saving (a run saves on SIGTERM when it has "
+                  "--save, or stops cleanly with --exit-signal-handler, once its training has started)",
+                  file=sys.stderr)
+            return 128 + signal.SIGTERM
         raise
+    except SignalException as stopped:  # a signal torchrun handles itself (SIGINT, SIGHUP, SIGQUIT)
+        return 128 + int(stopped.sigval)
+    finally:
+        forwarder.settle()
     return 0
 
 

@@ -28,6 +28,7 @@ from rapidtrain.errors import UserError
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.runner import LossTotal, StepOutcome, agree
 from rapidtrain.plan import Plan, RunContext, from_args
+from rapidtrain.shutdown import stop_rank_with_torchrun
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
 
@@ -134,6 +135,7 @@ class Engine:
         self.plan: Plan = from_args(self.args, self.context)
         if self.plan.model is not None:  # Megatron's args carry it; user scripts read it from get_args()
             self.args.padded_vocab_size = self.plan.model.vocab_size
+        stop_rank_with_torchrun()  # torchrun gone (even SIGKILLed): SIGTERM, so this rank saves and exits
         init_distributed(self.args.distributed_backend, self.context.device_type)
         self.device = self._device()
         if self.device.type == "cpu" and self.args.cpu_allocator_tuning:

@@ -218,6 +218,10 @@ class TrainingSettings:
     seed: int = 1234
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    # SIGTERM: "save" (with --save: a checkpoint at the end of the iteration, exit 0), "stop" (no --save but
+    # --exit-signal-handler: end cleanly at the end of the iteration, exit 0), "default" (the process ends
+    # at once, as in Megatron without --exit-signal-handler).
+    on_sigterm: Literal["save", "stop", "default"] = "default"
 
 
 @dataclass(frozen=True)
@@ -466,7 +470,8 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
         eval_interval = 1000  # Megatron's default; fine-tuning evaluates after each epoch instead
     return TrainingSettings(train_iters=args.train_iters, epochs=args.epochs, eval_interval=eval_interval,
                             eval_iters=args.eval_iters, seed=args.seed, exit_interval=args.exit_interval,
-                            exit_duration_in_mins=args.exit_duration_in_mins)
+                            exit_duration_in_mins=args.exit_duration_in_mins,
+                            on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
 
 
 def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
@@ -905,6 +910,13 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
+ON_SIGTERM = {
+    "save": "save a checkpoint at the end of the iteration, exit 0 (a repeated SIGTERM cannot cut the save)",
+    "stop": "stop at the end of the iteration and exit 0, nothing saved (--exit-signal-handler without --save)",
+    "default": "the process ends at once, nothing saved (give --save, or --exit-signal-handler to stop cleanly)",
+}
+
+
 def _training_length(t: TrainingSettings) -> str:
     length = f"{t.train_iters} iterations" if t.train_iters else f"{t.epochs or 1} epoch(s)"
     evaluation = f"evaluation every {t.eval_interval} iterations" if t.eval_interval else "evaluation after each epoch"
@@ -980,5 +992,6 @@ def describe_plan(plan: Plan) -> str:
             ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
              if ck.save else [])
             + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else [])))
+    lines.append("  on SIGTERM: " + ON_SIGTERM[plan.training.on_sigterm])
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -638,7 +638,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "warmup-within-decay", ("--lr-warmup-iters", "--train-iters", "--lr-decay-iters"),
         "Warm-up ends before the decay horizon.",
-        lambda a, c: a.train_iters is not None and a.lr_warmup_iters > 0
+        lambda a, c: (a.lr_decay_iters or a.train_iters) is not None and a.lr_warmup_iters > 0
         and a.lr_warmup_iters >= (a.lr_decay_iters or a.train_iters),
         lambda a, c: f"--lr-warmup-iters {a.lr_warmup_iters} is not shorter than the decay horizon "
         f"({'--lr-decay-iters' if a.lr_decay_iters else '--train-iters'} {a.lr_decay_iters or a.train_iters}). "

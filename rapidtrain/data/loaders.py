@@ -21,6 +21,7 @@ from rapidtrain.data.samplers import (
     MegatronRandomSampler,
     check_data_parallel_layout,
 )
+from rapidtrain.shutdown import ignore_sigterm_in_worker
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -141,6 +142,7 @@ def _data_loader(
         pin_memory=s.pin_memory,
         persistent_workers=False,
         generator=generator,
+        worker_init_fn=ignore_sigterm_in_worker,  # a SIGTERM to the group is the rank's to answer (it saves)
     )
 
 

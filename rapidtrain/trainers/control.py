@@ -3,7 +3,9 @@ stop signal turns SIGTERM (sent by schedulers and torchrun on shutdown) into a r
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import signal
 import time
 from typing import Any
@@ -13,39 +15,57 @@ from rapidtrain.plan import CheckpointSettings, TrainingSettings
 
 
 class StopSignal:
-    """SIGTERM asks the loop to save and exit cleanly; the handler stays until `restore()` (after the final
-    save), so a second SIGTERM during that save does not kill it."""
+    """SIGTERM asks the loop to save and exit cleanly. The handler stays until `restore()` (after the final
+    save), so a second SIGTERM during that save does not kill it; after a stop by signal it stays until the
+    process exits (then ignored through the interpreter's finalization), as a repeat must not kill the exit. A
+    process forked from this one (a multiprocessing pool, whose terminate() sends SIGTERM) still ends on
+    SIGTERM as usual."""
 
     def __init__(self) -> None:
         self.received = False
+        self._owner = os.getpid()
         self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._owner:  # inherited by a fork: not the trainer, so the default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.received = True
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        if not self.received:
+            signal.signal(signal.SIGTERM, self._previous)
+            return
+        # The process is on its way out. The interpreter puts back the default action for Python handlers when
+        # it finalizes, which a late repeat would turn into death by SIGTERM after a good save: from the
+        # atexit hooks on, repeats are ignored by the kernel instead.
+        atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
 
 
 class StopConditions:
     """--exit-interval (the same on every rank), and the requests a rank makes alone (SIGTERM,
-    --exit-duration-in-mins), which the loop agrees on with the iteration's other decisions."""
+    --exit-duration-in-mins, counted from when the trainer is built), which the loop agrees on with the
+    iteration's other decisions. SIGTERM is handled with --save or --exit-signal-handler (plan.training.on_sigterm);
+    otherwise it ends the process at once, as in Megatron without --exit-signal-handler."""
 
     def __init__(self, settings: TrainingSettings) -> None:
         self.settings = settings
         self.started = time.time()
-        self.signal = StopSignal()
+        self.signal = StopSignal() if settings.on_sigterm != "default" else None
 
     def requested(self) -> bool:
         minutes = self.settings.exit_duration_in_mins
-        return self.signal.received or bool(minutes and time.time() - self.started > minutes * 60)
+        received = self.signal is not None and self.signal.received
+        return received or bool(minutes and time.time() - self.started > minutes * 60)
 
     def interval_reached(self, iteration: int) -> bool:
         interval = self.settings.exit_interval
         return bool(interval and iteration % interval == 0)
 
     def close(self) -> None:
-        self.signal.restore()
+        if self.signal is not None:
+            self.signal.restore()
 
 
 class Checkpointer:
@@ -60,9 +80,10 @@ class Checkpointer:
         self._lock: Any = None
 
     def open(self) -> None:
-        """Before anything is loaded or saved: rank 0 takes --save for this run (one writer per folder), refuses
-        to overwrite checkpoints it did not load, and cleans what killed saves left."""
-        if not self.enabled or self.trainer.engine.rank != 0:
+        """Before the data and the model are built (the templates' setup starts with it), and again harmlessly
+        before loading: rank 0 takes --save for this run (one writer per folder), refuses to overwrite
+        checkpoints it did not load, and cleans what killed saves left."""
+        if not self.enabled or self.trainer.engine.rank != 0 or self._lock is not None:
             return
         from rapidtrain.save_folder import prepare_save_folder
 

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
 from rapidtrain.data.samplers import MegatronPretrainingSampler
+from rapidtrain.shutdown import ignore_sigterm_in_worker
 from rapidtrain.trainers.trainer import Trainer
 
 
@@ -47,6 +48,7 @@ class PreTrainer(Trainer):
     # ---- setup ----
     def setup(self) -> None:
         plan, training = self.plan, self.plan.training
+        self.checkpointer.open()  # --save usable and ours, before minutes go into data and model
         counts = train_valid_test_num_samples(training.train_iters, training.eval_interval or training.train_iters,
                                               training.eval_iters, plan.batches.global_batch_size)
         self.train_ds, self.valid_ds, self.test_ds = self.train_valid_test_datasets_provider(counts)
@@ -63,11 +65,12 @@ class PreTrainer(Trainer):
                                              self.engine.mesh.data_parallel_rank,
                                              self.plan.layout.data_parallel_size)
         # Its own generator: each iter() of a DataLoader draws a worker seed, which must not move the global
-        # RNG (dropout), or a run resumed would draw different masks than the run it continues.
+        # RNG (dropout), or a run resumed would draw different masks than the run it continues. Workers leave
+        # SIGTERM to this process, which saves before it stops them.
         return DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
                           collate_fn=self.collate_fn(), pin_memory=self.engine.device.type == "cuda",
                           persistent_workers=data.num_workers > 0,
-                          generator=torch.Generator().manual_seed(data.seed))
+                          generator=torch.Generator().manual_seed(data.seed), worker_init_fn=ignore_sigterm_in_worker)
 
     def micro_batches(self, iterator: Iterator[Any]) -> list[Any]:
         return [next(iterator) for _ in range(self.plan.batches.accumulation_steps)]

@@ -31,6 +31,7 @@ from rapidtrain.data.loaders import (
     train_loader,
 )
 from rapidtrain.engine import Engine, TrainingStopped
+from rapidtrain.errors import UserError
 from rapidtrain.metrics import TensorBoardWriter, ThroughputMeter
 from rapidtrain.parallel.runner import as_loss, autocast
 from rapidtrain.trainers.control import Checkpointer, StopConditions
@@ -72,6 +73,8 @@ class Trainer:
         self.model: Any = None
         self.token_count: Callable[[Any], int | None] = default_token_count
         self.checkpointer = Checkpointer(self.plan.checkpoint, self)
+        # SIGTERM from here on asks for a save at the end of an iteration, even if it comes during setup.
+        self.stop = StopConditions(self.plan.training)
         self.history: list[dict[str, Any]] = []
         self._eval_loader: ShardedLoader | None = None
         self._epoch_ends = False
@@ -142,14 +145,19 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Iterate until the end of training or a stop; save at the end; the template's final results."""
-        if self.finished():
-            self.engine.print_rank0(f" nothing to do: the checkpoint is at iteration {self.iteration}, the end")
-            return {}
-        plan, started_at = self.plan, self.iteration
+        try:
+            if self.finished():
+                self.engine.print_rank0(f" nothing to do: the checkpoint is at iteration {self.iteration}, the end")
+                return {}
+            return self._run()
+        finally:
+            self.stop.close()  # only now: a SIGTERM during the final save must not cut it
+
+    def _run(self) -> dict[str, Any]:
+        plan, started_at, stop = self.plan, self.iteration, self.stop
         self.writer = TensorBoardWriter(plan.logging.tensorboard_dir if self.is_logging_rank else None)
         self.meter, self.totals = ThroughputMeter(self.engine.device), IntervalTotals()
         self.records = LossRecords(plan.logging.loss_log_file if self.is_logging_rank else None)
-        stop = StopConditions(plan.training)
         stopped = False
         try:
             self.meter.start()
@@ -170,7 +178,6 @@ class Trainer:
                 self.checkpointer.save(self.iteration)
         finally:
             self.records.flush()
-            stop.close()
             self.checkpointer.close()
         results = self.end_of_training(stopped)
         self.writer.close()
@@ -262,6 +269,7 @@ class Trainer:
     # ---- the general template's data: epochs over a map-style dataset ----
     def setup(self) -> None:
         engine, plan = self.engine, self.plan
+        self.checkpointer.open()  # --save usable and ours, before minutes go into data and model
         self.train_ds, self.valid_ds, self.test_ds, collate_fn = self.train_valid_test_datasets_provider()
         if collate_fn is None and plan.switches.dynamic_shape:
             from rapidtrain.data.dynamic_shape import FinetuneCollator
@@ -275,6 +283,7 @@ class Trainer:
         self.micro_steps_per_epoch = self.samples_per_epoch // (
             plan.data.micro_batch_size * plan.layout.data_parallel_size)
         self.steps_per_epoch = math.ceil(self.micro_steps_per_epoch / plan.batches.accumulation_steps)
+        self.check_warmup_fits()
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         self.prepare_model(model)
         if scheduler is not None:
@@ -288,6 +297,21 @@ class Trainer:
             f" training: {len(self.train_ds)} samples, {self.steps_per_epoch} steps of "
             f"{plan.batches.global_batch_size} samples per epoch, {engine.total_iterations(self.steps_per_epoch)} "
             "steps in all")
+
+    def check_warmup_fits(self) -> None:
+        """Warm-up against the training's length, which epoch-based training knows only once the data is counted:
+        refused here, before the model is built (the flags' rules catch it when --train-iters or
+        --lr-decay-iters give the horizon)."""
+        warmup, decay_iters = self.plan.schedule.warmup_iters, self.plan.schedule.decay_iters
+        total = self.engine.total_iterations(self.steps_per_epoch)
+        if not warmup or decay_iters or warmup < total:
+            return
+        epochs = self.plan.training.epochs or 1
+        raise UserError(
+            f"--lr-warmup-iters {warmup} is not shorter than the training: --epochs {epochs} × {self.steps_per_epoch} "
+            f"steps per epoch ({self.samples_per_epoch} samples in global batches of "
+            f"{self.plan.batches.global_batch_size}) = {total} iterations. Lower --lr-warmup-iters (or use "
+            "--lr-warmup-fraction), set --lr-decay-iters, or train longer (--epochs).")
 
     def prepare_model(self, model: Any) -> None:
         """Look at the model before it is wrapped (Finetuner: how to export it)."""

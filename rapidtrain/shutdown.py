@@ -1,0 +1,151 @@
+"""How a stop request reaches the process that acts on it: the `rapidtrain` launcher forwards signals to torchrun,
+torchrun (as the launcher starts it) passes SIGTERM to the ranks and waits for them, DataLoader workers leave
+SIGTERM to their rank, and a process whose parent dies is told so by the kernel (Linux's parent-death signal).
+
+The chain, and why each link is there:
+- launcher → torchrun: torchrun runs in its own session, so a signal to the launcher's process group (a
+  terminal's Ctrl-C, `kill -- -PGID`, a scheduler) reaches the launcher only, which forwards it exactly once.
+- torchrun → ranks: torchrun's own handler would send SIGTERM to each rank's whole process group (the rank and
+  its DataLoader workers), then SIGKILL after --shutdown-timeout (30 s), then exit 1 with a traceback; a
+  second signal during that wait aborts it. The launcher's torchrun instead forwards SIGTERM to the ranks
+  alone and keeps monitoring them, so a rank that saves and exits 0 ends the launch with status 0, however
+  long the save takes and however often SIGTERM arrives.
+- rank → DataLoader workers: workers ignore SIGTERM (the rank decides; it stops them when it exits), so a
+  signal to the rank's group cannot kill them under the rank's feet ("DataLoader worker ... is killed by
+  signal: Terminated").
+- parent death: torchrun asks for SIGTERM when the launcher dies and each rank when torchrun dies, so a
+  SIGKILLed launcher or torchrun leaves no rank training on as an orphan: the ranks save and exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+# The process that started this one, exported by the launcher (for torchrun) and by the launcher's torchrun
+# (for the ranks), so a child can tell whether its parent died before it asked to be told.
+PARENT_PID_ENV = "RAPIDTRAIN_PARENT_PID"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_parent(expected_parent: int | None = None, signum: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send `signum` to this process when its parent ends (Linux only; False elsewhere or
+    when refused). If the parent is already gone (`expected_parent` is no longer it), the signal is sent now."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os.kill(os.getpid(), signum)
+    return True
+
+
+def parent_pid_from_env() -> int | None:
+    value = os.environ.get(PARENT_PID_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
+def stop_rank_with_torchrun() -> bool:
+    """A rank started by torchrun: SIGTERM when torchrun ends (SIGKILL included), so the rank saves and exits
+    instead of training on as an orphan. Only under torchrun: a `python script.py` run started from a shell
+    that later exits (nohup) must keep training."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    return stop_with_parent(parent_pid_from_env())
+
+
+def ignore_sigterm_in_worker(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: SIGTERM is the rank's to handle (save, then stop its workers itself)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def exit_status(returncode: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for a child ended by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run `command` in its own session, forward every stop signal this process receives to it, and wait for
+    it however long it takes; its exit status. The child learns this process's pid (PARENT_PID_ENV).
+
+    A signal that was forwarded stays ignored afterwards: this process is about to exit with the child's
+    status, and a repeat arriving in between must not replace that status with its own death."""
+    env = dict(os.environ if env is None else env, **{PARENT_PID_ENV: str(os.getpid())})
+    process: subprocess.Popen | None = None
+    received: list[int] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    try:
+        process = subprocess.Popen(list(command), env=env, start_new_session=True)
+        for signum in list(received):  # arrived while it was being started
+            process.send_signal(signum)
+        return exit_status(process.wait())
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_IGN if signum in received else handler)
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """The live children of `parent` (this process by default), from /proc."""
+    parent = os.getpid() if parent is None else parent
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            children.append(int(entry.name))
+    return children
+
+
+class RankSignalForwarder:
+    """In the launcher's torchrun: SIGTERM goes to the ranks (never their DataLoader workers) and torchrun
+    keeps waiting for them. Before any rank exists, torchrun's own handling shuts the launch down."""
+
+    def __init__(self) -> None:
+        self.forwarded: set[int] = set()
+
+    @staticmethod
+    def available() -> bool:
+        return sys.platform.startswith("linux") and Path("/proc/self/stat").exists()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._forward)
+
+    def _forward(self, signum: int, _frame: FrameType | None) -> None:
+        ranks = child_pids()
+        if not ranks and not self.forwarded:  # none started yet: torchrun's own shutdown
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        self.forwarded.add(signum)  # a repeat after the ranks have gone changes nothing: they were told
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def settle(self) -> None:
+        """torchrun is done: after a forwarded stop, a repeat must not kill it on its way out (the interpreter
+        drops Python handlers while it finalizes), or its status would be the signal's, not the ranks'."""
+        if self.forwarded:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
