@@ -281,6 +281,16 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "option-needs-its-switch": (
+        ["--wandb-exp-name", "run1", "--mlflow-run-name", "r", "--profile-ranks", "1", "--async-save"],
+        ["--wandb-project", "p", "--wandb-exp-name", "run1", "--mlflow-experiment", "e", "--mlflow-run-name", "r",
+         "--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "1",
+         "--async-save", "--save", "ck"],
+        2,
+        "cpu",
+    ),
+    "profile-steps": (["--profile", "--profile-step-start", "4", "--profile-step-end", "4"],
+                      ["--profile", "--profile-step-start", "3", "--profile-step-end", "4"], 1, "cpu"),
 }
 # Rules about what the flags alone do not say: (context that violates, context that passes).
 CONTEXT_CASES = {"world-size-positive": (RunContext(-3, "cpu"), RunContext(2, "cpu"))}
@@ -421,3 +431,16 @@ def test_plan_command_refuses_zero3_with_pipeline_naming_both_flags():
     )
     assert "--zero-1-memory-optimization or --zero-2-memory-optimization instead" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--profile"], "--profile-step-end 12 is past --train-iters 10"),  # Megatron's default window
+    (["--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "2"],
+     "rank(s) [2] do not exist in a world of 2"),
+    (["--wandb-save-dir", "w", "--mlflow-tracking-uri", "file:m"],
+     "--wandb-save-dir needs --wandb-project; --mlflow-tracking-uri needs --mlflow-experiment"),
+])
+def test_profiler_and_tracker_refusals_name_the_flags(flags, named):
+    args = arguments.parse_args(BASE + flags)
+    messages = rules.violations(args, RunContext(2, "cpu"))
+    assert any(named in m for m in messages), messages
