@@ -23,6 +23,9 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed"],
         "hf": ["transformers", "datasets", "peft", "accelerate"],
+        # --wandb-project and --mlflow-experiment. mlflow-skinny is MLflow's client without its server and UI
+        # dependencies; SQLAlchemy and Alembic let it write its default store, a local SQLite file.
+        "tracking": ["wandb", "mlflow-skinny", "sqlalchemy", "alembic"],
         "dev": ["pytest", "pytest-timeout", "ruff"],
     },
     entry_points={"console_scripts": ["rapidtrain=rapidtrain.cli:main"]},
