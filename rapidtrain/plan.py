@@ -42,8 +42,10 @@ class RunContext:
         script = getattr(args, "user_script", None) or script
         if "WORLD_SIZE" in os.environ:
             return RunContext(int(os.environ["WORLD_SIZE"]), device_type, script)
+        from rapidtrain.slurm import node_layout
+
         per_node = getattr(args, "nproc_per_node", None) or default_nproc_per_node(device_type)
-        return RunContext(per_node * int(os.environ.get("NNODES", "1")), device_type, script)
+        return RunContext(per_node * node_layout(os.environ).nnodes, device_type, script)
 
 
 def default_nproc_per_node(device_type: DeviceType) -> int:
