@@ -1,5 +1,7 @@
 """The training loop every template shares, written once: one iteration = one global batch = one optimizer
-step; then the log line, the template's own work (evaluation, epoch ends), the checkpointer, the stop check.
+step; then the log line (to the console and the writers: TensorBoard, W&B, MLflow), the template's own work
+(evaluation, epoch ends), the checkpointer (which also publishes a finished background save), the profiler's
+step, the stop check.
 
 `Trainer` is also Rapidformer's general template: `train_valid_test_datasets_provider()` → (train, valid,
 test, collate_fn) of map-style datasets, `model_optimizer_lr_scheduler_provider()`, and
