@@ -3,10 +3,10 @@
 One process (a gloo group of one, so the collectives the loop makes run as they do in training) trains a
 stack of linear layers with AdamW; a checkpoint (model + optimizer, a few hundred MB) is saved after step
 --save-at. Time lost = the time in the save call, plus for a background save the steps slowed by the writing thread
-(it shares the CPU: each overlapped step's excess over the run's median step), the polls (one host all-reduce
+(it shares the CPU: the overlapped steps' time beyond the run's median step), the polls (one host all-reduce
 per step while the write is under way) and the publish (manifest, rename).
 
-    python bench/async_save.py [--params-millions 40] [--steps 16] [--save-at 4] [--repeats 2]
+    python bench/async_save.py [--params-millions 40] [--steps 40] [--save-at 4] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -91,18 +91,18 @@ def train(runner: Runner, steps: int, save_at: int, mode: str, folder: Path, gro
 
 def time_lost(run: dict, save_at: int) -> tuple[float, float]:
     """(seconds lost to the save, of which steps slowed while it was written): the save call, polls and publish,
-    plus how much the steps that overlapped the background write exceeded the run's median step (measured
-    within the run, so load from other processes on a shared machine cancels out)."""
-    typical = statistics.median(run["steps"])
+    plus how much longer the steps that overlapped the background write took than the run's other steps (their
+    median; a signed sum, so that other processes' noise on a shared machine averages out)."""
     overlapped = run["steps"][save_at:run["published_at"]]
-    slowed = sum(max(0.0, s - typical) for s in overlapped)
+    others = run["steps"][:save_at] + run["steps"][run["published_at"]:]
+    slowed = sum(overlapped) - len(overlapped) * statistics.median(others) if overlapped else 0.0
     return run["call"] + run["poll"] + run["publish"] + slowed, slowed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params-millions", type=int, default=40)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-at", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="Each measurement's best of this many.")
     options = parser.parse_args()
