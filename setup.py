@@ -26,6 +26,9 @@ setup(
         # --optimizer adamw_8bit / paged_adamw_8bit / adamw_4bit, --load-in-4bit / --load-in-8bit: bitsandbytes
         # (0.50 steps its 8-bit optimizers and runs 4/8-bit layers on CPU too) and torchao (DTensor layouts).
         "lowbit": ["bitsandbytes>=0.50", "torchao>=0.18"],
+        # --wandb-project and --mlflow-experiment. mlflow-skinny is MLflow's client without its server and UI
+        # dependencies; SQLAlchemy and Alembic let it write its default store, a local SQLite file.
+        "tracking": ["wandb", "mlflow-skinny", "sqlalchemy", "alembic"],
         "dev": ["pytest", "pytest-timeout", "ruff"],
     },
     entry_points={"console_scripts": ["rapidtrain=rapidtrain.cli:main"]},

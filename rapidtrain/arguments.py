@@ -344,7 +344,7 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_logging(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("logging", "Log lines, TensorBoard, throughput")
+    g = parser.add_argument_group("logging", "Log lines, TensorBoard, W&B, MLflow, profiling, throughput")
     g.add_argument("--log-interval", type=int, default=100, help="Iterations between Megatron-style log lines.")
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--peak-tflops", type=float, default=None,
@@ -356,6 +356,33 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--debug", action="store_true",
                    help="Show the Python traceback of a user error (a bad flag, file or data) too; "
                         "RAPIDTRAIN_DEBUG=1 does the same.")
+    g.add_argument("--wandb-project", default=None,
+                   help="Log the log line's scalars and the plan (as the run's config) to this Weights & Biases "
+                        "project, from the logging rank (Megatron). WANDB_MODE=offline writes the run locally with no "
+                        "network (`wandb sync DIR` uploads it later).")
+    g.add_argument("--wandb-exp-name", default=None,
+                   help="The W&B run's name (default: one W&B makes up).")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="Folder for W&B's local files (default: SAVE/wandb with --save, else ./wandb).")
+    g.add_argument("--mlflow-experiment", default=None,
+                   help="Log the same scalars and the plan (as params and plan.json) to this MLflow experiment.")
+    g.add_argument("--mlflow-tracking-uri", default=None,
+                   help="Where MLflow writes: a local folder or file:DIR (MLflow's file store), sqlite:///FILE.db, or "
+                        "a server's http(s) address (default: $MLFLOW_TRACKING_URI, else MLflow's sqlite:///mlflow.db "
+                        "in the working folder).")
+    g.add_argument("--mlflow-run-name", default=None,
+                   help="The MLflow run's name (default: --wandb-exp-name when given, else one MLflow makes up).")
+    g.add_argument("--profile", action="store_true",
+                   help="Trace iterations --profile-step-start+1 to --profile-step-end with the PyTorch profiler on "
+                        "--profile-ranks (a .pt.trace.json per rank in --tensorboard-dir, else ./profile; open it "
+                        "in Perfetto or TensorBoard); on CUDA also a memory snapshot (memory_snapshot_rank{R}.pickle, "
+                        "for pytorch.org/memory_viz).")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="Iterations completed before tracing starts (Megatron's step index, from 0).")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="Iterations completed when tracing stops: steps [start, end) are traced.")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0],
+                   help="Global ranks that trace (default 0).")
 
 
 def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
@@ -374,6 +401,10 @@ def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="On --load, take the learning-rate schedule saved in the checkpoint, whatever these flags say "
                         "(Megatron).")
+    g.add_argument("--async-save", action="store_true",
+                   help="Write checkpoints in the background (torch.distributed.checkpoint's async_save) while "
+                        "training goes on; a checkpoint is published (latest_checkpointed_iteration.txt) once every "
+                        "rank has written it: at a later iteration, the next save or the end of the run.")
 
 
 GROUP_BUILDERS = (

@@ -24,7 +24,9 @@ import pickle
 import random
 import re
 import shutil
+import threading
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,9 +239,14 @@ def _files_written_by(directory: Path, rank: int) -> list[Path]:
     return sorted(directory.glob(f"__{rank}_*.distcp")) + [directory / "rng" / f"rank_{rank}.pt"]
 
 
-def _write_manifest(directory: Path) -> None:
-    """Each rank checksums the files it wrote (still in its page cache); rank 0 writes them all."""
-    mine = {str(p.relative_to(directory)): file_checksum(p) for p in _files_written_by(directory, _rank())}
+def _own_checksums(directory: Path) -> dict[str, Any]:
+    return {str(p.relative_to(directory)): file_checksum(p) for p in _files_written_by(directory, _rank())}
+
+
+def _write_manifest(directory: Path, mine: dict[str, Any] | None = None) -> None:
+    """Each rank checksums the files it wrote (still in its page cache; an async save did it in its background
+    thread and passes them as `mine`); rank 0 writes them all."""
+    mine = dict(_own_checksums(directory) if mine is None else mine)
     if _rank() == 0:
         for name in (METADATA_FILE, COMMON_FILE):
             mine[name] = file_checksum(directory / name)
@@ -490,35 +497,164 @@ def _refuse_if_out_of_space(error: BaseException, tmp: Path) -> None:
     ) from None
 
 
-def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
-                    config: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
-    """Write iteration `iteration` (every rank calls this); `config` is the run's flags and plan as JSON values
-    (the plan's model settings are checked at load)."""
-    root = Path(root)
+def _prepare_save(root: Path, iteration: int) -> tuple[Path, Path]:
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
-    common = common_state(iteration, consumed_samples, config, lr_scheduler, extra) if _rank() == 0 else ""
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
+    return final, tmp
+
+
+def _write_small_files(tmp: Path, common: str) -> None:
+    """This rank's RNG state, and on rank 0 the common state: small, written at once by every kind of save."""
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+    if _rank() == 0:
+        (tmp / COMMON_FILE).write_text(common)
+
+
+def _publish_checkpoint(root: Path, iteration: int, tmp: Path, final: Path) -> None:
+    """Rank 0 renames the written folder into place, then points `latest` at it."""
+    if _rank() == 0:
+        _publish(tmp, final)
+        _write_atomically(root / LATEST_FILE, f"{iteration}\n")
+
+
+def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
+                    config: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    """Write iteration `iteration` (every rank calls this); `config` is the run's flags and plan as JSON values
+    (the plan's model settings are checked at load)."""
+    root = Path(root)
+    common = common_state(iteration, consumed_samples, config, lr_scheduler, extra) if _rank() == 0 else ""
+    final, tmp = _prepare_save(root, iteration)
     try:
         dcp.save(runner.state_dict(), checkpoint_id=str(tmp))
-        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-        if _rank() == 0:
-            (tmp / COMMON_FILE).write_text(common)
+        _write_small_files(tmp, common)
     except BaseException as error:
         _refuse_if_out_of_space(error, tmp)
         raise
     _barrier()
     _write_manifest(tmp)
     _barrier()
-    if _rank() == 0:
-        _publish(tmp, final)
-        _write_atomically(root / LATEST_FILE, f"{iteration}\n")
+    _publish_checkpoint(root, iteration, tmp, final)
     _barrier()
     return final
+
+
+# ---- async save: written in the background, published when every rank is done ----
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose tensors a background thread is writing into `tmp`. `written` resolves to this rank's
+    file checksums once its part is on disk (or to the write's error); `publish_async_save` then publishes it."""
+
+    root: Path
+    iteration: int
+    tmp: Path
+    final: Path
+    written: Future
+
+
+BACKGROUND_NICE = 10  # the saving thread's niceness: on a busy CPU, training threads get ~10x its share
+
+
+class BackgroundWriter(dcp.FileSystemWriter):
+    """FileSystemWriter that first lowers the CPU priority of the thread it writes from (async_save's own thread,
+    which ends with the save), so that where training keeps every core busy (CPU training) the write yields to it
+    instead of slowing each step; on a GPU run the host is mostly idle and the write goes at full speed."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:  # Linux: a thread id with PRIO_PROCESS sets that thread's niceness only
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        except (AttributeError, OSError):
+            pass  # elsewhere the write runs at normal priority
+        return super().write_data(plan, planner)
+
+
+def start_async_save(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
+                     config: dict[str, Any], extra: dict[str, Any] | None, process_group: Any) -> PendingSave:
+    """Copy the state to host memory and hand it to torch.distributed.checkpoint's async_save (every rank calls
+    this); returns as soon as the copy is made. `process_group` must be a gloo group of every rank used by
+    nothing else: the background thread runs the save's collectives on it while training uses the default one."""
+    root = Path(root)
+    common = common_state(iteration, consumed_samples, config, lr_scheduler, extra) if _rank() == 0 else ""
+    final, tmp = _prepare_save(root, iteration)
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    # The copy to host memory is made here, before training goes on (async_save's default staging, no pinned or
+    # shared memory); the stager is ours to close once the write is done.
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        upload = dcp.async_save(runner.state_dict(), storage_writer=BackgroundWriter(str(tmp)),
+                                process_group=process_group, async_stager=stager)
+        _write_small_files(tmp, common)
+    except BaseException as error:
+        stager.close()
+        _refuse_if_out_of_space(error, tmp)
+        raise
+    written: Future = Future()
+
+    def checksum_when_written(done: Future) -> None:  # runs in the saving thread, after its last write
+        try:
+            done.result()
+            written.set_result(_own_checksums(tmp))
+        except BaseException as error:  # handed to publish_async_save, which every rank reaches
+            written.set_exception(error)
+        finally:
+            stager.close()
+
+    upload.add_done_callback(checksum_when_written)
+    return PendingSave(root, iteration, tmp, final, written)
+
+
+def async_save_done(pending: PendingSave) -> bool:
+    """Whether every rank's background write has finished. Every rank calls this at the same point: one small
+    all-reduce of a host tensor on the default group (gloo carries CPU tensors: the engine's backend is
+    cpu:gloo,cuda:nccl), so no device is waited for and no rank waits for its own write."""
+    unfinished = torch.tensor([0 if pending.written.done() else 1], dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(unfinished, op=dist.ReduceOp.MAX)
+    return int(unfinished.item()) == 0
+
+
+def background_save_group() -> Any:
+    """A gloo group of every rank for the background thread's collectives (planning the save, gathering its
+    metadata), which must not share a group with the training thread's; None without torch.distributed.
+    Every rank calls this at the same point (it is a collective)."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
+def publish_async_save(pending: PendingSave) -> Path:
+    """Wait for this rank's background write, then publish as a blocking save does: the manifest from every
+    rank's checksums, the rename, `latest` last. Every rank calls this; a write that failed on any rank removes
+    the unfinished folder and raises CheckpointError everywhere, the previous `latest` untouched."""
+    try:
+        mine, problem = pending.written.result(), ""
+    except BaseException as error:
+        mine, problem = {}, _describe_failed_write(error, pending.tmp)
+    problems = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [""] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    failed = next((p for p in problems if p), "")
+    if failed:
+        if _rank() == 0:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+        raise CheckpointError(failed)
+    _write_manifest(pending.tmp, mine)
+    _publish_checkpoint(pending.root, pending.iteration, pending.tmp, pending.final)
+    _barrier()
+    return pending.final
+
+
+def _describe_failed_write(error: BaseException, tmp: Path) -> str:
+    name, full = tmp.name.removesuffix(".tmp"), _out_of_space(error)
+    reason = full.strerror if full is not None else f"{type(error).__name__}: {_first_line(error)}"
+    return (f"the background save of {name} into {tmp.parent} failed on rank {_rank()}: {reason}. The unfinished "
+            "checkpoint was removed and the earlier ones are intact" + (": free space, or resume with --load from "
+                                                                        "them." if full is not None else "."))
 
 
 # ---- load ----

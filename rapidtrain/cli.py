@@ -11,6 +11,7 @@ import argparse
 import os
 import runpy
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from rapidtrain import arguments, plan, rules
@@ -44,18 +45,22 @@ def entry_script(args: argparse.Namespace) -> Path:
     return PACKAGE_DIR / "finetune.py"
 
 
-def torchrun_command(args: argparse.Namespace, script: Path, argv: list[str], device_type: str) -> list[str]:
-    """torchrun (through `torchrun_command`'s quiet wrapper) with Rapidformer's environment (NNODES, NODE_RANK,
-    MASTER_*)."""
+def torchrun_command(args: argparse.Namespace, script: Path, argv: list[str], device_type: str,
+                     env: Mapping[str, str] | None = None) -> list[str]:
+    """torchrun (through `torchrun_command`'s quiet wrapper) on this node: Rapidformer's environment (NNODES,
+    NODE_RANK, MASTER_*), else Slurm's (node count, node id, first host of the node list), else one standalone
+    node."""
+    from rapidtrain.slurm import node_layout
+
+    nodes = node_layout(os.environ if env is None else env)
     nproc = args.nproc_per_node or plan.default_nproc_per_node(device_type) or 1
-    nnodes = int(os.environ.get("NNODES", "1"))
-    command = [sys.executable, "-m", "rapidtrain.cli", TORCHRUN, f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
-    if nnodes == 1 and "MASTER_ADDR" not in os.environ:
+    command = [sys.executable, "-m", "rapidtrain.cli", TORCHRUN, f"--nproc-per-node={nproc}",
+               f"--nnodes={nodes.nnodes}"]
+    if nodes.master_addr is None:
         command.append("--standalone")
     else:
-        command += [f"--node-rank={os.environ.get('NODE_RANK', '0')}",
-                    f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
-                    f"--master-port={os.environ.get('MASTER_PORT', '29500')}"]
+        command += [f"--node-rank={nodes.node_rank}", f"--master-addr={nodes.master_addr}",
+                    f"--master-port={nodes.master_port}"]
     if args.user_script:  # through rapidtrain.cli, which checks that the script trains something
         return command + ["-m", "rapidtrain.cli", *argv]
     return command + [str(script), *argv]

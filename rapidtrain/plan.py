@@ -48,8 +48,10 @@ class RunContext:
         script = getattr(args, "user_script", None) or script
         if "WORLD_SIZE" in os.environ:
             return RunContext(int(os.environ["WORLD_SIZE"]), device_type, script)
+        from rapidtrain.slurm import node_layout
+
         per_node = getattr(args, "nproc_per_node", None) or default_nproc_per_node(device_type)
-        return RunContext(per_node * int(os.environ.get("NNODES", "1")), device_type, script)
+        return RunContext(per_node * node_layout(os.environ).nnodes, device_type, script)
 
 
 def default_nproc_per_node(device_type: DeviceType) -> int:
@@ -235,6 +237,7 @@ class CheckpointSettings:
     # On --load, the learning-rate schedule: "same" (the flags must match the saved one), "flags"
     # (--override-opt_param-scheduler) or "checkpoint" (--use-checkpoint-opt_param-scheduler).
     schedule_from: Literal["same", "flags", "checkpoint"] = "same"
+    async_save: bool = False  # --async-save: written in the background, published once every rank finished
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,32 @@ class LoggingSettings:
     tensorboard_dir: str | None = None
     peak_tflops: float | None = None
     loss_log_file: str | None = None
+    tracking: TrackingSettings | None = None  # W&B and MLflow beside TensorBoard; None: neither
+
+
+@dataclass(frozen=True)
+class TrackingSettings:
+    """Experiment trackers fed the log line's scalars, with the plan as the run's config. A tracker is on when
+    its project (W&B) or experiment (MLflow) is named."""
+
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None  # resolved: --wandb-save-dir, else SAVE/wandb, else None (W&B's ./wandb)
+    mlflow_experiment: str | None = None
+    mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else MLflow's default
+    mlflow_run_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """--profile: the PyTorch profiler over steps [step_start, step_end) (iterations completed before each step,
+    counted from 0 as Megatron does) on `ranks`, traces written to `trace_dir`."""
+
+    enabled: bool = False
+    step_start: int = 10
+    step_end: int = 12
+    ranks: tuple[int, ...] = (0,)
+    trace_dir: str = "profile"
 
 
 @dataclass(frozen=True)
@@ -309,6 +338,7 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     lora: LoraSettings | None = None  # adapters and k-bit base of a Hugging Face fine-tune (None: not one)
     zero: ZeroSettings | None = None  # DeepSpeed ZeRO's settings (None: DeepSpeed does not serve this layout)
+    profile: ProfileSettings = field(default_factory=ProfileSettings)
 
     @property
     def train_iters(self) -> int | None:
@@ -405,7 +435,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
                 switches, training_settings(args), data_settings(args, ctx), tokenizer,
                 optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
                 args.clip_grad, checkpoint_settings(args), logging_settings(args), tuple(notes),
-                lora_settings(args), zero_settings(args, layout, ctx))
+                lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args))
 
 
 def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
@@ -479,12 +509,32 @@ def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
     return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
                               finetune=args.finetune, load_optimizer=not args.no_load_optim,
-                              load_rng=not args.no_load_rng, schedule_from=schedule_from)
+                              load_rng=not args.no_load_rng, schedule_from=schedule_from,
+                              async_save=getattr(args, "async_save", False))
 
 
 def logging_settings(args: argparse.Namespace) -> LoggingSettings:
     return LoggingSettings(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
-                           peak_tflops=args.peak_tflops, loss_log_file=args.loss_log_file)
+                           peak_tflops=args.peak_tflops, loss_log_file=args.loss_log_file,
+                           tracking=tracking_settings(args))
+
+
+def tracking_settings(args: argparse.Namespace) -> TrackingSettings | None:
+    project, experiment = getattr(args, "wandb_project", None), getattr(args, "mlflow_experiment", None)
+    if not project and not experiment:
+        return None
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    return TrackingSettings(wandb_project=project or None, wandb_exp_name=args.wandb_exp_name,
+                            wandb_save_dir=save_dir if project else None, mlflow_experiment=experiment or None,
+                            mlflow_tracking_uri=args.mlflow_tracking_uri if experiment else None,
+                            mlflow_run_name=(args.mlflow_run_name or args.wandb_exp_name) if experiment else None)
+
+
+def profile_settings(args: argparse.Namespace) -> ProfileSettings:
+    if not getattr(args, "profile", False):
+        return ProfileSettings()
+    return ProfileSettings(True, args.profile_step_start, args.profile_step_end, tuple(args.profile_ranks),
+                           args.tensorboard_dir or "profile")
 
 
 def schedule_settings(args: argparse.Namespace) -> ScheduleSettings:
@@ -992,6 +1042,32 @@ def describe_plan(plan: Plan) -> str:
             ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
              if ck.save else [])
             + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else [])))
+        if ck.async_save and ck.save:
+            lines.append("    async save: written by a background thread (torch.distributed.checkpoint async_save) "
+                         "from a copy in host memory; published once every rank has finished writing")
+    lines += _reporting_lines(plan)
     lines.append("  on SIGTERM: " + ON_SIGTERM[plan.training.on_sigterm])
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _reporting_lines(plan: Plan) -> list[str]:
+    """Where the run's scalars, config and traces go, beyond the log line."""
+    lines, log = [], plan.logging
+    if log.tensorboard_dir:
+        lines.append(f"  tensorboard: scalars and the plan in {log.tensorboard_dir}")
+    tracking = log.tracking
+    if tracking and tracking.wandb_project:
+        lines.append(f"  weights & biases: project {tracking.wandb_project}"
+                     + (f", run {tracking.wandb_exp_name}" if tracking.wandb_exp_name else "")
+                     + f", files in {tracking.wandb_save_dir or './wandb'} (WANDB_MODE=offline: no network)")
+    if tracking and tracking.mlflow_experiment:
+        where = tracking.mlflow_tracking_uri or "$MLFLOW_TRACKING_URI, else MLflow's default (sqlite:///mlflow.db)"
+        lines.append(f"  mlflow: experiment {tracking.mlflow_experiment}"
+                     + (f", run {tracking.mlflow_run_name}" if tracking.mlflow_run_name else "") + f" at {where}")
+    profile = plan.profile
+    if profile.enabled:
+        lines.append(f"  profiler: PyTorch profiler on ranks {list(profile.ranks)} over iterations "
+                     f"{profile.step_start + 1}-{profile.step_end}, traces in {profile.trace_dir}"
+                     " (a CUDA memory snapshot beside them on GPUs)")
+    return lines

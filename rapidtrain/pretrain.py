@@ -87,6 +87,29 @@ class MegatronPreTrainer(PreTrainer):
 
         return float(model_flops_per_iteration(self.plan.model, self.plan.batches.global_batch_size))
 
+    def end_of_training(self, stopped: bool) -> dict[str, Any]:
+        results = super().end_of_training(stopped)
+        if self.plan.data.source == "demo" and not stopped and self.finished():
+            self.print_demo_sample()
+        return results
+
+    def print_demo_sample(self) -> None:
+        """What the demo's model writes after the prompt: a newcomer sees what training did. Tensor-parallel ranks
+        generate together (each runs its heads); a pipeline stage or a sharded model cannot generate alone."""
+        from rapidtrain.generation import generate_sample
+
+        reason = demo_sample_unavailable(self.plan)
+        if reason:
+            save = self.plan.checkpoint.save
+            self.engine.print_rank0(f" sample: not generated here ({reason}); "
+                                    + (f"`rapidtrain generate --load {save} --prompt '{DEMO_PROMPT}'` loads the "
+                                       "checkpoint whole in one process" if save else
+                                       "save with --save, then `rapidtrain generate --load SAVE --prompt ...`"))
+            return
+        text = generate_sample(self.model, self.tokenizer, DEMO_PROMPT, DEMO_SAMPLE_TOKENS)
+        self.engine.print_rank0(f" sample from the trained model (greedy, up to {DEMO_SAMPLE_TOKENS} tokens after the "
+                                "prompt):\n   " + text.replace("\n", "\n   "))
+
     def run_forward_step(self, data_iterator: Any, model: Any) -> Any:
         batch = {k: v.to(self.engine.device, non_blocking=True) for k, v in next(data_iterator).items()}
         if self.plan.model.model_type == "bert":
@@ -105,6 +128,22 @@ class MegatronPreTrainer(PreTrainer):
         lm_loss = masked_sum(per_token, batch["loss_mask"])
         sop = torch.nn.functional.cross_entropy(binary_logits.float(), batch["is_random"])
         return lm_loss[0] / lm_loss[1].clamp(min=1) + sop
+
+
+DEMO_PROMPT = "Return a new"  # the demo corpus is the standard library's docstrings
+DEMO_SAMPLE_TOKENS = 24
+
+
+def demo_sample_unavailable(plan: Any) -> str:
+    """Why the demo's closing sample cannot be generated under this layout, or "" when it can."""
+    if plan.model is None or plan.model.model_type != "gpt":
+        return "only the GPT generates text"
+    if plan.layout.pipeline_parallel_size > 1:
+        return "pipeline parallelism: each stage holds some layers only"
+    if plan.switches.partitioning in ("fsdp", "sdp", "zero-3") or (
+            plan.switches.partitioning in ("zero-1", "zero-2") and plan.switches.partitioning_engine == "fsdp2"):
+        return f"{plan.switches.partitioning} partitioning shards the parameters over the ranks"
+    return ""
 
 
 def masked_sum(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -300,6 +300,38 @@ def _train_samples(args: Args, ctx: RunContext) -> int | None:
     return args.train_iters * (args.global_batch_size or args.micro_batch_size * max(_dp(args, ctx), 1))
 
 
+# Options of a switch that is off would be accepted and do nothing: each is refused without its switch.
+TRACKER_OPTIONS = (("wandb_exp_name", "wandb_project"), ("wandb_save_dir", "wandb_project"),
+                   ("mlflow_tracking_uri", "mlflow_experiment"), ("mlflow_run_name", "mlflow_experiment"),
+                   ("profile_step_start", "profile"), ("profile_step_end", "profile"), ("profile_ranks", "profile"),
+                   ("async_save", "save"))
+
+
+def _options_without_switch(args: Args) -> list[str]:
+    given = set(getattr(args, "given_flags", ()))
+    return [f"{_flag(option)} needs {_flag(switch)}" for option, switch in TRACKER_OPTIONS
+            if option in given and not getattr(args, switch, None)]
+
+
+def _profile_problem(args: Args, ctx: RunContext) -> str | None:
+    """Why --profile would trace nothing or fail, or None."""
+    if not getattr(args, "profile", False):
+        return None
+    start, end = args.profile_step_start, args.profile_step_end
+    if start < 0 or end <= start:
+        return (f"--profile-step-start {start} / --profile-step-end {end}: steps [start, end) are traced, so "
+                "0 ≤ start < end (e.g. 10 and 12).")
+    if args.train_iters is not None and end > args.train_iters:
+        return (f"--profile-step-end {end} is past --train-iters {args.train_iters}: the run ends before the trace "
+                f"does. Choose steps within the run (e.g. --profile-step-start "
+                f"{max(args.train_iters - 2, 0)} --profile-step-end {args.train_iters}).")
+    outside = [r for r in args.profile_ranks if not 0 <= r < ctx.world_size]
+    if outside:
+        return (f"--profile-ranks {' '.join(map(str, args.profile_ranks))}: rank(s) {outside} do not exist in a world "
+                f"of {ctx.world_size}; give ranks from 0 to {ctx.world_size - 1}.")
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         "positive-sizes", ("--micro-batch-size", "--tensor-model-parallel-size", "--num-layers"),
@@ -894,6 +926,22 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: bool(a.nvme_offload_dir) and _async_io_problem() is not None,
         lambda a, c: f"--nvme-offload-dir {a.nvme_offload_dir}: {_async_io_problem()}. Install it, or offload to "
         "host memory with --cpu-offload --cpu-offload-params.",
+    ),
+    Rule(
+        "option-needs-its-switch", ("--wandb-exp-name", "--wandb-project", "--mlflow-tracking-uri",
+                                    "--mlflow-experiment", "--profile-step-start", "--profile", "--async-save",
+                                    "--save"),
+        "A tracker's, the profiler's or the async save's options need their switch (--wandb-project, "
+        "--mlflow-experiment, --profile, --save); alone they would do nothing.",
+        lambda a, c: bool(_options_without_switch(a)),
+        lambda a, c: f"{'; '.join(_options_without_switch(a))}: without its switch an option does nothing. Add the "
+        "switch, or drop the option.",
+    ),
+    Rule(
+        "profile-steps", ("--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks"),
+        "--profile traces steps [start, end) with 0 ≤ start < end ≤ --train-iters, on ranks that exist.",
+        lambda a, c: _profile_problem(a, c) is not None,
+        lambda a, c: str(_profile_problem(a, c)),
     ),
 )
 

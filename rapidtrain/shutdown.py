@@ -80,13 +80,18 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     """Run `command` in its own session, forward every stop signal this process receives to it, and wait for
     it however long it takes; its exit status. The child learns this process's pid (PARENT_PID_ENV).
 
-    A signal that was forwarded stays ignored afterwards: this process is about to exit with the child's
-    status, and a repeat arriving in between must not replace that status with its own death."""
+    Each signal is forwarded once: the child was told, and a repeat (a scheduler's SIGTERM loop, an impatient
+    `kill`) reaching it while its interpreter finalizes, when Python handlers no longer run, would turn the
+    child's clean exit after its save into a death by signal. A signal that was forwarded stays ignored here
+    afterwards too: this process is about to exit with the child's status, and a repeat arriving in between
+    must not replace that status with its own death. SIGKILL remains the way to end a run at once."""
     env = dict(os.environ if env is None else env, **{PARENT_PID_ENV: str(os.getpid())})
     process: subprocess.Popen | None = None
     received: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
+        if signum in received:
+            return
         received.append(signum)
         if process is not None:
             with contextlib.suppress(ProcessLookupError):

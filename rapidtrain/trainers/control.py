@@ -78,6 +78,8 @@ class Checkpointer:
         self.saved_at: int | None = None
         self._requested = False
         self._lock: Any = None
+        self._pending: Any = None  # a background save (--async-save) not yet published
+        self._group: Any = None  # the gloo group background saves run their collectives on
 
     def open(self) -> None:
         """Before the data and the model are built (the templates' setup starts with it), and again harmlessly
@@ -105,6 +107,7 @@ class Checkpointer:
         self._requested = True
 
     def maybe_save(self, iteration: int) -> None:
+        self.poll()
         interval = self.settings.save_interval
         due = self._requested or bool(interval and iteration % interval == 0)
         self._requested = False
@@ -112,18 +115,49 @@ class Checkpointer:
             self.save(iteration, force=True)
 
     def save(self, iteration: int, force: bool = False) -> None:
-        """Save the trainer's state at `iteration` (unless it was already saved there and nothing changed)."""
+        """Save the trainer's state at `iteration` (unless it was already saved there and nothing changed); with
+        --async-save in the background, after the previous background save is published."""
         if not self.enabled or (self.saved_at == iteration and not force):
             return
-        from rapidtrain.checkpoint import save_checkpoint
+        from rapidtrain.checkpoint import background_save_group, save_checkpoint, start_async_save
 
         trainer, engine = self.trainer, self.trainer.engine
         config = {"args": json.loads(json.dumps(flag_values(engine.args), default=str)),
                   "plan": json.loads(engine.plan.to_json())}
-        path = save_checkpoint(self.settings.save, iteration, engine.runner, engine.lr_scheduler,
-                               trainer.consumed_samples, config, extra=trainer.checkpoint_extra())
+        state = (self.settings.save, iteration, engine.runner, engine.lr_scheduler, trainer.consumed_samples, config,
+                 trainer.checkpoint_extra())
         self.saved_at = iteration
-        engine.print_rank0(f" saved checkpoint at iteration {iteration:7d} to {path}")
+        if not self.settings.async_save:
+            path = save_checkpoint(*state)
+            engine.print_rank0(f" saved checkpoint at iteration {iteration:7d} to {path}")
+            return
+        self.finish()  # one background save at a time: its host copy of the state is freed before the next
+        if self._group is None:
+            self._group = background_save_group()
+        self._pending = start_async_save(*state, process_group=self._group)
+        engine.print_rank0(f" saving checkpoint at iteration {iteration:7d} to {self._pending.final} in the "
+                           "background")
+
+    def poll(self) -> None:
+        """Publish a background save once every rank has written it (a host all-reduce each iteration while one
+        is under way; nothing otherwise)."""
+        from rapidtrain.checkpoint import async_save_done
+
+        if self._pending is not None and async_save_done(self._pending):
+            self._publish()
+
+    def finish(self) -> None:
+        """Wait for a background save and publish it: before the next save and at the end of the run."""
+        if self._pending is not None:
+            self._publish()
+
+    def _publish(self) -> None:
+        from rapidtrain.checkpoint import publish_async_save
+
+        pending, self._pending = self._pending, None
+        path = publish_async_save(pending)
+        self.trainer.engine.print_rank0(f" saved checkpoint at iteration {pending.iteration:7d} to {path} (written "
+                                        f"in the background, published at iteration {self.trainer.iteration})")
 
     def load(self) -> Any:
         """Fill the runner (and schedule, RNG) from --load; the loaded state, or None when there is none."""

@@ -1,5 +1,7 @@
 """The training loop every template shares, written once: one iteration = one global batch = one optimizer
-step; then the log line, the template's own work (evaluation, epoch ends), the checkpointer, the stop check.
+step; then the log line (to the console and the writers: TensorBoard, W&B, MLflow), the template's own work
+(evaluation, epoch ends), the checkpointer (which also publishes a finished background save), the profiler's
+step, the stop check.
 
 `Trainer` is also Rapidformer's general template: `train_valid_test_datasets_provider()` → (train, valid,
 test, collate_fn) of map-style datasets, `model_optimizer_lr_scheduler_provider()`, and
@@ -14,12 +16,14 @@ over the tokens of the whole global batch, so the result does not depend on how 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rapidtrain.data.loaders import (
     ShardedLoader,
@@ -32,8 +36,10 @@ from rapidtrain.data.loaders import (
 )
 from rapidtrain.engine import Engine, TrainingStopped
 from rapidtrain.errors import UserError
-from rapidtrain.metrics import TensorBoardWriter, ThroughputMeter
+from rapidtrain.metrics import ThroughputMeter
 from rapidtrain.parallel.runner import as_loss, autocast
+from rapidtrain.profiling import Profiler
+from rapidtrain.tracking import Writers
 from rapidtrain.trainers.control import Checkpointer, StopConditions
 from rapidtrain.trainers.reporting import IntervalTotals, IterationResult, LossRecords, build_log_line
 
@@ -155,33 +161,60 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         plan, started_at, stop = self.plan, self.iteration, self.stop
-        self.writer = TensorBoardWriter(plan.logging.tensorboard_dir if self.is_logging_rank else None)
+        self.writer = self.open_writers()
         self.meter, self.totals = ThroughputMeter(self.engine.device), IntervalTotals()
         self.records = LossRecords(plan.logging.loss_log_file if self.is_logging_rank else None)
-        stopped = False
+        self.profiler = Profiler(plan.profile, self.engine.rank, self.engine.device, self.iteration)
+        if self.profiler.note:
+            print(self.profiler.note, flush=True)
+        stopped = completed = False
         try:
             self.meter.start()
             self.engine.runner.train()
+            self.profiler.step(self.iteration)
             for micro_batches, data_seconds in self.train_batches():
                 result = self.train_step(micro_batches, stop_requested=stop.requested())
                 result.data_seconds = data_seconds
                 self.after_step(result)
                 self.after_iteration()
                 self.checkpointer.maybe_save(self.iteration)
+                self.profiler.step(self.iteration)
                 if result.stop or stop.interval_reached(self.iteration):
                     self.engine.print_rank0(f" exiting at iteration {self.iteration} (signal, --exit-interval or "
                                             "--exit-duration-in-mins)")
                     stopped = True
                     break
+            self.profiler.close()
             self.records.flush()
             if self.iteration != started_at:
                 self.checkpointer.save(self.iteration)
+            self.checkpointer.finish()
+            results = self.end_of_training(stopped)
+            completed = True
         finally:
             self.records.flush()
+            self.profiler.close()
             self.checkpointer.close()
-        results = self.end_of_training(stopped)
-        self.writer.close()
+            self.writer.close(failed=not completed)
         return results
+
+    def open_writers(self) -> Writers:
+        """The logging rank's writers (TensorBoard, W&B, MLflow), handed the plan as the run's config. Every rank
+        learns whether they opened, so a tracker that cannot start stops the whole run with its reason instead of
+        leaving the other ranks waiting."""
+        problem, writers = "", Writers()
+        if self.is_logging_rank:
+            try:
+                writers = Writers.open(self.plan.logging, json.loads(self.plan.to_json()))
+            except UserError as error:
+                problem = str(error)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            problems = [""] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), "")
+        if problem:
+            raise UserError(problem)
+        return writers
 
     def after_step(self, result: IterationResult) -> None:
         """Count the iteration; the log line every --log-interval iterations."""

@@ -335,6 +335,16 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
+    "option-needs-its-switch": (
+        ["--wandb-exp-name", "run1", "--mlflow-run-name", "r", "--profile-ranks", "1", "--async-save"],
+        ["--wandb-project", "p", "--wandb-exp-name", "run1", "--mlflow-experiment", "e", "--mlflow-run-name", "r",
+         "--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "1",
+         "--async-save", "--save", "ck"],
+        2,
+        "cpu",
+    ),
+    "profile-steps": (["--profile", "--profile-step-start", "4", "--profile-step-end", "4"],
+                      ["--profile", "--profile-step-start", "3", "--profile-step-end", "4"], 1, "cpu"),
 }
 # Rules about what the flags alone do not say: (context that violates, context that passes).
 CONTEXT_CASES = {"world-size-positive": (RunContext(-3, "cpu"), RunContext(2, "cpu"))}
@@ -491,3 +501,16 @@ def test_nvme_offload_without_async_io_is_refused(monkeypatch):
     assert "nvme-offload-needs-async-io" in fired(argv, 2, "cpu")
     message = rules.violations(arguments.parse_args(argv), RunContext(2, "cpu"))[0]
     assert "apt-get install libaio-dev" in message and "--cpu-offload --cpu-offload-params" in message
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--profile"], "--profile-step-end 12 is past --train-iters 10"),  # Megatron's default window
+    (["--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "2"],
+     "rank(s) [2] do not exist in a world of 2"),
+    (["--wandb-save-dir", "w", "--mlflow-tracking-uri", "file:m"],
+     "--wandb-save-dir needs --wandb-project; --mlflow-tracking-uri needs --mlflow-experiment"),
+])
+def test_profiler_and_tracker_refusals_name_the_flags(flags, named):
+    args = arguments.parse_args(BASE + flags)
+    messages = rules.violations(args, RunContext(2, "cpu"))
+    assert any(named in m for m in messages), messages
