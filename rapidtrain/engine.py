@@ -140,6 +140,33 @@ class Engine:
             keep_freed_memory()
         seed_everything(self.plan.training.seed)
         self.mesh: ParallelMesh = build_mesh(self.plan.layout, self.context.device_type)
+        from rapidtrain.metrics import Timers
+
+        self.timers = Timers(self.device)  # the loop's, and user code's through rapidtrain.get_timers()
+        self._megatron_args()
+        if self.plan.logging.logging_path and (self.is_main_process or self.is_logging_rank):
+            from rapidtrain.metrics import tee_output
+
+            tee_output(self.plan.logging.logging_path)
+
+    def _megatron_args(self) -> None:
+        """What Megatron's args carry once the run's layout is known, for user scripts (get_args())."""
+        args, layout = self.args, self.plan.layout
+        args.rank, args.world_size = self.rank, layout.world_size
+        args.data_parallel_size = layout.data_parallel_size
+        args.global_batch_size = self.plan.batches.global_batch_size
+        args.train_iters = self.plan.training.train_iters if args.train_iters is None else args.train_iters
+        args.deepspeed_configuration = None  # Megatron-DeepSpeed's: the config DeepSpeed runs with, if it runs
+        if self.plan.switches.partitioning_engine == "deepspeed":
+            from rapidtrain.parallel.deepspeed import run_config
+
+            args.deepspeed_configuration = run_config(self.plan)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Megatron prints from the last pipeline stage; among its ranks, the first data- and tensor-parallel."""
+        mesh = self.mesh
+        return mesh.is_last_stage and mesh.data_parallel_rank == 0 and mesh.tensor_parallel_rank == 0
         self.runner: Any = None
         self.lr_scheduler: Any = None
         self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
@@ -244,9 +271,10 @@ class Engine:
         return value / self.plan.layout.data_parallel_size
 
     def optimizer_step(self, loss: torch.Tensor | None = None, stop_requested: bool = False,
-                       where: str = "this iteration") -> StepDecision:
+                       where: str = "this iteration", samples: int | None = None) -> StepDecision:
         """Finish the gradients, agree with every rank (overflow, non-finite loss, stop) in one collective
-        and one host read, then step or skip, and advance the schedule by one global batch.
+        and one host read, then step or skip, and advance the schedule by one global batch (`samples`: this
+        iteration's, when a ramp-up makes it differ from --global-batch-size).
 
         A non-finite loss without loss scaling stops the run before the optimizer step: nothing is updated
         and nothing saved (TrainingStopped)."""
@@ -263,7 +291,7 @@ class Engine:
                 "or use --fp16 with loss scaling, then resume with --load.")
         outcome = runner.step(skip=overflow)
         if not outcome.skipped and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "step"):
-            self._advance_schedule()
+            self._advance_schedule(samples)
         return StepDecision(outcome, nan=is_nonfinite and not outcome.skipped, stop=stop)
 
     def step(self) -> StepOutcome:
@@ -274,11 +302,11 @@ class Engine:
         losses, self._backward_losses = self._backward_losses, None
         return self.optimizer_step(losses).outcome
 
-    def _advance_schedule(self) -> None:
+    def _advance_schedule(self, samples: int | None = None) -> None:
         from rapidtrain.optim.lr_schedule import LRScheduler
 
         if isinstance(self.lr_scheduler, LRScheduler):
-            self.lr_scheduler.step(self.plan.batches.global_batch_size)
+            self.lr_scheduler.step(samples or self.plan.batches.global_batch_size)
         else:
             self.lr_scheduler.step()
 

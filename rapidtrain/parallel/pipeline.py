@@ -31,7 +31,7 @@ from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import GradNorm, LossTotal, TorchRunner, as_loss, autocast
+from rapidtrain.parallel.runner import EvalTotals, GradNorm, LossTotal, TorchRunner, add_pairs, as_loss, autocast
 from rapidtrain.plan import Plan
 
 FIRST_STAGE_PARTS = ("embedding",)
@@ -156,11 +156,16 @@ def pipeline_runner(
         last_stage_rank=mesh.pipeline_global_rank(layout.pipeline_parallel_size - 1),
         embedding_group=mesh.embedding_group() if model.config.tie_embeddings else None,
     )
-    pipeline_stages = [
-        PipelineStage(view, stage, num_stages, device, group=pipeline_group)
-        for view, stage in zip(views, stages, strict=True)
-    ]
-    runner.schedule = build_schedule(pipeline_stages, plan.batches.accumulation_steps, runner.microbatch_loss)
+
+    def make_schedule(micro_batches: int) -> Any:
+        pipeline_stages = [
+            PipelineStage(view, stage, num_stages, device, group=pipeline_group)
+            for view, stage in zip(views, stages, strict=True)
+        ]
+        return build_schedule(pipeline_stages, micro_batches, runner.microbatch_loss)
+
+    runner.make_schedule = make_schedule
+    runner.schedule = runner.schedule_for(plan.batches.accumulation_steps)
     return runner
 
 
@@ -259,6 +264,8 @@ class PipelineRunner(TorchRunner):
     last_stage_rank: int = 0
     embedding_group: dist.ProcessGroup | None = None
     schedule: Any = None
+    # A schedule for another number of micro-batches (a batch-size ramp-up changes it between iterations).
+    make_schedule: Callable[[int], Any] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -266,6 +273,8 @@ class PipelineRunner(TorchRunner):
         self._loss_fns: list[Callable] = []
         self._loss_sums: dict[int, torch.Tensor] = {}
         self._counts: dict[int, Any] = {}
+        self._reported: dict[int, dict[str, torch.Tensor]] = {}
+        self._schedules: dict[int, Any] = {}
         self._scale = 1.0
         copies = tied_copies(self.module)
         self.tied_parameters = [p for _, p in copies]
@@ -283,9 +292,10 @@ class PipelineRunner(TorchRunner):
         on uninitialised inputs, before the real micro-batch 0.
         """
         index = int(target[0])  # the index tensor lives on the host: no device sync
-        loss_sum, count = as_loss(self._loss_fns[index](output))
+        loss_sum, count, reported = as_loss(self._loss_fns[index](output))
         self._loss_sums[index] = loss_sum.detach().double()
         self._counts[index] = count
+        self._reported[index] = reported
         loss = loss_sum * self._scale
         return self.scaler.scale(loss) if self.scaler is not None and torch.is_grad_enabled() else loss
 
@@ -294,16 +304,25 @@ class PipelineRunner(TorchRunner):
     ) -> None:
         recorded = [_record_micro_batch(forward_step, batch) for batch in micro_batches]
         self._loss_fns = [loss_fn for _, loss_fn in recorded]
-        self._loss_sums, self._counts = {}, {}
+        self._loss_sums, self._counts, self._reported = {}, {}, {}
+        schedule = self.schedule_for(len(micro_batches))
         self._scale = scale if scale is not None else 1.0 / len(micro_batches)
         args, kwargs = _concatenate([call for call, _ in recorded])
         args = args if self.is_first else ()  # later stages take their input from the previous stage
         target = torch.arange(len(micro_batches)) if self.is_last else None
         with autocast(self.precision, self.device_type):
             if train:
-                self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+                schedule.step(*args, target=target, return_outputs=False, **kwargs)
             else:
-                self.schedule.eval(*args, target=target, **kwargs)
+                schedule.eval(*args, target=target, **kwargs)
+
+    def schedule_for(self, micro_batches: int) -> Any:
+        """The schedule for this many micro-batches (its stages built for it), kept for later iterations."""
+        if micro_batches not in self._schedules:
+            if self.make_schedule is None:
+                return self.schedule
+            self._schedules[micro_batches] = self.make_schedule(micro_batches)
+        return self._schedules[micro_batches]
 
     def forward_backward(
         self, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None
@@ -319,17 +338,24 @@ class PipelineRunner(TorchRunner):
         total = self._total()
         if global_tokens is None:
             total = total / len(micro_batches)
-        return LossTotal(self._broadcast(total.reshape(1))[0], global_tokens is not None)
+        return LossTotal(self._broadcast(total.reshape(1))[0], global_tokens is not None, self._reported_total())
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward only → (sum of losses, their weight: tokens, or one per micro-batch) on every stage."""
+    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> EvalTotals:
+        """Forward only → (sum of losses, their weight: tokens, or one per micro-batch) on every stage; the
+        reported values on the last stage."""
         self._run(micro_batches, forward_step, None, train=False)
         weight = torch.zeros((), dtype=torch.float64, device=self._grad_device())
         for count in self._counts.values():
             weight = weight + (1.0 if count is None else count.to(weight.device, torch.float64))
         totals = self._broadcast(torch.stack([self._total(), weight]))
-        return totals[0], totals[1]
+        return EvalTotals(totals[0], totals[1], self._reported_total())
+
+    def _reported_total(self) -> dict[str, torch.Tensor]:
+        total: dict[str, torch.Tensor] = {}
+        for index in sorted(self._reported):
+            add_pairs(total, self._reported[index])
+        return total
 
     def _total(self) -> torch.Tensor:
         # Summed in micro-batch order, as the unpipelined loop does; zero on stages without the loss.
