@@ -30,6 +30,7 @@ from rapidtrain.parallel.runner import LossTotal, StepOutcome, agree
 from rapidtrain.plan import Plan, RunContext, from_args
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
+_CURRENT_ENGINE: Engine | None = None  # the run's Engine, for Megatron's global-state API in user scripts
 
 
 class TrainingStopped(UserError, RuntimeError):
@@ -44,6 +45,13 @@ def get_args() -> argparse.Namespace:
     if _GLOBAL_ARGS is None:
         raise RuntimeError("get_args() before the Engine parsed the flags: create Engine(...) first.")
     return _GLOBAL_ARGS
+
+
+def current_engine() -> Engine:
+    """The Engine of this run (the last one created), for `rapidtrain.mpu` and the other Megatron helpers."""
+    if _CURRENT_ENGINE is None:
+        raise RuntimeError("no Engine yet: create Engine(...) (RapidformerEngine) before using mpu / get_tokenizer.")
+    return _CURRENT_ENGINE
 
 
 def init_distributed(backend: str | None, device_type: str) -> None:
@@ -126,7 +134,7 @@ class Engine:
         args: argparse.Namespace | None = None,
         entry: str | None = None,
     ) -> None:
-        global _GLOBAL_ARGS
+        global _GLOBAL_ARGS, _CURRENT_ENGINE
         self.args = args or arguments.parse_args(argv, extra_args_provider, defaults, entry=entry)
         self.context = RunContext.detect(self.args, script=main_script())
         rules.exit_on_conflicts(self.args, self.context)
@@ -143,6 +151,8 @@ class Engine:
         from rapidtrain.metrics import Timers
 
         self.timers = Timers(self.device)  # the loop's, and user code's through rapidtrain.get_timers()
+        self._tokenizer: Any = None
+        _CURRENT_ENGINE = self
         self._megatron_args()
         if self.plan.logging.logging_path and (self.is_main_process or self.is_logging_rank):
             from rapidtrain.metrics import tee_output
@@ -194,7 +204,7 @@ class Engine:
         data = self.plan.data
         return ShardSettings(data.micro_batch_size, self.mesh.data_parallel_rank,
                              self.plan.layout.data_parallel_size, data.seed, data.num_workers,
-                             self.device.type == "cuda", self.mesh.group("dp"))
+                             self.device.type == "cuda", self.mesh.group("dp"), data.keep_last)
 
     # ---- composing a model for training ----
 
@@ -239,9 +249,27 @@ class Engine:
             return lr_scheduler_fn(optimizer)
         from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
 
-        settings = lr_schedule_for(self.plan.schedule, self.plan.batches.global_batch_size,
+        schedule = self.plan.schedule
+        if steps_per_epoch is not None:  # fine-tuning: the length is known only now; clamp a warm-up past it
+            schedule = self._warmup_within(schedule, self.total_iterations(steps_per_epoch))
+        settings = lr_schedule_for(schedule, self.plan.batches.global_batch_size,
                                    self.total_iterations(steps_per_epoch))
         return LRScheduler(optimizer, settings)
+
+    def _warmup_within(self, schedule: Any, iterations: int) -> Any:
+        """A warm-up of --lr-warmup-iters that does not end before an epoch-based run's decay horizon is
+        shortened to one iteration less than the horizon (the peak --lr is then reached), with a warning: the
+        number of iterations follows from the data, which the flags could not know."""
+        import dataclasses
+
+        horizon = schedule.decay_iters or iterations
+        if schedule.warmup_fraction is not None or schedule.warmup_iters < horizon or horizon < 2:
+            return schedule
+        self.print_rank0(f" warning: --lr-warmup-iters {schedule.warmup_iters} is not shorter than this run's "
+                         f"{horizon} iterations ({'--lr-decay-iters' if schedule.decay_iters else 'its epochs'}); "
+                         f"the warm-up is shortened to {horizon - 1} iterations so that --lr is reached. Give a "
+                         "smaller --lr-warmup-iters or --lr-warmup-fraction to choose it yourself.")
+        return dataclasses.replace(schedule, warmup_iters=horizon - 1)
 
     def total_iterations(self, steps_per_epoch: int | None = None) -> int:
         training = self.plan.training

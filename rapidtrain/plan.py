@@ -67,7 +67,12 @@ def expand_num_experts(num_experts: list[int] | None, num_layers: int, moe_layer
     if len(num_experts) == 1:
         freq = max(moe_layer_freq, 1)
         return tuple(num_experts[0] if i % freq == freq - 1 else 0 for i in range(num_layers))
-    return tuple(num_experts)
+    if len(num_experts) == num_layers or num_layers % len(num_experts):
+        return tuple(num_experts)
+    # Fewer counts than layers (DeepSpeed's and Rapidformer's pyramid, e.g. 12 counts for 24 layers): one per MoE
+    # layer, MoE layers every num_layers / counts layers.
+    interval, counts = num_layers // len(num_experts), iter(num_experts)
+    return tuple(next(counts) if i % interval == interval - 1 else 0 for i in range(num_layers))
 
 
 def zero_stage(args: argparse.Namespace) -> int:
@@ -459,6 +464,9 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     model = model_config_from_args(args, vocab_size) if vocab_size else None
     engines, notes = engines_for(args, ctx, layout, precision)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
+    from rapidtrain.compat.flags import hugging_face_notes
+
+    notes += hugging_face_notes(args, has_script=bool(ctx.script))
     memory = memory_estimate(args, model, layout, precision) if model else None
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
                 switches_of(args, layout), training_settings(args, batches), data_settings(args, ctx), tokenizer,
@@ -768,8 +776,14 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
         else:
             notes.append("CPU allocator: the C library is not glibc, so malloc is left as it is")
     if args.data_iterator == "dynamic-shape":
-        engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
-                                    "(multiple of 8)"))
+        how = "length-bucketed batches padded to the longest (multiple of 8)"
+        if is_pretraining(args, ctx) and args.model_type == "gpt":
+            how = "one document per sample (not packed, cut at --seq-length + 1 tokens), " + how
+        elif is_pretraining(args, ctx):
+            how = "BERT samples bucketed by length, each micro-batch cut to its longest (multiple of 8)"
+        engines.append(EngineChoice("--data-iterator dynamic-shape", how))
+    if args.mmap_warmup:
+        engines.append(EngineChoice("--mmap-warmup", "every .bin/.idx file of the data read once before training"))
     if args.cpu_offload and zero_stage(args) > 0 and not three_d:
         from rapidtrain.parallel.deepspeed import describe_offload_optimizer
 

@@ -223,7 +223,9 @@ def _experts(args: Args) -> list[int]:
 
 
 def _num_experts_length_ok(args: Args) -> bool:
-    return not args.num_experts or len(args.num_experts) in (1, args.num_layers)
+    """One count, one per layer, or one per MoE layer with MoE layers at a fixed interval (DeepSpeed's pyramid)."""
+    return not args.num_experts or len(args.num_experts) == 1 or (
+        args.num_layers >= 1 and args.num_layers % len(args.num_experts) == 0)
 
 
 def _needs_iterations(args: Args, ctx: RunContext) -> bool:
@@ -505,6 +507,15 @@ RULES: tuple[Rule, ...] = (
         + ". Drop them (flags not given are taken from config.json), or use another folder.",
     ),
     Rule(
+        "finetuned-shape-flags", ("--pretrained-model-name-or-path", "--num-layers", "--hidden-size", "--seq-length"),
+        "Shape flags given beside a Hugging Face folder that is fine-tuned as it is agree with its config.json, and "
+        "--seq-length fits its position table.",
+        lambda a, c: bool(hf_config.finetune_conflicts(a)),
+        lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path}: its config.json describes "
+        "the model, and these flags contradict it: " + "; ".join(hf_config.finetune_conflicts(a))
+        + ". Drop them (the folder's config decides) or give its values.",
+    ),
+    Rule(
         "pretrained-needs-data", ("--pretrained-model-name-or-path", "--data-path"),
         "Continued pretraining from Hugging Face weights reads --data-path (the demo corpus has its own tokenizer).",
         lambda a, c: hf_config.initialises_builtin(a) and not a.data_path and not a.user_script,
@@ -552,10 +563,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "num-experts-length", ("--num-experts", "--num-layers"),
-        "--num-experts is one number or one per layer.",
+        "--num-experts is one number, one per layer, or one per evenly spaced MoE layer.",
         lambda a, c: not _num_experts_length_ok(a),
         lambda a, c: f"--num-experts has {len(a.num_experts)} values but --num-layers is {a.num_layers}: give one "
-        "number (MoE layers chosen by --moe-layer-freq) or exactly one per layer (0 for dense).",
+        "number (MoE layers chosen by --moe-layer-freq), one per layer (0 for dense), or one per MoE layer with the "
+        "MoE layers evenly spaced (a count that divides --num-layers, as DeepSpeed's pyramid MoE).",
     ),
     Rule(
         "experts-divisible-by-ep", ("--num-experts", "--expert-model-parallel-size"),

@@ -47,6 +47,7 @@ def apply_megatron_meanings(args: Args, given: set[str]) -> None:
     _finetune_without_load(args, notes)
     _distributed_optimizer(args, notes)
     _per_split_data(args, given, notes)
+    _finetune_data_path(args, notes)
     if args.use_expert_residual_network:
         args.mlp_type = "residual"
     # What Megatron's and Rapidformer's args carry for user scripts.
@@ -143,6 +144,45 @@ def _per_split_data(args: Args, given: set[str], notes: list[str]) -> None:
         if files and getattr(args, f"{split}_data_path") is None:
             setattr(args, f"{split}_data_path", list(files))
             notes.append(f"--{split}-data: the built-in pretraining reads it as --{split}-data-path (indexed data)")
+
+
+def _finetune_data_path(args: Args, notes: list[str]) -> None:
+    """Rapidformer's black-box example names the fine-tuning data with --data-path (`--data-path glue
+    --data-name mrpc`): with no --data-dir, fine-tuning reads it as --data-dir."""
+    if args.task == "pretraining" or not args.data_path or args.data_dir:
+        return
+    if len(args.data_path) == 1:
+        args.data_dir = args.data_path[0]
+        notes.append(f"--data-path {args.data_path[0]}: fine-tuning reads it as --data-dir (Rapidformer's usage)")
+    else:
+        notes.append(f"--data-path {' '.join(args.data_path)}: not read by fine-tuning, whose data come from "
+                     "--data-dir / --data-name")
+
+
+# Flags that describe the built-in model or its data; beside a Hugging Face model fine-tuned as it is they change
+# nothing (the shape flags are checked against its config.json instead, rules.py).
+BUILTIN_ONLY_FLAGS = (
+    "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by",
+    "model_type", "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon",
+    "position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
+    "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu", "post_layernorm",
+    "untie_embeddings_and_output_weights", "bert_binary_head", "split", "data_impl", "eod_mask_loss",
+    "reset_position_ids", "reset_attention_mask", "short_seq_prob",
+)
+
+
+def hugging_face_notes(args: Args, has_script: bool) -> list[str]:
+    """The black-box fine-tuning of a Hugging Face folder: flags given that describe the built-in model, its
+    tokenizer or its data, which this run does not read (a user script reads them itself from get_args())."""
+    from rapidtrain.models.hf_config import fine_tuned_config
+
+    if has_script or fine_tuned_config(args) is None:
+        return []
+    unused = [f"--{d.replace('_', '-')}" for d in BUILTIN_ONLY_FLAGS if d in getattr(args, "given_flags", ())]
+    if not unused:
+        return []
+    return [f"{', '.join(unused)}: not used; fine-tuning takes the model, its tokenizer and its dropout from "
+            f"{args.pretrained_model_name_or_path} (config.json and tokenizer files)"]
 
 
 def _flags_without_effect(args: Args, given: set[str]) -> list[str]:

@@ -327,3 +327,44 @@ def unsupported_reason(args: argparse.Namespace) -> str | None:
     except UnsupportedModel as error:
         return f"--pretrained-model-name-or-path {folder}: {error}"
     return None
+
+
+# ---- a Hugging Face model fine-tuned as it is: flags that describe it must agree with its config.json ----
+
+# flag dest → config.json keys naming the same number (the first present one counts).
+FINETUNE_SHAPE_KEYS = {
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "ffn_hidden_size": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+}
+
+
+def fine_tuned_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """config.json of the Hugging Face model the run fine-tunes as it is (None: no such folder)."""
+    folder = args.pretrained_model_name_or_path
+    if not folder or trains_builtin_model(args) or classify_folder(folder) != "huggingface":
+        return None
+    try:
+        return read_config(folder)
+    except UnsupportedModel:
+        return None
+
+
+def finetune_conflicts(args: argparse.Namespace) -> list[str]:
+    """Shape flags given beside a fine-tuned Hugging Face folder that contradict its config.json, as
+    'FLAG VALUE (config.json KEY: VALUE)'; and a --seq-length past its position table."""
+    config = fine_tuned_config(args)
+    if config is None:
+        return []
+    given = set(getattr(args, "given_flags", ()))
+    conflicts = []
+    for dest, keys in FINETUNE_SHAPE_KEYS.items():
+        key = next((k for k in keys if config.get(k) is not None), None)
+        if dest in given and key is not None and getattr(args, dest) != config[key]:
+            conflicts.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (config.json {key}: {config[key]})")
+    positions = next((config[k] for k in FINETUNE_SHAPE_KEYS["max_position_embeddings"] if config.get(k)), None)
+    if "seq_length" in given and positions and args.seq_length > positions:
+        conflicts.append(f"--seq-length {args.seq_length} (config.json max positions: {positions})")
+    return conflicts

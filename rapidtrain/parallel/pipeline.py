@@ -226,7 +226,8 @@ _NOT_PIPELINABLE = (
 )
 
 
-def _record_micro_batch(forward_step: Callable, batch: Any) -> tuple[_RecordCall, Callable]:
+def _record_micro_batch(forward_step: Callable, batch: Any,
+                        positional_names: list[str]) -> tuple[_RecordCall, Callable]:
     call = _RecordCall()
     try:
         result = forward_step(iter([batch]), call)
@@ -234,12 +235,23 @@ def _record_micro_batch(forward_step: Callable, batch: Any) -> tuple[_RecordCall
         raise ValueError(_NOT_PIPELINABLE) from error
     if not (isinstance(result, tuple) and len(result) == 2 and result[0] is call and callable(result[1])):
         raise ValueError(_NOT_PIPELINABLE)
+    if 1 < len(call.args) <= len(positional_names):  # Megatron's model(tokens, position_ids, attention_mask)
+        call.kwargs = {**dict(zip(positional_names[1:], call.args[1:], strict=False)), **call.kwargs}
+        call.args = call.args[:1]
     if len(call.args) != 1:
         raise ValueError(
             "under --pipeline-model-parallel-size the forward step must pass the model one positional "
             "input (token ids) and everything else by keyword."
         )
     return call, result[1]
+
+
+def _positional_names(module: nn.Module) -> list[str]:
+    """The names of the model's forward parameters, in order (to pass positional inputs by name)."""
+    import inspect
+
+    return [name for name, p in inspect.signature(module.forward).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _concatenate(calls: list[_RecordCall]) -> tuple[tuple, dict[str, Any]]:
@@ -302,7 +314,8 @@ class PipelineRunner(TorchRunner):
     def _run(
         self, micro_batches: list[Any], forward_step: Callable, scale: float | None, train: bool
     ) -> None:
-        recorded = [_record_micro_batch(forward_step, batch) for batch in micro_batches]
+        names = _positional_names(self.views[0]) if self.views else []
+        recorded = [_record_micro_batch(forward_step, batch, names) for batch in micro_batches]
         self._loss_fns = [loss_fn for _, loss_fn in recorded]
         self._loss_sums, self._counts, self._reported = {}, {}, {}
         schedule = self.schedule_for(len(micro_batches))

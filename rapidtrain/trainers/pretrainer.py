@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
 from rapidtrain.data.samplers import MegatronPretrainingSampler
+from rapidtrain.errors import UserError
 from rapidtrain.parallel.runner import add_pairs
 from rapidtrain.trainers.trainer import Trainer
 
@@ -41,6 +42,17 @@ class PreTrainer(Trainer):
     def collate_fn(self) -> Any:
         return None
 
+    def supports_dynamic_shape(self) -> bool:
+        """Whether this template batches its samples by length for --data-iterator dynamic-shape (it then
+        provides `train_batch_sampler` and `collate_fn`); the built-in pretraining does."""
+        return False
+
+    def train_batch_sampler(self, dataset: Any, consumed_samples: int) -> Any:
+        """This rank's micro-batches of the training stream from `consumed_samples` on (Megatron's sampler)."""
+        data = self.plan.data
+        return MegatronPretrainingSampler(len(dataset), consumed_samples, data.micro_batch_size,
+                                          self.engine.mesh.data_parallel_rank, self.plan.layout.data_parallel_size)
+
     def forward_step(self, batches: Iterator[Any], model: Any) -> Any:
         """Megatron's contract: the hook gets the iterator of host batches and moves what it uses."""
         return self.run_forward_step(batches, model)
@@ -48,6 +60,10 @@ class PreTrainer(Trainer):
     # ---- setup ----
     def setup(self) -> None:
         plan, training = self.plan, self.plan.training
+        if plan.switches.dynamic_shape and not self.supports_dynamic_shape():
+            raise UserError(f"--data-iterator dynamic-shape: {type(self).__name__} does not say how to batch its "
+                            "samples by length (the built-in pretraining, rapidtrain/pretrain.py, does). Override "
+                            "supports_dynamic_shape(), train_batch_sampler() and collate_fn(), or drop the flag.")
         counts = list(train_valid_test_num_samples(training.train_iters, training.eval_interval or training.train_iters,
                                                    training.eval_iters, plan.batches.global_batch_size))
         # Sample-based training or a ramp-up: the samples the iterations really take (Megatron's update_train_iters
@@ -61,11 +77,14 @@ class PreTrainer(Trainer):
         self.load()
         self.engine.print_rank0(plan.describe())
 
-    def data_loader(self, dataset: Any, consumed_samples: int) -> DataLoader:
+    def data_loader(self, dataset: Any, consumed_samples: int, train: bool = False) -> DataLoader:
         data = self.plan.data
-        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, data.micro_batch_size,
-                                             self.engine.mesh.data_parallel_rank,
-                                             self.plan.layout.data_parallel_size)
+        if train:
+            sampler = self.train_batch_sampler(dataset, consumed_samples)
+        else:  # evaluation: the same first batches each time, in order
+            sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, data.micro_batch_size,
+                                                 self.engine.mesh.data_parallel_rank,
+                                                 self.plan.layout.data_parallel_size)
         # Its own generator: each iter() of a DataLoader draws a worker seed, which must not move the global
         # RNG (dropout), or a run resumed would draw different masks than the run it continues.
         return DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
@@ -82,7 +101,7 @@ class PreTrainer(Trainer):
         return self.iteration >= (self.plan.training.train_iters or 0)
 
     def train_batches(self) -> Iterator[tuple[list[Any], float]]:
-        iterator = iter(self.data_loader(self.train_ds, self.consumed_samples))
+        iterator = iter(self.data_loader(self.train_ds, self.consumed_samples, train=True))
         while not self.finished():
             fetch_started = time.perf_counter()
             group = self.micro_batches(iterator)

@@ -223,16 +223,8 @@ class Trainer:
                 for name, (total, weight) in zip(names, stacked.tolist(), strict=True)}
 
     def flops_per_iteration(self, interval: Any = None) -> float | None:
-        """Model FLOPs of one iteration, for TFLOP/s and MFU in the log line; None when unknown. The default
-        counts 6 FLOPs per parameter and token (forward and backward) of the interval's average iteration, for
-        models whose size `flops_per_token()` knows."""
-        per_token = self.flops_per_token()
-        if per_token is None or interval is None or not interval.iterations:
-            return None
-        return per_token * interval.tokens / interval.iterations
-
-    def flops_per_token(self) -> float | None:
-        """Training FLOPs per token of the model (None: unknown, no throughput or MFU in the log line)."""
+        """Model FLOPs of one iteration (`interval`: the log interval's counts, for templates whose iterations
+        vary), for TFLOP/s and MFU in the log line; None when unknown."""
         return None
 
     @property

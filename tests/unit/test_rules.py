@@ -112,7 +112,7 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         "cpu",
     ),
     "num-experts-length": (
-        ["--num-layers", "4", "--num-experts", "4", "4"],
+        ["--num-layers", "4", "--num-experts", "4", "4", "4"],
         ["--num-layers", "4", "--num-experts", "0", "4", "0", "4"],
         1,
         "cpu",
@@ -283,6 +283,12 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "pretrained-shape-flags": (
         ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d", "--num-layers", "3"],
         ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d", "--num-layers", "2"],
+        1,
+        "cpu",
+    ),
+    "finetuned-shape-flags": (
+        ["--task", "sequence_classification", "--pretrained-model-name-or-path", "HF_LLAMA", "--num-layers", "3"],
+        ["--task", "sequence_classification", "--pretrained-model-name-or-path", "HF_LLAMA", "--num-layers", "2"],
         1,
         "cpu",
     ),
