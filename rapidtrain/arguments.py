@@ -514,7 +514,7 @@ def parse_args(
         args.max_position_embeddings = args.seq_length
     from rapidtrain.compat.flags import apply_megatron_meanings
 
-    apply_megatron_meanings(args, given)  # Megatron's leniencies and Rapidformer's meanings, each noted
+    apply_megatron_meanings(args, given, entry)  # Megatron's leniencies and Rapidformer's meanings, each noted
     args.given_flags = sorted(given)  # which flags the user typed (the plan tells them from defaults)
     return args
 

@@ -168,9 +168,12 @@ class Engine:
         args.train_iters = self.plan.training.train_iters if args.train_iters is None else args.train_iters
         args.deepspeed_configuration = None  # Megatron-DeepSpeed's: the config DeepSpeed runs with, if it runs
         if self.plan.switches.partitioning_engine == "deepspeed":
-            from rapidtrain.parallel.deepspeed import run_config
+            from rapidtrain.parallel.deepspeed import ensure_process_group, run_config
 
             args.deepspeed_configuration = run_config(self.plan)
+            # DeepSpeed's communication layer up now, as Megatron-DeepSpeed's initialisation does: a script may
+            # build its model inside deepspeed.zero.Init(mpu=mpu, ...) before the model is composed.
+            ensure_process_group()
 
     @property
     def is_logging_rank(self) -> bool:

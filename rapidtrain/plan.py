@@ -280,6 +280,9 @@ class CheckpointSettings:
     # On --load, the learning-rate schedule: "same" (the flags must match the saved one), "flags"
     # (--override-opt_param-scheduler) or "checkpoint" (--use-checkpoint-opt_param-scheduler).
     schedule_from: Literal["same", "flags", "checkpoint"] = "same"
+    # --load came from --pretrained-model-name-or-path (a Megatron-format checkpoint, Rapidformer's meaning): a
+    # fine-tuning template takes its model only, unless it is the run's own --save folder (a resume).
+    load_is_pretrained_model: bool = False
 
 
 @dataclass(frozen=True)
@@ -595,9 +598,14 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
 def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
     schedule_from = "flags" if args.override_opt_param_scheduler else (
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
+    from rapidtrain.compat.flags import is_megatron_checkpoint
+
+    pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
+        and args.load != args.save
     return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
                               finetune=args.finetune, load_optimizer=not args.no_load_optim,
-                              load_rng=not args.no_load_rng, schedule_from=schedule_from)
+                              load_rng=not args.no_load_rng, schedule_from=schedule_from,
+                              load_is_pretrained_model=pretrained)
 
 
 def logging_settings(args: argparse.Namespace) -> LoggingSettings:
@@ -749,8 +757,10 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
     if args.num_experts:
         ep = f", experts sharded over {layout.expert_parallel_size} ranks (all-to-all)" \
             if layout.expert_parallel_size > 1 else ""
+        residual = (", PR-MoE (--mlp-type residual): a dense MLP beside the experts, mixed in by learned per-token "
+                    "coefficients" if args.mlp_type == "residual" else "")
         engines.append(EngineChoice("--num-experts", f"rapidtrain MoE layers: top-{args.moe_router_topk} router, "
-                                    f"load-balancing loss, capacity factor {args.moe_capacity_factor:g}{ep}"))
+                                    f"load-balancing loss, capacity factor {args.moe_capacity_factor:g}{ep}{residual}"))
     if precision.dtype != "fp32":
         deepspeed_own = partitioning is not None and partitioning.engine.startswith("DeepSpeed")
         engine = f"DeepSpeed {precision.dtype} engine" if deepspeed_own else f"torch.autocast({precision.dtype})"

@@ -39,21 +39,24 @@ def is_megatron_checkpoint(args: Args) -> bool:
     return fresh and bool(save) and path.resolve() == Path(save).resolve()
 
 
-def apply_megatron_meanings(args: Args, given: set[str]) -> None:
+def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = None) -> None:
+    """`entry`: the built-in pretraining's entry point (pretrain.py, pretrain_gpt.py, ...), None for a user script
+    or fine-tuning."""
     notes: list[str] = []
     _bert_binary_head(args)
     _sequence_parallel(args, notes)
     _megatron_checkpoint_folder(args, given, notes)
     _finetune_without_load(args, notes)
     _distributed_optimizer(args, notes)
-    _per_split_data(args, given, notes)
+    if entry is not None:
+        _per_split_data(args, notes)
     _finetune_data_path(args, notes)
     if args.use_expert_residual_network:
         args.mlp_type = "residual"
     # What Megatron's and Rapidformer's args carry for user scripts.
     args.moe = bool(args.num_experts) and max(args.num_experts) > 1
     args.zero_stage = next((stage for stage in (3, 2, 1) if getattr(args, f"zero_{stage}_memory_optimization")), 0)
-    notes += _flags_without_effect(args, given)
+    notes += _flags_without_effect(args, given, entry)
     args.compat_notes = notes
 
 
@@ -77,8 +80,8 @@ def _megatron_checkpoint_folder(args: Args, given: set[str], notes: list[str]) -
     has_checkpoint = (Path(folder) / "latest_checkpointed_iteration.txt").exists()
     if args.load is None:
         args.load = folder
-        what = ("loads it as --load does" + (" (model only, iteration 0: --finetune)" if args.finetune else "")
-                if has_checkpoint else "holds no checkpoint yet, so training starts from scratch and --save writes "
+        what = ("loads it as --load does (model only, from iteration 0, with --finetune or in a Finetuner "
+                "template)" if has_checkpoint else "holds no checkpoint yet, so training starts from scratch and --save writes "
                 "there (a later run resumes from it)")
         notes.append(f"--pretrained-model-name-or-path {folder} is a Megatron-format checkpoint folder "
                      f"(Rapidformer's meaning): the run {what}")
@@ -90,9 +93,14 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
     from rapidtrain.checkpoint import CheckpointError, iteration_dir, latest_iteration, read_common
 
     try:
-        saved = read_common(iteration_dir(folder, latest_iteration(folder) or 0)).get("args") or {}
+        common = read_common(iteration_dir(folder, latest_iteration(folder) or 0))
     except CheckpointError:
         return  # loading it reports the problem, naming the file
+    saved = dict(common.get("args") or {})
+    # A user script may have set args.model_type to Megatron's ModelType: the saved plan says which model it is.
+    saved_model = (common.get("plan") or {}).get("model") or {}
+    if saved_model.get("model_type") in ("gpt", "bert"):
+        saved["model_type"] = saved_model["model_type"]
     taken = []
     for dest in CHECKPOINT_SHAPE_FLAGS:
         if dest in saved and dest not in given and getattr(args, dest, None) != saved[dest]:
@@ -135,10 +143,8 @@ def _distributed_optimizer(args: Args, notes: list[str]) -> None:
                  f"by {how}")
 
 
-def _per_split_data(args: Args, given: set[str], notes: list[str]) -> None:
+def _per_split_data(args: Args, notes: list[str]) -> None:
     """Megatron tasks' --train-data/--valid-data/--test-data name the built-in pretraining's per-split data."""
-    if args.task != "pretraining" or args.user_script:
-        return
     for split in ("train", "valid", "test"):
         files = getattr(args, f"{split}_data")
         if files and getattr(args, f"{split}_data_path") is None:
@@ -185,7 +191,7 @@ def hugging_face_notes(args: Args, has_script: bool) -> list[str]:
             f"{args.pretrained_model_name_or_path} (config.json and tokenizer files)"]
 
 
-def _flags_without_effect(args: Args, given: set[str]) -> list[str]:
+def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> list[str]:
     """A line for each flag given that is accepted for compatibility but changes nothing here, and why."""
     notes = []
     if "ddp_impl" in given:
@@ -209,7 +215,7 @@ def _flags_without_effect(args: Args, given: set[str]) -> list[str]:
                    "log_validation_ppl_to_tensorboard", "log_memory_to_tensorboard", "log_world_size_to_tensorboard")
     if not args.tensorboard_dir and any(flag in given for flag in tensorboard):
         notes.append("TensorBoard flags without --tensorboard-dir: nothing is written (as in Megatron)")
-    if args.keep_last and args.task == "pretraining" and not args.user_script:
+    if args.keep_last and entry is not None:
         notes.append("--keep-last: no effect in iteration-based pretraining (it keeps a fine-tuning epoch's last, "
                      "incomplete micro-batch)")
     moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")

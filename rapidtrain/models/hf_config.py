@@ -62,8 +62,11 @@ def read_config(path: str) -> dict[str, Any]:
 
 def trains_builtin_model(args: argparse.Namespace) -> bool:
     """The run trains a built-in model (no Hugging Face model), perhaps from Hugging Face weights
-    (args.builtin_from_pretrained, decided by arguments.parse_args)."""
-    return not args.pretrained_model_name_or_path or bool(getattr(args, "builtin_from_pretrained", False))
+    (args.builtin_from_pretrained, decided by arguments.parse_args) or from a Megatron-format checkpoint."""
+    from rapidtrain.compat.flags import is_megatron_checkpoint
+
+    return not args.pretrained_model_name_or_path or bool(getattr(args, "builtin_from_pretrained", False)) \
+        or is_megatron_checkpoint(args)
 
 
 def initialises_builtin(args: argparse.Namespace) -> bool:

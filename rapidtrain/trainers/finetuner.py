@@ -55,6 +55,7 @@ class Finetuner(Trainer):
         self.best_metric: float | None = None
         self.best_epoch: int | None = None
         self.export_recipe: Any = None
+        self.checkpointer.pretrained_model_only = True  # fine-tuning starts from a pretrained model's weights
 
     def run_forward_step(self, batch: Any, model: Any) -> Any:  # type: ignore[override]
         """Default: a Hugging Face style model's `model(**batch).loss`."""
