@@ -148,6 +148,10 @@ class Engine:
             keep_freed_memory()
         seed_everything(self.plan.training.seed)
         self.mesh: ParallelMesh = build_mesh(self.plan.layout, self.context.device_type)
+        self.runner: Any = None
+        self.lr_scheduler: Any = None
+        self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
+        self._backward_losses: torch.Tensor | None = None  # an own loop's losses since the last step
         from rapidtrain.metrics import Timers
 
         self.timers = Timers(self.device)  # the loop's, and user code's through rapidtrain.get_timers()
@@ -180,10 +184,6 @@ class Engine:
         """Megatron prints from the last pipeline stage; among its ranks, the first data- and tensor-parallel."""
         mesh = self.mesh
         return mesh.is_last_stage and mesh.data_parallel_rank == 0 and mesh.tensor_parallel_rank == 0
-        self.runner: Any = None
-        self.lr_scheduler: Any = None
-        self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
-        self._backward_losses: torch.Tensor | None = None  # an own loop's losses since the last step
 
     def _device(self) -> torch.device:
         if self.context.device_type == "cuda":

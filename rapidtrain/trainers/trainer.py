@@ -100,7 +100,7 @@ class Trainer:
         """Default: the validation loss (per token when the forward step returns loss sums)."""
         totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         for batch in eval_dataloader:
-            value, count = as_loss(self.forward_step(iter([batch]), self.model))
+            value, count, _ = as_loss(self.forward_step(iter([batch]), self.model))
             if eval_dataloader.real_rows == 0:  # a padding batch: forward for the collectives, not counted
                 continue
             rows = count if count is not None else eval_dataloader.real_rows
