@@ -184,11 +184,16 @@ def hugging_face_notes(args: Args, has_script: bool) -> list[str]:
 
     if has_script or fine_tuned_config(args) is None:
         return []
-    unused = [f"--{d.replace('_', '-')}" for d in BUILTIN_ONLY_FLAGS if d in getattr(args, "given_flags", ())]
-    if not unused:
-        return []
-    return [f"{', '.join(unused)}: not used; fine-tuning takes the model, its tokenizer and its dropout from "
-            f"{args.pretrained_model_name_or_path} (config.json and tokenizer files)"]
+    given = getattr(args, "given_flags", ())
+    notes = []
+    unused = [f"--{d.replace('_', '-')}" for d in BUILTIN_ONLY_FLAGS if d in given]
+    if unused:
+        notes.append(f"{', '.join(unused)}: not used; fine-tuning takes the model, its tokenizer and its dropout "
+                     f"from {args.pretrained_model_name_or_path} (config.json and tokenizer files)")
+    if "eval_iters" in given:
+        notes.append("--eval-iters: fine-tuning evaluates the whole validation set (after each epoch, and every "
+                     "--eval-interval iterations when given), as Megatron's fine-tuning tasks do")
+    return notes
 
 
 def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> list[str]:
