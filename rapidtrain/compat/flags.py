@@ -80,9 +80,10 @@ def _megatron_checkpoint_folder(args: Args, given: set[str], notes: list[str]) -
     has_checkpoint = (Path(folder) / "latest_checkpointed_iteration.txt").exists()
     if args.load is None:
         args.load = folder
-        what = ("loads it as --load does (model only, from iteration 0, with --finetune or in a Finetuner "
-                "template)" if has_checkpoint else "holds no checkpoint yet, so training starts from scratch and --save writes "
-                "there (a later run resumes from it)")
+        loads = "loads it as --load does (model only, from iteration 0, with --finetune or in a Finetuner template)"
+        fresh = "holds no checkpoint yet, so training starts from scratch and --save writes there (a later run " \
+                "resumes from it)"
+        what = loads if has_checkpoint else fresh
         notes.append(f"--pretrained-model-name-or-path {folder} is a Megatron-format checkpoint folder "
                      f"(Rapidformer's meaning): the run {what}")
     if has_checkpoint:

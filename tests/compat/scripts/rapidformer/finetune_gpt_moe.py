@@ -43,7 +43,7 @@ class PromptDataset(torch.utils.data.Dataset):
         columns, self.samples = input_schema.split(","), []
         for name in files:
             for line in open(name, encoding="utf-8"):
-                row = dict(zip(columns, line.rstrip("\n").split("\t")))
+                row = dict(zip(columns, line.rstrip("\n").split("\t"), strict=False))
                 row["label"] = label_map.get(row.get("label"), row.get("label"))
                 text = "".join(row.get(part, part) for part in pattern.split(","))
                 ids = tokenizer.tokenize(text)[:seq_length] + [tokenizer.eod]
@@ -62,7 +62,7 @@ class MegatronGPTMoEFinetuner(GPTFinetuner):
 
     def train_valid_test_datasets_provider(self):
         args, tokenizer = get_args(), get_tokenizer()
-        label_map = dict(zip(args.label_enumerate_values.split(","), args.label_desc.split(",")))
+        label_map = dict(zip(args.label_enumerate_values.split(","), args.label_desc.split(","), strict=True))
         schema = (tokenizer, args.seq_length, args.input_schema, args.pattern, label_map)
         train_dataset = PromptDataset(args.train_data, *schema)
         valid_dataset = PromptDataset(args.valid_data, *schema)
