@@ -38,7 +38,7 @@ class UnsupportedModel(UserError, ValueError):
 
 def classify_folder(path: str | Path) -> FolderKind:
     """What a --pretrained-model-name-or-path folder is: a Hugging Face model (config.json), a rapidtrain or
-    Megatron-style checkpoint (latest_checkpointed_iteration.txt; loading one here is issue 15's), missing,
+    Megatron-style checkpoint (latest_checkpointed_iteration.txt; compat.flags loads it as --load), missing,
     or something else."""
     folder = Path(path)
     if not folder.is_dir():
@@ -318,10 +318,6 @@ def unsupported_reason(args: argparse.Namespace) -> str | None:
     kind = classify_folder(folder)
     if kind == "missing":
         return f"--pretrained-model-name-or-path {folder}: no such folder"
-    if kind == "rapidtrain":
-        return (f"--pretrained-model-name-or-path {folder} holds a rapidtrain/Megatron-style checkpoint "
-                "(latest_checkpointed_iteration.txt), not Hugging Face weights: continue it with --load "
-                f"{folder} (or start at iteration 0 from its weights with --finetune --load {folder})")
     if kind == "other":
         return (f"--pretrained-model-name-or-path {folder} has no config.json: give a folder written by "
                 "save_pretrained (or scripts/convert_checkpoint.py --hf)")
