@@ -17,11 +17,30 @@ _EXPORTS = {
     "Trainer": "rapidtrain.trainers.trainer",
     "PreTrainer": "rapidtrain.trainers.pretrainer",
     "Finetuner": "rapidtrain.trainers.finetuner",
+    # Megatron-LM's user-code API (rapidtrain/compat/megatron.py), for scripts written against Megatron.
+    "get_tokenizer": "rapidtrain.compat.megatron",
+    "print_rank_0": "rapidtrain.compat.megatron",
+    "print_rank_last": "rapidtrain.compat.megatron",
+    "get_timers": "rapidtrain.compat.megatron",
+    "average_losses_across_data_parallel_group": "rapidtrain.compat.megatron",
+    "get_ltor_masks_and_position_ids": "rapidtrain.compat.megatron",
+    "build_train_valid_test_datasets": "rapidtrain.compat.megatron",
+    "ModelType": "rapidtrain.compat.megatron",
+    "GPTModel": "rapidtrain.compat.megatron",
+    "BertModel": "rapidtrain.compat.megatron",
+    "megatron_pretrain": "rapidtrain.compat.megatron",
+    # Rapidformer's templates beyond the three above (rapidtrain/compat/rapidformer.py).
+    "GPTFinetuner": "rapidtrain.compat.rapidformer",
 }
-__all__ = [*_EXPORTS, "__version__"]
+_MODULES = {"mpu": "rapidtrain.compat.mpu"}  # `from rapidtrain import mpu`, as `from megatron import mpu`
+__all__ = [*_EXPORTS, *_MODULES, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "megatron_pretrain":  # Megatron's pretrain(); rapidtrain.pretrain is the built-in entry module
+        return importlib.import_module(_EXPORTS[name]).pretrain
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     raise AttributeError(f"module 'rapidtrain' has no attribute {name!r}")

@@ -95,6 +95,27 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-attention-mask", action="store_true", help="Block attention across end of document.")
     g.add_argument("--mask-prob", type=float, default=0.15, help="BERT: fraction of tokens masked (80/10/10).")
     g.add_argument("--short-seq-prob", type=float, default=0.1, help="BERT: probability of a shorter sample.")
+    g.add_argument("--train-data-path", nargs="*", default=None,
+                   help="Megatron's separate splits: indexed data (a prefix or 'w1 p1 w2 p2 ...') for training only; "
+                        "with it --split does not apply. --valid-data-path / --test-data-path give the others.")
+    g.add_argument("--valid-data-path", nargs="*", default=None, help="Indexed data for validation only.")
+    g.add_argument("--test-data-path", nargs="*", default=None, help="Indexed data for the final test only.")
+    g.add_argument("--train-data", nargs="+", default=None,
+                   help="Megatron tasks / Rapidformer fine-tuning data files (get_args().train_data; GPTFinetuner's "
+                        "GPTDataset reads text lines). In the built-in pretraining: --train-data-path.")
+    g.add_argument("--valid-data", nargs="*", default=None, help="Validation files (see --train-data).")
+    g.add_argument("--test-data", nargs="*", default=None, help="Test files (see --train-data).")
+    g.add_argument("--keep-last", action="store_true",
+                   help="Fine-tuning (Megatron tasks): keep the last, incomplete micro-batch of each epoch instead of "
+                        "dropping it.")
+    g.add_argument("--mmap-warmup", action="store_true",
+                   help="Read every page of the indexed data once before training (Megatron's mmap warm-up).")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Megatron's batch-size ramp-up: the global batch starts at START and grows by INCREMENT in "
+                        "equal steps over the first SAMPLES samples to --global-batch-size (accumulation steps grow).")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help="Megatron's step schedule 'THRESHOLD:BATCH ...' (K/M/B/T suffixes; thresholds in tokens, "
+                        "divided by --seq-length; the first is 0): the global batch of the last threshold reached.")
 
 
 def _add_transformer(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +141,15 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
                    help="Epsilon of LayerNorm and RMSNorm.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate output-layer weights instead of the tied input embedding.")
-    g.add_argument("--bert-binary-head", action="store_true", help="BERT: add the next-sentence (binary) head.")
+    g.add_argument("--bert-binary-head", action="store_true", default=None,
+                   help="BERT: the sentence-order (binary) head on the pooled [CLS]; on by default for BERT, as in "
+                        "Megatron (its data must be sentence-split: preprocess_data.py --split-sentences).")
+    g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
+                   help="BERT without the binary head (Megatron's flag): masked-LM loss only, any data.")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="Megatron's choice of model implementation; rapidtrain has one (the plan says so).")
+    g.add_argument("--use-legacy-models", action="store_true",
+                   help="Megatron's choice of model implementation; rapidtrain has one (the plan says so).")
     # Llama-family architecture, with Megatron's flag names.
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
                    help="Norm of every layer, the final norm and BERT's head (Llama: RMSNorm).")
@@ -160,6 +189,14 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warm-up as a fraction of the decay horizon.")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Warm-up in iterations.")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of the final decay phase.")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Sample-based training (Megatron): samples to train on; the iterations follow from the global "
+                        "batch (and its ramp-up). Use the -samples forms of the schedule flags with it.")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Decay horizon in samples (sample-based training; default --train-samples).")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="Warm-up in samples (sample-based training).")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="WSD: samples of the final decay phase (sample-based training).")
     g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay (none on biases and norms).")
     g.add_argument("--clip-grad", type=float, default=1.0,
                    help="Clip the global gradient norm to this (0 turns clipping off; DeepSpeed gradient_clipping).")
@@ -192,6 +229,11 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
                         "BitsAndBytesConfig, peft prepare_model_for_kbit_training); needs --lora-rank.")
     g.add_argument("--exit-interval", type=int, default=None, help="Save and exit at an iteration divisible by this.")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Save and exit after this many minutes.")
+    g.add_argument("--app-name", default=None,
+                   help="Rapidformer/EasyNLP application name, for user scripts (get_args().app_name); rapidtrain's "
+                        "templates choose by --task.")
+    g.add_argument("--user-defined-parameters", default=None,
+                   help="Rapidformer/EasyNLP 'key=value ...' string, for user scripts (get_args()).")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM, stop at the end of the iteration and exit 0, saving a checkpoint when --save "
                         "is given (with --save this is always on; without either, SIGTERM ends the process at once).")
@@ -204,6 +246,16 @@ def _add_distributed(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc-per-node", type=int, default=None,
                    help="Processes per node when rapidtrain starts torchrun itself (default: visible GPUs, or 1).")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--DDP-impl", dest="ddp_impl", choices=("local", "torch"), default=None,
+                   help="Megatron's data-parallel wrapper choice; both are served by torch DistributedDataParallel "
+                        "(bucketed all-reduce overlapping backward), which averages gradients as Megatron's does.")
+    g.add_argument("--no-contiguous-buffers-in-local-ddp", dest="use_contiguous_buffers_in_local_ddp",
+                   action="store_false",
+                   help="Megatron's local DDP option; torch DDP always packs gradients into its own buckets.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: optimizer state sharded over data-parallel ranks, served by "
+                        "torch ZeroRedundancyOptimizer (--oss-memory-optimization), or with tensor/pipeline "
+                        "parallelism by FSDP2 over the data-parallel dimension (--zero-1-memory-optimization).")
 
 
 def _add_parallelism(parser: argparse.ArgumentParser) -> None:
@@ -269,6 +321,15 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
                         "(stage3_max_live_parameters).")
     g.add_argument("--sharding-backend", choices=("torch", "fairscale"), default="torch",
                    help="Engine of OSS/SDP: PyTorch (default) or FairScale's OSS/ShardedDDP where it runs.")
+    g.add_argument("--deepspeed", action="store_true",
+                   help="Megatron-DeepSpeed's switch: DeepSpeed serves the --zero-*-memory-optimization switches; "
+                        "with --deepspeed_config its JSON is merged into the generated config.")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+                   help="A DeepSpeed JSON config merged with the one generated from the flags (ZeRO only); a key "
+                        "the flags also set must agree.")
+    g.add_argument("--remote-device", choices=("none", "cpu", "nvme"), default="none",
+                   help="Megatron-DeepSpeed's ZeRO-3 parameter placement (get_args().remote_device); only 'none' is "
+                        "served (use --cpu-offload for the optimizer state).")
 
 
 def _add_precision(parser: argparse.ArgumentParser) -> None:
@@ -341,6 +402,18 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
                    help="Weight of the load-balancing loss (1.0 under even routing).")
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="Weight of the router z-loss.")
     g.add_argument("--moe-jitter-eps", type=float, default=0.0, help="Multiplicative jitter noise on router input.")
+    # Rapidformer's GPT-MoE options.
+    g.add_argument("--router-type", type=int, default=0,
+                   help="Rapidformer's router: 0 = top-k gating with the load-balancing loss (the built-in router).")
+    g.add_argument("--moe-linear-layer-type", choices=("standard",), default="standard",
+                   help="Rapidformer: the experts' linear layers (standard nn.Linear-style weights).")
+    g.add_argument("--top-k-linear-strategy", choices=("normal",), default="normal",
+                   help="Rapidformer: the router's gating projection (a plain linear layer).")
+    g.add_argument("--mlp-type", choices=("standard", "residual"), default="standard",
+                   help="residual: PR-MoE (DeepSpeed's Residual-MoE): every MoE layer adds a dense MLP, mixed with the "
+                        "experts' output by a learned per-token softmax of two coefficients.")
+    g.add_argument("--use-expert-residual-network", action="store_true",
+                   help="Rapidformer's name for --mlp-type residual (PR-MoE).")
 
 
 def _add_logging(parser: argparse.ArgumentParser) -> None:
@@ -353,6 +426,24 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
                    help="Append every iteration's exact loss here (iteration, loss as float.hex, skipped, grad norm as "
                         "float.hex, then logged extras as name=float.hex, e.g. load_balancing_loss): for parity and "
                         "resume checks.")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="TensorBoard events buffered before they are written (SummaryWriter max_queue).")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="Write the iteration's timers (forward-backward, optimizer, data) to TensorBoard.")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true", help="Write the global batch size.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Write the validation perplexity beside the validation loss.")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write the peak memory.")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write the world size.")
+    g.add_argument("--no-log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
+                   action="store_false", help="Leave the learning rate out of TensorBoard.")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard", action="store_false",
+                   help="Leave the loss scale out of TensorBoard.")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="Show the parameters' L2 norm in the log line (and TensorBoard), as Megatron.")
+    g.add_argument("--logging-path", default=None,
+                   help="Rapidformer: also write what rank 0 and the logging rank print (plan, log lines, evaluations) "
+                        "to this file (a folder gets rapidtrain.log inside).")
     g.add_argument("--debug", action="store_true",
                    help="Show the Python traceback of a user error (a bad flag, file or data) too; "
                         "RAPIDTRAIN_DEBUG=1 does the same.")
@@ -469,6 +560,9 @@ def build_parser(
                     "expert parallelism, mixed precision. See `rapidtrain plan --help` for a dry run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
+        # A user script's extra_args_provider may declare a flag rapidtrain knows (Rapidformer's scripts add
+        # --keep-last, --train-data, --valid-data themselves): theirs replaces ours, with the same destination.
+        conflict_handler="resolve",
     )
     for add_group in GROUP_BUILDERS:
         add_group(parser)
@@ -508,6 +602,9 @@ def parse_args(
         args.data_name = args.dataset_name
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    from rapidtrain.compat.flags import apply_megatron_meanings
+
+    apply_megatron_meanings(args, given, entry)  # Megatron's leniencies and Rapidformer's meanings, each noted
     args.given_flags = sorted(given)  # which flags the user typed (the plan tells them from defaults)
     return args
 
@@ -516,7 +613,10 @@ def builtin_from_pretrained(args: argparse.Namespace) -> bool:
     """--task pretraining with --pretrained-model-name-or-path, and no --user-script (whose script decides what
     the folder is for): the folder initialises the built-in model, its config.json giving the shape flags not
     written. The fine-tuning tasks load the folder as a Hugging Face model instead."""
-    return args.task == "pretraining" and bool(args.pretrained_model_name_or_path) and not args.user_script
+    from rapidtrain.compat.flags import is_megatron_checkpoint
+
+    return args.task == "pretraining" and bool(args.pretrained_model_name_or_path) and not args.user_script \
+        and not is_megatron_checkpoint(args)
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -549,8 +649,13 @@ DEMO_DEFAULTS = {"train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style
 
 
 def uses_demo_data(args: argparse.Namespace) -> bool:
-    """Built-in pretraining with no --data-path trains on the demo corpus."""
-    return not args.data_path and not args.pretrained_model_name_or_path
+    """Built-in pretraining with no --data-path (nor per-split data) trains on the demo corpus; a Hugging Face
+    folder needs data in its own tokenizer."""
+    from rapidtrain.compat.flags import is_megatron_checkpoint
+
+    per_split = any(getattr(args, name, None) for name in ("train_data_path", "train_data"))
+    pretrained = args.pretrained_model_name_or_path and not is_megatron_checkpoint(args)
+    return not args.data_path and not per_split and not pretrained
 
 
 def entry_defaults(entry: str | None, args: argparse.Namespace, given: set[str]) -> dict:
@@ -568,7 +673,8 @@ def entry_defaults(entry: str | None, args: argparse.Namespace, given: set[str])
 
 
 # Flags that say the same thing two ways: a user who gives one overrides an entry point's default for the other.
-ALTERNATIVE_FLAGS = (("lr_warmup_iters", "lr_warmup_fraction"),)
+ALTERNATIVE_FLAGS = (("lr_warmup_iters", "lr_warmup_fraction"), ("lr_warmup_samples", "lr_warmup_fraction"),
+                     ("train_iters", "train_samples"))
 
 
 def _defaults_not_overridden(defaults: dict, given: set[str]) -> dict:

@@ -21,7 +21,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 USAGE = """usage:
   rapidtrain FLAGS                       train (torchrun is started for you; see rapidtrain --help)
   rapidtrain --user-script FILE FLAGS    run a white-box script (Finetuner / PreTrainer / Trainer / Engine.compose)
-  rapidtrain plan FLAGS [--world-size N] [--device cpu|cuda] [--json]
+  rapidtrain plan FLAGS [--world-size N] [--device cpu|cuda] [--json] [--entry pretrain_gpt|pretrain_bert]
                                          print what the flags resolve to, start nothing
   rapidtrain demo-data [--cache-dir DIR] prepare the built-in demo corpus
   rapidtrain generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
@@ -127,8 +127,10 @@ def plan_command(argv: list[str]) -> int:
     extra.add_argument("--world-size", type=int, default=None)
     extra.add_argument("--device", choices=("cpu", "cuda"), default=None)
     extra.add_argument("--json", action="store_true")
+    extra.add_argument("--entry", choices=tuple(arguments.ENTRY_DEFAULTS), default=None)  # pretrain_bert.py's plan
     options, rest = extra.parse_known_args(argv)
-    args = arguments.parse_args(rest, prog="rapidtrain plan", entry=entry_of(rest))
+    entry = entry_of(rest) if options.entry is None else options.entry
+    args = arguments.parse_args(rest, prog="rapidtrain plan", entry=entry)
     detected = plan.RunContext.detect(args)
     world_size = detected.world_size if options.world_size is None else options.world_size
     ctx = plan.RunContext(world_size, options.device or detected.device_type, detected.script)

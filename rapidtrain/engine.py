@@ -31,6 +31,7 @@ from rapidtrain.plan import Plan, RunContext, from_args
 from rapidtrain.shutdown import stop_rank_with_torchrun
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
+_CURRENT_ENGINE: Engine | None = None  # the run's Engine, for Megatron's global-state API in user scripts
 
 
 class TrainingStopped(UserError, RuntimeError):
@@ -45,6 +46,13 @@ def get_args() -> argparse.Namespace:
     if _GLOBAL_ARGS is None:
         raise RuntimeError("get_args() before the Engine parsed the flags: create Engine(...) first.")
     return _GLOBAL_ARGS
+
+
+def current_engine() -> Engine:
+    """The Engine of this run (the last one created), for `rapidtrain.mpu` and the other Megatron helpers."""
+    if _CURRENT_ENGINE is None:
+        raise RuntimeError("no Engine yet: create Engine(...) (RapidformerEngine) before using mpu / get_tokenizer.")
+    return _CURRENT_ENGINE
 
 
 def init_distributed(backend: str | None, device_type: str) -> None:
@@ -127,7 +135,7 @@ class Engine:
         args: argparse.Namespace | None = None,
         entry: str | None = None,
     ) -> None:
-        global _GLOBAL_ARGS
+        global _GLOBAL_ARGS, _CURRENT_ENGINE
         self.args = args or arguments.parse_args(argv, extra_args_provider, defaults, entry=entry)
         self.context = RunContext.detect(self.args, script=main_script())
         rules.exit_on_conflicts(self.args, self.context)
@@ -146,6 +154,38 @@ class Engine:
         self.lr_scheduler: Any = None
         self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
         self._backward_losses: torch.Tensor | None = None  # an own loop's losses since the last step
+        from rapidtrain.metrics import Timers
+
+        self.timers = Timers(self.device)  # the loop's, and user code's through rapidtrain.get_timers()
+        self._tokenizer: Any = None
+        _CURRENT_ENGINE = self
+        self._megatron_args()
+        if self.plan.logging.logging_path and (self.is_main_process or self.is_logging_rank):
+            from rapidtrain.metrics import tee_output
+
+            tee_output(self.plan.logging.logging_path)
+
+    def _megatron_args(self) -> None:
+        """What Megatron's args carry once the run's layout is known, for user scripts (get_args())."""
+        args, layout = self.args, self.plan.layout
+        args.rank, args.world_size = self.rank, layout.world_size
+        args.data_parallel_size = layout.data_parallel_size
+        args.global_batch_size = self.plan.batches.global_batch_size
+        args.train_iters = self.plan.training.train_iters if args.train_iters is None else args.train_iters
+        args.deepspeed_configuration = None  # Megatron-DeepSpeed's: the config DeepSpeed runs with, if it runs
+        if self.plan.switches.partitioning_engine == "deepspeed":
+            from rapidtrain.parallel.deepspeed import ensure_process_group, run_config
+
+            args.deepspeed_configuration = run_config(self.plan)
+            # DeepSpeed's communication layer up now, as Megatron-DeepSpeed's initialisation does: a script may
+            # build its model inside deepspeed.zero.Init(mpu=mpu, ...) before the model is composed.
+            ensure_process_group()
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Megatron prints from the last pipeline stage; among its ranks, the first data- and tensor-parallel."""
+        mesh = self.mesh
+        return mesh.is_last_stage and mesh.data_parallel_rank == 0 and mesh.tensor_parallel_rank == 0
 
     def _device(self) -> torch.device:
         if self.context.device_type == "cuda":
@@ -169,7 +209,7 @@ class Engine:
         data = self.plan.data
         return ShardSettings(data.micro_batch_size, self.mesh.data_parallel_rank,
                              self.plan.layout.data_parallel_size, data.seed, data.num_workers,
-                             self.device.type == "cuda", self.mesh.group("dp"))
+                             self.device.type == "cuda", self.mesh.group("dp"), data.keep_last)
 
     # ---- composing a model for training ----
 
@@ -214,9 +254,27 @@ class Engine:
             return lr_scheduler_fn(optimizer)
         from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
 
-        settings = lr_schedule_for(self.plan.schedule, self.plan.batches.global_batch_size,
+        schedule = self.plan.schedule
+        if steps_per_epoch is not None:  # fine-tuning: the length is known only now; clamp a warm-up past it
+            schedule = self._warmup_within(schedule, self.total_iterations(steps_per_epoch))
+        settings = lr_schedule_for(schedule, self.plan.batches.global_batch_size,
                                    self.total_iterations(steps_per_epoch))
         return LRScheduler(optimizer, settings)
+
+    def _warmup_within(self, schedule: Any, iterations: int) -> Any:
+        """A warm-up of --lr-warmup-iters that does not end before an epoch-based run's decay horizon is
+        shortened to one iteration less than the horizon (the peak --lr is then reached), with a warning: the
+        number of iterations follows from the data, which the flags could not know."""
+        import dataclasses
+
+        horizon = schedule.decay_iters or iterations
+        if schedule.warmup_fraction is not None or schedule.warmup_iters < horizon or horizon < 2:
+            return schedule
+        self.print_rank0(f" warning: --lr-warmup-iters {schedule.warmup_iters} is not shorter than this run's "
+                         f"{horizon} iterations ({'--lr-decay-iters' if schedule.decay_iters else 'its epochs'}); "
+                         f"the warm-up is shortened to {horizon - 1} iterations so that --lr is reached. Give a "
+                         "smaller --lr-warmup-iters or --lr-warmup-fraction to choose it yourself.")
+        return dataclasses.replace(schedule, warmup_iters=horizon - 1)
 
     def total_iterations(self, steps_per_epoch: int | None = None) -> int:
         training = self.plan.training
@@ -246,9 +304,10 @@ class Engine:
         return value / self.plan.layout.data_parallel_size
 
     def optimizer_step(self, loss: torch.Tensor | None = None, stop_requested: bool = False,
-                       where: str = "this iteration") -> StepDecision:
+                       where: str = "this iteration", samples: int | None = None) -> StepDecision:
         """Finish the gradients, agree with every rank (overflow, non-finite loss, stop) in one collective
-        and one host read, then step or skip, and advance the schedule by one global batch.
+        and one host read, then step or skip, and advance the schedule by one global batch (`samples`: this
+        iteration's, when a ramp-up makes it differ from --global-batch-size).
 
         A non-finite loss without loss scaling stops the run before the optimizer step: nothing is updated
         and nothing saved (TrainingStopped)."""
@@ -265,7 +324,7 @@ class Engine:
                 "or use --fp16 with loss scaling, then resume with --load.")
         outcome = runner.step(skip=overflow)
         if not outcome.skipped and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "step"):
-            self._advance_schedule()
+            self._advance_schedule(samples)
         return StepDecision(outcome, nan=is_nonfinite and not outcome.skipped, stop=stop)
 
     def step(self) -> StepOutcome:
@@ -276,11 +335,11 @@ class Engine:
         losses, self._backward_losses = self._backward_losses, None
         return self.optimizer_step(losses).outcome
 
-    def _advance_schedule(self) -> None:
+    def _advance_schedule(self, samples: int | None = None) -> None:
         from rapidtrain.optim.lr_schedule import LRScheduler
 
         if isinstance(self.lr_scheduler, LRScheduler):
-            self.lr_scheduler.step(self.plan.batches.global_batch_size)
+            self.lr_scheduler.step(samples or self.plan.batches.global_batch_size)
         else:
             self.lr_scheduler.step()
 

@@ -47,6 +47,7 @@ def format_log_line(
     world_size: int = 1,
     extras: Mapping[str, Any] | None = None,
     timestamp: datetime | None = None,
+    params_norm: float | None = None,
 ) -> str:
     """Megatron's training log line, field widths included.
 
@@ -70,6 +71,8 @@ def format_log_line(
     fields.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         fields.append(f"grad norm: {grad_norm:.3f}")
+    if params_norm is not None:  # --log-params-norm, where Megatron shows it
+        fields.append(f"params norm: {params_norm:.3f}")
     fields.append(f"number of skipped iterations: {skipped_iterations:3d}")
     fields.append(f"number of nan iterations: {nan_iterations:3d}")
     fields.extend(f"{name}: {_format_extra(value)}" for name, value in (extras or {}).items())
@@ -122,6 +125,10 @@ class Timer:
         self._total += self.clock() - self._started_at
         self._started_at = None
 
+    def reset(self) -> None:
+        self._total = 0.0
+        self._started_at = None
+
     def elapsed(self, reset: bool = True) -> float:
         """Seconds accumulated so far (a running interval counts up to now)."""
         total = self._total
@@ -142,6 +149,36 @@ class Timer:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class Timers:
+    """Megatron's named timers: `timers("forward-backward").start()` ... `.stop()`; `timers.write(writer,
+    step)` puts each one's seconds per iteration since the last write into TensorBoard as `timers/NAME`.
+
+    The loop times its phases only with --log-timers-to-tensorboard (a reading waits for the device); user
+    code gets the same object from `rapidtrain.get_timers()`.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, clock: Clock = time.perf_counter) -> None:
+        self.device = device
+        self.clock = clock
+        self._timers: dict[str, Timer] = {}
+
+    def __call__(self, name: str, log_level: int = 0) -> Timer:
+        if name not in self._timers:
+            self._timers[name] = Timer(self.device, self.clock)
+        return self._timers[name]
+
+    def write(self, writer: TensorBoardWriter, step: int, iterations: int) -> None:
+        for name, timer in self._timers.items():
+            writer.add_scalar(f"timers/{name}", timer.elapsed(reset=True) / max(iterations, 1), step)
+
+    def log(self, names: list[str] | None = None, normalizer: float = 1.0) -> str:
+        """Megatron's `timers.log(names)`: "time (ms) | name: ms | ..." (the readings are reset)."""
+        chosen = names if names is not None else list(self._timers)
+        parts = [f"{name}: {1000 * self._timers[name].elapsed(reset=True) / normalizer:.2f}"
+                 for name in chosen if name in self._timers]
+        return "time (ms) | " + " | ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -194,6 +231,36 @@ class ThroughputMeter:
         return stats
 
 
+class _Tee:
+    """A stream that also appends what it writes to a file (line-buffered)."""
+
+    def __init__(self, stream: Any, file: Any) -> None:
+        self.stream, self.file = stream, file
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def tee_output(path: str | Path) -> Path:
+    """Rapidformer's --logging-path: from now on this process's stdout also goes to `path` (appended; a
+    folder gets rapidtrain.log inside). Returns the file."""
+    target = Path(path)
+    if target.is_dir():
+        target = target / "rapidtrain.log"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    file = open(target, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - kept open for the process's life
+    sys.stdout = _Tee(sys.stdout, file)
+    return target
+
+
 def peak_memory_bytes(device: torch.device | str) -> int:
     """Peak memory so far: CUDA's max allocated bytes, or on CPU the process's max resident set."""
     device = torch.device(device)
@@ -219,7 +286,7 @@ class TensorBoardWriter:
     Give the directory (`--tensorboard-dir`) on the rank that logs and None on the others.
     """
 
-    def __init__(self, log_dir: str | Path | None) -> None:
+    def __init__(self, log_dir: str | Path | None, max_queue: int = 10) -> None:
         self.log_dir = None if log_dir is None else Path(log_dir)
         self._writer = None
         if self.log_dir is not None:
@@ -230,7 +297,7 @@ class TensorBoardWriter:
                     f"--tensorboard-dir {self.log_dir} needs the `tensorboard` package: "
                     "`pip install tensorboard`, or drop the flag"
                 ) from error
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), max_queue=max_queue)
 
     @property
     def enabled(self) -> bool:

@@ -75,7 +75,12 @@ def expand_num_experts(num_experts: list[int] | None, num_layers: int, moe_layer
     if len(num_experts) == 1:
         freq = max(moe_layer_freq, 1)
         return tuple(num_experts[0] if i % freq == freq - 1 else 0 for i in range(num_layers))
-    return tuple(num_experts)
+    if len(num_experts) == num_layers or num_layers % len(num_experts):
+        return tuple(num_experts)
+    # Fewer counts than layers (DeepSpeed's and Rapidformer's pyramid, e.g. 12 counts for 24 layers): one per MoE
+    # layer, MoE layers every num_layers / counts layers.
+    interval, counts = num_layers // len(num_experts), iter(num_experts)
+    return tuple(next(counts) if i % interval == interval - 1 else 0 for i in range(num_layers))
 
 
 def zero_stage(args: argparse.Namespace) -> int:
@@ -135,15 +140,96 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class BatchSchedule:
+    """A global batch that changes with the samples consumed (Megatron's two forms).
+
+    `rampup` (--rampup-batch-size START INCREMENT SAMPLES): START, growing by INCREMENT in equal steps over
+    the first SAMPLES samples up to --global-batch-size. `steps` (--step-batch-size-schedule): the batch of
+    the last threshold (in samples) reached. Iterations keep --micro-batch-size; the accumulation steps change.
+    """
+
+    kind: Literal["rampup", "steps"]
+    start: int = 0
+    increment: int = 0
+    rampup_samples: int = 0
+    steps: tuple[tuple[int, int], ...] = ()  # (threshold in samples, global batch), thresholds ascending from 0
+
+    def global_batch_at(self, consumed_samples: int, final: int) -> int:
+        if self.kind == "steps":
+            return [size for threshold, size in self.steps if consumed_samples >= threshold][-1]
+        if consumed_samples > self.rampup_samples or final == self.start:
+            return final
+        # Megatron's RampupBatchsizeNumMicroBatches: increments spread evenly over the ramp-up samples.
+        per_increment = self.rampup_samples / ((final - self.start) // self.increment)
+        return self.start + int(consumed_samples / per_increment) * self.increment
+
+    def sizes(self, final: int) -> list[int]:
+        """Every global batch the schedule can use."""
+        if self.kind == "steps":
+            return [size for _, size in self.steps]
+        return list(range(self.start, final + 1, self.increment)) if self.increment > 0 else [final]
+
+    def describe(self, final: int) -> str:
+        if self.kind == "steps":
+            return "global batch by samples consumed: " + ", ".join(
+                f"{size} from {threshold:,}" for threshold, size in self.steps)
+        return (f"global batch ramps from {self.start} by {self.increment} over the first {self.rampup_samples:,} "
+                f"samples to {final} (--rampup-batch-size)")
+
+
+@dataclass(frozen=True)
 class Batches:
     micro_batch_size: int
-    global_batch_size: int
+    global_batch_size: int  # the final (largest) one with a batch schedule
     accumulation_steps: int
+    schedule: BatchSchedule | None = None
+    data_parallel_size: int = 1
 
     @staticmethod
-    def resolve(micro: int, global_batch: int | None, data_parallel: int) -> Batches:
+    def resolve(micro: int, global_batch: int | None, data_parallel: int,
+                schedule: BatchSchedule | None = None) -> Batches:
         global_batch = global_batch or micro * data_parallel
-        return Batches(micro, global_batch, global_batch // (micro * data_parallel))
+        if schedule is not None and schedule.kind == "steps":
+            global_batch = max(schedule.sizes(global_batch))  # Megatron: the schedule's largest batch
+        return Batches(micro, global_batch, global_batch // (micro * data_parallel), schedule, data_parallel)
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        if self.schedule is None:
+            return self.global_batch_size
+        return self.schedule.global_batch_at(consumed_samples, self.global_batch_size)
+
+    def accumulation_steps_at(self, consumed_samples: int) -> int:
+        """Micro-batches of the iteration that starts after `consumed_samples` samples."""
+        return self.global_batch_at(consumed_samples) // (self.micro_batch_size * self.data_parallel_size)
+
+    def iterations_for_samples(self, samples: int) -> int:
+        """Iterations of a run of `samples` samples (Megatron's update_train_iters): while the batch still
+        changes every iteration counts; then whole final batches, a last partial one dropped."""
+        if self.schedule is None:
+            return samples // self.global_batch_size
+        iterations = consumed = 0
+        while consumed <= samples and not self._constant_from(consumed):
+            consumed += self.global_batch_at(consumed)
+            iterations += 1
+        return iterations + max(samples - consumed, 0) // self.global_batch_at(consumed)
+
+    def samples_for_iterations(self, iterations: int) -> int:
+        """Samples that `iterations` iterations consume from the start."""
+        consumed = 0
+        for done in range(iterations):
+            if self._constant_from(consumed):
+                return consumed + (iterations - done) * self.global_batch_at(consumed)
+            consumed += self.global_batch_at(consumed)
+        return consumed
+
+    def _constant_from(self, consumed_samples: int) -> bool:
+        """The batch no longer changes after `consumed_samples` samples."""
+        schedule = self.schedule
+        if schedule is None:
+            return True
+        if schedule.kind == "steps":
+            return consumed_samples >= schedule.steps[-1][0]
+        return consumed_samples > schedule.rampup_samples
 
 
 @dataclass(frozen=True)
@@ -158,6 +244,8 @@ class Switches:
     dynamic_shape: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend (--torch-compile-backend)
     compile_mode: str | None = None  # torch.compile's mode (--torch-compile-mode); None is torch's "default"
+
+    deepspeed_config_file: str | None = None  # --deepspeed_config: merged into DeepSpeed's generated config
 
 
 @dataclass(frozen=True)
@@ -224,6 +312,7 @@ class TrainingSettings:
     # --exit-signal-handler: end cleanly at the end of the iteration, exit 0), "default" (the process ends
     # at once, as in Megatron without --exit-signal-handler).
     on_sigterm: Literal["save", "stop", "default"] = "default"
+    train_samples: int | None = None  # sample-based training (--train-samples); train_iters then follows from it
 
 
 @dataclass(frozen=True)
@@ -238,6 +327,9 @@ class CheckpointSettings:
     # (--override-opt_param-scheduler) or "checkpoint" (--use-checkpoint-opt_param-scheduler).
     schedule_from: Literal["same", "flags", "checkpoint"] = "same"
     async_save: bool = False  # --async-save: written in the background, published once every rank finished
+    # --load came from --pretrained-model-name-or-path (a Megatron-format checkpoint, Rapidformer's meaning): a
+    # fine-tuning template takes its model only, unless it is the run's own --save folder (a resume).
+    load_is_pretrained_model: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,6 +339,18 @@ class LoggingSettings:
     peak_tflops: float | None = None
     loss_log_file: str | None = None
     tracking: TrackingSettings | None = None  # W&B and MLflow beside TensorBoard; None: neither
+
+    # Megatron's TensorBoard switches and extra log-line fields.
+    tensorboard_queue_size: int = 1000
+    timers_to_tensorboard: bool = False
+    batch_size_to_tensorboard: bool = False
+    validation_ppl_to_tensorboard: bool = False
+    memory_to_tensorboard: bool = False
+    world_size_to_tensorboard: bool = False
+    learning_rate_to_tensorboard: bool = True
+    loss_scale_to_tensorboard: bool = True
+    params_norm: bool = False
+    logging_path: str | None = None  # Rapidformer: a file that receives what the logging ranks print
 
 
 @dataclass(frozen=True)
@@ -299,6 +403,10 @@ class DataSettings:
     dynamic_shape: bool = False
     data_dir: str | None = None
     data_name: str | None = None
+    # Megatron's separate splits (--train-data-path ...): indexed data per split instead of --split of --data-path.
+    split_paths: tuple[tuple[str, ...] | None, ...] | None = None
+    keep_last: bool = False  # fine-tuning: keep an epoch's last, incomplete micro-batch
+    mmap_warmup: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,6 +421,10 @@ class ScheduleSettings:
     warmup_iters: int = 0
     warmup_fraction: float | None = None
     wsd_decay_iters: int | None = None
+    # Sample-based training (--train-samples): the horizon, warm-up and WSD phase in samples.
+    decay_samples: int | None = None
+    warmup_samples: int = 0
+    wsd_decay_samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -399,6 +511,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         openai_gelu=args.openai_gelu,
         post_layernorm=args.post_layernorm,
         hf_weights=args.pretrained_model_name_or_path if initialises_builtin(args) else None,
+        moe_residual=args.mlp_type == "residual",
     )
 
 
@@ -423,16 +536,21 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     """Resolve validated flags into the Plan, once: every component's settings, the padded vocabulary of the
     built-in model included (read from the tokenizer files; the demo corpus's is known without building it)."""
     layout = layout_of(args, ctx)
-    batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, layout.data_parallel_size)
+    batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, layout.data_parallel_size,
+                              batch_schedule_of(args))
     precision = precision_of(args, ctx.device_type)
     tokenizer = tokenizer_settings_of(args)
     vocab_size = builtin_vocab_size(args, tokenizer)
     model = model_config_from_args(args, vocab_size) if vocab_size else None
     switches = switches_of(args, layout)
     engines, notes = engines_for(args, ctx, layout, precision, model)
+    notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
+    from rapidtrain.compat.flags import hugging_face_notes
+
+    notes += hugging_face_notes(args, has_script=bool(ctx.script))
     memory = memory_estimate(args, model, layout, precision, ctx.device_type) if model else None
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches, training_settings(args), data_settings(args, ctx), tokenizer,
+                switches, training_settings(args, batches), data_settings(args, ctx), tokenizer,
                 optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
                 args.clip_grad, checkpoint_settings(args), logging_settings(args), tuple(notes),
                 lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args))
@@ -458,7 +576,57 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         num_workers=args.num_workers, seed=args.seed, eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
-        dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name)
+        dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
+        split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup)
+
+
+def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
+    """Megatron's per-split data (--train-data-path ...), or None when --data-path is split by --split."""
+    paths = [getattr(args, f"{split}_data_path", None) for split in ("train", "valid", "test")]
+    if not any(paths):
+        return None
+    return tuple(tuple(p) if p else None for p in paths)
+
+
+STEP_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ...]:
+    """Megatron's --step-batch-size-schedule "0:768 250B:1536 ...": thresholds in tokens (K/M/B/T suffixes)
+    turned into samples by --seq-length, sorted; ValueError names what is wrong."""
+    steps = []
+    for entry in text.replace(",", " ").split():
+        threshold, sep, size = entry.partition(":")
+        if not sep:
+            raise ValueError(f"entry {entry!r} is not THRESHOLD:BATCH")
+        steps.append((_count(threshold) // seq_length, _count(size)))
+    steps.sort()
+    if not steps or steps[0][0] != 0:
+        raise ValueError("the first threshold must be 0")
+    if any(b[0] <= a[0] for a, b in zip(steps, steps[1:], strict=False)):
+        raise ValueError("thresholds must be strictly increasing (in samples: tokens / --seq-length)")
+    if any(size <= 0 for _, size in steps):
+        raise ValueError("batch sizes must be positive")
+    return tuple(steps)
+
+
+def _count(text: str) -> int:
+    text = text.strip().upper()
+    multiplier = STEP_SUFFIXES.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if multiplier > 1 else text) * multiplier)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number (K/M/B/T suffixes allowed)") from None
+
+
+def batch_schedule_of(args: argparse.Namespace) -> BatchSchedule | None:
+    """--rampup-batch-size or --step-batch-size-schedule as a BatchSchedule (validated by the rules)."""
+    if args.rampup_batch_size:
+        start, increment, samples = args.rampup_batch_size
+        return BatchSchedule("rampup", start=start, increment=increment, rampup_samples=samples)
+    if args.step_batch_size_schedule:
+        return BatchSchedule("steps", steps=parse_step_schedule(args.step_batch_size_schedule, args.seq_length))
+    return None
 
 
 def tokenizer_settings_of(args: argparse.Namespace) -> TokenizerSettings | None:
@@ -494,29 +662,44 @@ def builtin_vocab_size(args: argparse.Namespace, tokenizer: TokenizerSettings | 
     return padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
-def training_settings(args: argparse.Namespace) -> TrainingSettings:
+def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSettings:
     eval_interval = args.eval_interval
     if eval_interval is None and args.task == "pretraining":
         eval_interval = 1000  # Megatron's default; fine-tuning evaluates after each epoch instead
-    return TrainingSettings(train_iters=args.train_iters, epochs=args.epochs, eval_interval=eval_interval,
+    train_iters = args.train_iters
+    if args.train_samples is not None:  # Megatron's update_train_iters: ramp-up iterations, then whole batches
+        train_iters = batches.iterations_for_samples(args.train_samples)
+    return TrainingSettings(train_iters=train_iters, epochs=args.epochs, eval_interval=eval_interval,
                             eval_iters=args.eval_iters, seed=args.seed, exit_interval=args.exit_interval,
-                            exit_duration_in_mins=args.exit_duration_in_mins,
+                            exit_duration_in_mins=args.exit_duration_in_mins, train_samples=args.train_samples,
                             on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
 
 
 def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
     schedule_from = "flags" if args.override_opt_param_scheduler else (
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
+    from rapidtrain.compat.flags import is_megatron_checkpoint
+
+    pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
+        and args.load != args.save
     return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
                               finetune=args.finetune, load_optimizer=not args.no_load_optim,
                               load_rng=not args.no_load_rng, schedule_from=schedule_from,
-                              async_save=getattr(args, "async_save", False))
+                              async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained)
 
 
 def logging_settings(args: argparse.Namespace) -> LoggingSettings:
-    return LoggingSettings(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
-                           peak_tflops=args.peak_tflops, loss_log_file=args.loss_log_file,
-                           tracking=tracking_settings(args))
+    return LoggingSettings(
+        log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops,
+        loss_log_file=args.loss_log_file, tracking=tracking_settings(args),
+        tensorboard_queue_size=args.tensorboard_queue_size, timers_to_tensorboard=args.log_timers_to_tensorboard,
+        batch_size_to_tensorboard=args.log_batch_size_to_tensorboard,
+        validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+        memory_to_tensorboard=args.log_memory_to_tensorboard,
+        world_size_to_tensorboard=args.log_world_size_to_tensorboard,
+        learning_rate_to_tensorboard=args.log_learning_rate_to_tensorboard,
+        loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard, params_norm=args.log_params_norm,
+        logging_path=args.logging_path)
 
 
 def tracking_settings(args: argparse.Namespace) -> TrackingSettings | None:
@@ -538,9 +721,12 @@ def profile_settings(args: argparse.Namespace) -> ProfileSettings:
 
 
 def schedule_settings(args: argparse.Namespace) -> ScheduleSettings:
+    sample_based = args.train_samples is not None
     return ScheduleSettings(lr=args.lr or 0.0, min_lr=args.min_lr, decay_style=args.lr_decay_style,
                             decay_iters=args.lr_decay_iters, warmup_iters=args.lr_warmup_iters,
-                            warmup_fraction=args.lr_warmup_fraction, wsd_decay_iters=args.lr_wsd_decay_iters)
+                            warmup_fraction=args.lr_warmup_fraction, wsd_decay_iters=args.lr_wsd_decay_iters,
+                            decay_samples=(args.lr_decay_samples or args.train_samples) if sample_based else None,
+                            warmup_samples=args.lr_warmup_samples, wsd_decay_samples=args.lr_wsd_decay_samples)
 
 
 def loss_scale_settings(args: argparse.Namespace) -> LossScaleSettings:
@@ -573,7 +759,8 @@ def switches_of(args: argparse.Namespace, layout: Layout) -> Switches:
     elif args.torch_compile:
         compile_with = "inductor"
     return Switches(partitioning, engine, args.cpu_offload, args.checkpoint_activations, compile_with,
-                    args.data_iterator == "dynamic-shape", args.torch_compile_backend, args.torch_compile_mode)
+                    args.data_iterator == "dynamic-shape", args.torch_compile_backend, args.torch_compile_mode,
+                    args.deepspeed_config)
 
 
 def parameters_are_dtensors(layout: Layout, switches: Switches) -> bool:
@@ -820,8 +1007,10 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
     if args.num_experts:
         ep = f", experts sharded over {layout.expert_parallel_size} ranks (all-to-all)" \
             if layout.expert_parallel_size > 1 else ""
+        residual = (", PR-MoE (--mlp-type residual): a dense MLP beside the experts, mixed in by learned per-token "
+                    "coefficients" if args.mlp_type == "residual" else "")
         engines.append(EngineChoice("--num-experts", f"rapidtrain MoE layers: top-{args.moe_router_topk} router, "
-                                    f"load-balancing loss, capacity factor {args.moe_capacity_factor:g}{ep}"))
+                                    f"load-balancing loss, capacity factor {args.moe_capacity_factor:g}{ep}{residual}"))
     if precision.dtype != "fp32":
         deepspeed_own = partitioning is not None and partitioning.engine.startswith("DeepSpeed")
         engine = f"DeepSpeed {precision.dtype} engine" if deepspeed_own else f"torch.autocast({precision.dtype})"
@@ -855,8 +1044,14 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
         else:
             notes.append("CPU allocator: the C library is not glibc, so malloc is left as it is")
     if args.data_iterator == "dynamic-shape":
-        engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
-                                    "(multiple of 8)"))
+        how = "length-bucketed batches padded to the longest (multiple of 8)"
+        if is_pretraining(args, ctx) and args.model_type == "gpt":
+            how = "one document per sample (not packed, cut at --seq-length + 1 tokens), " + how
+        elif is_pretraining(args, ctx):
+            how = "BERT samples bucketed by length, each micro-batch cut to its longest (multiple of 8)"
+        engines.append(EngineChoice("--data-iterator dynamic-shape", how))
+    if args.mmap_warmup:
+        engines.append(EngineChoice("--mmap-warmup", "every .bin/.idx file of the data read once before training"))
     if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
         from rapidtrain.parallel.deepspeed import describe_offload_optimizer
 
@@ -969,6 +1164,8 @@ ON_SIGTERM = {
 
 def _training_length(t: TrainingSettings) -> str:
     length = f"{t.train_iters} iterations" if t.train_iters else f"{t.epochs or 1} epoch(s)"
+    if t.train_samples is not None:
+        length = f"{t.train_samples:,} samples (--train-samples) = {t.train_iters} iterations"
     evaluation = f"evaluation every {t.eval_interval} iterations" if t.eval_interval else "evaluation after each epoch"
     return f"{length}, {evaluation}, seed {t.seed}"
 
@@ -976,9 +1173,13 @@ def _training_length(t: TrainingSettings) -> str:
 def _schedule(s: ScheduleSettings, clip_grad: float) -> str:
     if s.warmup_fraction is not None:
         warmup = f"warm-up {s.warmup_fraction:g} of the decay horizon"
+    elif s.decay_samples is not None:
+        warmup = f"warm-up {s.warmup_samples:,} samples"
     else:
         warmup = f"warm-up {s.warmup_iters} iterations"
     horizon = f" over {s.decay_iters} iterations" if s.decay_iters else ""
+    if s.decay_samples is not None:
+        horizon = f" over {s.decay_samples:,} samples"
     clipping = f"clip grad {clip_grad:g}" if clip_grad > 0 else "no clipping"
     return f"lr {s.lr:.1E} → min {s.min_lr:.1E}, {s.decay_style} decay{horizon}, {warmup}; {clipping}"
 
@@ -1008,7 +1209,9 @@ def describe_plan(plan: Plan) -> str:
                 f"dp{d}→ranks {row}" for d, row in enumerate(dp_rows)))
     lines += [
         f"  batches: micro {bat.micro_batch_size} × accumulation steps {bat.accumulation_steps} × data parallel "
-        f"{lay.data_parallel_size} = global {bat.global_batch_size}",
+        f"{lay.data_parallel_size} = global {bat.global_batch_size}"
+        + (f"; {bat.schedule.describe(bat.global_batch_size)}, the accumulation steps following it"
+           if bat.schedule else ""),
         "  training length: " + _training_length(plan.training),
         "  data: " + _data_source(plan.data, plan.tokenizer),
         "  schedule: " + _schedule(plan.schedule, plan.clip_grad),

@@ -1,4 +1,5 @@
-"""`torchrun rapidtrain/pretrain.py FLAGS`: pretrain the built-in GPT (or BERT) on Megatron indexed data.
+"""`torchrun rapidtrain/pretrain.py FLAGS`: pretrain the built-in GPT (or BERT) on Megatron indexed data, as
+Megatron's pretrain_gpt.py does (pretrain_gpt.py and pretrain_bert.py beside it are its two Megatron names).
 
 With no data flags it trains a small GPT on the built-in demo corpus (prepared on first use), so
 `torchrun --nproc_per_node 1 rapidtrain/pretrain.py --train-iters 200` is a complete first run.
@@ -12,6 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the package importable, not its folder's modules
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from collections.abc import Callable, Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -25,7 +27,7 @@ ENTRY = "pretrain"  # its declared defaults: arguments.ENTRY_DEFAULTS (and the d
 
 
 class MegatronPreTrainer(PreTrainer):
-    """The built-in models on --data-path (or the demo corpus), Megatron's datasets and loss."""
+    """The built-in models on --data-path (or per-split paths, or the demo corpus), Megatron's datasets and loss."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
@@ -33,16 +35,31 @@ class MegatronPreTrainer(PreTrainer):
         self.tokenizer = self.build_tokenizer()
 
     def prepare_data(self) -> list[str]:
-        """The --data-path prefixes (a blend keeps its weights), or the demo corpus, built on first use."""
+        """The --data-path prefixes (a blend keeps its weights), or the demo corpus, built on first use (BERT with
+        its binary head reads the demo's sentence-split copy)."""
         data = self.plan.data
+        if data.mmap_warmup:
+            self.warm_up_data()
         if data.source != "demo":
             return list(data.data_path)
         from rapidtrain.data.demo import prepare_demo_data
 
         demo = prepare_demo_data(progress=self.engine.is_main_process)
+        sentences = self.plan.model is not None and self.plan.model.bert_binary_head
         self.engine.print_rank0(f" no --data-path: training on the demo corpus ({demo.num_documents:,} "
-                                f"documents, {demo.num_tokens:,} tokens) at {demo.data_prefix}")
-        return [demo.data_prefix]
+                                f"documents, {demo.num_tokens:,} tokens) at "
+                                f"{demo.sentence_prefix if sentences else demo.data_prefix}")
+        return [demo.sentence_prefix if sentences else demo.data_prefix]
+
+    def warm_up_data(self) -> None:
+        """--mmap-warmup: read each .bin file once, so the first iterations do not wait on page faults."""
+        from rapidtrain.data.blending import parse_data_path
+        from rapidtrain.data.indexed import warm_up
+
+        paths = [self.plan.data.data_path, *(self.plan.data.split_paths or ())]
+        prefixes = {p for path in paths if path for p in parse_data_path(path)[0]}
+        read = sum(warm_up(prefix) for prefix in sorted(prefixes))
+        self.engine.print_rank0(f" --mmap-warmup: read {read / 2**20:,.1f} MiB of indexed data")
 
     def build_tokenizer(self) -> Tokenizer:
         settings = self.plan.tokenizer
@@ -53,25 +70,75 @@ class MegatronPreTrainer(PreTrainer):
     def train_valid_test_datasets_provider(self, train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
         data, model = self.plan.data, self.plan.model
         assert model is not None
-        if model.model_type == "bert":
-            from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
+        if data.dynamic_shape and model.model_type == "gpt":
+            return self.unpacked_datasets()
+        build = self.bert_datasets if model.model_type == "bert" else self.gpt_datasets
+        if data.split_paths is None:
+            return build(self.data_prefix, data.split, train_val_test_num_samples)
+        return per_split_datasets(data.split_paths, build, train_val_test_num_samples)
 
-            t = self.tokenizer
-            config = BERTDatasetConfig(data_prefix=self.data_prefix, split=data.split, seq_length=model.seq_length,
-                                       seed=data.seed, vocab_size=t.vocab_size, cls_id=t.cls, sep_id=t.sep,
-                                       mask_id=t.mask, pad_id=t.pad, mask_prob=data.mask_prob,
-                                       short_seq_prob=data.short_seq_prob, binary_head=model.bert_binary_head,
-                                       data_impl=data.data_impl, cache_dir=data.cache_path)
-            return build_bert_datasets(config, train_val_test_num_samples)
-        from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+    def bert_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
+        from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
 
-        config = GPTDatasetConfig(data_prefix=self.data_prefix, split=data.split, seq_length=model.seq_length,
-                                  seed=data.seed, eod=self.tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
-                                  reset_position_ids=data.reset_position_ids,
-                                  reset_attention_mask=data.reset_attention_mask, data_impl=data.data_impl,
-                                  cache_dir=data.cache_path, vocab_size=model.vocab_size)
-        return build_gpt_datasets(config, train_val_test_num_samples)
+        data, model, t = self.plan.data, self.plan.model, self.tokenizer
+        config = BERTDatasetConfig(data_prefix=prefixes, split=split, seq_length=model.seq_length,
+                                   seed=data.seed, vocab_size=t.vocab_size, cls_id=t.cls, sep_id=t.sep,
+                                   mask_id=t.mask, pad_id=t.pad, mask_prob=data.mask_prob,
+                                   short_seq_prob=data.short_seq_prob, binary_head=model.bert_binary_head,
+                                   data_impl=data.data_impl, cache_dir=data.cache_path)
+        return build_bert_datasets(config, counts)
 
+    def gpt_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
+        from rapidtrain.data.gpt_dataset import build_gpt_datasets
+
+        return build_gpt_datasets(self.gpt_config(prefixes, split), counts)
+
+    def gpt_config(self, prefixes: list[str], split: str) -> Any:
+        from rapidtrain.data.gpt_dataset import GPTDatasetConfig
+
+        data, model = self.plan.data, self.plan.model
+        return GPTDatasetConfig(data_prefix=prefixes, split=split, seq_length=model.seq_length,
+                                seed=data.seed, eod=self.tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
+                                reset_position_ids=data.reset_position_ids,
+                                reset_attention_mask=data.reset_attention_mask, data_impl=data.data_impl,
+                                cache_dir=data.cache_path, vocab_size=model.vocab_size)
+
+    # ---- --data-iterator dynamic-shape ----
+    def supports_dynamic_shape(self) -> bool:
+        return True
+
+    def unpacked_datasets(self) -> tuple[Any, Any, Any]:
+        """GPT with dynamic shapes: one document per sample (at most --seq-length + 1 tokens), not packed."""
+        from rapidtrain.data.dynamic_shape import build_unpacked_datasets
+
+        return build_unpacked_datasets(self.gpt_config(self.data_prefix, self.plan.data.split))
+
+    def collate_fn(self) -> Any:
+        """Dynamic shape: GPT's unpacked documents padded to the batch's longest; BERT's samples (of
+        varying length: --short-seq-prob, sentence ends) cut to the batch's longest. Both round up to 8."""
+        if not self.plan.data.dynamic_shape:
+            return None
+        from rapidtrain.data.dynamic_shape import BertTrimCollator, PretrainingCollator
+
+        if self.plan.model.model_type == "bert":
+            return BertTrimCollator()
+        return PretrainingCollator(pad_id=self.tokenizer.eod, eod=self.tokenizer.eod,
+                                   eod_mask_loss=self.plan.data.eod_mask_loss)
+
+    def train_batch_sampler(self, dataset: Any, consumed_samples: int) -> Any:
+        """Dynamic shape: micro-batches of similar-length samples (GPT's documents, BERT's samples), epoch after
+        epoch."""
+        if not self.plan.data.dynamic_shape:
+            return super().train_batch_sampler(dataset, consumed_samples)
+        from rapidtrain.data.dynamic_shape import LengthBucketBatchSampler
+
+        data = self.plan.data
+        return EpochsOf(LengthBucketBatchSampler(dataset.lengths, data.micro_batch_size,
+                                                 self.engine.mesh.data_parallel_rank,
+                                                 self.plan.layout.data_parallel_size, seed=data.seed,
+                                                 consumed_samples=consumed_samples))
+
+    # ---- model, FLOPs, forward ----
     def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, None, None]:
         from rapidtrain.models import build_model
 
@@ -82,10 +149,10 @@ class MegatronPreTrainer(PreTrainer):
 
         return lambda: build_model(self.plan.model, seed=None)
 
-    def flops_per_iteration(self) -> float | None:
+    def flops_per_iteration(self, interval: Any = None) -> float | None:
         from rapidtrain.models.counting import model_flops_per_iteration
 
-        return float(model_flops_per_iteration(self.plan.model, self.plan.batches.global_batch_size))
+        return float(model_flops_per_iteration(self.plan.model, self.last_global_batch))
 
     def end_of_training(self, stopped: bool) -> dict[str, Any]:
         results = super().end_of_training(stopped)
@@ -125,9 +192,39 @@ class MegatronPreTrainer(PreTrainer):
         if not self.plan.model.bert_binary_head:
             return output, lambda per_token: masked_sum(per_token, batch["loss_mask"])
         per_token, binary_logits = output
-        lm_loss = masked_sum(per_token, batch["loss_mask"])
+        lm_sum, count = masked_sum(per_token, batch["loss_mask"])
+        lm_loss = lm_sum / count.clamp(min=1)
         sop = torch.nn.functional.cross_entropy(binary_logits.float(), batch["is_random"])
-        return lm_loss[0] / lm_loss[1].clamp(min=1) + sop
+        # Megatron's BERT log line shows the two losses apart.
+        return lm_loss + sop, {"lm loss": lm_loss.detach(), "sop loss": sop.detach()}
+
+
+class EpochsOf:
+    """A batch sampler that walks one epoch per `iter()` (the length buckets), walked again and again: the
+    sample stream of iteration-based pretraining."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield from self.sampler
+
+
+def per_split_datasets(split_paths: tuple, build: Callable[[list[str], str, list[int]], tuple],
+                       counts: list[int]) -> tuple[Any, Any, Any]:
+    """Megatron's --train-data-path / --valid-data-path / --test-data-path: each split from all the documents of
+    its own data (a prefix or a blend); a split without a path is empty."""
+    datasets = []
+    for index, paths in enumerate(split_paths):
+        if not paths:
+            datasets.append(None)
+            continue
+        only = [0, 0, 0]
+        only[index] = 1
+        wanted = [count if i == index else 0 for i, count in enumerate(counts)]
+        datasets.append(build(list(paths), ",".join(map(str, only)), wanted)[index])
+    return tuple(datasets)
 
 
 DEMO_PROMPT = "Return a new"  # the demo corpus is the standard library's docstrings
@@ -153,8 +250,8 @@ def masked_sum(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.
 
 
 @user_errors()
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    engine = Engine(argv=argv, entry=ENTRY)
+def main(argv: list[str] | None = None, entry: str = ENTRY) -> dict[str, float]:
+    engine = Engine(argv=argv, entry=entry)
     results = MegatronPreTrainer(engine).train()
     # An undestroyed gloo group can abort the interpreter at exit ("terminate called without an active exception").
     engine.shutdown()

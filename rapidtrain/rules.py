@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from rapidtrain import arguments
 from rapidtrain.arguments import STATE_PARTITIONING_FLAGS, TASKS
+from rapidtrain.compat.flags import is_megatron_checkpoint
 from rapidtrain.models import hf_config
 from rapidtrain.plan import (
     RunContext,
@@ -122,6 +123,107 @@ def _sliding_window(args: Args) -> int | None:
     return config.get("sliding_window")
 
 
+def _lengths(args: Args) -> list[str]:
+    return [f"--{n.replace('_', '-')}" for n in ("train_iters", "train_samples", "epochs")
+            if getattr(args, n, None) is not None]
+
+
+def _warmups(args: Args) -> list[str]:
+    given = [("--lr-warmup-fraction", args.lr_warmup_fraction is not None),
+             ("--lr-warmup-iters", args.lr_warmup_iters > 0), ("--lr-warmup-samples", args.lr_warmup_samples > 0)]
+    return [flag for flag, present in given if present]
+
+
+def _mixed_schedule_flags(args: Args) -> list[str]:
+    """Schedule flags counted in the other unit than the training length."""
+    if args.train_samples is not None:
+        names = (("lr_decay_iters", None), ("lr_warmup_iters", 0), ("lr_wsd_decay_iters", None))
+    else:
+        names = (("lr_decay_samples", None), ("lr_warmup_samples", 0), ("lr_wsd_decay_samples", None))
+    return [f"--{n.replace('_', '-')}" for n, unset in names if getattr(args, n) not in (unset, None)]
+
+
+def _batch_schedule_problem(args: Args) -> str | None:
+    from rapidtrain.plan import parse_step_schedule
+
+    if args.rampup_batch_size and args.step_batch_size_schedule:
+        return "--rampup-batch-size and --step-batch-size-schedule both change the global batch; keep one."
+    if args.step_batch_size_schedule:
+        try:
+            parse_step_schedule(args.step_batch_size_schedule, max(args.seq_length, 1))
+        except ValueError as error:
+            return (f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: {error}. Write "
+                    "'THRESHOLD:BATCH ...' with thresholds in tokens from 0, e.g. '0:16 1M:32'.")
+        return None
+    if not args.rampup_batch_size:
+        return None
+    start, increment, samples = args.rampup_batch_size
+    final = args.global_batch_size
+    if final is None:
+        return "--rampup-batch-size ramps up to --global-batch-size: give it (Megatron requires it too)."
+    if start < 1 or increment < 1 or samples < 0:
+        return (f"--rampup-batch-size {start} {increment} {samples}: the start and the increment are positive and "
+                "the ramp-up samples not negative.")
+    if start > final or (final - start) % increment:
+        return (f"--rampup-batch-size {start} {increment} {samples} with --global-batch-size {final}: the ramp goes "
+                f"from {start} up to {final} in whole steps of {increment}, so {final} - {start} must be a "
+                f"non-negative multiple of {increment}.")
+    return None
+
+
+def _batch_schedule_misfits(args: Args, ctx: RunContext) -> list[int]:
+    """Global batches of the ramp-up / step schedule that do not split into whole micro-batches."""
+    from rapidtrain.plan import batch_schedule_of
+
+    if _batch_schedule_problem(args) is not None or not _layout_divides(args, ctx) or args.micro_batch_size < 1:
+        return []
+    schedule = batch_schedule_of(args)
+    if schedule is None:
+        return []
+    per_step = args.micro_batch_size * _dp(args, ctx)
+    if args.num_layers_per_virtual_pipeline_stage and _pp(args) > 1:
+        per_step *= _pp(args)
+    final = args.global_batch_size or per_step
+    return [size for size in schedule.sizes(final) if size % per_step]
+
+
+def _different_folders(a: str, b: str) -> bool:
+    from pathlib import Path
+
+    return Path(a).resolve() != Path(b).resolve()
+
+
+def _deepspeed_config_problem(args: Args) -> str | None:
+    if not args.deepspeed_config:
+        return None
+    if not _deepspeed_zero(args):
+        return (f"--deepspeed_config {args.deepspeed_config}: its settings apply where DeepSpeed runs, which is a "
+                "--zero-1/2/3-memory-optimization switch without tensor/pipeline parallelism here. Add one, or drop "
+                "--deepspeed_config.")
+    from rapidtrain.parallel.deepspeed import read_user_config
+
+    try:
+        read_user_config(args.deepspeed_config)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _per_split_problem(args: Args, ctx: RunContext) -> str | None:
+    splits = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if not any(splits):
+        return None
+    if args.data_path:
+        return ("--data-path with --train-data-path / --valid-data-path / --test-data-path: the per-split paths "
+                "replace --data-path and its --split. Give one form (Megatron refuses both too).")
+    if _needs_iterations(args, ctx) and not args.train_data_path:
+        return "--valid-data-path / --test-data-path without --train-data-path: pretraining needs training data."
+    if args.data_iterator == "dynamic-shape":
+        return ("--data-iterator dynamic-shape reads the documents of one --data-path prefix; with per-split data "
+                "drop it, or give --data-path PREFIX --split instead.")
+    return None
+
+
 LOW_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "adamw_4bit")
 NON_ELEMENTWISE_OPTIMIZERS = ("apex_lamb", "adafactor")  # per-parameter norms or factored statistics
 OFFLOADABLE_OPTIMIZERS = ("apex_adam", "adamw", "adam")  # what DeepSpeedCPUAdam implements
@@ -219,7 +321,9 @@ def _experts(args: Args) -> list[int]:
 
 
 def _num_experts_length_ok(args: Args) -> bool:
-    return not args.num_experts or len(args.num_experts) in (1, args.num_layers)
+    """One count, one per layer, or one per MoE layer with MoE layers at a fixed interval (DeepSpeed's pyramid)."""
+    return not args.num_experts or len(args.num_experts) == 1 or (
+        args.num_layers >= 1 and args.num_layers % len(args.num_experts) == 0)
 
 
 def _needs_iterations(args: Args, ctx: RunContext) -> bool:
@@ -295,6 +399,8 @@ INDEX_BYTES_PER_SAMPLE = 28
 
 
 def _train_samples(args: Args, ctx: RunContext) -> int | None:
+    if args.train_samples is not None:
+        return args.train_samples
     if args.train_iters is None or args.train_iters < 1 or args.micro_batch_size < 1:
         return None
     return args.train_iters * (args.global_batch_size or args.micro_batch_size * max(_dp(args, ctx), 1))
@@ -526,6 +632,15 @@ RULES: tuple[Rule, ...] = (
         + ". Drop them (flags not given are taken from config.json), or use another folder.",
     ),
     Rule(
+        "finetuned-shape-flags", ("--pretrained-model-name-or-path", "--num-layers", "--hidden-size", "--seq-length"),
+        "Shape flags given beside a Hugging Face folder that is fine-tuned as it is agree with its config.json, and "
+        "--seq-length fits its position table.",
+        lambda a, c: bool(hf_config.finetune_conflicts(a)),
+        lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path}: its config.json describes "
+        "the model, and these flags contradict it: " + "; ".join(hf_config.finetune_conflicts(a))
+        + ". Drop them (the folder's config decides) or give its values.",
+    ),
+    Rule(
         "pretrained-needs-data", ("--pretrained-model-name-or-path", "--data-path"),
         "Continued pretraining from Hugging Face weights reads --data-path (the demo corpus has its own tokenizer).",
         lambda a, c: hf_config.initialises_builtin(a) and not a.data_path and not a.user_script,
@@ -572,18 +687,12 @@ RULES: tuple[Rule, ...] = (
         "positions past the table have no embedding. Raise --max-position-embeddings or shorten --seq-length.",
     ),
     Rule(
-        "sequence-parallel-needs-tp", ("--sequence-parallel", "--tensor-model-parallel-size"),
-        "Sequence parallelism only with tensor parallelism.",
-        lambda a, c: a.sequence_parallel and _tp(a) < 2,
-        lambda a, c: "--sequence-parallel splits norms and dropout over tensor-parallel ranks; it needs "
-        "--tensor-model-parallel-size ≥ 2. Drop it or raise the tensor-parallel size.",
-    ),
-    Rule(
         "num-experts-length", ("--num-experts", "--num-layers"),
-        "--num-experts is one number or one per layer.",
+        "--num-experts is one number, one per layer, or one per evenly spaced MoE layer.",
         lambda a, c: not _num_experts_length_ok(a),
         lambda a, c: f"--num-experts has {len(a.num_experts)} values but --num-layers is {a.num_layers}: give one "
-        "number (MoE layers chosen by --moe-layer-freq) or exactly one per layer (0 for dense).",
+        "number (MoE layers chosen by --moe-layer-freq), one per layer (0 for dense), or one per MoE layer with the "
+        "MoE layers evenly spaced (a count that divides --num-layers, as DeepSpeed's pyramid MoE).",
     ),
     Rule(
         "experts-divisible-by-ep", ("--num-experts", "--expert-model-parallel-size"),
@@ -645,27 +754,69 @@ RULES: tuple[Rule, ...] = (
         f"{_pp(a)}: pipeline stages exchange activations of one fixed shape. Drop dynamic shapes or pipelining.",
     ),
     Rule(
-        "iters-xor-epochs", ("--train-iters", "--epochs"),
-        "Exactly one of --train-iters / --epochs: pretraining counts iterations, fine-tuning epochs (or iterations).",
-        lambda a, c: (a.train_iters is not None and a.epochs is not None)
-        or (a.train_iters is None and a.epochs is None),
-        lambda a, c: ("--train-iters and --epochs both set the training length; give one." if a.train_iters is not None
-                      else "--train-iters or --epochs is needed: "
-                      + ("pretraining is iteration-based (--train-iters N)." if _needs_iterations(a, c)
-                         else "fine-tuning runs --epochs N (or --train-iters N).")),
+        "iters-xor-epochs", ("--train-iters", "--train-samples", "--epochs"),
+        "Exactly one of --train-iters / --train-samples / --epochs: pretraining counts iterations (or samples, "
+        "Megatron's sample-based training), fine-tuning epochs (or iterations).",
+        lambda a, c: len(_lengths(a)) != 1,
+        lambda a, c: (f"{' and '.join(_lengths(a))} all set the training length; give one." if _lengths(a)
+                      else "--train-iters, --train-samples or --epochs is needed: "
+                      + ("pretraining is iteration-based (--train-iters N, or --train-samples N)."
+                         if _needs_iterations(a, c) else "fine-tuning runs --epochs N (or --train-iters N).")),
     ),
     Rule(
         "pretraining-needs-iters", ("--epochs", "--task"),
         "Pretraining (--task pretraining, without --user-script) is iteration-based.",
-        lambda a, c: _needs_iterations(a, c) and a.epochs is not None and a.train_iters is None,
+        lambda a, c: _needs_iterations(a, c) and a.epochs is not None and a.train_iters is None
+        and a.train_samples is None,
         lambda a, c: "--epochs with --task pretraining: Megatron-style pretraining counts iterations over a "
-        "sample stream. Use --train-iters N.",
+        "sample stream. Use --train-iters N (or --train-samples N).",
     ),
     Rule(
-        "one-warmup", ("--lr-warmup-fraction", "--lr-warmup-iters"),
-        "Warm-up by fraction or by iterations, not both.",
-        lambda a, c: a.lr_warmup_fraction is not None and a.lr_warmup_iters > 0,
-        lambda a, c: "--lr-warmup-fraction and --lr-warmup-iters both set the warm-up; keep one.",
+        "schedule-counts-as-training", ("--train-samples", "--lr-decay-samples", "--lr-decay-iters"),
+        "The schedule is counted as the training length is (Megatron): with --train-samples the -samples forms "
+        "(--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples), otherwise the -iters forms.",
+        lambda a, c: bool(_mixed_schedule_flags(a)),
+        lambda a, c: f"{', '.join(_mixed_schedule_flags(a))} with "
+        + ("--train-samples: sample-based training counts its schedule in samples. Use "
+           + ", ".join(f.replace("-iters", "-samples") for f in _mixed_schedule_flags(a))
+           if a.train_samples is not None else
+           "iteration-based training (--train-iters / --epochs): its schedule is counted in iterations. Use "
+           + ", ".join(f.replace("-samples", "-iters") for f in _mixed_schedule_flags(a)) + " or --train-samples")
+        + " (Megatron refuses the mix too).",
+    ),
+    Rule(
+        "one-warmup", ("--lr-warmup-fraction", "--lr-warmup-iters", "--lr-warmup-samples"),
+        "Warm-up by fraction, by iterations or by samples: one of them.",
+        lambda a, c: len(_warmups(a)) > 1,
+        lambda a, c: f"{' and '.join(_warmups(a))} all set the warm-up; keep one.",
+    ),
+    Rule(
+        "samples-warmup-within-decay", ("--lr-warmup-samples", "--train-samples", "--lr-decay-samples"),
+        "With sample-based training the warm-up ends before the decay horizon.",
+        lambda a, c: a.train_samples is not None and a.lr_warmup_samples > 0
+        and a.lr_warmup_samples >= (a.lr_decay_samples or a.train_samples),
+        lambda a, c: f"--lr-warmup-samples {a.lr_warmup_samples} is not below the decay horizon ("
+        f"{'--lr-decay-samples' if a.lr_decay_samples else '--train-samples'} "
+        f"{a.lr_decay_samples or a.train_samples}). Lower it or train longer.",
+    ),
+    Rule(
+        "batch-schedule-valid", ("--rampup-batch-size", "--step-batch-size-schedule", "--global-batch-size"),
+        "--rampup-batch-size START INCREMENT SAMPLES ramps from START (> 0) to --global-batch-size in whole "
+        "INCREMENTs; --step-batch-size-schedule is 'THRESHOLD:BATCH ...' from threshold 0; not both.",
+        lambda a, c: _batch_schedule_problem(a) is not None,
+        lambda a, c: str(_batch_schedule_problem(a)),
+    ),
+    Rule(
+        "batch-schedule-divisible", ("--rampup-batch-size", "--step-batch-size-schedule", "--micro-batch-size"),
+        "Every global batch of a ramp-up or step schedule is divisible by micro batch × data-parallel size (and, "
+        "with interleaved pipelining, gives a multiple of the pipeline size of micro-batches).",
+        lambda a, c: bool(_batch_schedule_misfits(a, c)),
+        lambda a, c: f"global batch sizes {', '.join(map(str, _batch_schedule_misfits(a, c)))} of the batch schedule "
+        f"are not divisible by --micro-batch-size {a.micro_batch_size} × data-parallel size {_dp(a, c)}"
+        + (f" × --pipeline-model-parallel-size {_pp(a)} (interleaved schedule)"
+           if a.num_layers_per_virtual_pipeline_stage else "")
+        + ": each iteration runs whole micro-batches on every rank. Choose a start, increment and final batch (or "
+        "schedule sizes) that are multiples of it.",
     ),
     Rule(
         "warmup-within-decay", ("--lr-warmup-iters", "--train-iters", "--lr-decay-iters"),
@@ -694,16 +845,66 @@ RULES: tuple[Rule, ...] = (
         + ". Drop --sharding-backend or add one of those switches.",
     ),
     Rule(
-        "finetune-needs-load", ("--finetune", "--load"),
-        "--finetune loads a model from --load.",
-        lambda a, c: a.finetune and not a.load,
-        lambda a, c: "--finetune loads the model weights of --load and starts at iteration 0; give --load DIR.",
-    ),
-    Rule(
         "binary-head-bert-only", ("--bert-binary-head", "--model-type"),
         "The binary (next-sentence) head belongs to BERT.",
-        lambda a, c: a.bert_binary_head and a.model_type != "bert",
+        lambda a, c: bool(a.bert_binary_head) and a.model_type != "bert",
         lambda a, c: "--bert-binary-head needs --model-type bert.",
+    ),
+    Rule(
+        "pretrained-checkpoint-or-load", ("--pretrained-model-name-or-path", "--load"),
+        "A Megatron-format checkpoint named by --pretrained-model-name-or-path is loaded as --load is: give one "
+        "folder to load from.",
+        lambda a, c: is_megatron_checkpoint(a) and a.load is not None and _different_folders(
+            a.load, a.pretrained_model_name_or_path),
+        lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path} is a Megatron-format "
+        f"checkpoint folder, which the run loads as --load, but --load names {a.load}. Give one of them.",
+    ),
+    Rule(
+        "router-type-supported", ("--router-type", "--num-experts"),
+        "Rapidformer's --router-type 0 (top-k gating with the load-balancing loss) is the built-in router; other "
+        "router types are not implemented.",
+        lambda a, c: a.router_type != 0,
+        lambda a, c: f"--router-type {a.router_type}: the built-in MoE implements Rapidformer's router type 0 only "
+        "(top-k gating by a linear layer, trained with the load-balancing loss, --moe-loss-coeff); a router "
+        "without that loss is not implemented here. Use --router-type 0 (or leave it out).",
+    ),
+    Rule(
+        "remote-device-none", ("--remote-device", "--zero-3-memory-optimization"),
+        "--remote-device (Megatron-DeepSpeed's ZeRO-3 parameter placement) is served for 'none' only.",
+        lambda a, c: a.remote_device != "none",
+        lambda a, c: f"--remote-device {a.remote_device}: rapidtrain's ZeRO-3 keeps the parameter partitions on the "
+        "device; DeepSpeed's parameter offload is not wired up. Use --remote-device none, and --cpu-offload (with "
+        "ZeRO) to move the optimizer state and step to the CPU.",
+    ),
+    Rule(
+        "residual-moe-needs-experts", ("--mlp-type", "--use-expert-residual-network", "--num-experts"),
+        "PR-MoE (--mlp-type residual / --use-expert-residual-network) adds a dense MLP beside MoE layers: it needs "
+        "--num-experts.",
+        lambda a, c: a.mlp_type == "residual" and not _experts(a),
+        lambda a, c: "--mlp-type residual (--use-expert-residual-network) mixes a dense MLP into each MoE layer, but "
+        "no layer has experts: add --num-experts N, or drop it.",
+    ),
+    Rule(
+        "deepspeed-config-with-zero", ("--deepspeed_config", "--zero-2-memory-optimization"),
+        "--deepspeed_config FILE is merged into the config of a DeepSpeed ZeRO run (a --zero-*-memory-optimization "
+        "switch without tensor/pipeline parallelism); the file is JSON.",
+        lambda a, c: _deepspeed_config_problem(a) is not None,
+        lambda a, c: str(_deepspeed_config_problem(a)),
+    ),
+    Rule(
+        "per-split-data", ("--train-data-path", "--data-path", "--data-iterator"),
+        "Megatron's per-split data (--train-data-path ...) replaces --data-path and --split; pretraining needs its "
+        "training split, and the dynamic-shape iterator reads one --data-path prefix.",
+        lambda a, c: _per_split_problem(a, c) is not None,
+        lambda a, c: str(_per_split_problem(a, c)),
+    ),
+    Rule(
+        "dynamic-shape-one-prefix", ("--data-iterator", "--data-path"),
+        "The dynamic-shape iterator in pretraining reads the documents of one --data-path prefix (not a blend).",
+        lambda a, c: _needs_iterations(a, c) and a.data_iterator == "dynamic-shape" and a.data_path is not None
+        and len(a.data_path) > 1,
+        lambda a, c: "--data-iterator dynamic-shape with a weighted blend in --data-path: unpacked documents come from "
+        "one indexed dataset. Give a single prefix, or drop --data-iterator dynamic-shape.",
     ),
     Rule(
         "lora-needs-hf-model", ("--lora-rank", "--pretrained-model-name-or-path"),
@@ -953,6 +1154,10 @@ LIFTED_RESTRICTIONS = (
     "data-parallel).",
     "The dynamic-shape iterator also serves fine-tuning, not only the PreTrainer.",
     "--mixed-precision works in the black-box command too (it resolves to bf16 where fp16 does not run).",
+    "Megatron refuses --rampup-batch-size with --train-iters (its 2024 GPT-3 example passes both); rapidtrain runs "
+    "it: the batch ramps by samples consumed, the schedule's horizon is --lr-decay-iters × the final batch.",
+    "Megatron's leniencies instead of refusals: --sequence-parallel at --tensor-model-parallel-size 1 is turned "
+    "off, --finetune without --load does nothing (each said in the plan).",
 )
 
 

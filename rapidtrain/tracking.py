@@ -43,8 +43,8 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 class TensorBoardTracker:
     """TensorBoard's scalars, and the plan as a text entry (JSON in a code block)."""
 
-    def __init__(self, log_dir: str) -> None:
-        self.writer = TensorBoardWriter(log_dir)
+    def __init__(self, log_dir: str, max_queue: int = 10) -> None:
+        self.writer = TensorBoardWriter(log_dir, max_queue=max_queue)
 
     def add_config(self, config: Mapping[str, Any]) -> None:
         text = json.dumps(config, indent=1, default=str)
@@ -178,7 +178,7 @@ class Writers:
         tracking = settings.tracking
         try:
             if settings.tensorboard_dir:
-                opened.writers.append(TensorBoardTracker(settings.tensorboard_dir))
+                opened.writers.append(TensorBoardTracker(settings.tensorboard_dir, settings.tensorboard_queue_size))
             if tracking is not None and tracking.wandb_project:
                 opened.writers.append(WandbTracker(tracking, config))
             if tracking is not None and tracking.mlflow_experiment:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Megatron-style BERT pretraining launch. BERT needs a WordPiece vocabulary and data preprocessed with it:
+# Megatron-style BERT pretraining launch. BERT needs a WordPiece vocabulary and data preprocessed with it, split
+# into sentences for its binary (sentence-order) head, which is on as in Megatron (EXTRA=--bert-no-binary-head
+# turns it off and then takes any data):
 #   python scripts/preprocess_data.py --input corpus.jsonl --output-prefix bert --tokenizer-type BertWordPieceLowerCase \
-#       --vocab-file vocab.txt --workers 2
-#   DATA_PATH=bert_text_document VOCAB=vocab.txt bash scripts/pretrain_bert.sh
+#       --vocab-file vocab.txt --split-sentences --workers 2
+#   DATA_PATH=bert_text_sentence VOCAB=vocab.txt bash scripts/pretrain_bert.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,8 +16,7 @@ NUM_LAYERS=${NUM_LAYERS:-4}; HIDDEN=${HIDDEN:-256}; HEADS=${HEADS:-4}; SEQ=${SEQ
 MICRO=${MICRO:-8}; GLOBAL=${GLOBAL:-$((MICRO * NPROC))}; TRAIN_ITERS=${TRAIN_ITERS:-500}
 EXTRA=${EXTRA:-}
 
-exec .venv/bin/torchrun --nproc_per_node "$NPROC" rapidtrain/pretrain.py \
-    --model-type bert --bert-binary-head \
+exec .venv/bin/torchrun --nproc_per_node "$NPROC" rapidtrain/pretrain_bert.py \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
     --micro-batch-size "$MICRO" --global-batch-size "$GLOBAL" \

@@ -210,6 +210,16 @@ class BERTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.samples_mapping.shape[0]
 
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens of each sample before padding, [CLS]/[SEP] included (what --data-iterator dynamic-shape
+        buckets by): its sentences' tokens, truncated to the sample's target length."""
+        sizes = np.asarray(self.indexed_dataset.sequence_lengths, dtype=np.int64)
+        cumulative = np.concatenate([[0], np.cumsum(sizes)])
+        first, end, target = (self.samples_mapping[:, i].astype(np.int64) for i in range(3))
+        specials = 3 if self.config.binary_head else 2
+        return np.minimum(cumulative[end] - cumulative[first], target) + specials
+
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         config = self.config
         first, end, target = (int(x) for x in self.samples_mapping[idx])

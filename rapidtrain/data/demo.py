@@ -20,7 +20,7 @@ from pathlib import Path
 from rapidtrain.data.preprocess import PreprocessSettings, preprocess
 from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
 
-DEMO_VERSION = "demo-v1"
+DEMO_VERSION = "demo-v2"  # v2: the sentence-split corpus for BERT's binary head
 VOCAB_SIZE = 8000  # SentencePiece pieces
 # The SentencePieceTokenizer's size over them (Megatron's <CLS> <SEP> <EOD> <MASK> <PAD> appended): the plan
 # sizes the model by it before the corpus is first built; the build checks it.
@@ -41,6 +41,8 @@ class DemoData:
     tokenizer_type: str = "SentencePieceTokenizer"
     num_documents: int = 0
     num_tokens: int = 0
+    # The same documents split into sentences (PREFIX_text_sentence), which BERT's binary head needs.
+    sentence_prefix: str = ""
 
     def tokenizer_settings(self) -> TokenizerSettings:
         """The tokenizer flags that read this corpus."""
@@ -54,7 +56,7 @@ def demo_tokenizer_settings(cache_dir: str | None = None) -> TokenizerSettings:
 
 
 def default_cache_dir() -> str:
-    """`$RAPIDTRAIN_CACHE/demo-v1`, or `~/.cache/rapidtrain/demo-v1`."""
+    """`$RAPIDTRAIN_CACHE/demo-v2`, or `~/.cache/rapidtrain/demo-v2`."""
     root = os.environ.get("RAPIDTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rapidtrain")
     return os.path.join(root, DEMO_VERSION)
 
@@ -106,6 +108,7 @@ def _read_manifest(cache_dir: str) -> DemoData:
         tokenizer_type=saved["tokenizer_type"],
         num_documents=saved["num_documents"],
         num_tokens=saved["num_tokens"],
+        sentence_prefix=os.path.join(cache_dir, saved["sentence_prefix"]),
     )
 
 
@@ -133,9 +136,21 @@ def _build(folder: str, progress: bool) -> None:
             progress=progress,
         )
     )
+    sentences = preprocess(
+        PreprocessSettings(
+            input=corpus,
+            output_prefix=os.path.join(folder, "demo"),
+            tokenizer=TokenizerSettings(
+                "SentencePieceTokenizer", tokenizer_model=os.path.join(folder, "tokenizer.model")
+            ),
+            split_sentences=True,
+            progress=progress,
+        )
+    )
     manifest = {
         "version": DEMO_VERSION,
         "data_prefix": os.path.basename(result.data_prefixes["text"]),
+        "sentence_prefix": os.path.basename(sentences.data_prefixes["text"]),
         "tokenizer_model": "tokenizer.model",
         "tokenizer_type": "SentencePieceTokenizer",
         "num_documents": result.num_documents,

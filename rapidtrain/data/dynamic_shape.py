@@ -213,3 +213,19 @@ class FinetuneCollator:
         else:
             batch["labels"] = _pad([r["labels"] for r in rows], width, self.label_pad_id, torch.int64)
         return batch
+
+
+class BertTrimCollator:
+    """BERT samples (padded to --seq-length by the dataset) cut to the batch's longest, rounded up to
+    `multiple`: samples are shorter than --seq-length when --short-seq-prob draws a short target or the
+    sentences end before it, so the padding columns no sample uses are dropped. Masked positions and the
+    attention padding mask keep their meaning; the loss is the same."""
+
+    def __init__(self, multiple: int = PAD_MULTIPLE) -> None:
+        self.multiple = multiple
+
+    def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        batch = torch.utils.data.default_collate(list(samples))
+        width = min(round_up(int(batch["padding_mask"].sum(dim=1).max()), self.multiple),
+                    batch["padding_mask"].shape[1])
+        return {key: value[:, :width] if value.ndim == 2 else value for key, value in batch.items()}

@@ -402,3 +402,14 @@ def check_token_ids(dataset: IndexedDataset, vocab_size: int, sequences: int = 6
                 ".idx names the wrong dtype. Use the tokenizer flags the data was made with, or rebuild it with "
                 "scripts/preprocess_data.py and these flags."
             )
+
+
+def warm_up(prefix: str, chunk: int = 64 * 2**20) -> int:
+    """Megatron's --mmap-warmup: read PREFIX.bin (and .idx) once, so their pages are in the page cache before
+    training reads them at random; the bytes read."""
+    total = 0
+    for path in _existing_files(prefix):
+        with open(path, "rb", buffering=0) as stream:
+            while block := stream.read(chunk):
+                total += len(block)
+    return total

@@ -126,6 +126,7 @@ class ShardSettings:
     num_workers: int = 0
     pin_memory: bool = False
     group: dist.ProcessGroup | None = None  # the data-parallel group, for gathering
+    keep_last: bool = False  # --keep-last: an epoch's rest is completed to a whole step instead of dropped
 
 
 def _data_loader(
@@ -171,6 +172,7 @@ def train_batch_sampler(
             s.data_parallel_rank,
             s.data_parallel_size,
             seed=s.seed,
+            keep_last=s.keep_last,
         )
     return MegatronPretrainingSampler(
         len(dataset), consumed_samples, s.micro_batch_size, s.data_parallel_rank, s.data_parallel_size

@@ -88,6 +88,9 @@ class MegatronRandomSampler:
     epoch) permuted by torch.randperm seeded with seed + epoch. Step k gives rank r positions
     [k·m·dp + r·m, k·m·dp + (r+1)·m) of the permutation. Each `iter()` yields the rest of the
     current epoch, so a loop `for epoch ...: for batch in loader` walks successive epochs.
+
+    `keep_last` (Megatron's --keep-last): the rest is not left out; the epoch's order is completed to a whole
+    chunk with its first samples (so every micro-batch stays full, as accumulation and exact resume need).
     """
 
     def __init__(
@@ -98,9 +101,10 @@ class MegatronRandomSampler:
         data_parallel_rank: int,
         data_parallel_size: int,
         seed: int = 0,
+        keep_last: bool = False,
     ) -> None:
         check_data_parallel_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
-        if total_samples < micro_batch_size * data_parallel_size:
+        if total_samples < micro_batch_size * data_parallel_size and not keep_last:
             raise SamplerError(
                 f"{total_samples} samples cannot fill one step of --micro-batch-size {micro_batch_size} "
                 f"× {data_parallel_size} data-parallel ranks; use a smaller micro batch or more data"
@@ -113,11 +117,14 @@ class MegatronRandomSampler:
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
         self.seed = seed
+        self.keep_last = keep_last
 
     @property
     def samples_per_epoch(self) -> int:
-        """Samples used per epoch: whole global chunks only."""
+        """Samples used per epoch: whole global chunks only (with keep_last, enough of them for every sample)."""
         chunk = self.micro_batch_size * self.data_parallel_size
+        if self.keep_last:
+            return -(-self.total_samples // chunk) * chunk
         return (self.total_samples // chunk) * chunk
 
     @property
@@ -133,7 +140,10 @@ class MegatronRandomSampler:
         """The sample order of `epoch` (the same on every rank)."""
         generator = torch.Generator()
         generator.manual_seed(self.seed + epoch)
-        return torch.randperm(self.total_samples, generator=generator)[: self.samples_per_epoch].tolist()
+        order = torch.randperm(self.total_samples, generator=generator).tolist()
+        while len(order) < self.samples_per_epoch:  # keep_last: the last chunk completed from the start
+            order += order[: self.samples_per_epoch - len(order)]
+        return order[: self.samples_per_epoch]
 
     def __iter__(self) -> Iterator[list[int]]:
         chunk = self.micro_batch_size * self.data_parallel_size

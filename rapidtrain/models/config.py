@@ -52,6 +52,7 @@ class ModelConfig:
     openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's gelu_new)
     post_layernorm: bool = False  # original BERT order: x = norm(x + f(x)), normed embeddings, no final norm
     hf_weights: str | None = None  # a Hugging Face folder whose weights replace the seeded initial values
+    moe_residual: bool = False  # PR-MoE: each MoE layer adds a dense MLP mixed in by learned coefficients
 
     @property
     def ffn_size(self) -> int:

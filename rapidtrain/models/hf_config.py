@@ -38,7 +38,7 @@ class UnsupportedModel(UserError, ValueError):
 
 def classify_folder(path: str | Path) -> FolderKind:
     """What a --pretrained-model-name-or-path folder is: a Hugging Face model (config.json), a rapidtrain or
-    Megatron-style checkpoint (latest_checkpointed_iteration.txt; loading one here is issue 15's), missing,
+    Megatron-style checkpoint (latest_checkpointed_iteration.txt; compat.flags loads it as --load), missing,
     or something else."""
     folder = Path(path)
     if not folder.is_dir():
@@ -62,8 +62,11 @@ def read_config(path: str) -> dict[str, Any]:
 
 def trains_builtin_model(args: argparse.Namespace) -> bool:
     """The run trains a built-in model (no Hugging Face model), perhaps from Hugging Face weights
-    (args.builtin_from_pretrained, decided by arguments.parse_args)."""
-    return not args.pretrained_model_name_or_path or bool(getattr(args, "builtin_from_pretrained", False))
+    (args.builtin_from_pretrained, decided by arguments.parse_args) or from a Megatron-format checkpoint."""
+    from rapidtrain.compat.flags import is_megatron_checkpoint
+
+    return not args.pretrained_model_name_or_path or bool(getattr(args, "builtin_from_pretrained", False)) \
+        or is_megatron_checkpoint(args)
 
 
 def initialises_builtin(args: argparse.Namespace) -> bool:
@@ -315,10 +318,6 @@ def unsupported_reason(args: argparse.Namespace) -> str | None:
     kind = classify_folder(folder)
     if kind == "missing":
         return f"--pretrained-model-name-or-path {folder}: no such folder"
-    if kind == "rapidtrain":
-        return (f"--pretrained-model-name-or-path {folder} holds a rapidtrain/Megatron-style checkpoint "
-                "(latest_checkpointed_iteration.txt), not Hugging Face weights: continue it with --load "
-                f"{folder} (or start at iteration 0 from its weights with --finetune --load {folder})")
     if kind == "other":
         return (f"--pretrained-model-name-or-path {folder} has no config.json: give a folder written by "
                 "save_pretrained (or scripts/convert_checkpoint.py --hf)")
@@ -327,3 +326,44 @@ def unsupported_reason(args: argparse.Namespace) -> str | None:
     except UnsupportedModel as error:
         return f"--pretrained-model-name-or-path {folder}: {error}"
     return None
+
+
+# ---- a Hugging Face model fine-tuned as it is: flags that describe it must agree with its config.json ----
+
+# flag dest → config.json keys naming the same number (the first present one counts).
+FINETUNE_SHAPE_KEYS = {
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "ffn_hidden_size": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+}
+
+
+def fine_tuned_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """config.json of the Hugging Face model the run fine-tunes as it is (None: no such folder)."""
+    folder = args.pretrained_model_name_or_path
+    if not folder or trains_builtin_model(args) or classify_folder(folder) != "huggingface":
+        return None
+    try:
+        return read_config(folder)
+    except UnsupportedModel:
+        return None
+
+
+def finetune_conflicts(args: argparse.Namespace) -> list[str]:
+    """Shape flags given beside a fine-tuned Hugging Face folder that contradict its config.json, as
+    'FLAG VALUE (config.json KEY: VALUE)'; and a --seq-length past its position table."""
+    config = fine_tuned_config(args)
+    if config is None:
+        return []
+    given = set(getattr(args, "given_flags", ()))
+    conflicts = []
+    for dest, keys in FINETUNE_SHAPE_KEYS.items():
+        key = next((k for k in keys if config.get(k) is not None), None)
+        if dest in given and key is not None and getattr(args, dest) != config[key]:
+            conflicts.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (config.json {key}: {config[key]})")
+    positions = next((config[k] for k in FINETUNE_SHAPE_KEYS["max_position_embeddings"] if config.get(k)), None)
+    if "seq_length" in given and positions and args.seq_length > positions:
+        conflicts.append(f"--seq-length {args.seq_length} (config.json max positions: {positions})")
+    return conflicts

@@ -209,10 +209,23 @@ class MoELayer(nn.Module):
             bias=config.add_bias_linear,
             openai_gelu=config.openai_gelu,
         )
+        # PR-MoE (DeepSpeed's Residual-MoE, Rapidformer's --use-expert-residual-network): a dense MLP beside the
+        # experts, the two outputs mixed per token by a softmax over two learned coefficients.
+        self.residual_mlp: nn.Module | None = None
+        self.residual_coefficient: nn.Linear | None = None
+        if config.moe_residual:
+            from rapidtrain.models.transformer import MLP  # transformer.py builds this layer
+
+            self.residual_mlp = MLP(config)
+            self.residual_coefficient = nn.Linear(config.hidden_size, 2)
         # Tracker, read by collect_*: [aux-loss sum, forwards, assignments per expert...], float64
         # (exact counts). One tensor, not Python numbers: torch.compile guards on the values of
         # int attributes and would recompile every step. Not a buffer: DDP would broadcast it.
         self.routing_stats: torch.Tensor | None = None
+        # Rapidformer's models return the balancing loss to the forward step, which adds it to its loss, instead
+        # of rapidtrain adding its gradient (`returns_aux_loss`, set by rapidtrain.rapidformer.GPTModel).
+        self.returns_aux_loss = False
+        self.last_aux_loss: torch.Tensor | None = None
 
     def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """fp32 router logits [T, E]; in training, optional multiplicative jitter on the router input."""
@@ -268,13 +281,18 @@ class MoELayer(nn.Module):
         probs = logits.softmax(dim=-1)
         routing, expert_index = self.route(probs)
         output = self.combine(self.experts(self.dispatch(tokens, routing)), routing).view(shape)
+        if self.residual_mlp is not None and self.residual_coefficient is not None:
+            coefficients = self.residual_coefficient(hidden_states).softmax(dim=-1)
+            output = output * coefficients[..., :1] + self.residual_mlp(hidden_states) * coefficients[..., 1:]
         if not self.training:
             return output
         tokens_per_expert = F.one_hot(expert_index, self.num_experts).sum(dim=(0, 1))
         aux_loss = load_balancing_loss(probs, tokens_per_expert)
         if not (_stats_paused or _recomputing()):
             self._record(aux_loss.detach(), tokens_per_expert.detach())
-        if torch.is_grad_enabled():
+        if self.returns_aux_loss:
+            self.last_aux_loss = aux_loss
+        elif torch.is_grad_enabled():
             router_loss = self.aux_loss_coeff * aux_loss
             if self.z_loss_coeff:
                 router_loss = router_loss + self.z_loss_coeff * router_z_loss(logits)

@@ -99,8 +99,16 @@ def lr_schedule_from_iters(
 
 
 def lr_schedule_for(schedule: Any, global_batch_size: int, train_iters: int | None) -> LRScheduleSettings:
-    """The plan's schedule settings (`plan.ScheduleSettings`, in iterations) in samples, for a run of
-    `train_iters` iterations of `global_batch_size` samples."""
+    """The plan's schedule settings (`plan.ScheduleSettings`, in iterations, or in samples for sample-based
+    training) in samples, for a run of `train_iters` iterations of `global_batch_size` samples."""
+    if schedule.decay_samples is not None:  # --train-samples: Megatron reads the -samples flags as they are
+        if schedule.warmup_fraction is not None:
+            warmup: float = schedule.warmup_fraction * schedule.decay_samples
+        else:
+            warmup = schedule.warmup_samples
+        return LRScheduleSettings(lr=schedule.lr, min_lr=schedule.min_lr, decay_style=schedule.decay_style,
+                                  decay_samples=schedule.decay_samples, warmup_samples=warmup,
+                                  wsd_decay_samples=schedule.wsd_decay_samples)
     return lr_schedule_from_iters(
         lr=schedule.lr, min_lr=schedule.min_lr, style=schedule.decay_style, train_iters=train_iters,
         lr_decay_iters=schedule.decay_iters, lr_warmup_iters=schedule.warmup_iters,

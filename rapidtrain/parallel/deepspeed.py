@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rapidtrain.errors import UserError
 from rapidtrain.optim.grad_scaler import LossScaleSettings
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.deepspeed_state import ZeroState, canonical_name
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import (
+    EvalTotals,
     LossTotal,
     StepOutcome,
     autocast,
@@ -311,7 +313,7 @@ def deepspeed_runner(
         )
     optimizer_settings = plan.optimizer
     assert optimizer_settings is not None and plan.loss_scale is not None
-    config = deepspeed_config(plan, optimizer_settings, plan.clip_grad, plan.loss_scale)
+    config = run_config(plan)  # generated from the flags, --deepspeed_config merged in
     size_nvme_buffers(config, model, dist.get_world_size())
     threads = zero_settings_of(plan).cpu_adam_threads
     if threads:
@@ -412,7 +414,7 @@ class DeepSpeedRunner:
                          global_tokens: int | None) -> LossTotal:
         return run_micro_batches(self, micro_batches, forward_step, global_tokens)
 
-    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> EvalTotals:
         return evaluate_micro_batches(self, micro_batches, forward_step)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -438,6 +440,18 @@ class DeepSpeedRunner:
         # A copy: ZeRO-3 keeps its norm in a buffer the next step overwrites, and the loop reads it later.
         return StepOutcome(norm.detach().clone() if torch.is_tensor(norm) else torch.tensor(float(norm)))
 
+    def params_norm(self) -> torch.Tensor:
+        """The L2 norm of the parameters (--log-params-norm); ZeRO-3's partitions summed over the ranks."""
+        from rapidtrain.parallel.runner import squared_norm
+
+        parameters = [p for p in self.engine.module.parameters() if p.requires_grad]
+        if hasattr(parameters[0], "ds_tensor") if parameters else False:
+            squared = squared_norm([p.ds_tensor.detach() for p in parameters]).to(parameters[0].ds_tensor.device)
+            dist.all_reduce(squared)
+        else:
+            squared = squared_norm([p.detach() for p in parameters])
+        return squared.sqrt()
+
     @property
     def skips_nonfinite(self) -> bool:
         return self.precision.loss_scaling != "none"
@@ -458,3 +472,90 @@ class DeepSpeedRunner:
 
     def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
         self.checkpoint_state.load(state, load_optimizer)
+
+
+# ---- --deepspeed_config FILE (Megatron-DeepSpeed's habit): the user's JSON merged with the generated config ----
+
+# Keys rapidtrain sets only for quiet, permissive defaults: a user's value replaces them.
+_OVERRIDABLE = ("wall_clock_breakdown", "zero_allow_untested_optimizer")
+# Where each generated key comes from, for the conflict message.
+_FLAG_OF_KEY = {
+    "train_batch_size": "--global-batch-size", "train_micro_batch_size_per_gpu": "--micro-batch-size",
+    "gradient_accumulation_steps": "--global-batch-size / --micro-batch-size", "gradient_clipping": "--clip-grad",
+    "zero_optimization.stage": "--zero-N-memory-optimization", "bf16": "--bf16 / --mixed-precision",
+    "fp16": "--fp16 / --loss-scale flags", "optimizer": "--cpu-offload / --optimizers",
+    "zero_optimization.offload_optimizer": "--cpu-offload",
+}
+
+
+class DeepSpeedConfigConflict(UserError, ValueError):
+    """--deepspeed_config sets something the flags set otherwise."""
+
+
+def read_user_config(path: str) -> dict[str, Any]:
+    """The JSON object of --deepspeed_config FILE (plain data: nothing in it runs); ValueError names the file."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"--deepspeed_config {path}: cannot read it ({error.strerror or error}). Give the path "
+                         "of a DeepSpeed JSON config.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({error}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed_config {path}: a DeepSpeed config is a JSON object, not "
+                         f"{type(config).__name__}.")
+    return config
+
+
+def merge_user_config(user: dict[str, Any], generated: dict[str, Any], path: str) -> dict[str, Any]:
+    """The generated config with the keys only the user's JSON sets added (nested objects merged); a key both
+    set must agree. The schedule and a client optimizer are rapidtrain's: the JSON may not configure them."""
+    conflicts: list[str] = []
+    owners = {"scheduler": "the learning-rate schedule from --lr / --lr-decay-style",
+              "optimizer": "the optimizer from --optimizers"}
+    for owned, what in owners.items():
+        if owned in user and not (owned == "optimizer" and "optimizer" in generated):
+            conflicts.append(f"{owned}: --deepspeed_config sets one, but rapidtrain builds {what}")
+    for precision in ("fp16", "bf16"):
+        wanted = bool((user.get(precision) or {}).get("enabled", False))
+        have = bool((generated.get(precision) or {}).get("enabled", False))
+        if precision in user and wanted != have:
+            conflicts.append(f"{precision}.enabled: --deepspeed_config {str(wanted).lower()}, the flags "
+                             f"{str(have).lower()} ({_FLAG_OF_KEY[precision]})")
+    merged = _merge(user, generated, "", conflicts)
+    if conflicts:
+        raise DeepSpeedConfigConflict(
+            f"--deepspeed_config {path} contradicts the flags: " + "; ".join(conflicts)
+            + ". Remove those keys from the file (the flags set them) or change the flags to match.")
+    return merged
+
+
+def _merge(user: dict[str, Any], generated: dict[str, Any], prefix: str, conflicts: list[str]) -> dict[str, Any]:
+    merged = dict(generated)
+    for key, value in user.items():
+        name = f"{prefix}{key}"
+        if key not in generated or name in _OVERRIDABLE or key in ("fp16", "bf16") and not generated.get(key):
+            merged[key] = value
+        elif isinstance(value, dict) and isinstance(generated[key], dict):
+            merged[key] = _merge(value, generated[key], f"{name}.", conflicts)
+        elif value != generated[key]:
+            flag = _FLAG_OF_KEY.get(name, "the flags")
+            conflicts.append(f"{name}: --deepspeed_config {value!r}, the flags {generated[key]!r} ({flag})")
+    return merged
+
+
+def run_config(plan: Plan) -> dict[str, Any]:
+    """The config DeepSpeed runs with: generated from the plan, with --deepspeed_config merged in."""
+    assert plan.optimizer is not None and plan.loss_scale is not None
+    config = deepspeed_config(plan, plan.optimizer, plan.clip_grad, plan.loss_scale)
+    path = plan.switches.deepspeed_config_file
+    if path:
+        try:
+            user = read_user_config(path)
+        except ValueError as error:
+            raise DeepSpeedConfigConflict(str(error)) from None
+        config = merge_user_config(user, config, path)
+    return config

@@ -34,7 +34,7 @@ from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import GradNorm, LossTotal, TorchRunner, as_loss, autocast
+from rapidtrain.parallel.runner import EvalTotals, GradNorm, LossTotal, TorchRunner, add_pairs, as_loss, autocast
 from rapidtrain.plan import Plan
 
 FIRST_STAGE_PARTS = ("embedding",)
@@ -172,11 +172,16 @@ def pipeline_runner(
         last_stage_rank=mesh.pipeline_global_rank(layout.pipeline_parallel_size - 1),
         embedding_group=mesh.embedding_group() if model.config.tie_embeddings else None,
     )
-    pipeline_stages = [
-        Stage(view, stage, num_stages, device, group=pipeline_group)
-        for view, stage in zip(views, stages, strict=True)
-    ]
-    runner.schedule = build_schedule(pipeline_stages, plan.batches.accumulation_steps, runner.microbatch_loss)
+
+    def make_schedule(micro_batches: int) -> Any:
+        pipeline_stages = [
+            Stage(view, stage, num_stages, device, group=pipeline_group)
+            for view, stage in zip(views, stages, strict=True)
+        ]
+        return build_schedule(pipeline_stages, micro_batches, runner.microbatch_loss)
+
+    runner.make_schedule = make_schedule
+    runner.schedule = runner.schedule_for(plan.batches.accumulation_steps)
     return runner
 
 
@@ -237,7 +242,8 @@ _NOT_PIPELINABLE = (
 )
 
 
-def _record_micro_batch(forward_step: Callable, batch: Any) -> tuple[_RecordCall, Callable]:
+def _record_micro_batch(forward_step: Callable, batch: Any,
+                        positional_names: list[str]) -> tuple[_RecordCall, Callable]:
     call = _RecordCall()
     try:
         result = forward_step(iter([batch]), call)
@@ -245,12 +251,23 @@ def _record_micro_batch(forward_step: Callable, batch: Any) -> tuple[_RecordCall
         raise ValueError(_NOT_PIPELINABLE) from error
     if not (isinstance(result, tuple) and len(result) == 2 and result[0] is call and callable(result[1])):
         raise ValueError(_NOT_PIPELINABLE)
+    if 1 < len(call.args) <= len(positional_names):  # Megatron's model(tokens, position_ids, attention_mask)
+        call.kwargs = {**dict(zip(positional_names[1:], call.args[1:], strict=False)), **call.kwargs}
+        call.args = call.args[:1]
     if len(call.args) != 1:
         raise ValueError(
             "under --pipeline-model-parallel-size the forward step must pass the model one positional "
             "input (token ids) and everything else by keyword."
         )
     return call, result[1]
+
+
+def _positional_names(module: nn.Module) -> list[str]:
+    """The names of the model's forward parameters, in order (to pass positional inputs by name)."""
+    import inspect
+
+    return [name for name, p in inspect.signature(module.forward).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _concatenate(calls: list[_RecordCall]) -> tuple[tuple, dict[str, Any]]:
@@ -275,6 +292,8 @@ class PipelineRunner(TorchRunner):
     last_stage_rank: int = 0
     embedding_group: dist.ProcessGroup | None = None
     schedule: Any = None
+    # A schedule for another number of micro-batches (a batch-size ramp-up changes it between iterations).
+    make_schedule: Callable[[int], Any] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -282,6 +301,8 @@ class PipelineRunner(TorchRunner):
         self._loss_fns: list[Callable] = []
         self._loss_sums: dict[int, torch.Tensor] = {}
         self._counts: dict[int, Any] = {}
+        self._reported: dict[int, dict[str, torch.Tensor]] = {}
+        self._schedules: dict[int, Any] = {}
         self._scale = 1.0
         copies = tied_copies(self.module)
         self.tied_parameters = [p for _, p in copies]
@@ -299,27 +320,38 @@ class PipelineRunner(TorchRunner):
         on uninitialised inputs, before the real micro-batch 0.
         """
         index = int(target[0])  # the index tensor lives on the host: no device sync
-        loss_sum, count = as_loss(self._loss_fns[index](output))
+        loss_sum, count, reported = as_loss(self._loss_fns[index](output))
         self._loss_sums[index] = loss_sum.detach().double()
         self._counts[index] = count
+        self._reported[index] = reported
         loss = loss_sum * self._scale
         return self.scaler.scale(loss) if self.scaler is not None and torch.is_grad_enabled() else loss
 
     def _run(
         self, micro_batches: list[Any], forward_step: Callable, scale: float | None, train: bool
     ) -> None:
-        recorded = [_record_micro_batch(forward_step, batch) for batch in micro_batches]
+        names = _positional_names(self.views[0]) if self.views else []
+        recorded = [_record_micro_batch(forward_step, batch, names) for batch in micro_batches]
         self._loss_fns = [loss_fn for _, loss_fn in recorded]
-        self._loss_sums, self._counts = {}, {}
+        self._loss_sums, self._counts, self._reported = {}, {}, {}
+        schedule = self.schedule_for(len(micro_batches))
         self._scale = scale if scale is not None else 1.0 / len(micro_batches)
         args, kwargs = _concatenate([call for call, _ in recorded])
         args = args if self.is_first else ()  # later stages take their input from the previous stage
         target = torch.arange(len(micro_batches)) if self.is_last else None
         with autocast(self.precision, self.device_type):
             if train:
-                self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+                schedule.step(*args, target=target, return_outputs=False, **kwargs)
             else:
-                self.schedule.eval(*args, target=target, **kwargs)
+                schedule.eval(*args, target=target, **kwargs)
+
+    def schedule_for(self, micro_batches: int) -> Any:
+        """The schedule for this many micro-batches (its stages built for it), kept for later iterations."""
+        if micro_batches not in self._schedules:
+            if self.make_schedule is None:
+                return self.schedule
+            self._schedules[micro_batches] = self.make_schedule(micro_batches)
+        return self._schedules[micro_batches]
 
     def forward_backward(
         self, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None
@@ -335,17 +367,24 @@ class PipelineRunner(TorchRunner):
         total = self._total()
         if global_tokens is None:
             total = total / len(micro_batches)
-        return LossTotal(self._broadcast(total.reshape(1))[0], global_tokens is not None)
+        return LossTotal(self._broadcast(total.reshape(1))[0], global_tokens is not None, self._reported_total())
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward only → (sum of losses, their weight: tokens, or one per micro-batch) on every stage."""
+    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> EvalTotals:
+        """Forward only → (sum of losses, their weight: tokens, or one per micro-batch) on every stage; the
+        reported values on the last stage."""
         self._run(micro_batches, forward_step, None, train=False)
         weight = torch.zeros((), dtype=torch.float64, device=self._grad_device())
         for count in self._counts.values():
             weight = weight + (1.0 if count is None else count.to(weight.device, torch.float64))
         totals = self._broadcast(torch.stack([self._total(), weight]))
-        return totals[0], totals[1]
+        return EvalTotals(totals[0], totals[1], self._reported_total())
+
+    def _reported_total(self) -> dict[str, torch.Tensor]:
+        total: dict[str, torch.Tensor] = {}
+        for index in sorted(self._reported):
+            add_pairs(total, self._reported[index])
+        return total
 
     def _total(self) -> torch.Tensor:
         # Summed in micro-batch order, as the unpipelined loop does; zero on stages without the loss.

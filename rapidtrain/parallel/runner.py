@@ -15,9 +15,9 @@ non-finite loss, a stop request) in one collective and one device-to-host copy (
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,21 @@ class StepOutcome:
 @dataclass
 class LossTotal:
     """One iteration's loss before the data-parallel reduction: the sum of per-token loss sums (`per_token`),
-    or the mean of the micro-batches' mean losses."""
+    or the mean of the micro-batches' mean losses. `reported`: the values a Megatron loss function returned
+    for the log line, each a [sum, weight] pair summed over the micro-batches (shown as sum / weight)."""
 
     value: torch.Tensor  # fp64 scalar on the device
     per_token: bool
+    reported: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class LossParts(NamedTuple):
+    """A forward step's result: the loss to back-propagate (or a per-token loss sum), the token count (None
+    for a mean loss), and the values to report by name (Megatron's loss-function dict)."""
+
+    value: torch.Tensor
+    count: torch.Tensor | None
+    reported: dict[str, torch.Tensor]
 
 
 def autocast(precision: Precision, device_type: str) -> contextlib.AbstractContextManager:
@@ -60,17 +71,44 @@ def agree(flags: Sequence[torch.Tensor | bool], device: torch.device) -> list[bo
     return [v > 0 for v in values.tolist()]
 
 
-def as_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A forward step's result as (loss or loss sum, token count or None).
+def as_loss(output: Any) -> LossParts:
+    """A forward step's result as (loss or loss sum, token count or None, reported values).
 
-    Forms: a loss; `(loss_sum, count)`; or `(output, loss_fn)` whose `loss_fn(output)` gives either.
+    Forms: a loss; `(loss_sum, count)`; `(output, loss_fn)` whose `loss_fn(output)` gives any form; Megatron's
+    `(loss, {"lm loss": averaged, ...})` (a mean loss, the dict shown in the log line instead of rapidtrain's
+    own reduction); Megatron-Core's `(loss_sum, num_tokens, {"lm loss": tensor([sum, count])})`.
     """
     if isinstance(output, tuple) and len(output) == 2 and callable(output[1]):
         output = output[1](output[0])
     if isinstance(output, tuple):
+        if len(output) == 2 and isinstance(output[1], Mapping):
+            return LossParts(output[0], None, reported_pairs(output[1]))
+        if len(output) == 3 and isinstance(output[2], Mapping):
+            return LossParts(output[0], torch.as_tensor(output[1]), reported_pairs(output[2]))
         loss_sum, count = output
-        return loss_sum, torch.as_tensor(count)
-    return output, None
+        return LossParts(loss_sum, torch.as_tensor(count), {})
+    return LossParts(output, None, {})
+
+
+def reported_pairs(values: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Each reported value as an fp64 [sum, weight] pair: a scalar v is (v, 1) (Megatron averages those), a
+    two-element tensor is Megatron-Core's (sum, count) already."""
+    pairs = {}
+    for name, value in values.items():
+        value = torch.as_tensor(value).detach().double().reshape(-1)
+        if value.numel() == 1:
+            value = torch.cat([value, torch.ones_like(value)])
+        if value.numel() != 2:
+            raise ValueError(f"the loss function reported {name!r} with {value.numel()} values: report a number, or "
+                             "Megatron-Core's tensor([sum, count])")
+        pairs[name] = value
+    return pairs
+
+
+def add_pairs(total: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    """Sum reported [sum, weight] pairs into `total` (on the device, no host read)."""
+    for name, pair in values.items():
+        total[name] = pair if name not in total else total[name] + pair.to(total[name].device)
 
 
 # ---- the gradient norm, over the groups the layout splits gradients across ----
@@ -111,10 +149,12 @@ class GradNorm:
     local_parameters: list[nn.Parameter] = field(default_factory=list)
     local_group: dist.ProcessGroup | None = None
 
-    def __call__(self) -> torch.Tensor:
-        squared = squared_norm([p.grad for p in self.parameters if p.grad is not None])
+    def __call__(self, of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.grad) -> torch.Tensor:
+        """The norm of each parameter's gradient, or of `of(parameter)` (the parameters themselves for
+        --log-params-norm), over the same groups."""
+        squared = squared_norm([of(p) for p in self.parameters if of(p) is not None])
         if self.local_parameters:
-            local = squared_norm([_local(p.grad) for p in self.local_parameters if p.grad is not None])
+            local = squared_norm([_local(of(p)) for p in self.local_parameters if of(p) is not None])
             local = local.to(squared.device)
             if self.local_group is not None:
                 dist.all_reduce(local, group=self.local_group)
@@ -156,34 +196,46 @@ def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Calla
     batches = iter(micro_batches)
     total: torch.Tensor | None = None
     per_token = False
+    reported: dict[str, torch.Tensor] = {}
     for index in range(steps):
         with runner.micro_batch(is_last=index == steps - 1):
-            loss_sum, count = as_loss(forward_step(batches, runner.module))
+            loss_sum, count, values = as_loss(forward_step(batches, runner.module))
         per_token = count is not None and global_tokens is not None
         scale = runner.gradient_average / global_tokens if per_token else 1.0 / steps
         runner.backward(loss_sum * scale)
         contribution = loss_sum.detach().double() * (1.0 if per_token else 1.0 / steps)
         total = contribution if total is None else total + contribution
+        add_pairs(reported, values)  # a number weighs one micro-batch: the log shows the interval's mean
     assert total is not None, "an iteration needs at least one micro-batch"
-    return LossTotal(total, per_token)
+    return LossTotal(total, per_token, reported)
+
+
+class EvalTotals(NamedTuple):
+    """Forward-only results of some micro-batches: the sum of their losses and its weight (tokens, or one per
+    micro-batch), and the reported values' [sum, weight] pairs."""
+
+    loss_sum: torch.Tensor
+    weight: torch.Tensor
+    reported: dict[str, torch.Tensor]
 
 
 @torch.no_grad()
-def evaluate_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward only → (sum of losses, their weight: tokens, or one per micro-batch), on the device."""
+def evaluate_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable) -> EvalTotals:
+    """Forward only → the losses' sum and weight and the reported values, on the device."""
     loss_sum = weight = None
+    reported: dict[str, torch.Tensor] = {}
     for batch in micro_batches:
         with runner.micro_batch(is_last=True):
-            value, count = as_loss(forward_step(iter([batch]), runner.module))
+            value, count, values = as_loss(forward_step(iter([batch]), runner.module))
         value = value.detach().double()
         count_value = (torch.ones((), dtype=torch.float64, device=value.device) if count is None
                        else count.to(value.device, torch.float64))
         loss_sum = value if loss_sum is None else loss_sum + value
         weight = count_value if weight is None else weight + count_value
+        add_pairs(reported, values)
     if loss_sum is None or weight is None:
-        return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    return loss_sum, weight
+        return EvalTotals(torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64), {})
+    return EvalTotals(loss_sum, weight, reported)
 
 
 # ---- the runner ----
@@ -228,7 +280,7 @@ class TorchRunner:
                          global_tokens: int | None) -> LossTotal:
         return run_micro_batches(self, micro_batches, forward_step, global_tokens)
 
-    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> EvalTotals:
         return evaluate_micro_batches(self, micro_batches, forward_step)
 
     @property
@@ -282,6 +334,11 @@ class TorchRunner:
 
     def _grad_device(self) -> torch.device:
         return self.parameters[0].device if self.parameters else torch.device("cpu")
+
+    def params_norm(self) -> torch.Tensor:
+        """The L2 norm of the trained parameters (Megatron's --log-params-norm), each counted once."""
+        assert self.grad_norm is not None
+        return self.grad_norm(lambda p: p.detach())
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

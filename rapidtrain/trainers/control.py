@@ -80,6 +80,9 @@ class Checkpointer:
         self._lock: Any = None
         self._pending: Any = None  # a background save (--async-save) not yet published
         self._group: Any = None  # the gloo group background saves run their collectives on
+        # Set by fine-tuning templates: a pretrained model named by --pretrained-model-name-or-path is loaded
+        # model only (as --finetune), the run starting at iteration 0 on its own data.
+        self.pretrained_model_only = False
 
     def open(self) -> None:
         """Before the data and the model are built (the templates' setup starts with it), and again harmlessly
@@ -167,7 +170,8 @@ class Checkpointer:
 
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
-        loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=s.finetune,
+        finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)
+        loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=finetune,
                                  load_optimizer=s.load_optimizer, load_rng=s.load_rng, schedule_from=s.schedule_from)
         if loaded is None:
             engine.print_rank0(f" no checkpoint in {s.load}; starting from scratch")

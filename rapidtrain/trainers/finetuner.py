@@ -55,6 +55,7 @@ class Finetuner(Trainer):
         self.best_metric: float | None = None
         self.best_epoch: int | None = None
         self.export_recipe: Any = None
+        self.checkpointer.pretrained_model_only = True  # fine-tuning starts from a pretrained model's weights
 
     def run_forward_step(self, batch: Any, model: Any) -> Any:  # type: ignore[override]
         """Default: a Hugging Face style model's `model(**batch).loss`."""
@@ -70,6 +71,18 @@ class Finetuner(Trainer):
 
     def prepare_model(self, model: Any) -> None:
         self.export_recipe = export.recipe_of(model)
+        self.flops_counts = training_flop_counts(model)
+
+    def flops_per_iteration(self, interval: Any = None) -> float | None:
+        """Training FLOPs of the interval's average iteration (for TFLOP/s and, with --peak-tflops, MFU): 6 per
+        weight of every matrix product and token, and 12 · layers · hidden · sequence per token for attention."""
+        counts = getattr(self, "flops_counts", None)
+        if counts is None or interval is None or not interval.iterations or not interval.samples:
+            return None
+        matrix_weights, layers, hidden = counts
+        sequence = interval.tokens / interval.samples
+        per_token = 6 * matrix_weights + 12 * layers * hidden * sequence
+        return per_token * interval.tokens / interval.iterations
 
     # ---- evaluation, best model, saving ----
     def end_of_epoch(self) -> None:
@@ -132,3 +145,22 @@ class Finetuner(Trainer):
         self.best_metric = extra.get("best_metric")
         self.best_epoch = extra.get("best_epoch")
         self.history = list(extra.get("history", []))
+
+
+def training_flop_counts(model: Any) -> tuple[int, int, int] | None:
+    """(weights of the model's matrix products, layers, hidden size) for its FLOPs; None when unknown.
+
+    Each linear layer counts once per use, so a head tied to the embedding counts as the matrix product it is;
+    embedding lookups are not products. Layers and hidden size come from the Hugging Face config (or the
+    built-in model's), for the attention scores."""
+    from torch import nn
+
+    weights = sum(m.weight.numel() for m in model.modules()
+                  if isinstance(m, nn.Linear) or type(m).__name__ in ("Conv1D", "OutputLayer"))
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) \
+        or getattr(config, "num_layers", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not weights or not layers or not hidden:
+        return None
+    return int(weights), int(layers), int(hidden)

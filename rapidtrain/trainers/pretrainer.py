@@ -18,6 +18,8 @@ from torch.utils.data import DataLoader
 
 from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
 from rapidtrain.data.samplers import MegatronPretrainingSampler
+from rapidtrain.errors import UserError
+from rapidtrain.parallel.runner import add_pairs
 from rapidtrain.shutdown import ignore_sigterm_in_worker
 from rapidtrain.trainers.trainer import Trainer
 
@@ -41,6 +43,17 @@ class PreTrainer(Trainer):
     def collate_fn(self) -> Any:
         return None
 
+    def supports_dynamic_shape(self) -> bool:
+        """Whether this template batches its samples by length for --data-iterator dynamic-shape (it then
+        provides `train_batch_sampler` and `collate_fn`); the built-in pretraining does."""
+        return False
+
+    def train_batch_sampler(self, dataset: Any, consumed_samples: int) -> Any:
+        """This rank's micro-batches of the training stream from `consumed_samples` on (Megatron's sampler)."""
+        data = self.plan.data
+        return MegatronPretrainingSampler(len(dataset), consumed_samples, data.micro_batch_size,
+                                          self.engine.mesh.data_parallel_rank, self.plan.layout.data_parallel_size)
+
     def forward_step(self, batches: Iterator[Any], model: Any) -> Any:
         """Megatron's contract: the hook gets the iterator of host batches and moves what it uses."""
         return self.run_forward_step(batches, model)
@@ -49,8 +62,15 @@ class PreTrainer(Trainer):
     def setup(self) -> None:
         plan, training = self.plan, self.plan.training
         self.checkpointer.open()  # --save usable and ours, before minutes go into data and model
-        counts = train_valid_test_num_samples(training.train_iters, training.eval_interval or training.train_iters,
-                                              training.eval_iters, plan.batches.global_batch_size)
+        if plan.switches.dynamic_shape and not self.supports_dynamic_shape():
+            raise UserError(f"--data-iterator dynamic-shape: {type(self).__name__} does not say how to batch its "
+                            "samples by length (the built-in pretraining, rapidtrain/pretrain.py, does). Override "
+                            "supports_dynamic_shape(), train_batch_sampler() and collate_fn(), or drop the flag.")
+        counts = list(train_valid_test_num_samples(training.train_iters, training.eval_interval or training.train_iters,
+                                                   training.eval_iters, plan.batches.global_batch_size))
+        # Sample-based training or a ramp-up: the samples the iterations really take (Megatron's update_train_iters
+        # may end a ramp-up iteration a little past --train-samples).
+        counts[0] = max(training.train_samples or 0, plan.batches.samples_for_iterations(training.train_iters or 0))
         self.train_ds, self.valid_ds, self.test_ds = self.train_valid_test_datasets_provider(counts)
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         scheduler_fn = (lambda _optimizer: scheduler) if scheduler is not None else None
@@ -59,11 +79,14 @@ class PreTrainer(Trainer):
         self.load()
         self.engine.print_rank0(plan.describe())
 
-    def data_loader(self, dataset: Any, consumed_samples: int) -> DataLoader:
+    def data_loader(self, dataset: Any, consumed_samples: int, train: bool = False) -> DataLoader:
         data = self.plan.data
-        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, data.micro_batch_size,
-                                             self.engine.mesh.data_parallel_rank,
-                                             self.plan.layout.data_parallel_size)
+        if train:
+            sampler = self.train_batch_sampler(dataset, consumed_samples)
+        else:  # evaluation: the same first batches each time, in order
+            sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, data.micro_batch_size,
+                                                 self.engine.mesh.data_parallel_rank,
+                                                 self.plan.layout.data_parallel_size)
         # Its own generator: each iter() of a DataLoader draws a worker seed, which must not move the global
         # RNG (dropout), or a run resumed would draw different masks than the run it continues. Workers leave
         # SIGTERM to this process, which saves before it stops them.
@@ -73,14 +96,15 @@ class PreTrainer(Trainer):
                           generator=torch.Generator().manual_seed(data.seed), worker_init_fn=ignore_sigterm_in_worker)
 
     def micro_batches(self, iterator: Iterator[Any]) -> list[Any]:
-        return [next(iterator) for _ in range(self.plan.batches.accumulation_steps)]
+        """The next global batch's micro-batches: its accumulation steps follow a batch-size ramp-up."""
+        return [next(iterator) for _ in range(self.plan.batches.accumulation_steps_at(self.consumed_samples))]
 
     # ---- the loop's template parts ----
     def finished(self) -> bool:
         return self.iteration >= (self.plan.training.train_iters or 0)
 
     def train_batches(self) -> Iterator[tuple[list[Any], float]]:
-        iterator = iter(self.data_loader(self.train_ds, self.consumed_samples))
+        iterator = iter(self.data_loader(self.train_ds, self.consumed_samples, train=True))
         while not self.finished():
             fetch_started = time.perf_counter()
             group = self.micro_batches(iterator)
@@ -107,27 +131,39 @@ class PreTrainer(Trainer):
 
     # ---- evaluation ----
     @torch.no_grad()
-    def evaluate(self, dataset: Any) -> float:  # type: ignore[override]
-        """Mean loss over --eval-iters global batches from the start of `dataset` (the same batches each time)."""
+    def evaluate(self, dataset: Any) -> dict[str, float]:  # type: ignore[override]
+        """Mean losses over --eval-iters global batches from the start of `dataset` (the same batches each time):
+        {"lm loss": ...}, or the means of what a Megatron loss function reported."""
         runner = self.engine.runner
         runner.train(False)
         totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        reported: dict[str, torch.Tensor] = {}
         iterator = iter(self.data_loader(dataset, 0))
         try:
             batches = min(self.plan.training.eval_iters, len(dataset) // self.plan.batches.global_batch_size)
             for _ in range(batches):
-                loss_sum, weight = runner.evaluate(self.micro_batches(iterator), self.forward_step)
+                loss_sum, weight, values = runner.evaluate(self.micro_batches(iterator), self.forward_step)
                 totals += torch.stack([loss_sum.to(totals.device), weight.to(totals.device)])
+                add_pairs(reported, values)
         finally:
             runner.train(True)
         self.engine.all_reduce_data_parallel(totals)
-        return float(totals[0] / totals[1].clamp(min=1))
+        return self.reduce_reported(reported) or {self.loss_name: float(totals[0] / totals[1].clamp(min=1))}
 
     def evaluate_and_print(self, name: str, dataset: Any) -> dict[str, float]:
-        loss = self.evaluate(dataset)
-        ppl = math.exp(min(20.0, loss))
-        text = f" {name} loss at iteration {self.iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        """Megatron's evaluation block: each loss's value and perplexity."""
+        losses = self.evaluate(dataset)
+        text = f" {name} loss at iteration {self.iteration} | "
+        scalars, results = {}, {}
+        for key, loss in losses.items():
+            ppl = math.exp(min(20.0, loss))
+            text += f"{key} value: {loss:.6E} | {key} PPL: {ppl:.6E} | "
+            scalars[f"{name}/{key}"] = loss
+            if self.plan.logging.validation_ppl_to_tensorboard:
+                scalars[f"{name}/{key} PPL"] = ppl
+            suffix = "" if key == self.loss_name else f" {key}"
+            results.update({f"{name} loss{suffix}": loss, f"{name} ppl{suffix}": ppl})
         if self.is_logging_rank:
             print("-" * (len(text) + 1) + "\n" + text + "\n" + "-" * (len(text) + 1), flush=True)
-            self.writer.add_scalars({f"{name}/lm loss": loss, f"{name}/lm loss PPL": ppl}, self.iteration)
-        return {f"{name} loss": loss, f"{name} ppl": ppl}
+            self.writer.add_scalars(scalars, self.iteration)
+        return results

@@ -27,6 +27,8 @@ class IterationResult:
     data_seconds: float = 0.0
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. the MoE load-balancing loss
     stop: bool = False  # a rank asked to stop (SIGTERM, --exit-duration-in-mins)
+    # What a Megatron loss function reported ({"lm loss": ...}): [sum, weight] pairs, this rank's.
+    reported: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class IntervalTotals:
     nan: int = 0
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     last_grad_norm: torch.Tensor | None = None
+    reported: dict[str, torch.Tensor] = field(default_factory=dict)  # [sum, weight] pairs, this rank's
 
     def add(self, result: IterationResult) -> None:
         self.iterations += 1
@@ -48,6 +51,8 @@ class IntervalTotals:
             loss = result.loss.detach()
             self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
             self.loss_count += 1
+            for name, pair in result.reported.items():
+                self.reported[name] = pair if name not in self.reported else self.reported[name] + pair
         self.data_seconds += result.data_seconds
         self.skipped += result.skipped
         self.nan += result.nan
@@ -55,10 +60,14 @@ class IntervalTotals:
             self.extras[name] = value if name not in self.extras else self.extras[name] + value
         self.last_grad_norm = result.grad_norm
 
-    def mean_losses(self, loss_name: str) -> dict[str, float]:
-        """The interval's average loss by name; Megatron leaves out iterations that skipped or hit NaN."""
+    def mean_losses(self, loss_name: str, reported: dict[str, float] | None = None) -> dict[str, float]:
+        """The interval's average loss by name; Megatron leaves out iterations that skipped or hit NaN (no
+        entry at all when every iteration did). `reported`: the means of what a Megatron loss function
+        returned, shown instead of rapidtrain's own reduction, as Megatron shows that dict."""
         losses = {}
-        if self.loss_sum is not None:
+        if reported:
+            losses.update(reported)
+        elif self.loss_sum is not None:
             losses[loss_name] = float(self.loss_sum) / self.loss_count
         losses.update({name: float(value) / max(self.iterations, 1) for name, value in self.extras.items()})
         return losses
@@ -67,15 +76,21 @@ class IntervalTotals:
 def build_log_line(plan: Plan, totals: IntervalTotals, interval: IntervalStats, *, iteration: int,
                    train_iters: int, consumed_samples: int, learning_rate: float, loss_scale: float,
                    loss_name: str, flops_per_iteration: float | None, device: torch.device,
-                   extras: dict[str, Any] | None = None) -> tuple[str, dict[str, float]]:
-    """Megatron's log line for the interval, and the scalars it shows (for TensorBoard)."""
+                   extras: dict[str, Any] | None = None, global_batch_size: int | None = None,
+                   reported: dict[str, float] | None = None,
+                   params_norm: float | None = None) -> tuple[str, dict[str, float]]:
+    """Megatron's log line for the interval, and the scalars it shows (for TensorBoard, as the logging
+    settings choose). `global_batch_size`: the last iteration's (a ramp-up changes it); `reported`: the
+    means of a Megatron loss function's dict, all ranks'."""
     seconds = interval.seconds_per_iteration
-    losses = totals.mean_losses(loss_name)
+    losses = totals.mean_losses(loss_name, reported)
     grad_norm = float(totals.last_grad_norm) if totals.last_grad_norm is not None else None
+    global_batch_size = global_batch_size or plan.batches.global_batch_size
+    peak_bytes = peak_memory_bytes(device)
     shown: dict[str, Any] = {
         "tokens per second": round(interval.tokens_per_second, 1),
         "data time (ms)": round(1000 * totals.data_seconds / max(totals.iterations, 1), 2),
-        "peak memory (MB)": round(peak_memory_bytes(device) / 2**20, 1),
+        "peak memory (MB)": round(peak_bytes / 2**20, 1),
     }
     peak = plan.logging.peak_tflops
     if flops_per_iteration is not None and peak:
@@ -84,14 +99,23 @@ def build_log_line(plan: Plan, totals: IntervalTotals, interval: IntervalStats, 
     line = format_log_line(
         iteration=iteration, train_iters=train_iters, consumed_samples=consumed_samples,
         seconds_per_iteration=seconds, learning_rate=learning_rate,
-        global_batch_size=plan.batches.global_batch_size, losses=losses, loss_scale=loss_scale,
+        global_batch_size=global_batch_size, losses=losses, loss_scale=loss_scale,
         grad_norm=grad_norm, skipped_iterations=totals.skipped, nan_iterations=totals.nan,
-        flops_per_iteration=flops_per_iteration, world_size=plan.layout.world_size, extras=shown)
+        flops_per_iteration=flops_per_iteration, world_size=plan.layout.world_size, extras=shown,
+        params_norm=params_norm)
+    logging = plan.logging
     scalars = {f"train/{name}": value for name, value in losses.items()}
-    scalars.update({"train/learning rate": learning_rate, "train/tokens per second": interval.tokens_per_second,
-                    "train/loss scale": loss_scale})
-    if grad_norm is not None:
-        scalars["train/grad norm"] = grad_norm
+    scalars["train/tokens per second"] = interval.tokens_per_second
+    optional = {
+        "train/learning rate": (logging.learning_rate_to_tensorboard, learning_rate),
+        "train/loss scale": (logging.loss_scale_to_tensorboard, loss_scale),
+        "train/batch size": (logging.batch_size_to_tensorboard, global_batch_size),
+        "train/world size": (logging.world_size_to_tensorboard, plan.layout.world_size),
+        "memory/peak (MB)": (logging.memory_to_tensorboard, peak_bytes / 2**20),
+        "train/grad norm": (grad_norm is not None, grad_norm),
+        "train/params norm": (params_norm is not None, params_norm),
+    }
+    scalars.update({tag: float(value) for tag, (wanted, value) in optional.items() if wanted})
     return line, scalars
 
 

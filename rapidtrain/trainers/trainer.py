@@ -84,6 +84,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self._eval_loader: ShardedLoader | None = None
         self._epoch_ends = False
+        self.last_global_batch = self.plan.batches.global_batch_size  # the last iteration's (ramp-up)
+        self.timers = self.engine.timers
 
     # ---- hooks a subclass provides ----
     def train_valid_test_datasets_provider(self) -> tuple[Any, Any, Any, Any]:
@@ -106,7 +108,7 @@ class Trainer:
         """Default: the validation loss (per token when the forward step returns loss sums)."""
         totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         for batch in eval_dataloader:
-            value, count = as_loss(self.forward_step(iter([batch]), self.model))
+            value, count, _ = as_loss(self.forward_step(iter([batch]), self.model))
             if eval_dataloader.real_rows == 0:  # a padding batch: forward for the collectives, not counted
                 continue
             rows = count if count is not None else eval_dataloader.real_rows
@@ -220,6 +222,7 @@ class Trainer:
         """Count the iteration; the log line every --log-interval iterations."""
         self.iteration += 1
         self.consumed_samples += result.samples
+        self.last_global_batch = result.samples
         self.meter.record(result.samples, result.tokens)
         self.totals.add(result)
         self.records.add(self.iteration, result)
@@ -228,26 +231,44 @@ class Trainer:
 
     def log(self) -> None:
         totals, self.totals = self.totals, IntervalTotals()
+        interval = self.meter.interval()
+        logging = self.plan.logging
         line, scalars = build_log_line(
-            self.plan, totals, self.meter.interval(), iteration=self.iteration,
+            self.plan, totals, interval, iteration=self.iteration,
             train_iters=self.engine.total_iterations(getattr(self, "steps_per_epoch", None)),
             consumed_samples=self.consumed_samples, learning_rate=self.current_lr(),
             loss_scale=self.engine.runner.loss_scale, loss_name=self.loss_name,
-            flops_per_iteration=self.flops_per_iteration(), device=self.engine.device, extras=self.log_extras())
+            flops_per_iteration=self.flops_per_iteration(interval), device=self.engine.device,
+            extras=self.log_extras(), global_batch_size=self.last_global_batch,
+            reported=self.reduce_reported(totals.reported),
+            params_norm=float(self.engine.runner.params_norm()) if logging.params_norm else None)
         self.records.flush()
         if self.is_logging_rank:
             self.print_log(line)
             self.writer.add_scalars(scalars, self.iteration)
+            if logging.timers_to_tensorboard:
+                self.timers.write(self.writer, self.iteration, interval.iterations)
 
-    def flops_per_iteration(self) -> float | None:
-        """Model FLOPs of one iteration, for TFLOP/s and MFU in the log line; None when unknown."""
+    def reduce_reported(self, pairs: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The interval's means of a Megatron loss function's values over every data-parallel rank (one
+        all-reduce at a log line: each value is a [sum, weight] pair)."""
+        if not pairs:
+            return {}
+        names = sorted(pairs)
+        stacked = torch.stack([pairs[name].to(self.engine.device) for name in names])
+        self.engine.all_reduce_data_parallel(stacked)
+        return {name: total / max(weight, 1e-12)
+                for name, (total, weight) in zip(names, stacked.tolist(), strict=True)}
+
+    def flops_per_iteration(self, interval: Any = None) -> float | None:
+        """Model FLOPs of one iteration (`interval`: the log interval's counts, for templates whose iterations
+        vary), for TFLOP/s and MFU in the log line; None when unknown."""
         return None
 
     @property
     def is_logging_rank(self) -> bool:
         """Megatron prints from the last pipeline stage; among its ranks, the first data- and tensor-parallel."""
-        mesh = self.engine.mesh
-        return mesh.is_last_stage and mesh.data_parallel_rank == 0 and mesh.tensor_parallel_rank == 0
+        return self.engine.is_logging_rank
 
     def current_lr(self) -> float:
         return float(self.engine.runner.optimizer.param_groups[0]["lr"])
@@ -258,13 +279,23 @@ class Trainer:
         engine, runner = self.engine, self.engine.runner
         global_tokens = self._global_tokens(micro_batches)
         self._set_moe_aux_scale(len(micro_batches))
+        timed = self.plan.logging.timers_to_tensorboard  # a reading waits for the device: only when asked
+        if timed:
+            self.timers("forward-backward").start()
         total = runner.forward_backward(micro_batches, self.forward_step, global_tokens)
         loss = engine.reduce_loss(total, global_tokens)
-        decision = engine.optimizer_step(loss, stop_requested, where=f"iteration {self.iteration + 1}")
+        if timed:
+            self.timers("forward-backward").stop()
+            self.timers("optimizer").start()
         samples = len(micro_batches) * self.plan.data.micro_batch_size * self.plan.layout.data_parallel_size
+        decision = engine.optimizer_step(loss, stop_requested, where=f"iteration {self.iteration + 1}",
+                                         samples=samples)
+        if timed:
+            self.timers("optimizer").stop()
         tokens = sum(_tokens_in(b) for b in micro_batches) * self.plan.layout.data_parallel_size
         return IterationResult(loss, decision.outcome.grad_norm, decision.outcome.skipped, decision.nan,
-                               samples, tokens, extras=self._moe_extras(), stop=decision.stop)
+                               samples, tokens, extras=self._moe_extras(), stop=decision.stop,
+                               reported=total.reported)
 
     def _global_tokens(self, micro_batches: list[Any]) -> int | None:
         """Loss-carrying tokens of the global batch, counted on the host and summed over data-parallel ranks
@@ -303,6 +334,11 @@ class Trainer:
     def setup(self) -> None:
         engine, plan = self.engine, self.plan
         self.checkpointer.open()  # --save usable and ours, before minutes go into data and model
+        if plan.batches.schedule is not None:
+            raise UserError(f"{plan.batches.schedule.describe(plan.batches.global_batch_size)}: a changing global "
+                            f"batch applies to iteration-based pretraining (PreTrainer); {type(self).__name__} "
+                            "groups each epoch's micro-batches into fixed global batches. Drop --rampup-batch-size "
+                            "/ --step-batch-size-schedule.")
         self.train_ds, self.valid_ds, self.test_ds, collate_fn = self.train_valid_test_datasets_provider()
         if collate_fn is None and plan.switches.dynamic_shape:
             from rapidtrain.data.dynamic_shape import FinetuneCollator

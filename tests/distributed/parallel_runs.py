@@ -79,6 +79,7 @@ def bert_flags(data: Path, tensor_parallel: int) -> list[str]:
     return SMALL + [
         "--model-type",
         "bert",
+        "--bert-no-binary-head",  # the masked-LM's parity under TP; the data is not sentence-split
         "--data-path",
         str(data / "bert_text_document"),
         "--split",

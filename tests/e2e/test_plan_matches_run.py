@@ -34,10 +34,11 @@ def plan_command(flags: list[str], world: int) -> str:
     return printed_plan(result.stdout)
 
 
-def indexed_data(demo_data) -> list[str]:
-    """Real data flags: the demo corpus named explicitly, with its tokenizer."""
-    return ["--data-path", demo_data.data_prefix, "--tokenizer-type", demo_data.tokenizer_type,
-            "--tokenizer-model", demo_data.tokenizer_model]
+def indexed_data(demo_data, sentences: bool = False) -> list[str]:
+    """Real data flags: the demo corpus named explicitly (sentence-split for BERT's binary head), with its
+    tokenizer."""
+    return ["--data-path", demo_data.sentence_prefix if sentences else demo_data.data_prefix, "--tokenizer-type",
+            demo_data.tokenizer_type, "--tokenizer-model", demo_data.tokenizer_model]
 
 
 PRETRAINING = {
@@ -45,7 +46,7 @@ PRETRAINING = {
     "demo": ([], 1),
     "demo_with_user_flags": (["--micro-batch-size", "2", "--lr", "3e-4", "--train-iters", "3"], 1),
     "gpt_real_data": (["DATA", "--micro-batch-size", "2", "--lr", "1e-3"], 1),
-    "bert_real_data": (["DATA", "--model-type", "bert", "--micro-batch-size", "2", "--lr", "1e-3"], 1),
+    "bert_real_data": (["SENTENCES", "--model-type", "bert", "--micro-batch-size", "2", "--lr", "1e-3"], 1),
     "zero2": (["DATA", "--zero-2-memory-optimization", "--micro-batch-size", "2", "--lr", "1e-3"], 2),
     "fsdp_bf16": (["DATA", "--fsdp-memory-optimization", "--bf16", "--micro-batch-size", "1", "--lr", "1e-3"], 2),
     "tp2": (["DATA", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--lr", "1e-3"], 2),
@@ -60,7 +61,8 @@ SLOW = {"zero2", "fsdp_bf16", "pp2", "ep2_moe"}
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in PRETRAINING])
 def test_plan_command_prints_the_plan_the_pretraining_run_prints(name, demo_data, tmp_path):
     flags, ranks = PRETRAINING[name]
-    flags = [f for flag in flags for f in (indexed_data(demo_data) if flag == "DATA" else [flag])]
+    data = {"DATA": indexed_data(demo_data), "SENTENCES": indexed_data(demo_data, sentences=True)}
+    flags = [f for flag in flags for f in data.get(flag, [flag])]
     flags = SHAPE + flags + (["--train-iters", "2"] if "--train-iters" not in flags else [])
     run = torchrun(ranks, PRETRAIN, flags, timeout=600)
     assert printed_plan(run.stdout) == plan_command(flags, ranks)

@@ -12,17 +12,18 @@ from pydoc_data.topics import topics
 import numpy as np
 import pytest
 
-from rapidtrain.data.demo import DemoData, default_cache_dir, prepare_demo_data
+from rapidtrain.data.demo import DEMO_VERSION, DemoData, default_cache_dir, prepare_demo_data
 from rapidtrain.data.indexed import IndexedDataset
 from rapidtrain.data.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ("demo_text_document.bin", "demo_text_document.idx", "tokenizer.model", "manifest.json")
+FILES = ("demo_text_document.bin", "demo_text_document.idx", "demo_text_sentence.bin", "demo_text_sentence.idx",
+         "tokenizer.model", "manifest.json")
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return prepare_demo_data(str(tmp_path_factory.mktemp("cache") / "demo-v1"), progress=False)
+    return prepare_demo_data(str(tmp_path_factory.mktemp("cache") / DEMO_VERSION), progress=False)
 
 
 def test_demo_corpus_is_the_documentation_tokenized_with_eod(demo):
@@ -62,8 +63,8 @@ print(json.dumps(dataclasses.asdict(prepare_demo_data(sys.argv[1], progress=True
 
 @pytest.mark.slow  # a second full build (about 10 s on an idle 2-core machine)
 def test_concurrent_processes_build_once_and_the_same_bytes(demo, tmp_path):
-    cache = tmp_path / "demo-v1"
-    (tmp_path / "demo-v1.tmp-999999").mkdir()  # left by a builder that was killed
+    cache = tmp_path / DEMO_VERSION
+    (tmp_path / f"{DEMO_VERSION}.tmp-999999").mkdir()  # left by a builder that was killed
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     children = [
         subprocess.Popen(
@@ -80,7 +81,7 @@ def test_concurrent_processes_build_once_and_the_same_bytes(demo, tmp_path):
     results = [DemoData(**json.loads(stdout)) for stdout, _ in outputs]
     assert results[0] == results[1]
     assert sum("preprocess" in stderr for _, stderr in outputs) == 1  # one progress bar: one builder
-    assert sorted(os.listdir(tmp_path)) == ["demo-v1", "demo-v1.lock"]
+    assert sorted(os.listdir(tmp_path)) == [DEMO_VERSION, f"{DEMO_VERSION}.lock"]
     built_before = os.path.dirname(demo.data_prefix)
     for name in FILES:
         assert filecmp.cmp(cache / name, os.path.join(built_before, name), shallow=False), name
@@ -89,10 +90,10 @@ def test_concurrent_processes_build_once_and_the_same_bytes(demo, tmp_path):
 
 def test_cache_folder_defaults(monkeypatch, tmp_path):
     monkeypatch.setenv("RAPIDTRAIN_CACHE", str(tmp_path / "cache"))
-    assert default_cache_dir() == str(tmp_path / "cache" / "demo-v1")
+    assert default_cache_dir() == str(tmp_path / "cache" / DEMO_VERSION)
     monkeypatch.delenv("RAPIDTRAIN_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert default_cache_dir() == str(tmp_path / ".cache" / "rapidtrain" / "demo-v1")
+    assert default_cache_dir() == str(tmp_path / ".cache" / "rapidtrain" / DEMO_VERSION)
 
 
 def test_a_folder_that_is_not_a_demo_cache_is_left_alone(tmp_path):

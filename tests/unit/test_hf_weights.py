@@ -267,7 +267,7 @@ def test_export_refuses_models_without_a_hugging_face_twin():
                                   position_embedding_type="rope", rotary_percent=0.5))
 
 
-def test_unsupported_configs_and_checkpoint_folders_are_refused_clearly(tmp_path):
+def test_unsupported_configs_are_refused_and_checkpoint_folders_load(tmp_path):
     folder = save_tiny("llama", tmp_path / "scaled")
     import json
 
@@ -280,6 +280,6 @@ def test_unsupported_configs_and_checkpoint_folders_are_refused_clearly(tmp_path
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "latest_checkpointed_iteration.txt").write_text("3\n")
-    args = arguments.parse_args(flags(checkpoint))
-    with pytest.raises(rules.FlagConflict, match="rapidtrain/Megatron-style checkpoint.*--load"):
-        rules.validate(args, plan.RunContext(1, "cpu"))
+    args = arguments.parse_args(flags(checkpoint))  # Rapidformer's meaning (issue 15): loaded as --load
+    rules.validate(args, plan.RunContext(1, "cpu"))
+    assert args.load == str(checkpoint) and not args.builtin_from_pretrained

@@ -19,8 +19,46 @@ def resolve(argv: list[str], world: int = 1, device: str = "cpu") -> plan.Plan:
 
 
 def test_batch_arithmetic():
-    assert Batches.resolve(2, 16, 2) == Batches(2, 16, 4)
-    assert Batches.resolve(4, None, 3) == Batches(4, 12, 1)  # default global: micro × data parallel
+    assert Batches.resolve(2, 16, 2) == Batches(2, 16, 4, data_parallel_size=2)
+    assert Batches.resolve(4, None, 3) == Batches(4, 12, 1, data_parallel_size=3)  # default: micro × data parallel
+
+
+def test_rampup_grows_the_global_batch_as_megatron():
+    """--rampup-batch-size 4 4 96 to 16 with micro 2 × dp 2: (16 - 4) / 4 = 3 increments of 32 samples each."""
+    batches = Batches.resolve(2, 16, 2, plan.BatchSchedule("rampup", start=4, increment=4, rampup_samples=96))
+    sizes, consumed = [], 0
+    for _ in range(12):
+        sizes.append(batches.global_batch_at(consumed))
+        consumed += sizes[-1]
+    assert sizes == [4, 4, 4, 4, 4, 4, 4, 4, 8, 8, 8, 8]  # 32 samples at 4, then 8 from 32 consumed ...
+    assert [batches.accumulation_steps_at(c) for c in (0, 32, 64, 97)] == [1, 2, 3, 4]
+    # Megatron's update_train_iters: ramp-up iterations while consumed ≤ 96 (8 × 4 + 4 × 8 + 3 × 12 = 100, the
+    # last one ending past 96), then whole final batches.
+    assert batches.iterations_for_samples(96) == 15
+    assert batches.samples_for_iterations(15) == 100
+    assert batches.iterations_for_samples(100 + 3 * 16 + 5) == 18
+    assert batches.samples_for_iterations(18) == 148
+
+
+def test_step_schedule_in_tokens_as_megatron():
+    steps = plan.parse_step_schedule("0:4 1K:8, 2k:16", seq_length=100)  # thresholds in tokens → samples
+    assert steps == ((0, 4), (10, 8), (20, 16))
+    batches = Batches.resolve(1, None, 2, plan.BatchSchedule("steps", steps=steps))
+    assert batches.global_batch_size == 16  # the largest of the schedule
+    assert [batches.global_batch_at(c) for c in (0, 9, 10, 19, 20, 500)] == [4, 4, 8, 8, 16, 16]
+    assert batches.samples_for_iterations(5) == 4 + 4 + 4 + 8 + 16  # 0, 4, 8 → 12 (8), 20 → 16
+    for bad in ("1:4", "0:4 0:8", "0:x", "0-4"):
+        with pytest.raises(ValueError):
+            plan.parse_step_schedule(bad, seq_length=1)
+
+
+def test_sample_based_training_resolves_iterations_and_the_schedule_in_samples():
+    args = arguments.parse_args(["--lr", "1e-4", "--train-samples", "100", "--lr-decay-samples", "80",
+                                 "--lr-warmup-samples", "8", "--micro-batch-size", "2", "--global-batch-size", "8"])
+    p = plan.from_args(args, RunContext(2, "cpu"))
+    assert (p.training.train_iters, p.training.train_samples) == (12, 100)
+    assert (p.schedule.decay_samples, p.schedule.warmup_samples) == (80, 8)
+    assert "100 samples (--train-samples) = 12 iterations" in p.describe()
 
 
 def test_layout_in_megatron_order():

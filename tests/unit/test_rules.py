@@ -61,8 +61,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         "cpu",
     ),
     "pipeline-per-token-loss": (
-        ["--pipeline-model-parallel-size", "2", "--model-type", "bert", "--bert-binary-head"],
-        ["--pipeline-model-parallel-size", "2", "--model-type", "bert"],
+        ["--pipeline-model-parallel-size", "2", "--model-type", "bert"],  # Megatron's default: binary head on
+        ["--pipeline-model-parallel-size", "2", "--model-type", "bert", "--bert-no-binary-head"],
         2,
         "cpu",
     ),
@@ -111,14 +111,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
-    "sequence-parallel-needs-tp": (
-        ["--sequence-parallel"],
-        ["--sequence-parallel", "--tensor-model-parallel-size", "2"],
-        2,
-        "cpu",
-    ),
     "num-experts-length": (
-        ["--num-layers", "4", "--num-experts", "4", "4"],
+        ["--num-layers", "4", "--num-experts", "4", "4", "4"],
         ["--num-layers", "4", "--num-experts", "0", "4", "0", "4"],
         1,
         "cpu",
@@ -186,7 +180,30 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
-    "finetune-needs-load": (["--finetune"], ["--finetune", "--load", "ckpt"], 1, "cpu"),
+    "pretrained-checkpoint-or-load": (
+        ["--pretrained-model-name-or-path", "CHECKPOINT_DIR", "--load", "elsewhere", "--data-path", "d"],
+        ["--pretrained-model-name-or-path", "CHECKPOINT_DIR", "--load", "CHECKPOINT_DIR", "--data-path", "d"],
+        1,
+        "cpu",
+    ),
+    "router-type-supported": (["--num-experts", "2", "--router-type", "1"], ["--num-experts", "2", "--router-type",
+                                                                             "0"], 1, "cpu"),
+    "remote-device-none": (["--remote-device", "cpu"], ["--remote-device", "none"], 1, "cpu"),
+    "residual-moe-needs-experts": (["--mlp-type", "residual"], ["--mlp-type", "residual", "--num-experts", "2"], 1,
+                                   "cpu"),
+    "deepspeed-config-with-zero": (["--deepspeed_config", "DS_CONFIG"],
+                                   ["--deepspeed_config", "DS_CONFIG", "--zero-2-memory-optimization"], 2, "cpu"),
+    "per-split-data": (["--data-path", "d", "--train-data-path", "t"], ["--train-data-path", "t"], 1, "cpu"),
+    "dynamic-shape-one-prefix": (["--data-iterator", "dynamic-shape", "--data-path", "0.5", "a", "0.5", "b"],
+                                 ["--data-iterator", "dynamic-shape", "--data-path", "a"], 1, "cpu"),
+    "batch-schedule-valid": (["--global-batch-size", "16", "--rampup-batch-size", "4", "5", "100"],
+                             ["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "100"], 1, "cpu"),
+    "batch-schedule-divisible": (
+        ["--micro-batch-size", "2", "--global-batch-size", "16", "--rampup-batch-size", "2", "2", "100"],
+        ["--micro-batch-size", "2", "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "100"],
+        2,
+        "cpu",
+    ),
     "binary-head-bert-only": (
         ["--bert-binary-head"],
         ["--bert-binary-head", "--model-type", "bert"],
@@ -252,7 +269,7 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "openai-gelu-needs-gelu": (["--swiglu", "--openai-gelu"], ["--openai-gelu"], 1, "cpu"),
     # HF_* and CHECKPOINT_DIR are replaced by folders the `folders` fixture writes.
     "pretrained-folder-initialises-builtin": (
-        ["--pretrained-model-name-or-path", "CHECKPOINT_DIR", "--data-path", "d"],
+        ["--pretrained-model-name-or-path", "NO_SUCH_FOLDER", "--data-path", "d"],
         ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d"],
         1,
         "cpu",
@@ -260,6 +277,12 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "pretrained-shape-flags": (
         ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d", "--num-layers", "3"],
         ["--pretrained-model-name-or-path", "HF_LLAMA", "--data-path", "d", "--num-layers", "2"],
+        1,
+        "cpu",
+    ),
+    "finetuned-shape-flags": (
+        ["--task", "sequence_classification", "--pretrained-model-name-or-path", "HF_LLAMA", "--num-layers", "3"],
+        ["--task", "sequence_classification", "--pretrained-model-name-or-path", "HF_LLAMA", "--num-layers", "2"],
         1,
         "cpu",
     ),
@@ -350,8 +373,16 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
 CONTEXT_CASES = {"world-size-positive": (RunContext(-3, "cpu"), RunContext(2, "cpu"))}
 ITERS_CASES = {  # the rule about the training length needs argv without BASE's --train-iters
     "iters-xor-epochs": (
-        ["--lr", "1e-4", "--train-iters", "5", "--epochs", "1"],
-        ["--lr", "1e-4", "--train-iters", "5"],
+        ["--lr", "1e-4", "--train-iters", "5", "--train-samples", "100"],
+        ["--lr", "1e-4", "--train-samples", "100"],
+    ),
+    "schedule-counts-as-training": (
+        ["--lr", "1e-4", "--train-samples", "100", "--lr-decay-iters", "5"],
+        ["--lr", "1e-4", "--train-samples", "100", "--lr-decay-samples", "80"],
+    ),
+    "samples-warmup-within-decay": (
+        ["--lr", "1e-4", "--train-samples", "100", "--lr-warmup-samples", "100"],
+        ["--lr", "1e-4", "--train-samples", "100", "--lr-warmup-samples", "99"],
     ),
     "pretraining-needs-iters": (
         ["--lr", "1e-4", "--epochs", "2"],
@@ -390,7 +421,8 @@ def folders(tmp_path_factory) -> dict[str, str]:
         (root / name / "config.json").write_text(json.dumps(config))
     (root / "CHECKPOINT_DIR").mkdir()
     (root / "CHECKPOINT_DIR" / "latest_checkpointed_iteration.txt").write_text("5\n")
-    return {name: str(root / name) for name in [*configs, "CHECKPOINT_DIR"]}
+    (root / "DS_CONFIG").write_text(json.dumps({"steps_per_print": 10}))
+    return {name: str(root / name) for name in [*configs, "CHECKPOINT_DIR", "DS_CONFIG"]}
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "lr-required"])

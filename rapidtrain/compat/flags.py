@@ -1,0 +1,232 @@
+"""Megatron's and Rapidformer's meanings of flags, applied once when the flags are parsed.
+
+Leniencies (Megatron warns where rapidtrain used to refuse), translations (the distributed optimizer, a
+Megatron-format checkpoint named by --pretrained-model-name-or-path, per-split data) and derived values user
+scripts read from get_args() (`moe`, `zero_stage`). Each change and each flag accepted without an effect
+here leaves a line in `args.compat_notes`, which the plan prints: nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+Args = argparse.Namespace
+
+# Shape flags a Megatron-format checkpoint fixes; those not given on the command line are taken from the flags
+# it was saved with (as Megatron's --use-checkpoint-args does), and the load refuses any that differ.
+CHECKPOINT_SHAPE_FLAGS = (
+    "model_type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+    "position_embedding_type", "normalization", "layernorm_epsilon", "swiglu", "group_query_attention",
+    "num_query_groups", "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu",
+    "post_layernorm", "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
+    "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by",
+)
+
+
+def is_megatron_checkpoint(args: Args) -> bool:
+    """--pretrained-model-name-or-path names a Megatron-format (rapidtrain) checkpoint folder, as in
+    Rapidformer's Megatron-model scripts, or the run's own --save folder before its first checkpoint (their
+    idiom for "resume if there is one")."""
+    folder = getattr(args, "pretrained_model_name_or_path", None)
+    if not folder:
+        return False
+    path = Path(folder)
+    if (path / "latest_checkpointed_iteration.txt").exists():
+        return True
+    fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
+    save = getattr(args, "save", None)
+    return fresh and bool(save) and path.resolve() == Path(save).resolve()
+
+
+def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = None) -> None:
+    """`entry`: the built-in pretraining's entry point (pretrain.py, pretrain_gpt.py, ...), None for a user script
+    or fine-tuning."""
+    notes: list[str] = []
+    _bert_binary_head(args)
+    _sequence_parallel(args, notes)
+    _megatron_checkpoint_folder(args, given, notes)
+    _finetune_without_load(args, notes)
+    _distributed_optimizer(args, notes)
+    if entry is not None:
+        _per_split_data(args, notes)
+    _finetune_data_path(args, notes)
+    if args.use_expert_residual_network:
+        args.mlp_type = "residual"
+    # What Megatron's and Rapidformer's args carry for user scripts.
+    args.moe = bool(args.num_experts) and max(args.num_experts) > 1
+    args.zero_stage = next((stage for stage in (3, 2, 1) if getattr(args, f"zero_{stage}_memory_optimization")), 0)
+    notes += _flags_without_effect(args, given, entry)
+    args.compat_notes = notes
+
+
+def _bert_binary_head(args: Args) -> None:
+    """Megatron's default: BERT has its binary head unless --bert-no-binary-head."""
+    if args.bert_binary_head is None:
+        args.bert_binary_head = args.model_type == "bert"
+
+
+def _sequence_parallel(args: Args, notes: list[str]) -> None:
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False
+        notes.append("--sequence-parallel is turned off: it splits norms and dropout over tensor-parallel ranks and "
+                     "--tensor-model-parallel-size is 1 (Megatron does the same)")
+
+
+def _megatron_checkpoint_folder(args: Args, given: set[str], notes: list[str]) -> None:
+    if not is_megatron_checkpoint(args):
+        return
+    folder = args.pretrained_model_name_or_path
+    has_checkpoint = (Path(folder) / "latest_checkpointed_iteration.txt").exists()
+    if args.load is None:
+        args.load = folder
+        loads = "loads it as --load does (model only, from iteration 0, with --finetune or in a Finetuner template)"
+        fresh = "holds no checkpoint yet, so training starts from scratch and --save writes there (a later run " \
+                "resumes from it)"
+        what = loads if has_checkpoint else fresh
+        notes.append(f"--pretrained-model-name-or-path {folder} is a Megatron-format checkpoint folder "
+                     f"(Rapidformer's meaning): the run {what}")
+    if has_checkpoint:
+        _shape_from_checkpoint(args, given, folder, notes)
+
+
+def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list[str]) -> None:
+    from rapidtrain.checkpoint import CheckpointError, iteration_dir, latest_iteration, read_common
+
+    try:
+        common = read_common(iteration_dir(folder, latest_iteration(folder) or 0))
+    except CheckpointError:
+        return  # loading it reports the problem, naming the file
+    saved = dict(common.get("args") or {})
+    # A user script may have set args.model_type to Megatron's ModelType: the saved plan says which model it is.
+    saved_model = (common.get("plan") or {}).get("model") or {}
+    if saved_model.get("model_type") in ("gpt", "bert"):
+        saved["model_type"] = saved_model["model_type"]
+    taken = []
+    for dest in CHECKPOINT_SHAPE_FLAGS:
+        if dest in saved and dest not in given and getattr(args, dest, None) != saved[dest]:
+            setattr(args, dest, saved[dest])
+            taken.append(dest)
+    if taken:
+        notes.append(f"model shape taken from the checkpoint in {folder} (flags not given): "
+                     + ", ".join("--" + d.replace("_", "-") for d in taken))
+
+
+def _finetune_without_load(args: Args, notes: list[str]) -> None:
+    if args.finetune and not args.load:
+        notes.append("--finetune without --load does nothing (no checkpoint to take the model from); the model "
+                     "starts from its initialisation, as in Megatron")
+
+
+def _distributed_optimizer(args: Args, notes: list[str]) -> None:
+    if not args.use_distributed_optimizer:
+        return
+    from rapidtrain.arguments import STATE_PARTITIONING_FLAGS
+
+    chosen = [f for f in STATE_PARTITIONING_FLAGS if getattr(args, f)]
+    if chosen:
+        notes.append(f"--use-distributed-optimizer: the optimizer state is already sharded over data-parallel ranks "
+                     f"by --{chosen[0].replace('_', '-')}")
+        return
+    if args.expert_model_parallel_size > 1:
+        notes.append("--use-distributed-optimizer is not applied: expert parallelism does not combine with optimizer-"
+                     "state sharding yet, so every data-parallel rank keeps the whole optimizer state")
+        return
+    three_d = args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1
+    if three_d:
+        args.zero_1_memory_optimization = True
+        how = "FSDP2 over the data-parallel dimension (as --zero-1-memory-optimization does with tensor/pipeline " \
+              "parallelism; gradients are reduce-scattered too, so memory is ZeRO-2's)"
+    else:
+        args.oss_memory_optimization = True
+        how = "torch ZeroRedundancyOptimizer beside DistributedDataParallel (as --oss-memory-optimization)"
+    notes.append("--use-distributed-optimizer: Megatron's optimizer-state sharding over data-parallel ranks, served "
+                 f"by {how}")
+
+
+def _per_split_data(args: Args, notes: list[str]) -> None:
+    """Megatron tasks' --train-data/--valid-data/--test-data name the built-in pretraining's per-split data."""
+    for split in ("train", "valid", "test"):
+        files = getattr(args, f"{split}_data")
+        if files and getattr(args, f"{split}_data_path") is None:
+            setattr(args, f"{split}_data_path", list(files))
+            notes.append(f"--{split}-data: the built-in pretraining reads it as --{split}-data-path (indexed data)")
+
+
+def _finetune_data_path(args: Args, notes: list[str]) -> None:
+    """Rapidformer's black-box example names the fine-tuning data with --data-path (`--data-path glue
+    --data-name mrpc`): with no --data-dir, fine-tuning reads it as --data-dir."""
+    if args.task == "pretraining" or not args.data_path or args.data_dir:
+        return
+    if len(args.data_path) == 1:
+        args.data_dir = args.data_path[0]
+        notes.append(f"--data-path {args.data_path[0]}: fine-tuning reads it as --data-dir (Rapidformer's usage)")
+    else:
+        notes.append(f"--data-path {' '.join(args.data_path)}: not read by fine-tuning, whose data come from "
+                     "--data-dir / --data-name")
+
+
+# Flags that describe the built-in model or its data; beside a Hugging Face model fine-tuned as it is they change
+# nothing (the shape flags are checked against its config.json instead, rules.py).
+BUILTIN_ONLY_FLAGS = (
+    "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by",
+    "model_type", "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon",
+    "position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
+    "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu", "post_layernorm",
+    "untie_embeddings_and_output_weights", "bert_binary_head", "split", "data_impl", "eod_mask_loss",
+    "reset_position_ids", "reset_attention_mask", "short_seq_prob",
+)
+
+
+def hugging_face_notes(args: Args, has_script: bool) -> list[str]:
+    """The black-box fine-tuning of a Hugging Face folder: flags given that describe the built-in model, its
+    tokenizer or its data, which this run does not read (a user script reads them itself from get_args())."""
+    from rapidtrain.models.hf_config import fine_tuned_config
+
+    if has_script or fine_tuned_config(args) is None:
+        return []
+    given = getattr(args, "given_flags", ())
+    notes = []
+    unused = [f"--{d.replace('_', '-')}" for d in BUILTIN_ONLY_FLAGS if d in given]
+    if unused:
+        notes.append(f"{', '.join(unused)}: not used; fine-tuning takes the model, its tokenizer and its dropout "
+                     f"from {args.pretrained_model_name_or_path} (config.json and tokenizer files)")
+    if "eval_iters" in given:
+        notes.append("--eval-iters: fine-tuning evaluates the whole validation set (after each epoch, and every "
+                     "--eval-interval iterations when given), as Megatron's fine-tuning tasks do")
+    return notes
+
+
+def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> list[str]:
+    """A line for each flag given that is accepted for compatibility but changes nothing here, and why."""
+    notes = []
+    if "ddp_impl" in given:
+        notes.append(f"--DDP-impl {args.ddp_impl}: data parallelism is torch DistributedDataParallel (gradients "
+                     "bucketed and all-reduced during backward) whichever is named; the averaged gradients are "
+                     "Megatron's")
+    if "use_contiguous_buffers_in_local_ddp" in given:
+        notes.append("--no-contiguous-buffers-in-local-ddp: no effect; torch DDP keeps gradients in its own buckets")
+    for flag in ("use_mcore_models", "use_legacy_models"):
+        if getattr(args, flag):
+            notes.append(f"--{flag.replace('_', '-')}: no effect; rapidtrain has one implementation of each built-in "
+                         "model")
+    for flag in ("app_name", "user_defined_parameters"):
+        if getattr(args, flag) is not None:
+            notes.append(f"--{flag.replace('_', '-')}: for the user script (get_args().{flag}); rapidtrain's own "
+                         "templates do not read it")
+    if args.deepspeed and not args.zero_stage:
+        notes.append("--deepspeed: DeepSpeed serves the --zero-*-memory-optimization switches; without one this run "
+                     "does not use DeepSpeed")
+    tensorboard = ("tensorboard_queue_size", "log_timers_to_tensorboard", "log_batch_size_to_tensorboard",
+                   "log_validation_ppl_to_tensorboard", "log_memory_to_tensorboard", "log_world_size_to_tensorboard")
+    if not args.tensorboard_dir and any(flag in given for flag in tensorboard):
+        notes.append("TensorBoard flags without --tensorboard-dir: nothing is written (as in Megatron)")
+    if args.keep_last and entry is not None:
+        notes.append("--keep-last: no effect in iteration-based pretraining (it keeps a fine-tuning epoch's last, "
+                     "incomplete micro-batch)")
+    moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")
+    if any(flag in given for flag in moe_options):
+        notes.append("--router-type 0 / --moe-linear-layer-type standard / --top-k-linear-strategy normal: the "
+                     "built-in MoE is exactly this (top-k gating by one linear layer, load-balancing loss, plain "
+                     "expert linear layers)")
+    return notes

@@ -1,0 +1,19 @@
+"""`torchrun rapidtrain/pretrain_bert.py FLAGS`: Megatron's pretrain_bert.py, the built-in BERT on Megatron
+indexed data, with Megatron's defaults for real data (--tokenizer-type BertWordPieceLowerCase) and the demo's only
+without --data-path. A Megatron launch script changes its entry point to this file and nothing else.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the package importable, not its folder's modules
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from rapidtrain.pretrain import main  # noqa: E402
+
+ENTRY = "pretrain_bert"  # its declared defaults: arguments.ENTRY_DEFAULTS
+
+if __name__ == "__main__":
+    main(entry=ENTRY)

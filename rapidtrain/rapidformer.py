@@ -1,0 +1,11 @@
+"""Rapidformer's names for its Megatron-model API: `from rapidtrain.rapidformer import GPTModel, GPTDataset`
+replaces `from rapidformer.model.transformer.gpt_model import GPTModel` (and `rapidformer.model_adapter.
+parallel_transformer`) and `from rapidformer.dataset.gpt_dataset import GPTDataset`."""
+
+from rapidtrain.compat.rapidformer import GPTDataset, GPTFinetuner, GPTModel
+from rapidtrain.engine import Engine as RapidformerEngine
+from rapidtrain.engine import get_args
+from rapidtrain.trainers.finetuner import Finetuner
+from rapidtrain.trainers.pretrainer import PreTrainer
+
+__all__ = ["Finetuner", "GPTDataset", "GPTFinetuner", "GPTModel", "PreTrainer", "RapidformerEngine", "get_args"]

@@ -1,0 +1,83 @@
+"""Switches of the built-in pretraining that Megatron's scripts pass: --data-iterator dynamic-shape changes the
+shapes the model sees (GPT's unpacked documents, BERT's samples bucketed by length), a batch-size ramp-up trains
+the same under every layout, --mmap-warmup reads the data, per-split data paths are read split by split."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidtrain.engine import Engine
+from rapidtrain.pretrain import MegatronPreTrainer
+from tests.launch import TINY_GPT_PARITY, pretrain, read_losses, relative_difference
+
+SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",
+         "--micro-batch-size", "4", "--num-workers", "0", "--log-interval", "3", "--eval-iters", "1",
+         "--eval-interval", "6", "--lr", "1e-3", "--train-iters", "6"]
+
+
+class Recording(MegatronPreTrainer):
+    """The built-in pretraining, recording the shape of every training micro-batch."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.shapes: list[tuple[int, ...]] = []
+
+    def run_forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        if model.training:
+            self.shapes.append(tuple((batch["tokens"] if "tokens" in batch else batch["text"]).shape))
+        return super().run_forward_step(iter([batch]), model)
+
+
+def shapes(*flags: str) -> list[tuple[int, ...]]:
+    trainer = Recording(Engine(argv=[*SMALL, *flags], entry="pretrain"))
+    trainer.train()
+    return trainer.shapes
+
+
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_dynamic_shape_changes_the_shapes_the_model_sees(demo_data, model):
+    """Without the switch every micro-batch is [4, 64]; with it the widths follow the samples (multiples of 8
+    up to 64): GPT trains on single documents cut at 65 tokens, BERT on its samples bucketed by length (short
+    ones drawn with --short-seq-prob)."""
+    extra = ["--model-type", model, "--short-seq-prob", "0.5"]
+    fixed = shapes(*extra)
+    dynamic = shapes(*extra, "--data-iterator", "dynamic-shape")
+    assert set(fixed) == {(4, 64)}
+    widths = {width for _, width in dynamic}
+    assert len(widths) > 1 and min(widths) < 64 and all(w % 8 == 0 and w <= 64 for w in widths)
+
+
+def test_mmap_warmup_reads_the_data_first(demo_data, capsys):
+    shapes("--data-path", demo_data.data_prefix, "--tokenizer-type", demo_data.tokenizer_type, "--tokenizer-model",
+           demo_data.tokenizer_model, "--mmap-warmup", "--train-iters", "1", "--eval-iters", "0")
+    assert "--mmap-warmup: read " in capsys.readouterr().out
+
+
+def test_per_split_data_paths_are_read_split_by_split(demo_data, capsys):
+    """--train-data-path / --valid-data-path (Megatron's separate splits): training and validation each read all
+    of their own data; --split does not apply."""
+    tokenizer = ["--tokenizer-type", demo_data.tokenizer_type, "--tokenizer-model", demo_data.tokenizer_model]
+    trainer = Recording(Engine(argv=[*SMALL, *tokenizer, "--train-data-path", demo_data.data_prefix,
+                                     "--valid-data-path", demo_data.data_prefix, "--eval-interval", "3"],
+                               entry="pretrain"))
+    trainer.train()
+    assert trainer.test_ds is None and len(trainer.valid_ds) >= 4  # (6 // 3 + 1) × 1 eval batch × 4 samples
+    assert "validation loss at iteration 6" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], ["--zero-2-memory-optimization"],
+                                    []], ids=["pp2", "zero2", "dp2"])
+def test_batch_ramp_up_trains_the_same_under_every_layout(demo_data, tmp_path, layout):
+    """--rampup-batch-size 2 2 16 to 8 over 8 iterations: one process (micro 1, accumulation 2 → 8) and two
+    ranks (data parallel, pipeline 2, ZeRO-2) reach the same losses; the pipeline builds a schedule for each
+    number of micro-batches."""
+    flags = [*TINY_GPT_PARITY, "--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2",
+             "2", "16", "--train-iters", "8", "--lr", "1e-3", "--log-interval", "1"]
+    single, parallel = tmp_path / "single.txt", tmp_path / "parallel.txt"
+    pretrain(1, flags + ["--loss-log-file", str(single)])
+    run = pretrain(2, flags + layout + ["--loss-log-file", str(parallel)])
+    assert sorted(read_losses(parallel)) == list(range(1, 9))
+    assert relative_difference(read_losses(parallel), read_losses(single)) < 1e-5
+    assert "global batch size:     2 |" in run.stdout and "global batch size:     8 |" in run.stdout
