@@ -343,6 +343,11 @@ class DeepSpeedRunner:
     def loss_scale(self) -> float:
         return float(getattr(self.optimizer, "loss_scale", 1.0)) if self.skips_nonfinite else 1.0
 
+    @property
+    def backward_scale(self) -> float:
+        """What `backward` multiplies a loss by: DeepSpeed's loss scale."""
+        return self.loss_scale
+
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 

@@ -206,6 +206,8 @@ class TorchRunner:
             self.parameters = [p for p in self.module.parameters() if p.requires_grad]
         if self.grad_norm is None:
             self.grad_norm = GradNorm(self.parameters, self.pipeline_group)
+        if self.scaler is not None:  # fp16 headroom independent of the data-parallel size (LossScaler)
+            self.scaler.data_parallel_average = self.gradient_average
 
     # ---- one iteration ----
     @contextlib.contextmanager
@@ -229,6 +231,11 @@ class TorchRunner:
     @property
     def loss_scale(self) -> float:
         return self.scaler.loss_scale if self.scaler is not None else 1.0
+
+    @property
+    def backward_scale(self) -> float:
+        """What `backward` multiplies a loss by (the router losses' gradient must carry the same factor)."""
+        return self.scaler.multiplier if self.scaler is not None else 1.0
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         if hasattr(self.module, "set_requires_gradient_sync"):

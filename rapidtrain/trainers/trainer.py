@@ -239,7 +239,7 @@ class Trainer:
     def _set_moe_aux_scale(self, steps: int) -> None:
         from rapidtrain.models import moe
 
-        moe.set_aux_loss_scale(self.engine.runner.loss_scale / steps)
+        moe.set_aux_loss_scale(self.engine.runner.backward_scale / steps)
 
     def _moe_extras(self) -> dict[str, torch.Tensor]:
         from rapidtrain.models import moe
