@@ -578,6 +578,9 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
         engine = f"DeepSpeed {precision.dtype} engine" if deepspeed_own else f"torch.autocast({precision.dtype})"
         if precision.loss_scaling != "none":
             engine += f" + {precision.loss_scaling} loss scaling"
+        if partitioning is not None and "FSDP2" in partitioning.engine and layout.data_parallel_size > 1:
+            engine += (f"; FSDP2 MixedPrecisionPolicy on the transformer blocks ({precision.dtype} all-gather and "
+                       "compute, fp32 reduce-scatter and accumulation; embeddings, final norm and head in fp32)")
         engines.append(EngineChoice("precision", engine, precision.reason))
     if args.checkpoint_activations:
         engines.append(EngineChoice("--checkpoint-activations", "torch.utils.checkpoint per transformer layer"

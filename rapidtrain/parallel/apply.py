@@ -65,7 +65,8 @@ def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, devi
         return fairscale_runner(model, plan, mesh, device, optimizer=optimizer)
     if switches.partitioning_engine == "fsdp2":
         reshard = switches.partitioning == "fsdp"
-        model = apply_fsdp(model, mesh, reshard_after_forward=reshard) if mesh.group("dp") else model
+        if mesh.group("dp"):
+            model = apply_fsdp(model, mesh, reshard_after_forward=reshard, precision=plan.precision.dtype)
     else:
         model = apply_ddp(model, mesh, device)
     runner_class = TorchRunner

@@ -182,7 +182,8 @@ def parallelize_stages(
         if mesh.group("dp") is None:
             continue
         if switches.partitioning_engine == "fsdp2":  # ZeRO-1/2 in 3D: unsharded between forward and backward
-            apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp")
+            apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp",
+                       precision=plan.precision.dtype)
         else:
             apply_replicate(view, mesh)
     return model, views
