@@ -192,6 +192,7 @@ class MoELayer(nn.Module):
         # (exact counts). One tensor, not Python numbers: torch.compile guards on the values of
         # int attributes and would recompile every step. Not a buffer: DDP would broadcast it.
         self.routing_stats: torch.Tensor | None = None
+        self.aux_collected_from: torch.Tensor | None = None  # routing_stats when collect_aux_losses last read it
 
     def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """fp32 router logits [T, E]; in training, optional multiplicative jitter on the router input."""
@@ -275,15 +276,21 @@ def collect_aux_losses(model: nn.Module) -> torch.Tensor | None:
     """Mean unscaled balancing loss over MoE layers and training forwards since the last call; resets.
 
     None when no MoE layer ran forward in training. Each rank returns its own value (detached):
-    average across data-parallel ranks before logging if wanted.
+    average across data-parallel ranks before logging if wanted. Nothing is read on the host (the loop calls
+    this every iteration): a forward replaces `routing_stats` by a new tensor, so a layer that ran since the
+    last call is told by the tensor's identity, not by its count.
     """
+    ran = [layer for layer in moe_layers(model).values()
+           if layer.routing_stats is not None and layer.routing_stats is not layer.aux_collected_from]
+    if not ran:
+        return None
     means = []
-    for layer in moe_layers(model).values():
+    for layer in ran:
         stats = layer.routing_stats
-        if stats is not None and stats[1] > 0:
-            means.append(stats[0] / stats[1])
-            stats[:2].zero_()
-    return torch.stack(means).mean().float() if means else None
+        means.append(stats[0] / stats[1])
+        stats[:2].zero_()
+        layer.aux_collected_from = stats
+    return torch.stack(means).mean().float()
 
 
 def collect_expert_load(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -306,7 +306,7 @@ class DeepSpeedRunner:
             yield
 
     def forward_backward(self, micro_batches: list[Any], forward_step: Callable,
-                         global_tokens: int | None) -> LossTotal:
+                         global_tokens: torch.Tensor | int | None) -> LossTotal:
         return run_micro_batches(self, micro_batches, forward_step, global_tokens)
 
     def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:

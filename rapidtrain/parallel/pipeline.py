@@ -31,7 +31,7 @@ from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import GradNorm, LossTotal, TorchRunner, as_loss, autocast
+from rapidtrain.parallel.runner import GradNorm, LossTotal, TorchRunner, as_loss, autocast, per_token_scale, scaled
 from rapidtrain.plan import Plan
 
 FIRST_STAGE_PARTS = ("embedding",)
@@ -267,7 +267,8 @@ class PipelineRunner(TorchRunner):
         self._loss_fns: list[Callable] = []
         self._loss_sums: dict[int, torch.Tensor] = {}
         self._counts: dict[int, Any] = {}
-        self._scale = 1.0
+        self._scale: torch.Tensor | float = 1.0
+        self._targets: torch.Tensor | None = None  # the micro-batch indices the schedule splits
         copies = tied_copies(self.module)
         self.tied_parameters = [p for _, p in copies]
         # The head's copy of the embedding is counted once in the norm (with the embedding itself).
@@ -283,15 +284,24 @@ class PipelineRunner(TorchRunner):
         Results are kept by index: the schedule's first step also calls this once to infer shapes,
         on uninitialised inputs, before the real micro-batch 0.
         """
-        index = int(target[0])  # the index tensor lives on the host: no device sync
+        index = self._micro_batch_index(target)
         loss_sum, count = as_loss(self._loss_fns[index](output))
         self._loss_sums[index] = loss_sum.detach().double()
         self._counts[index] = count
-        loss = loss_sum * self._scale
+        loss = scaled(loss_sum, self._scale)
         return self.scaler.scale(loss) if self.scaler is not None and torch.is_grad_enabled() else loss
 
+    def _micro_batch_index(self, target: torch.Tensor) -> int:
+        """The index `target` carries, read without a host read: the schedule hands each micro-batch a view
+        of `arange(micro_batches)` (tensor_split; detached for its shape inference), whose storage offset is
+        the index. A target that is no such view is read (it lives on the host)."""
+        if self._targets is not None and target.untyped_storage().data_ptr() == \
+                self._targets.untyped_storage().data_ptr():
+            return target.storage_offset()
+        return int(target[0])
+
     def _run(
-        self, micro_batches: list[Any], forward_step: Callable, scale: float | None, train: bool
+        self, micro_batches: list[Any], forward_step: Callable, scale: torch.Tensor | float | None, train: bool
     ) -> None:
         recorded = [_record_micro_batch(forward_step, batch) for batch in micro_batches]
         self._loss_fns = [loss_fn for _, loss_fn in recorded]
@@ -299,7 +309,7 @@ class PipelineRunner(TorchRunner):
         self._scale = scale if scale is not None else 1.0 / len(micro_batches)
         args, kwargs = _concatenate([call for call, _ in recorded])
         args = args if self.is_first else ()  # later stages take their input from the previous stage
-        target = torch.arange(len(micro_batches)) if self.is_last else None
+        target = self._targets = torch.arange(len(micro_batches)) if self.is_last else None
         with autocast(self.precision, self.device_type):
             if train:
                 self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
@@ -307,7 +317,7 @@ class PipelineRunner(TorchRunner):
                 self.schedule.eval(*args, target=target, **kwargs)
 
     def forward_backward(
-        self, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None
+        self, micro_batches: list[Any], forward_step: Callable, global_tokens: torch.Tensor | int | None
     ) -> LossTotal:
         """Forward and backward of every micro-batch → the loss total on every stage (from the last).
 
@@ -315,7 +325,7 @@ class PipelineRunner(TorchRunner):
         forward step must then return `(output, loss_fn)` with `loss_fn` giving `(loss_sum, count)`);
         without, each micro-batch's mean loss weighs 1 / micro-batches.
         """
-        scale = self.gradient_average / global_tokens if global_tokens is not None else None
+        scale = per_token_scale(self.gradient_average, global_tokens) if global_tokens is not None else None
         self._run(micro_batches, forward_step, scale, train=True)
         total = self._total()
         if global_tokens is None:

@@ -135,8 +135,20 @@ def total_grad_norm(parameters: list[nn.Parameter], pipeline_group: dist.Process
 
 # ---- running the micro-batches of one iteration ----
 
-def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None,
-                      ) -> LossTotal:
+def per_token_scale(gradient_average: int, global_tokens: torch.Tensor | int) -> torch.Tensor | float:
+    """What a micro-batch's per-token loss sum is multiplied by before backward: the wrapper's average undone,
+    over the global batch's tokens (a host tensor: used, never read)."""
+    return gradient_average / global_tokens
+
+
+def scaled(loss: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """`loss * scale` in the loss's dtype, as a Python float would multiply (a host scalar tensor counts as one
+    on any device)."""
+    return loss * (scale.to(loss.dtype) if torch.is_tensor(scale) else scale)
+
+
+def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable,
+                      global_tokens: torch.Tensor | int | None) -> LossTotal:
     """Forward and backward of each micro-batch, gradients synchronised on the last.
 
     With per-token loss sums and `global_tokens` known, each backward loss is scaled to the exact mean over
@@ -150,8 +162,8 @@ def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Calla
         with runner.micro_batch(is_last=index == steps - 1):
             loss_sum, count = as_loss(forward_step(batches, runner.module))
         per_token = count is not None and global_tokens is not None
-        scale = runner.gradient_average / global_tokens if per_token else 1.0 / steps
-        runner.backward(loss_sum * scale)
+        scale = per_token_scale(runner.gradient_average, global_tokens) if per_token else 1.0 / steps
+        runner.backward(scaled(loss_sum, scale))
         contribution = loss_sum.detach().double() * (1.0 if per_token else 1.0 / steps)
         total = contribution if total is None else total + contribution
     assert total is not None, "an iteration needs at least one micro-batch"
@@ -217,7 +229,7 @@ class TorchRunner:
             yield
 
     def forward_backward(self, micro_batches: list[Any], forward_step: Callable,
-                         global_tokens: int | None) -> LossTotal:
+                         global_tokens: torch.Tensor | int | None) -> LossTotal:
         return run_micro_batches(self, micro_batches, forward_step, global_tokens)
 
     def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,13 +39,14 @@ from rapidtrain.trainers.reporting import IntervalTotals, IterationResult, LossR
 __all__ = ["Trainer", "TrainingStopped", "IterationResult", "default_token_count"]
 
 
-def default_token_count(batch: Any) -> int | None:
-    """Tokens that carry loss in a micro-batch (on the host): the sum of `loss_mask`, or non-ignored `labels`."""
+def default_token_count(batch: Any) -> torch.Tensor | None:
+    """Tokens that carry loss in a micro-batch, as a tensor on the host (never read into a Python number: the
+    loop only divides by it): the sum of `loss_mask`, or non-ignored `labels`."""
     if isinstance(batch, dict):
         if "loss_mask" in batch:
-            return int(torch.as_tensor(batch["loss_mask"]).sum())
+            return torch.as_tensor(batch["loss_mask"]).sum()
         if "labels" in batch:
-            return int((torch.as_tensor(batch["labels"]) != -100).sum())
+            return (torch.as_tensor(batch["labels"]) != -100).sum()
     return None
 
 
@@ -70,7 +71,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.model: Any = None
-        self.token_count: Callable[[Any], int | None] = default_token_count
+        self.token_count: Callable[[Any], int | torch.Tensor | None] = default_token_count
         self.checkpointer = Checkpointer(self.plan.checkpoint, self)
         self.history: list[dict[str, Any]] = []
         self._eval_loader: ShardedLoader | None = None
@@ -226,15 +227,16 @@ class Trainer:
         return IterationResult(loss, decision.outcome.grad_norm, decision.outcome.skipped, decision.nan,
                                samples, tokens, extras=self._moe_extras(), stop=decision.stop)
 
-    def _global_tokens(self, micro_batches: list[Any]) -> int | None:
-        """Loss-carrying tokens of the global batch, counted on the host and summed over data-parallel ranks
-        (a CPU tensor: gloo carries it, so the device is never waited for)."""
+    def _global_tokens(self, micro_batches: list[Any]) -> torch.Tensor | None:
+        """Loss-carrying tokens of the global batch (at least 1), counted on the host and summed over
+        data-parallel ranks: an fp64 CPU tensor that gloo carries and the loop divides by, never read on the
+        host, so neither the device nor the loader's tensors are waited for."""
         counts = [self.token_count(b) for b in micro_batches]
         if any(c is None for c in counts):
             return None
-        total = torch.tensor(float(sum(counts)), dtype=torch.float64)
+        total = torch.stack([torch.as_tensor(c, dtype=torch.float64).reshape(()) for c in counts]).sum()
         self.engine.all_reduce_data_parallel(total)
-        return max(int(total), 1)
+        return total.clamp(min=1)
 
     def _set_moe_aux_scale(self, steps: int) -> None:
         from rapidtrain.models import moe
