@@ -148,7 +148,7 @@ def _non_finite_or_negative(args: Args) -> list[str]:
 def _not_positive_counts(args: Args) -> list[str]:
     """Counts that must be at least 1 when given: a 0 would divide by zero or never log, evaluate or stop."""
     names = ("train_iters", "epochs", "log_interval", "eval_interval", "save_interval", "exit_interval",
-             "nproc_per_node")
+             "nproc_per_node", "distributed_timeout_minutes")
     bad = [f"{_flag(n)} {getattr(args, n)}" for n in names
            if getattr(args, n, None) is not None and getattr(args, n) < 1]
     return bad + [f"{_flag(n)} {getattr(args, n)}" for n in ("eval_iters", "num_workers")
