@@ -188,6 +188,7 @@ class Switches:
     compile: Literal["none", "inductor", "ortmodule"] = "none"
     dynamic_shape: bool = False
     tf32: bool = False  # TF32 tensor cores for fp32 matmuls (--tf32 on CUDA; no effect on a CPU)
+    build_on_meta: bool = False  # the built-in model is created on meta and each rank materializes its shards
 
 
 @dataclass(frozen=True)
@@ -549,7 +550,26 @@ def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Sw
     elif args.torch_compile:
         compile_with = "inductor"
     return Switches(partitioning, engine, args.cpu_offload, args.checkpoint_activations, compile_with,
-                    args.data_iterator == "dynamic-shape", args.tf32 and ctx.device_type == "cuda")
+                    args.data_iterator == "dynamic-shape", args.tf32 and ctx.device_type == "cuda",
+                    model_construction(args, ctx, layout, partitioning, engine)[0])
+
+
+def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout, partitioning: str,
+                       engine: str) -> tuple[bool, str]:
+    """(build the built-in model on meta?, why) for the built-in pretraining: on meta wherever the layout shards
+    the model (FSDP, SDP, ZeRO-3 over several ranks; tensor or pipeline parallelism), so no rank holds it whole."""
+    sharding = [name for name, shards in (
+        (f"--{partitioning}" if not partitioning.startswith("zero") else f"ZeRO stage {partitioning[-1]}",
+         partitioning in ("fsdp", "sdp", "zero-3") and engine != "fairscale" and layout.data_parallel_size > 1),
+        ("tensor parallelism", layout.tensor_parallel_size > 1),
+        ("pipeline parallelism", layout.pipeline_parallel_size > 1)) if shards]
+    if not sharding or not (is_pretraining(args, ctx) and trains_builtin_model(args)):
+        return False, ""
+    if layout.expert_parallel_size > 1:
+        return False, "built whole on every rank: expert parallelism slices the experts of a materialized model"
+    if engine == "deepspeed" and initialises_builtin(args):
+        return False, "built whole on every rank: ZeRO-3 copies the Hugging Face weights from a whole model"
+    return True, " and ".join(sharding)
 
 
 def optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
@@ -675,6 +695,9 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
             notes.append("CPU allocator: the C library is not glibc, so malloc is left as it is")
     if args.tf32 or ctx.device_type == "cuda":
         engines.append(tf32_choice(args, ctx, precision))
+    construction = construction_choice(args, ctx, layout)
+    if construction is not None:
+        engines.append(construction)
     if args.data_iterator == "dynamic-shape":
         engines.append(EngineChoice("--data-iterator dynamic-shape", "length-bucketed batches padded to the longest "
                                     "(multiple of 8)"))
@@ -688,6 +711,24 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout,
         notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
                      "selects Adam there")
     return engines, notes
+
+
+def construction_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout) -> EngineChoice | None:
+    switches = switches_of(args, layout, ctx)
+    on_meta, why = model_construction(args, ctx, layout, switches.partitioning, switches.partitioning_engine)
+    if not why:
+        return None
+    if not on_meta:
+        return EngineChoice("model construction", why)
+    if switches.partitioning_engine == "deepspeed":
+        return EngineChoice("model construction", "under deepspeed.zero.Init (each parameter partitioned as it is "
+                            "created), then initialised one parameter at a time by (seed, name)",
+                            f"the layout shards the model ({why}): no rank holds it whole, and the values are the "
+                            "one-process ones")
+    return EngineChoice("model construction", "on the meta device, split and wrapped first; each rank then "
+                        "allocates only its shards and initialises them by (seed, parameter name)",
+                        f"the layout shards the model ({why}): no rank holds it whole, and the values are the "
+                        "one-process ones")
 
 
 def tf32_choice(args: argparse.Namespace, ctx: RunContext, precision: Precision) -> EngineChoice:

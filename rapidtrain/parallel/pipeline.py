@@ -170,11 +170,14 @@ def parallelize_stages(
     """apply.py's order on the rank's model: tensor parallel → activation checkpointing → compile → data
     parallel; the last wraps each stage's view (with several virtual stages, one view per stage)."""
     from rapidtrain.parallel.data_parallel import apply_fsdp, apply_replicate
+    from rapidtrain.parallel.meta_init import is_on_meta, materialize
     from rapidtrain.parallel.transforms import apply_transforms
 
     layout, switches = plan.layout, plan.switches
     model = apply_transforms(model, plan, mesh)
-    model.to(device)
+    on_meta = is_on_meta(model)  # built on meta: wrapped first, then each rank allocates its stage's shards
+    if not on_meta:
+        model.to(device)
     views = [model] if len(stages) == 1 else [stage_view(model, s, num_stages) for s in stages]
     for view, stage in zip(views, stages, strict=True):
         if layout.sequence_parallel:
@@ -186,6 +189,8 @@ def parallelize_stages(
                        precision=plan.precision.dtype)
         else:
             apply_replicate(view, mesh)
+    if on_meta:
+        materialize(model, device, plan, parts=views)
     return model, views
 
 

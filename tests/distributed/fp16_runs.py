@@ -82,6 +82,9 @@ class RecordingTrainer(MegatronPreTrainer):
 
 
 def run_all(runs: list[dict[str, Any]]) -> None:
+    import __main__
+
+    __main__.__file__ = str(Path(__file__).resolve().parents[2] / "rapidtrain" / "pretrain.py")  # pretrain.py's plan
     engine = None
     for run in runs:
         engine = Engine(argv=run["argv"], entry=ENTRY)

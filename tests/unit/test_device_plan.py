@@ -168,3 +168,42 @@ def test_plan_command_for_cuda_names_backends_optimizer_tf32_and_mfu():
     assert "cuda tensors → nccl" in out and "optimizer" in out
     assert "--tf32" in out and "autocast keeps in fp32" in out
     assert "MFU: against 989 TFLOP/s" in out
+
+
+# ---- where the built-in model is built ----
+
+@pytest.mark.parametrize(
+    "flags,world,on_meta",
+    [
+        (["--fsdp-memory-optimization"], 2, True),
+        (["--oss-sdp-memory-optimization"], 2, True),
+        (["--zero-3-memory-optimization"], 2, True),
+        (["--tensor-model-parallel-size", "2"], 2, True),
+        (["--pipeline-model-parallel-size", "2"], 2, True),
+        (["--pipeline-model-parallel-size", "2", "--zero-1-memory-optimization"], 4, True),
+        ([], 2, False),  # DDP: every rank holds the whole model anyway
+        (["--oss-memory-optimization"], 2, False),
+        (["--zero-2-memory-optimization"], 2, False),
+        (["--fsdp-memory-optimization"], 1, False),  # one rank: nothing to shard over
+        (["--sharding-backend", "fairscale", "--oss-sdp-memory-optimization"], 2, False),  # ShardedDDP: whole
+    ],
+)
+def test_sharded_layouts_build_the_builtin_model_on_meta(flags, world, on_meta):
+    resolved = resolve(flags, AMX_CPU, world=world)
+    assert resolved.switches.build_on_meta == on_meta
+    construction = resolved.engine_for("model construction")
+    assert (construction is not None and "meta device" in construction.engine or "zero.Init" in construction.engine
+            ) if on_meta else (construction is None or "whole" in construction.engine)
+
+
+def test_expert_parallelism_builds_whole_and_says_why():
+    resolved = resolve(["--tensor-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size",
+                        "2"], AMX_CPU, world=4)
+    assert not resolved.switches.build_on_meta
+    assert "expert parallelism" in resolved.engine_for("model construction").engine
+
+
+def test_a_user_script_builds_its_own_model():
+    args = arguments.parse_args(BASE + ["--fsdp-memory-optimization"])
+    resolved = plan.from_args(args, RunContext(2, "cpu", "my_script.py", AMX_CPU))
+    assert not resolved.switches.build_on_meta and resolved.engine_for("model construction") is None
