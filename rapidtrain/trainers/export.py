@@ -40,7 +40,7 @@ def recipe_of(model: nn.Module) -> ExportRecipe | None:
 def full_model_state(runner: Any) -> dict[str, torch.Tensor]:
     """Every rank takes part (gathers are collective); the full fp32 values come back on rank 0."""
     if hasattr(runner, "checkpoint_state"):  # DeepSpeed: fp32 master weights by parameter name
-        return runner.checkpoint_state.model_state()
+        return runner.checkpoint_state.model_state(sharded=False)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
