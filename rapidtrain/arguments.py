@@ -243,6 +243,9 @@ def _add_distributed(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed", "Launching (torch.distributed.run)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="Collective backend: default nccl on CUDA, gloo on CPU.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="Minutes a collective may wait for the other ranks before the run fails (Megatron's flag; "
+                        "raise it when rank 0 builds large data indices or saves large checkpoints).")
     g.add_argument("--nproc-per-node", type=int, default=None,
                    help="Processes per node when rapidtrain starts torchrun itself (default: visible GPUs, or 1).")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -335,10 +338,14 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
 def _add_precision(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("acceleration: precision", "Mixed precision (autocast + fp32 master weights)")
     g.add_argument("--mixed-precision", action="store_true",
-                   help="FP16 mixed precision with dynamic loss scaling on CUDA; bf16 where fp16 is unsupported (CPU).")
+                   help="FP16 mixed precision with dynamic loss scaling on CUDA; on a CPU bf16 where it is native "
+                        "(AVX512-BF16, AMX), else fp32 (the plan says which and why).")
     g.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (DeepSpeed "
                                                        "fp16 under ZeRO).")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast, no loss scaling (DeepSpeed bf16 under ZeRO).")
+    g.add_argument("--tf32", action="store_true",
+                   help="Run fp32 matmuls and convolutions on TF32 tensor cores (NVIDIA Ampere or newer); no effect on "
+                        "a CPU.")
     g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default dynamic.")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="Initial dynamic loss scale.")
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")

@@ -21,8 +21,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 USAGE = """usage:
   rapidtrain FLAGS                       train (torchrun is started for you; see rapidtrain --help)
   rapidtrain --user-script FILE FLAGS    run a white-box script (Finetuner / PreTrainer / Trainer / Engine.compose)
-  rapidtrain plan FLAGS [--world-size N] [--device cpu|cuda] [--json] [--entry pretrain_gpt|pretrain_bert]
-                                         print what the flags resolve to, start nothing
+  rapidtrain plan FLAGS [--world-size N] [--device cpu|cuda] [--device-name GPU] [--json]
+                       [--entry pretrain_gpt|pretrain_bert]
+                                         print what the flags resolve to, start nothing (--device-name, e.g.
+                                         "H100", picks the peak FLOP/s that MFU is measured against)
   rapidtrain demo-data [--cache-dir DIR] prepare the built-in demo corpus
   rapidtrain generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
                                          continue a prompt with a trained built-in GPT (any saved layout)
@@ -126,6 +128,7 @@ def plan_command(argv: list[str]) -> int:
     extra = arguments.FlagParser(prog="rapidtrain plan", add_help=False)
     extra.add_argument("--world-size", type=int, default=None)
     extra.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    extra.add_argument("--device-name", default=None)
     extra.add_argument("--json", action="store_true")
     extra.add_argument("--entry", choices=tuple(arguments.ENTRY_DEFAULTS), default=None)  # pretrain_bert.py's plan
     options, rest = extra.parse_known_args(argv)
@@ -133,7 +136,11 @@ def plan_command(argv: list[str]) -> int:
     args = arguments.parse_args(rest, prog="rapidtrain plan", entry=entry)
     detected = plan.RunContext.detect(args)
     world_size = detected.world_size if options.world_size is None else options.world_size
-    ctx = plan.RunContext(world_size, options.device or detected.device_type, detected.script)
+    device_type = options.device or detected.device_type
+    capability = detected.capability
+    if device_type != detected.device_type or options.device_name:  # planning for another machine
+        capability = plan.DeviceCapability(options.device_name or "", native_bf16=True)
+    ctx = plan.RunContext(world_size, device_type, detected.script, capability)
     rules.exit_on_conflicts(args, ctx)
     resolved = plan.from_args(args, ctx)
     print(resolved.to_json() if options.json else resolved.describe())

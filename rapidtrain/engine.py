@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +28,7 @@ from rapidtrain.data.loaders import ShardSettings
 from rapidtrain.errors import UserError
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.runner import LossTotal, StepOutcome, agree
-from rapidtrain.plan import Plan, RunContext, from_args
+from rapidtrain.plan import DistributedSettings, Plan, RunContext, from_args
 from rapidtrain.shutdown import stop_rank_with_torchrun
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
@@ -55,26 +56,28 @@ def current_engine() -> Engine:
     return _CURRENT_ENGINE
 
 
-def init_distributed(backend: str | None, device_type: str) -> None:
+def init_distributed(settings: DistributedSettings, device_type: str) -> None:
+    """The default process group with the plan's backend per device type (NCCL for CUDA tensors, gloo for host
+    ones such as the token count, as torchtitan does) and timeout; the device bound first."""
     global _GROUPS_STARTED
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return
     if device_type == "cuda":  # modulo: where each task sees one GPU, LOCAL_RANK may exceed the visible count
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    timeout = timedelta(minutes=10)
+    timeout = timedelta(minutes=settings.timeout_minutes)
     store = fresh_group_store(timeout)
     extra = {}
     if store is not None:
         extra = {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
-    dist.init_process_group(process_group_backend(backend, device_type), timeout=timeout, **extra)
+    dist.init_process_group(settings.backend, timeout=timeout, **extra)
     _GROUPS_STARTED += 1
 
 
-def process_group_backend(backend: str | None, device_type: str) -> str:
-    """A backend per device type: NCCL for CUDA tensors and gloo for CPU ones (host-side counts such as the
-    token count travel by gloo without touching the GPU stream), as torchtitan does."""
-    backend = backend or ("nccl" if device_type == "cuda" else "gloo")
-    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+def apply_tf32(enabled: bool) -> None:
+    """TF32 tensor cores for fp32 matmuls and cuDNN convolutions (the plan decides: --tf32 on CUDA only)."""
+    if enabled:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
 
 
 # Default process groups this process started (a run after another's shutdown, as tests do, starts a second).
@@ -144,7 +147,9 @@ class Engine:
         if self.plan.model is not None:  # Megatron's args carry it; user scripts read it from get_args()
             self.args.padded_vocab_size = self.plan.model.vocab_size
         stop_rank_with_torchrun()  # torchrun gone (even SIGKILLed): SIGTERM, so this rank saves and exits
-        init_distributed(self.args.distributed_backend, self.context.device_type)
+        self.warn_rank0(self.plan.warnings)
+        init_distributed(self.plan.distributed, self.context.device_type)
+        apply_tf32(self.plan.switches.tf32)
         self.device = self._device()
         if self.device.type == "cpu" and self.args.cpu_allocator_tuning:
             keep_freed_memory()
@@ -199,6 +204,12 @@ class Engine:
     @property
     def is_main_process(self) -> bool:
         return self.rank == 0
+
+    def warn_rank0(self, warnings: Sequence[str]) -> None:
+        """Warnings of the plan, on standard error before anything is built (the plan is printed later)."""
+        if int(os.environ.get("RANK", "0")) == 0:
+            for warning in warnings:
+                print(f"rapidtrain: warning: {warning}", file=sys.stderr, flush=True)
 
     def print_rank0(self, *message: Any) -> None:
         if self.is_main_process:
@@ -294,7 +305,7 @@ class Engine:
         self._backward_losses = detached if self._backward_losses is None else self._backward_losses + detached
         self.runner.backward(loss)
 
-    def reduce_loss(self, total: LossTotal, global_tokens: int | None) -> torch.Tensor:
+    def reduce_loss(self, total: LossTotal, global_tokens: torch.Tensor | int | None) -> torch.Tensor:
         """The global batch's loss on the device: summed over data-parallel ranks, then averaged over its
         tokens (per-token sums) or its ranks (mean losses)."""
         value = total.value.clone()

@@ -140,9 +140,11 @@ class MegatronPreTrainer(PreTrainer):
 
     # ---- model, FLOPs, forward ----
     def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, None, None]:
-        from rapidtrain.models import build_model
+        """The built-in model: on the meta device when the plan shards it (each rank materializes its part when
+        it is composed), else whole and initialised."""
+        from rapidtrain.parallel.meta_init import build_model_for
 
-        return build_model(self.plan.model, seed=self.plan.training.seed), None, None
+        return build_model_for(self.plan), None, None
 
     def model_factory(self) -> Any:
         from rapidtrain.models import build_model

@@ -236,7 +236,7 @@ def _low_bit_optimizer_problem(args: Args, ctx: RunContext) -> str | None:
     from rapidtrain.optim.optimizers import low_bit_optimizer_problem
 
     layout = layout_of(args, ctx)
-    return low_bit_optimizer_problem(optimizer_settings(args, layout, switches_of(args, layout)), ctx.device_type)
+    return low_bit_optimizer_problem(optimizer_settings(args, layout, switches_of(args, layout, ctx)), ctx.device_type)
 
 
 def _lora_settings_given(args: Args) -> list[str]:
@@ -350,7 +350,7 @@ def _non_finite_or_negative(args: Args) -> list[str]:
 def _not_positive_counts(args: Args) -> list[str]:
     """Counts that must be at least 1 when given: a 0 would divide by zero or never log, evaluate or stop."""
     names = ("train_iters", "epochs", "log_interval", "eval_interval", "save_interval", "exit_interval",
-             "nproc_per_node")
+             "nproc_per_node", "distributed_timeout_minutes")
     bad = [f"{_flag(n)} {getattr(args, n)}" for n in names
            if getattr(args, n, None) is not None and getattr(args, n) < 1]
     return bad + [f"{_flag(n)} {getattr(args, n)}" for n in ("eval_iters", "num_workers")

@@ -226,6 +226,7 @@ class MoELayer(nn.Module):
         # of rapidtrain adding its gradient (`returns_aux_loss`, set by rapidtrain.rapidformer.GPTModel).
         self.returns_aux_loss = False
         self.last_aux_loss: torch.Tensor | None = None
+        self.aux_collected_from: torch.Tensor | None = None  # routing_stats when collect_aux_losses last read it
 
     def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """fp32 router logits [T, E]; in training, optional multiplicative jitter on the router input."""
@@ -315,14 +316,21 @@ def collect_aux_loss_sum(model: nn.Module) -> tuple[torch.Tensor | None, int]:
     call, how many layers ran); resets. (None, 0) when no MoE layer ran forward in training.
 
     Sums, so that the parts of a model split into pipeline stages add up to the whole model's mean.
+
+    Nothing is read on the host (the loop calls this every iteration): a forward replaces `routing_stats` by a
+    new tensor, so a layer that ran since the last call is told by the tensor's identity, not by its count.
     """
+    ran = [layer for layer in moe_layers(model).values()
+           if layer.routing_stats is not None and layer.routing_stats is not layer.aux_collected_from]
+    if not ran:
+        return None, 0
     means = []
-    for layer in moe_layers(model).values():
+    for layer in ran:
         stats = layer.routing_stats
-        if stats is not None and stats[1] > 0:
-            means.append(stats[0] / stats[1])
-            stats[:2].zero_()
-    return (torch.stack(means).sum(), len(means)) if means else (None, 0)
+        means.append(stats[0] / stats[1])
+        stats[:2].zero_()
+        layer.aux_collected_from = stats
+    return torch.stack(means).sum(), len(means)
 
 
 def collect_aux_losses(model: nn.Module) -> torch.Tensor | None:

@@ -54,10 +54,17 @@ class LossScaler:
     hysteresis is spent, each overflow multiplies the scale by the backoff factor (never below the
     minimum). After `loss_scale_window` overflow-free steps in a row the scale grows and the
     hysteresis is restored. As in Megatron's code, steps without overflow do not restore it.
+
+    `data_parallel_average`: how many ranks the data-parallel wrapper averages gradients over. The loop
+    multiplies each rank's loss by that count so the average comes out as the global-batch mean; the scaler
+    takes it back out of the backward multiplier (and puts it back when unscaling), so each rank's fp16
+    activation gradients have the one-process magnitudes and overflow at the same loss scale whatever the
+    data-parallel size (Megatron's headroom: its loss is never multiplied by the data-parallel size).
     """
 
-    def __init__(self, settings: LossScaleSettings | None = None) -> None:
+    def __init__(self, settings: LossScaleSettings | None = None, data_parallel_average: int = 1) -> None:
         self.settings = settings or LossScaleSettings()
+        self.data_parallel_average = max(int(data_parallel_average), 1)
         self.dynamic = self.settings.loss_scale is None
         self._scale = float(self.settings.initial_loss_scale if self.dynamic else self.settings.loss_scale)
         self._growth_tracker = 0
@@ -68,9 +75,14 @@ class LossScaler:
         """The current scale (what the log line prints as `loss scale`)."""
         return self._scale
 
+    @property
+    def multiplier(self) -> float:
+        """What `scale` multiplies a loss by: the loss scale over the data-parallel average."""
+        return self._scale / self.data_parallel_average
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss multiplied by the scale; call `.backward()` on the result."""
-        return loss * self._scale
+        """The loss multiplied by the scale (over the data-parallel average); call `.backward()` on the result."""
+        return loss * self.multiplier
 
     def unscale(self, optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor]) -> torch.Tensor:
         """Divide every gradient by the scale in place (torch's foreach kernel); this rank's overflow flag.
@@ -89,7 +101,7 @@ class LossScaler:
             )
         device = grads[0].device if grads else torch.device("cpu")
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        inv_scale = torch.full((1,), 1.0 / self._scale, dtype=torch.float32, device=device)
+        inv_scale = torch.full((1,), 1.0 / self.multiplier, dtype=torch.float32, device=device)
         by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
             by_device.setdefault((grad.device, grad.dtype), []).append(grad)

@@ -16,6 +16,7 @@ from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from rapidtrain.parallel.mesh import ParallelMesh
+from rapidtrain.parallel.meta_init import is_on_meta, materialize
 from rapidtrain.parallel.runner import TorchRunner
 from rapidtrain.parallel.transforms import apply_transforms
 from rapidtrain.plan import Plan
@@ -46,7 +47,7 @@ def parallelize(
 
         runner = pipeline_runner(model, plan, mesh, device, optimizer=optimizer)
     else:
-        runner = _data_parallel_runner(apply_transforms(model, plan, mesh).to(device), plan, mesh, device, optimizer)
+        runner = _data_parallel_runner(apply_transforms(model, plan, mesh), plan, mesh, device, optimizer)
     if plan.layout.expert_parallel_size > 1:
         from rapidtrain.parallel.experts import add_expert_parallelism
 
@@ -56,18 +57,26 @@ def parallelize(
 
 def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, device: torch.device,
                           optimizer: torch.optim.Optimizer | None):
-    """The transformed model wrapped for data parallelism (DDP, ZeroRedundancyOptimizer, FSDP2, FairScale)."""
+    """The transformed model wrapped for data parallelism (DDP, ZeroRedundancyOptimizer, FSDP2, FairScale).
+
+    A model built on meta is wrapped first and then materialized (each rank allocates its own shards only)."""
     switches = plan.switches
     assert plan.optimizer is not None and plan.loss_scale is not None
+    on_meta = is_on_meta(model)
+    if not on_meta:
+        model = model.to(device)
     if switches.partitioning_engine == "fairscale":
         from rapidtrain.parallel.fairscale_backend import fairscale_runner
 
         return fairscale_runner(model, plan, mesh, device, optimizer=optimizer)
     if switches.partitioning_engine == "fsdp2":
         reshard = switches.partitioning == "fsdp"
-        model = apply_fsdp(model, mesh, reshard_after_forward=reshard) if mesh.group("dp") else model
+        if mesh.group("dp"):
+            model = apply_fsdp(model, mesh, reshard_after_forward=reshard, precision=plan.precision.dtype)
     else:
         model = apply_ddp(model, mesh, device)
+    if on_meta:
+        materialize(model, device, plan)
     runner_class = TorchRunner
     if switches.partitioning_engine == "zero-redundancy" and mesh.group("dp") is not None:
         from rapidtrain.parallel.zero_redundancy import OSSRunner, oss_from_optimizer, oss_optimizer

@@ -59,8 +59,15 @@ def apply_replicate(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     return model
 
 
-def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool,
+               precision: str = "fp32") -> nn.Module:
     """FSDP2 over the data-parallel dimension: each block a unit, then the root.
+
+    Under bf16/fp16 the blocks get a `MixedPrecisionPolicy`: their parameters are all-gathered and computed in
+    the low precision (half the all-gather bytes), gradients are reduced and accumulated in fp32. Block inputs
+    are not cast and the root (embeddings, final norm, head) keeps fp32 parameters, so the residual stream
+    and the loss stay fp32 as in the one-process autocast run: losses and fp16 overflow decisions match
+    the other layouts.
 
     Expert slices (expert parallelism) are sharded over their own ranks first where the plan says so
     (`plan.experts_sharded_by_fsdp2`); otherwise they stay out of FSDP2, placed beside the other parameters'
@@ -76,9 +83,24 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool
         experts = set()
     ignored = experts or None
     dp_mesh = mesh.submesh("dp")
+    blocks_policy = mixed_precision_policy(precision)
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored,
+                    **blocks_policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     if ignored:
         place_experts_on_mesh_of_others(model)
     return model
+
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(precision: str) -> dict[str, Any]:
+    """`fully_shard` keyword arguments for a run in `precision` ("fp32": none)."""
+    if precision not in LOW_PRECISION:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[precision], reduce_dtype=torch.float32)
+    return {"mp_policy": policy}

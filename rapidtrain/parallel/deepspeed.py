@@ -215,9 +215,12 @@ def build_partitioned(
     model_factory: Callable[[], nn.Module],
     config: dict[str, Any],
     prepare: Callable[[nn.Module], nn.Module],
+    seed: int | None = None,
 ) -> nn.Module:
     """ZeRO-3: build the model again under `deepspeed.zero.Init` (each parameter partitioned as it is
-    created) and give it `model`'s initial values, so that every layout starts from the same weights."""
+    created) and give it the initial values of every other layout: `model`'s, or, when `model` was built on
+    the meta device (nothing to copy: no rank ever held it whole), the built-in models' values by (`seed`, name),
+    one parameter gathered at a time."""
     import deepspeed
 
     # The factory's own initialisation must not advance the global RNG (data order, dropout).
@@ -225,6 +228,10 @@ def build_partitioned(
         partitioned = model_factory()
     undo_skip_init_patch()
     partitioned = prepare(partitioned)
+    if any(p.is_meta for p in model.parameters()):
+        assert seed is not None, "a model built on meta is initialised from the plan's seed"
+        initialise_partitioned(partitioned, seed)
+        return partitioned
     source = {canonical_name(n): p for n, p in model.named_parameters()}
     with torch.no_grad():
         for name, param in partitioned.named_parameters():
@@ -234,6 +241,22 @@ def build_partitioned(
         for name, buffer in partitioned.named_buffers():
             buffer.copy_(buffers[canonical_name(name)])
     return partitioned
+
+
+def initialise_partitioned(model: nn.Module, seed: int) -> None:
+    """The built-in initialisation on a ZeRO-3 model: each parameter gathered whole (one at a time), drawn by
+    (seed, name) on rank 0 and scattered back into every rank's partition."""
+    import deepspeed
+
+    from rapidtrain.models.transformer import canonical_parameters, initial_value
+
+    config = model.config
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for name, module, param in canonical_parameters(model):
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if rank == 0:
+                    param.data.copy_(initial_value(name, module, param.shape, config, seed))
 
 
 def undo_skip_init_patch() -> None:
@@ -320,7 +343,7 @@ def deepspeed_runner(
         use_cpu_threads(threads)
     prepare = functools.partial(prepare_model, plan=plan, mesh=mesh)
     if zero_stage_of(plan) == 3 and model_factory is not None and optimizer is None:
-        model = build_partitioned(model, model_factory, config, prepare)
+        model = build_partitioned(model, model_factory, config, prepare, seed=plan.training.seed)
     else:
         model = prepare(model)
     optimizer, groups = client_optimizer(model, optimizer, optimizer_settings, plan, device)
@@ -411,7 +434,7 @@ class DeepSpeedRunner:
             yield
 
     def forward_backward(self, micro_batches: list[Any], forward_step: Callable,
-                         global_tokens: int | None) -> LossTotal:
+                         global_tokens: torch.Tensor | int | None) -> LossTotal:
         return run_micro_batches(self, micro_batches, forward_step, global_tokens)
 
     def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> EvalTotals:
@@ -459,6 +482,11 @@ class DeepSpeedRunner:
     @property
     def loss_scale(self) -> float:
         return float(getattr(self.optimizer, "loss_scale", 1.0)) if self.skips_nonfinite else 1.0
+
+    @property
+    def backward_scale(self) -> float:
+        """What `backward` multiplies a loss by: DeepSpeed's loss scale."""
+        return self.loss_scale
 
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)

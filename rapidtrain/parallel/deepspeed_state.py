@@ -1,11 +1,14 @@
 """Checkpoint state of a DeepSpeed ZeRO engine in the layout every rapidtrain mode shares.
 
-ZeRO keeps fp32 master weights and optimizer state as flat partitions per parameter group. For a
-checkpoint they are gathered per parameter (DeepSpeed's `safe_get_full_*` API) into the dict that
-`torch.distributed.checkpoint.state_dict.get_state_dict` gives for a plain model: `model` maps each
-parameter name to its fp32 value, `optimizer` holds `state[name][key]` and `param_groups` with names.
-DCP writes each replicated value once, so the files are the ones DDP or FSDP would write, and load into
-any mode, stage or world size; loading scatters the values back into this rank's partitions.
+ZeRO keeps fp32 master weights and optimizer state as flat partitions per parameter group. A checkpoint
+holds them by parameter name, as `torch.distributed.checkpoint.state_dict.get_state_dict` gives them for
+any model: `model` maps each parameter name to its fp32 value, `optimizer` holds `state[name][key]` and
+`param_groups` with names. Each value is written sharded, as FSDP2 writes it: a DTensor with rows
+`Shard(0)` over the data-parallel ranks. To cut its rows a rank gathers one parameter at a time
+(DeepSpeed's `safe_get_full_*`), keeps its own rows and drops the rest, so a save never holds more than
+this rank's shard of the model state plus one whole parameter; every rank writes its own shard. DCP
+reshards on load, so the files load into any mode, stage or world size; loading gathers one parameter at a
+time from the shards read and scatters it into this rank's partitions.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rapidtrain.optim.lr_schedule import set_group_lr
 
@@ -26,6 +31,43 @@ def canonical_name(name: str) -> str:
     return ".".join(
         part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod")
     )
+
+
+def world_mesh() -> Any:
+    """A 1-D CPU mesh over every rank (ZeRO's data-parallel group), for the shards a checkpoint holds; None in
+    one process (values are then whole tensors)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def row_shard(value: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """This rank's rows of a whole value as a DTensor (Shard(0) over `mesh`, torch.chunk's split), copied so the
+    whole value can be freed; a scalar stays whole (replicated)."""
+    if mesh is None:
+        return value
+    if value.dim() == 0:
+        return DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+    rows = -(-value.shape[0] // mesh.size())  # ceil
+    start = min(mesh.get_local_rank() * rows, value.shape[0])
+    local = value[start:start + rows].clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=value.shape, stride=value.stride())
+
+
+def empty_shard(shape: torch.Size, mesh: Any) -> torch.Tensor:
+    """Room for this rank's rows of a value of `shape`, for DCP to read into (whole in one process)."""
+    if mesh is None or len(shape) == 0:
+        return torch.empty(shape, dtype=torch.float32)
+    from torch.distributed.tensor import empty
+
+    return empty(shape, dtype=torch.float32, device_mesh=mesh, placements=[Shard(0)])
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """The whole value of a saved entry (collective for a DTensor: every rank must ask for the same ones)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class ZeroState:
@@ -41,6 +83,7 @@ class ZeroState:
         for name, param in engine.module.named_parameters():
             names.setdefault(id(param), canonical_name(name))
         self.names = names
+        self.mesh = world_mesh()
 
     # ---- the flat partitions the real optimizer steps ----
     def flat_partitions(self) -> list[torch.Tensor]:
@@ -140,8 +183,11 @@ class ZeroState:
         return param.ds_tensor.device if hasattr(param, "ds_tensor") else param.device
 
     # ---- the state dicts ----
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """Every entry of the module's state dict (tied names too) under its canonical name; fp32 weights."""
+    def model_state(self, sharded: bool = False) -> dict[str, torch.Tensor]:
+        """Every entry of the module's state dict (tied names too) under its canonical name; fp32 weights.
+
+        Whole values on every rank (export gathers them), or `sharded`: this rank's rows only, one whole
+        parameter at a time."""
         params = dict(self.engine.module.named_parameters(remove_duplicate=False))
         gathered: dict[int, torch.Tensor] = {}
         state: dict[str, torch.Tensor] = {}
@@ -151,11 +197,13 @@ class ZeroState:
                 state[canonical_name(key)] = value.detach().clone()
                 continue
             if id(param) not in gathered:
-                gathered[id(param)] = self.full_weight(param)
+                full = self.full_weight(param)
+                gathered[id(param)] = row_shard(full, self.mesh) if sharded else full
             state[canonical_name(key)] = gathered[id(param)]
         return state
 
     def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer state by parameter name, each tensor this rank's rows (one whole one at a time)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
         self.ensure_optimizer_state()
@@ -166,7 +214,9 @@ class ZeroState:
             for param in params:
                 entry = {STEP: torch.tensor(self.group_step(index))} if self.counts_steps() else {}
                 for key in keys:
-                    entry[key] = safe_get_full_optimizer_state(param, key).detach().float().cpu()
+                    full = safe_get_full_optimizer_state(param, key).detach().float().cpu()
+                    entry[key] = row_shard(full, self.mesh)
+                    del full
                 state[self.names[id(param)]] = entry
             groups.append(self.saved_group(group, params))
         return {"state": state, "param_groups": groups}
@@ -179,7 +229,7 @@ class ZeroState:
         return saved
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"model": self.model_state(), "optimizer": self.optimizer_state()}
+        state = {"model": self.model_state(sharded=True), "optimizer": self.optimizer_state()}
         if self.dynamic_loss_scaling:
             state["loss_scaler"] = loss_scaler_state(self.zero.loss_scaler)
         return state
@@ -189,13 +239,13 @@ class ZeroState:
         return bool(getattr(getattr(self.zero, "loss_scaler", None), "dynamic", False))
 
     def template(self, load_optimizer: bool) -> dict[str, Any]:
-        """Tensors of the saved shapes for DCP to fill, without gathering anything."""
+        """Room for this rank's rows of every saved value, for DCP to fill, without gathering anything."""
         model: dict[str, torch.Tensor] = {}
         params = dict(self.engine.module.named_parameters(remove_duplicate=False))
         for key, value in self.engine.module.state_dict(keep_vars=True).items():
             param = params.get(key)
             model[canonical_name(key)] = (
-                torch.empty(self.full_shape(param), dtype=torch.float32)
+                empty_shard(self.full_shape(param), self.mesh)
                 if param is not None
                 else value.detach().clone()
             )
@@ -207,7 +257,7 @@ class ZeroState:
                 "state": {
                     self.names[id(p)]: {
                         **({STEP: torch.tensor(0.0)} if self.counts_steps() else {}),
-                        **{key: torch.empty(self.full_shape(p), dtype=torch.float32) for key in keys},
+                        **{key: empty_shard(self.full_shape(p), self.mesh) for key in keys},
                     }
                     for params in self.groups
                     for p in params
@@ -227,11 +277,11 @@ class ZeroState:
         done: set[int] = set()
         for name, param in self.engine.module.named_parameters():
             if id(param) not in done:
-                self.set_full_weight(param, model[canonical_name(name)])
+                self.set_full_weight(param, whole(model[canonical_name(name)]))
                 done.add(id(param))
         for name, buffer in self.engine.module.named_buffers():
             if canonical_name(name) in model:
-                buffer.data.copy_(model[canonical_name(name)])
+                buffer.data.copy_(whole(model[canonical_name(name)]))
         if not load_optimizer:
             return
         self.ensure_optimizer_state()
@@ -241,7 +291,7 @@ class ZeroState:
             for param in params:
                 entry = saved["state"][self.names[id(param)]]
                 for key in keys:
-                    safe_set_full_optimizer_state(param, entry[key].to(self.device_of(param)).float(), key)
+                    safe_set_full_optimizer_state(param, whole(entry[key]).to(self.device_of(param)).float(), key)
             if params and self.counts_steps():
                 self.set_group_step(index, float(saved["state"][self.names[id(params[0])]][STEP]))
             self.load_hyperparameters(group, saved["param_groups"][index])

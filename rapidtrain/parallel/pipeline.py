@@ -34,7 +34,17 @@ from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import EvalTotals, GradNorm, LossTotal, TorchRunner, add_pairs, as_loss, autocast
+from rapidtrain.parallel.runner import (
+    EvalTotals,
+    GradNorm,
+    LossTotal,
+    TorchRunner,
+    add_pairs,
+    as_loss,
+    autocast,
+    per_token_scale,
+    scaled,
+)
 from rapidtrain.plan import Plan
 
 FIRST_STAGE_PARTS = ("embedding",)
@@ -191,11 +201,14 @@ def parallelize_stages(
     """apply.py's order on the rank's model: tensor parallel → activation checkpointing → compile → data
     parallel; the last wraps each stage's view (with several virtual stages, one view per stage)."""
     from rapidtrain.parallel.data_parallel import apply_fsdp, apply_replicate
+    from rapidtrain.parallel.meta_init import is_on_meta, materialize
     from rapidtrain.parallel.transforms import apply_transforms
 
     layout, switches = plan.layout, plan.switches
     model = apply_transforms(model, plan, mesh)
-    model.to(device)
+    on_meta = is_on_meta(model)  # built on meta: wrapped first, then each rank allocates its stage's shards
+    if not on_meta:
+        model.to(device)
     views = [model] if len(stages) == 1 else [stage_view(model, s, num_stages) for s in stages]
     for view, stage in zip(views, stages, strict=True):
         if layout.sequence_parallel:
@@ -203,9 +216,12 @@ def parallelize_stages(
         if mesh.group("dp") is None:
             continue
         if switches.partitioning_engine == "fsdp2":  # ZeRO-1/2 in 3D: unsharded between forward and backward
-            apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp")
+            apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp",
+                       precision=plan.precision.dtype)
         else:
             apply_replicate(view, mesh)
+    if on_meta:
+        materialize(model, device, plan, parts=views)
     return model, views
 
 
@@ -303,7 +319,8 @@ class PipelineRunner(TorchRunner):
         self._counts: dict[int, Any] = {}
         self._reported: dict[int, dict[str, torch.Tensor]] = {}
         self._schedules: dict[int, Any] = {}
-        self._scale = 1.0
+        self._scale: torch.Tensor | float = 1.0
+        self._targets: torch.Tensor | None = None  # the micro-batch indices the schedule splits
         copies = tied_copies(self.module)
         self.tied_parameters = [p for _, p in copies]
         # The head's copy of the embedding is counted once in the norm (with the embedding itself).
@@ -319,16 +336,25 @@ class PipelineRunner(TorchRunner):
         Results are kept by index: the schedule's first step also calls this once to infer shapes,
         on uninitialised inputs, before the real micro-batch 0.
         """
-        index = int(target[0])  # the index tensor lives on the host: no device sync
+        index = self._micro_batch_index(target)
         loss_sum, count, reported = as_loss(self._loss_fns[index](output))
         self._loss_sums[index] = loss_sum.detach().double()
         self._counts[index] = count
         self._reported[index] = reported
-        loss = loss_sum * self._scale
+        loss = scaled(loss_sum, self._scale)
         return self.scaler.scale(loss) if self.scaler is not None and torch.is_grad_enabled() else loss
 
+    def _micro_batch_index(self, target: torch.Tensor) -> int:
+        """The index `target` carries, read without a host read: the schedule hands each micro-batch a view
+        of `arange(micro_batches)` (tensor_split; detached for its shape inference), whose storage offset is
+        the index. A target that is no such view is read (it lives on the host)."""
+        if self._targets is not None and target.untyped_storage().data_ptr() == \
+                self._targets.untyped_storage().data_ptr():
+            return target.storage_offset()
+        return int(target[0])
+
     def _run(
-        self, micro_batches: list[Any], forward_step: Callable, scale: float | None, train: bool
+        self, micro_batches: list[Any], forward_step: Callable, scale: torch.Tensor | float | None, train: bool
     ) -> None:
         names = _positional_names(self.views[0]) if self.views else []
         recorded = [_record_micro_batch(forward_step, batch, names) for batch in micro_batches]
@@ -338,7 +364,7 @@ class PipelineRunner(TorchRunner):
         self._scale = scale if scale is not None else 1.0 / len(micro_batches)
         args, kwargs = _concatenate([call for call, _ in recorded])
         args = args if self.is_first else ()  # later stages take their input from the previous stage
-        target = torch.arange(len(micro_batches)) if self.is_last else None
+        target = self._targets = torch.arange(len(micro_batches)) if self.is_last else None
         with autocast(self.precision, self.device_type):
             if train:
                 schedule.step(*args, target=target, return_outputs=False, **kwargs)
@@ -354,7 +380,7 @@ class PipelineRunner(TorchRunner):
         return self._schedules[micro_batches]
 
     def forward_backward(
-        self, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None
+        self, micro_batches: list[Any], forward_step: Callable, global_tokens: torch.Tensor | int | None
     ) -> LossTotal:
         """Forward and backward of every micro-batch → the loss total on every stage (from the last).
 
@@ -362,7 +388,7 @@ class PipelineRunner(TorchRunner):
         forward step must then return `(output, loss_fn)` with `loss_fn` giving `(loss_sum, count)`);
         without, each micro-batch's mean loss weighs 1 / micro-batches.
         """
-        scale = self.gradient_average / global_tokens if global_tokens is not None else None
+        scale = per_token_scale(self.gradient_average, global_tokens) if global_tokens is not None else None
         self._run(micro_batches, forward_step, scale, train=True)
         total = self._total()
         if global_tokens is None:

@@ -185,8 +185,20 @@ def clip_by_norm(parameters: list[nn.Parameter], max_norm: float, total_norm: to
 
 # ---- running the micro-batches of one iteration ----
 
-def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable, global_tokens: int | None,
-                      ) -> LossTotal:
+def per_token_scale(gradient_average: int, global_tokens: torch.Tensor | int) -> torch.Tensor | float:
+    """What a micro-batch's per-token loss sum is multiplied by before backward: the wrapper's average undone,
+    over the global batch's tokens (a host tensor: used, never read)."""
+    return gradient_average / global_tokens
+
+
+def scaled(loss: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """`loss * scale` in the loss's dtype, as a Python float would multiply (a host scalar tensor counts as one
+    on any device)."""
+    return loss * (scale.to(loss.dtype) if torch.is_tensor(scale) else scale)
+
+
+def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Callable,
+                      global_tokens: torch.Tensor | int | None) -> LossTotal:
     """Forward and backward of each micro-batch, gradients synchronised on the last.
 
     With per-token loss sums and `global_tokens` known, each backward loss is scaled to the exact mean over
@@ -201,8 +213,8 @@ def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Calla
         with runner.micro_batch(is_last=index == steps - 1):
             loss_sum, count, values = as_loss(forward_step(batches, runner.module))
         per_token = count is not None and global_tokens is not None
-        scale = runner.gradient_average / global_tokens if per_token else 1.0 / steps
-        runner.backward(loss_sum * scale)
+        scale = per_token_scale(runner.gradient_average, global_tokens) if per_token else 1.0 / steps
+        runner.backward(scaled(loss_sum, scale))
         contribution = loss_sum.detach().double() * (1.0 if per_token else 1.0 / steps)
         total = contribution if total is None else total + contribution
         add_pairs(reported, values)  # a number weighs one micro-batch: the log shows the interval's mean
@@ -268,6 +280,8 @@ class TorchRunner:
             self.parameters = [p for p in self.module.parameters() if p.requires_grad]
         if self.grad_norm is None:
             self.grad_norm = GradNorm(self.parameters, self.pipeline_group)
+        if self.scaler is not None:  # fp16 headroom independent of the data-parallel size (LossScaler)
+            self.scaler.data_parallel_average = self.gradient_average
 
     # ---- one iteration ----
     @contextlib.contextmanager
@@ -277,7 +291,7 @@ class TorchRunner:
             yield
 
     def forward_backward(self, micro_batches: list[Any], forward_step: Callable,
-                         global_tokens: int | None) -> LossTotal:
+                         global_tokens: torch.Tensor | int | None) -> LossTotal:
         return run_micro_batches(self, micro_batches, forward_step, global_tokens)
 
     def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> EvalTotals:
@@ -291,6 +305,11 @@ class TorchRunner:
     @property
     def loss_scale(self) -> float:
         return self.scaler.loss_scale if self.scaler is not None else 1.0
+
+    @property
+    def backward_scale(self) -> float:
+        """What `backward` multiplies a loss by (the router losses' gradient must carry the same factor)."""
+        return self.scaler.multiplier if self.scaler is not None else 1.0
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         if hasattr(self.module, "set_requires_gradient_sync"):

@@ -195,8 +195,9 @@ class Task:
     def forward(self, batch: dict[str, torch.Tensor], model: Any) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def token_count(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"] != -100).sum())
+    def token_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Loss-carrying labels of a host batch, as a tensor (the loop divides by it, never reads it)."""
+        return (batch["labels"] != -100).sum()
 
     def evaluate(self, model: Any, loader: Any, gather: Gather) -> tuple[dict[str, float], list | None]:
         raise NotImplementedError

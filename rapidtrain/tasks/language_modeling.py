@@ -138,8 +138,8 @@ class CausalLM(Task):
             prepared[name] = FeatureDataset(features)
         return prepared
 
-    def token_count(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"][:, 1:] != -100).sum())  # each token predicts the next
+    def token_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["labels"][:, 1:] != -100).sum()  # each token predicts the next
 
     def forward(self, batch: dict[str, torch.Tensor], model: Any) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(**model_inputs(batch, self.input_names)).logits

@@ -77,7 +77,7 @@ class QuestionAnswering(Task):
         return feature, {"context": record["context"], "offsets": offsets, "answers": texts}
 
     def token_count(self, batch: dict[str, torch.Tensor]) -> int:
-        return int(batch["start_positions"].numel())
+        return batch["start_positions"].numel()
 
     def forward(self, batch: dict[str, torch.Tensor], model: Any) -> tuple[torch.Tensor, torch.Tensor]:
         output = model(**model_inputs(batch, self.input_names))

@@ -45,7 +45,7 @@ def recipe_of(model: nn.Module) -> ExportRecipe | None:
 def full_model_state(runner: Any) -> dict[str, torch.Tensor]:
     """Every rank takes part (gathers are collective); the full fp32 values come back on rank 0."""
     if hasattr(runner, "checkpoint_state"):  # DeepSpeed: fp32 master weights by parameter name
-        return runner.checkpoint_state.model_state()
+        return runner.checkpoint_state.model_state(sharded=False)
     from rapidtrain.tasks.lora import dequantised_state, is_quantised
 
     module = unwrap(runner.module)

@@ -46,13 +46,14 @@ from rapidtrain.trainers.reporting import IntervalTotals, IterationResult, LossR
 __all__ = ["Trainer", "TrainingStopped", "IterationResult", "default_token_count"]
 
 
-def default_token_count(batch: Any) -> int | None:
-    """Tokens that carry loss in a micro-batch (on the host): the sum of `loss_mask`, or non-ignored `labels`."""
+def default_token_count(batch: Any) -> torch.Tensor | None:
+    """Tokens that carry loss in a micro-batch, as a tensor on the host (never read into a Python number: the
+    loop only divides by it): the sum of `loss_mask`, or non-ignored `labels`."""
     if isinstance(batch, dict):
         if "loss_mask" in batch:
-            return int(torch.as_tensor(batch["loss_mask"]).sum())
+            return torch.as_tensor(batch["loss_mask"]).sum()
         if "labels" in batch:
-            return int((torch.as_tensor(batch["labels"]) != -100).sum())
+            return (torch.as_tensor(batch["labels"]) != -100).sum()
     return None
 
 
@@ -77,7 +78,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.model: Any = None
-        self.token_count: Callable[[Any], int | None] = default_token_count
+        self.token_count: Callable[[Any], int | torch.Tensor | None] = default_token_count
         self.checkpointer = Checkpointer(self.plan.checkpoint, self)
         # SIGTERM from here on asks for a save at the end of an iteration, even if it comes during setup.
         self.stop = StopConditions(self.plan.training)
@@ -297,20 +298,21 @@ class Trainer:
                                samples, tokens, extras=self._moe_extras(), stop=decision.stop,
                                reported=total.reported)
 
-    def _global_tokens(self, micro_batches: list[Any]) -> int | None:
-        """Loss-carrying tokens of the global batch, counted on the host and summed over data-parallel ranks
-        (a CPU tensor: gloo carries it, so the device is never waited for)."""
+    def _global_tokens(self, micro_batches: list[Any]) -> torch.Tensor | None:
+        """Loss-carrying tokens of the global batch (at least 1), counted on the host and summed over
+        data-parallel ranks: an fp64 CPU tensor that gloo carries and the loop divides by, never read on the
+        host, so neither the device nor the loader's tensors are waited for."""
         counts = [self.token_count(b) for b in micro_batches]
         if any(c is None for c in counts):
             return None
-        total = torch.tensor(float(sum(counts)), dtype=torch.float64)
+        total = torch.stack([torch.as_tensor(c, dtype=torch.float64).reshape(()) for c in counts]).sum()
         self.engine.all_reduce_data_parallel(total)
-        return max(int(total), 1)
+        return total.clamp(min=1)
 
     def _set_moe_aux_scale(self, steps: int) -> None:
         from rapidtrain.models import moe
 
-        moe.set_aux_loss_scale(self.engine.runner.loss_scale / steps)
+        moe.set_aux_loss_scale(self.engine.runner.backward_scale / steps)
 
     def _moe_extras(self) -> dict[str, torch.Tensor]:
         """The MoE balancing loss: the mean over all MoE layers (of every pipeline stage) and data-parallel ranks."""
@@ -352,7 +354,6 @@ class Trainer:
         self.micro_steps_per_epoch = self.samples_per_epoch // (
             plan.data.micro_batch_size * plan.layout.data_parallel_size)
         self.steps_per_epoch = math.ceil(self.micro_steps_per_epoch / plan.batches.accumulation_steps)
-        self.check_warmup_fits()
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         self.prepare_model(model)
         if scheduler is not None:
@@ -366,21 +367,6 @@ class Trainer:
             f" training: {len(self.train_ds)} samples, {self.steps_per_epoch} steps of "
             f"{plan.batches.global_batch_size} samples per epoch, {engine.total_iterations(self.steps_per_epoch)} "
             "steps in all")
-
-    def check_warmup_fits(self) -> None:
-        """Warm-up against the training's length, which epoch-based training knows only once the data is counted:
-        refused here, before the model is built (the flags' rules catch it when --train-iters or
-        --lr-decay-iters give the horizon)."""
-        warmup, decay_iters = self.plan.schedule.warmup_iters, self.plan.schedule.decay_iters
-        total = self.engine.total_iterations(self.steps_per_epoch)
-        if not warmup or decay_iters or warmup < total:
-            return
-        epochs = self.plan.training.epochs or 1
-        raise UserError(
-            f"--lr-warmup-iters {warmup} is not shorter than the training: --epochs {epochs} × {self.steps_per_epoch} "
-            f"steps per epoch ({self.samples_per_epoch} samples in global batches of "
-            f"{self.plan.batches.global_batch_size}) = {total} iterations. Lower --lr-warmup-iters (or use "
-            "--lr-warmup-fraction), set --lr-decay-iters, or train longer (--epochs).")
 
     def prepare_model(self, model: Any) -> None:
         """Look at the model before it is wrapped (Finetuner: how to export it)."""

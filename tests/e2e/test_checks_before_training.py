@@ -107,25 +107,22 @@ def counting_finetuner():
     return CountingFinetuner
 
 
-def test_finetune_warmup_longer_than_the_epochs_is_refused_before_the_model(task):
-    """48 samples in global batches of 8: 6 steps per epoch, 12 in 2 epochs; a 12-iteration warm-up never ends."""
-    message = refused_before_the_model(counting_finetuner(), finetune_flags(task, "--lr-warmup-iters", "12"))
-    assert "--lr-warmup-iters 12 is not shorter than the training: --epochs 2 × 6 steps per epoch" in message
-    assert "= 12 iterations" in message
+def test_finetune_warmup_longer_than_the_epochs_is_shortened_with_a_warning(task):
+    """48 samples in global batches of 8: 6 steps per epoch, 12 in 2 epochs; a 12-iteration warm-up would never
+    reach --lr. Rapidformer's example scripts carry such warm-ups on short fine-tunes and Hugging Face's Trainer
+    accepts them, so the run trains with the warm-up shortened to 11 iterations and says so."""
+    from rapidtrain.finetune import main
+
+    status, output = captured(lambda: main(finetune_flags(task, "--lr-warmup-iters", "12")))
+    assert status == 0 and "Traceback" not in output, output[-3000:]
+    assert "--lr-warmup-iters 12 is not shorter than this run's" in output
+    assert "shortened to 11 iterations" in output
 
 
 def test_finetune_warmup_within_the_epochs_trains(task):
     trainer_class = counting_finetuner()
     trainer_class(Engine(argv=finetune_flags(task, "--lr-warmup-iters", "11", "--epochs", "2"))).train()
     assert trainer_class.models_built == 1
-
-
-def test_finetune_entry_point_reports_the_warmup_as_a_user_error(task):
-    from rapidtrain.finetune import main
-
-    status, output = captured(lambda: main(finetune_flags(task, "--lr-warmup-iters", "100")))
-    assert status == 2 and "Traceback" not in output, output[-3000:]
-    assert re.search(r"--lr-warmup-iters 100 is not shorter than the training: --epochs 2", output)
 
 
 def test_finetune_warmup_beyond_lr_decay_iters_is_refused_by_the_flags_rules(task):

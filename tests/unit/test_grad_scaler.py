@@ -152,3 +152,22 @@ def test_found_inf_is_agreed_across_ranks(tmp_path):
     # Only rank 0 saw the inf itself; with the group both ranks report it and would skip the step.
     assert (tmp_path / "rank0.txt").read_text() == "True False True"
     assert (tmp_path / "rank1.txt").read_text() == "False False True"
+
+
+def test_data_parallel_average_leaves_one_process_magnitudes_in_backward_and_unscales_exactly():
+    """A rank's loss arrives multiplied by the data-parallel size (the wrapper then averages): the scaler takes
+    that size out of the backward multiplier, so fp16 gradients have one process's magnitudes, and unscaling
+    the averaged gradients gives the true ones."""
+    torch.manual_seed(0)
+    ranks, scale = 4, 2.0**10
+    model = nn.Linear(3, 1)
+    inputs = torch.randn(ranks, 3)
+    reference = [torch.autograd.grad(model(x).sum(), model.weight)[0] for x in inputs]
+    s = LossScaler(LossScaleSettings(initial_loss_scale=scale), data_parallel_average=ranks)
+    assert s.multiplier == scale / ranks and s.loss_scale == scale
+    per_rank = [torch.autograd.grad(s.scale(model(x).sum() * ranks), model.weight)[0] for x in inputs]
+    for grad, expected in zip(per_rank, reference, strict=True):
+        torch.testing.assert_close(grad, expected * scale)  # what one process's backward would hold
+    model.weight.grad = torch.stack(per_rank).mean(dim=0)  # the wrapper's average
+    assert s.unscale([model.weight]).item() == 0.0
+    torch.testing.assert_close(model.weight.grad, torch.stack(reference).sum(dim=0))
