@@ -118,6 +118,10 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
                         "divided by --seq-length; the first is 0): the global batch of the last threshold reached.")
 
 
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "eager", "sdpa", "flash_attention_2",
+                      "flex_attention")  # models/attention_backends.NAMES, which a test keeps equal
+
+
 def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("transformer", "Regular settings: transformer (built-in Megatron-style models)")
     g.add_argument("--pretrained-model-name-or-path", default=None,
@@ -171,6 +175,13 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
                    help="Share of each head's dimensions that rope rotates (default 1.0).")
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact GELU.")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="Attention kernel, by Megatron's names (auto, flash, fused = cuDNN, unfused/local = explicit "
+                        "softmax(QKᵀ)V) or Hugging Face's attn_implementation names (eager, sdpa, flash_attention_2, "
+                        "flex_attention). Built-in models run torch SDPA (auto/sdpa; flash/fused pin its flash/cuDNN "
+                        "backend), the explicit form, or FlexAttention (--reset-attention-mask then masks by document "
+                        "ids through a block-sparse mask); Hugging Face models load with that attn_implementation. "
+                        "The plan says which kernel runs; one the device cannot run is refused.")
     g.add_argument("--post-layernorm", action="store_true",
                    help="Original BERT order: x = norm(x + f(x)) in every layer, a norm on the embedding sum and "
                         "no final norm (Hugging Face BERT). Default: pre-norm, as Megatron.")

@@ -68,7 +68,8 @@ class TaskFinetuner(Finetuner):
         plan = self.engine.plan
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.dtype, torch.float32)
         model = load_task_model(self.task, self.args.pretrained_model_name_or_path, plan.lora,
-                                device=self.engine.device, compute_dtype=compute_dtype)
+                                device=self.engine.device, compute_dtype=compute_dtype,
+                                attn_implementation=plan.attention.hf_implementation)
         return model, None, None
 
     def sample_lengths(self, dataset: Any) -> list[int]:

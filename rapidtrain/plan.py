@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from rapidtrain.data.tokenizer import TokenizerSettings
+from rapidtrain.models.attention_backends import KERNEL_OF_NAME, AttentionSettings
+from rapidtrain.models.attention_backends import resolve as resolve_attention
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.hf_config import initialises_builtin, trains_builtin_model
 
@@ -516,6 +518,7 @@ class Plan:
     profile: ProfileSettings = field(default_factory=ProfileSettings)
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     warnings: tuple[str, ...] = field(default_factory=tuple)  # printed when a run starts, before anything is built
+    attention: AttentionSettings = field(default_factory=AttentionSettings)  # --attention-backend's kernel
 
     @property
     def train_iters(self) -> int | None:
@@ -577,6 +580,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         post_layernorm=args.post_layernorm,
         hf_weights=args.pretrained_model_name_or_path if initialises_builtin(args) else None,
         moe_residual=args.mlp_type == "residual",
+        attention_kernel=KERNEL_OF_NAME[getattr(args, "attention_backend", "auto")],
     )
 
 
@@ -620,7 +624,12 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
                 args.clip_grad, checkpoint_settings(args), logging_settings(args, ctx, precision, switches.tf32),
                 tuple(notes),
                 lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
-                distributed_settings(args, ctx), tuple(precision_warnings(args, ctx, precision)))
+                distributed_settings(args, ctx), tuple(precision_warnings(args, ctx, precision)),
+                attention_settings(args))
+
+
+def attention_settings(args: argparse.Namespace) -> AttentionSettings:
+    return resolve_attention(getattr(args, "attention_backend", "auto"), args.reset_attention_mask)
 
 
 def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
@@ -1133,6 +1142,9 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
                                     describe_quantization(lora.load_in_bits, precision.dtype)))
     if lora is not None and lora.rank > 0:
         engines.append(EngineChoice("--lora-rank", lora.describe()))
+    attention = attention_settings(args)
+    if "attention_backend" in getattr(args, "given_flags", ()) or attention.document_ids:
+        engines.append(EngineChoice("--attention-backend", *attention.describe(trains_builtin_model(args))))
     if args.torch_compile:
         engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer"))
     if ctx.device_type == "cpu" and args.cpu_allocator_tuning:

@@ -101,7 +101,8 @@ class MegatronPreTrainer(PreTrainer):
                                 seed=data.seed, eod=self.tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
                                 reset_position_ids=data.reset_position_ids,
                                 reset_attention_mask=data.reset_attention_mask, data_impl=data.data_impl,
-                                cache_dir=data.cache_path, vocab_size=model.vocab_size)
+                                cache_dir=data.cache_path, vocab_size=model.vocab_size,
+                                document_ids=self.plan.attention.document_ids)
 
     # ---- --data-iterator dynamic-shape ----
     def supports_dynamic_shape(self) -> bool:
@@ -184,8 +185,9 @@ class MegatronPreTrainer(PreTrainer):
         if self.plan.model.model_type == "bert":
             return self._bert_forward(batch, model)
         mask = batch.get("attention_mask")
+        documents = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
         losses = model(batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=None if mask is None else ~mask, labels=batch["labels"])
+                       attention_mask=None if mask is None else ~mask, labels=batch["labels"], **documents)
         return losses, lambda per_token: masked_sum(per_token, batch["loss_mask"])
 
     def _bert_forward(self, batch: dict[str, torch.Tensor], model: Any) -> Any:

@@ -23,6 +23,7 @@ from rapidtrain.plan import (
     expand_num_experts,
     layout_of,
     optimizer_settings,
+    precision_of,
     switches_of,
     zero_by_fsdp2,
     zero_stage,
@@ -1144,7 +1145,24 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: _profile_problem(a, c) is not None,
         lambda a, c: str(_profile_problem(a, c)),
     ),
+    Rule(
+        "attention-backend-runs-here", ("--attention-backend", "--attention-dropout", "--bf16", "--fp16",
+                                        "--pretrained-model-name-or-path"),
+        "--attention-backend names a kernel the device runs: fused (cuDNN) only on CUDA; flash and fused on CUDA "
+        "with --bf16/--fp16; flash on CPU and flex_attention without attention dropout; flex_attention trains on "
+        "CUDA only (no backward on CPU); a Hugging Face model takes no fused, and flash_attention_2 needs CUDA and "
+        "the flash_attn package.",
+        lambda a, c: _attention_problem(a, c) is not None,
+        lambda a, c: str(_attention_problem(a, c)),
+    ),
 )
+
+def _attention_problem(args: Args, ctx: RunContext) -> str | None:
+    from rapidtrain.models.attention_backends import attention_problem
+
+    return attention_problem(args.attention_backend, ctx.device_type, hf_config.trains_builtin_model(args),
+                             args.attention_dropout, half_precision=precision_of(args, ctx).dtype != "fp32")
+
 
 # Rapidformer restrictions that reflected its implementation only; rapidtrain lifts them (docs list these).
 LIFTED_RESTRICTIONS = (

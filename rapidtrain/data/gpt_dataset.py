@@ -242,6 +242,7 @@ class GPTDatasetConfig:
     cache_dir: str | None = None
     mmap_bin: bool = True
     vocab_size: int | None = None  # the padded vocabulary: token ids are checked against it (sampled) when given
+    document_ids: bool = False  # reset_attention_mask as each token's document id (FlexAttention), not a dense mask
 
 
 def index_cache_dir(prefix: str, cache_dir: str | None) -> str:
@@ -256,10 +257,13 @@ def ltor_masks_and_position_ids(
     eod_mask_loss: bool,
     reset_position_ids: bool,
     reset_attention_mask: bool,
+    document_ids: bool = False,
 ) -> dict[str, np.ndarray]:
     """Loss mask, position ids and (with resets) the left-to-right attention mask of one sample.
 
-    The attention mask is bool [1, s, s] with True where attention is masked out, as Megatron's.
+    The attention mask is bool [1, s, s] with True where attention is masked out, as Megatron's. With
+    `document_ids` the reset is given as "document_ids" [s] instead (which document each token is in, counted
+    from 0): the model's FlexAttention builds a block-sparse mask from them, and no [s, s] array is made.
     """
     s = tokens.shape[0]
     loss_mask = np.ones(s, dtype=np.float32)
@@ -274,7 +278,9 @@ def ltor_masks_and_position_ids(
     else:
         position_ids = positions
     out = {"loss_mask": loss_mask, "position_ids": position_ids}
-    if reset_attention_mask:
+    if reset_attention_mask and document_ids:
+        out["document_ids"] = segment.astype(np.int64)
+    elif reset_attention_mask:
         allowed = (positions[None, :] <= positions[:, None]) & (segment[None, :] == segment[:, None])
         out["attention_mask"] = ~allowed[None]
     return out
@@ -345,6 +351,7 @@ class GPTDataset(torch.utils.data.Dataset):
             config.eod_mask_loss,
             config.reset_position_ids,
             config.reset_attention_mask,
+            config.document_ids,
         )
         return {"tokens": tokens, "labels": labels, **masks}
 

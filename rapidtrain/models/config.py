@@ -53,6 +53,7 @@ class ModelConfig:
     post_layernorm: bool = False  # original BERT order: x = norm(x + f(x)), normed embeddings, no final norm
     hf_weights: str | None = None  # a Hugging Face folder whose weights replace the seeded initial values
     moe_residual: bool = False  # PR-MoE: each MoE layer adds a dense MLP mixed in by learned coefficients
+    attention_kernel: Literal["sdpa", "sdpa_flash", "sdpa_cudnn", "eager", "flex"] = "sdpa"  # --attention-backend
 
     @property
     def ffn_size(self) -> int:

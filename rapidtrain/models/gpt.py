@@ -51,6 +51,7 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         tokentype_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids [b, s] (hidden states [b, s, h] on a stage without embedding) → per-token loss
         [b, s] fp32 when `labels` are given, else logits [b, s, V] (hidden states without a head).
@@ -58,6 +59,7 @@ class GPTModel(nn.Module):
         `attention_mask` (optional): [b, s] padding (1 = keep) or [b, (1,) s, s] with True = may
         attend, e.g. Megatron's reset-attention-mask inverted; it is combined with the causal mask.
         `kv_cache` (decoding): the tokens continue the cached ones, whose keys and values are reused.
+        `document_ids` [b, s] (with the flex kernel): tokens attend only within their own packed document.
         """
         if kv_cache is not None and position_ids is None:
             position_ids = cached_positions(input_ids, kv_cache)
@@ -66,7 +68,8 @@ class GPTModel(nn.Module):
         else:
             hidden = input_ids
         hidden = run_layers(
-            self.layers, hidden, self.config, position_ids, attention_mask, causal=True, cache=kv_cache
+            self.layers, hidden, self.config, position_ids, attention_mask, causal=True, cache=kv_cache,
+            document_ids=document_ids,
         )
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)

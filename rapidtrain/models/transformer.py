@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rapidtrain.models.attention import attend, flex_block_mask
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.moe import MoELayer
 
@@ -203,6 +204,7 @@ class Attention(nn.Module):
         self.head_dim = d
         self.causal = causal
         self.dropout = config.attention_dropout
+        self.kernel = config.attention_kernel
         self.q_proj = nn.Linear(h, d * config.num_attention_heads, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
@@ -224,15 +226,15 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache[0].extend(cache[1], k, v)
-        out = F.scaled_dot_product_attention(
+        out = attend(
             q,
             k,
             v,
-            attn_mask=attention_mask,
-            dropout_p=self.dropout if self.training else 0.0,
+            attention_mask,
             # Decoding one token after cached ones: it may attend to all of them (no mask).
             is_causal=self.causal and attention_mask is None and q.shape[2] == k.shape[2],
-            enable_gqa=q.shape[1] != k.shape[1],
+            dropout_p=self.dropout if self.training else 0.0,
+            kernel=self.kernel,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -301,10 +303,12 @@ def run_layers(
     attention_mask: torch.Tensor | None,
     causal: bool,
     cache: KVCache | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run every layer this model (or pipeline stage) holds, with rotary angles and mask made once.
 
     With a KV cache, this step's tokens follow the `cache.length` cached ones; the cache grows by them.
+    `document_ids` [b, s] (FlexAttention only): packed documents attend within their own document.
     """
     seq_length = hidden.shape[1]
     rope = None
@@ -312,6 +316,13 @@ def run_layers(
         if position_ids is None:
             position_ids = cached_positions(hidden, cache)
         rope = rotary_cos_sin(position_ids, config.rotary_dim, config.rotary_base)
+    if config.attention_kernel == "flex":
+        mask = flex_block_mask(hidden.shape[0], seq_length, seq_length + (cache.length if cache else 0),
+                               hidden.device, causal, document_ids, attention_mask)
+        return _run(layers, hidden, mask, rope, cache)
+    if document_ids is not None:
+        raise ValueError("document_ids mask packed documents through FlexAttention's BlockMask: build the model "
+                         "with --attention-backend flex_attention, or pass a dense attention_mask")
     mask = sdpa_mask(attention_mask, seq_length, causal)
     if cache is not None and cache.length and seq_length > 1:
         if mask is not None:
@@ -319,10 +330,15 @@ def run_layers(
         # Several new tokens after cached ones: token i sees the cache and new tokens up to i.
         total = cache.length + seq_length
         mask = torch.ones(seq_length, total, dtype=torch.bool, device=hidden.device).tril(cache.length)
+    return _run(layers, hidden, mask, rope, cache)
+
+
+def _run(layers: nn.ModuleDict, hidden: torch.Tensor, mask: object, rope: tuple[torch.Tensor, torch.Tensor] | None,
+         cache: KVCache | None) -> torch.Tensor:
     for layer in layers.values():
         hidden = layer(hidden, mask, rope, cache)
     if cache is not None:
-        cache.length += seq_length
+        cache.length += hidden.shape[1]
     return hidden
 
 

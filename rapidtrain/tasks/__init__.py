@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rapidtrain.errors import UserError
 from rapidtrain.tasks.base import Task, load_model
 from rapidtrain.tasks.classification import SequenceClassification, TokenClassification
 from rapidtrain.tasks.language_modeling import CausalLM, MaskedLM, Seq2SeqLM
@@ -39,13 +40,23 @@ def build_task(
 
 
 def load_task_model(task: Task, path: str, lora: LoraSettings | int = 0, device: Any = None,
-                    compute_dtype: torch.dtype = torch.float32) -> Any:
+                    compute_dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> Any:
     """The task's Auto class from the local folder (new heads initialised from the seed), with LoRA adapters
-    (and a 4/8-bit base) as `lora` says; an int is a rank with the other settings at their defaults."""
+    (and a 4/8-bit base) as `lora` says; an int is a rank with the other settings at their defaults.
+    `attn_implementation` (--attention-backend): transformers' attention kernel; None keeps its default."""
     settings = lora if isinstance(lora, LoraSettings) else LoraSettings(rank=lora)
     bits = settings.load_in_bits
     quantization = quantization_config(bits, compute_dtype) if bits else None
-    model = load_model(task.auto_class, path, quantization=quantization, device=device, **task.model_kwargs())
+    kwargs = task.model_kwargs()
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = load_model(task.auto_class, path, quantization=quantization, device=device, **kwargs)
+    except (ValueError, ImportError) as error:
+        if attn_implementation is None or "attn" not in str(error).lower():
+            raise
+        raise UserError(f"--attention-backend: the model in {path} cannot load with attn_implementation="
+                        f"{attn_implementation!r} ({error}); choose sdpa or eager") from error
     if bits:
         model = prepare_quantised(model)
     return add_lora(model, settings, task.peft_task_type) if settings.rank > 0 else model

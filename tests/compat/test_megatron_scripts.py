@@ -9,12 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.compat.scripting import SCRIPTS, copy_into, knows_flag, run_script
+from tests.compat.scripting import SCRIPTS, copy_into, run_script
 
 MEGATRON = SCRIPTS / "megatron"
-needs_attention_backend = pytest.mark.skipif(
-    not knows_flag("--attention-backend"),
-    reason="--attention-backend arrives with the efficient-training flags (recompute, attention backends)")
 
 
 def log_lines(output: str) -> list[str]:
@@ -122,7 +119,6 @@ def test_train_gpt3_175b_distributed_mcore_sh_runs_pipelined(megatron_data, tmp_
 
 
 @pytest.mark.slow
-@needs_attention_backend
 def test_train_gpt3_175b_distributed_sh_ramps_within_train_iters(megatron_data, tmp_path):
     """examples/gpt3/train_gpt3_175b_distributed.sh (2025): --rampup-batch-size with --train-iters, which
     Megatron itself refuses; rapidtrain ramps the batch by samples consumed over the 8 iterations."""
@@ -131,13 +127,14 @@ def test_train_gpt3_175b_distributed_sh_ramps_within_train_iters(megatron_data, 
         str(tmp_path / "ck"), str(tmp_path / "tb"), str(d.gpt_vocab), str(d.gpt_merges), d.gpt_prefix])
     sizes = [int(field(line, "global batch size")) for line in log_lines(run.stdout)]
     assert sizes == [2, 2, 2, 2, 4, 4, 6, 6]
+    assert "--attention-backend            → torch scaled_dot_product_attention" in run.stdout  # the script's auto
     assert latest(tmp_path / "ck") == 8
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [
     "train_bert_340m_distributed_2024.sh",
-    pytest.param("train_bert_340m_distributed.sh", marks=needs_attention_backend),
+    "train_bert_340m_distributed.sh",
 ])
 def test_train_bert_340m_distributed_sh_runs_tensor_parallel(megatron_data, tmp_path, script):
     """examples/bert/train_bert_340m_distributed.sh: BERT with its binary head, tensor parallel 2."""
@@ -145,4 +142,6 @@ def test_train_bert_340m_distributed_sh_runs_tensor_parallel(megatron_data, tmp_
     run = run_script(MEGATRON / script, tmp_path, args=[str(tmp_path / "ck"), str(tmp_path / "tb"),
                                                         str(d.bert_vocab), d.bert_prefix])
     assert "DTensor parallelize_module" in run.stdout and "sop loss value" in run.stdout
+    if script == "train_bert_340m_distributed.sh":  # passes --attention-backend auto
+        assert "because --attention-backend auto: Megatron's auto" in run.stdout
     assert latest(tmp_path / "ck") == 4
