@@ -30,9 +30,3 @@ def copy_into(workdir: Path, *files: Path) -> None:
     """Put files where a script expects them (Megatron's examples name gpt2-vocab.json in the working folder)."""
     for file in files:
         shutil.copy(file, workdir / file.name)
-
-
-def knows_flag(flag: str) -> bool:
-    from rapidtrain.arguments import build_parser
-
-    return any(flag in action.option_strings for action in build_parser()._actions)
