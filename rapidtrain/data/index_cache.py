@@ -18,7 +18,6 @@ class DataConfigError(UserError, ValueError):
     """A data flag or data file does not fit: the message names it and the fix."""
 
 
-
 def index_cache_dir(prefix: str, cache_dir: str | None) -> str:
     """Where the .npy index files of `prefix` go: --data-cache-path, else `<prefix dir>/cache`."""
     return cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.mlp import MLP
 from rapidtrain.models.moe import MoELayer
 
 
@@ -70,11 +71,6 @@ def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
 
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
-
-
-def gelu(x: torch.Tensor, tanh_approximation: bool) -> torch.Tensor:
-    """Exact GELU, or with --openai-gelu its tanh approximation (GPT-2's gelu_new)."""
-    return F.gelu(x, approximate="tanh" if tanh_approximation else "none")
 
 
 class Embedding(nn.Module):
@@ -235,23 +231,6 @@ class Attention(nn.Module):
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class MLP(nn.Module):
-    """fc1 (h → ffn), GELU, fc2 (ffn → h); with SwiGLU fc2(silu(gate(x)) · fc1(x))."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
-        self.openai_gelu = config.openai_gelu
-        self.fc1 = nn.Linear(h, f, bias=bias)
-        self.gate = nn.Linear(h, f, bias=bias) if config.swiglu else None
-        self.fc2 = nn.Linear(f, h, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is not None:
-            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
-        return self.fc2(gelu(self.fc1(x), self.openai_gelu))
 
 
 class TransformerLayer(nn.Module):
