@@ -13,7 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.models.config import ModelConfig
@@ -343,6 +343,24 @@ class MemoryEstimate:
     def total_bytes(self) -> float:
         params = 0 if self.params_offloaded != "none" else self.param_bytes
         return params + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
+
+
+def read_user_config(path: str) -> dict[str, Any]:
+    """The JSON object of --deepspeed_config FILE (plain data: nothing in it runs); ValueError names the file."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"--deepspeed_config {path}: cannot read it ({error.strerror or error}). Give the path "
+                         "of a DeepSpeed JSON config.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({error}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed_config {path}: a DeepSpeed config is a JSON object, not "
+                         f"{type(config).__name__}.")
+    return config
 
 
 # ---- each component's own settings (nothing after the plan reads the flags) ----
@@ -1158,7 +1176,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
     if args.mmap_warmup:
         engines.append(EngineChoice("--mmap-warmup", "every .bin/.idx file of the data read once before training"))
     if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
-        from rapidtrain.parallel.deepspeed import describe_offload_optimizer
+        from rapidtrain.optim.optimizers import describe_offload_optimizer
 
         engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
     else:

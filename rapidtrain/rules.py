@@ -23,6 +23,7 @@ from rapidtrain.plan import (
     expand_num_experts,
     layout_of,
     optimizer_settings,
+    read_user_config,
     switches_of,
     zero_by_fsdp2,
     zero_stage,
@@ -200,8 +201,6 @@ def _deepspeed_config_problem(args: Args) -> str | None:
         return (f"--deepspeed_config {args.deepspeed_config}: its settings apply where DeepSpeed runs, which is a "
                 "--zero-1/2/3-memory-optimization switch without tensor/pipeline parallelism here. Add one, or drop "
                 "--deepspeed_config.")
-    from rapidtrain.parallel.deepspeed import read_user_config
-
     try:
         read_user_config(args.deepspeed_config)
     except ValueError as error:
