@@ -356,8 +356,9 @@ def tie_weights(model: nn.Module) -> None:
                 pass
 
 
-# Wrappers that activation checkpointing, torch.compile and FSDP1 insert into parameter names.
-_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+# Wrappers that activation checkpointing, torch.compile and FSDP1 insert into parameter names; checkpoints spell
+# names without them (as torch.distributed.checkpoint does), so every layout and wrapper saves the same keys.
+WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 # Megatron's scaled init: projections that write into the residual stream get std / sqrt(2 L).
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "fc2.weight", "experts.w2")
 _BIASES = {"bias", "b1", "b2"}
@@ -385,6 +386,19 @@ def initial_value(
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's (or buffer's) name without wrapper prefixes, as checkpoints spell it."""
+    return ".".join(part for part in name.split(".") if part and part not in WRAPPER_NAMES)
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """Each parameter's canonical name, by id (the first name of a tied one)."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), canonical_name(name))
+    return names
+
+
 def canonical_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Parameter]]:
     """(name in the whole unwrapped model, owning module, parameter) for every materialized parameter.
 
@@ -395,7 +409,7 @@ def canonical_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.
         for leaf, param in module.named_parameters(recurse=False):
             if param.is_meta:
                 continue
-            name = ".".join(p for p in f"{module_name}.{leaf}".split(".") if p and p not in _WRAPPER_NAMES)
+            name = canonical_name(f"{module_name}.{leaf}")
             if isinstance(module, OutputLayer) and leaf == "weight" and module.tied_to:
                 name = module.tied_to
             yield name, module, param

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rapidtrain.errors import UserError
+from rapidtrain.models.transformer import canonical_name
 from rapidtrain.optim.grad_scaler import LossScaleSettings
 from rapidtrain.optim.optimizers import OFFLOAD_OPTIMIZERS, OptimizerSettings, build_optimizer, param_groups
-from rapidtrain.parallel.deepspeed_state import ZeroState, canonical_name
+from rapidtrain.parallel.deepspeed_state import ZeroState
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import (
     EvalTotals,
