@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("flags", ("rapidtrain.arguments", "rapidtrain.compat.flags"),
      "the command line: declared flags and Megatron's/Rapidformer's meanings of them"),
     ("resolution", ("rapidtrain.rules", "rapidtrain.plan"),
-     "pure resolution of the flags into refusals and the Plan; no torch work at import"),
+     "resolution of the flags into refusals and the Plan: no process group, device or model is touched"),
     ("parallel", ("rapidtrain.parallel",), "applies the plan to a model: mesh, transforms, wrappers, runners"),
     ("run", ("rapidtrain.engine", "rapidtrain.own_loop", "rapidtrain.tracking", "rapidtrain.profiling",
              "rapidtrain.checkpoint_reader"),
