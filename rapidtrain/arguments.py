@@ -32,14 +32,6 @@ OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "ad
               "adamw_4bit")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-STATE_PARTITIONING_FLAGS = (
-    "oss_memory_optimization",
-    "oss_sdp_memory_optimization",
-    "fsdp_memory_optimization",
-    "zero_1_memory_optimization",
-    "zero_2_memory_optimization",
-    "zero_3_memory_optimization",
-)
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -631,7 +623,7 @@ def builtin_from_pretrained(args: argparse.Namespace) -> bool:
     """--task pretraining with --pretrained-model-name-or-path, and no --user-script (whose script decides what
     the folder is for): the folder initialises the built-in model, its config.json giving the shape flags not
     written. The fine-tuning tasks load the folder as a Hugging Face model instead."""
-    from rapidtrain.compat.flags import is_megatron_checkpoint
+    from rapidtrain.models.hf_config import is_megatron_checkpoint
 
     return args.task == "pretraining" and bool(args.pretrained_model_name_or_path) and not args.user_script \
         and not is_megatron_checkpoint(args)
@@ -669,7 +661,7 @@ DEMO_DEFAULTS = {"train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style
 def uses_demo_data(args: argparse.Namespace) -> bool:
     """Built-in pretraining with no --data-path (nor per-split data) trains on the demo corpus; a Hugging Face
     folder needs data in its own tokenizer."""
-    from rapidtrain.compat.flags import is_megatron_checkpoint
+    from rapidtrain.models.hf_config import is_megatron_checkpoint
 
     per_split = any(getattr(args, name, None) for name in ("train_data_path", "train_data"))
     pretrained = args.pretrained_model_name_or_path and not is_megatron_checkpoint(args)

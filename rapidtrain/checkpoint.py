@@ -427,16 +427,15 @@ def safe_dcp_load(state: dict[str, Any], directory: str | Path, *, no_dist: bool
 
 # ---- save ----
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Replace `final` by `tmp` so that a reader sees either the old or the new directory, never half."""
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Replace `final` by `tmp` so that a reader sees either the old or the new directory, never half (checkpoints
+    and exported models); a `.old` left by a killed publish goes first."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
     if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -518,7 +517,7 @@ def _write_small_files(tmp: Path, common: str) -> None:
 def _publish_checkpoint(root: Path, iteration: int, tmp: Path, final: Path) -> None:
     """Rank 0 renames the written folder into place, then points `latest` at it."""
     if _rank() == 0:
-        _publish(tmp, final)
+        publish_folder(tmp, final)
         _write_atomically(root / LATEST_FILE, f"{iteration}\n")
 
 

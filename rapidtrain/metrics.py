@@ -273,13 +273,6 @@ def peak_memory_bytes(device: torch.device | str) -> int:
     return int(max_rss if sys.platform == "darwin" else max_rss * 1024)
 
 
-def reset_peak_memory(device: torch.device | str) -> None:
-    """Start a new CUDA peak measurement (the CPU's max RSS cannot be reset)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 class TensorBoardWriter:
     """Thin wrapper over `torch.utils.tensorboard.SummaryWriter`; does nothing when `log_dir` is None.
 

@@ -129,8 +129,8 @@ def rebind_optimizer(
 ) -> int:
     """Point a user's optimizer at the parameters the wrapping created (FSDP2 and tensor parallelism replace
     them with DTensors), in place, so schedulers built on it stay valid; returns how many were replaced."""
+    from rapidtrain.models.transformer import canonical_name  # names without checkpoint/compile wrappers
     from rapidtrain.parallel.data_parallel import unwrap
-    from rapidtrain.parallel.deepspeed_state import canonical_name  # names without checkpoint/compile wrappers
 
     current = {canonical_name(name): p for name, p in unwrap(module).named_parameters()}
     replaced = 0

@@ -13,13 +13,14 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME, AttentionSettings
 from rapidtrain.models.attention_backends import resolve as resolve_attention
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.models.hf_config import initialises_builtin, trains_builtin_model
+from rapidtrain.models.hf_config import initialises_builtin, is_megatron_checkpoint, trains_builtin_model
+from rapidtrain.partitioning import PARTITIONING_SWITCHES, chosen_partitioning, zero_stage
 
 if TYPE_CHECKING:
     from rapidtrain.optim.grad_scaler import LossScaleSettings
@@ -108,13 +109,6 @@ def expand_num_experts(num_experts: list[int] | None, num_layers: int, moe_layer
     # layer, MoE layers every num_layers / counts layers.
     interval, counts = num_layers // len(num_experts), iter(num_experts)
     return tuple(next(counts) if i % interval == interval - 1 else 0 for i in range(num_layers))
-
-
-def zero_stage(args: argparse.Namespace) -> int:
-    for stage in (3, 2, 1):
-        if getattr(args, f"zero_{stage}_memory_optimization"):
-            return stage
-    return 0
 
 
 def zero_by_fsdp2(args: argparse.Namespace) -> bool:
@@ -345,6 +339,24 @@ class MemoryEstimate:
     def total_bytes(self) -> float:
         params = 0 if self.params_offloaded != "none" else self.param_bytes
         return params + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
+
+
+def read_user_config(path: str) -> dict[str, Any]:
+    """The JSON object of --deepspeed_config FILE (plain data: nothing in it runs); ValueError names the file."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"--deepspeed_config {path}: cannot read it ({error.strerror or error}). Give the path "
+                         "of a DeepSpeed JSON config.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({error}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed_config {path}: a DeepSpeed config is a JSON object, not "
+                         f"{type(config).__name__}.")
+    return config
 
 
 # ---- each component's own settings (nothing after the plan reads the flags) ----
@@ -754,8 +766,6 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
 def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
     schedule_from = "flags" if args.override_opt_param_scheduler else (
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
-    from rapidtrain.compat.flags import is_megatron_checkpoint
-
     pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
         and args.load != args.save
     return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
@@ -823,15 +833,8 @@ def loss_scale_settings(args: argparse.Namespace) -> LossScaleSettings:
                              hysteresis=args.hysteresis)
 
 
-PARTITIONING_NAMES = {
-    "oss_memory_optimization": "oss", "oss_sdp_memory_optimization": "sdp", "fsdp_memory_optimization": "fsdp",
-    "zero_1_memory_optimization": "zero-1", "zero_2_memory_optimization": "zero-2",
-    "zero_3_memory_optimization": "zero-3",
-}
-
-
 def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Switches:
-    chosen = [name for dest, name in PARTITIONING_NAMES.items() if getattr(args, dest)]
+    chosen = [PARTITIONING_SWITCHES[dest] for dest in chosen_partitioning(args)]
     partitioning = chosen[0] if chosen else "none"
     if partitioning.startswith("zero"):
         engine = "fsdp2" if zero_by_fsdp2(args) else "deepspeed"
@@ -1028,9 +1031,7 @@ def _expert_partitioning_note(dest: str, layout: Layout, model: ModelConfig | No
 
 
 def _partitioning_choice(args: argparse.Namespace, layout: Layout, model: ModelConfig | None) -> EngineChoice | None:
-    from rapidtrain.arguments import STATE_PARTITIONING_FLAGS
-
-    chosen = [f for f in STATE_PARTITIONING_FLAGS if getattr(args, f)]
+    chosen = chosen_partitioning(args)
     if not chosen:
         return None
     dest = chosen[0]
@@ -1170,7 +1171,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
     if args.mmap_warmup:
         engines.append(EngineChoice("--mmap-warmup", "every .bin/.idx file of the data read once before training"))
     if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
-        from rapidtrain.parallel.deepspeed import describe_offload_optimizer
+        from rapidtrain.optim.optimizers import describe_offload_optimizer
 
         engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
     else:

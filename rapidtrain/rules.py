@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rapidtrain import arguments
-from rapidtrain.arguments import STATE_PARTITIONING_FLAGS, TASKS
-from rapidtrain.compat.flags import is_megatron_checkpoint
+from rapidtrain.arguments import TASKS
 from rapidtrain.models import hf_config
+from rapidtrain.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.plan import (
     RunContext,
     data_parallel_size,
@@ -24,9 +24,9 @@ from rapidtrain.plan import (
     layout_of,
     optimizer_settings,
     precision_of,
+    read_user_config,
     switches_of,
     zero_by_fsdp2,
-    zero_stage,
 )
 
 Args = argparse.Namespace
@@ -59,7 +59,7 @@ def format_conflicts(messages: list[str]) -> str:
 
 
 def _partitioning(args: Args) -> list[str]:
-    return [f for f in STATE_PARTITIONING_FLAGS if getattr(args, f)]
+    return chosen_partitioning(args)
 
 
 def _flag(dest: str) -> str:
@@ -201,8 +201,6 @@ def _deepspeed_config_problem(args: Args) -> str | None:
         return (f"--deepspeed_config {args.deepspeed_config}: its settings apply where DeepSpeed runs, which is a "
                 "--zero-1/2/3-memory-optimization switch without tensor/pipeline parallelism here. Add one, or drop "
                 "--deepspeed_config.")
-    from rapidtrain.parallel.deepspeed import read_user_config
-
     try:
         read_user_config(args.deepspeed_config)
     except ValueError as error:
@@ -380,7 +378,8 @@ SEED_LIMIT = 2**32  # numpy's RandomState, which orders the data, takes seeds in
 
 def _split_problem(args: Args, ctx: RunContext) -> str | None:
     """Why --split cannot be used, or None: unparseable, all zero, or no training share in pretraining."""
-    from rapidtrain.data.gpt_dataset import DataConfigError, parse_split
+    from rapidtrain.data.gpt_dataset import parse_split
+    from rapidtrain.data.index_cache import DataConfigError
 
     try:
         weights = parse_split(args.split)
@@ -855,7 +854,7 @@ RULES: tuple[Rule, ...] = (
         "pretrained-checkpoint-or-load", ("--pretrained-model-name-or-path", "--load"),
         "A Megatron-format checkpoint named by --pretrained-model-name-or-path is loaded as --load is: give one "
         "folder to load from.",
-        lambda a, c: is_megatron_checkpoint(a) and a.load is not None and _different_folders(
+        lambda a, c: hf_config.is_megatron_checkpoint(a) and a.load is not None and _different_folders(
             a.load, a.pretrained_model_name_or_path),
         lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path} is a Megatron-format "
         f"checkpoint folder, which the run loads as --load, but --load names {a.load}. Give one of them.",

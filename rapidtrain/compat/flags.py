@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rapidtrain.models.hf_config import is_megatron_checkpoint
+from rapidtrain.partitioning import chosen_partitioning, zero_stage
+
 Args = argparse.Namespace
 
 # Shape flags a Megatron-format checkpoint fixes; those not given on the command line are taken from the flags
@@ -22,21 +25,6 @@ CHECKPOINT_SHAPE_FLAGS = (
     "post_layernorm", "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
     "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by",
 )
-
-
-def is_megatron_checkpoint(args: Args) -> bool:
-    """--pretrained-model-name-or-path names a Megatron-format (rapidtrain) checkpoint folder, as in
-    Rapidformer's Megatron-model scripts, or the run's own --save folder before its first checkpoint (their
-    idiom for "resume if there is one")."""
-    folder = getattr(args, "pretrained_model_name_or_path", None)
-    if not folder:
-        return False
-    path = Path(folder)
-    if (path / "latest_checkpointed_iteration.txt").exists():
-        return True
-    fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
-    save = getattr(args, "save", None)
-    return fresh and bool(save) and path.resolve() == Path(save).resolve()
 
 
 def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = None) -> None:
@@ -55,7 +43,7 @@ def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = Non
         args.mlp_type = "residual"
     # What Megatron's and Rapidformer's args carry for user scripts.
     args.moe = bool(args.num_experts) and max(args.num_experts) > 1
-    args.zero_stage = next((stage for stage in (3, 2, 1) if getattr(args, f"zero_{stage}_memory_optimization")), 0)
+    args.zero_stage = zero_stage(args)
     notes += _flags_without_effect(args, given, entry)
     args.compat_notes = notes
 
@@ -121,9 +109,7 @@ def _finetune_without_load(args: Args, notes: list[str]) -> None:
 def _distributed_optimizer(args: Args, notes: list[str]) -> None:
     if not args.use_distributed_optimizer:
         return
-    from rapidtrain.arguments import STATE_PARTITIONING_FLAGS
-
-    chosen = [f for f in STATE_PARTITIONING_FLAGS if getattr(args, f)]
+    chosen = chosen_partitioning(args)
     if chosen:
         notes.append(f"--use-distributed-optimizer: the optimizer state is already sharded over data-parallel ranks "
                      f"by --{chosen[0].replace('_', '-')}")

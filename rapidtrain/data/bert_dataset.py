@@ -12,14 +12,12 @@ import numpy as np
 import torch
 
 from rapidtrain.data.blending import build_blended_splits
-from rapidtrain.data.gpt_dataset import (
-    SPLIT_NAMES,
+from rapidtrain.data.gpt_dataset import SPLIT_NAMES, open_indexed_dataset, split_document_ranges
+from rapidtrain.data.index_cache import (
     DataConfigError,
     check_index_memory,
     index_cache_dir,
     load_or_build_cached_indices,
-    open_indexed_dataset,
-    split_document_ranges,
 )
 
 # Megatron skips multi-sentence documents holding a sentence longer than this.

@@ -8,12 +8,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from rapidtrain.data.gpt_dataset import (
-    DataConfigError,
-    GPTDatasetConfig,
-    open_indexed_dataset,
-    split_document_ranges,
-)
+from rapidtrain.data.gpt_dataset import GPTDatasetConfig, open_indexed_dataset, split_document_ranges
+from rapidtrain.data.index_cache import DataConfigError
 from rapidtrain.data.samplers import SamplerError, check_data_parallel_layout
 
 PAD_MULTIPLE = 8  # tensor cores and vectorized kernels run fastest on multiples of 8

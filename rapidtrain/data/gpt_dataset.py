@@ -3,28 +3,28 @@ shuffle indices (built as Megatron builds them, cached as .npy), and the dataset
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from rapidtrain.data.blending import build_blended_splits
+from rapidtrain.data.index_cache import (
+    DataConfigError,
+    check_index_memory,
+    index_cache_dir,
+    load_or_build_cached_indices,
+)
 from rapidtrain.data.indexed import IndexedDataset, check_token_ids
-from rapidtrain.errors import UserError
 
 # Megatron separates the final epoch when it contributes less than this fraction of an epoch's samples.
 SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
 
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-class DataConfigError(UserError, ValueError):
-    """A data flag or data file does not fit: the message names it and the fix."""
 
 
 def parse_split(split: str) -> list[float]:
@@ -155,69 +155,6 @@ def build_gpt_indices(
 
 
 # ---------------------------------------------------------------------------------------------
-# Cache: rank 0 builds, the others wait and memory-map the same files.
-
-
-def _is_distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _cache_paths(cache_dir: str, description: str, kind: str, names: Sequence[str]) -> dict[str, str]:
-    key = hashlib.md5(description.encode("utf-8")).hexdigest()
-    paths = {name: os.path.join(cache_dir, f"{key}-{kind}-{name}.npy") for name in names}
-    paths["description"] = os.path.join(cache_dir, f"{key}-{kind}-description.txt")
-    return paths
-
-
-def _save_atomically(paths: dict[str, str], arrays: dict[str, np.ndarray], description: str) -> None:
-    # Unique temporary names, then rename: ranks on several nodes may write the same files at once.
-    for name, array in arrays.items():
-        tmp = f"{paths[name]}.{uuid.uuid4().hex}.tmp.npy"
-        np.save(tmp, array)
-        os.replace(tmp, paths[name])
-    tmp = f"{paths['description']}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "w") as f:
-        f.write(description)
-    os.replace(tmp, paths["description"])  # written last: its presence marks a complete cache
-
-
-def load_or_build_cached_indices(
-    cache_dir: str,
-    description: str,
-    kind: str,
-    names: Sequence[str],
-    build: Callable[[], dict[str, np.ndarray]],
-) -> tuple[dict[str, np.ndarray], bool]:
-    """Memory-mapped index arrays from `cache_dir`, built first by rank 0 when missing.
-
-    `build()` returns the arrays called `names`. Returns (arrays, built_here). Files are named by
-    the MD5 of `description`, so any change in data, split, sample count, length or seed gives
-    new files.
-    """
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-    except OSError as error:
-        raise DataConfigError(
-            f"cannot create the index cache folder {cache_dir} ({error}); "
-            "point --data-cache-path to a writable folder"
-        ) from error
-    built_here = False
-    paths = _cache_paths(cache_dir, description, kind, names)
-    complete = lambda: all(os.path.isfile(p) for p in paths.values())  # noqa: E731
-    is_rank0 = not _is_distributed() or torch.distributed.get_rank() == 0
-    if is_rank0 and not complete():
-        _save_atomically(paths, build(), description)
-        built_here = True
-    if _is_distributed():
-        torch.distributed.barrier()
-    if not complete():
-        # This rank does not share rank 0's file system: the build is deterministic, so redo it.
-        _save_atomically(paths, build(), description)
-        built_here = True
-    return {name: np.load(paths[name], mmap_mode="r") for name in names}, built_here
-
-
-# ---------------------------------------------------------------------------------------------
 # The dataset.
 
 
@@ -243,11 +180,6 @@ class GPTDatasetConfig:
     mmap_bin: bool = True
     vocab_size: int | None = None  # the padded vocabulary: token ids are checked against it (sampled) when given
     document_ids: bool = False  # reset_attention_mask as each token's document id (FlexAttention), not a dense mask
-
-
-def index_cache_dir(prefix: str, cache_dir: str | None) -> str:
-    """Where the .npy index files of `prefix` go: --data-cache-path, else `<prefix dir>/cache`."""
-    return cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
 
 
 def ltor_masks_and_position_ids(
@@ -370,31 +302,6 @@ def open_indexed_dataset(prefix: str, data_impl: str = "mmap", vocab_size: int |
     return dataset
 
 
-def check_index_memory(nbytes: int, what: str) -> None:
-    """Refuse to build an index that cannot fit in this machine's memory, before allocating it."""
-    available = _available_memory()
-    if available is not None and nbytes > available:
-        raise DataConfigError(
-            f"{what} would need {nbytes / 2**30:,.1f} GiB of memory for its index, more than the "
-            f"{available / 2**30:,.1f} GiB available here. Lower --train-iters (or --global-batch-size), or "
-            "build the index on a machine with more memory (it is cached in --data-cache-path)."
-        )
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def build_gpt_split_datasets(
     prefix: str, config: GPTDatasetConfig, num_samples: Sequence[int]
 ) -> list[GPTDataset | None]:
@@ -418,8 +325,6 @@ def build_gpt_datasets(config: GPTDatasetConfig, train_valid_test_num_samples: S
             "GPTDatasetConfig.mmap_bin=False (Megatron's --no-mmap-bin-files) is not supported: .bin files "
             "of --data-impl mmap are always memory-mapped; use --data-impl lazy for legacy files read on demand"
         )
-    from rapidtrain.data.blending import build_blended_splits  # blending imports this module
-
     return build_blended_splits(
         config.data_prefix,
         train_valid_test_num_samples,

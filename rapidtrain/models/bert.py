@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.mlp import gelu
 from rapidtrain.models.transformer import (
     Embedding,
     OutputLayer,
     TokenCrossEntropy,
     TransformerLayer,
     check_model_config,
-    gelu,
     init_weights,
     make_norm,
     run_layers,

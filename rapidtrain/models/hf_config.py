@@ -50,6 +50,21 @@ def classify_folder(path: str | Path) -> FolderKind:
     return "other"
 
 
+def is_megatron_checkpoint(args: argparse.Namespace) -> bool:
+    """--pretrained-model-name-or-path names a Megatron-format (rapidtrain) checkpoint folder, as in
+    Rapidformer's Megatron-model scripts, or the run's own --save folder before its first checkpoint (their
+    idiom for "resume if there is one")."""
+    folder = getattr(args, "pretrained_model_name_or_path", None)
+    if not folder:
+        return False
+    path = Path(folder)
+    if (path / "latest_checkpointed_iteration.txt").exists():
+        return True
+    fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
+    save = getattr(args, "save", None)
+    return fresh and bool(save) and path.resolve() == Path(save).resolve()
+
+
 @functools.lru_cache(maxsize=8)
 def read_config(path: str) -> dict[str, Any]:
     """config.json of a Hugging Face folder, as plain JSON."""
@@ -63,8 +78,6 @@ def read_config(path: str) -> dict[str, Any]:
 def trains_builtin_model(args: argparse.Namespace) -> bool:
     """The run trains a built-in model (no Hugging Face model), perhaps from Hugging Face weights
     (args.builtin_from_pretrained, decided by arguments.parse_args) or from a Megatron-format checkpoint."""
-    from rapidtrain.compat.flags import is_megatron_checkpoint
-
     return not args.pretrained_model_name_or_path or bool(getattr(args, "builtin_from_pretrained", False)) \
         or is_megatron_checkpoint(args)
 

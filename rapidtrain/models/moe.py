@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.mlp import MLP, gelu
 
 
 def expert_capacity(
@@ -179,7 +180,7 @@ class Experts(nn.Module):
         if w_gate is not None:
             hidden = F.silu(torch.bmm(buffers, w_gate)) * hidden
         else:
-            hidden = F.gelu(hidden, approximate="tanh" if self.openai_gelu else "none")
+            hidden = gelu(hidden, self.openai_gelu)
         return self._project(hidden, w2, b2)
 
 
@@ -214,8 +215,6 @@ class MoELayer(nn.Module):
         self.residual_mlp: nn.Module | None = None
         self.residual_coefficient: nn.Linear | None = None
         if config.moe_residual:
-            from rapidtrain.models.transformer import MLP  # transformer.py builds this layer
-
             self.residual_mlp = MLP(config)
             self.residual_coefficient = nn.Linear(config.hidden_size, 2)
         # Tracker, read by collect_*: [aux-loss sum, forwards, assignments per expert...], float64

@@ -18,6 +18,7 @@ from torch import nn
 
 from rapidtrain.models.attention import attend, flex_block_mask
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.mlp import MLP
 from rapidtrain.models.moe import MoELayer
 
 
@@ -71,11 +72,6 @@ def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
 
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
-
-
-def gelu(x: torch.Tensor, tanh_approximation: bool) -> torch.Tensor:
-    """Exact GELU, or with --openai-gelu its tanh approximation (GPT-2's gelu_new)."""
-    return F.gelu(x, approximate="tanh" if tanh_approximation else "none")
 
 
 class Embedding(nn.Module):
@@ -239,23 +235,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class MLP(nn.Module):
-    """fc1 (h → ffn), GELU, fc2 (ffn → h); with SwiGLU fc2(silu(gate(x)) · fc1(x))."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
-        self.openai_gelu = config.openai_gelu
-        self.fc1 = nn.Linear(h, f, bias=bias)
-        self.gate = nn.Linear(h, f, bias=bias) if config.swiglu else None
-        self.fc2 = nn.Linear(f, h, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is not None:
-            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
-        return self.fc2(gelu(self.fc1(x), self.openai_gelu))
-
-
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + dropout(attention(ln1(x))), then x + dropout(mlp(ln2(x))); post-norm
     (`config.post_layernorm`, original BERT): ln1(x + dropout(attention(x))), then ln2(x + dropout(mlp(x))).
@@ -393,8 +372,9 @@ def tie_weights(model: nn.Module) -> None:
                 pass
 
 
-# Wrappers that activation checkpointing, torch.compile and FSDP1 insert into parameter names.
-_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+# Wrappers that activation checkpointing, torch.compile and FSDP1 insert into parameter names; checkpoints spell
+# names without them (as torch.distributed.checkpoint does), so every layout and wrapper saves the same keys.
+WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 # Megatron's scaled init: projections that write into the residual stream get std / sqrt(2 L).
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "fc2.weight", "experts.w2")
 _BIASES = {"bias", "b1", "b2"}
@@ -422,6 +402,19 @@ def initial_value(
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's (or buffer's) name without wrapper prefixes, as checkpoints spell it."""
+    return ".".join(part for part in name.split(".") if part and part not in WRAPPER_NAMES)
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """Each parameter's canonical name, by id (the first name of a tied one)."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), canonical_name(name))
+    return names
+
+
 def canonical_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Parameter]]:
     """(name in the whole unwrapped model, owning module, parameter) for every materialized parameter.
 
@@ -432,7 +425,7 @@ def canonical_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.
         for leaf, param in module.named_parameters(recurse=False):
             if param.is_meta:
                 continue
-            name = ".".join(p for p in f"{module_name}.{leaf}".split(".") if p and p not in _WRAPPER_NAMES)
+            name = canonical_name(f"{module_name}.{leaf}")
             if isinstance(module, OutputLayer) and leaf == "weight" and module.tied_to:
                 name = module.tied_to
             yield name, module, param

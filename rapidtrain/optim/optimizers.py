@@ -94,6 +94,21 @@ def apex_optimizer_class(class_name: str) -> type | None:
         return None
 
 
+# Optimizers DeepSpeed builds from its config for ZeRO-Offload (DeepSpeedCPUAdam); the rules refuse others.
+OFFLOAD_OPTIMIZERS = {"apex_adam": ("AdamW", True), "adamw": ("AdamW", True), "adam": ("Adam", False)}
+
+
+def describe_offload_optimizer(settings: OptimizerSettings) -> str:
+    """In words, for the plan: the optimizer DeepSpeed builds under --cpu-offload."""
+    if settings.name not in OFFLOAD_OPTIMIZERS:
+        return f"none: --cpu-offload cannot run {settings.name} (DeepSpeedCPUAdam implements Adam and AdamW)"
+    kind, decoupled = OFFLOAD_OPTIMIZERS[settings.name]
+    return (
+        f"DeepSpeedCPUAdam ({kind}, {'decoupled' if decoupled else 'L2'} weight decay) on the CPU, built by "
+        "DeepSpeed from the flags"
+    )
+
+
 def describe_optimizer(settings: OptimizerSettings, device_type: str) -> str:
     """In words, which implementation serves `settings.name` on `device_type` (for the plan)."""
     return resolve_optimizer(settings, device_type).description

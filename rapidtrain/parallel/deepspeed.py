@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rapidtrain.errors import UserError
+from rapidtrain.models.transformer import canonical_name
 from rapidtrain.optim.grad_scaler import LossScaleSettings
-from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
-from rapidtrain.parallel.deepspeed_state import ZeroState, canonical_name
+from rapidtrain.optim.optimizers import OFFLOAD_OPTIMIZERS, OptimizerSettings, build_optimizer, param_groups
+from rapidtrain.parallel.deepspeed_state import ZeroState
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import (
     EvalTotals,
@@ -34,10 +35,7 @@ from rapidtrain.parallel.runner import (
     evaluate_micro_batches,
     run_micro_batches,
 )
-from rapidtrain.plan import Plan, Precision, ZeroSettings
-
-# Optimizers DeepSpeed builds from its config for ZeRO-Offload (DeepSpeedCPUAdam); the rules refuse others.
-OFFLOAD_OPTIMIZERS = {"apex_adam": ("AdamW", True), "adamw": ("AdamW", True), "adam": ("Adam", False)}
+from rapidtrain.plan import Plan, Precision, ZeroSettings, read_user_config
 
 
 def zero_stage_of(plan: Plan) -> int:
@@ -180,17 +178,6 @@ def offload_optimizer_config(settings: OptimizerSettings) -> dict[str, Any]:
             "adam_w_mode": decoupled,
         },
     }
-
-
-def describe_offload_optimizer(settings: OptimizerSettings) -> str:
-    """In words, for the plan: the optimizer DeepSpeed builds under --cpu-offload."""
-    if settings.name not in OFFLOAD_OPTIMIZERS:
-        return f"none: --cpu-offload cannot run {settings.name} (DeepSpeedCPUAdam implements Adam and AdamW)"
-    kind, decoupled = OFFLOAD_OPTIMIZERS[settings.name]
-    return (
-        f"DeepSpeedCPUAdam ({kind}, {'decoupled' if decoupled else 'L2'} weight decay) on the CPU, built by "
-        "DeepSpeed from the flags"
-    )
 
 
 # ---- building the engine ----
@@ -518,24 +505,6 @@ _FLAG_OF_KEY = {
 
 class DeepSpeedConfigConflict(UserError, ValueError):
     """--deepspeed_config sets something the flags set otherwise."""
-
-
-def read_user_config(path: str) -> dict[str, Any]:
-    """The JSON object of --deepspeed_config FILE (plain data: nothing in it runs); ValueError names the file."""
-    import json
-    from pathlib import Path
-
-    try:
-        config = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise ValueError(f"--deepspeed_config {path}: cannot read it ({error.strerror or error}). Give the path "
-                         "of a DeepSpeed JSON config.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({error}).") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--deepspeed_config {path}: a DeepSpeed config is a JSON object, not "
-                         f"{type(config).__name__}.")
-    return config
 
 
 def merge_user_config(user: dict[str, Any], generated: dict[str, Any], path: str) -> dict[str, Any]:

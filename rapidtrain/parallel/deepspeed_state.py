@@ -20,17 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from rapidtrain.models.transformer import canonical_name, parameter_names
 from rapidtrain.optim.lr_schedule import set_group_lr
 
 # torch's Adam/AdamW keep `step` as a float tensor per parameter: checkpoints use that form.
 STEP = "step"
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name without the wrappers activation checkpointing and compile insert (as DCP's)."""
-    return ".".join(
-        part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod")
-    )
 
 
 def world_mesh() -> Any:
@@ -79,10 +73,7 @@ class ZeroState:
         self.base = self.zero.optimizer  # the real torch optimizer (or DeepSpeedCPUAdam) on flat partitions
         self.groups = groups  # the model parameters of each optimizer group, in DeepSpeed's group order
         self.stage3 = hasattr(self.zero, "fp32_partitioned_groups_flat")
-        names: dict[int, str] = {}
-        for name, param in engine.module.named_parameters():
-            names.setdefault(id(param), canonical_name(name))
-        self.names = names
+        self.names = parameter_names(engine.module)
         self.mesh = world_mesh()
 
     # ---- the flat partitions the real optimizer steps ----

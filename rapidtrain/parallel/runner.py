@@ -168,11 +168,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def total_grad_norm(parameters: list[nn.Parameter], pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The global L2 norm of all gradients: DTensor shards (TP, FSDP) are reduced, pipeline stages summed."""
-    return GradNorm(parameters, pipeline_group)()
-
-
 def clip_by_norm(parameters: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale the gradients by max_norm / total_norm where that is below 1: one foreach multiply per DTensor
     mesh, which the multiply cannot span (FSDP2 puts expert slices on the expert_dp mesh, the rest on dp)."""

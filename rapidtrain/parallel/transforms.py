@@ -11,7 +11,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from rapidtrain.parallel.mesh import ParallelMesh
-    from rapidtrain.plan import Plan
+    from rapidtrain.plan import Plan, Switches
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -57,6 +57,19 @@ def apply_compile(model: nn.Module, backend: str = "inductor", mode: str | None 
         model.compile(backend=backend, mode=mode)
 
 
+def apply_graph_optimization(model: nn.Module, switches: Switches) -> nn.Module:
+    """--torch-compile and --onnx-runtime-training. ONNX Runtime's ORTModule serves --onnx-runtime-training only
+    when an installed onnxruntime-training imports with this torch (its last release, 1.19.2, does not with torch
+    2.13); otherwise torch.compile serves it, with the backend and mode of --torch-compile-backend /
+    --torch-compile-mode, and the plan says which and why."""
+    if switches.compile == "ortmodule":
+        from onnxruntime.training.ortmodule import ORTModule
+
+        return ORTModule(model)
+    apply_compile(model, backend=switches.compile_backend, mode=switches.compile_mode)
+    return model
+
+
 def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Module:
     """Tensor parallel → activation checkpointing → compile, as the plan says; returns the model to wrap."""
     layout, switches = plan.layout, plan.switches
@@ -67,7 +80,5 @@ def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Mod
     if switches.activation_checkpointing:
         apply_activation_checkpointing(model)
     if switches.compile != "none":
-        from rapidtrain.parallel.compile import apply_graph_optimization
-
         model = apply_graph_optimization(model, switches)
     return model

@@ -23,13 +23,11 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from rapidtrain.models.transformer import parameter_names
 from rapidtrain.optim.lr_schedule import set_group_lr
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import TorchRunner
-
-# Wrappers whose names torch.distributed.checkpoint leaves out of parameter names.
-WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
 def oss_optimizer(
@@ -75,14 +73,6 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     `defaults` but refuses it as an argument)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {key: value for key, value in optimizer.defaults.items() if key in accepted}
-
-
-def parameter_names(module: nn.Module) -> dict[int, str]:
-    """Each parameter's name as checkpoints spell it (the first name of a tied one, no wrapper prefixes)."""
-    names: dict[int, str] = {}
-    for name, param in module.named_parameters():
-        names.setdefault(id(param), ".".join(p for p in name.split(".") if p not in WRAPPER_NAMES))
-    return names
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

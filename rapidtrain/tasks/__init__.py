@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rapidtrain.arguments import TASK_ALIASES
 from rapidtrain.errors import UserError
 from rapidtrain.tasks.base import Task, load_model
 from rapidtrain.tasks.classification import SequenceClassification, TokenClassification
@@ -16,15 +17,11 @@ from rapidtrain.tasks.language_modeling import CausalLM, MaskedLM, Seq2SeqLM
 from rapidtrain.tasks.lora import LoraSettings, add_lora, prepare_quantised, quantization_config
 from rapidtrain.tasks.question_answering import QuestionAnswering
 
-TASK_CLASSES: dict[str, type[Task]] = {
-    "sequence_classification": SequenceClassification,
-    "token_classification": TokenClassification,
-    "question_answering": QuestionAnswering,
-    "masked_lm": MaskedLM,
-    "casual_lm": CausalLM,
-    "causal_lm": CausalLM,
-    "seq2seq_lm": Seq2SeqLM,
-}
+# Each task is named once, by its class (`Task.name`, the --task value); the flags list the same names in
+# arguments.TASKS, and its aliases (Rapidformer's `casual_lm` spelled correctly) are accepted here too.
+_TASKS = (SequenceClassification, TokenClassification, QuestionAnswering, MaskedLM, CausalLM, Seq2SeqLM)
+TASK_CLASSES: dict[str, type[Task]] = {task.name: task for task in _TASKS}
+TASK_CLASSES |= {alias: TASK_CLASSES[name] for alias, name in TASK_ALIASES.items()}
 NEEDS_FAST_TOKENIZER = ("token_classification", "question_answering")
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rapidtrain.checkpoint import publish_folder
 from rapidtrain.parallel.data_parallel import unwrap
 
 
@@ -82,15 +83,6 @@ def _skeleton(recipe: ExportRecipe, state: dict[str, torch.Tensor]) -> nn.Module
     return model
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def write_model(
     directory: str | Path,
     state: dict[str, torch.Tensor],
@@ -123,5 +115,5 @@ def write_model(
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in content)
             else:
                 json.dump(content, f, indent=2, ensure_ascii=False)
-    _publish(tmp, final)
+    publish_folder(tmp, final)
     return final

@@ -189,6 +189,10 @@ def test_task_spelling_and_alias():
         "seq2seq_lm",
         "pretraining",
     }
+    # The fine-tuning tasks are the same names (and aliases), each named once by its class.
+    from rapidtrain.tasks import TASK_CLASSES
+
+    assert set(TASK_CLASSES) == set(arguments.TASKS) - {"pretraining"} | set(arguments.TASK_ALIASES)
 
 
 def test_split_with_spaces_and_num_experts_forms():

@@ -14,7 +14,7 @@ from rapidtrain.data.bert_dataset import (
     mask_tokens,
     truncate_pair,
 )
-from rapidtrain.data.gpt_dataset import DataConfigError
+from rapidtrain.data.index_cache import DataConfigError
 from rapidtrain.data.indexed import IndexedDatasetBuilder
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3

@@ -9,8 +9,7 @@ import torch._dynamo
 from rapidtrain import arguments, rules
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.parallel.compile import apply_graph_optimization
-from rapidtrain.parallel.transforms import transformer_blocks
+from rapidtrain.parallel.transforms import apply_graph_optimization, transformer_blocks
 from rapidtrain.plan import RunContext, from_args
 
 COMPILED_GRAPHS: list[torch.fx.GraphModule] = []

@@ -8,13 +8,8 @@ import numpy as np
 import pytest
 
 from rapidtrain.data.blending import DataPathError, parse_data_path
-from rapidtrain.data.gpt_dataset import (
-    DataConfigError,
-    GPTDatasetConfig,
-    build_gpt_datasets,
-    build_gpt_indices,
-    check_index_memory,
-)
+from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets, build_gpt_indices
+from rapidtrain.data.index_cache import DataConfigError, check_index_memory
 from rapidtrain.data.indexed import DataFileError, IndexedDataset, IndexedDatasetBuilder, check_token_ids
 from rapidtrain.data.inputs import check_pretraining_inputs
 from rapidtrain.data.tokenizer import TokenizerSettings

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rapidtrain import arguments, plan
-from rapidtrain.parallel.deepspeed import canonical_name, deepspeed_config, offload_optimizer_config
+from rapidtrain.models.transformer import canonical_name
+from rapidtrain.parallel.deepspeed import deepspeed_config, offload_optimizer_config
 from rapidtrain.plan import RunContext
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--micro-batch-size", "2", "--global-batch-size", "8"]

@@ -13,7 +13,8 @@ from rapidtrain.data.dynamic_shape import (
     build_unpacked_datasets,
     round_up,
 )
-from rapidtrain.data.gpt_dataset import DataConfigError, GPTDatasetConfig
+from rapidtrain.data.gpt_dataset import GPTDatasetConfig
+from rapidtrain.data.index_cache import DataConfigError
 from rapidtrain.data.indexed import IndexedDatasetBuilder
 from rapidtrain.data.samplers import SamplerError
 

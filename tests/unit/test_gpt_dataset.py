@@ -18,7 +18,6 @@ from rapidtrain.data.blending import (
     parse_data_path,
 )
 from rapidtrain.data.gpt_dataset import (
-    DataConfigError,
     GPTDatasetConfig,
     build_document_index,
     build_gpt_datasets,
@@ -32,6 +31,7 @@ from rapidtrain.data.gpt_dataset import (
     split_document_ranges,
     train_valid_test_num_samples,
 )
+from rapidtrain.data.index_cache import DataConfigError
 from rapidtrain.data.indexed import IndexedDatasetBuilder, MissingDataFileError
 
 EOD = 0
