@@ -105,9 +105,9 @@ def measure_layout(tensor_parallel: int, pipeline_parallel: int, steps: int) -> 
         str(tensor_parallel),
         "--pipeline-model-parallel-size",
         str(pipeline_parallel),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),  # VOCAB rows with its end of document
     ]
     engine = Engine(argv=argv)
-    engine.resolve_model(VOCAB)
     engine.compose(build_model(engine.plan.model, seed=1234))
     trainer = SyntheticTrainer(engine)
     trainer.model = engine.runner.module

@@ -20,7 +20,7 @@ shards them before the split); the ranks of a group run the same schedule, so th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,7 +259,7 @@ _NOT_PIPELINABLE = (
 
 
 def _record_micro_batch(forward_step: Callable, batch: Any,
-                        positional_names: list[str]) -> tuple[_RecordCall, Callable]:
+                        positional_names: Sequence[str] = ()) -> tuple[_RecordCall, Callable]:
     call = _RecordCall()
     try:
         result = forward_step(iter([batch]), call)
