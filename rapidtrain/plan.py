@@ -292,6 +292,7 @@ class Switches:
 
     tf32: bool = False  # TF32 tensor cores for fp32 matmuls (--tf32 on CUDA; no effect on a CPU)
     build_on_meta: bool = False  # the built-in model is created on meta and each rank materializes its shards
+    cpu_allocator_tuning: bool = False  # glibc keeps freed memory on a CPU run (--no-cpu-allocator-tuning: off)
 
 
 @dataclass(frozen=True)
@@ -394,6 +395,9 @@ class CheckpointSettings:
     # --load came from --pretrained-model-name-or-path (a Megatron-format checkpoint, Rapidformer's meaning): a
     # fine-tuning template takes its model only, unless it is the run's own --save folder (a resume).
     load_is_pretrained_model: bool = False
+    # The flags as JSON values, recorded in each checkpoint beside the plan (Megatron's checkpoints carry their
+    # args; Megatron-format loading and generation read the model's shape back from them).
+    flags: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -633,8 +637,8 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
                 switches, training_settings(args, batches), data_settings(args, ctx), tokenizer,
                 optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
-                args.clip_grad, checkpoint_settings(args), logging_settings(args, ctx, precision, switches.tf32),
-                tuple(notes),
+                args.clip_grad, checkpoint_settings(args, vocab_size),
+                logging_settings(args, ctx, precision, switches.tf32), tuple(notes),
                 lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
                 distributed_settings(args, ctx), tuple(precision_warnings(args, ctx, precision)),
                 attention_settings(args))
@@ -763,7 +767,7 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
                             on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
 
 
-def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
+def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None) -> CheckpointSettings:
     schedule_from = "flags" if args.override_opt_param_scheduler else (
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
     pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
@@ -771,7 +775,18 @@ def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
     return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
                               finetune=args.finetune, load_optimizer=not args.no_load_optim,
                               load_rng=not args.no_load_rng, schedule_from=schedule_from,
-                              async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained)
+                              async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained,
+                              flags=recorded_flags(args, vocab_size))
+
+
+def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:
+    """The flags as plain JSON values, with the built-in model's padded vocabulary (as Megatron's args carry it)."""
+    from rapidtrain.arguments import flag_values
+
+    flags = json.loads(json.dumps(flag_values(args), default=str))
+    if vocab_size:
+        flags["padded_vocab_size"] = vocab_size
+    return flags
 
 
 def logging_settings(args: argparse.Namespace, ctx: RunContext, precision: Precision, tf32: bool) -> LoggingSettings:
@@ -851,7 +866,8 @@ def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Sw
                     args.data_iterator == "dynamic-shape", compile_backend=args.torch_compile_backend,
                     compile_mode=args.torch_compile_mode, deepspeed_config_file=args.deepspeed_config,
                     tf32=args.tf32 and ctx.device_type == "cuda",
-                    build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0])
+                    build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0],
+                    cpu_allocator_tuning=args.cpu_allocator_tuning and ctx.device_type == "cpu")
 
 
 def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout, partitioning: str,
