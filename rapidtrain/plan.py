@@ -275,15 +275,20 @@ class Batches:
         return consumed_samples > schedule.rampup_samples
 
 
+Partitioning = Literal["none", "oss", "sdp", "fsdp", "zero-1", "zero-2", "zero-3"]
+PartitioningEngine = Literal["ddp", "zero-redundancy", "fsdp2", "deepspeed", "fairscale"]
+CompileWith = Literal["none", "inductor", "ortmodule"]  # "inductor": torch.compile, with Switches.compile_backend
+
+
 @dataclass(frozen=True)
 class Switches:
     """The structured decisions the Engine acts on (the engines list says them in words)."""
 
-    partitioning: Literal["none", "oss", "sdp", "fsdp", "zero-1", "zero-2", "zero-3"] = "none"
-    partitioning_engine: Literal["ddp", "zero-redundancy", "fsdp2", "deepspeed", "fairscale"] = "ddp"
+    partitioning: Partitioning = "none"
+    partitioning_engine: PartitioningEngine = "ddp"
     cpu_offload: bool = False
     activation_checkpointing: bool = False
-    compile: Literal["none", "inductor", "ortmodule"] = "none"  # "inductor": torch.compile, with the backend below
+    compile: CompileWith = "none"  # "inductor": torch.compile, with the backend below
     dynamic_shape: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend (--torch-compile-backend)
     compile_mode: str | None = None  # torch.compile's mode (--torch-compile-mode); None is torch's "default"
@@ -380,6 +385,9 @@ class TrainingSettings:
     train_samples: int | None = None  # sample-based training (--train-samples); train_iters then follows from it
 
 
+ScheduleFrom = Literal["same", "flags", "checkpoint"]
+
+
 @dataclass(frozen=True)
 class CheckpointSettings:
     save: str | None = None
@@ -390,7 +398,7 @@ class CheckpointSettings:
     load_rng: bool = True
     # On --load, the learning-rate schedule: "same" (the flags must match the saved one), "flags"
     # (--override-opt_param-scheduler) or "checkpoint" (--use-checkpoint-opt_param-scheduler).
-    schedule_from: Literal["same", "flags", "checkpoint"] = "same"
+    schedule_from: ScheduleFrom = "same"
     async_save: bool = False  # --async-save: written in the background, published once every rank finished
     # --load came from --pretrained-model-name-or-path (a Megatron-format checkpoint, Rapidformer's meaning): a
     # fine-tuning template takes its model only, unless it is the run's own --save folder (a resume).
@@ -459,6 +467,9 @@ class DistributedSettings:
     timeout_minutes: float = 10.0
 
 
+DataSource = Literal["demo", "indexed", "finetune", "script"]
+
+
 @dataclass(frozen=True)
 class DataSettings:
     """Where samples come from and how they are batched and shared out.
@@ -467,7 +478,7 @@ class DataSettings:
     from --data-path), "finetune" (--data-dir/--data-name) or "script" (a user script brings its own).
     """
 
-    source: Literal["demo", "indexed", "finetune", "script"]
+    source: DataSource
     data_path: tuple[str, ...] = ()
     split: str = "969, 30, 1"
     data_impl: str = "mmap"
@@ -657,7 +668,7 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
     from rapidtrain.arguments import uses_demo_data
 
     if is_pretraining(args, ctx):
-        source = "demo" if uses_demo_data(args) else "indexed"
+        source: DataSource = "demo" if uses_demo_data(args) else "indexed"
     elif ctx.script:
         source = "demo" if uses_demo_data(args) and args.task == "pretraining" else "script"
     else:
@@ -768,7 +779,7 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
 
 
 def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None) -> CheckpointSettings:
-    schedule_from = "flags" if args.override_opt_param_scheduler else (
+    schedule_from: ScheduleFrom = "flags" if args.override_opt_param_scheduler else (
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
     pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
         and args.load != args.save
@@ -850,14 +861,16 @@ def loss_scale_settings(args: argparse.Namespace) -> LossScaleSettings:
 
 def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Switches:
     chosen = [PARTITIONING_SWITCHES[dest] for dest in chosen_partitioning(args)]
-    partitioning = chosen[0] if chosen else "none"
+    partitioning: Partitioning = chosen[0] if chosen else "none"
+    engine: PartitioningEngine
     if partitioning.startswith("zero"):
         engine = "fsdp2" if zero_by_fsdp2(args) else "deepspeed"
     elif partitioning in ("oss", "sdp") and args.sharding_backend == "fairscale":
         engine = "fairscale"
     else:
-        engine = {"oss": "zero-redundancy", "sdp": "fsdp2", "fsdp": "fsdp2"}.get(partitioning, "ddp")
-    compile_with = "none"
+        by_switch: dict[str, PartitioningEngine] = {"oss": "zero-redundancy", "sdp": "fsdp2", "fsdp": "fsdp2"}
+        engine = by_switch.get(partitioning, "ddp")
+    compile_with: CompileWith = "none"
     if args.onnx_runtime_training:
         compile_with = "ortmodule" if _ort_status()[0] else "inductor"
     elif args.torch_compile:
@@ -971,7 +984,7 @@ def describe_zero(zero: ZeroSettings) -> str:
     return "DeepSpeed ZeRO: " + ", ".join(parts) + " (bucket sizes in elements)"
 
 
-def load_in_bits(args: argparse.Namespace) -> int | None:
+def load_in_bits(args: argparse.Namespace) -> Literal[4, 8] | None:
     return 4 if args.load_in_4bit else 8 if args.load_in_8bit else None
 
 
@@ -1303,7 +1316,7 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
     expert_ranks = n // layout.expert_parallel_size if sharded else 1
 
-    def per_rank(nbytes: int, sharded: bool) -> float:
+    def per_rank(nbytes: float, sharded: bool) -> float:
         return shared * nbytes / (n if sharded else 1) + own_experts * nbytes / (expert_ranks if sharded else 1)
 
     return MemoryEstimate(
