@@ -15,7 +15,7 @@ PACKAGE = REPO / "rapidtrain"
 ALLOWED_MODULES = {
     "arguments.py", "rules.py", "plan.py",
     "cli.py", "pretrain.py", "pretrain_gpt.py", "pretrain_bert.py", "finetune.py",
-    "rapidformer.py", "training.py",
+    "rapidformer.py",
 }
 ALLOWED_PACKAGES = {"compat"}
 
@@ -27,8 +27,7 @@ ALLOWED_FUNCTIONS = {
                                             "into get_args() for user scripts; reads nothing back",
     ("trainers/trainer.py", "Trainer.__init__"): "Rapidformer's Trainer exposes self.args (= get_args()) to the "
                                                  "user's subclass",
-    # Helpers of plan building: called only from arguments.py, rules.py and plan.py (and on a checkpoint's
-    # saved flags below), while the plan is being resolved.
+    # Helpers of plan building: called only while the plan is resolved (test_plan_helpers_are_called_only_...).
     **{("models/hf_config.py", name): "reads --pretrained-model-name-or-path's config.json while the plan is built"
        for name in ("trains_builtin_model", "initialises_builtin", "pretrained_vocab_size", "apply_pretrained_defaults",
                     "pretrained_conflicts", "unsupported_reason", "fine_tuned_config", "finetune_conflicts")},
@@ -37,6 +36,10 @@ ALLOWED_FUNCTIONS = {
     ("generation.py", "load_for_generation"): "`rapidtrain generate` has no plan: it reads its own options and the "
                                               "flags the checkpoint was saved with",
 }
+
+# Where the plan-building helpers above may be used: the modules that build the plan, and the reader of a
+# checkpoint's saved flags (an older checkpoint's model is rebuilt from them).
+PLAN_HELPER_USERS = {"models/hf_config.py", "checkpoint_reader.py"}
 
 # An allowed function whose reads must all come before the statement that assigns this target.
 UP_TO = {("engine.py", "Engine.__init__"): "self.plan"}
@@ -190,3 +193,20 @@ def test_the_check_catches_each_kind_of_read(tmp_path):
     typed = tmp_path / "typed.py"
     typed.write_text("from typing import get_args\nNAMES = get_args(int)\n")
     assert namespace_reads(typed) == []
+
+
+def test_plan_helpers_are_called_only_while_the_plan_is_built():
+    """The hf_config helpers that read the namespace are allowed because only plan building calls them: a use
+    anywhere else (a trainer, a runner) would be a read after the plan in disguise."""
+    helpers = {name for module, name in ALLOWED_FUNCTIONS if module == "models/hf_config.py"}
+    users = []
+    for path in checked_modules():
+        relative = str(path.relative_to(PACKAGE))
+        if relative in PLAN_HELPER_USERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else \
+                [node.attr] if isinstance(node, ast.Attribute) else [node.id] if isinstance(node, ast.Name) else []
+            users += [f"rapidtrain/{relative}:{node.lineno}: {name}" for name in names if name in helpers]
+    assert not users, "plan-building helpers used after the plan (hand the component a plan field):\n" + \
+        "\n".join(users)
