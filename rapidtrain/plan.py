@@ -403,6 +403,8 @@ class CheckpointSettings:
     # --load came from --pretrained-model-name-or-path (a Megatron-format checkpoint, Rapidformer's meaning): a
     # fine-tuning template takes its model only, unless it is the run's own --save folder (a resume).
     load_is_pretrained_model: bool = False
+    # --pretrained-model-name-or-path: the folder a Hugging Face fine-tune takes its model and tokenizer from.
+    pretrained_model: str | None = None
     # The flags as JSON values, recorded in each checkpoint beside the plan (Megatron's checkpoints carry their
     # args; Megatron-format loading and generation read the model's shape back from them).
     flags: dict[str, Any] = field(default_factory=dict)
@@ -787,6 +789,7 @@ def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None)
                               finetune=args.finetune, load_optimizer=not args.no_load_optim,
                               load_rng=not args.no_load_rng, schedule_from=schedule_from,
                               async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained,
+                              pretrained_model=args.pretrained_model_name_or_path,
                               flags=recorded_flags(args, vocab_size))
 
 
