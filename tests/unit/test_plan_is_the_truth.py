@@ -30,7 +30,10 @@ ALLOWED_FUNCTIONS = {
     # Helpers of plan building: called only while the plan is resolved (test_plan_helpers_are_called_only_...).
     **{("models/hf_config.py", name): "reads --pretrained-model-name-or-path's config.json while the plan is built"
        for name in ("trains_builtin_model", "initialises_builtin", "pretrained_vocab_size", "apply_pretrained_defaults",
-                    "pretrained_conflicts", "unsupported_reason", "fine_tuned_config", "finetune_conflicts")},
+                    "pretrained_conflicts", "unsupported_reason", "fine_tuned_config", "finetune_conflicts",
+                    "is_megatron_checkpoint")},
+    **{("partitioning.py", name): "the partitioning switches' table, read by the flags, the rules and the plan"
+       for name in ("chosen_partitioning", "zero_stage")},
     ("checkpoint_reader.py", "saved_model_config"): "reads the flags a checkpoint was saved with (not this run's) to "
                                                     "rebuild an old checkpoint's model",
     ("generation.py", "load_for_generation"): "`rapidtrain generate` has no plan: it reads its own options and the "
@@ -39,7 +42,8 @@ ALLOWED_FUNCTIONS = {
 
 # Where the plan-building helpers above may be used: the modules that build the plan, and the reader of a
 # checkpoint's saved flags (an older checkpoint's model is rebuilt from them).
-PLAN_HELPER_USERS = {"models/hf_config.py", "checkpoint_reader.py"}
+PLAN_HELPER_MODULES = {"models/hf_config.py", "partitioning.py"}
+PLAN_HELPER_USERS = PLAN_HELPER_MODULES | {"checkpoint_reader.py"}
 
 # An allowed function whose reads must all come before the statement that assigns this target.
 UP_TO = {("engine.py", "Engine.__init__"): "self.plan"}
@@ -196,9 +200,9 @@ def test_the_check_catches_each_kind_of_read(tmp_path):
 
 
 def test_plan_helpers_are_called_only_while_the_plan_is_built():
-    """The hf_config helpers that read the namespace are allowed because only plan building calls them: a use
-    anywhere else (a trainer, a runner) would be a read after the plan in disguise."""
-    helpers = {name for module, name in ALLOWED_FUNCTIONS if module == "models/hf_config.py"}
+    """The hf_config and partitioning helpers that read the namespace are allowed because only plan building
+    calls them: a use anywhere else (a trainer, a runner) would be a read after the plan in disguise."""
+    helpers = {name for module, name in ALLOWED_FUNCTIONS if module in PLAN_HELPER_MODULES}
     users = []
     for path in checked_modules():
         relative = str(path.relative_to(PACKAGE))
