@@ -532,13 +532,13 @@ class FlagParser(argparse.ArgumentParser):
         # argparse (before 3.13) reads `--lr -1e-3` as two flags: its negative-number pattern has no exponent.
         self._negative_number_matcher = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_args(self, args=None, namespace=None):
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             self.error(unknown_flags_message(self, extras))
         return namespace
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         lines = "".join(f"{self.prog}: error: {line}\n" for line in message.splitlines())
         self.exit(2, f"{lines}{self.prog}: `{self.prog} --help` lists every flag.\n")
 
@@ -564,7 +564,7 @@ def unknown_flags_message(parser: argparse.ArgumentParser, extras: Sequence[str]
 def build_parser(
     extra_args_provider: ExtraArgsProvider | None = None, prog: str = "rapidtrain"
 ) -> argparse.ArgumentParser:
-    parser = FlagParser(
+    parser: argparse.ArgumentParser = FlagParser(
         prog=prog,
         description="Train transformers with Rapidformer's command line: DeepSpeed ZeRO, FSDP, OSS, tensor/pipeline/"
                     "expert parallelism, mixed precision. See `rapidtrain plan --help` for a dry run.",
@@ -709,5 +709,5 @@ def flag_table(parser: argparse.ArgumentParser | None = None) -> list[tuple[str,
         for action in group._group_actions:
             if action.help == argparse.SUPPRESS or not action.option_strings or action.dest == "help":
                 continue
-            rows.append((group.title, " ".join(action.option_strings), repr(action.default)))
+            rows.append((group.title or "", " ".join(action.option_strings), repr(action.default)))
     return rows

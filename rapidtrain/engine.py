@@ -144,14 +144,12 @@ class Engine:
         rules.exit_on_conflicts(self.args, self.context)
         _GLOBAL_ARGS = self.args
         self.plan: Plan = from_args(self.args, self.context)
-        if self.plan.model is not None:  # Megatron's args carry it; user scripts read it from get_args()
-            self.args.padded_vocab_size = self.plan.model.vocab_size
         stop_rank_with_torchrun()  # torchrun gone (even SIGKILLed): SIGTERM, so this rank saves and exits
         self.warn_rank0(self.plan.warnings)
         init_distributed(self.plan.distributed, self.context.device_type)
         apply_tf32(self.plan.switches.tf32)
         self.device = self._device()
-        if self.device.type == "cpu" and self.args.cpu_allocator_tuning:
+        if self.device.type == "cpu" and self.plan.switches.cpu_allocator_tuning:
             keep_freed_memory()
         seed_everything(self.plan.training.seed)
         self.mesh: ParallelMesh = build_mesh(self.plan.layout, self.context.device_type)
@@ -176,7 +174,9 @@ class Engine:
         args.rank, args.world_size = self.rank, layout.world_size
         args.data_parallel_size = layout.data_parallel_size
         args.global_batch_size = self.plan.batches.global_batch_size
-        args.train_iters = self.plan.training.train_iters if args.train_iters is None else args.train_iters
+        if self.plan.model is not None:
+            args.padded_vocab_size = self.plan.model.vocab_size
+        args.train_iters = self.plan.training.train_iters  # --train-iters, or what --train-samples comes to
         args.deepspeed_configuration = None  # Megatron-DeepSpeed's: the config DeepSpeed runs with, if it runs
         if self.plan.switches.partitioning_engine == "deepspeed":
             from rapidtrain.parallel.deepspeed import ensure_process_group, run_config

@@ -32,18 +32,16 @@ class TaskFinetuner(Finetuner):
         from rapidtrain.tasks import NEEDS_FAST_TOKENIZER, build_task
         from rapidtrain.tasks.base import load_tokenizer, quiet_transformers
 
-        a = self.args
+        plan, data = engine.plan, engine.plan.data
         quiet_transformers()
-        if not a.data_dir and not a.data_name:
+        if not data.data_dir and not data.data_name:
             raise SystemExit(
-                f"rapidtrain: --task {a.task} needs its data: --data-dir DIR (GLUE-style .tsv/.csv/.jsonl "
+                f"rapidtrain: --task {plan.task} needs its data: --data-dir DIR (GLUE-style .tsv/.csv/.jsonl "
                 "split files or a datasets save_to_disk folder) and/or --data-name NAME."
             )
-        self.tokenizer = load_tokenizer(a.pretrained_model_name_or_path, a.task in NEEDS_FAST_TOKENIZER)
-        self.task = build_task(
-            a.task, self.tokenizer, a.seq_length, engine.plan.switches.dynamic_shape, a.seed
-        )
-        self.task.mask_prob = a.mask_prob
+        self.tokenizer = load_tokenizer(plan.checkpoint.pretrained_model, plan.task in NEEDS_FAST_TOKENIZER)
+        self.task = build_task(plan.task, self.tokenizer, data.seq_length, plan.switches.dynamic_shape, data.seed)
+        self.task.mask_prob = data.mask_prob
         self.metric_for_best_model = self.task.best_metric
         self.greater_is_better = self.task.greater_is_better
         self.token_count = self.task.token_count
@@ -52,11 +50,12 @@ class TaskFinetuner(Finetuner):
     def train_valid_test_datasets_provider(self) -> tuple[Any, Any, Any, Any]:
         from rapidtrain.data.finetune import load_finetune_dataset
 
-        splits = load_finetune_dataset(self.args.data_dir, self.args.data_name)
+        data = self.plan.data
+        splits = load_finetune_dataset(data.data_dir, data.data_name)
         if "train" not in splits:
             raise SystemExit(
-                f"rapidtrain: the data in --data-dir {self.args.data_dir} --data-name "
-                f"{self.args.data_name} has no train split (found: {', '.join(splits)}); add train.tsv "
+                f"rapidtrain: the data in --data-dir {data.data_dir} --data-name "
+                f"{data.data_name} has no train split (found: {', '.join(splits)}); add train.tsv "
                 "(or .csv/.jsonl)."
             )
         prepared = self.task.prepare(dict(splits))
@@ -67,7 +66,7 @@ class TaskFinetuner(Finetuner):
 
         plan = self.engine.plan
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.dtype, torch.float32)
-        model = load_task_model(self.task, self.args.pretrained_model_name_or_path, plan.lora,
+        model = load_task_model(self.task, plan.checkpoint.pretrained_model, plan.lora,
                                 device=self.engine.device, compute_dtype=compute_dtype,
                                 attn_implementation=plan.attention.hf_implementation)
         return model, None, None

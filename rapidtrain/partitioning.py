@@ -4,9 +4,10 @@ the flags, the rules and the plan; the rules refuse more than one."""
 from __future__ import annotations
 
 import argparse
+from typing import Literal
 
 # Flag destination → the plan's name for it (Switches.partitioning), in the order the first one set is chosen.
-PARTITIONING_SWITCHES = {
+PARTITIONING_SWITCHES: dict[str, Literal["oss", "sdp", "fsdp", "zero-1", "zero-2", "zero-3"]] = {
     "oss_memory_optimization": "oss",
     "oss_sdp_memory_optimization": "sdp",
     "fsdp_memory_optimization": "fsdp",

@@ -275,15 +275,20 @@ class Batches:
         return consumed_samples > schedule.rampup_samples
 
 
+Partitioning = Literal["none", "oss", "sdp", "fsdp", "zero-1", "zero-2", "zero-3"]
+PartitioningEngine = Literal["ddp", "zero-redundancy", "fsdp2", "deepspeed", "fairscale"]
+CompileWith = Literal["none", "inductor", "ortmodule"]  # "inductor": torch.compile, with Switches.compile_backend
+
+
 @dataclass(frozen=True)
 class Switches:
     """The structured decisions the Engine acts on (the engines list says them in words)."""
 
-    partitioning: Literal["none", "oss", "sdp", "fsdp", "zero-1", "zero-2", "zero-3"] = "none"
-    partitioning_engine: Literal["ddp", "zero-redundancy", "fsdp2", "deepspeed", "fairscale"] = "ddp"
+    partitioning: Partitioning = "none"
+    partitioning_engine: PartitioningEngine = "ddp"
     cpu_offload: bool = False
     activation_checkpointing: bool = False
-    compile: Literal["none", "inductor", "ortmodule"] = "none"  # "inductor": torch.compile, with the backend below
+    compile: CompileWith = "none"  # "inductor": torch.compile, with the backend below
     dynamic_shape: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend (--torch-compile-backend)
     compile_mode: str | None = None  # torch.compile's mode (--torch-compile-mode); None is torch's "default"
@@ -292,6 +297,7 @@ class Switches:
 
     tf32: bool = False  # TF32 tensor cores for fp32 matmuls (--tf32 on CUDA; no effect on a CPU)
     build_on_meta: bool = False  # the built-in model is created on meta and each rank materializes its shards
+    cpu_allocator_tuning: bool = False  # glibc keeps freed memory on a CPU run (--no-cpu-allocator-tuning: off)
 
 
 @dataclass(frozen=True)
@@ -379,6 +385,9 @@ class TrainingSettings:
     train_samples: int | None = None  # sample-based training (--train-samples); train_iters then follows from it
 
 
+ScheduleFrom = Literal["same", "flags", "checkpoint"]
+
+
 @dataclass(frozen=True)
 class CheckpointSettings:
     save: str | None = None
@@ -389,11 +398,16 @@ class CheckpointSettings:
     load_rng: bool = True
     # On --load, the learning-rate schedule: "same" (the flags must match the saved one), "flags"
     # (--override-opt_param-scheduler) or "checkpoint" (--use-checkpoint-opt_param-scheduler).
-    schedule_from: Literal["same", "flags", "checkpoint"] = "same"
+    schedule_from: ScheduleFrom = "same"
     async_save: bool = False  # --async-save: written in the background, published once every rank finished
     # --load came from --pretrained-model-name-or-path (a Megatron-format checkpoint, Rapidformer's meaning): a
     # fine-tuning template takes its model only, unless it is the run's own --save folder (a resume).
     load_is_pretrained_model: bool = False
+    # --pretrained-model-name-or-path: the folder a Hugging Face fine-tune takes its model and tokenizer from.
+    pretrained_model: str | None = None
+    # The flags as JSON values, recorded in each checkpoint beside the plan (Megatron's checkpoints carry their
+    # args; Megatron-format loading and generation read the model's shape back from them).
+    flags: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -455,6 +469,9 @@ class DistributedSettings:
     timeout_minutes: float = 10.0
 
 
+DataSource = Literal["demo", "indexed", "finetune", "script"]
+
+
 @dataclass(frozen=True)
 class DataSettings:
     """Where samples come from and how they are batched and shared out.
@@ -463,7 +480,7 @@ class DataSettings:
     from --data-path), "finetune" (--data-dir/--data-name) or "script" (a user script brings its own).
     """
 
-    source: Literal["demo", "indexed", "finetune", "script"]
+    source: DataSource
     data_path: tuple[str, ...] = ()
     split: str = "969, 30, 1"
     data_impl: str = "mmap"
@@ -633,8 +650,8 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
                 switches, training_settings(args, batches), data_settings(args, ctx), tokenizer,
                 optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
-                args.clip_grad, checkpoint_settings(args), logging_settings(args, ctx, precision, switches.tf32),
-                tuple(notes),
+                args.clip_grad, checkpoint_settings(args, vocab_size),
+                logging_settings(args, ctx, precision, switches.tf32), tuple(notes),
                 lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
                 distributed_settings(args, ctx), tuple(precision_warnings(args, ctx, precision)),
                 attention_settings(args))
@@ -653,7 +670,7 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
     from rapidtrain.arguments import uses_demo_data
 
     if is_pretraining(args, ctx):
-        source = "demo" if uses_demo_data(args) else "indexed"
+        source: DataSource = "demo" if uses_demo_data(args) else "indexed"
     elif ctx.script:
         source = "demo" if uses_demo_data(args) and args.task == "pretraining" else "script"
     else:
@@ -763,15 +780,27 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
                             on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
 
 
-def checkpoint_settings(args: argparse.Namespace) -> CheckpointSettings:
-    schedule_from = "flags" if args.override_opt_param_scheduler else (
+def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None) -> CheckpointSettings:
+    schedule_from: ScheduleFrom = "flags" if args.override_opt_param_scheduler else (
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
     pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
         and args.load != args.save
     return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
                               finetune=args.finetune, load_optimizer=not args.no_load_optim,
                               load_rng=not args.no_load_rng, schedule_from=schedule_from,
-                              async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained)
+                              async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained,
+                              pretrained_model=args.pretrained_model_name_or_path,
+                              flags=recorded_flags(args, vocab_size))
+
+
+def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:
+    """The flags as plain JSON values, with the built-in model's padded vocabulary (as Megatron's args carry it)."""
+    from rapidtrain.arguments import flag_values
+
+    flags = json.loads(json.dumps(flag_values(args), default=str))
+    if vocab_size:
+        flags["padded_vocab_size"] = vocab_size
+    return flags
 
 
 def logging_settings(args: argparse.Namespace, ctx: RunContext, precision: Precision, tf32: bool) -> LoggingSettings:
@@ -835,14 +864,16 @@ def loss_scale_settings(args: argparse.Namespace) -> LossScaleSettings:
 
 def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Switches:
     chosen = [PARTITIONING_SWITCHES[dest] for dest in chosen_partitioning(args)]
-    partitioning = chosen[0] if chosen else "none"
+    partitioning: Partitioning = chosen[0] if chosen else "none"
+    engine: PartitioningEngine
     if partitioning.startswith("zero"):
         engine = "fsdp2" if zero_by_fsdp2(args) else "deepspeed"
     elif partitioning in ("oss", "sdp") and args.sharding_backend == "fairscale":
         engine = "fairscale"
     else:
-        engine = {"oss": "zero-redundancy", "sdp": "fsdp2", "fsdp": "fsdp2"}.get(partitioning, "ddp")
-    compile_with = "none"
+        by_switch: dict[str, PartitioningEngine] = {"oss": "zero-redundancy", "sdp": "fsdp2", "fsdp": "fsdp2"}
+        engine = by_switch.get(partitioning, "ddp")
+    compile_with: CompileWith = "none"
     if args.onnx_runtime_training:
         compile_with = "ortmodule" if _ort_status()[0] else "inductor"
     elif args.torch_compile:
@@ -851,7 +882,8 @@ def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Sw
                     args.data_iterator == "dynamic-shape", compile_backend=args.torch_compile_backend,
                     compile_mode=args.torch_compile_mode, deepspeed_config_file=args.deepspeed_config,
                     tf32=args.tf32 and ctx.device_type == "cuda",
-                    build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0])
+                    build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0],
+                    cpu_allocator_tuning=args.cpu_allocator_tuning and ctx.device_type == "cpu")
 
 
 def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout, partitioning: str,
@@ -955,7 +987,7 @@ def describe_zero(zero: ZeroSettings) -> str:
     return "DeepSpeed ZeRO: " + ", ".join(parts) + " (bucket sizes in elements)"
 
 
-def load_in_bits(args: argparse.Namespace) -> int | None:
+def load_in_bits(args: argparse.Namespace) -> Literal[4, 8] | None:
     return 4 if args.load_in_4bit else 8 if args.load_in_8bit else None
 
 
@@ -1287,7 +1319,7 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
     expert_ranks = n // layout.expert_parallel_size if sharded else 1
 
-    def per_rank(nbytes: int, sharded: bool) -> float:
+    def per_rank(nbytes: float, sharded: bool) -> float:
         return shared * nbytes / (n if sharded else 1) + own_experts * nbytes / (expert_ranks if sharded else 1)
 
     return MemoryEstimate(

@@ -533,7 +533,7 @@ RULES: tuple[Rule, ...] = (
         "The interleaved schedule needs the micro-batches per iteration (accumulation steps) to be a multiple of the "
         "pipeline size, as in Megatron.",
         lambda a, c: _pp(a) > 1 and a.num_layers_per_virtual_pipeline_stage is not None
-        and _accumulation_steps(a, c) is not None and _accumulation_steps(a, c) % _pp(a) != 0,
+        and (steps := _accumulation_steps(a, c)) is not None and steps % _pp(a) != 0,
         lambda a, c: f"--num-layers-per-virtual-pipeline-stage with {_accumulation_steps(a, c)} micro-batches per "
         f"iteration (--global-batch-size / (--micro-batch-size × data-parallel size {_dp(a, c)})): the interleaved "
         f"schedule runs micro-batches in rounds of --pipeline-model-parallel-size {_pp(a)}. Make --global-batch-size "

@@ -218,7 +218,7 @@ class BERTDataset(torch.utils.data.Dataset):
         specials = 3 if self.config.binary_head else 2
         return np.minimum(cumulative[end] - cumulative[first], target) + specials
 
-    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray | np.int64]:
         config = self.config
         first, end, target = (int(x) for x in self.samples_mapping[idx])
         rng = np.random.RandomState((config.seed + idx) % 2**32)
@@ -240,7 +240,7 @@ class BERTDataset(torch.utils.data.Dataset):
         )
         return self._pad(tokens, masked, types, positions, is_random, truncated)
 
-    def _pad(self, original, masked, types, positions, is_random, truncated) -> dict[str, np.ndarray]:
+    def _pad(self, original, masked, types, positions, is_random, truncated) -> dict[str, np.ndarray | np.int64]:
         s, n = self.config.seq_length, len(masked)
         text = np.full(s, self.config.pad_id, dtype=np.int64)
         text[:n] = masked

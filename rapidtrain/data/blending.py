@@ -134,7 +134,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         if cache_dir is None or None in descriptions:
             return build_blending_indices(self.weights, self.size)
         description = "\n".join(
-            ["class: BlendedDataset", f"weights: {self.weights}", f"size: {self.size}", *descriptions]
+            ["class: BlendedDataset", f"weights: {self.weights}", f"size: {self.size}", *map(str, descriptions)]
         )
         names = ["dataset_index", "dataset_sample_index"]
 
@@ -191,7 +191,7 @@ def _build_blended_splits(
         build_splits(prefix, counts)
         for prefix, counts in zip(prefixes, component_num_samples(weights, num_samples), strict=True)
     ]
-    blends = []
+    blends: list[BlendedDataset | None] = []
     for split, size in enumerate(num_samples):
         present = [(c[split], w) for c, w in zip(per_component, weights, strict=True) if c[split] is not None]
         if not present:

@@ -7,7 +7,7 @@ import csv
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rapidtrain.data.indexed import DataFileError
 
@@ -33,7 +33,7 @@ def _convert_column(values: list[str]) -> list[Any]:
 def _read_delimited(path: Path, delimiter: str) -> list[dict[str, Any]]:
     with open(path, newline="", encoding="utf-8") as f:
         # GLUE .tsv files contain unbalanced quotes inside sentences: tabs are the only structure.
-        quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+        quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         header = next(reader, None)
         if header is None:

@@ -209,7 +209,7 @@ def ltor_masks_and_position_ids(
         position_ids = positions - segment_starts
     else:
         position_ids = positions
-    out = {"loss_mask": loss_mask, "position_ids": position_ids}
+    out: dict[str, np.ndarray] = {"loss_mask": loss_mask, "position_ids": position_ids}
     if reset_attention_mask and document_ids:
         out["document_ids"] = segment.astype(np.int64)
     elif reset_attention_mask:

@@ -10,13 +10,11 @@ import array
 import os
 import struct
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import overload
 
 import numpy as np
 
 from rapidtrain.errors import UserError
-
-DataImpl = Literal["mmap", "lazy", "cached", "infer"]
 
 MMAP_MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -173,12 +171,13 @@ class IndexedDataset:
     """The sequences of `PREFIX.bin`/`PREFIX.idx`; `ds[i]` is a read-only, zero-copy numpy view.
 
     `impl`: "mmap" memory-maps MMIDIDX files; "cached" loads a legacy TNTIDX `.bin` into memory;
-    "lazy" reads legacy sequences from the file on demand; "infer" picks by the index's magic.
+    "lazy" reads legacy sequences from the file on demand; "infer" picks by the index's magic. It is the
+    --data-impl value as given: another name is refused here, naming the flag.
     """
 
     _fd: int | None = None  # the lazy reader's descriptor, opened on first read
 
-    def __init__(self, prefix: str, impl: DataImpl = "mmap") -> None:
+    def __init__(self, prefix: str, impl: str = "mmap") -> None:
         self.prefix = prefix
         self.requested_impl = impl
         idx_path, bin_path = _existing_files(prefix)

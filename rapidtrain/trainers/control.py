@@ -10,7 +10,6 @@ import signal
 import time
 from typing import Any
 
-from rapidtrain.arguments import flag_values
 from rapidtrain.plan import CheckpointSettings, TrainingSettings
 
 
@@ -125,8 +124,7 @@ class Checkpointer:
         from rapidtrain.checkpoint import background_save_group, save_checkpoint, start_async_save
 
         trainer, engine = self.trainer, self.trainer.engine
-        config = {"args": json.loads(json.dumps(flag_values(engine.args), default=str)),
-                  "plan": json.loads(engine.plan.to_json())}
+        config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json())}
         state = (self.settings.save, iteration, engine.runner, engine.lr_scheduler, trainer.consumed_samples, config,
                  trainer.checkpoint_extra())
         self.saved_at = iteration

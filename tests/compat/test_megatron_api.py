@@ -109,6 +109,8 @@ def test_model_type_is_free_for_user_code(engine):
     assert engine.plan.model.model_type == "gpt"  # rapidtrain reads its plan
     assert rapidtrain.GPTModel().config.model_type == "gpt"
     assert (args.mmap_warmup, args.zero_stage, args.deepspeed_configuration, args.moe) == (False, 0, None, False)
+    # What Megatron's args carry once the run is resolved, written from the plan.
+    assert (args.padded_vocab_size, args.train_iters) == (engine.plan.model.vocab_size, engine.plan.train_iters)
 
 
 def test_tokenizer_timers_and_print(engine, capsys):

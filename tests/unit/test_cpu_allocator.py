@@ -73,3 +73,12 @@ def test_the_plan_names_the_allocator_on_cpu_only():
         assert "CPU allocator" not in on_cpu
     assert "CPU allocator" not in engines(["--no-cpu-allocator-tuning"], "cpu")
     assert "CPU allocator" not in engines([], "cuda")
+
+
+def test_the_engine_acts_on_the_plans_switch():
+    """The Engine tunes the allocator when the plan's switch says so (it reads the plan, not the flags)."""
+    def switch(argv: list[str], device: str) -> bool:
+        args = arguments.parse_args(["--train-iters", "10", "--lr", "1e-4", *argv])
+        return plan.from_args(args, RunContext(1, device)).switches.cpu_allocator_tuning  # type: ignore[arg-type]
+
+    assert switch([], "cpu") and not switch(["--no-cpu-allocator-tuning"], "cpu") and not switch([], "cuda")

@@ -159,3 +159,13 @@ def test_rapidtrain_plan_prints_accumulation_and_engines_for_8_ranks():
     )
     data = json.loads(as_json.stdout)
     assert data["batches"]["accumulation_steps"] == 4 and data["layout"]["data_parallel_size"] == 2
+
+
+def test_the_plan_records_the_flags_a_checkpoint_stores():
+    """Checkpoints store the flags (as Megatron's store their args) from the plan: JSON values, the padded
+    vocabulary of the built-in model included, the list of typed flags not."""
+    flags = resolve(["--micro-batch-size", "2", "--data-path", "a", "b"]).checkpoint.flags
+    assert flags["micro_batch_size"] == 2 and flags["train_iters"] == 10 and flags["data_path"] == ["a", "b"]
+    assert flags["padded_vocab_size"] == 1024  # 1000 padded to a multiple of 128
+    assert "given_flags" not in flags
+    assert json.loads(json.dumps(flags)) == flags
