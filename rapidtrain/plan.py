@@ -280,6 +280,42 @@ class Batches:
 
 
 @dataclass(frozen=True)
+class RecomputeSettings:
+    """What is recomputed in backward (--recompute-granularity, --recompute-method, --recompute-num-layers and
+    their Megatron aliases; applied by parallel/recompute.py).
+
+    `granularity`: full = the whole layer (only its input is kept); selective = Megatron's core attention
+    (scaled_dot_product_attention / flex_attention calls: their inputs are kept, their outputs recomputed); op =
+    the whole layer under a policy that keeps the outputs of matmuls, attention kernels, collectives and random
+    ops and recomputes the rest (norms, activations, element-wise ops). `method`: uniform = every layer (in
+    units of one layer), block = only the first `num_layers` layers of each pipeline stage."""
+
+    granularity: Literal["none", "full", "selective", "op"] = "none"
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.granularity != "none"
+
+    def layers_of(self, count: int) -> range:
+        """Which of a stage's `count` layers are recomputed."""
+        return range(min(self.num_layers, count)) if self.method == "block" else range(count)
+
+    def describe(self) -> str:
+        what = {"none": "nothing",
+                "full": "whole transformer layers (torch.utils.checkpoint; only each layer's input is kept)",
+                "selective": "the attention core only (scaled_dot_product_attention / flex_attention calls under "
+                             "torch.utils.checkpoint; Megatron's selective recompute)",
+                "op": "each layer at op level (create_selective_checkpoint_contexts: outputs of matmuls, attention "
+                      "kernels, collectives and random ops kept; norms, activations and element-wise ops "
+                      "recomputed)"}[self.granularity]
+        which = (f"the first {self.num_layers} layer(s) of each pipeline stage" if self.method == "block"
+                 else "every layer")
+        return f"{what}, in {which}"
+
+
+@dataclass(frozen=True)
 class Switches:
     """The structured decisions the Engine acts on (the engines list says them in words)."""
 
@@ -296,6 +332,7 @@ class Switches:
 
     tf32: bool = False  # TF32 tensor cores for fp32 matmuls (--tf32 on CUDA; no effect on a CPU)
     build_on_meta: bool = False  # the built-in model is created on meta and each rank materializes its shards
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)  # what backward recomputes
 
 
 @dataclass(frozen=True)
@@ -835,11 +872,28 @@ def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Sw
         compile_with = "ortmodule" if _ort_status()[0] else "inductor"
     elif args.torch_compile:
         compile_with = "inductor"
-    return Switches(partitioning, engine, args.cpu_offload, args.checkpoint_activations, compile_with,
+    recompute = recompute_of(args)
+    return Switches(partitioning, engine, args.cpu_offload, recompute.enabled, compile_with,
                     args.data_iterator == "dynamic-shape", compile_backend=args.torch_compile_backend,
                     compile_mode=args.torch_compile_mode, deepspeed_config_file=args.deepspeed_config,
                     tf32=args.tf32 and ctx.device_type == "cuda",
-                    build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0])
+                    build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0],
+                    recompute=recompute)
+
+
+def recompute_of(args: argparse.Namespace) -> RecomputeSettings:
+    """Megatron's meanings: --recompute-activations is selective; --checkpoint-activations and the 2021-22
+    --activations-checkpoint-method are full recompute (the rules refuse flags that disagree)."""
+    granularity = args.recompute_granularity
+    if granularity is None:
+        if args.recompute_activations:
+            granularity = "selective"
+        elif args.checkpoint_activations or args.activations_checkpoint_method:
+            granularity = "full"
+        else:
+            granularity = "none"
+    method = args.recompute_method or args.activations_checkpoint_method or "uniform"
+    return RecomputeSettings(granularity, method, args.recompute_num_layers or 1)
 
 
 def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout, partitioning: str,
@@ -1117,10 +1171,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
             engine += (f"; FSDP2 MixedPrecisionPolicy on the transformer blocks ({precision.dtype} all-gather and "
                        "compute, fp32 reduce-scatter and accumulation; embeddings, final norm and head in fp32)")
         engines.append(EngineChoice("precision", engine, precision.reason))
-    if args.checkpoint_activations:
-        engines.append(EngineChoice("--checkpoint-activations", "torch.utils.checkpoint per transformer layer"
-                                    if trains_builtin_model(args)
-                                    else "Hugging Face gradient_checkpointing_enable()"))
+    engines += recompute_choices(args)
     if args.onnx_runtime_training:
         usable, why = _ort_status()
         engines.append(EngineChoice("--onnx-runtime-training", "onnxruntime ORTModule" if usable
@@ -1170,6 +1221,22 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
         notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
                      "selects Adam there")
     return engines, notes
+
+
+def recompute_choices(args: argparse.Namespace) -> list[EngineChoice]:
+    recompute = recompute_of(args)
+    if not recompute.enabled:
+        return []
+    if args.checkpoint_activations and recompute.granularity == "full" and recompute.method == "uniform":
+        hf_own = not trains_builtin_model(args)
+        return [EngineChoice("--checkpoint-activations", "Hugging Face gradient_checkpointing_enable()" if hf_own
+                             else "torch.utils.checkpoint per transformer layer")]
+    given = [flag for flag, dest in (("--recompute-granularity", "recompute_granularity"),
+                                     ("--recompute-activations", "recompute_activations"),
+                                     ("--activations-checkpoint-method", "activations_checkpoint_method"),
+                                     ("--checkpoint-activations", "checkpoint_activations"))
+             if getattr(args, dest)]
+    return [EngineChoice(given[0], f"recompute {recompute.granularity}: {recompute.describe()}")]
 
 
 def construction_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout) -> EngineChoice | None:

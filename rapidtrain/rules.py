@@ -419,6 +419,49 @@ def _options_without_switch(args: Args) -> list[str]:
             if option in given and not getattr(args, switch, None)]
 
 
+def _recompute_granularities(args: Args) -> list[str]:
+    """The granularity each recompute flag given asks for (Megatron's meanings)."""
+    asked = []
+    if args.recompute_granularity:
+        asked.append(f"--recompute-granularity {args.recompute_granularity}")
+    if args.recompute_activations:
+        asked.append("--recompute-activations (selective)")
+    if args.checkpoint_activations:
+        asked.append("--checkpoint-activations (full)")
+    if args.activations_checkpoint_method:
+        asked.append(f"--activations-checkpoint-method {args.activations_checkpoint_method} (full)")
+    return asked
+
+
+def _recompute_problem(args: Args) -> str | None:
+    asked = _recompute_granularities(args)
+    kinds = {text.split()[-1].strip("()") for text in asked}
+    if len(kinds) > 1:
+        return f"{' and '.join(asked)} ask for different recompute granularities; keep one."
+    method, layers = args.recompute_method or args.activations_checkpoint_method, args.recompute_num_layers
+    if not asked and (method or layers is not None):
+        return ("--recompute-method / --recompute-num-layers choose which layers are recomputed, and no recompute "
+                "was asked for: add --recompute-granularity full (or op).")
+    if kinds == {"selective"} and (method or layers is not None):
+        return ("--recompute-granularity selective recomputes the attention core of every layer; "
+                "--recompute-method / --recompute-num-layers do not apply to it (as in Megatron): drop them.")
+    if layers is not None and layers < 1:
+        return f"--recompute-num-layers {layers} must be at least 1."
+    if (method or "uniform") == "uniform" and (layers or 1) > 1:
+        return (f"--recompute-method uniform --recompute-num-layers {layers}: rapidtrain recomputes in units of one "
+                "layer, not chunks of several; use --recompute-num-layers 1 (every layer), or --recompute-method "
+                f"block --recompute-num-layers {layers} to recompute only the first {layers} layers of each stage.")
+    if kinds == {"op"} and _uses_hf_model(args):
+        return ("--recompute-granularity op replays the built-in models' layers op by op; a Hugging Face model's "
+                "layers run different ops when recomputed (transformers' own checkpointing path), so it is not "
+                "served for them: use --recompute-granularity full or selective.")
+    per_stage = args.num_layers // max(_pp(args), 1) if args.num_layers else None
+    if method == "block" and per_stage and layers and layers > per_stage:
+        return (f"--recompute-method block --recompute-num-layers {layers}: a pipeline stage holds {per_stage} "
+                f"layers; give at most {per_stage}.")
+    return None
+
+
 def _profile_problem(args: Args, ctx: RunContext) -> str | None:
     """Why --profile would trace nothing or fail, or None."""
     if not getattr(args, "profile", False):
@@ -1143,6 +1186,16 @@ RULES: tuple[Rule, ...] = (
         "--profile traces steps [start, end) with 0 ≤ start < end ≤ --train-iters, on ranks that exist.",
         lambda a, c: _profile_problem(a, c) is not None,
         lambda a, c: str(_profile_problem(a, c)),
+    ),
+    Rule(
+        "recompute-settings", ("--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                               "--recompute-activations", "--checkpoint-activations",
+                               "--activations-checkpoint-method", "--pipeline-model-parallel-size"),
+        "Recompute flags agree on one granularity; --recompute-method / --recompute-num-layers need full or op "
+        "granularity (not selective, as in Megatron); uniform recomputes in units of one layer; block recomputes "
+        "at most the layers of a pipeline stage; op granularity is for the built-in models.",
+        lambda a, c: _recompute_problem(a) is not None,
+        lambda a, c: str(_recompute_problem(a)),
     ),
 )
 
