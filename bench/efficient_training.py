@@ -100,8 +100,9 @@ def rapidtrain_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
 
 def pretrain_demo(o: argparse.Namespace, flags: list[str]) -> tuple[dict, object]:
     """The demo GPT through rapidtrain's PreTrainer; the measurements and the trainer (its engine stays alive)."""
+    from rapidtrain.arguments import DEMO_DEFAULTS
     from rapidtrain.engine import Engine
-    from rapidtrain.pretrain import DEMO_DEFAULTS, MegatronPreTrainer
+    from rapidtrain.pretrain import MegatronPreTrainer
     from tests.launch import read_losses
 
     stamps: list[float] = []

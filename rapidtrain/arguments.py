@@ -65,6 +65,13 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
                    help="Samples over all ranks per optimizer step; accumulation steps = global / (micro × "
                         "data-parallel "
                         "size). Default: micro × data-parallel size (Megatron's rule; 1 on one device).")
+    g.add_argument("--auto-micro-batch-size", action="store_true",
+                   help="Choose the largest micro batch that fits --memory-budget-gb (model state + micro × an "
+                        "estimated per-sample activation cost, recompute counted) among those dividing global / "
+                        "data-parallel size, keeping --global-batch-size by changing the accumulation steps; the "
+                        "plan shows the choice and the arithmetic. --micro-batch-size is the upper bound.")
+    g.add_argument("--memory-budget-gb", type=float, default=None,
+                   help="Memory per rank (GiB) that --auto-micro-batch-size fits the micro batch into.")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="Tokenizer of the pretraining data (rapidtrain.data.tokenizer). Default: the demo corpus's "
                         "SentencePiece model when no --data-path is given.")

@@ -231,6 +231,7 @@ class Batches:
     accumulation_steps: int
     schedule: BatchSchedule | None = None
     data_parallel_size: int = 1
+    micro_batch_choice: str | None = None  # how --auto-micro-batch-size chose the micro batch (None: given)
 
     @staticmethod
     def resolve(micro: int, global_batch: int | None, data_parallel: int,
@@ -638,26 +639,82 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     """Resolve validated flags into the Plan, once: every component's settings, the padded vocabulary of the
     built-in model included (read from the tokenizer files; the demo corpus's is known without building it)."""
     layout = layout_of(args, ctx)
-    batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, layout.data_parallel_size,
-                              batch_schedule_of(args))
     precision = precision_of(args, ctx)
     tokenizer = tokenizer_settings_of(args)
     vocab_size = builtin_vocab_size(args, tokenizer)
     model = model_config_from_args(args, vocab_size) if vocab_size else None
     switches = switches_of(args, layout, ctx)
+    memory = memory_estimate(args, model, layout, precision, ctx) if model else None
+    # The micro batch is chosen before the batch arithmetic, which every later setting follows.
+    micro, choice = args.micro_batch_size, None
+    if args.auto_micro_batch_size and model and memory and args.memory_budget_gb:
+        micro, choice = auto_micro_batch_size(args, layout, model, precision, memory, switches.recompute)
+    batches = dataclasses.replace(Batches.resolve(micro, args.global_batch_size, layout.data_parallel_size,
+                                                  batch_schedule_of(args)), micro_batch_choice=choice)
     engines, notes = engines_for(args, ctx, layout, precision, model)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
     from rapidtrain.compat.flags import hugging_face_notes
 
     notes += hugging_face_notes(args, has_script=bool(ctx.script))
-    memory = memory_estimate(args, model, layout, precision, ctx) if model else None
+    warnings = precision_warnings(args, ctx, precision) + size_multiple_warnings(model, batches, precision, ctx)
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches, training_settings(args, batches), data_settings(args, ctx), tokenizer,
+                switches, training_settings(args, batches),
+                dataclasses.replace(data_settings(args, ctx), micro_batch_size=batches.micro_batch_size), tokenizer,
                 optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
                 args.clip_grad, checkpoint_settings(args), logging_settings(args, ctx, precision, switches.tf32),
                 tuple(notes),
                 lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
-                distributed_settings(args, ctx), tuple(precision_warnings(args, ctx, precision)))
+                distributed_settings(args, ctx), tuple(warnings))
+
+
+def activation_bytes_per_sample(model: ModelConfig, precision: Precision, recompute: RecomputeSettings) -> int:
+    """Estimated activation bytes one sample keeps for backward on one rank: per layer ~17 activations of s × h
+    elements (Korthikanti et al.'s 34·s·h bytes at 16 bits, with fused attention that keeps no s × s scores;
+    op-level recompute keeps ~11 of them, full recompute the layer input), plus the loss's log-softmax."""
+    element = 4 if precision.dtype == "fp32" else 2
+    s, h = model.seq_length, model.hidden_size
+    per_layer = {"none": 17, "selective": 16, "op": 11, "full": 1}[recompute.granularity] * s * h * element
+    recomputed = len(recompute.layers_of(model.num_layers))
+    layers = recomputed * per_layer + (model.num_layers - recomputed) * 17 * s * h * element
+    return layers + s * model.vocab_size * 4  # the fp32 log-softmax the loss keeps (measured: ~1.2× this)
+
+
+def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: ModelConfig, precision: Precision,
+                          memory: MemoryEstimate, recompute: RecomputeSettings) -> tuple[int, str]:
+    """The largest micro batch (at most --micro-batch-size) dividing global / data-parallel that fits the budget
+    (--memory-budget-gb) as model state + micro × per-sample activations, and the arithmetic in words; 1 when none
+    fits (the rules refuse that case)."""
+    per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
+        // layout.data_parallel_size
+    budget = args.memory_budget_gb * 2**30
+    per_sample = activation_bytes_per_sample(model, precision, recompute)
+    fitting = [m for m in range(min(args.micro_batch_size, per_rank), 0, -1)
+               if per_rank % m == 0 and memory.total_bytes + m * per_sample <= budget]
+    micro = fitting[0] if fitting else 1
+    return micro, (f"--auto-micro-batch-size: {micro}, the largest divisor of {per_rank} (global / data parallel) "
+                   f"up to --micro-batch-size {args.micro_batch_size} with model state {_mib(memory.total_bytes)} + "
+                   f"{micro} × {_mib(per_sample)} activations per sample (estimate, recompute "
+                   f"{recompute.granularity}) = {_mib(memory.total_bytes + micro * per_sample)} within "
+                   f"--memory-budget-gb {args.memory_budget_gb:g}")
+
+
+def size_multiple_warnings(model: ModelConfig | None, batches: Batches, precision: Precision,
+                           ctx: RunContext) -> list[str]:
+    """fp16/bf16 matmuls run on tensor cores (and AMX tiles) at full speed when their dimensions are multiples of
+    8; on NVIDIA Ampere or newer (native bf16: compute capability 8.0+) of 64."""
+    if precision.dtype == "fp32":
+        return []
+    multiple = 64 if ctx.device_type == "cuda" and ctx.capability.native_bf16 else 8
+    sizes = {"--micro-batch-size": batches.micro_batch_size}
+    if model is not None:
+        sizes = {"--hidden-size": model.hidden_size, "padded vocabulary": model.vocab_size,
+                 **sizes, "--seq-length": model.seq_length}
+    odd = [f"{name} {value}" for name, value in sizes.items() if value % multiple]
+    if not odd:
+        return []
+    where = "on an NVIDIA Ampere or newer GPU" if multiple == 64 else "for tensor cores"
+    return [f"{', '.join(odd)}: not a multiple of {multiple}; {precision.dtype} matmuls run fastest {where} when "
+            f"these sizes are multiples of {multiple} (--make-vocab-size-divisible-by pads the vocabulary)"]
 
 
 def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
@@ -1412,6 +1469,7 @@ def describe_plan(plan: Plan) -> str:
             lines.append(f"    pipeline stage {stage}: " + "  ".join(
                 f"dp{d}→ranks {row}" for d, row in enumerate(dp_rows)))
     lines += [
+        *([f"  micro batch: {bat.micro_batch_choice}"] if bat.micro_batch_choice else []),
         f"  batches: micro {bat.micro_batch_size} × accumulation steps {bat.accumulation_steps} × data parallel "
         f"{lay.data_parallel_size} = global {bat.global_batch_size}"
         + (f"; {bat.schedule.describe(bat.global_batch_size)}, the accumulation steps following it"

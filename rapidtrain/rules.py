@@ -462,6 +462,45 @@ def _recompute_problem(args: Args) -> str | None:
     return None
 
 
+def _auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
+    if not args.auto_micro_batch_size:
+        return ("--memory-budget-gb is the budget of --auto-micro-batch-size and does nothing alone: add "
+                "--auto-micro-batch-size, or drop it.") if args.memory_budget_gb is not None else None
+    if args.memory_budget_gb is None or not args.memory_budget_gb > 0:
+        return ("--auto-micro-batch-size fits the micro batch into --memory-budget-gb GiB per rank: give a positive "
+                "budget (trying sizes on the GPU until one runs out of memory is not served yet).")
+    if _uses_hf_model(args):
+        return ("--auto-micro-batch-size estimates activations from the built-in model's shape; for a Hugging Face "
+                "model give --micro-batch-size yourself.")
+    if args.rampup_batch_size or args.step_batch_size_schedule:
+        return ("--auto-micro-batch-size keeps one global batch; with a batch schedule give --micro-batch-size "
+                "yourself.")
+    if not _layout_divides(args, ctx):
+        return None  # the layout rule reports it
+    from rapidtrain.plan import (
+        activation_bytes_per_sample,
+        builtin_vocab_size,
+        memory_estimate,
+        model_config_from_args,
+        precision_of,
+        recompute_of,
+        tokenizer_settings_of,
+    )
+
+    vocab = builtin_vocab_size(args, tokenizer_settings_of(args))
+    if not vocab:
+        return None
+    model, precision = model_config_from_args(args, vocab), precision_of(args, ctx)
+    state = memory_estimate(args, model, layout_of(args, ctx), precision, ctx).total_bytes
+    need = state + activation_bytes_per_sample(model, precision, recompute_of(args))
+    if need <= args.memory_budget_gb * 2**30:
+        return None
+    return (f"--auto-micro-batch-size: even micro batch 1 needs ~{need / 2**30:.2f} GiB (model state "
+            f"{state / 2**30:.2f} GiB + one sample's activations) > --memory-budget-gb {args.memory_budget_gb:g}, "
+            "so the global batch cannot be kept: raise the budget, recompute (--recompute-granularity full), "
+            "shard the model state (--zero-3-memory-optimization), or shorten --seq-length.")
+
+
 def _profile_problem(args: Args, ctx: RunContext) -> str | None:
     """Why --profile would trace nothing or fail, or None."""
     if not getattr(args, "profile", False):
@@ -1196,6 +1235,15 @@ RULES: tuple[Rule, ...] = (
         "at most the layers of a pipeline stage; op granularity is for the built-in models.",
         lambda a, c: _recompute_problem(a) is not None,
         lambda a, c: str(_recompute_problem(a)),
+    ),
+    Rule(
+        "auto-micro-batch-size", ("--auto-micro-batch-size", "--memory-budget-gb", "--global-batch-size",
+                                  "--rampup-batch-size", "--pretrained-model-name-or-path"),
+        "--auto-micro-batch-size needs --memory-budget-gb (and the budget needs it), the built-in model and one "
+        "global batch (no batch schedule); refused when even micro batch 1 does not fit, as the global batch "
+        "could not be kept.",
+        lambda a, c: _auto_micro_batch_problem(a, c) is not None,
+        lambda a, c: str(_auto_micro_batch_problem(a, c)),
     ),
 )
 

@@ -368,6 +368,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     ),
     "profile-steps": (["--profile", "--profile-step-start", "4", "--profile-step-end", "4"],
                       ["--profile", "--profile-step-start", "3", "--profile-step-end", "4"], 1, "cpu"),
+    "auto-micro-batch-size": (["--auto-micro-batch-size"], ["--auto-micro-batch-size", "--memory-budget-gb", "8"],
+                              1, "cpu"),
     "recompute-settings": (["--recompute-activations", "--recompute-method", "block"],
                            ["--recompute-granularity", "full", "--recompute-method", "block"], 1, "cpu"),
 }
