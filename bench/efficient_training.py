@@ -108,8 +108,8 @@ def pretrain_demo(o: argparse.Namespace, flags: list[str]) -> tuple[dict, object
     stamps: list[float] = []
 
     class Timed(MegatronPreTrainer):
-        def train_step(self, micro_batches):
-            result = super().train_step(micro_batches)
+        def train_step(self, micro_batches, **kwargs):
+            result = super().train_step(micro_batches, **kwargs)
             stamps.append(time.perf_counter())
             return result
 
