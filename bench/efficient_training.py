@@ -12,6 +12,8 @@ option where one exists. Rows:
     LoRA                 --lora-rank 8
     QLoRA (4-bit base)   --lora-rank 8 --load-in-4bit
     LoRA on 8-bit base   --lora-rank 8 --load-in-8bit
+  recompute (demo GPT): none, --recompute-granularity selective / op / full (Trainer gradient_checkpointing=True
+    is full); the result adds the activation bytes one micro batch's forward keeps alive for backward
   ZeRO-3 parameter placement (demo GPT, one process, --optimizer via DeepSpeedCPUAdam):
     ZeRO-3 + --cpu-offload, + --cpu-offload-params, --nvme-offload-dir (where libaio lets DeepSpeed's async_io build)
 
@@ -98,15 +100,16 @@ def rapidtrain_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
 
 def pretrain_demo(o: argparse.Namespace, flags: list[str]) -> tuple[dict, object]:
     """The demo GPT through rapidtrain's PreTrainer; the measurements and the trainer (its engine stays alive)."""
+    from rapidtrain.arguments import DEMO_DEFAULTS
     from rapidtrain.engine import Engine
-    from rapidtrain.pretrain import DEMO_DEFAULTS, MegatronPreTrainer
+    from rapidtrain.pretrain import MegatronPreTrainer
     from tests.launch import read_losses
 
     stamps: list[float] = []
 
     class Timed(MegatronPreTrainer):
-        def train_step(self, micro_batches):
-            result = super().train_step(micro_batches)
+        def train_step(self, micro_batches, **kwargs):
+            result = super().train_step(micro_batches, **kwargs)
             stamps.append(time.perf_counter())
             return result
 
@@ -240,6 +243,22 @@ def rapidtrain_zero3(o: argparse.Namespace, flags: list[str]) -> dict:
     return result
 
 
+def rapidtrain_recompute(o: argparse.Namespace, flags: list[str]) -> dict:
+    """The demo GPT with a recompute granularity; beside its loss, the activation bytes one micro batch's forward
+    leaves alive for backward (parallel/recompute.count_saved_activations)."""
+    from rapidtrain.parallel.recompute import count_saved_activations
+
+    result, trainer = pretrain_demo(o, flags)
+    plan, module = trainer.engine.plan, trainer.engine.runner.module
+    tokens = torch.randint(0, plan.model.vocab_size, (plan.batches.micro_batch_size, plan.model.seq_length + 1))
+    with count_saved_activations(module.parameters()) as kept:
+        loss = module(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+    loss.backward()
+    result["result"] += f"; activations kept {kept['bytes'] / 2**20:.1f} MiB per micro batch"
+    result["engine"] = plan.switches.recompute.granularity
+    return result
+
+
 def async_io_builds() -> bool:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -258,6 +277,13 @@ ROWS = (
     Row("lora", "LoRA r=8", "rapidtrain", rapidtrain_finetune, ("--lora-rank", "8")),
     Row("qlora", "QLoRA 4-bit base r=8", "rapidtrain", rapidtrain_finetune, ("--lora-rank", "8", "--load-in-4bit")),
     Row("lora8", "LoRA 8-bit base r=8", "rapidtrain", rapidtrain_finetune, ("--lora-rank", "8", "--load-in-8bit")),
+    Row("recompute-none", "no recompute", "rapidtrain", rapidtrain_recompute),
+    Row("recompute-selective", "recompute selective (attention core)", "rapidtrain", rapidtrain_recompute,
+        ("--recompute-granularity", "selective")),
+    Row("recompute-op", "recompute op level (keep matmuls)", "rapidtrain", rapidtrain_recompute,
+        ("--recompute-granularity", "op")),
+    Row("recompute-full", "recompute full layers", "rapidtrain", rapidtrain_recompute,
+        ("--recompute-granularity", "full"), "gradient_checkpointing=True"),
     Row("zero3", "ZeRO-3 (+ --cpu-offload)", "rapidtrain", rapidtrain_zero3, ("--cpu-offload",)),
     Row("zero3-params", "ZeRO-3 + --cpu-offload-params", "rapidtrain", rapidtrain_zero3,
         ("--cpu-offload", "--cpu-offload-params")),

@@ -30,6 +30,7 @@ TASK_ALIASES = {"causal_lm": "casual_lm"}
 OPTIMIZERS_RAPIDFORMER = ("apex_adam", "apex_lamb")
 OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit",
               "adamw_4bit")
+RECOMPUTE_GRANULARITIES = ("full", "selective", "op")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
@@ -56,6 +57,13 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
                    help="Samples over all ranks per optimizer step; accumulation steps = global / (micro × "
                         "data-parallel "
                         "size). Default: micro × data-parallel size (Megatron's rule; 1 on one device).")
+    g.add_argument("--auto-micro-batch-size", action="store_true",
+                   help="Choose the largest micro batch that fits --memory-budget-gb (model state + micro × an "
+                        "estimated per-sample activation cost, recompute counted) among those dividing global / "
+                        "data-parallel size, keeping --global-batch-size by changing the accumulation steps; the "
+                        "plan shows the choice and the arithmetic. --micro-batch-size is the upper bound.")
+    g.add_argument("--memory-budget-gb", type=float, default=None,
+                   help="Memory per rank (GiB) that --auto-micro-batch-size fits the micro batch into.")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="Tokenizer of the pretraining data (rapidtrain.data.tokenizer). Default: the demo corpus's "
                         "SentencePiece model when no --data-path is given.")
@@ -360,7 +368,27 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("acceleration: compute", "Recomputation, graph compilation, fused optimizers")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="Recompute each transformer layer in backward: torch.utils.checkpoint "
-                        "(gradient_checkpointing_enable() on Hugging Face models).")
+                        "(gradient_checkpointing_enable() on Hugging Face models). Megatron's "
+                        "--recompute-granularity full --recompute-method uniform.")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="What is recomputed in backward (Megatron): full = whole transformer layers (only each "
+                        "layer's input is kept); selective = the attention core only (scaled_dot_product_attention / "
+                        "flex_attention: its inputs kept, its output recomputed); op (torchtitan's op-level selective "
+                        "recompute) = each layer with the outputs of matmuls, attention kernels, collectives and "
+                        "random ops kept and the rest (norms, activations, element-wise ops) recomputed.")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="Which layers (with --recompute-granularity full or op): uniform = every layer, in units of "
+                        "--recompute-num-layers layers (1 is served); block = only the first --recompute-num-layers "
+                        "layers of each pipeline stage. Default uniform.")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="uniform: layers per recompute unit (1); block: layers recomputed per pipeline stage. "
+                        "Default 1.")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's shorthand for --recompute-granularity selective.")
+    g.add_argument("--activations-checkpoint-method", choices=("uniform", "block"), default=None,
+                   help="Megatron's 2021-22 name of --recompute-method; implies --recompute-granularity full.")
+    g.add_argument("--activations-checkpoint-num-layers", "--checkpoint-num-layers", dest="recompute_num_layers",
+                   type=int, default=None, help="Megatron's older names of --recompute-num-layers.")
     g.add_argument("--torch-compile", action="store_true",
                    help="Compile each transformer layer with torch.compile (backend and mode: --torch-compile-backend, "
                         "--torch-compile-mode).")

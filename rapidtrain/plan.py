@@ -227,6 +227,7 @@ class Batches:
     accumulation_steps: int
     schedule: BatchSchedule | None = None
     data_parallel_size: int = 1
+    micro_batch_choice: str | None = None  # how --auto-micro-batch-size chose the micro batch (None: given)
 
     @staticmethod
     def resolve(micro: int, global_batch: int | None, data_parallel: int,
@@ -281,6 +282,42 @@ CompileWith = Literal["none", "inductor", "ortmodule"]  # "inductor": torch.comp
 
 
 @dataclass(frozen=True)
+class RecomputeSettings:
+    """What is recomputed in backward (--recompute-granularity, --recompute-method, --recompute-num-layers and
+    their Megatron aliases; applied by parallel/recompute.py).
+
+    `granularity`: full = the whole layer (only its input is kept); selective = Megatron's core attention
+    (scaled_dot_product_attention / flex_attention calls: their inputs are kept, their outputs recomputed); op =
+    the whole layer under a policy that keeps the outputs of matmuls, attention kernels, collectives and random
+    ops and recomputes the rest (norms, activations, element-wise ops). `method`: uniform = every layer (in
+    units of one layer), block = only the first `num_layers` layers of each pipeline stage."""
+
+    granularity: Literal["none", "full", "selective", "op"] = "none"
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.granularity != "none"
+
+    def layers_of(self, count: int) -> range:
+        """Which of a stage's `count` layers are recomputed."""
+        return range(min(self.num_layers, count)) if self.method == "block" else range(count)
+
+    def describe(self) -> str:
+        what = {"none": "nothing",
+                "full": "whole transformer layers (torch.utils.checkpoint; only each layer's input is kept)",
+                "selective": "the attention core only (scaled_dot_product_attention / flex_attention calls under "
+                             "torch.utils.checkpoint; Megatron's selective recompute)",
+                "op": "each layer at op level (create_selective_checkpoint_contexts: outputs of matmuls, attention "
+                      "kernels, collectives and random ops kept; norms, activations and element-wise ops "
+                      "recomputed)"}[self.granularity]
+        which = (f"the first {self.num_layers} layer(s) of each pipeline stage" if self.method == "block"
+                 else "every layer")
+        return f"{what}, in {which}"
+
+
+@dataclass(frozen=True)
 class Switches:
     """The structured decisions the Engine acts on (the engines list says them in words)."""
 
@@ -298,6 +335,7 @@ class Switches:
     tf32: bool = False  # TF32 tensor cores for fp32 matmuls (--tf32 on CUDA; no effect on a CPU)
     build_on_meta: bool = False  # the built-in model is created on meta and each rank materializes its shards
     cpu_allocator_tuning: bool = False  # glibc keeps freed memory on a CPU run (--no-cpu-allocator-tuning: off)
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)  # what backward recomputes
 
 
 @dataclass(frozen=True)
@@ -634,31 +672,90 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     """Resolve validated flags into the Plan, once: every component's settings, the padded vocabulary of the
     built-in model included (read from the tokenizer files; the demo corpus's is known without building it)."""
     layout = layout_of(args, ctx)
-    batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, layout.data_parallel_size,
-                              batch_schedule_of(args))
     precision = precision_of(args, ctx)
     tokenizer = tokenizer_settings_of(args)
     vocab_size = builtin_vocab_size(args, tokenizer)
     model = model_config_from_args(args, vocab_size) if vocab_size else None
     switches = switches_of(args, layout, ctx)
+    memory = memory_estimate(args, model, layout, precision, ctx) if model else None
+    # The micro batch is chosen before the batch arithmetic, which every later setting follows.
+    micro, choice = args.micro_batch_size, None
+    if args.auto_micro_batch_size and model and memory and args.memory_budget_gb:
+        micro, choice = auto_micro_batch_size(args, layout, model, precision, memory, switches.recompute)
+    batches = dataclasses.replace(Batches.resolve(micro, args.global_batch_size, layout.data_parallel_size,
+                                                  batch_schedule_of(args)), micro_batch_choice=choice)
     engines, notes = engines_for(args, ctx, layout, precision, model)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
     from rapidtrain.compat.flags import hugging_face_notes
 
     notes += hugging_face_notes(args, has_script=bool(ctx.script))
-    memory = memory_estimate(args, model, layout, precision, ctx) if model else None
+    warnings = precision_warnings(args, ctx, precision) + size_multiple_warnings(model, batches, precision, ctx)
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches, training_settings(args, batches), data_settings(args, ctx), tokenizer,
+                switches, training_settings(args, batches),
+                dataclasses.replace(data_settings(args, ctx), micro_batch_size=batches.micro_batch_size), tokenizer,
                 optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
                 args.clip_grad, checkpoint_settings(args, vocab_size),
                 logging_settings(args, ctx, precision, switches.tf32), tuple(notes),
                 lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
-                distributed_settings(args, ctx), tuple(precision_warnings(args, ctx, precision)),
+                distributed_settings(args, ctx), tuple(warnings),
                 attention_settings(args))
 
 
 def attention_settings(args: argparse.Namespace) -> AttentionSettings:
     return resolve_attention(getattr(args, "attention_backend", "auto"), args.reset_attention_mask)
+
+
+
+def activation_bytes_per_sample(model: ModelConfig, precision: Precision, recompute: RecomputeSettings) -> int:
+    """Estimated activation bytes one sample keeps for backward on one rank: per layer ~17 activations of s × h
+    elements (Korthikanti et al.'s 34·s·h bytes at 16 bits, with fused attention that keeps no s × s scores;
+    op-level recompute keeps ~11 of them, full recompute the layer input), plus the loss's log-softmax."""
+    element = 4 if precision.dtype == "fp32" else 2
+    s, h = model.seq_length, model.hidden_size
+    per_layer = {"none": 17, "selective": 16, "op": 11, "full": 1}[recompute.granularity] * s * h * element
+    recomputed = len(recompute.layers_of(model.num_layers))
+    layers = recomputed * per_layer + (model.num_layers - recomputed) * 17 * s * h * element
+    return layers + s * model.vocab_size * 4  # the fp32 log-softmax the loss keeps (measured: ~1.2× this)
+
+
+def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: ModelConfig, precision: Precision,
+                          memory: MemoryEstimate, recompute: RecomputeSettings) -> tuple[int, str]:
+    """The largest micro batch (at most --micro-batch-size) dividing global / data-parallel that fits the budget
+    (--memory-budget-gb) as model state + micro × per-sample activations, and the arithmetic in words; 1 when none
+    fits (the rules refuse that case)."""
+    per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
+        // layout.data_parallel_size
+    budget = args.memory_budget_gb * 2**30
+    per_sample = activation_bytes_per_sample(model, precision, recompute)
+    fitting = [m for m in range(min(args.micro_batch_size, per_rank), 0, -1)
+               if per_rank % m == 0 and memory.total_bytes + m * per_sample <= budget]
+    micro = fitting[0] if fitting else 1
+    return micro, (f"--auto-micro-batch-size: {micro}, the largest divisor of {per_rank} (global / data parallel) "
+                   f"up to --micro-batch-size {args.micro_batch_size} with model state {_mib(memory.total_bytes)} + "
+                   f"{micro} × {_mib(per_sample)} activations per sample (estimate, recompute "
+                   f"{recompute.granularity}) = {_mib(memory.total_bytes + micro * per_sample)} within "
+                   f"--memory-budget-gb {args.memory_budget_gb:g}")
+
+
+def size_multiple_warnings(model: ModelConfig | None, batches: Batches, precision: Precision,
+                           ctx: RunContext) -> list[str]:
+    """fp16/bf16 matmuls run on tensor cores (and AMX tiles) at full speed when their dimensions are multiples of
+    8; on NVIDIA Ampere or newer (native bf16: compute capability 8.0+) of 64. The batch enters the matmuls as
+    micro batch × sequence length rows, so that product is checked, not the micro batch alone (a micro batch of 1
+    with a sequence of 2048 is as fast as any)."""
+    if precision.dtype == "fp32" or model is None:
+        return []
+    multiple = 64 if ctx.device_type == "cuda" and ctx.capability.native_bf16 else 8
+    tokens = batches.micro_batch_size * model.seq_length
+    sizes = {"--hidden-size": model.hidden_size, "padded vocabulary": model.vocab_size,
+             "--seq-length": model.seq_length,
+             f"--micro-batch-size {batches.micro_batch_size} × --seq-length {model.seq_length} =": tokens}
+    odd = [f"{name} {value}" for name, value in sizes.items() if value % multiple]
+    if not odd:
+        return []
+    where = "on an NVIDIA Ampere or newer GPU" if multiple == 64 else "for tensor cores"
+    return [f"{', '.join(odd)}: not a multiple of {multiple}; {precision.dtype} matmuls run fastest {where} when "
+            f"these sizes are multiples of {multiple} (--make-vocab-size-divisible-by pads the vocabulary)"]
 
 
 def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
@@ -878,12 +975,30 @@ def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Sw
         compile_with = "ortmodule" if _ort_status()[0] else "inductor"
     elif args.torch_compile:
         compile_with = "inductor"
-    return Switches(partitioning, engine, args.cpu_offload, args.checkpoint_activations, compile_with,
+    recompute = recompute_of(args)
+    return Switches(partitioning, engine, args.cpu_offload, recompute.enabled, compile_with,
                     args.data_iterator == "dynamic-shape", compile_backend=args.torch_compile_backend,
                     compile_mode=args.torch_compile_mode, deepspeed_config_file=args.deepspeed_config,
                     tf32=args.tf32 and ctx.device_type == "cuda",
                     build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0],
-                    cpu_allocator_tuning=args.cpu_allocator_tuning and ctx.device_type == "cpu")
+                    cpu_allocator_tuning=args.cpu_allocator_tuning and ctx.device_type == "cpu",
+                    recompute=recompute)
+
+
+
+def recompute_of(args: argparse.Namespace) -> RecomputeSettings:
+    """Megatron's meanings: --recompute-activations is selective; --checkpoint-activations and the 2021-22
+    --activations-checkpoint-method are full recompute (the rules refuse flags that disagree)."""
+    granularity = args.recompute_granularity
+    if granularity is None:
+        if args.recompute_activations:
+            granularity = "selective"
+        elif args.checkpoint_activations or args.activations_checkpoint_method:
+            granularity = "full"
+        else:
+            granularity = "none"
+    method: Literal["uniform", "block"] = args.recompute_method or args.activations_checkpoint_method or "uniform"
+    return RecomputeSettings(granularity, method, args.recompute_num_layers or 1)
 
 
 def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout, partitioning: str,
@@ -1159,10 +1274,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
             engine += (f"; FSDP2 MixedPrecisionPolicy on the transformer blocks ({precision.dtype} all-gather and "
                        "compute, fp32 reduce-scatter and accumulation; embeddings, final norm and head in fp32)")
         engines.append(EngineChoice("precision", engine, precision.reason))
-    if args.checkpoint_activations:
-        engines.append(EngineChoice("--checkpoint-activations", "torch.utils.checkpoint per transformer layer"
-                                    if trains_builtin_model(args)
-                                    else "Hugging Face gradient_checkpointing_enable()"))
+    engines += recompute_choices(args)
     if args.onnx_runtime_training:
         usable, why = _ort_status()
         engines.append(EngineChoice("--onnx-runtime-training", "onnxruntime ORTModule" if usable
@@ -1215,6 +1327,22 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
         notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
                      "selects Adam there")
     return engines, notes
+
+
+def recompute_choices(args: argparse.Namespace) -> list[EngineChoice]:
+    recompute = recompute_of(args)
+    if not recompute.enabled:
+        return []
+    if args.checkpoint_activations and recompute.granularity == "full" and recompute.method == "uniform":
+        hf_own = not trains_builtin_model(args)
+        return [EngineChoice("--checkpoint-activations", "Hugging Face gradient_checkpointing_enable()" if hf_own
+                             else "torch.utils.checkpoint per transformer layer")]
+    given = [flag for flag, dest in (("--recompute-granularity", "recompute_granularity"),
+                                     ("--recompute-activations", "recompute_activations"),
+                                     ("--activations-checkpoint-method", "activations_checkpoint_method"),
+                                     ("--checkpoint-activations", "checkpoint_activations"))
+             if getattr(args, dest)]
+    return [EngineChoice(given[0], f"recompute {recompute.granularity}: {recompute.describe()}")]
 
 
 def construction_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout) -> EngineChoice | None:
@@ -1390,6 +1518,7 @@ def describe_plan(plan: Plan) -> str:
             lines.append(f"    pipeline stage {stage}: " + "  ".join(
                 f"dp{d}→ranks {row}" for d, row in enumerate(dp_rows)))
     lines += [
+        *([f"  micro batch: {bat.micro_batch_choice}"] if bat.micro_batch_choice else []),
         f"  batches: micro {bat.micro_batch_size} × accumulation steps {bat.accumulation_steps} × data parallel "
         f"{lay.data_parallel_size} = global {bat.global_batch_size}"
         + (f"; {bat.schedule.describe(bat.global_batch_size)}, the accumulation steps following it"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from rapidtrain import arguments
 from rapidtrain.arguments import TASKS
 from rapidtrain.models import hf_config
+from rapidtrain.models.attention_backends import KERNEL_OF_NAME
 from rapidtrain.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.plan import (
     RunContext,
@@ -417,6 +418,93 @@ def _options_without_switch(args: Args) -> list[str]:
     given = set(getattr(args, "given_flags", ()))
     return [f"{_flag(option)} needs {_flag(switch)}" for option, switch in TRACKER_OPTIONS
             if option in given and not getattr(args, switch, None)]
+
+
+def _recompute_granularities(args: Args) -> list[str]:
+    """The granularity each recompute flag given asks for (Megatron's meanings)."""
+    asked = []
+    if args.recompute_granularity:
+        asked.append(f"--recompute-granularity {args.recompute_granularity}")
+    if args.recompute_activations:
+        asked.append("--recompute-activations (selective)")
+    if args.checkpoint_activations:
+        asked.append("--checkpoint-activations (full)")
+    if args.activations_checkpoint_method:
+        asked.append(f"--activations-checkpoint-method {args.activations_checkpoint_method} (full)")
+    return asked
+
+
+def _recompute_problem(args: Args) -> str | None:
+    asked = _recompute_granularities(args)
+    kinds = {text.split()[-1].strip("()") for text in asked}
+    if len(kinds) > 1:
+        return f"{' and '.join(asked)} ask for different recompute granularities; keep one."
+    method, layers = args.recompute_method or args.activations_checkpoint_method, args.recompute_num_layers
+    if not asked and (method or layers is not None):
+        return ("--recompute-method / --recompute-num-layers choose which layers are recomputed, and no recompute "
+                "was asked for: add --recompute-granularity full (or op).")
+    if kinds == {"selective"} and (method or layers is not None):
+        return ("--recompute-granularity selective recomputes the attention core of every layer; "
+                "--recompute-method / --recompute-num-layers do not apply to it (as in Megatron): drop them.")
+    if layers is not None and layers < 1:
+        return f"--recompute-num-layers {layers} must be at least 1."
+    if (method or "uniform") == "uniform" and (layers or 1) > 1:
+        return (f"--recompute-method uniform --recompute-num-layers {layers}: rapidtrain recomputes in units of one "
+                "layer, not chunks of several; use --recompute-num-layers 1 (every layer), or --recompute-method "
+                f"block --recompute-num-layers {layers} to recompute only the first {layers} layers of each stage.")
+    backend = getattr(args, "attention_backend", "auto")
+    if kinds == {"selective"} and KERNEL_OF_NAME.get(backend) == "eager":
+        return (f"--recompute-granularity selective recomputes the attention core, a scaled_dot_product_attention "
+                f"or flex_attention call; --attention-backend {backend} computes softmax(QKᵀ)V itself, so there "
+                "would be nothing to recompute: use --recompute-granularity full or op, or an SDPA backend (auto).")
+    if kinds == {"op"} and _uses_hf_model(args):
+        return ("--recompute-granularity op replays the built-in models' layers op by op; a Hugging Face model's "
+                "layers run different ops when recomputed (transformers' own checkpointing path), so it is not "
+                "served for them: use --recompute-granularity full or selective.")
+    per_stage = args.num_layers // max(_pp(args), 1) if args.num_layers else None
+    if method == "block" and per_stage and layers and layers > per_stage:
+        return (f"--recompute-method block --recompute-num-layers {layers}: a pipeline stage holds {per_stage} "
+                f"layers; give at most {per_stage}.")
+    return None
+
+
+def _auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
+    if not args.auto_micro_batch_size:
+        return ("--memory-budget-gb is the budget of --auto-micro-batch-size and does nothing alone: add "
+                "--auto-micro-batch-size, or drop it.") if args.memory_budget_gb is not None else None
+    if args.memory_budget_gb is None or not args.memory_budget_gb > 0:
+        return ("--auto-micro-batch-size fits the micro batch into --memory-budget-gb GiB per rank: give a positive "
+                "budget (trying sizes on the GPU until one runs out of memory is not served yet).")
+    if _uses_hf_model(args):
+        return ("--auto-micro-batch-size estimates activations from the built-in model's shape; for a Hugging Face "
+                "model give --micro-batch-size yourself.")
+    if args.rampup_batch_size or args.step_batch_size_schedule:
+        return ("--auto-micro-batch-size keeps one global batch; with a batch schedule give --micro-batch-size "
+                "yourself.")
+    if not _layout_divides(args, ctx):
+        return None  # the layout rule reports it
+    from rapidtrain.plan import (
+        activation_bytes_per_sample,
+        builtin_vocab_size,
+        memory_estimate,
+        model_config_from_args,
+        precision_of,
+        recompute_of,
+        tokenizer_settings_of,
+    )
+
+    vocab = builtin_vocab_size(args, tokenizer_settings_of(args))
+    if not vocab:
+        return None
+    model, precision = model_config_from_args(args, vocab), precision_of(args, ctx)
+    state = memory_estimate(args, model, layout_of(args, ctx), precision, ctx).total_bytes
+    need = state + activation_bytes_per_sample(model, precision, recompute_of(args))
+    if need <= args.memory_budget_gb * 2**30:
+        return None
+    return (f"--auto-micro-batch-size: even micro batch 1 needs ~{need / 2**30:.2f} GiB (model state "
+            f"{state / 2**30:.2f} GiB + one sample's activations) > --memory-budget-gb {args.memory_budget_gb:g}, "
+            "so the global batch cannot be kept: raise the budget, recompute (--recompute-granularity full), "
+            "shard the model state (--zero-3-memory-optimization), or shorten --seq-length.")
 
 
 def _profile_problem(args: Args, ctx: RunContext) -> str | None:
@@ -1153,6 +1241,25 @@ RULES: tuple[Rule, ...] = (
         "the flash_attn package.",
         lambda a, c: _attention_problem(a, c) is not None,
         lambda a, c: str(_attention_problem(a, c)),
+    ),
+    Rule(
+        "recompute-settings", ("--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                               "--recompute-activations", "--checkpoint-activations",
+                               "--activations-checkpoint-method", "--pipeline-model-parallel-size"),
+        "Recompute flags agree on one granularity; --recompute-method / --recompute-num-layers need full or op "
+        "granularity (not selective, as in Megatron); uniform recomputes in units of one layer; block recomputes "
+        "at most the layers of a pipeline stage; op granularity is for the built-in models.",
+        lambda a, c: _recompute_problem(a) is not None,
+        lambda a, c: str(_recompute_problem(a)),
+    ),
+    Rule(
+        "auto-micro-batch-size", ("--auto-micro-batch-size", "--memory-budget-gb", "--global-batch-size",
+                                  "--rampup-batch-size", "--pretrained-model-name-or-path"),
+        "--auto-micro-batch-size needs --memory-budget-gb (and the budget needs it), the built-in model and one "
+        "global batch (no batch schedule); refused when even micro batch 1 does not fit, as the global batch "
+        "could not be kept.",
+        lambda a, c: _auto_micro_batch_problem(a, c) is not None,
+        lambda a, c: str(_auto_micro_batch_problem(a, c)),
     ),
 )
 

@@ -77,8 +77,13 @@ def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Mod
         from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh.submesh("tp"), sequence_parallel=layout.sequence_parallel)
-    if switches.activation_checkpointing:
+    recompute = switches.recompute
+    if recompute.granularity == "full" and recompute.method == "uniform":
         apply_activation_checkpointing(model)
+    elif recompute.enabled:
+        from rapidtrain.parallel.recompute import apply_recompute
+
+        apply_recompute(model, transformer_blocks(model), recompute)
     if switches.compile != "none":
         model = apply_graph_optimization(model, switches)
     return model

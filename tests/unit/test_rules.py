@@ -370,6 +370,10 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
                       ["--profile", "--profile-step-start", "3", "--profile-step-end", "4"], 1, "cpu"),
     "attention-backend-runs-here": (["--attention-backend", "fused"],
                                     ["--attention-backend", "unfused"], 1, "cpu"),
+    "auto-micro-batch-size": (["--auto-micro-batch-size"], ["--auto-micro-batch-size", "--memory-budget-gb", "8"],
+                              1, "cpu"),
+    "recompute-settings": (["--recompute-activations", "--recompute-method", "block"],
+                           ["--recompute-granularity", "full", "--recompute-method", "block"], 1, "cpu"),
 }
 # Rules about what the flags alone do not say: (context that violates, context that passes).
 CONTEXT_CASES = {"world-size-positive": (RunContext(-3, "cpu"), RunContext(2, "cpu"))}

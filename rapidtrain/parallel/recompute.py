@@ -1,0 +1,170 @@
+"""Activation recomputation of transformer layers, at Megatron's granularities (full layers, the attention core)
+and torchtitan's op level (keep the outputs of expensive ops, recompute the rest), plus the measurement of
+the activation bytes a forward pass leaves for backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+if TYPE_CHECKING:
+    from rapidtrain.plan import RecomputeSettings
+
+# ---- op-level policy ----
+
+def _ops(*names: str) -> set:
+    """The aten overload packets among `names` that this torch build has (kernel sets differ by version)."""
+    found = set()
+    for name in names:
+        namespace, _, op = name.rpartition(".")
+        packet = getattr(getattr(torch.ops, namespace or "aten"), op, None)
+        if packet is not None:
+            found.add(packet)
+    return found
+
+
+# Outputs worth keeping: expensive to recompute (matmuls, attention kernels) or not recomputable without another
+# round of communication (collectives). Everything else is cheap and memory-bound, so it is recomputed.
+KEPT_OPS = _ops(
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+    "_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter_tensor",
+    "_c10d_functional.all_gather_into_tensor", "_c10d_functional.all_to_all_single",
+)
+
+
+def _dropout_probability(op, args, kwargs) -> float:
+    """An attention kernel's dropout_p (0 when it has none)."""
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" in kwargs:
+        return float(kwargs["dropout_p"])
+    index = names.index("dropout_p") if "dropout_p" in names else len(args)
+    return float(args[index]) if index < len(args) else 0.0
+
+
+def keep_expensive_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The op-level policy. Every op that draws random numbers is recomputed, attention kernels with dropout
+    included: replayed in order from the RNG state checkpoint saved, they draw the same masks (a kept random op
+    would be skipped in the replay and shift the draws of the ones after it)."""
+    if op.overloadpacket not in KEPT_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if torch.Tag.nondeterministic_seeded in op.tags and _dropout_probability(op, args, kwargs) > 0:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def op_level_contexts():
+    return create_selective_checkpoint_contexts(keep_expensive_outputs)
+
+
+# ---- selective (attention core) ----
+
+ATTENTION_CORES: tuple[Callable, ...] = (torch.nn.functional.scaled_dot_product_attention,)
+try:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    ATTENTION_CORES += (flex_attention,)
+except ImportError:  # an older torch without FlexAttention
+    pass
+
+
+class _RecomputeAttentionCore(TorchFunctionMode):
+    """Inside a layer's forward, runs each attention-core call under torch.utils.checkpoint: its inputs (q, k,
+    v, mask) stay saved, its outputs and internals are recomputed in backward. Intercepting the function, not
+    editing the attention module, serves the built-in models and Hugging Face's sdpa/flex attention alike."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in ATTENTION_CORES and torch.is_grad_enabled():
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
+class SelectiveRecompute(nn.Module):
+    """Wraps one layer; its attention core is recomputed in backward. The wrapped layer keeps its name under
+    `_checkpoint_wrapped_module`, the prefix torch.distributed.checkpoint strips, so checkpoints keep their keys."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._checkpoint_wrapped_module = module
+
+    def forward(self, *args, **kwargs):
+        with _RecomputeAttentionCore():
+            return self._checkpoint_wrapped_module(*args, **kwargs)
+
+
+# ---- applying ----
+
+def wrapper_for(settings: RecomputeSettings) -> Callable[[nn.Module], nn.Module]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if settings.granularity == "selective":
+        return SelectiveRecompute
+    if settings.granularity == "op":
+        return partial(checkpoint_wrapper, context_fn=op_level_contexts)
+    return checkpoint_wrapper
+
+
+def apply_recompute(model: nn.Module, blocks: list[nn.Module], settings: RecomputeSettings) -> int:
+    """Replace the chosen `blocks` of `model` (in place) by their recomputing wrappers; returns how many."""
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if settings.granularity == "selective" and attention not in (None, "sdpa", "flex_attention"):
+        from rapidtrain.errors import UserError
+
+        # An eager attention computes the scores itself: there is no attention-core call to recompute.
+        raise UserError(f"--recompute-granularity selective recomputes scaled_dot_product_attention / flex_attention "
+                        f"calls, and this model's attention is {attention!r}: load it with sdpa attention, or use "
+                        "--recompute-granularity op or full.")
+    chosen = {id(blocks[i]) for i in settings.layers_of(len(blocks))}
+    wrap = wrapper_for(settings)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in chosen:
+                if isinstance(parent, nn.ModuleDict):
+                    parent.update({name: wrap(child)})
+                else:
+                    setattr(parent, name, wrap(child))
+    return len(chosen)
+
+
+# ---- measuring ----
+
+@contextmanager
+def count_saved_activations(parameters: Iterator[torch.Tensor]) -> Iterator[dict]:
+    """Counts the bytes of activation storage a forward pass leaves alive for backward, in `result["bytes"]`
+    once the block ends (the graph must still be alive then: keep the loss).
+
+    torch.autograd.graph.saved_tensors_hooks sees what autograd saves, but not what a checkpointed region keeps:
+    inside one, checkpoint's own hooks replace the outer ones, and the region's inputs and op-level cache are
+    held elsewhere. So every storage an op creates during the forward is recorded (weakly), and at the end the
+    ones still alive, excluding parameters and the outputs themselves, are what the graph holds."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    param_storages = {StorageWeakRef(p.untyped_storage()) for p in parameters}
+    created: dict[StorageWeakRef, int] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    ref = StorageWeakRef(t.untyped_storage())
+                    if ref not in param_storages:
+                        created.setdefault(ref, t.untyped_storage().nbytes())
+            return out
+
+    result: dict = {}
+    with Record():
+        yield result
+    result["bytes"] = sum(n for ref, n in created.items() if not ref.expired())
+    result["storages"] = sum(1 for ref in created if not ref.expired())

@@ -1,0 +1,126 @@
+"""Recompute granularities (Megatron's full and selective, torchtitan's op level): the activation bytes a forward
+pass keeps for backward shrink in that order, and losses and gradients stay those of no recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from rapidtrain import rules
+from rapidtrain.arguments import parse_args
+from rapidtrain.models import build_model
+from rapidtrain.models.config import ModelConfig
+from rapidtrain.parallel.recompute import SelectiveRecompute, count_saved_activations
+from rapidtrain.plan import RecomputeSettings, RunContext, from_args
+from tests.unit.test_training_step import trainer_for
+
+CONFIG = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
+                     vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+MODES = {"none": [], "selective": ["--recompute-granularity", "selective"],
+         "op": ["--recompute-granularity", "op"], "full": ["--recompute-granularity", "full"]}
+
+
+def forward_backward(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, dict, int, int]:
+    """Loss, gradients by parameter name, bytes kept alive for backward, and bytes autograd's saved-tensor hooks
+    saw outside checkpointed regions (parameters excluded from both)."""
+    params = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+    hooked: dict = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in params:
+            hooked.setdefault(ref, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            count_saved_activations(model.parameters()) as kept:
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+    loss.backward()
+    grads = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+    return loss.item(), grads, kept["bytes"], sum(hooked.values())
+
+
+def test_saved_activation_bytes_shrink_from_none_to_selective_to_op_to_full_with_equal_gradients():
+    tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for mode, flags in MODES.items():
+        trainer = trainer_for(["--num-layers", "4"] + flags, build_model(CONFIG, seed=3))
+        assert trainer.engine.plan.switches.recompute.granularity == mode
+        results[mode] = forward_backward(trainer.model, tokens)
+    kept = {mode: r[2] for mode, r in results.items()}
+    assert kept["none"] > kept["selective"] > kept["op"] > kept["full"] > 0, kept
+    assert kept["full"] < 0.25 * kept["none"]
+    # Without recompute, everything kept is what autograd saved (plus the loss itself, 4 bytes per element).
+    none_hooked = results["none"][3]
+    assert none_hooked <= kept["none"] <= none_hooked + 64
+    # Inside checkpointed regions the outer hooks see nothing: full and op-level recompute look alike to them,
+    # which is why the bytes kept are counted from the storages still alive.
+    assert results["full"][3] == results["op"][3] < none_hooked
+    loss, grads = results["none"][0], results["none"][1]
+    for mode in ("selective", "op", "full"):
+        assert results[mode][0] == pytest.approx(loss, rel=1e-6)
+        for name, grad in results[mode][1].items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_op_level_recompute_with_dropout_gives_the_same_gradients():
+    """Random ops' outputs are kept, so recomputing the ops after them cannot draw another dropout mask."""
+    config = ModelConfig(**{**CONFIG.__dict__, "hidden_dropout": 0.1, "attention_dropout": 0.1})
+    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    results = []
+    for flags in ([], MODES["op"], MODES["selective"]):
+        trainer = trainer_for(["--num-layers", "4"] + flags, build_model(config, seed=3))
+        torch.manual_seed(5)
+        results.append(forward_backward(trainer.model, tokens))
+    for loss, grads, _, _ in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, results[0][1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_block_method_recomputes_only_the_first_layers():
+    trainer = trainer_for(["--num-layers", "4", "--recompute-granularity", "selective"], build_model(CONFIG, seed=3))
+    assert all(isinstance(layer, SelectiveRecompute) for layer in trainer.model.layers.values())
+    trainer = trainer_for(["--num-layers", "4", "--recompute-granularity", "op", "--recompute-method", "block",
+                           "--recompute-num-layers", "3"], build_model(CONFIG, seed=3))
+    wrapped = [type(layer).__name__ for layer in trainer.model.layers.values()]
+    assert wrapped == ["CheckpointWrapper"] * 3 + ["TransformerLayer"]
+
+
+def plan_for(flags: list[str]):
+    args = parse_args(["--num-layers", "4", "--train-iters", "10", "--lr", "1e-3"] + flags)
+    rules.validate(args, RunContext())
+    return from_args(args, RunContext())
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--checkpoint-activations"], RecomputeSettings("full")),
+    (["--recompute-activations"], RecomputeSettings("selective")),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], RecomputeSettings("full")),
+    (["--activations-checkpoint-method", "block", "--checkpoint-num-layers", "2"],
+     RecomputeSettings("full", "block", 2)),
+    (["--recompute-granularity", "op", "--recompute-method", "block", "--recompute-num-layers", "1"],
+     RecomputeSettings("op", "block", 1)),
+])
+def test_megatron_recompute_flags_resolve_in_the_plan(flags, expected):
+    plan = plan_for(flags)
+    assert plan.switches.recompute == expected
+    assert plan.switches.activation_checkpointing
+    described = plan.describe()
+    assert expected.describe() in described or "torch.utils.checkpoint per transformer layer" in described
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--recompute-activations", "--recompute-granularity", "full"], "different recompute granularities"),
+    (["--recompute-granularity", "selective", "--recompute-method", "uniform"], "do not apply to it"),
+    (["--recompute-method", "block"], "no recompute was asked for"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "2"], "units of one layer"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "5"],
+     "holds 4 layers"),
+    (["--recompute-granularity", "selective", "--attention-backend", "unfused"], "nothing to recompute"),
+])
+def test_recompute_flags_that_cannot_hold_are_refused(flags, words):
+    with pytest.raises(rules.FlagConflict) as refused:
+        plan_for(flags)
+    assert words in str(refused.value)
