@@ -13,25 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from machine import cpu_name
 from torch import nn
-
-
-def cpu_name() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 class Runner:
