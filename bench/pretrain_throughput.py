@@ -53,8 +53,8 @@ def run_rapidtrain(o: argparse.Namespace, precision: list[str]) -> float:
     stamps: list[float] = []
 
     class Timed(MegatronPreTrainer):
-        def train_step(self, micro_batches):
-            result = super().train_step(micro_batches)
+        def train_step(self, micro_batches, stop_requested=False):
+            result = super().train_step(micro_batches, stop_requested=stop_requested)
             stamps.append(time.perf_counter())
             return result
 
