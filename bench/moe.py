@@ -68,13 +68,13 @@ def train_one(o: argparse.Namespace, name: str, model_flags: list[str]) -> Row:
     balancing: list[float] = []
 
     class Timed(MegatronPreTrainer):
-        def train_step(self, micro_batches):  # noqa: ANN001, ANN202
+        def train_step(self, micro_batches, stop_requested=False):  # noqa: ANN001, ANN202
             started = time.perf_counter()
-            result = super().train_step(micro_batches)
+            result = super().train_step(micro_batches, stop_requested=stop_requested)
             step_seconds.append(time.perf_counter() - started)
-            losses.append(result.loss)
+            losses.append(float(result.loss))  # device tensors: read here, outside the timed step
             if "load balancing loss" in result.extras:
-                balancing.append(result.extras["load balancing loss"])
+                balancing.append(float(result.extras["load balancing loss"]))
             return result
 
     argv = (
