@@ -539,6 +539,8 @@ class DataSettings:
     split_paths: tuple[tuple[str, ...] | None, ...] | None = None
     keep_last: bool = False  # fine-tuning: keep an epoch's last, incomplete micro-batch
     mmap_warmup: bool = False
+    # casual_lm fine-tuning: each micro-batch is one row of its sequences back to back (--padding-free).
+    padding_free: bool = False
 
 
 @dataclass(frozen=True)
@@ -779,7 +781,8 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
-        split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup)
+        split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
+        padding_free=args.padding_free)
 
 
 def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
@@ -1312,6 +1315,13 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
         elif is_pretraining(args, ctx):
             how = "BERT samples bucketed by length, each micro-batch cut to its longest (multiple of 8)"
         engines.append(EngineChoice("--data-iterator dynamic-shape", how))
+    if args.padding_free:
+        engines.append(EngineChoice("--padding-free", "each micro-batch's sequences concatenated into one row "
+                                    "(no padding; its length varies per step), position ids restarting at 0 per "
+                                    "sequence, no attention mask and use_cache=False, so transformers' "
+                                    "create_causal_mask detects the packed sequences and keeps attention within "
+                                    "each; no loss across a sequence boundary",
+                                    "--padding-free: no compute or memory spent on padded tokens"))
     if args.mmap_warmup:
         engines.append(EngineChoice("--mmap-warmup", "every .bin/.idx file of the data read once before training"))
     if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
