@@ -1275,10 +1275,11 @@ def _padding_free_problem(args: Args, ctx: RunContext) -> str | None:
     """Why --padding-free cannot keep the packed sequences apart in this run; None where it can."""
     if not args.padding_free:
         return None
-    if args.task != "casual_lm" or ctx.script or not _uses_hf_model(args):
-        what = f"a user script ({ctx.script})" if ctx.script else f"--task {args.task}"
-        return (f"--padding-free packs the casual_lm fine-tuning task's sequences; {what} does not use it, so it "
-                "would do nothing. Drop --padding-free, or use --task causal_lm with a Hugging Face model folder "
+    if args.task != "casual_lm" or not _uses_hf_model(args):
+        what = f"--task {args.task}" if args.task != "casual_lm" else "a run without a Hugging Face model folder"
+        return (f"--padding-free packs the casual_lm fine-tuning task's sequences of a Hugging Face model; {what} "
+                "does not use it, so it would do nothing. Drop --padding-free, or use --task causal_lm with "
+                "--pretrained-model-name-or-path DIR (a Hugging Face folder) "
                 "(pretraining packs documents itself: --reset-position-ids --reset-attention-mask)")
     folder = args.pretrained_model_name_or_path
     problem = hf_config.packing_problem(folder) if folder and hf_config.classify_folder(folder) == "huggingface" \
