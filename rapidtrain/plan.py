@@ -1320,7 +1320,9 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
                                     "(no padding; its length varies per step), position ids restarting at 0 per "
                                     "sequence, no attention mask and use_cache=False, so transformers' "
                                     "create_causal_mask detects the packed sequences and keeps attention within "
-                                    "each; no loss across a sequence boundary",
+                                    "each; no loss across a sequence boundary (flash_attention_2 runs each "
+                                    "sequence alone; eager and sdpa mask one [row, row] block, whose cost grows "
+                                    "with the row's length squared)",
                                     "--padding-free: no compute or memory spent on padded tokens"))
     if args.mmap_warmup:
         engines.append(EngineChoice("--mmap-warmup", "every .bin/.idx file of the data read once before training"))
