@@ -681,10 +681,12 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     switches = switches_of(args, layout, ctx)
     memory = memory_estimate(args, model, layout, precision, ctx) if model else None
     # The micro batch is chosen before the batch arithmetic, which every later setting follows.
-    micro, choice = args.micro_batch_size, None
+    micro, choice, global_batch = args.micro_batch_size, None, args.global_batch_size
     if args.auto_micro_batch_size and model and memory and args.memory_budget_gb:
         micro, choice = auto_micro_batch_size(args, layout, model, precision, memory, switches.recompute)
-    batches = dataclasses.replace(Batches.resolve(micro, args.global_batch_size, layout.data_parallel_size,
+        # Without --global-batch-size the flags mean --micro-batch-size × data parallel: keep that batch.
+        global_batch = global_batch or args.micro_batch_size * layout.data_parallel_size
+    batches = dataclasses.replace(Batches.resolve(micro, global_batch, layout.data_parallel_size,
                                                   batch_schedule_of(args)), micro_batch_choice=choice)
     engines, notes = engines_for(args, ctx, layout, precision, model)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
