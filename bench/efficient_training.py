@@ -14,6 +14,20 @@ option where one exists. Rows:
     LoRA on 8-bit base   --lora-rank 8 --load-in-8bit
   recompute (demo GPT): none, --recompute-granularity selective / op / full (Trainer gradient_checkpointing=True
     is full); the result adds the activation bytes one micro batch's forward keeps alive for backward
+  the Trainer's other switches beside rapidtrain's (demo GPT): gradient_checkpointing=True (full recompute, its
+    activation bytes too); --torch-compile vs torch_compile=True (inductor; tokens/s after the warm-up steps);
+    --auto-micro-batch-size --memory-budget-gb (fits the plan's estimate to the budget, keeps the global batch by
+    accumulation) vs auto_find_batch_size=True (accelerate halves the batch only after an allocation fails: a CUDA
+    "out of memory", or on CPU a malloc failure, which Linux's overcommit rarely reports before its OOM killer acts;
+    there is no budget, so here it keeps the batch it was given)
+  fine-tuning a causal LM (a tiny GPT-2 on texts of 13 to 110 tokens, --seq-length 128, micro batch 16): padded to
+    --seq-length, padded to each batch's longest (--data-iterator dynamic-shape; Trainer group_by_length=True), and
+    --padding-free (one packed row per micro batch; Trainer's DataCollatorWithFlattening); the result adds the
+    padded-token fraction, and tokens/s counts real tokens only. On CPU (sdpa) the packed row's attention is one
+    masked [row, row] block: the padding saved is paid back in attention over the whole row (flash_attention_2's
+    varlen kernel on CUDA computes each sequence alone). Each row trains its own toy tokenizer, whose vocabulary
+    can differ between processes, so dev losses differ by ~0.01 from run to run; tests/e2e/test_padding_free.py
+    shows packed and padded losses equal per iteration
   ZeRO-3 parameter placement (demo GPT, one process, --optimizer via DeepSpeedCPUAdam):
     ZeRO-3 + --cpu-offload, + --cpu-offload-params, --nvme-offload-dir (where libaio lets DeepSpeed's async_io build)
 
@@ -31,6 +45,7 @@ Add a technique by adding a Row to ROWS (and, if it needs a new kind of run, a r
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import resource
 import subprocess
@@ -95,7 +110,12 @@ def steady_tokens_per_second(stamps: list[float], tokens_per_step: int) -> float
 
 
 def rapidtrain_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
-    return pretrain_demo(o, flags)[0]
+    result, trainer = pretrain_demo(o, flags)
+    if "--auto-micro-batch-size" in flags:
+        batches = trainer.engine.plan.batches
+        result["result"] += (f"; micro batch {batches.micro_batch_size} × {batches.accumulation_steps} "
+                             f"accumulated = global {batches.global_batch_size}")
+    return result
 
 
 def pretrain_demo(o: argparse.Namespace, flags: list[str]) -> tuple[dict, object]:
@@ -135,12 +155,13 @@ def hf_trainer_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
     """Trainer on GPT2LMHeadModel of the demo GPT's shape, the same demo samples, schedule and clipping."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+    from rapidtrain.arguments import DEMO_DEFAULTS
     from rapidtrain.data.demo import prepare_demo_data
     from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
     from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer, padded_vocab_size
-    from rapidtrain.pretrain import DEMO_DEFAULTS
 
-    (optim,) = flags
+    optim, *options = flags  # then Trainer options as name=value (gradient_checkpointing=True, ...)
+    extra = {name: ast.literal_eval(value) for name, value in (option.split("=", 1) for option in options)}
     seq, batch = 256, DEMO_DEFAULTS["micro_batch_size"]
     demo = prepare_demo_data(progress=False)
     tokenizer = build_tokenizer(TokenizerSettings("SentencePieceTokenizer", tokenizer_model=demo.tokenizer_model))
@@ -174,15 +195,34 @@ def hf_trainer_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
             output_dir=work, per_device_train_batch_size=batch, max_steps=o.iters, learning_rate=1e-3,
             weight_decay=0.01, max_grad_norm=1.0, warmup_steps=10, lr_scheduler_type="cosine", optim=optim,
             use_cpu=True, report_to=[], logging_steps=10, save_strategy="no", dataloader_num_workers=0,
-            disable_tqdm=True)
+            disable_tqdm=True, **extra)
         trainer = Trainer(model=model, args=arguments, train_dataset=Samples(), callbacks=[Record()])
         trainer.train()
     params, grads, state = model_state_bytes(model, trainer.optimizer)
     trained = sum(p.numel() for p in model.parameters())
-    return {"tokens/s": steady_tokens_per_second(stamps, batch * seq), "peak RSS MiB": peak_rss_mib(),
+    ran_batch = trainer._train_batch_size  # what auto_find_batch_size settled on (the given batch otherwise)
+    result = f"loss {logged[-1]:.3f}" if logged else "no loss logged (fewer than 10 steps)"
+    if extra.get("gradient_checkpointing"):
+        result += f"; activations kept {hf_saved_activations(model, batch, seq) / 2**20:.1f} MiB per micro batch"
+    if extra.get("auto_find_batch_size"):
+        result += f"; batch {ran_batch} (started at {batch}; it halves only after an allocation fails)"
+    return {"tokens/s": steady_tokens_per_second(stamps, ran_batch * seq), "peak RSS MiB": peak_rss_mib(),
             "model state MiB": (params + grads + state) / 2**20, "state B/param": state / trained,
-            "trainable": trained, "result": f"loss {logged[-1]:.3f}",
-            "engine": _class_name(getattr(trainer.optimizer, "optimizer", trainer.optimizer))}
+            "trainable": trained, "result": result,
+            "engine": _class_name(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
+            + "".join(f", {name}={value}" for name, value in extra.items())}
+
+
+def hf_saved_activations(model: torch.nn.Module, batch: int, seq: int) -> int:
+    """The activation bytes one micro batch's forward leaves for backward in the Trainer's (wrapped) model."""
+    from rapidtrain.parallel.recompute import count_saved_activations
+
+    model.train()
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
+    with count_saved_activations(model.parameters()) as kept:
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return kept["bytes"]
 
 
 def _class_name(value: object) -> str:
@@ -221,6 +261,61 @@ def rapidtrain_finetune(o: argparse.Namespace, flags: list[str]) -> dict:
             "trainable": trained, "result": f"accuracy {results['accuracy']:.3f}",
             "engine": "; ".join(c.engine.split(" (")[0] for c in tuner.engine.plan.engines
                                 if c.switch in ("--lora-rank", "--load-in-4bit", "--load-in-8bit")) or "full"}
+
+
+# ---- fine-tuning a causal LM: padded batches against padding-free packing ----
+
+
+def varied_texts(count: int, seed: int) -> list[dict]:
+    """Rows of 1 to 8 of the toy grammar's sentences (about 13 to 110 tokens): lengths vary as in real data."""
+    import random
+
+    from rapidtrain.tasks import toy
+
+    rng = random.Random(seed)
+    sentences = [row["text"] for row in toy.text_records(8 * count, seed)]
+    return [{"text": " ".join(rng.sample(sentences, rng.randint(1, 8)))} for _ in range(count)]
+
+
+def rapidtrain_causal_lm(o: argparse.Namespace, flags: list[str]) -> dict:
+    """A tiny GPT-2 (hidden 64) fine-tuned on texts of varied length, --seq-length 128, micro batch 16. tokens/s
+    counts real tokens (not padding) over the train steps' time; padded = positions computed that hold no token."""
+    from rapidtrain.engine import Engine
+    from rapidtrain.finetune import TaskFinetuner
+    from rapidtrain.tasks import toy
+
+    counts = {"positions": 0, "tokens": 0, "seconds": 0.0}
+
+    class Counted(TaskFinetuner):
+        def train_step(self, micro_batches, **kwargs):
+            for batch in micro_batches:
+                counts["positions"] += batch["input_ids"].numel()
+                mask = batch.get("attention_mask")
+                counts["tokens"] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+            start = time.perf_counter()
+            result = super().train_step(micro_batches, **kwargs)
+            counts["seconds"] += time.perf_counter() - start
+            return result
+
+    with tempfile.TemporaryDirectory() as work:
+        model_dir, data = toy.make_task("casual_lm", Path(work), train=8, dev=8, hidden=64, dropout=0.0)
+        texts = varied_texts(512 + 64, seed=3)  # the tokenizer's vocabulary is the same grammar's words
+        toy.write_jsonl(data / "train.jsonl", texts[:512])
+        toy.write_jsonl(data / "dev.jsonl", texts[512:])
+        argv = ["--task", "casual_lm", "--pretrained-model-name-or-path", str(model_dir), "--data-dir",
+                str(data.parent), "--data-name", data.name, "--micro-batch-size", "16", "--seq-length", "128",
+                "--lr", "3e-3", "--num-workers", "0", "--log-interval", str(10**6), "--epochs", str(o.epochs), *flags]
+        tuner = Counted(Engine(argv=argv))
+        results = tuner.train()
+    runner = tuner.engine.runner
+    params, grads, state = model_state_bytes(runner.module, runner.optimizer)
+    trained = trained_parameters(runner.module)
+    padded = 1 - counts["tokens"] / counts["positions"]
+    return {"tokens/s": counts["tokens"] / counts["seconds"], "peak RSS MiB": peak_rss_mib(),
+            "model state MiB": (params + grads + state) / 2**20, "state B/param": state / trained,
+            "trainable": trained, "result": f"dev loss {results['loss']:.3f}; padded tokens {padded:.1%}",
+            "engine": "padding-free" if "--padding-free" in flags else
+            "dynamic shape" if "--data-iterator" in flags else "padded to --seq-length 128"}
 
 
 # ---- ZeRO-3 parameter placement ----
@@ -284,6 +379,21 @@ ROWS = (
         ("--recompute-granularity", "op")),
     Row("recompute-full", "recompute full layers", "rapidtrain", rapidtrain_recompute,
         ("--recompute-granularity", "full"), "gradient_checkpointing=True"),
+    Row("recompute-full-hf", "recompute full layers", "HF Trainer", hf_trainer_pretrain,
+        ("adamw_torch_fused", "gradient_checkpointing=True"), "gradient_checkpointing=True"),
+    Row("compile", "torch.compile (inductor)", "rapidtrain", rapidtrain_pretrain, ("--torch-compile",),
+        "torch_compile=True"),
+    Row("compile-hf", "torch.compile (inductor)", "HF Trainer", hf_trainer_pretrain,
+        ("adamw_torch_fused", "torch_compile=True"), "torch_compile=True"),
+    Row("auto-batch", "auto micro batch (budget 0.2 GB)", "rapidtrain", rapidtrain_pretrain,
+        ("--auto-micro-batch-size", "--memory-budget-gb", "0.2"), "auto_find_batch_size=True"),
+    Row("auto-batch-hf", "auto batch size (halve on OOM)", "HF Trainer", hf_trainer_pretrain,
+        ("adamw_torch_fused", "auto_find_batch_size=True"), "auto_find_batch_size=True"),
+    Row("clm-padded", "causal LM, padded to seq length", "rapidtrain", rapidtrain_causal_lm),
+    Row("clm-dynamic", "causal LM, padded to batch longest", "rapidtrain", rapidtrain_causal_lm,
+        ("--data-iterator", "dynamic-shape"), "group_by_length=True"),
+    Row("clm-packed", "causal LM, padding-free packing", "rapidtrain", rapidtrain_causal_lm, ("--padding-free",),
+        "DataCollatorWithFlattening"),
     Row("zero3", "ZeRO-3 (+ --cpu-offload)", "rapidtrain", rapidtrain_zero3, ("--cpu-offload",)),
     Row("zero3-params", "ZeRO-3 + --cpu-offload-params", "rapidtrain", rapidtrain_zero3,
         ("--cpu-offload", "--cpu-offload-params")),

@@ -89,6 +89,11 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-iterator", choices=("dynamic-shape",), default=None,
                    help="dynamic-shape: bucket samples by length and pad each batch to its longest (multiple of 8) "
                         "instead of fixed --seq-length padding (rapidtrain.data.dynamic_shape).")
+    g.add_argument("--padding-free", action="store_true",
+                   help="casual_lm fine-tuning: concatenate each micro-batch's sequences into one row with position "
+                        "ids restarting at 0 per sequence and no attention mask (Hugging Face's "
+                        "DataCollatorWithFlattening, TRL's padding_free): no padded tokens, and the model's mask "
+                        "keeps each sequence to itself.")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank.")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on end-of-document labels.")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each end of document.")

@@ -40,7 +40,8 @@ class TaskFinetuner(Finetuner):
                 "split files or a datasets save_to_disk folder) and/or --data-name NAME."
             )
         self.tokenizer = load_tokenizer(plan.checkpoint.pretrained_model, plan.task in NEEDS_FAST_TOKENIZER)
-        self.task = build_task(plan.task, self.tokenizer, data.seq_length, plan.switches.dynamic_shape, data.seed)
+        self.task = build_task(plan.task, self.tokenizer, data.seq_length, plan.switches.dynamic_shape, data.seed,
+                               padding_free=data.padding_free)
         self.task.mask_prob = data.mask_prob
         self.metric_for_best_model = self.task.best_metric
         self.greater_is_better = self.task.greater_is_better

@@ -539,6 +539,8 @@ class DataSettings:
     split_paths: tuple[tuple[str, ...] | None, ...] | None = None
     keep_last: bool = False  # fine-tuning: keep an epoch's last, incomplete micro-batch
     mmap_warmup: bool = False
+    # casual_lm fine-tuning: each micro-batch is one row of its sequences back to back (--padding-free).
+    padding_free: bool = False
 
 
 @dataclass(frozen=True)
@@ -679,10 +681,12 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     switches = switches_of(args, layout, ctx)
     memory = memory_estimate(args, model, layout, precision, ctx) if model else None
     # The micro batch is chosen before the batch arithmetic, which every later setting follows.
-    micro, choice = args.micro_batch_size, None
+    micro, choice, global_batch = args.micro_batch_size, None, args.global_batch_size
     if args.auto_micro_batch_size and model and memory and args.memory_budget_gb:
         micro, choice = auto_micro_batch_size(args, layout, model, precision, memory, switches.recompute)
-    batches = dataclasses.replace(Batches.resolve(micro, args.global_batch_size, layout.data_parallel_size,
+        # Without --global-batch-size the flags mean --micro-batch-size × data parallel: keep that batch.
+        global_batch = global_batch or args.micro_batch_size * layout.data_parallel_size
+    batches = dataclasses.replace(Batches.resolve(micro, global_batch, layout.data_parallel_size,
                                                   batch_schedule_of(args)), micro_batch_choice=choice)
     engines, notes = engines_for(args, ctx, layout, precision, model)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
@@ -779,7 +783,8 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
-        split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup)
+        split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
+        padding_free=args.padding_free)
 
 
 def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
@@ -1312,6 +1317,15 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
         elif is_pretraining(args, ctx):
             how = "BERT samples bucketed by length, each micro-batch cut to its longest (multiple of 8)"
         engines.append(EngineChoice("--data-iterator dynamic-shape", how))
+    if args.padding_free:
+        engines.append(EngineChoice("--padding-free", "each micro-batch's sequences concatenated into one row "
+                                    "(no padding; its length varies per step), position ids restarting at 0 per "
+                                    "sequence, no attention mask and use_cache=False, so transformers' "
+                                    "create_causal_mask detects the packed sequences and keeps attention within "
+                                    "each; no loss across a sequence boundary (flash_attention_2 runs each "
+                                    "sequence alone; eager and sdpa mask one [row, row] block, whose cost grows "
+                                    "with the row's length squared)",
+                                    "--padding-free: no compute or memory spent on padded tokens"))
     if args.mmap_warmup:
         engines.append(EngineChoice("--mmap-warmup", "every .bin/.idx file of the data read once before training"))
     if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):

@@ -1243,6 +1243,14 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: str(_attention_problem(a, c)),
     ),
     Rule(
+        "padding-free-packing", ("--padding-free", "--task", "--pretrained-model-name-or-path"),
+        "--padding-free packs the casual_lm fine-tuning task's sequences into one row per micro-batch, for a "
+        "Hugging Face model whose modeling code builds its mask with transformers' create_causal_mask (which keeps "
+        "packed sequences apart by their position ids, for eager, sdpa, flex_attention and flash_attention_2).",
+        lambda a, c: _padding_free_problem(a, c) is not None,
+        lambda a, c: str(_padding_free_problem(a, c)),
+    ),
+    Rule(
         "recompute-settings", ("--recompute-granularity", "--recompute-method", "--recompute-num-layers",
                                "--recompute-activations", "--checkpoint-activations",
                                "--activations-checkpoint-method", "--pipeline-model-parallel-size"),
@@ -1262,6 +1270,25 @@ RULES: tuple[Rule, ...] = (
         lambda a, c: str(_auto_micro_batch_problem(a, c)),
     ),
 )
+
+def _padding_free_problem(args: Args, ctx: RunContext) -> str | None:
+    """Why --padding-free cannot keep the packed sequences apart in this run; None where it can."""
+    if not args.padding_free:
+        return None
+    if args.task != "casual_lm" or not _uses_hf_model(args):
+        what = f"--task {args.task}" if args.task != "casual_lm" else "a run without a Hugging Face model folder"
+        return (f"--padding-free packs the casual_lm fine-tuning task's sequences of a Hugging Face model; {what} "
+                "does not use it, so it would do nothing. Drop --padding-free, or use --task causal_lm with "
+                "--pretrained-model-name-or-path DIR (a Hugging Face folder) "
+                "(pretraining packs documents itself: --reset-position-ids --reset-attention-mask)")
+    folder = args.pretrained_model_name_or_path
+    problem = hf_config.packing_problem(folder) if folder and hf_config.classify_folder(folder) == "huggingface" \
+        else None
+    if problem:
+        return (f"--padding-free: the model in {folder} would attend across the packed sequences: {problem}. Drop "
+                "--padding-free (padded batches; --data-iterator dynamic-shape pads each batch only to its longest)")
+    return None
+
 
 def _attention_problem(args: Args, ctx: RunContext) -> str | None:
     from rapidtrain.models.attention_backends import attention_problem

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -380,3 +381,28 @@ def finetune_conflicts(args: argparse.Namespace) -> list[str]:
     if "seq_length" in given and positions and args.seq_length > positions:
         conflicts.append(f"--seq-length {args.seq_length} (config.json max positions: {positions})")
     return conflicts
+
+
+# transformers' mask builders that detect packed sequences from position_ids (when the attention mask is None and
+# there is no cache): masking_utils._preprocess_mask_arguments → find_packed_sequence_indices. Every
+# attn_implementation (eager, sdpa, flex_attention, flash_attention_2) takes its mask or its varlen lengths from them.
+PACKING_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
+def packing_problem(path: str) -> str | None:
+    """Why the Hugging Face causal LM in `path` would attend across packed sequences; None where its modeling
+    code builds its mask with transformers' packed-sequence detection. Reads config.json and the installed
+    transformers' modeling source as text: nothing is imported or run."""
+    model_type = str(read_config(path).get("model_type", ""))
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return "transformers is not installed (pip install transformers)"
+    module = model_type.replace("-", "_")
+    source = Path(next(iter(spec.submodule_search_locations))) / "models" / module / f"modeling_{module}.py"
+    if not source.is_file():
+        return f"its model_type {model_type!r} has no modeling code in the installed transformers"
+    if not any(builder in source.read_text() for builder in PACKING_MASK_BUILDERS):
+        return (f"its model_type {model_type!r} does not build its attention mask with transformers' "
+                "create_causal_mask, which is what detects packed sequences from position ids (recurrent and "
+                "older architectures carry state or attend across the whole row)")
+    return None

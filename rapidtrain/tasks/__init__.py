@@ -26,13 +26,18 @@ NEEDS_FAST_TOKENIZER = ("token_classification", "question_answering")
 
 
 def build_task(
-    name: str, tokenizer: Any, seq_length: int, dynamic_shape: bool = False, seed: int = 0
+    name: str, tokenizer: Any, seq_length: int, dynamic_shape: bool = False, seed: int = 0,
+    padding_free: bool = False,
 ) -> Task:
     if name not in TASK_CLASSES:
         raise ValueError(
             f"--task {name}: not a fine-tuning task; choose one of {', '.join(TASK_CLASSES)} "
             "(--task pretraining runs the built-in PreTrainer)"
         )
+    if padding_free:
+        if TASK_CLASSES[name] is not CausalLM:
+            raise UserError(f"--padding-free packs the casual_lm task's sequences; --task {name} does not use it")
+        return CausalLM(tokenizer, seq_length, dynamic_shape, seed, padding_free=True)
     return TASK_CLASSES[name](tokenizer, seq_length, dynamic_shape, seed)
 
 

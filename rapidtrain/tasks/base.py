@@ -127,6 +127,29 @@ class PadCollator:
         return batch
 
 
+class FlattenCollator:
+    """Padding-free packing (--padding-free; Hugging Face's DataCollatorWithFlattening): a micro-batch's sequences
+    back to back in ONE row, `position_ids` restarting at 0 for each, no attention mask (transformers' mask builders
+    then find the sequences from the position ids and keep attention within each), and the label of each
+    sequence's first token set to -100 so that no token is trained to predict the next sequence's start."""
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids, positions, labels = [], [], []
+        for feature in features:
+            tokens = torch.as_tensor(np.asarray(feature["input_ids"], dtype=np.int64))
+            target = torch.as_tensor(np.asarray(feature.get("labels", feature["input_ids"]), dtype=np.int64)).clone()
+            target[:1] = -100  # the causal shift pairs this label with the previous sequence's last token
+            ids.append(tokens)
+            positions.append(torch.arange(len(tokens), dtype=torch.int64))
+            labels.append(target)
+        batch = {"input_ids": torch.cat(ids)[None], "position_ids": torch.cat(positions)[None],
+                 "labels": torch.cat(labels)[None]}
+        for key, first in features[0].items():
+            if isinstance(first, bool | int | np.integer):
+                batch[key] = torch.tensor([f[key] for f in features], dtype=torch.int64)
+        return batch
+
+
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the loss over labels that are not -100, how many): the trainer divides by the global batch's count."""
     loss = F.cross_entropy(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from rapidtrain.tasks import metrics
 from rapidtrain.tasks.base import (
     FeatureDataset,
+    FlattenCollator,
     Gather,
     PadCollator,
     Task,
@@ -39,11 +40,11 @@ PAIRS = (
 
 
 def perplexity_of(
-    model: Any, loader: Any, gather: Gather, shift: bool, names: tuple[str, ...]
+    model: Any, loader: Any, gather: Gather, shift: bool, names: tuple[str, ...], extra: dict[str, Any] | None = None
 ) -> dict[str, float]:
     totals = torch.zeros(2, dtype=torch.float64)
     for batch in loader:
-        logits = model(**model_inputs(batch, names)).logits
+        logits = model(**model_inputs(batch, names), **(extra or {})).logits
         labels = batch["labels"]
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
@@ -125,6 +126,20 @@ class CausalLM(Task):
     greater_is_better = False
     input_names = ("input_ids", "attention_mask")
 
+    def __init__(self, tokenizer: Any, seq_length: int, dynamic_shape: bool, seed: int,
+                 padding_free: bool = False) -> None:
+        super().__init__(tokenizer, seq_length, dynamic_shape, seed)
+        self.padding_free = padding_free
+        if padding_free:
+            self.collate = FlattenCollator()
+            self.input_names = ("input_ids", "position_ids")
+
+    def call_kwargs(self) -> dict[str, Any]:
+        # transformers detects packed sequences only without a cache (masking_utils._preprocess_mask_arguments),
+        # and config.use_cache (True by default) makes the model build one even in training. Passed per call, not
+        # stored in the config, so an exported model still generates with its cache.
+        return {"use_cache": False} if self.padding_free else {}
+
     def prepare(self, splits: dict[str, Any]) -> dict[str, FeatureDataset]:
         column = text_columns(as_records(splits["train"]), TEXT, "casual_lm", "name the text column `text`")[
             0
@@ -142,11 +157,11 @@ class CausalLM(Task):
         return (batch["labels"][:, 1:] != -100).sum()  # each token predicts the next
 
     def forward(self, batch: dict[str, torch.Tensor], model: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(**model_inputs(batch, self.input_names)).logits
+        logits = model(**model_inputs(batch, self.input_names), **self.call_kwargs()).logits
         return cross_entropy_sum(logits[:, :-1], batch["labels"][:, 1:])
 
     def evaluate(self, model: Any, loader: Any, gather: Gather) -> tuple[dict[str, float], None]:
-        return perplexity_of(model, loader, gather, True, self.input_names), None
+        return perplexity_of(model, loader, gather, True, self.input_names, self.call_kwargs()), None
 
 
 class Seq2SeqLM(Task):

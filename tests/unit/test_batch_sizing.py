@@ -39,6 +39,13 @@ def test_auto_micro_batch_size_takes_the_largest_divisor_that_fits_and_keeps_the
     assert activation_bytes_per_sample(plain.model, plain.precision, recomputed.switches.recompute) < per_sample
 
 
+def test_without_a_global_batch_flag_the_implied_one_is_kept():
+    args = parse_args([*BASE[:-2], "--micro-batch-size", "8", "--auto-micro-batch-size", "--memory-budget-gb", "0.02"])
+    plan = from_args(args, RunContext())
+    assert plan.batches.micro_batch_size < 8
+    assert plan.batches.micro_batch_size * plan.batches.accumulation_steps == plan.batches.global_batch_size == 8
+
+
 def test_the_chosen_micro_batch_reaches_the_run():
     engine = Engine(argv=BASE + ["--micro-batch-size", "8", "--auto-micro-batch-size", "--memory-budget-gb", "0.02"])
     batches = engine.plan.batches

@@ -372,6 +372,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
                                     ["--attention-backend", "unfused"], 1, "cpu"),
     "auto-micro-batch-size": (["--auto-micro-batch-size"], ["--auto-micro-batch-size", "--memory-budget-gb", "8"],
                               1, "cpu"),
+    "padding-free-packing": (["--padding-free"], ["--task", "causal_lm", "--padding-free",
+                                                  "--pretrained-model-name-or-path", "HF_LLAMA"], 1, "cpu"),
     "recompute-settings": (["--recompute-activations", "--recompute-method", "block"],
                            ["--recompute-granularity", "full", "--recompute-method", "block"], 1, "cpu"),
 }
