@@ -693,6 +693,10 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     from rapidtrain.compat.flags import hugging_face_notes
 
     notes += hugging_face_notes(args, has_script=bool(ctx.script))
+    if args.padding_free and ctx.script:
+        notes.append("--padding-free: rapidtrain's casual_lm task packs its own micro-batches; a user script's "
+                     "collate_fn decides how its batches are built (rapidtrain.tasks.base.FlattenCollator packs "
+                     "them the same way)")
     warnings = precision_warnings(args, ctx, precision) + size_multiple_warnings(model, batches, precision, ctx)
     return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
                 switches, training_settings(args, batches),

@@ -1271,6 +1271,7 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 
+
 def _padding_free_problem(args: Args, ctx: RunContext) -> str | None:
     """Why --padding-free cannot keep the packed sequences apart in this run; None where it can."""
     if not args.padding_free:

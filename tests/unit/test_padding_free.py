@@ -134,3 +134,7 @@ def test_the_plan_says_it():
                         RunContext(1, "cpu"))
     assert not default.data.padding_free
     assert not any(choice.switch == "--padding-free" for choice in default.engines)
+    assert not [n for n in plan.notes if n.startswith("--padding-free")]
+    # A user script builds its own batches: the plan says the flag is the task's, not the script's.
+    scripted = from_args(args, RunContext(1, "cpu", script="my_finetuner.py"))
+    assert any(n.startswith("--padding-free") and "collate_fn" in n for n in scripted.notes)
