@@ -31,6 +31,7 @@ class SamplingSettings:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_new_tokens: int = 0  # end of document is not chosen before this many new tokens (HF's min_new_tokens)
 
     def problems(self) -> list[str]:
         found = []
@@ -100,13 +101,15 @@ def generate(
     tokens, step_input = prompt, prompt
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     try:
-        for _ in range(settings.max_new_tokens):
+        for step in range(settings.max_new_tokens):
             logits = model(step_input, kv_cache=cache)
             if hasattr(logits, "full_tensor"):  # tensor parallel: logits split over the vocabulary
                 logits = logits.full_tensor()
             logits = logits[:, -1].float()
             if vocab_size is not None and vocab_size < logits.shape[-1]:
                 logits[:, vocab_size:] = float("-inf")
+            if eos_id is not None and step < settings.min_new_tokens:
+                logits[:, eos_id] = float("-inf")
             chosen = next_token(logits, settings, generator)
             if eos_id is not None:
                 chosen = torch.where(finished, torch.full_like(chosen, eos_id), chosen)
@@ -131,7 +134,8 @@ def generate_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_token
     model = unwrap(model)
     device = next(model.parameters()).device
     ids = torch.tensor([tokenizer.tokenize(prompt)], device=device)
-    settings = SamplingSettings(max_new_tokens=max_new_tokens)
+    # The whole length: a briefly trained model often ends the document at once, which would print the prompt alone.
+    settings = SamplingSettings(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
     tokens = generate(model, ids, settings, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eod)
     return prompt + continuation(tokenizer, tokens[0].tolist(), ids.shape[1])
 

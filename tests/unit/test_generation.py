@@ -90,6 +90,16 @@ def test_end_of_document_stops_the_rows_that_reached_it():
     assert tokens.shape == (2, 6) and (tokens[:, 5] == 7).all()
 
 
+def test_min_new_tokens_holds_end_of_document_back():
+    """A model that always prefers end of document (as a briefly trained demo model often does right after its
+    prompt) writes min_new_tokens tokens first, then ends."""
+    model = model_of()
+    model.output.register_forward_hook(lambda _m, _a, logits: logits + (torch.arange(64) == 7) * 100.0)
+    tokens = generate(model, prompt(), SamplingSettings(max_new_tokens=10, min_new_tokens=3), eos_id=7)
+    assert tokens.shape == (2, 9)
+    assert not (tokens[:, 5:8] == 7).any() and (tokens[:, 8] == 7).all()
+
+
 def test_learned_positions_bound_the_length():
     with pytest.raises(ValueError, match="--max-new-tokens 50 exceeds the model's 48 learned positions"):
         generate(model_of(), prompt(), SamplingSettings(max_new_tokens=50))
