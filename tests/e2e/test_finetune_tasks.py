@@ -17,16 +17,9 @@ from rapidtrain.own_loop import AccumulationTracker
 from rapidtrain.tasks import metrics, toy
 from tests.launch import REPO, child_env, read_losses, relative_difference
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The in-process runs use one thread: on a few shared cores extra intra-op threads only spin."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def flags(model: Path, data: Path, *extra: str) -> list[str]:

@@ -5,21 +5,14 @@ the batch, not what is learned."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rapidtrain.finetune import main as finetune
 from rapidtrain.tasks import toy
 from tests.launch import read_losses, relative_difference
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_padding_free_fine_tune_learns_with_the_losses_of_padded_batches(tmp_path):

@@ -12,7 +12,8 @@ from rapidtrain.finetune import main as finetune
 from rapidtrain.tasks import toy
 from tests.launch import read_losses
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +32,6 @@ def epoch_means(losses: dict[int, float], per_epoch: int) -> list[float]:
     values = [losses[i] for i in sorted(losses)]
     return [sum(values[i : i + per_epoch]) / per_epoch for i in range(0, len(values), per_epoch)]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_qlora_learns_and_exports_a_dequantised_merged_model(tiny, tmp_path):
