@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rapidtrain.tasks import metrics
+import rapidtrain.tasks.metrics as metrics
 from rapidtrain.tasks.base import (
     FeatureDataset,
     Gather,

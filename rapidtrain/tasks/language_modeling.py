@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rapidtrain.tasks import metrics
+import rapidtrain.tasks.metrics as metrics
 from rapidtrain.tasks.base import (
     FeatureDataset,
     FlattenCollator,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rapidtrain.tasks import metrics
+import rapidtrain.tasks.metrics as metrics
 from rapidtrain.tasks.base import FeatureDataset, Gather, Task, as_records, model_inputs
 
 MAX_ANSWER_TOKENS = 30
