@@ -679,7 +679,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     vocab_size = builtin_vocab_size(args, tokenizer)
     model = model_config_from_args(args, vocab_size) if vocab_size else None
     switches = switches_of(args, layout, ctx)
-    memory = memory_estimate(args, model, layout, precision, ctx) if model else None
+    memory = memory_estimate(args, model, layout, precision, ctx, switches) if model else None
     # The micro batch is chosen before the batch arithmetic, which every later setting follows.
     micro, choice, global_batch = args.micro_batch_size, None, args.global_batch_size
     if args.auto_micro_batch_size and model and memory and args.memory_budget_gb:
@@ -688,7 +688,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
         global_batch = global_batch or args.micro_batch_size * layout.data_parallel_size
     batches = dataclasses.replace(Batches.resolve(micro, global_batch, layout.data_parallel_size,
                                                   batch_schedule_of(args)), micro_batch_choice=choice)
-    engines, notes = engines_for(args, ctx, layout, precision, model)
+    engines, notes = engines_for(args, ctx, layout, precision, switches, model)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
     from rapidtrain.compat.flags import hugging_face_notes
 
@@ -1225,7 +1225,7 @@ def describe_compile(args: argparse.Namespace) -> str:
 
 
 def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,
-                model: ModelConfig | None = None) -> tuple[list[EngineChoice], list[str]]:
+                switches: Switches, model: ModelConfig | None = None) -> tuple[list[EngineChoice], list[str]]:
     from rapidtrain.optim.optimizers import describe_optimizer
 
     engines: list[EngineChoice] = []
@@ -1311,7 +1311,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
             notes.append("CPU allocator: the C library is not glibc, so malloc is left as it is")
     if args.tf32 or ctx.device_type == "cuda":
         engines.append(tf32_choice(args, ctx, precision))
-    construction = construction_choice(args, ctx, layout)
+    construction = construction_choice(args, ctx, layout, switches)
     if construction is not None:
         engines.append(construction)
     if args.data_iterator == "dynamic-shape":
@@ -1337,7 +1337,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
 
         engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
     else:
-        settings = optimizer_settings(args, layout, switches_of(args, layout, ctx))
+        settings = optimizer_settings(args, layout, switches)
         engines.append(EngineChoice("optimizer", describe_optimizer(settings, ctx.device_type),
                                     "the layout's parameters are " + ("DTensors (tensor parallel / FSDP2 / "
                                     "replicate)" if settings.dtensor_parameters else "plain tensors")))
@@ -1363,8 +1363,8 @@ def recompute_choices(args: argparse.Namespace) -> list[EngineChoice]:
     return [EngineChoice(given[0], f"recompute {recompute.granularity}: {recompute.describe()}")]
 
 
-def construction_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout) -> EngineChoice | None:
-    switches = switches_of(args, layout, ctx)
+def construction_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout,
+                        switches: Switches) -> EngineChoice | None:
     on_meta, why = model_construction(args, ctx, layout, switches.partitioning, switches.partitioning_engine)
     if not why:
         return None
@@ -1432,7 +1432,7 @@ def parameter_shape_counts(model: ModelConfig) -> dict[tuple[int, ...], int]:
 
 
 def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout,
-                    precision: Precision, ctx: RunContext) -> MemoryEstimate:
+                    precision: Precision, ctx: RunContext, switches: Switches | None = None) -> MemoryEstimate:
     from rapidtrain.models.counting import count_parameters, expert_parameter_count
 
     total, active = count_parameters(model)
@@ -1449,7 +1449,7 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
         grad = 4
         state = 8.0  # DeepSpeedCPUAdam: fp32 moments
     else:
-        settings = optimizer_settings(args, layout, switches_of(args, layout, ctx))
+        settings = optimizer_settings(args, layout, switches or switches_of(args, layout, ctx))
         state = optimizer_state_bytes_per_parameter(model, settings, ctx.device_type)
     optimizer = state + (4 if deepspeed and half else 0)
     n = layout.data_parallel_size
