@@ -49,7 +49,12 @@ class Runner:
 def train(runner: Runner, steps: int, save_at: int, mode: str, folder: Path, group: object) -> dict:
     """`steps` steps with a save after step `save_at` (blocking or in the background): each step's seconds and
     the seconds spent in the save call, the polls and the publish."""
-    from rapidtrain.checkpoint import async_save_done, publish_async_save, save_checkpoint, start_async_save
+    from rapidtrain.checkpoint.checkpointer import (
+        async_save_done,
+        publish_async_save,
+        save_checkpoint,
+        start_async_save,
+    )
 
     pending, published_at = None, None
     step_s, call_s, poll_s, publish_s = [], 0.0, 0.0, 0.0
@@ -97,7 +102,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="Each measurement's best of this many.")
     options = parser.parse_args()
-    from rapidtrain.checkpoint import background_save_group
+    from rapidtrain.checkpoint.checkpointer import background_save_group
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

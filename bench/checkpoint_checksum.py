@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params-millions", type=int, default=40)
     options = parser.parse_args()
-    from rapidtrain.checkpoint import file_checksum, iteration_dir, save_checkpoint, verify_checkpoint
+    from rapidtrain.checkpoint.checkpointer import file_checksum, iteration_dir, save_checkpoint, verify_checkpoint
 
     runner = Runner(options.params_millions)
     with tempfile.TemporaryDirectory() as folder:

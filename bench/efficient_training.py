@@ -120,9 +120,9 @@ def rapidtrain_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
 
 def pretrain_demo(o: argparse.Namespace, flags: list[str]) -> tuple[dict, object]:
     """The demo GPT through rapidtrain's PreTrainer; the measurements and the trainer (its engine stays alive)."""
-    from rapidtrain.arguments import DEMO_DEFAULTS
-    from rapidtrain.engine import Engine
+    from rapidtrain.config.arguments import DEMO_DEFAULTS
     from rapidtrain.pretrain import MegatronPreTrainer
+    from rapidtrain.train.engine import Engine
     from tests.launch import read_losses
 
     stamps: list[float] = []
@@ -155,7 +155,7 @@ def hf_trainer_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
     """Trainer on GPT2LMHeadModel of the demo GPT's shape, the same demo samples, schedule and clipping."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from rapidtrain.arguments import DEMO_DEFAULTS
+    from rapidtrain.config.arguments import DEMO_DEFAULTS
     from rapidtrain.data.demo import prepare_demo_data
     from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
     from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer, padded_vocab_size
@@ -239,8 +239,8 @@ def classification_task(root: Path) -> tuple[Path, Path]:
 
 
 def rapidtrain_finetune(o: argparse.Namespace, flags: list[str]) -> dict:
-    from rapidtrain.engine import Engine
     from rapidtrain.finetune import TaskFinetuner
+    from rapidtrain.train.engine import Engine
 
     with tempfile.TemporaryDirectory() as work:
         model_dir, data = classification_task(Path(work))
@@ -280,9 +280,9 @@ def varied_texts(count: int, seed: int) -> list[dict]:
 def rapidtrain_causal_lm(o: argparse.Namespace, flags: list[str]) -> dict:
     """A tiny GPT-2 (hidden 64) fine-tuned on texts of varied length, --seq-length 128, micro batch 16. tokens/s
     counts real tokens (not padding) over the train steps' time; padded = positions computed that hold no token."""
-    from rapidtrain.engine import Engine
     from rapidtrain.finetune import TaskFinetuner
     from rapidtrain.tasks import toy
+    from rapidtrain.train.engine import Engine
 
     counts = {"positions": 0, "tokens": 0, "seconds": 0.0}
 

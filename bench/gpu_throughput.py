@@ -12,7 +12,7 @@ The data is random token ids written once as Megatron indexed data (the bench me
 Every system trains the same shape with fused AdamW, clipping 1.0, bf16 autocast over fp32 weights (HF: its
 `bf16=True`, the same), the same micro batch; tokens/s counts steady steps (the first `--warmup` are left out:
 compilation, allocator warm-up). MFU = model FLOPs (Megatron's count, `rapidtrain.models.counting`) per second
-over the GPU's dense bf16 peak (`rapidtrain.peak_flops`; `--peak-tflops` for a GPU it does not know). Each
+over the GPU's dense bf16 peak (`rapidtrain.core.peak_flops`; `--peak-tflops` for a GPU it does not know). Each
 system runs in a process of its own, so allocator state and compiled kernels do not leak between them.
 """
 
@@ -104,9 +104,9 @@ def stamp(stamps: list[float], o: argparse.Namespace) -> None:
 # ---- the three systems (each in its own process) ----
 
 def run_rapidtrain(o: argparse.Namespace, data_prefix: str, extra: list[str]) -> dict:
-    from rapidtrain.engine import Engine
-    from rapidtrain.metrics import peak_memory_bytes
+    from rapidtrain.core.metrics import peak_memory_bytes
     from rapidtrain.pretrain import ENTRY, MegatronPreTrainer
+    from rapidtrain.train.engine import Engine
 
     stamps: list[float] = []
 
@@ -196,7 +196,7 @@ def run_hf_trainer(o: argparse.Namespace, data_prefix: str) -> dict:
 
 
 def peak_memory(device: str) -> int:
-    from rapidtrain.metrics import peak_memory_bytes
+    from rapidtrain.core.metrics import peak_memory_bytes
 
     return peak_memory_bytes(device)
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    from rapidtrain.peak_flops import peak_flops
+    from rapidtrain.core.peak_flops import peak_flops
 
     if o.smoke_cpu:
         o.device, o.sizes, o.memory_size, o.seq, o.iters, o.warmup = "cpu", ["tiny"], "tiny", 64, 4, 1

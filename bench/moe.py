@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rapidtrain.engine import Engine  # noqa: E402
 from rapidtrain.models.counting import count_parameters  # noqa: E402
 from rapidtrain.models.moe import collect_expert_load  # noqa: E402
 from rapidtrain.pretrain import MegatronPreTrainer  # noqa: E402
+from rapidtrain.train.engine import Engine  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

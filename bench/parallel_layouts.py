@@ -89,10 +89,10 @@ def synthetic_batches(engine, steps: int):
 def measure_layout(tensor_parallel: int, pipeline_parallel: int, steps: int) -> dict:
     import torch.distributed as dist
 
-    from rapidtrain.engine import Engine
     from rapidtrain.models import build_model
     from rapidtrain.pretrain import masked_sum
-    from rapidtrain.trainers.trainer import Trainer
+    from rapidtrain.train.engine import Engine
+    from rapidtrain.train.trainer import Trainer
 
     class SyntheticTrainer(Trainer):
         def run_forward_step(self, data_iterator, model):

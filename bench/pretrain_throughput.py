@@ -7,7 +7,7 @@ matrix-multiply peak measured first on this machine.
 Each system runs in a process of its own (allocator state, caches and compiled kernels do not leak from
 one into the next); with `--repeats N` each runs N times, in rotated order, and its best run counts.
 Rows:
-  rapidtrain                 the product as shipped (on CPU it tunes glibc malloc: rapidtrain/cpu_allocator.py)
+  rapidtrain                 the product as shipped (on CPU it tunes glibc malloc: rapidtrain/core/cpu_allocator.py)
   rapidtrain, glibc default  the same with --no-cpu-allocator-tuning: the loop and model alone
   plain loop                 a hand-written loop on the same model, glibc default
   HF Trainer                 GPT2LMHeadModel of the same shape, Trainer defaults (adamw_torch_fused)
@@ -47,8 +47,8 @@ def steady_seconds(stamps: list[float], warmup: int) -> float:
 
 
 def run_rapidtrain(o: argparse.Namespace, precision: list[str]) -> float:
-    from rapidtrain.engine import Engine
     from rapidtrain.pretrain import MegatronPreTrainer
+    from rapidtrain.train.engine import Engine
 
     stamps: list[float] = []
 
@@ -134,7 +134,7 @@ def run_one(o: argparse.Namespace) -> float:
     """Seconds per steady step of one system at one precision (the child process's whole job)."""
     import tempfile
 
-    from rapidtrain.cpu_allocator import keep_freed_memory
+    from rapidtrain.core.cpu_allocator import keep_freed_memory
 
     bf16 = o.precision == "bf16"
     if o.system == "rapidtrain":

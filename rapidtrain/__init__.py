@@ -11,12 +11,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Engine": "rapidtrain.engine",
-    "RapidformerEngine": "rapidtrain.engine",
-    "get_args": "rapidtrain.engine",
-    "Trainer": "rapidtrain.trainers.trainer",
-    "PreTrainer": "rapidtrain.trainers.pretrainer",
-    "Finetuner": "rapidtrain.trainers.finetuner",
+    "Engine": "rapidtrain.train.engine",
+    "RapidformerEngine": "rapidtrain.train.engine",
+    "get_args": "rapidtrain.train.engine",
+    "Trainer": "rapidtrain.train.trainer",
+    "PreTrainer": "rapidtrain.train.pretrainer",
+    "Finetuner": "rapidtrain.train.finetuner",
     # Megatron-LM's user-code API (rapidtrain/compat/megatron.py), for scripts written against Megatron.
     "get_tokenizer": "rapidtrain.compat.megatron",
     "print_rank_0": "rapidtrain.compat.megatron",

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from rapidtrain import arguments, plan, rules
-from rapidtrain.errors import UserError, user_errors
+from rapidtrain.config import arguments, plan, rules
+from rapidtrain.core.errors import UserError, user_errors
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 USAGE = """usage:
@@ -52,7 +52,7 @@ def torchrun_command(args: argparse.Namespace, script: Path, argv: list[str], de
     """torchrun (through `torchrun_command`'s quiet wrapper) on this node: Rapidformer's environment (NNODES,
     NODE_RANK, MASTER_*), else Slurm's (node count, node id, first host of the node list), else one standalone
     node."""
-    from rapidtrain.slurm import node_layout
+    from rapidtrain.core.slurm import node_layout
 
     nodes = node_layout(os.environ if env is None else env)
     nproc = args.nproc_per_node or plan.default_nproc_per_node(device_type) or 1
@@ -103,16 +103,16 @@ def launch(argv: list[str]) -> int:
         return 0
     rules.exit_on_conflicts(args, ctx)
     check_inputs_before_launch(args)
-    from rapidtrain.shutdown import run_forwarding_signals
+    from rapidtrain.core.shutdown import run_forwarding_signals
 
-    # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/shutdown.py).
+    # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/core/shutdown.py).
     return run_forwarding_signals(torchrun_command(args, script, argv, ctx.device_type))
 
 
 def check_inputs_before_launch(args: argparse.Namespace) -> None:
     """What can fail on files is checked here, before torchrun starts its workers: the save folder, and for
     the built-in pretraining the tokenizer and data files (a UserError names the flag or file)."""
-    from rapidtrain.save_folder import check_resume_safety, check_save_writable
+    from rapidtrain.checkpoint.save_folder import check_resume_safety, check_save_writable
 
     check_resume_safety(args.save, args.load)
     if args.save:
@@ -174,7 +174,7 @@ def demo_data_command(argv: list[str]) -> int:
 
 
 def generate_command(argv: list[str]) -> int:
-    from rapidtrain.generation import generate_command as run
+    from rapidtrain.train.generation import generate_command as run
 
     return run(argv)
 
@@ -184,7 +184,7 @@ TORCHRUN = "_torchrun"  # internal: the launcher's torchrun, not a command users
 
 def quiet_torchrun(argv: list[str]) -> int:
     """torch.distributed.run as the launcher starts it: SIGTERM is passed to the ranks, which save and exit,
-    and waited for (rapidtrain/shutdown.py); workers that all stopped on a user error (status 2, their message
+    and waited for (rapidtrain/core/shutdown.py); workers that all stopped on a user error (status 2, their message
     already printed by rank 0) end with status 2 instead of torchrun's traceback and failure report."""
     import logging
     import signal
@@ -193,7 +193,7 @@ def quiet_torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from rapidtrain.shutdown import PARENT_PID_ENV, RankSignalForwarder, parent_pid_from_env, stop_with_parent
+    from rapidtrain.core.shutdown import PARENT_PID_ENV, RankSignalForwarder, parent_pid_from_env, stop_with_parent
 
     stop_with_parent(parent_pid_from_env())  # the launcher SIGKILLed: stop the ranks (they save), not orphan them
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the ranks' parent, for their own parent-death check

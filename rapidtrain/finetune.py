@@ -19,9 +19,9 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from rapidtrain.engine import Engine  # noqa: E402
-from rapidtrain.errors import user_errors  # noqa: E402
-from rapidtrain.trainers.finetuner import Finetuner  # noqa: E402
+from rapidtrain.core.errors import user_errors  # noqa: E402
+from rapidtrain.train.engine import Engine  # noqa: E402
+from rapidtrain.train.finetuner import Finetuner  # noqa: E402
 
 
 class TaskFinetuner(Finetuner):

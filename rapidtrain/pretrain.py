@@ -18,10 +18,10 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from rapidtrain.core.errors import user_errors  # noqa: E402
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
-from rapidtrain.engine import Engine  # noqa: E402
-from rapidtrain.errors import user_errors  # noqa: E402
-from rapidtrain.trainers.pretrainer import PreTrainer  # noqa: E402
+from rapidtrain.train.engine import Engine  # noqa: E402
+from rapidtrain.train.pretrainer import PreTrainer  # noqa: E402
 
 ENTRY = "pretrain"  # its declared defaults: arguments.ENTRY_DEFAULTS (and the demo's without --data-path)
 
@@ -166,7 +166,7 @@ class MegatronPreTrainer(PreTrainer):
     def print_demo_sample(self) -> None:
         """What the demo's model writes after the prompt: a newcomer sees what training did. Tensor-parallel ranks
         generate together (each runs its heads); a pipeline stage or a sharded model cannot generate alone."""
-        from rapidtrain.generation import generate_sample
+        from rapidtrain.train.generation import generate_sample
 
         reason = demo_sample_unavailable(self.plan)
         if reason:

@@ -3,9 +3,9 @@ replaces `from rapidformer.model.transformer.gpt_model import GPTModel` (and `ra
 parallel_transformer`) and `from rapidformer.dataset.gpt_dataset import GPTDataset`."""
 
 from rapidtrain.compat.rapidformer import GPTDataset, GPTFinetuner, GPTModel
-from rapidtrain.engine import Engine as RapidformerEngine
-from rapidtrain.engine import get_args
-from rapidtrain.trainers.finetuner import Finetuner
-from rapidtrain.trainers.pretrainer import PreTrainer
+from rapidtrain.train.engine import Engine as RapidformerEngine
+from rapidtrain.train.engine import get_args
+from rapidtrain.train.finetuner import Finetuner
+from rapidtrain.train.pretrainer import PreTrainer
 
 __all__ = ["Finetuner", "GPTDataset", "GPTFinetuner", "GPTModel", "PreTrainer", "RapidformerEngine", "get_args"]

@@ -28,9 +28,9 @@ class UserScriptError(SystemExit):
 
 
 def _templates() -> tuple[type, ...]:
-    from rapidtrain.trainers.finetuner import Finetuner
-    from rapidtrain.trainers.pretrainer import PreTrainer
-    from rapidtrain.trainers.trainer import Trainer
+    from rapidtrain.train.finetuner import Finetuner
+    from rapidtrain.train.pretrainer import PreTrainer
+    from rapidtrain.train.trainer import Trainer
 
     return Trainer, PreTrainer, Finetuner
 
@@ -50,7 +50,7 @@ def template_subclasses(namespace: dict[str, Any]) -> list[type]:
 
 
 def _engine_created() -> int:
-    import rapidtrain.engine as engine_module
+    import rapidtrain.train.engine as engine_module
 
     return id(engine_module._GLOBAL_ARGS) if engine_module._GLOBAL_ARGS is not None else 0
 
@@ -70,7 +70,7 @@ def run_user_script(script: str | Path, argv: list[str]) -> None:
         return
     subclasses = template_subclasses(namespace)
     if len(subclasses) == 1:
-        from rapidtrain.engine import Engine
+        from rapidtrain.train.engine import Engine
 
         subclasses[0](engine=Engine()).train()
         return

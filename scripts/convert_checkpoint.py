@@ -27,13 +27,9 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from rapidtrain.checkpoint_reader import (  # noqa: E402
-    checkpoint_directory,
-    consolidated_model_state,
-    saved_args,
-    saved_model_config,
-)
-from rapidtrain.errors import UserError, user_errors  # noqa: E402
+from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state  # noqa: E402
+from rapidtrain.config.saved_checkpoint import saved_args, saved_model_config  # noqa: E402
+from rapidtrain.core.errors import UserError, user_errors  # noqa: E402
 from rapidtrain.models.config import ModelConfig  # noqa: E402
 
 

@@ -4,6 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m ruff check rapidtrain tests scripts bench examples templates
-# Types of the pure layers (flags, rules, partitioning switches, plan, data); [tool.mypy] in pyproject.toml.
-.venv/bin/python -m mypy rapidtrain/arguments.py rapidtrain/rules.py rapidtrain/partitioning.py rapidtrain/plan.py rapidtrain/data
+# Types of the pure layers (config: flags, rules, partitioning, plan; data); [tool.mypy] in pyproject.toml.
+.venv/bin/python -m mypy rapidtrain/config rapidtrain/data
 exec .venv/bin/python -m pytest "$@"

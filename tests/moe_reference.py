@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from rapidtrain.models.moe import MoELayer, load_balancing_loss, set_aux_loss_scale
-from rapidtrain.trainers.trainer import Trainer
+from rapidtrain.train.trainer import Trainer
 
 VOCAB, SEQ, MICRO = 64, 8, 2
 

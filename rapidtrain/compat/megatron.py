@@ -18,14 +18,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 from rapidtrain.models.bert import BertModel as _BuiltinBert
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.gpt import GPTModel as _BuiltinGPT
 
 
 def _engine() -> Any:
-    from rapidtrain.engine import current_engine
+    from rapidtrain.train.engine import current_engine
 
     return current_engine()
 
@@ -247,8 +247,8 @@ def pretrain(
     model of `model_provider(pre_process, post_process)` on the datasets of
     `train_valid_test_dataset_provider(train_val_test_num_samples)` with `forward_step_func(data_iterator,
     model)` through rapidtrain's PreTrainer (its loop, layouts, checkpoints and log line)."""
-    from rapidtrain.engine import Engine
-    from rapidtrain.trainers.pretrainer import PreTrainer
+    from rapidtrain.train.engine import Engine
+    from rapidtrain.train.pretrainer import PreTrainer
 
     class MegatronScript(PreTrainer):
         def train_valid_test_datasets_provider(self, train_val_test_num_samples: list[int]) -> tuple:

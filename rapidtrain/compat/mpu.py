@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 
 def _engine() -> Any:
-    from rapidtrain.engine import current_engine
+    from rapidtrain.train.engine import current_engine
 
     return current_engine()
 
@@ -43,7 +43,7 @@ def _rank(name: str) -> int:
 
 
 def model_parallel_is_initialized() -> bool:
-    from rapidtrain import engine
+    from rapidtrain.train import engine
 
     return engine._CURRENT_ENGINE is not None
 

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from rapidtrain.compat.megatron import GPTModel as MegatronGPTModel
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 from rapidtrain.models.moe import moe_layers
 from rapidtrain.parallel.runner import as_loss
-from rapidtrain.trainers.finetuner import Finetuner
+from rapidtrain.train.finetuner import Finetuner
 
 
 class GPTModel(MegatronGPTModel):

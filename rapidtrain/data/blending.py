@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from rapidtrain.core.errors import UserError
 from rapidtrain.data.index_cache import DataConfigError, index_cache_dir, load_or_build_cached_indices
-from rapidtrain.errors import UserError
 
 # Megatron asks each component for 0.5% more than its share, so rounding never runs it dry.
 BLEND_MARGIN = 1.005

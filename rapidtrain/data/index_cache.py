@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 
 
 class DataConfigError(UserError, ValueError):

@@ -14,7 +14,7 @@ from typing import overload
 
 import numpy as np
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 
 MMAP_MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"

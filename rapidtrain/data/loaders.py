@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from rapidtrain.core.shutdown import ignore_sigterm_in_worker
 from rapidtrain.data.dynamic_shape import LengthBucketBatchSampler
 from rapidtrain.data.samplers import (
     MegatronPretrainingSampler,
     MegatronRandomSampler,
     check_data_parallel_layout,
 )
-from rapidtrain.shutdown import ignore_sigterm_in_worker
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

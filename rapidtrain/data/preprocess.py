@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rapidtrain.core.errors import UserError
 from rapidtrain.data.indexed import IndexedDatasetBuilder, best_dtype
 from rapidtrain.data.sentences import split_sentences
 from rapidtrain.data.tokenizer import Tokenizer, TokenizerSettings, build_tokenizer
-from rapidtrain.errors import UserError
 
 _MAX_REPORTED_BAD_LINES = 10
 

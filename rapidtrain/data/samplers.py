@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 
 
 class SamplerError(UserError, ValueError):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 
 TokenizerType = Literal[
     "GPT2BPETokenizer",

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 
 FolderKind = Literal["huggingface", "rapidtrain", "missing", "other"]
 
@@ -39,7 +39,7 @@ class UnsupportedModel(UserError, ValueError):
 
 def classify_folder(path: str | Path) -> FolderKind:
     """What a --pretrained-model-name-or-path folder is: a Hugging Face model (config.json), a rapidtrain or
-    Megatron-style checkpoint (latest_checkpointed_iteration.txt; compat.flags loads it as --load), missing,
+    Megatron-style checkpoint (latest_checkpointed_iteration.txt; config.meanings loads it as --load), missing,
     or something else."""
     folder = Path(path)
     if not folder.is_dir():

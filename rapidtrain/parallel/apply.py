@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from rapidtrain.config.plan import Plan
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -19,7 +20,6 @@ from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.meta_init import is_on_meta, materialize
 from rapidtrain.parallel.runner import TorchRunner
 from rapidtrain.parallel.transforms import apply_transforms
-from rapidtrain.plan import Plan
 
 
 def parallelize(

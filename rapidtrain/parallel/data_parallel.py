@@ -74,8 +74,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool
     DTensors, and are reduced over their own group (parallel/experts.py)."""
     from torch.distributed.fsdp import fully_shard
 
+    from rapidtrain.config.plan import experts_sharded_by_fsdp2
     from rapidtrain.parallel.experts import expert_parameters, place_experts_on_mesh_of_others, shard_experts_with_fsdp
-    from rapidtrain.plan import experts_sharded_by_fsdp2
 
     experts = set(expert_parameters(model).values())
     if experts and experts_sharded_by_fsdp2(mesh.layout, tuple({p.shape[1] for p in experts})):

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rapidtrain.errors import UserError
+from rapidtrain.config.plan import Plan, Precision, ZeroSettings, read_user_config
+from rapidtrain.core.errors import UserError
 from rapidtrain.models.transformer import canonical_name
 from rapidtrain.optim.grad_scaler import LossScaleSettings
 from rapidtrain.optim.optimizers import OFFLOAD_OPTIMIZERS, OptimizerSettings, build_optimizer, param_groups
@@ -35,7 +36,6 @@ from rapidtrain.parallel.runner import (
     evaluate_micro_batches,
     run_micro_batches,
 )
-from rapidtrain.plan import Plan, Precision, ZeroSettings, read_user_config
 
 
 def zero_stage_of(plan: Plan) -> int:

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rapidtrain.config.plan import Plan
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import GradNorm, TorchRunner
 from rapidtrain.parallel.zero_redundancy import OSSRunner
-from rapidtrain.plan import Plan
 
 
 def fairscale_oss(

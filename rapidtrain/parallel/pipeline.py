@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
+from rapidtrain.config.plan import Plan
 from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
@@ -45,7 +46,6 @@ from rapidtrain.parallel.runner import (
     per_token_scale,
     scaled,
 )
-from rapidtrain.plan import Plan
 
 FIRST_STAGE_PARTS = ("embedding",)
 LAST_STAGE_PARTS = ("final_norm", "output", "lm_head", "pooler", "binary_head")

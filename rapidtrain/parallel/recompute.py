@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 if TYPE_CHECKING:
-    from rapidtrain.plan import RecomputeSettings
+    from rapidtrain.config.plan import RecomputeSettings
 
 # ---- op-level policy ----
 
@@ -118,7 +118,7 @@ def apply_recompute(model: nn.Module, blocks: list[nn.Module], settings: Recompu
     """Replace the chosen `blocks` of `model` (in place) by their recomputing wrappers; returns how many."""
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if settings.granularity == "selective" and attention not in (None, "sdpa", "flex_attention"):
-        from rapidtrain.errors import UserError
+        from rapidtrain.core.errors import UserError
 
         # An eager attention computes the scores itself: there is no attention-core call to recompute.
         raise UserError(f"--recompute-granularity selective recomputes scaled_dot_product_attention / flex_attention "

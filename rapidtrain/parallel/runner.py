@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rapidtrain.config.plan import Precision
 from rapidtrain.optim.grad_scaler import LossScaler
-from rapidtrain.plan import Precision
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
+    from rapidtrain.config.plan import Plan, Switches
     from rapidtrain.parallel.mesh import ParallelMesh
-    from rapidtrain.plan import Plan, Switches
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

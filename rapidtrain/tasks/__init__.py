@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from rapidtrain.arguments import TASK_ALIASES
-from rapidtrain.errors import UserError
+from rapidtrain.config.arguments import TASK_ALIASES
+from rapidtrain.core.errors import UserError
+from rapidtrain.models.lora import LoraSettings, add_lora, prepare_quantised, quantization_config
 from rapidtrain.tasks.base import Task, load_model
 from rapidtrain.tasks.classification import SequenceClassification, TokenClassification
 from rapidtrain.tasks.language_modeling import CausalLM, MaskedLM, Seq2SeqLM
-from rapidtrain.tasks.lora import LoraSettings, add_lora, prepare_quantised, quantization_config
 from rapidtrain.tasks.question_answering import QuestionAnswering
 
 # Each task is named once, by its class (`Task.name`, the --task value); the flags list the same names in

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rapidtrain.core.errors import UserError
 from rapidtrain.data.dynamic_shape import round_up
-from rapidtrain.errors import UserError
 
 Records = list[dict[str, Any]]
 Gather = Callable[[torch.Tensor], torch.Tensor]

@@ -9,13 +9,13 @@ import torch
 
 import rapidtrain
 from rapidtrain.compat import megatron, mpu
+from rapidtrain.core.errors import UserError
+from rapidtrain.core.metrics import IntervalStats
 from rapidtrain.data.gpt_dataset import ltor_masks_and_position_ids
-from rapidtrain.engine import Engine
-from rapidtrain.errors import UserError
-from rapidtrain.metrics import IntervalStats
 from rapidtrain.models import build_model
 from rapidtrain.parallel.runner import as_loss
-from rapidtrain.trainers.reporting import IntervalTotals, IterationResult, build_log_line
+from rapidtrain.train.engine import Engine
+from rapidtrain.train.reporting import IntervalTotals, IterationResult, build_log_line
 
 FLAGS = ["--train-iters", "1", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
          "--data-path", "unused", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from rapidtrain import arguments, plan, rules
+from rapidtrain.config import arguments, plan, rules
+from rapidtrain.config.plan import RunContext
 from rapidtrain.data.samplers import MegatronRandomSampler
 from rapidtrain.parallel.deepspeed import DeepSpeedConfigConflict, merge_user_config
-from rapidtrain.plan import RunContext
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
@@ -138,7 +138,7 @@ def test_keep_last_completes_the_epoch_instead_of_dropping_its_rest():
 
 
 def test_a_warm_up_past_a_short_fine_tune_is_shortened_with_a_warning(capsys):
-    from rapidtrain.engine import Engine
+    from rapidtrain.train.engine import Engine
 
     engine = Engine(argv=["--task", "sequence_classification", "--epochs", "2", "--lr", "1e-3",
                           "--lr-warmup-iters", "100"])

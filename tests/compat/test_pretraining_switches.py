@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rapidtrain.engine import Engine
 from rapidtrain.pretrain import MegatronPreTrainer
+from rapidtrain.train.engine import Engine
 from tests.launch import TINY_GPT_PARITY, pretrain, read_losses, relative_difference
 
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",

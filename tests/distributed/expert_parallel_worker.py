@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from rapidtrain.engine import Engine
+from rapidtrain.config.plan import Precision
 from rapidtrain.models import build_model
 from rapidtrain.parallel.experts import ExpertParallelExperts
 from rapidtrain.parallel.runner import TorchRunner
-from rapidtrain.plan import Precision
+from rapidtrain.train.engine import Engine
 from tests.moe_reference import (
     OneStepTrainer,
     canonical,

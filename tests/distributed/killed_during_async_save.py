@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rapidtrain.engine import Engine  # noqa: E402
 from rapidtrain.pretrain import ENTRY, MegatronPreTrainer  # noqa: E402
+from rapidtrain.train.engine import Engine  # noqa: E402
 
 
 class KilledDuringAsyncSave(MegatronPreTrainer):

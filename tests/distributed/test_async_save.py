@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidtrain.checkpoint import LATEST_FILE, read_metadata_file, safe_dcp_load, verify_checkpoint
+from rapidtrain.checkpoint.checkpointer import LATEST_FILE, read_metadata_file, safe_dcp_load, verify_checkpoint
 from tests.launch import TINY_GPT_PARITY, pretrain, read_losses
 
 pytestmark = [pytest.mark.slow,  # four 2-rank runs

@@ -150,8 +150,8 @@ def test_fsdp_accumulation_reduces_only_on_the_last_micro_batch(probes, mode):
 
 
 def test_fsdp_cpu_offload_is_refused_with_reason():
-    from rapidtrain import arguments, rules
-    from rapidtrain.plan import RunContext
+    from rapidtrain.config import arguments, rules
+    from rapidtrain.config.plan import RunContext
 
     args = arguments.parse_args(
         ["--train-iters", "1", "--lr", "1e-3", "--fsdp-memory-optimization", "--cpu-offload"]
@@ -165,8 +165,8 @@ def test_fsdp_cpu_offload_is_refused_with_reason():
 
 
 def test_fairscale_fsdp_is_refused_with_reason():
-    from rapidtrain import arguments, rules
-    from rapidtrain.plan import RunContext
+    from rapidtrain.config import arguments, rules
+    from rapidtrain.config.plan import RunContext
 
     args = arguments.parse_args(
         [
@@ -218,8 +218,8 @@ def probe_gradient_sync(flags: list[str]) -> dict[str, list]:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    from rapidtrain.engine import Engine
     from rapidtrain.models import build_model
+    from rapidtrain.train.engine import Engine
 
     engine = Engine(argv=PROBE + flags)
     module, *_ = engine.compose(build_model(engine.plan.model, seed=1))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidtrain.checkpoint import CheckpointError
+from rapidtrain.checkpoint.checkpointer import CheckpointError
 from tests.launch import TINY_GPT_PARITY, pretrain, read_losses
 
 KILLED_PRETRAIN = Path(__file__).resolve().parent / "killed_pretrain.py"

@@ -66,8 +66,8 @@ def probe(precision: str, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from rapidtrain.engine import Engine
     from rapidtrain.models import build_model
+    from rapidtrain.train.engine import Engine
 
     flags = [*SHAPE, "--fsdp-memory-optimization", "--global-batch-size", "2", "--train-iters", "2"]
     engine = Engine(argv=flags + ([f"--{precision}"] if precision != "fp32" else []), entry="pretrain")

@@ -91,7 +91,7 @@ def own_loop(flags: list[str]) -> dict:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    from rapidtrain.engine import Engine
+    from rapidtrain.train.engine import Engine
 
     engine = Engine(argv=FLAGS + flags)
     loader = DataLoader(

@@ -106,8 +106,8 @@ def optimizers_of(runner: Any) -> list[Any]:
 def probe(out: Path) -> None:
     import torch.distributed as dist
 
-    from rapidtrain.engine import Engine
     from rapidtrain.pretrain import ENTRY, MegatronPreTrainer
+    from rapidtrain.train.engine import Engine
 
     counter = ReadCounter()
     counter.install()

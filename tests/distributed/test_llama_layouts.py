@@ -162,7 +162,7 @@ def test_checkpoints_saved_under_tp2_and_pp2_generate_in_one_process(runs, capsy
     import argparse
 
     from rapidtrain import cli
-    from rapidtrain.generation import load_for_generation
+    from rapidtrain.train.generation import load_for_generation
 
     prompt = torch.tensor([[5, 17, 300, 42, 7]])
     logits, texts = [], []

@@ -59,9 +59,9 @@ def probe(out: Path) -> None:
     import torch.distributed as dist
 
     import __main__
-    from rapidtrain.engine import Engine
     from rapidtrain.models import build_model
     from rapidtrain.pretrain import ENTRY, MegatronPreTrainer
+    from rapidtrain.train.engine import Engine
 
     # The probe runs pretrain.py's code path: its plan must be the built-in pretraining's, not a user script's.
     __main__.__file__ = str(PRETRAIN)

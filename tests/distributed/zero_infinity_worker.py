@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rapidtrain.engine import Engine  # noqa: E402
 from rapidtrain.models import build_model  # noqa: E402
 from rapidtrain.parallel.deepspeed import parameter_residency  # noqa: E402
+from rapidtrain.train.engine import Engine  # noqa: E402
 
 # Vocabulary 8192 × hidden 128: the embedding's shard per rank (2 MiB) passes DeepSpeed's 1 MiB async-I/O block,
 # below which NVMe-offloaded shards stay in host memory.

@@ -164,7 +164,7 @@ def rewrite_manifest(directory: Path) -> None:
     path = directory / "manifest.json"
     if not path.exists():
         return
-    from rapidtrain.checkpoint import file_checksum
+    from rapidtrain.checkpoint.checkpointer import file_checksum
 
     manifest = json.loads(path.read_text())
     manifest["files"] = {name: file_checksum(directory / name) for name in manifest["files"]}

@@ -12,10 +12,10 @@ import re
 
 import pytest
 
-from rapidtrain.engine import Engine
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 from rapidtrain.pretrain import ENTRY, MegatronPreTrainer
 from rapidtrain.tasks import toy
+from rapidtrain.train.engine import Engine
 from tests.e2e.test_bad_inputs import captured
 from tests.launch import TINY_GPT_SHAPE
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidtrain import arguments, plan
+from rapidtrain.config import arguments, plan
 from rapidtrain.pretrain import DEMO_PROMPT, DEMO_SAMPLE_TOKENS, demo_sample_unavailable
 from tests.launch import TINY_GPT_SHAPE, pretrain
 
@@ -16,7 +16,7 @@ TINY = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--global-batch-size", "4", 
 
 @pytest.mark.slow
 def test_demo_prints_the_trained_models_greedy_sample(tmp_path, demo_data):
-    from rapidtrain.generation import generate_sample, load_for_generation
+    from rapidtrain.train.generation import generate_sample, load_for_generation
 
     result = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck")])
     lines = result.stdout.splitlines()

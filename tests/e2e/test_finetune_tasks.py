@@ -13,8 +13,8 @@ import torch
 
 from rapidtrain.data.loaders import EvalBatchSampler, gather_across_ranks
 from rapidtrain.finetune import main as finetune
-from rapidtrain.own_loop import AccumulationTracker
 from rapidtrain.tasks import metrics, toy
+from rapidtrain.train.own_loop import AccumulationTracker
 from tests.launch import REPO, child_env, read_losses, relative_difference
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),

@@ -71,9 +71,9 @@ def test_a_4bit_base_trains_again_after_an_evaluation(tiny):
     """bitsandbytes repacks 4-bit weights for its CPU inference kernel when a layer first runs in eval mode (on
     AVX512-BF16 CPUs) and never undoes it; rapidtrain keeps the training layout, so evaluating between epochs does
     not break the next training step."""
+    from rapidtrain.models.lora import LoraSettings
     from rapidtrain.tasks import build_task, load_task_model
     from rapidtrain.tasks.base import load_tokenizer
-    from rapidtrain.tasks.lora import LoraSettings
 
     model_dir, _ = tiny
     task = build_task("sequence_classification", load_tokenizer(str(model_dir)), seq_length=16)

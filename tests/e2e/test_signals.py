@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidtrain.checkpoint import latest_iteration, verify_checkpoint
+from rapidtrain.checkpoint.checkpointer import latest_iteration, verify_checkpoint
 from rapidtrain.tasks import toy
 from tests.launch import PRETRAIN, REPO, TINY_GPT_SHAPE, child_env, free_port, read_losses
 
@@ -246,8 +246,8 @@ def test_resume_after_sigterm_gives_the_uninterrupted_losses(uninterrupted, tmp_
 def test_sigterm_during_setup_trains_one_iteration_and_saves(tmp_path, demo_data):
     """The handler exists from the trainer's construction: a SIGTERM before the data and model are set up is
     kept, and the run saves after its first iteration instead of dying with nothing."""
-    from rapidtrain.engine import Engine
     from rapidtrain.pretrain import ENTRY, MegatronPreTrainer
+    from rapidtrain.train.engine import Engine
 
     save = tmp_path / "ck"
     flags = [*PRETRAIN_FLAGS, "--num-workers", "0", "--save", str(save)]

@@ -323,8 +323,8 @@ def own_loop_start() -> list[torch.Tensor]:
 
 
 def test_a_user_script_may_count_epochs_while_builtin_pretraining_may_not():
-    from rapidtrain import arguments, rules
-    from rapidtrain.plan import RunContext
+    from rapidtrain.config import arguments, rules
+    from rapidtrain.config.plan import RunContext
 
     flags = ["--epochs", "2", "--lr", "1e-3"]
     builtin = rules.violations(arguments.parse_args(flags), RunContext())
@@ -334,7 +334,7 @@ def test_a_user_script_may_count_epochs_while_builtin_pretraining_may_not():
 
 
 def test_a_user_optimizer_follows_parameters_the_wrapping_replaced():
-    from rapidtrain.own_loop import rebind_optimizer
+    from rapidtrain.train.own_loop import rebind_optimizer
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -43,8 +43,8 @@ def probe(out: Path) -> None:
     import torch
 
     import __main__
-    from rapidtrain.engine import Engine
     from rapidtrain.pretrain import ENTRY, MegatronPreTrainer
+    from rapidtrain.train.engine import Engine
 
     __main__.__file__ = str(PRETRAIN)  # pretrain.py's plan, not a user script's
     syncs: list[dict[str, Any]] = []

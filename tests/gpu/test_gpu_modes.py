@@ -46,7 +46,7 @@ MODES = {
 
 
 def known_gpu() -> bool:
-    from rapidtrain.peak_flops import known_gpu as lookup
+    from rapidtrain.core.peak_flops import known_gpu as lookup
 
     return lookup(torch.cuda.get_device_name()) is not None
 

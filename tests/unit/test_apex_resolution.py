@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from rapidtrain import arguments, rules
+from rapidtrain.config import arguments, rules
+from rapidtrain.config.plan import RunContext, from_args
 from rapidtrain.optim.optimizers import apex_optimizer_class, build_optimizer
-from rapidtrain.plan import RunContext, from_args
 
 STAND_IN_APEX = '''
 """STAND-IN for NVIDIA apex's fused optimizers (tests only): plain tensors only, as apex's kernels."""

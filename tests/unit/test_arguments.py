@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidtrain import arguments
+from rapidtrain.config import arguments
 
 SNAPSHOT = Path(__file__).with_name("flags_snapshot.txt")
 

@@ -10,15 +10,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
-from rapidtrain import arguments, rules
+from rapidtrain.config import arguments, rules
+from rapidtrain.config.plan import RunContext, from_args
 from rapidtrain.data.gpt_dataset import ltor_masks_and_position_ids
-from rapidtrain.engine import Engine
 from rapidtrain.models import build_model
 from rapidtrain.models.attention import attend, flex_block_mask
 from rapidtrain.models.attention_backends import NAMES, resolve
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.plan import RunContext, from_args
-from rapidtrain.trainers.trainer import Trainer
+from rapidtrain.train.engine import Engine
+from rapidtrain.train.trainer import Trainer
 
 CPU_TRAINING_BACKENDS = ("auto", "sdpa", "flash", "flash_attention_2", "unfused", "local", "eager")
 CPU_KERNELS = ("sdpa", "sdpa_flash", "eager", "flex")  # flex: forward only on CPU

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from rapidtrain import rules
-from rapidtrain.arguments import parse_args
-from rapidtrain.engine import Engine
-from rapidtrain.plan import DeviceCapability, RunContext, from_args
+from rapidtrain.config import rules
+from rapidtrain.config.arguments import parse_args
+from rapidtrain.config.plan import DeviceCapability, RunContext, from_args
+from rapidtrain.train.engine import Engine
 
 BASE = ["--train-iters", "10", "--lr", "1e-3", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "64", "--global-batch-size", "32"]
@@ -24,7 +24,7 @@ def plan_for(flags: list[str], ctx: RunContext | None = None):
 def test_auto_micro_batch_size_takes_the_largest_divisor_that_fits_and_keeps_the_global_batch():
     plain = plan_for(["--micro-batch-size", "16"])
     state = plain.memory.total_bytes
-    from rapidtrain.plan import activation_bytes_per_sample
+    from rapidtrain.config.plan import activation_bytes_per_sample
 
     per_sample = activation_bytes_per_sample(plain.model, plain.precision, plain.switches.recompute)
     budget_gb = (state + 5.5 * per_sample) / 2**30  # micro 5 would fit, but 32 % 5 != 0: the largest divisor is 4
@@ -56,9 +56,9 @@ def test_the_chosen_micro_batch_reaches_the_run():
 def test_the_activation_estimate_is_near_the_measured_bytes():
     import torch
 
+    from rapidtrain.config.plan import activation_bytes_per_sample
     from rapidtrain.models import build_model
     from rapidtrain.parallel.recompute import count_saved_activations
-    from rapidtrain.plan import activation_bytes_per_sample
 
     plan = plan_for([])
     model = build_model(plan.model, seed=0)

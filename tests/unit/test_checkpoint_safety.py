@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from rapidtrain.checkpoint import (
+from rapidtrain.checkpoint.checkpointer import (
     COMMON_FILE,
     LEGACY_COMMON_FILE,
     MANIFEST_FILE,
@@ -240,7 +240,7 @@ def test_a_full_disk_during_a_save_is_named_and_leaves_no_partial_checkpoint(tmp
         import resource, signal, sys
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG instead of killing
         from tests.unit.test_checkpoint_safety import ModelAndOptimizer, schedule, ARGS
-        from rapidtrain.checkpoint import save_checkpoint, CheckpointError
+        from rapidtrain.checkpoint.checkpointer import save_checkpoint, CheckpointError
         runner = ModelAndOptimizer()
         save_checkpoint({str(tmp_path / 'ck')!r}, 2, runner, schedule(runner), 8, ARGS)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))

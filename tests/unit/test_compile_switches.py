@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 
-from rapidtrain import arguments, rules
+from rapidtrain.config import arguments, rules
+from rapidtrain.config.plan import RunContext, from_args
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.parallel.transforms import apply_graph_optimization, transformer_blocks
-from rapidtrain.plan import RunContext, from_args
 
 COMPILED_GRAPHS: list[torch.fx.GraphModule] = []
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rapidtrain import arguments, plan
-from rapidtrain.cpu_allocator import glibc_version
-from rapidtrain.plan import RunContext
+from rapidtrain.config import arguments, plan
+from rapidtrain.config.plan import RunContext
+from rapidtrain.core.cpu_allocator import glibc_version
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 # blocks); prints the minor page faults of each step.
 STEPS = """
 import json, resource, sys, torch
-from rapidtrain.engine import Engine
+from rapidtrain.train.engine import Engine
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 Engine(argv=["--train-iters", "1", "--lr", "1e-4", *sys.argv[1:]])

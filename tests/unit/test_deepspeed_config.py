@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from rapidtrain import arguments, plan
+from rapidtrain.config import arguments, plan
+from rapidtrain.config.plan import RunContext
 from rapidtrain.models.transformer import canonical_name
 from rapidtrain.parallel.deepspeed import deepspeed_config, offload_optimizer_config
-from rapidtrain.plan import RunContext
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--micro-batch-size", "2", "--global-batch-size", "8"]
 

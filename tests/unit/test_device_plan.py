@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from rapidtrain import arguments, plan, rules
-from rapidtrain.peak_flops import known_gpu, peak_flops
-from rapidtrain.plan import DeviceCapability, RunContext
+from rapidtrain.config import arguments, plan, rules
+from rapidtrain.config.plan import DeviceCapability, RunContext
+from rapidtrain.core.peak_flops import known_gpu, peak_flops
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 AMX_CPU = DeviceCapability("AVX512", native_bf16=True)

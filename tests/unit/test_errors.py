@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidtrain.errors import UserError, user_errors
+from rapidtrain.core.errors import UserError, user_errors
 
 
 @user_errors("tool")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rapidtrain import cli
-from rapidtrain.generation import SamplingSettings, generate, generate_sample, next_token
 from rapidtrain.models import ModelConfig, build_model
+from rapidtrain.train.generation import SamplingSettings, generate, generate_sample, next_token
 from tests.launch import TINY_GPT_SHAPE
 
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,

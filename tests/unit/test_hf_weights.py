@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidtrain import arguments, plan, rules
+from rapidtrain.config import arguments, plan, rules
 from rapidtrain.models import build_model
 from rapidtrain.models.hf_config import UnsupportedModel
 from rapidtrain.models.hf_weights import WeightsReader, export_family, hf_state_dict, save_hf_folder

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rapidtrain import arguments, rules
-from rapidtrain.plan import RunContext, from_args
+from rapidtrain.config import arguments, rules
+from rapidtrain.config.plan import RunContext, from_args
+from rapidtrain.models.lora import LoraSettings
 from rapidtrain.tasks import build_task, load_task_model, toy
 from rapidtrain.tasks.base import load_tokenizer
-from rapidtrain.tasks.lora import LoraSettings
 
 HIDDEN, LAYERS, LABELS = 32, 2, 2  # toy.make_task's tiny BERT: intermediate size 2 × hidden
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from rapidtrain import arguments, rules
+from rapidtrain.config import arguments, rules
+from rapidtrain.config.plan import RunContext, from_args, optimizer_state_bytes_per_parameter
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.optim import optimizers
 from rapidtrain.optim.optimizers import OptimizerSettings, OptimizerUnavailable, build_optimizer, resolve_optimizer
 from rapidtrain.optim.state_bytes import measured_state_bytes, optimizer_state_bytes
-from rapidtrain.plan import RunContext, from_args, optimizer_state_bytes_per_parameter
 
 # Hidden 64: the matrices pass the 4096-element threshold of block-wise 8-bit state, norms and biases do not.
 CONFIG = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=128,

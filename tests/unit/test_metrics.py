@@ -5,7 +5,7 @@ from datetime import datetime
 import pytest
 import torch
 
-from rapidtrain.metrics import (
+from rapidtrain.core.metrics import (
     IntervalStats,
     TensorBoardWriter,
     ThroughputMeter,

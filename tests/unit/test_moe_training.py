@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rapidtrain import arguments, plan
-from rapidtrain.engine import Engine
+from rapidtrain.config import arguments, plan
+from rapidtrain.config.plan import RunContext
 from rapidtrain.models import ModelConfig, build_model
 from rapidtrain.models.counting import count_parameters, expert_parameter_count, model_flops_per_iteration
-from rapidtrain.plan import RunContext
+from rapidtrain.train.engine import Engine
 from tests.moe_reference import (
     OneStepTrainer,
     capture_step_gradients,
@@ -113,7 +113,7 @@ MOE_8 = "--train-iters 10 --lr 1e-4 --num-layers 4 --hidden-size 64 --num-attent
 
 def resolve(extra: list[str], world: int = 8) -> plan.Plan:
     args = arguments.parse_args(MOE_8 + extra)
-    from rapidtrain import rules
+    from rapidtrain.config import rules
 
     assert rules.violations(args, RunContext(world, "cpu")) == []
     return plan.from_args(args, RunContext(world, "cpu"))
@@ -163,7 +163,7 @@ def test_experts_stay_out_of_fsdp2_where_nothing_to_shard_under_tensor_paralleli
 def test_expert_parallelism_with_pipeline_is_accepted_and_zero3_cpu_offload_fairscale_are_refused():
     staged = resolve(["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
     assert staged.layout.expert_parallel_size == 2 and staged.layout.data_parallel_size == 4
-    from rapidtrain import rules
+    from rapidtrain.config import rules
 
     def refused(extra: list[str]) -> set[str]:
         args = arguments.parse_args(MOE_8 + ["--expert-model-parallel-size", "2", *extra])

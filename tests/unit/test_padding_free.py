@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rapidtrain import arguments, rules
+from rapidtrain.config import arguments, rules
+from rapidtrain.config.plan import RunContext
 from rapidtrain.models import hf_config
-from rapidtrain.plan import RunContext
 from rapidtrain.tasks.base import FlattenCollator, PadCollator
 
 LENGTHS = (7, 3, 12, 5)  # uneven, so the padded batch is mostly padding
@@ -124,7 +124,7 @@ def test_refused_for_tasks_that_do_not_pack():
 
 
 def test_the_plan_says_it():
-    from rapidtrain.plan import from_args
+    from rapidtrain.config.plan import from_args
 
     args = arguments.parse_args(["--task", "causal_lm", "--epochs", "1", "--lr", "1e-4", "--padding-free"])
     plan = from_args(args, RunContext(1, "cpu"))

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from rapidtrain import arguments, plan
-from rapidtrain.plan import Batches, RunContext
+from rapidtrain.config import arguments, plan
+from rapidtrain.config.plan import Batches, RunContext
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 

@@ -13,7 +13,7 @@ PACKAGE = REPO / "rapidtrain"
 # Modules that may read the namespace: they build the plan (arguments, rules, plan), are entry points, or are the
 # Megatron/Rapidformer APIs handed to user scripts (get_args(), mpu, Rapidformer's names).
 ALLOWED_MODULES = {
-    "arguments.py", "rules.py", "plan.py",
+    "config/arguments.py", "config/rules.py", "config/plan.py", "config/meanings.py", "config/saved_checkpoint.py",
     "cli.py", "pretrain.py", "pretrain_gpt.py", "pretrain_bert.py", "finetune.py",
     "rapidformer.py",
 }
@@ -21,32 +21,34 @@ ALLOWED_PACKAGES = {"compat"}
 
 # (module, function) → why it must read a namespace. Keep this list short; each entry needs a reason.
 ALLOWED_FUNCTIONS = {
-    ("engine.py", "Engine.__init__"): "the Engine constructor parses the flags, checks the rules and builds the "
-                                      "plan (only up to `self.plan = ...`: see UP_TO)",
-    ("engine.py", "Engine._megatron_args"): "writes what Megatron's args carry (rank, world size, padded vocabulary) "
-                                            "into get_args() for user scripts; reads nothing back",
-    ("trainers/trainer.py", "Trainer.__init__"): "Rapidformer's Trainer exposes self.args (= get_args()) to the "
-                                                 "user's subclass",
+    ("train/engine.py", "Engine.__init__"):
+        "the Engine constructor parses the flags, checks the rules and builds the plan (only up to `self.plan = ...`: "
+        "see UP_TO)",
+    ("train/engine.py", "Engine._megatron_args"):
+        "writes what Megatron's args carry (rank, world size, padded vocabulary) into get_args() for user scripts; "
+        "reads nothing back",
+    ("train/trainer.py", "Trainer.__init__"):
+        "Rapidformer's Trainer exposes self.args (= get_args()) to the user's subclass",
     # Helpers of plan building: called only while the plan is resolved (test_plan_helpers_are_called_only_...).
     **{("models/hf_config.py", name): "reads --pretrained-model-name-or-path's config.json while the plan is built"
        for name in ("trains_builtin_model", "initialises_builtin", "pretrained_vocab_size", "apply_pretrained_defaults",
                     "pretrained_conflicts", "unsupported_reason", "fine_tuned_config", "finetune_conflicts",
                     "is_megatron_checkpoint")},
-    **{("partitioning.py", name): "the partitioning switches' table, read by the flags, the rules and the plan"
+    **{("config/partitioning.py", name): "the partitioning switches' table, read by the flags, the rules and the plan"
        for name in ("chosen_partitioning", "zero_stage")},
-    ("checkpoint_reader.py", "saved_model_config"): "reads the flags a checkpoint was saved with (not this run's) to "
-                                                    "rebuild an old checkpoint's model",
-    ("generation.py", "load_for_generation"): "`rapidtrain generate` has no plan: it reads its own options and the "
-                                              "flags the checkpoint was saved with",
+    ("config/saved_checkpoint.py", "saved_model_config"):
+        "reads the flags a checkpoint was saved with (not this run's) to rebuild an old checkpoint's model",
+    ("train/generation.py", "load_for_generation"):
+        "`rapidtrain generate` has no plan: it reads its own options and the flags the checkpoint was saved with",
 }
 
 # Where the plan-building helpers above may be used: the modules that build the plan, and the reader of a
 # checkpoint's saved flags (an older checkpoint's model is rebuilt from them).
-PLAN_HELPER_MODULES = {"models/hf_config.py", "partitioning.py"}
-PLAN_HELPER_USERS = PLAN_HELPER_MODULES | {"checkpoint_reader.py"}
+PLAN_HELPER_MODULES = {"models/hf_config.py", "config/partitioning.py"}
+PLAN_HELPER_USERS = PLAN_HELPER_MODULES | {"config/saved_checkpoint.py"}
 
 # An allowed function whose reads must all come before the statement that assigns this target.
-UP_TO = {("engine.py", "Engine.__init__"): "self.plan"}
+UP_TO = {("train/engine.py", "Engine.__init__"): "self.plan"}
 
 NAMESPACE_NAMES = {"args"}  # the conventional name of the namespace
 NAMESPACE_HOLDERS = {"self", "engine", "trainer"}  # `self.args`, `engine.args`, `self.engine.args`

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from rapidtrain import rules
-from rapidtrain.arguments import parse_args
+from rapidtrain.config import rules
+from rapidtrain.config.arguments import parse_args
+from rapidtrain.config.plan import RecomputeSettings, RunContext, from_args
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.parallel.recompute import SelectiveRecompute, count_saved_activations
-from rapidtrain.plan import RecomputeSettings, RunContext, from_args
 from tests.unit.test_training_step import trainer_for
 
 CONFIG = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,

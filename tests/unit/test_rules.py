@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from rapidtrain import arguments, rules
-from rapidtrain.plan import RunContext
+from rapidtrain.config import arguments, rules
+from rapidtrain.config.plan import RunContext
 
 BASE = ["--train-iters", "10", "--lr", "1e-4"]
 
@@ -501,9 +501,9 @@ def test_all_violations_reported_at_once():
 def test_compatibility_doc_is_up_to_date():
     from pathlib import Path
 
-    doc = Path(rules.__file__).resolve().parent.parent / "docs" / "compatibility.md"
+    doc = Path(rules.__file__).resolve().parents[2] / "docs" / "compatibility.md"
     assert doc.read_text() == rules.compatibility_markdown(), (
-        "docs/compatibility.md is stale: run `python -m rapidtrain.rules --write-docs`"
+        "docs/compatibility.md is stale: run `python -m rapidtrain.config.rules --write-docs`"
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidtrain.save_folder import (
+from rapidtrain.checkpoint.save_folder import (
     LOCK_FILE,
     SaveFolderError,
     acquire_save_lock,
@@ -25,7 +25,7 @@ from rapidtrain.save_folder import (
 REPO = Path(__file__).resolve().parents[2]
 HOLDER = textwrap.dedent("""
     import sys, time
-    from rapidtrain.save_folder import acquire_save_lock
+    from rapidtrain.checkpoint.save_folder import acquire_save_lock
     lock = acquire_save_lock(sys.argv[1])
     print("locked", flush=True)
     time.sleep(600)

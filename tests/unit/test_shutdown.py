@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rapidtrain.plan import TrainingSettings
-from rapidtrain.shutdown import child_pids, exit_status, ignore_sigterm_in_worker, run_forwarding_signals
-from rapidtrain.trainers.control import StopConditions, StopSignal
+from rapidtrain.config.plan import TrainingSettings
+from rapidtrain.core.shutdown import child_pids, exit_status, ignore_sigterm_in_worker, run_forwarding_signals
+from rapidtrain.train.control import StopConditions, StopSignal
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl are Linux's")
 WAIT = 120  # bound on every wait; never a timing assertion
@@ -79,7 +79,7 @@ def test_a_stopped_process_exits_0_under_repeated_sigterm():
     without the atexit hook every one of these exits would be a death by SIGTERM after a good save."""
     child = textwrap.dedent("""
         import os, sys
-        from rapidtrain.trainers.control import StopSignal
+        from rapidtrain.train.control import StopSignal
         stop = StopSignal()
         os.kill(os.getpid(), 15)
         while not stop.received:
@@ -143,7 +143,7 @@ def test_sigterm_is_handled_with_save_or_exit_signal_handler(on_sigterm, handled
 @pytest.mark.parametrize("flags, on_sigterm", [(["--save", "ck"], "save"), (["--exit-signal-handler"], "stop"),
                                                ([], "default")])
 def test_plan_says_what_sigterm_does(flags, on_sigterm):
-    from rapidtrain import arguments, plan
+    from rapidtrain.config import arguments, plan
 
     args = arguments.parse_args(["--train-iters", "10", "--lr", "1e-3", *flags], entry="pretrain")
     resolved = plan.from_args(args, plan.RunContext(1, "cpu"))
@@ -172,7 +172,7 @@ def start_launcher(tmp_path: Path) -> subprocess.Popen:
     """)
     launcher = textwrap.dedent(f"""
         import sys
-        from rapidtrain.shutdown import run_forwarding_signals
+        from rapidtrain.core.shutdown import run_forwarding_signals
         sys.exit(run_forwarding_signals([sys.executable, "-c", {child!r}]))
     """)
     process = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True,
@@ -215,7 +215,7 @@ def test_child_of_a_sigkilled_parent_gets_sigterm(tmp_path):
     child = textwrap.dedent(f"""
         import os, signal, sys, time
         from pathlib import Path
-        from rapidtrain.shutdown import parent_pid_from_env, stop_with_parent
+        from rapidtrain.core.shutdown import parent_pid_from_env, stop_with_parent
         got = []
         signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
         assert stop_with_parent(parent_pid_from_env())

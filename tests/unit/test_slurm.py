@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from rapidtrain import cli
-from rapidtrain.errors import UserError
-from rapidtrain.plan import RunContext
-from rapidtrain.slurm import NodeLayout, expand_hostlist, node_layout
+from rapidtrain.config.plan import RunContext
+from rapidtrain.core.errors import UserError
+from rapidtrain.core.slurm import NodeLayout, expand_hostlist, node_layout
 from tests.launch import REPO
 
 SLURM_JOB = {"SLURM_JOB_ID": "123456", "SLURM_JOB_NUM_NODES": "4", "SLURM_NNODES": "4", "SLURM_NODEID": "2",

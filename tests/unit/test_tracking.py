@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from rapidtrain import arguments, plan
-from rapidtrain.errors import UserError
-from rapidtrain.plan import LoggingSettings, ProfileSettings, TrackingSettings
-from rapidtrain.profiling import Profiler
-from rapidtrain.tracking import MlflowTracker, WandbTracker, Writers, flatten
+from rapidtrain.config import arguments, plan
+from rapidtrain.config.plan import LoggingSettings, ProfileSettings, TrackingSettings
+from rapidtrain.core.errors import UserError
+from rapidtrain.train.profiling import Profiler
+from rapidtrain.train.tracking import MlflowTracker, WandbTracker, Writers, flatten
 
 
 def resolved(argv: list[str]) -> plan.Plan:

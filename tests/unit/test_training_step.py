@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from rapidtrain.engine import Engine
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.trainers.trainer import Trainer, TrainingStopped
+from rapidtrain.train.engine import Engine
+from rapidtrain.train.trainer import Trainer, TrainingStopped
 
 CONFIG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
                      vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)

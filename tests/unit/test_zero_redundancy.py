@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rapidtrain.config.plan import Layout
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.zero_redundancy import oss_from_optimizer
-from rapidtrain.plan import Layout
 
 
 def test_users_adamw_is_wrapped_with_its_settings(tmp_path):

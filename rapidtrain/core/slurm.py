@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 
 DEFAULT_PORT = 29500
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rapidtrain.core.errors import UserError
+from rapidtrain.core.metrics import ThroughputMeter
 from rapidtrain.data.loaders import (
     ShardedLoader,
     eval_loader,
@@ -34,14 +36,12 @@ from rapidtrain.data.loaders import (
     train_batch_sampler,
     train_loader,
 )
-from rapidtrain.engine import Engine, TrainingStopped
-from rapidtrain.errors import UserError
-from rapidtrain.metrics import ThroughputMeter
 from rapidtrain.parallel.runner import as_loss, autocast
-from rapidtrain.profiling import Profiler
-from rapidtrain.tracking import Writers
-from rapidtrain.trainers.control import Checkpointer, StopConditions
-from rapidtrain.trainers.reporting import IntervalTotals, IterationResult, LossRecords, build_log_line
+from rapidtrain.train.control import Checkpointer, StopConditions
+from rapidtrain.train.engine import Engine, TrainingStopped
+from rapidtrain.train.profiling import Profiler
+from rapidtrain.train.reporting import IntervalTotals, IterationResult, LossRecords, build_log_line
+from rapidtrain.train.tracking import Writers
 
 __all__ = ["Trainer", "TrainingStopped", "IterationResult", "default_token_count"]
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from rapidtrain.metrics import IntervalStats, format_log_line, mfu, peak_memory_bytes
-from rapidtrain.plan import Plan
+from rapidtrain.config.plan import Plan
+from rapidtrain.core.metrics import IntervalStats, format_log_line, mfu, peak_memory_bytes
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.models.hf_config import is_megatron_checkpoint
-from rapidtrain.partitioning import chosen_partitioning, zero_stage
 
 Args = argparse.Namespace
 
@@ -79,7 +79,7 @@ def _megatron_checkpoint_folder(args: Args, given: set[str], notes: list[str]) -
 
 
 def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list[str]) -> None:
-    from rapidtrain.checkpoint import CheckpointError, iteration_dir, latest_iteration, read_common
+    from rapidtrain.checkpoint.checkpointer import CheckpointError, iteration_dir, latest_iteration, read_common
 
     try:
         common = read_common(iteration_dir(folder, latest_iteration(folder) or 0))

@@ -4,7 +4,7 @@ Subclass it and provide `train_valid_test_datasets_provider()` → (train, valid
 `model_optimizer_lr_scheduler_provider()` → (model, optimizer or None, scheduler or None),
 `run_forward_step(batch, model)` → loss (or `(loss_sum, count)` for an exact mean over the global batch's
 tokens) and `run_compute_metrics(model, eval_dataloader)` → dict, run after every epoch (`self.gather(t)`
-collects a tensor from every data-parallel rank). `train()` runs the shared loop (trainers/trainer.py).
+collects a tensor from every data-parallel rank). `train()` runs the shared loop (train/trainer.py).
 
 Beyond Rapidformer: gradient accumulation works here too. An epoch's micro-batches are grouped into
 global batches of `--global-batch-size / (--micro-batch-size × data-parallel size)` micro-batches; the
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from rapidtrain.data.loaders import move_to_device
-from rapidtrain.trainers import export
-from rapidtrain.trainers.trainer import Trainer
+from rapidtrain.train import export
+from rapidtrain.train.trainer import Trainer
 
 LOWER_IS_BETTER = ("loss", "perplexity", "ppl", "error")
 

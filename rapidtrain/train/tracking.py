@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from rapidtrain.errors import UserError
-from rapidtrain.metrics import TensorBoardWriter
-from rapidtrain.plan import LoggingSettings, TrackingSettings
+from rapidtrain.config.plan import LoggingSettings, TrackingSettings
+from rapidtrain.core.errors import UserError
+from rapidtrain.core.metrics import TensorBoardWriter
 
 
 class ScalarWriter(Protocol):

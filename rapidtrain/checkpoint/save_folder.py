@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 
 LOCK_FILE = ".rapidtrain.lock"
 LATEST_FILE = "latest_checkpointed_iteration.txt"  # the checkpoint module's name for it (not imported: no torch)
@@ -141,6 +141,6 @@ def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tu
     Returns the lock (keep it for the run) and what was cleaned, for the log."""
     check_resume_safety(save_dir, load_dir)
     lock = acquire_save_lock(save_dir)
-    from rapidtrain.checkpoint import remove_stale_partial_checkpoints  # torch: only for a run that saves
+    from rapidtrain.checkpoint.checkpointer import remove_stale_partial_checkpoints  # torch: only for a run that saves
 
     return lock, remove_stale_partial_checkpoints(save_dir)

@@ -1,7 +1,7 @@
 """The conflict table: one row per rule, each a predicate and a message naming flags, reason and fix.
 
 `validate` reports every violated row at once. `docs/compatibility.md` is generated from this table
-(`python -m rapidtrain.rules --write-docs`), and a test fails when the file is out of date.
+(`python -m rapidtrain.config.rules --write-docs`), and a test fails when the file is out of date.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rapidtrain import arguments
-from rapidtrain.arguments import TASKS
-from rapidtrain.models import hf_config
-from rapidtrain.models.attention_backends import KERNEL_OF_NAME
-from rapidtrain.partitioning import chosen_partitioning, zero_stage
-from rapidtrain.plan import (
+from rapidtrain.config import arguments
+from rapidtrain.config.arguments import TASKS
+from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
+from rapidtrain.config.plan import (
     RunContext,
     data_parallel_size,
     expand_num_experts,
@@ -29,6 +27,8 @@ from rapidtrain.plan import (
     switches_of,
     zero_by_fsdp2,
 )
+from rapidtrain.models import hf_config
+from rapidtrain.models.attention_backends import KERNEL_OF_NAME
 
 Args = argparse.Namespace
 
@@ -146,7 +146,7 @@ def _mixed_schedule_flags(args: Args) -> list[str]:
 
 
 def _batch_schedule_problem(args: Args) -> str | None:
-    from rapidtrain.plan import parse_step_schedule
+    from rapidtrain.config.plan import parse_step_schedule
 
     if args.rampup_batch_size and args.step_batch_size_schedule:
         return "--rampup-batch-size and --step-batch-size-schedule both change the global batch; keep one."
@@ -175,7 +175,7 @@ def _batch_schedule_problem(args: Args) -> str | None:
 
 def _batch_schedule_misfits(args: Args, ctx: RunContext) -> list[int]:
     """Global batches of the ramp-up / step schedule that do not split into whole micro-batches."""
-    from rapidtrain.plan import batch_schedule_of
+    from rapidtrain.config.plan import batch_schedule_of
 
     if _batch_schedule_problem(args) is not None or not _layout_divides(args, ctx) or args.micro_batch_size < 1:
         return []
@@ -279,7 +279,7 @@ def _compiles(args: Args) -> bool:
     if args.torch_compile:
         return True
     if args.onnx_runtime_training:
-        from rapidtrain.plan import _ort_status
+        from rapidtrain.config.plan import _ort_status
 
         return not _ort_status()[0]
     return False
@@ -483,7 +483,7 @@ def _auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
                 "yourself.")
     if not _layout_divides(args, ctx):
         return None  # the layout rule reports it
-    from rapidtrain.plan import (
+    from rapidtrain.config.plan import (
         activation_bytes_per_sample,
         builtin_vocab_size,
         memory_estimate,
@@ -1342,7 +1342,8 @@ def compatibility_markdown() -> str:
     short = {s: s.removeprefix("--").replace("-memory-optimization", "").replace("-model-parallel-size", "")
              for s in switches}
     lines = ["# Compatibility of rapidtrain's switches", "",
-             "Generated from `rapidtrain/rules.py` by `python -m rapidtrain.rules --write-docs`; do not edit.", "",
+             "Generated from `rapidtrain/config/rules.py` by `python -m rapidtrain.config.rules --write-docs`; "
+             "do not edit.", "",
              "A cell names the rules that involve both switches (each may hold only under some values, see below);",
              "an empty cell means no rule relates them.", "",
              "| | " + " | ".join(short[s] for s in switches) + " |",
@@ -1363,7 +1364,7 @@ def compatibility_markdown() -> str:
 if __name__ == "__main__":
     from pathlib import Path
 
-    target = Path(__file__).resolve().parent.parent / "docs" / "compatibility.md"
+    target = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
     if "--write-docs" in sys.argv:
         target.parent.mkdir(exist_ok=True)
         target.write_text(compatibility_markdown())

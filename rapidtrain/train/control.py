@@ -10,7 +10,7 @@ import signal
 import time
 from typing import Any
 
-from rapidtrain.plan import CheckpointSettings, TrainingSettings
+from rapidtrain.config.plan import CheckpointSettings, TrainingSettings
 
 
 class StopSignal:
@@ -89,7 +89,7 @@ class Checkpointer:
         checkpoints it did not load, and cleans what killed saves left."""
         if not self.enabled or self.trainer.engine.rank != 0 or self._lock is not None:
             return
-        from rapidtrain.save_folder import prepare_save_folder
+        from rapidtrain.checkpoint.save_folder import prepare_save_folder
 
         self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
         for line in cleaned:
@@ -121,7 +121,7 @@ class Checkpointer:
         --async-save in the background, after the previous background save is published."""
         if not self.enabled or (self.saved_at == iteration and not force):
             return
-        from rapidtrain.checkpoint import background_save_group, save_checkpoint, start_async_save
+        from rapidtrain.checkpoint.checkpointer import background_save_group, save_checkpoint, start_async_save
 
         trainer, engine = self.trainer, self.trainer.engine
         config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json())}
@@ -142,7 +142,7 @@ class Checkpointer:
     def poll(self) -> None:
         """Publish a background save once every rank has written it (a host all-reduce each iteration while one
         is under way; nothing otherwise)."""
-        from rapidtrain.checkpoint import async_save_done
+        from rapidtrain.checkpoint.checkpointer import async_save_done
 
         if self._pending is not None and async_save_done(self._pending):
             self._publish()
@@ -153,7 +153,7 @@ class Checkpointer:
             self._publish()
 
     def _publish(self) -> None:
-        from rapidtrain.checkpoint import publish_async_save
+        from rapidtrain.checkpoint.checkpointer import publish_async_save
 
         pending, self._pending = self._pending, None
         path = publish_async_save(pending)
@@ -164,7 +164,7 @@ class Checkpointer:
         """Fill the runner (and schedule, RNG) from --load; the loaded state, or None when there is none."""
         if not self.settings.load:
             return None
-        from rapidtrain.checkpoint import load_checkpoint
+        from rapidtrain.checkpoint.checkpointer import load_checkpoint
 
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None

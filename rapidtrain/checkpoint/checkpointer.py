@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from rapidtrain.errors import UserError
+from rapidtrain.core.errors import UserError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"

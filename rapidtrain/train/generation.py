@@ -179,12 +179,13 @@ def generation_parser() -> argparse.ArgumentParser:
 def load_for_generation(options: argparse.Namespace, overrides: list[str]) -> tuple[nn.Module, Any]:
     """The checkpoint's built-in GPT, whole, in this process, and its tokenizer (as the run's plan saved them;
     tokenizer flags given override the saved files' paths, shape flags must agree with the checkpoint)."""
-    from rapidtrain.arguments import build_parser, given_flags
-    from rapidtrain.checkpoint import CheckpointError, check_same_model, read_common
-    from rapidtrain.checkpoint_reader import checkpoint_directory, consolidated_model_state, saved_model_config
+    from rapidtrain.checkpoint.checkpointer import CheckpointError, check_same_model, read_common
+    from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state
+    from rapidtrain.config.arguments import build_parser, given_flags
+    from rapidtrain.config.plan import model_config_from_args
+    from rapidtrain.config.saved_checkpoint import saved_model_config
     from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
     from rapidtrain.models import build_model
-    from rapidtrain.plan import model_config_from_args
 
     directory = checkpoint_directory(options.load, options.iteration)
     config = saved_model_config(directory)
@@ -214,7 +215,7 @@ def load_for_generation(options: argparse.Namespace, overrides: list[str]) -> tu
 
 
 def generate_command(argv: list[str]) -> int:
-    from rapidtrain.checkpoint import CheckpointError
+    from rapidtrain.checkpoint.checkpointer import CheckpointError
     from rapidtrain.data.tokenizer import TokenizerSettingsError
 
     options, overrides = generation_parser().parse_known_args(argv)

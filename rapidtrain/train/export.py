@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rapidtrain.checkpoint import publish_folder
+from rapidtrain.checkpoint.checkpointer import publish_folder
 from rapidtrain.parallel.data_parallel import unwrap
 
 
@@ -47,7 +47,7 @@ def full_model_state(runner: Any) -> dict[str, torch.Tensor]:
     """Every rank takes part (gathers are collective); the full fp32 values come back on rank 0."""
     if hasattr(runner, "checkpoint_state"):  # DeepSpeed: fp32 master weights by parameter name
         return runner.checkpoint_state.model_state(sharded=False)
-    from rapidtrain.tasks.lora import dequantised_state, is_quantised
+    from rapidtrain.models.lora import dequantised_state, is_quantised
 
     module = unwrap(runner.module)
     if is_quantised(module):  # a k-bit base runs unsharded (one process, DDP or OSS): every rank holds it all

@@ -15,20 +15,20 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from rapidtrain.config.partitioning import PARTITIONING_SWITCHES, chosen_partitioning, zero_stage
 from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME, AttentionSettings
 from rapidtrain.models.attention_backends import resolve as resolve_attention
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.hf_config import initialises_builtin, is_megatron_checkpoint, trains_builtin_model
-from rapidtrain.partitioning import PARTITIONING_SWITCHES, chosen_partitioning, zero_stage
 
 if TYPE_CHECKING:
     from rapidtrain.optim.grad_scaler import LossScaleSettings
     from rapidtrain.optim.optimizers import OptimizerSettings
 
 if TYPE_CHECKING:
+    from rapidtrain.models.lora import LoraSettings
     from rapidtrain.optim.optimizers import OptimizerSettings
-    from rapidtrain.tasks.lora import LoraSettings
 
 DeviceType = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -76,7 +76,7 @@ class RunContext:
         capability = detect_capability(device_type)
         if "WORLD_SIZE" in os.environ:
             return RunContext(int(os.environ["WORLD_SIZE"]), device_type, script, capability)
-        from rapidtrain.slurm import node_layout
+        from rapidtrain.core.slurm import node_layout
 
         per_node = getattr(args, "nproc_per_node", None) or default_nproc_per_node(device_type)
         return RunContext(per_node * node_layout(os.environ).nnodes, device_type, script, capability)
@@ -690,7 +690,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
                                                   batch_schedule_of(args)), micro_batch_choice=choice)
     engines, notes = engines_for(args, ctx, layout, precision, switches, model)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
-    from rapidtrain.compat.flags import hugging_face_notes
+    from rapidtrain.config.meanings import hugging_face_notes
 
     notes += hugging_face_notes(args, has_script=bool(ctx.script))
     if args.padding_free and ctx.script:
@@ -772,7 +772,7 @@ def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
 
 
 def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
-    from rapidtrain.arguments import uses_demo_data
+    from rapidtrain.config.arguments import uses_demo_data
 
     if is_pretraining(args, ctx):
         source: DataSource = "demo" if uses_demo_data(args) else "indexed"
@@ -842,7 +842,7 @@ def batch_schedule_of(args: argparse.Namespace) -> BatchSchedule | None:
 
 def tokenizer_settings_of(args: argparse.Namespace) -> TokenizerSettings | None:
     """The tokenizer of the pretraining data: the flags', or the demo corpus's; None when there is none."""
-    from rapidtrain.arguments import uses_demo_data
+    from rapidtrain.config.arguments import uses_demo_data
 
     if uses_demo_data(args) and args.tokenizer_type is None:
         from rapidtrain.data.demo import demo_tokenizer_settings
@@ -901,7 +901,7 @@ def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None)
 
 def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:
     """The flags as plain JSON values, with the built-in model's padded vocabulary (as Megatron's args carry it)."""
-    from rapidtrain.arguments import flag_values
+    from rapidtrain.config.arguments import flag_values
 
     flags = json.loads(json.dumps(flag_values(args), default=str))
     if vocab_size:
@@ -910,7 +910,7 @@ def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str
 
 
 def logging_settings(args: argparse.Namespace, ctx: RunContext, precision: Precision, tf32: bool) -> LoggingSettings:
-    from rapidtrain.peak_flops import peak_flops
+    from rapidtrain.core.peak_flops import peak_flops
 
     peak = peak_flops(ctx.device_type, ctx.capability.name, precision.dtype, tf32, args.peak_tflops)
     return LoggingSettings(
@@ -1119,7 +1119,7 @@ def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
     """The adapters' and k-bit base's settings of a Hugging Face fine-tune (None for the built-in models)."""
     if trains_builtin_model(args):
         return None
-    from rapidtrain.tasks.lora import LoraSettings
+    from rapidtrain.models.lora import LoraSettings
 
     return LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                         target_modules=tuple(args.lora_target_modules or ()), load_in_bits=load_in_bits(args))
@@ -1290,7 +1290,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
                                     else f"{describe_compile(args)} as the graph optimiser", why))
     lora = lora_settings(args)
     if lora is not None and lora.load_in_bits:
-        from rapidtrain.tasks.lora import describe_quantization
+        from rapidtrain.models.lora import describe_quantization
 
         engines.append(EngineChoice(f"--load-in-{lora.load_in_bits}bit",
                                     describe_quantization(lora.load_in_bits, precision.dtype)))
@@ -1302,7 +1302,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
     if args.torch_compile:
         engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer"))
     if ctx.device_type == "cpu" and args.cpu_allocator_tuning:
-        from rapidtrain.cpu_allocator import DESCRIPTION, glibc_version
+        from rapidtrain.core.cpu_allocator import DESCRIPTION, glibc_version
 
         if glibc_version():
             engines.append(EngineChoice("CPU allocator", DESCRIPTION, "each step reuses the last step's pages "

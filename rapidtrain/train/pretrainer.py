@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from rapidtrain.core.errors import UserError
+from rapidtrain.core.shutdown import ignore_sigterm_in_worker
 from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
 from rapidtrain.data.samplers import MegatronPretrainingSampler
-from rapidtrain.errors import UserError
 from rapidtrain.parallel.runner import add_pairs
-from rapidtrain.shutdown import ignore_sigterm_in_worker
-from rapidtrain.trainers.trainer import Trainer
+from rapidtrain.train.trainer import Trainer
 
 
 class PreTrainer(Trainer):

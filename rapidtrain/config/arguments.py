@@ -645,7 +645,7 @@ def parse_args(
         args.data_name = args.dataset_name
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    from rapidtrain.compat.flags import apply_megatron_meanings
+    from rapidtrain.config.meanings import apply_megatron_meanings
 
     apply_megatron_meanings(args, given, entry)  # Megatron's leniencies and Rapidformer's meanings, each noted
     args.given_flags = sorted(given)  # which flags the user typed (the plan tells them from defaults)

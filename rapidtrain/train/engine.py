@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rapidtrain import arguments, rules
-from rapidtrain.cpu_allocator import keep_freed_memory
+from rapidtrain.config import arguments, rules
+from rapidtrain.config.plan import DistributedSettings, Plan, RunContext, from_args
+from rapidtrain.core.cpu_allocator import keep_freed_memory
+from rapidtrain.core.errors import UserError
+from rapidtrain.core.shutdown import stop_rank_with_torchrun
 from rapidtrain.data.loaders import ShardSettings
-from rapidtrain.errors import UserError
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.runner import LossTotal, StepOutcome, agree
-from rapidtrain.plan import DistributedSettings, Plan, RunContext, from_args
-from rapidtrain.shutdown import stop_rank_with_torchrun
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
 _CURRENT_ENGINE: Engine | None = None  # the run's Engine, for Megatron's global-state API in user scripts
@@ -106,7 +106,7 @@ def main_script() -> str | None:
     import __main__
 
     path = getattr(__main__, "__file__", None)
-    if path is None or Path(__file__).resolve().parent in Path(path).resolve().parents:
+    if path is None or Path(__file__).resolve().parents[1] in Path(path).resolve().parents:
         return None
     return str(path)
 
@@ -157,14 +157,14 @@ class Engine:
         self.lr_scheduler: Any = None
         self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
         self._backward_losses: torch.Tensor | None = None  # an own loop's losses since the last step
-        from rapidtrain.metrics import Timers
+        from rapidtrain.core.metrics import Timers
 
         self.timers = Timers(self.device)  # the loop's, and user code's through rapidtrain.get_timers()
         self._tokenizer: Any = None
         _CURRENT_ENGINE = self
         self._megatron_args()
         if self.plan.logging.logging_path and (self.is_main_process or self.is_logging_rank):
-            from rapidtrain.metrics import tee_output
+            from rapidtrain.core.metrics import tee_output
 
             tee_output(self.plan.logging.logging_path)
 
@@ -245,11 +245,11 @@ class Engine:
         self.runner = parallelize(model, self.plan, self.mesh, self.device, optimizer=optimizer,
                                   model_factory=model_factory)
         if optimizer is not None and self.runner.optimizer is optimizer:  # the user's, over the wrapped parameters
-            from rapidtrain.own_loop import rebind_optimizer
+            from rapidtrain.train.own_loop import rebind_optimizer
 
             rebind_optimizer(optimizer, names, self.runner.module)
         if train_dataloader is not None or eval_dataloader is not None:  # a user's own loop
-            from rapidtrain.own_loop import compose_own_loop
+            from rapidtrain.train.own_loop import compose_own_loop
 
             return compose_own_loop(self, train_dataloader, eval_dataloader, lr_scheduler_fn)
         self.lr_scheduler = self.build_scheduler(self.runner.optimizer, lr_scheduler_fn)
