@@ -142,7 +142,7 @@ class Stage(PipelineStage):
     def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
         from rapidtrain.models.moe import routing_stats_paused
 
-        with routing_stats_paused():
+        with routing_stats_paused(self.submod):
             return super()._compute_outputs(*args, **kwargs)
 
 

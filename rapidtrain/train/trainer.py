@@ -313,7 +313,7 @@ class Trainer:
     def _set_moe_aux_scale(self, steps: int) -> None:
         from rapidtrain.models import moe
 
-        moe.set_aux_loss_scale(self.engine.runner.backward_scale / steps)
+        moe.set_aux_loss_scale(self.engine.runner.module, self.engine.runner.backward_scale / steps)
 
     def _moe_extras(self) -> dict[str, torch.Tensor]:
         """The MoE balancing loss: the mean over all MoE layers (of every pipeline stage) and data-parallel ranks."""
