@@ -29,7 +29,7 @@ import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -59,6 +59,17 @@ MODEL_SHAPE_FIELDS = {"model_type": "--model-type", "num_layers": "--num-layers"
                       "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
                       "post_layernorm": "--post-layernorm"}
 _TRUST_HINT = "Nothing from it was run. Use a checkpoint from a source you trust, or one this run's rapidtrain wrote."
+
+
+class RunnerState(Protocol):
+    """What saving and loading need of a runner (parallel.runner.Runner has it): its state as
+    torch.distributed.checkpoint writes it, a template to load into, and the load itself."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def state_dict_for_loading(self, load_optimizer: bool) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None: ...
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -521,7 +532,7 @@ def _publish_checkpoint(root: Path, iteration: int, tmp: Path, final: Path) -> N
         _write_atomically(root / LATEST_FILE, f"{iteration}\n")
 
 
-def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
+def save_checkpoint(root: str | Path, iteration: int, runner: RunnerState, lr_scheduler: Any, consumed_samples: int,
                     config: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration` (every rank calls this); `config` is the run's flags and plan as JSON values
     (the plan's model settings are checked at load)."""
@@ -572,7 +583,7 @@ class BackgroundWriter(dcp.FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def start_async_save(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
+def start_async_save(root: str | Path, iteration: int, runner: RunnerState, lr_scheduler: Any, consumed_samples: int,
                      config: dict[str, Any], extra: dict[str, Any] | None, process_group: Any) -> PendingSave:
     """Copy the state to host memory and hand it to torch.distributed.checkpoint's async_save (every rank calls
     this); returns as soon as the copy is made. `process_group` must be a gloo group of every rank used by
@@ -705,7 +716,7 @@ def _read_rng(directory: Path, notes: list[str]) -> dict[str, Any] | None:
     return read_rng_file(path)
 
 
-def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, model: dict[str, Any] | None, *,
+def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, model: dict[str, Any] | None, *,
                     finetune: bool = False, load_optimizer: bool = True, load_rng: bool = True,
                     schedule_from: str = "same") -> LoadedState | None:
     """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none."""

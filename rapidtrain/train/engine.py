@@ -13,7 +13,6 @@ import os
 import random
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -26,18 +25,14 @@ from rapidtrain.config import arguments, rules
 from rapidtrain.config.plan import from_args
 from rapidtrain.config.settings import DistributedSettings, Plan, RunContext
 from rapidtrain.core.cpu_allocator import keep_freed_memory
-from rapidtrain.core.errors import UserError
 from rapidtrain.core.shutdown import stop_rank_with_torchrun
 from rapidtrain.data.loaders import ShardSettings
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
-from rapidtrain.parallel.runner import LossTotal, StepOutcome, agree
+from rapidtrain.parallel.runner import Runner, StepOutcome
+from rapidtrain.train.step import StepContext, finish_step
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
 _CURRENT_ENGINE: Engine | None = None  # the run's Engine, for Megatron's global-state API in user scripts
-
-
-class TrainingStopped(UserError, RuntimeError):
-    """The run cannot go on (a non-finite loss without loss scaling); nothing corrupt was saved."""
 
 
 def get_args() -> argparse.Namespace:
@@ -67,7 +62,7 @@ def init_distributed(settings: DistributedSettings, device_type: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     timeout = timedelta(minutes=settings.timeout_minutes)
     store = fresh_group_store(timeout)
-    extra = {}
+    extra: dict[str, Any] = {}
     if store is not None:
         extra = {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
     dist.init_process_group(settings.backend, timeout=timeout, **extra)
@@ -78,7 +73,7 @@ def apply_tf32(enabled: bool) -> None:
     """TF32 tensor cores for fp32 matmuls and cuDNN convolutions (the plan decides: --tf32 on CUDA only)."""
     if enabled:
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]  # torch 2.9+, no stub
 
 
 # Default process groups this process started (a run after another's shutdown, as tests do, starts a second).
@@ -118,16 +113,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-@dataclass
-class StepDecision:
-    """What one optimizer step did, as every rank agreed: its outcome, whether the loss was non-finite (and
-    not skipped), whether a stop was requested anywhere."""
-
-    outcome: StepOutcome
-    nan: bool = False
-    stop: bool = False
-
-
 class Engine:
     """What a run needs before its model exists: flags, the plan, process groups, seeds."""
 
@@ -154,7 +139,7 @@ class Engine:
             keep_freed_memory()
         seed_everything(self.plan.training.seed)
         self.mesh: ParallelMesh = build_mesh(self.plan.layout, self.context.device_type)
-        self.runner: Any = None
+        self._runner: Runner | None = None  # set by compose()
         self.lr_scheduler: Any = None
         self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
         self._backward_losses: torch.Tensor | None = None  # an own loop's losses since the last step
@@ -168,6 +153,13 @@ class Engine:
             from rapidtrain.core.metrics import tee_output
 
             tee_output(self.plan.logging.logging_path)
+
+    @property
+    def runner(self) -> Runner:
+        """The wrapped model and its optimizer, as `compose` built them."""
+        if self._runner is None:
+            raise RuntimeError("Engine.compose() has not run yet: there is no model to train")
+        return self._runner
 
     def _megatron_args(self) -> None:
         """What Megatron's args carry once the run's layout is known, for user scripts (get_args())."""
@@ -243,7 +235,7 @@ class Engine:
         from rapidtrain.parallel.apply import parallelize
 
         names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
-        self.runner = parallelize(model, self.plan, self.mesh, self.device, optimizer=optimizer,
+        self._runner = parallelize(model, self.plan, self.mesh, self.device, optimizer=optimizer,
                                   model_factory=model_factory)
         if optimizer is not None and self.runner.optimizer is optimizer:  # the user's, over the wrapped parameters
             from rapidtrain.train.own_loop import rebind_optimizer
@@ -306,38 +298,12 @@ class Engine:
         self._backward_losses = detached if self._backward_losses is None else self._backward_losses + detached
         self.runner.backward(loss)
 
-    def reduce_loss(self, total: LossTotal, global_tokens: torch.Tensor | int | None) -> torch.Tensor:
-        """The global batch's loss on the device: summed over data-parallel ranks, then averaged over its
-        tokens (per-token sums) or its ranks (mean losses)."""
-        value = total.value.clone()
-        self.all_reduce_data_parallel(value)
-        if total.per_token and global_tokens is not None:
-            return value / global_tokens
-        return value / self.plan.layout.data_parallel_size
-
-    def optimizer_step(self, loss: torch.Tensor | None = None, stop_requested: bool = False,
-                       where: str = "this iteration", samples: int | None = None) -> StepDecision:
-        """Finish the gradients, agree with every rank (overflow, non-finite loss, stop) in one collective
-        and one host read, then step or skip, and advance the schedule by one global batch (`samples`: this
-        iteration's, when a ramp-up makes it differ from --global-batch-size).
-
-        A non-finite loss without loss scaling stops the run before the optimizer step: nothing is updated
-        and nothing saved (TrainingStopped)."""
-        runner = self.runner
-        found_inf = runner.unscale_gradients()
-        nonfinite = ~torch.isfinite(loss) if loss is not None else False
-        overflow, is_nonfinite, stop = agree(
-            [found_inf if found_inf is not None else False, nonfinite, stop_requested], self.device)
-        if is_nonfinite and not runner.skips_nonfinite:
-            runner.zero_grad()
-            raise TrainingStopped(
-                f"the loss is not finite at {where}; the run stops before the optimizer step and saves nothing "
-                "(the checkpoints in --save stay as they were). Lower --lr, keep --clip-grad on, check the data, "
-                "or use --fp16 with loss scaling, then resume with --load.")
-        outcome = runner.step(skip=overflow)
-        if not outcome.skipped and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "step"):
-            self._advance_schedule(samples)
-        return StepDecision(outcome, nan=is_nonfinite and not outcome.skipped, stop=stop)
+    def step_context(self) -> StepContext:
+        """What `train.step` needs of this run: the runner, the data-parallel group, the schedule, the timers."""
+        plan = self.plan
+        return StepContext(self.runner, self.device, self.mesh.group("dp"), plan.layout.data_parallel_size,
+                           plan.data.micro_batch_size, plan.batches.global_batch_size, self.lr_scheduler,
+                           self.timers if plan.logging.timers_to_tensorboard else None)
 
     def step(self) -> StepOutcome:
         """An own loop's optimizer step: clip, step (skipped on fp16 overflow) and advance the schedule by one
@@ -345,15 +311,7 @@ class Engine:
         if self.accumulation is not None and not self.accumulation.is_last:
             return StepOutcome(None)
         losses, self._backward_losses = self._backward_losses, None
-        return self.optimizer_step(losses).outcome
-
-    def _advance_schedule(self, samples: int | None = None) -> None:
-        from rapidtrain.optim.lr_schedule import LRScheduler
-
-        if isinstance(self.lr_scheduler, LRScheduler):
-            self.lr_scheduler.step(samples or self.plan.batches.global_batch_size)
-        else:
-            self.lr_scheduler.step()
+        return finish_step(self.step_context(), losses).outcome
 
     def all_reduce_data_parallel(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         group = self.mesh.group("dp")

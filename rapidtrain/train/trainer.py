@@ -39,9 +39,10 @@ from rapidtrain.data.loaders import (
 )
 from rapidtrain.parallel.runner import as_loss, autocast
 from rapidtrain.train.control import Checkpointer, StopConditions
-from rapidtrain.train.engine import Engine, TrainingStopped
+from rapidtrain.train.engine import Engine
 from rapidtrain.train.profiling import Profiler
 from rapidtrain.train.reporting import IntervalTotals, IterationResult, LossRecords, build_log_line
+from rapidtrain.train.step import TrainingStopped, train_step
 from rapidtrain.train.tracking import Writers
 
 __all__ = ["Trainer", "TrainingStopped", "IterationResult", "default_token_count"]
@@ -277,38 +278,15 @@ class Trainer:
 
     # ---- one iteration ----
     def train_step(self, micro_batches: list[Any], stop_requested: bool = False) -> IterationResult:
-        """Forward and backward of every micro-batch of one global batch, then one optimizer step."""
-        engine, runner = self.engine, self.engine.runner
-        global_tokens = self._global_tokens(micro_batches)
+        """One global batch through train.step (the step's one owner), with the MoE balancing loss's scale set
+        before and its value read after."""
         self._set_moe_aux_scale(len(micro_batches))
-        timed = self.plan.logging.timers_to_tensorboard  # a reading waits for the device: only when asked
-        if timed:
-            self.timers("forward-backward").start()
-        total = runner.forward_backward(micro_batches, self.forward_step, global_tokens)
-        loss = engine.reduce_loss(total, global_tokens)
-        if timed:
-            self.timers("forward-backward").stop()
-            self.timers("optimizer").start()
-        samples = len(micro_batches) * self.plan.data.micro_batch_size * self.plan.layout.data_parallel_size
-        decision = engine.optimizer_step(loss, stop_requested, where=f"iteration {self.iteration + 1}",
-                                         samples=samples)
-        if timed:
-            self.timers("optimizer").stop()
-        tokens = sum(_tokens_in(b) for b in micro_batches) * self.plan.layout.data_parallel_size
-        return IterationResult(loss, decision.outcome.grad_norm, decision.outcome.skipped, decision.nan,
-                               samples, tokens, extras=self._moe_extras(), stop=decision.stop,
-                               reported=total.reported)
-
-    def _global_tokens(self, micro_batches: list[Any]) -> torch.Tensor | None:
-        """Loss-carrying tokens of the global batch (at least 1), counted on the host and summed over
-        data-parallel ranks: an fp64 CPU tensor that gloo carries and the loop divides by, never read on the
-        host, so neither the device nor the loader's tensors are waited for."""
-        counts = [self.token_count(b) for b in micro_batches]
-        if any(c is None for c in counts):
-            return None
-        total = torch.stack([torch.as_tensor(c, dtype=torch.float64).reshape(()) for c in counts]).sum()
-        self.engine.all_reduce_data_parallel(total)
-        return total.clamp(min=1)
+        result = train_step(self.engine.step_context(), micro_batches, self.forward_step, self.token_count,
+                            _tokens_in, stop_requested=stop_requested, where=f"iteration {self.iteration + 1}")
+        outcome = result.decision.outcome
+        return IterationResult(result.loss, outcome.grad_norm, outcome.skipped, result.decision.nan,
+                               result.samples, result.tokens, extras=self._moe_extras(), stop=result.decision.stop,
+                               reported=result.reported)
 
     def _set_moe_aux_scale(self, steps: int) -> None:
         from rapidtrain.models import moe

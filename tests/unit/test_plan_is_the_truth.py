@@ -18,7 +18,7 @@ ALLOWED_MODULES = {
     "cli.py", "pretrain.py", "pretrain_gpt.py", "pretrain_bert.py", "finetune.py",
     "rapidformer.py",
 }
-ALLOWED_PACKAGES = {"compat"}
+ALLOWED_PACKAGES = {"compat", "config"}  # config/ resolves the flags: reading them is its job
 
 # (module, function) → why it must read a namespace. Keep this list short; each entry needs a reason.
 ALLOWED_FUNCTIONS = {
