@@ -12,7 +12,7 @@ from rapidtrain.config import arguments
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.config.plan import layout_of
 from rapidtrain.config.resolve import optimizer_settings, precision_of, read_user_config, switches_of, zero_by_fsdp2
-from rapidtrain.config.settings import RunContext, data_parallel_size, expand_num_experts
+from rapidtrain.config.settings import Batches, RunContext, data_parallel_size, expand_num_experts
 from rapidtrain.models import hf_config
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME
 
@@ -60,9 +60,9 @@ def accumulation_steps(args: Args, ctx: RunContext) -> int | None:
     """Micro-batches per iteration, when the batch flags divide (another rule reports when they do not)."""
     if not layout_divides(args, ctx) or args.micro_batch_size < 1:
         return None
-    per_step = args.micro_batch_size * dp_size(args, ctx)
-    global_batch = args.global_batch_size or per_step
-    return global_batch // per_step if global_batch % per_step == 0 else None
+    batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, dp_size(args, ctx))  # the plan's rule
+    divides = batches.global_batch_size % (batches.micro_batch_size * batches.data_parallel_size) == 0
+    return batches.accumulation_steps if divides else None
 
 
 def uses_hf_model(args: Args) -> bool:

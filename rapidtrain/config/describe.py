@@ -84,6 +84,8 @@ def describe_plan(plan: Plan) -> str:
     for choice in plan.engines:
         lines.append(f"    {choice.switch:<30} → {choice.engine}" + (f"\n{'':36}because {choice.reason}"
                                                                         if choice.reason else ""))
+    if plan.script_model:
+        lines.append(f"  model: {plan.script_model} (built by the script)")
     if plan.model:
         m = plan.model
         groups = f" ({m.query_groups} key/value groups)" if m.query_groups != m.num_attention_heads else ""

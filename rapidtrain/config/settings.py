@@ -521,6 +521,8 @@ class Plan:
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     warnings: tuple[str, ...] = field(default_factory=tuple)  # printed when a run starts, before anything is built
     attention: AttentionSettings = field(default_factory=AttentionSettings)  # --attention-backend's kernel
+    # A user script's own model (not the built-in one), as built: "class, N parameters" (Engine.compose sets it)
+    script_model: str | None = None
 
     @property
     def train_iters(self) -> int | None:

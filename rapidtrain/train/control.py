@@ -10,6 +10,15 @@ import signal
 import time
 from typing import Any
 
+from rapidtrain.checkpoint.checkpointer import (
+    async_save_done,
+    background_save_group,
+    load_checkpoint,
+    publish_async_save,
+    save_checkpoint,
+    start_async_save,
+)
+from rapidtrain.checkpoint.save_folder import prepare_save_folder
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
 
 
@@ -19,7 +28,6 @@ class StopSignal:
     process exits (then ignored through the interpreter's finalization), as a repeat must not kill the exit. A
     process forked from this one (a multiprocessing pool, whose terminate() sends SIGTERM) still ends on
     SIGTERM as usual."""
-
     def __init__(self) -> None:
         self.received = False
         self._owner = os.getpid()
@@ -47,7 +55,6 @@ class StopConditions:
     --exit-duration-in-mins, counted from when the trainer is built), which the loop agrees on with the
     iteration's other decisions. SIGTERM is handled with --save or --exit-signal-handler (plan.training.on_sigterm);
     otherwise it ends the process at once, as in Megatron without --exit-signal-handler."""
-
     def __init__(self, settings: TrainingSettings) -> None:
         self.settings = settings
         self.started = time.time()
@@ -70,7 +77,6 @@ class StopConditions:
 class Checkpointer:
     """Saves every --save-interval iterations, when asked (end of an epoch), and once at the end; never twice
     at one iteration. Loads at start (--load)."""
-
     def __init__(self, settings: CheckpointSettings, trainer: Any) -> None:
         self.settings = settings
         self.trainer = trainer
@@ -89,7 +95,6 @@ class Checkpointer:
         checkpoints it did not load, and cleans what killed saves left."""
         if not self.enabled or self.trainer.engine.rank != 0 or self._lock is not None:
             return
-        from rapidtrain.checkpoint.save_folder import prepare_save_folder
 
         self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
         for line in cleaned:
@@ -121,7 +126,6 @@ class Checkpointer:
         --async-save in the background, after the previous background save is published."""
         if not self.enabled or (self.saved_at == iteration and not force):
             return
-        from rapidtrain.checkpoint.checkpointer import background_save_group, save_checkpoint, start_async_save
 
         trainer, engine = self.trainer, self.trainer.engine
         config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json())}
@@ -142,7 +146,6 @@ class Checkpointer:
     def poll(self) -> None:
         """Publish a background save once every rank has written it (a host all-reduce each iteration while one
         is under way; nothing otherwise)."""
-        from rapidtrain.checkpoint.checkpointer import async_save_done
 
         if self._pending is not None and async_save_done(self._pending):
             self._publish()
@@ -153,8 +156,6 @@ class Checkpointer:
             self._publish()
 
     def _publish(self) -> None:
-        from rapidtrain.checkpoint.checkpointer import publish_async_save
-
         pending, self._pending = self._pending, None
         path = publish_async_save(pending)
         self.trainer.engine.print_rank0(f" saved checkpoint at iteration {pending.iteration:7d} to {path} (written "
@@ -164,7 +165,6 @@ class Checkpointer:
         """Fill the runner (and schedule, RNG) from --load; the loaded state, or None when there is none."""
         if not self.settings.load:
             return None
-        from rapidtrain.checkpoint.checkpointer import load_checkpoint
 
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None

@@ -9,6 +9,8 @@ applies it to a model and returns the runner that the templates, or a user's own
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import random
 import sys
@@ -25,10 +27,17 @@ from rapidtrain.config import arguments, rules
 from rapidtrain.config.plan import from_args
 from rapidtrain.config.settings import DistributedSettings, Plan, RunContext
 from rapidtrain.core.cpu_allocator import keep_freed_memory
+from rapidtrain.core.metrics import Timers, tee_output
 from rapidtrain.core.shutdown import stop_rank_with_torchrun
 from rapidtrain.data.loaders import ShardSettings
+from rapidtrain.models.bert import BertModel
+from rapidtrain.models.gpt import GPTModel
+from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
+from rapidtrain.parallel.apply import parallelize
+from rapidtrain.parallel.deepspeed import ensure_process_group, run_config
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.runner import Runner, StepOutcome
+from rapidtrain.train.own_loop import compose_own_loop, rebind_optimizer
 from rapidtrain.train.step import StepContext, finish_step
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
@@ -107,6 +116,42 @@ def main_script() -> str | None:
     return str(path)
 
 
+def plan_for_built_model(plan: Plan, model: nn.Module) -> Plan:
+    """The plan once the model exists: a model that is not a built-in GPT or BERT (a user script's own) replaces
+    the built-in model's description and memory estimate, which the flags alone would have implied, so the plan
+    and the checkpoints say what is really trained."""
+    if isinstance(model, GPTModel | BertModel):
+        return plan
+    parameters = sum(p.numel() for p in model.parameters())
+    return dataclasses.replace(plan, model=None, memory=None,
+                               script_model=f"{type(model).__name__}, {parameters:,} parameters")
+
+
+def built_summary(runner: Runner, mesh: ParallelMesh) -> dict[str, Any]:
+    """What compose really built, in the Plan's words: the runner and the wrapper around the model, the optimizer
+    class, the parameters' dtype and whether they are DTensors, and the mesh. Printed after compose, so a run's
+    output shows that it did what its plan said (a test compares the two)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = list(runner.module.parameters())
+    optimizer = getattr(runner.optimizer, "optimizer", runner.optimizer)  # DeepSpeed's ZeRO wraps the real one
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        optimizer = runner.optimizer.optim
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in parameters})
+    return {"runner": type(runner).__name__, "wrapper": type(runner.module).__name__,
+            "optimizer": type(optimizer).__name__, "dtypes": dtypes,
+            "dtensor": any(isinstance(p, DTensor) for p in parameters), "mesh": _mesh_sizes(mesh)}
+
+
+def _mesh_sizes(mesh: ParallelMesh) -> dict[str, int]:
+    """The device mesh's dimensions as torch built them (a single process has none)."""
+    sizes: dict[str, int] = {}
+    for device_mesh in (mesh.mesh, mesh.expert_mesh):
+        if device_mesh is not None:
+            sizes |= dict(zip(device_mesh.mesh_dim_names or (), device_mesh.mesh.shape, strict=True))
+    return sizes
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -115,7 +160,6 @@ def seed_everything(seed: int) -> None:
 
 class Engine:
     """What a run needs before its model exists: flags, the plan, process groups, seeds."""
-
     def __init__(
         self,
         extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
@@ -143,14 +187,12 @@ class Engine:
         self.lr_scheduler: Any = None
         self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
         self._backward_losses: torch.Tensor | None = None  # an own loop's losses since the last step
-        from rapidtrain.core.metrics import Timers
 
         self.timers = Timers(self.device)  # the loop's, and user code's through rapidtrain.get_timers()
         self._tokenizer: Any = None
         _CURRENT_ENGINE = self
         self._megatron_args()
         if self.plan.logging.logging_path and (self.is_main_process or self.is_logging_rank):
-            from rapidtrain.core.metrics import tee_output
 
             tee_output(self.plan.logging.logging_path)
 
@@ -172,7 +214,6 @@ class Engine:
         args.train_iters = self.plan.training.train_iters  # --train-iters, or what --train-samples comes to
         args.deepspeed_configuration = None  # Megatron-DeepSpeed's: the config DeepSpeed runs with, if it runs
         if self.plan.switches.partitioning_engine == "deepspeed":
-            from rapidtrain.parallel.deepspeed import ensure_process_group, run_config
 
             args.deepspeed_configuration = run_config(self.plan)
             # DeepSpeed's communication layer up now, as Megatron-DeepSpeed's initialisation does: a script may
@@ -232,17 +273,17 @@ class Engine:
         the flags. The returned model is the wrapped module to call; `engine.backward`/`engine.step`
         drive the rest.
         """
-        from rapidtrain.parallel.apply import parallelize
 
         names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
+        if self.context.script or self.plan.model is not None:
+            self.plan = plan_for_built_model(self.plan, model)
         self._runner = parallelize(model, self.plan, self.mesh, self.device, optimizer=optimizer,
                                   model_factory=model_factory)
+        self.print_rank0(" built: " + json.dumps(built_summary(self.runner, self.mesh)))
         if optimizer is not None and self.runner.optimizer is optimizer:  # the user's, over the wrapped parameters
-            from rapidtrain.train.own_loop import rebind_optimizer
 
             rebind_optimizer(optimizer, names, self.runner.module)
         if train_dataloader is not None or eval_dataloader is not None:  # a user's own loop
-            from rapidtrain.train.own_loop import compose_own_loop
 
             return compose_own_loop(self, train_dataloader, eval_dataloader, lr_scheduler_fn)
         self.lr_scheduler = self.build_scheduler(self.runner.optimizer, lr_scheduler_fn)
@@ -256,7 +297,6 @@ class Engine:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = getattr(optimizer, "optimizer", optimizer)
             return lr_scheduler_fn(optimizer)
-        from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
 
         schedule = self.plan.schedule
         if steps_per_epoch is not None:  # fine-tuning: the length is known only now; clamp a warm-up past it
@@ -269,8 +309,6 @@ class Engine:
         """A warm-up of --lr-warmup-iters that does not end before an epoch-based run's decay horizon is
         shortened to one iteration less than the horizon (the peak --lr is then reached), with a warning: the
         number of iterations follows from the data, which the flags could not know."""
-        import dataclasses
-
         horizon = schedule.decay_iters or iterations
         if schedule.warmup_fraction is not None or schedule.warmup_iters < horizon or horizon < 2:
             return schedule

@@ -78,7 +78,8 @@ class PreTrainer(Trainer):
         self.model, *_ = self.engine.compose(model, optimizer=optimizer, lr_scheduler_fn=scheduler_fn,
                                              model_factory=self.model_factory())
         self.load()
-        self.engine.print_rank0(describe_plan(plan))
+        self.plan = self.engine.plan  # compose describes the model it was given
+        self.engine.print_rank0(describe_plan(self.plan))
 
     def data_loader(self, dataset: Any, consumed_samples: int, train: bool = False) -> DataLoader:
         data = self.plan.data

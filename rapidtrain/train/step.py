@@ -24,6 +24,21 @@ class TrainingStopped(UserError, RuntimeError):
 
 
 @dataclass
+class TrainState:
+    """Where the loop is: iterations done, samples consumed, and the last global batch's size (a ramp-up
+    changes it). Checkpoints save the first two; a resumed run continues from them."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    last_global_batch: int = 0
+
+    def advance(self, samples: int) -> None:
+        self.iteration += 1
+        self.consumed_samples += samples
+        self.last_global_batch = samples
+
+
+@dataclass
 class StepDecision:
     """What one optimizer step did, as every rank agreed: its outcome, whether the loss was non-finite (and
     not skipped), whether a stop was requested anywhere."""
