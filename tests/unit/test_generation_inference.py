@@ -176,13 +176,14 @@ def test_runtime_flags_change_the_loaded_model(trained):
     import bitsandbytes as bnb
 
     checkpoint, hf_folder, tokenizer = trained
-    for load in ([checkpoint], [hf_folder, *tokenizer]):
+    # Linear layers per model: built-in q, k, v, o, fc1, fc2 in 2 layers; GPT-2's c_attn (q, k, v), c_proj, c_fc, c_proj.
+    for load, linear_layers in (([checkpoint], 12), ([hf_folder, *tokenizer], 8)):
         plain = loaded_with(load)
         assert {p.dtype for p in plain.model.parameters()} == {torch.float32}
         assert {p.dtype for p in loaded_with(load, bf16=True).model.parameters()} == {torch.bfloat16}
         for flag, kind in (("load_in_8bit", bnb.nn.Linear8bitLt), ("load_in_4bit", bnb.nn.Linear4bit)):
             quantised = loaded_with(load, **{flag: True})
-            assert sum(isinstance(m, kind) for m in quantised.model.modules()) == 12  # q, k, v, o, fc1, fc2 × 2
+            assert sum(isinstance(m, kind) for m in quantised.model.modules()) == linear_layers
     kernels = {m.kernel for m in loaded_with([checkpoint], attention_backend="eager").model.modules()
                if hasattr(m, "kernel")}
     assert kernels == {"eager"}
