@@ -176,7 +176,7 @@ def test_runtime_flags_change_the_loaded_model(trained):
     import bitsandbytes as bnb
 
     checkpoint, hf_folder, tokenizer = trained
-    # Linear layers per model: built-in q, k, v, o, fc1, fc2 in 2 layers; GPT-2's c_attn (q, k, v), c_proj, c_fc, c_proj.
+    # Linear layers: built-in q, k, v, o, fc1, fc2 in 2 layers; GPT-2 fuses q, k, v (c_attn, c_proj, c_fc, c_proj).
     for load, linear_layers in (([checkpoint], 12), ([hf_folder, *tokenizer], 8)):
         plain = loaded_with(load)
         assert {p.dtype for p in plain.model.parameters()} == {torch.float32}
