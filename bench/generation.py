@@ -5,7 +5,7 @@ A built-in GPT (Llama-family by default, random weights) is exported with the pr
 the same prompts greedily in one process, setting after setting (batch 1 and 4, fp32 and bf16 where the CPU has it
 natively, sdpa and eager attention). Per setting and side: tokens/s over all new tokens of the batch, time to first
 token (prefill + one token), and peak resident memory added while decoding (RSS sampled every millisecond); and
-whether both chose the same tokens.
+whether both chose the same tokens (required in fp32; in bf16 the two round differently).
 
     python bench/generation.py                         # the default model (~30M parameters)
     python bench/generation.py --hidden-size 64 --num-layers 2 --vocab-size 256 --new-tokens 4 --repeats 1
@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
-    return 0 if all(row["same_tokens"] for row in rows) else 1
+    # fp32 must agree token for token; bf16 rounds differently in each implementation (rotary angles, norms), so a
+    # near tie may go either way there: reported, not required.
+    return 0 if all(row["same_tokens"] for row in rows if "fp32" in row["setting"]) else 1
 
 
 if __name__ == "__main__":

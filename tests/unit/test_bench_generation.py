@@ -21,7 +21,7 @@ def test_generation_bench_smoke(tmp_path):
     rows = json.loads(rows_file.read_text())
     assert {"batch 1, fp32, sdpa", "batch 4, fp32, sdpa", "batch 1, fp32, eager"} <= {row["setting"] for row in rows}
     for row in rows:
-        assert row["same_tokens"]
+        assert row["same_tokens"] or "bf16" in row["setting"]
         for side in ("rapidtrain", "hf"):
             assert row[side]["tokens_per_s"] > 0 and row[side]["first_token_ms"] > 0
     assert "| setting | rapidtrain tok/s | HF tok/s | ratio |" in result.stdout and "CPU:" in result.stdout
