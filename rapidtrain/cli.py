@@ -27,8 +27,10 @@ USAGE = """usage:
                                          print what the flags resolve to, start nothing (--device-name, e.g.
                                          "H100", picks the peak FLOP/s that MFU is measured against)
   rapidtrain demo-data [--cache-dir DIR] prepare the built-in demo corpus
-  rapidtrain generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
-                                         continue a prompt with a trained built-in GPT (any saved layout)
+  rapidtrain generate --load DIR (--prompt TEXT | --input-file P.jsonl) [--output-file O.jsonl --batch-size B
+                       --max-new-tokens N --temperature T --top-k K --top-p P --device D --bf16 --load-in-4bit ...]
+                                         continue prompts with a trained built-in GPT (any saved layout) or a
+                                         Hugging Face folder (see rapidtrain generate --help)
 """
 
 

@@ -167,6 +167,17 @@ def sdpa_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool
     return allowed | eye
 
 
+def decoding_mask(padding: torch.Tensor, new: int) -> torch.Tensor:
+    """The boolean mask [b, 1, new, total] of `new` tokens decoded after total - new cached ones, from the padding
+    mask [b, total] of all of them (1 = real token; left padding): token i sees the real tokens up to its own
+    position, and always itself (so a padding row is never empty)."""
+    total = padding.shape[1]
+    query_position = torch.arange(total - new, total, device=padding.device)[:, None]
+    key_position = torch.arange(total, device=padding.device)
+    allowed = padding.bool()[:, None, None, :] & (key_position <= query_position)
+    return allowed | (key_position == query_position)
+
+
 class KVCache:
     """Keys and values of the tokens decoded so far, per layer, so each new token attends to them
     without recomputing them. `length` tokens are cached; the next token's position is `length`."""
@@ -287,6 +298,8 @@ def run_layers(
     """Run every layer this model (or pipeline stage) holds, with rotary angles and mask made once.
 
     With a KV cache, this step's tokens follow the `cache.length` cached ones; the cache grows by them.
+    With a KV cache and a [b, cached + s] padding mask (batched decoding, left padding), each row sees its own
+    real tokens only; the caller gives each row's position_ids.
     `document_ids` [b, s] (FlexAttention only): packed documents attend within their own document.
     """
     seq_length = hidden.shape[1]
@@ -302,6 +315,8 @@ def run_layers(
     if document_ids is not None:
         raise ValueError("document_ids mask packed documents through FlexAttention's BlockMask: build the model "
                          "with --attention-backend flex_attention, or pass a dense attention_mask")
+    if cache is not None and attention_mask is not None and attention_mask.dim() == 2:
+        return _run(layers, hidden, decoding_mask(attention_mask, seq_length), rope, cache)
     mask = sdpa_mask(attention_mask, seq_length, causal)
     if cache is not None and cache.length and seq_length > 1:
         if mask is not None:

@@ -39,8 +39,10 @@ ALLOWED_FUNCTIONS = {
        for name in ("chosen_partitioning", "zero_stage")},
     ("config/saved_checkpoint.py", "saved_model_config"):
         "reads the flags a checkpoint was saved with (not this run's) to rebuild an old checkpoint's model",
-    ("train/generation.py", "load_for_generation"):
+    ("train/generation/loading.py", "load_for_generation"):
         "`rapidtrain generate` has no plan: it reads its own options and the flags the checkpoint was saved with",
+    ("train/generation/loading.py", "_builtin_tokenizer"):
+        "`rapidtrain generate` has no plan: the tokenizer comes from the flags the checkpoint was saved with",
 }
 
 # Where the plan-building helpers above may be used: the modules that build the plan, and the reader of a
