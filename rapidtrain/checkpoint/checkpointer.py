@@ -615,6 +615,9 @@ def start_async_save(root: str | Path, iteration: int, runner: RunnerState, lr_s
         finally:
             stager.close()
 
+    # Staging is synchronous (StagingOptions above), for which async_save returns the upload's Future itself
+    # rather than an AsyncSaveResponse.
+    assert isinstance(upload, Future)
     upload.add_done_callback(checksum_when_written)
     return PendingSave(root, iteration, tmp, final, written)
 

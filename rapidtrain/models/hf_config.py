@@ -63,7 +63,9 @@ def is_megatron_checkpoint(args: argparse.Namespace) -> bool:
         return True
     fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
     save = getattr(args, "save", None)
-    return fresh and bool(save) and path.resolve() == Path(save).resolve()
+    if not fresh or not save:
+        return False
+    return path.resolve() == Path(save).resolve()
 
 
 @functools.lru_cache(maxsize=8)

@@ -310,7 +310,8 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
             initializer_range=config.init_method_std, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
             architectures=["GPT2LMHeadModel"])
     if kind in LLAMA_FAMILY:
-        common = dict(
+        # Any: the values are of mixed types, each the one its transformers keyword takes.
+        common: dict[str, Any] = dict(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
             num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
             num_key_value_heads=config.query_groups, max_position_embeddings=config.max_position_embeddings,

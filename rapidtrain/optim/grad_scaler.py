@@ -66,7 +66,8 @@ class LossScaler:
         self.settings = settings or LossScaleSettings()
         self.data_parallel_average = max(int(data_parallel_average), 1)
         self.dynamic = self.settings.loss_scale is None
-        self._scale = float(self.settings.initial_loss_scale if self.dynamic else self.settings.loss_scale)
+        loss_scale = self.settings.loss_scale
+        self._scale = float(self.settings.initial_loss_scale if loss_scale is None else loss_scale)
         self._growth_tracker = 0
         self._hysteresis_tracker = self.settings.hysteresis
 

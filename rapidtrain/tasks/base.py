@@ -199,7 +199,8 @@ class Task:
         self.seq_length = min(seq_length, getattr(tokenizer, "model_max_length", seq_length) or seq_length)
         self.dynamic_shape = dynamic_shape
         self.seed = seed
-        self.collate = PadCollator(self.pad_values(), None if dynamic_shape else self.seq_length)
+        self.collate: Callable[[Sequence[dict[str, Any]]], dict[str, torch.Tensor]] = PadCollator(
+            self.pad_values(), None if dynamic_shape else self.seq_length)
 
     def pad_values(self) -> dict[str, int]:
         return {
@@ -218,8 +219,9 @@ class Task:
     def forward(self, batch: dict[str, torch.Tensor], model: Any) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def token_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Loss-carrying labels of a host batch, as a tensor (the loop divides by it, never reads it)."""
+    def token_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        """Loss-carrying labels of a host batch, as a tensor (the loop divides by it, never reads it) or a count
+        known without reading a tensor."""
         return (batch["labels"] != -100).sum()
 
     def evaluate(self, model: Any, loader: Any, gather: Gather) -> tuple[dict[str, float], list | None]:
