@@ -321,7 +321,10 @@ class EngineChoice:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Model-state bytes per rank (ZeRO paper accounting); activations are not included."""
+    """Bytes per rank before anything is built: model states by the ZeRO paper's accounting (`param_bytes`,
+    `grad_bytes`, `optimizer_bytes`: the average rank's), and per pipeline stage the model states (the first stage
+    holds the embedding, the last the head) and the activations at its peak (Korthikanti et al. 2022, see
+    config/activations.py); `peak_bytes_per_rank` is the largest stage's sum."""
 
     parameters: int
     total_params: int
@@ -331,6 +334,9 @@ class MemoryEstimate:
     optimizer_bytes: float
     optimizer_on_cpu: bool = False
     params_offloaded: OffloadTarget = "none"  # ZeRO-3 parameter partitions in host memory or on NVMe
+    stage_state_bytes: tuple[float, ...] = ()  # model states on one rank of each pipeline stage (on the device)
+    stage_activation_bytes: tuple[float, ...] = ()  # activations kept at each stage's peak, on one rank of it
+    peak_bytes_per_rank: float = 0.0  # the largest stage's model states + activations (0: not estimated)
 
     @property
     def total_bytes(self) -> float:
