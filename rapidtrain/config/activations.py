@@ -12,7 +12,8 @@ keeps its scores. Under tensor parallelism of size t the Q/K/V, scores and MLP p
 norms' inputs, the masks and the two blocks' inputs (10 of them) are split only with sequence parallelism.
 Selective recompute drops the scores; full recompute keeps the layer's input alone (2·s·b·h, split by t under
 sequence parallelism). The last stage keeps the final norm's and head's inputs and the fp32 log-softmax of the
-loss (4·s·b·V/t with a vocab-parallel loss); the first keeps the embedding dropout's mask.
+loss (4·s·b·V/t with a vocab-parallel loss), with the logits beside it at the peak; the first keeps the embedding
+dropout's mask.
 
 Pipelining: under 1F1B stage i keeps min(p - i, m) micro-batches in flight (stage 0 holds p: the pipeline depth);
 the interleaved schedule keeps 2·(p - i - 1) + (v - 1)·p + 1 model chunks of L/(p·v) layers, which for stage 0 is
@@ -74,10 +75,11 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
 
 
 def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
-    """The last stage's: final norm's and head's inputs, and the loss's fp32 log-softmax (vocab-parallel under TP)."""
+    """The last stage's: final norm's and head's inputs, the loss's fp32 log-softmax (vocab-parallel under TP), and
+    the logits themselves, alive beside it while the loss is computed (measured: the peak is there)."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     norms = 2 * s * b * h * act.element_bytes / (t if layout.sequence_parallel else 1)
-    return norms + 4 * s * b * model.vocab_size / t
+    return norms + (4 + act.element_bytes) * s * b * model.vocab_size / t
 
 
 def embedding_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:

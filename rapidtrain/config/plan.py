@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 
 from rapidtrain.config.engines import engines_for
+from rapidtrain.config.estimate import plan_estimate
 from rapidtrain.config.memory import auto_micro_batch_size, memory_estimate, size_multiple_warnings, with_peak
 from rapidtrain.config.resolve import (
     attention_settings,
@@ -75,7 +76,8 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     if model and memory:
         memory = with_peak(memory, model, batches.micro_batch_size, batches.accumulation_steps, layout, precision,
                            switches.recompute, ctx.device_type)
-    engines, notes = engines_for(args, ctx, layout, precision, switches, model)
+    engines, notes = engines_for(args, ctx, layout, precision, switches, model,
+                                 batches.accumulation_steps)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
     from rapidtrain.config.meanings import hugging_face_notes
 
@@ -85,14 +87,19 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
                      "collate_fn decides how its batches are built (rapidtrain.tasks.base.FlattenCollator packs "
                      "them the same way)")
     warnings = precision_warnings(args, ctx, precision) + size_multiple_warnings(model, batches, precision, ctx)
-    return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches, training_settings(args, batches),
-                dataclasses.replace(data_settings(args, ctx), micro_batch_size=batches.micro_batch_size), tokenizer,
-                optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
-                args.clip_grad, checkpoint_settings(args, vocab_size),
-                logging_settings(args, ctx, precision, switches.tf32), tuple(notes),
-                lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
-                distributed_settings(args, ctx), tuple(warnings),
-                attention_settings(args))
+    resolved = Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
+                    switches, training_settings(args, batches),
+                    dataclasses.replace(data_settings(args, ctx), micro_batch_size=batches.micro_batch_size),
+                    tokenizer, optimizer_settings(args, layout, switches), schedule_settings(args),
+                    loss_scale_settings(args), args.clip_grad, checkpoint_settings(args, vocab_size),
+                    logging_settings(args, ctx, precision, switches.tf32), tuple(notes),
+                    lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
+                    distributed_settings(args, ctx), tuple(warnings), attention_settings(args))
+    return with_estimate(resolved, ctx)
+
+
+def with_estimate(plan: Plan, ctx: RunContext) -> Plan:
+    """The plan with its expected step time on the context's device (config/estimate.py)."""
+    return dataclasses.replace(plan, estimate=plan_estimate(plan, ctx.device_type, ctx.capability.name))
 
 

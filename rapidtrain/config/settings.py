@@ -345,6 +345,22 @@ class MemoryEstimate:
 
 
 @dataclass(frozen=True)
+class StepEstimate:
+    """The expected time of one iteration on the plan's GPUs and where it goes (config/estimate.py), or why there
+    is none (`reason`, with the times left at 0). TFLOP/s and MFU count model FLOPs (no recomputation), as the
+    log line does; `hardware_tflops_per_device` counts what runs, recomputation included."""
+
+    device: str = ""
+    seconds_per_iteration: float = 0.0
+    tflops_per_device: float = 0.0
+    mfu: float = 0.0
+    hardware_tflops_per_device: float = 0.0
+    parts: tuple[tuple[str, float], ...] = ()  # (what, seconds per iteration) in the order they add up
+    assumptions: tuple[str, ...] = ()
+    reason: str = ""  # why nothing is estimated ("" when estimated)
+
+
+@dataclass(frozen=True)
 class TrainingSettings:
     """How long to train, when to evaluate and when to stop early (the loop's own part of the plan)."""
 
@@ -527,6 +543,7 @@ class Plan:
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     warnings: tuple[str, ...] = field(default_factory=tuple)  # printed when a run starts, before anything is built
     attention: AttentionSettings = field(default_factory=AttentionSettings)  # --attention-backend's kernel
+    estimate: StepEstimate | None = None  # the expected step time (None: no built-in model to estimate)
 
     @property
     def train_iters(self) -> int | None:

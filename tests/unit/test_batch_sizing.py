@@ -99,7 +99,8 @@ def test_the_activation_estimate_is_near_the_measured_bytes(flags):
     with count_saved_activations(model.parameters()) as kept:
         loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
     loss.backward()
-    estimate = activations_of(plan, micro=2)
+    # The logits are freed once the loss is taken; the estimate counts them for the peak during the loss.
+    estimate = activations_of(plan, micro=2) - 2 * plan.model.seq_length * plan.model.vocab_size * 4
     assert 0.85 < kept["bytes"] / estimate < 1.15, (kept["bytes"], estimate)
 
 
