@@ -8,7 +8,8 @@ What is measured, per rank:
   the objects' attributes), buffers excluded; C++-only buffers (DDP's gradient buckets) are not visible;
 - activations: during the second iteration's forward and backward (not its optimizer step), after every
   operator that runs outside backward, the bytes of the storages created in this iteration that are still
-  alive, parameters and gradients excluded; the largest such sum (for a pipeline stage, with its micro-batches in flight).
+  alive, parameters and gradients excluded; the largest such sum (for a pipeline stage, with its micro-batches
+  in flight).
 """
 
 from __future__ import annotations
