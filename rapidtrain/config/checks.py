@@ -458,7 +458,7 @@ def auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
                 "yourself.")
     if not layout_divides(args, ctx):
         return None  # the layout rule reports it
-    from rapidtrain.config.memory import activation_bytes_per_sample, memory_estimate
+    from rapidtrain.config.memory import memory_estimate, with_peak
     from rapidtrain.config.resolve import (
         builtin_vocab_size,
         model_config_from_args,
@@ -470,15 +470,21 @@ def auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
     vocab = builtin_vocab_size(args, tokenizer_settings_of(args))
     if not vocab:
         return None
-    model, precision = model_config_from_args(args, vocab), precision_of(args, ctx)
-    state = memory_estimate(args, model, layout_of(args, ctx), precision, ctx).total_bytes
-    need = state + activation_bytes_per_sample(model, precision, recompute_of(args))
-    if need <= args.memory_budget_gb * 2**30:
+    model, precision, layout = model_config_from_args(args, vocab), precision_of(args, ctx), layout_of(args, ctx)
+    per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
+        // layout.data_parallel_size
+    memory = with_peak(memory_estimate(args, model, layout, precision, ctx), model, 1, per_rank, layout, precision,
+                       recompute_of(args), ctx.device_type)
+    if memory.peak_bytes_per_rank <= args.memory_budget_gb * 2**30:
         return None
-    return (f"--auto-micro-batch-size: even micro batch 1 needs ~{need / 2**30:.2f} GiB (model state "
-            f"{state / 2**30:.2f} GiB + one sample's activations) > --memory-budget-gb {args.memory_budget_gb:g}, "
-            "so the global batch cannot be kept: raise the budget, recompute (--recompute-granularity full), "
-            "shard the model state (--zero-3-memory-optimization), or shorten --seq-length.")
+    stage = max(range(len(memory.stage_state_bytes)),
+                key=lambda i: memory.stage_state_bytes[i] + memory.stage_activation_bytes[i])
+    return (f"--auto-micro-batch-size: even micro batch 1 needs ~{memory.peak_bytes_per_rank / 2**30:.2f} GiB on "
+            f"the largest rank (model state {memory.stage_state_bytes[stage] / 2**30:.2f} GiB + activations "
+            f"{memory.stage_activation_bytes[stage] / 2**30:.2f} GiB) > --memory-budget-gb "
+            f"{args.memory_budget_gb:g}, so the global batch cannot be kept: raise the budget, recompute "
+            "(--recompute-granularity full), shard the model state (--zero-3-memory-optimization, tensor or pipeline "
+            "parallelism), or shorten --seq-length.")
 
 
 def profile_problem(args: Args, ctx: RunContext) -> str | None:

@@ -119,8 +119,21 @@ def describe_compile(args: argparse.Namespace) -> str:
     return f"torch.compile(backend={args.torch_compile_backend!r}, mode={args.torch_compile_mode or 'default'!r})"
 
 
+def pipeline_schedule(layout: Layout, micro_batches: int) -> str:
+    """The schedule parallel/pipeline.py runs, named by what it is, with the micro-batches and stages."""
+    p, v, m = layout.pipeline_parallel_size, layout.virtual_pipeline_stages, micro_batches
+    if v > 1:
+        return (f"interleaved 1F1B, {v} model chunks per rank, {m} micro-batches over {p} stages "
+                f"(bubble (p - 1)/(v·m) = {(p - 1) / (v * m):.1%})")
+    if m >= p:
+        return f"1F1B, {m} micro-batches over {p} stages (bubble (p - 1)/m = {(p - 1) / m:.1%})"
+    return (f"GPipe, {m} micro-batches over {p} stages (1F1B needs at least as many micro-batches as stages; "
+            f"bubble (p - 1)/m = {(p - 1) / m:.0%})")
+
+
 def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,
-                switches: Switches, model: ModelConfig | None = None) -> tuple[list[EngineChoice], list[str]]:
+                switches: Switches, model: ModelConfig | None = None,
+                micro_batches: int = 1) -> tuple[list[EngineChoice], list[str]]:
     from rapidtrain.optim.optimizers import describe_optimizer
 
     engines: list[EngineChoice] = []
@@ -158,17 +171,18 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
                                     "attention and MLP, vocab-parallel embedding and loss"
                                     + (", sequence parallel norms/dropout" if layout.sequence_parallel else "")))
     if layout.pipeline_parallel_size > 1:
-        schedule = "interleaved 1F1B" if layout.virtual_pipeline_stages > 1 else \
-            "1F1B (GPipe with fewer micro-batches than stages)"
-        engines.append(EngineChoice("--pipeline-model-parallel-size", f"torch.distributed.pipelining, {schedule}, "
-                                    "microbatches = accumulation steps"))
+        engines.append(EngineChoice("--pipeline-model-parallel-size", "torch.distributed.pipelining, "
+                                    + pipeline_schedule(layout, micro_batches)))
     if args.num_experts:
         ep = f", experts sharded over {layout.expert_parallel_size} ranks (all-to-all)" \
             if layout.expert_parallel_size > 1 else ""
         residual = (", PR-MoE (--mlp-type residual): a dense MLP beside the experts, mixed in by learned per-token "
                     "coefficients" if args.mlp_type == "residual" else "")
+        capacity = ("dropless (--disable-moe-token-dropping: every token reaches its experts, no capacity "
+                    "factor)" if args.disable_moe_token_dropping
+                    else f"capacity factor {args.moe_capacity_factor:g} (tokens over capacity dropped)")
         engines.append(EngineChoice("--num-experts", f"rapidtrain MoE layers: top-{args.moe_router_topk} router, "
-                                    f"load-balancing loss, capacity factor {args.moe_capacity_factor:g}{ep}{residual}"))
+                                    f"load-balancing loss, {capacity}{ep}{residual}"))
     if precision.dtype != "fp32":
         deepspeed_own = partitioning is not None and partitioning.engine.startswith("DeepSpeed")
         engine = f"DeepSpeed {precision.dtype} engine" if deepspeed_own else f"torch.autocast({precision.dtype})"

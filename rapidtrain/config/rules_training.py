@@ -56,6 +56,14 @@ from rapidtrain.models import hf_config
 
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
+        "min-lr-within-lr", ("--min-lr", "--lr"),
+        "--min-lr is the floor the schedule decays to from --lr, so it is at most --lr.",
+        lambda a, c: bool(a.lr) and a.min_lr > a.lr,
+        lambda a, c: f"--min-lr {a.min_lr:g} is above --lr {a.lr:g}: the schedule decays from --lr down to "
+        "--min-lr, so the learning rate would rise instead. Give --min-lr at most --lr (Megatron's runs use about "
+        "a tenth of it).",
+    ),
+    Rule(
         "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                                    "--pretrained-model-name-or-path"),
         "Tensor and pipeline parallelism apply to the built-in Megatron-style models, not Hugging Face models.",

@@ -123,7 +123,7 @@ def plan_for_built_model(plan: Plan, model: nn.Module) -> Plan:
     if isinstance(model, GPTModel | BertModel):
         return plan
     parameters = sum(p.numel() for p in model.parameters())
-    return dataclasses.replace(plan, model=None, memory=None,
+    return dataclasses.replace(plan, model=None, memory=None, estimate=None,
                                script_model=f"{type(model).__name__}, {parameters:,} parameters")
 
 

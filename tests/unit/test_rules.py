@@ -15,6 +15,7 @@ BASE = ["--train-iters", "10", "--lr", "1e-4"]
 # rule name → (flags that violate it, flags that pass, world size, device)
 CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "positive-sizes": (["--micro-batch-size", "0"], ["--micro-batch-size", "1"], 1, "cpu"),
+    "min-lr-within-lr": (["--lr", "1e-4", "--min-lr", "1e-3"], ["--lr", "1e-4", "--min-lr", "1e-5"], 1, "cpu"),
     "unknown-task": (["--task", "sequence_clasification"], ["--task", "causal_lm"], 1, "cpu"),
     "one-state-partitioning": (
         ["--zero-2-memory-optimization", "--fsdp-memory-optimization"],
