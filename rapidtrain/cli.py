@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -105,9 +106,12 @@ def launch(argv: list[str]) -> int:
     rules.exit_on_conflicts(args, ctx)
     check_inputs_before_launch(args)
     from rapidtrain.core.shutdown import run_forwarding_signals
+    from rapidtrain.core.stopped_run import COMMAND_ENV
 
-    # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/core/shutdown.py).
-    return run_forwarding_signals(torchrun_command(args, script, argv, ctx.device_type))
+    # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/core/shutdown.py). The
+    # command line goes with it, for the resume line of a stopped run.
+    env = dict(os.environ, **{COMMAND_ENV: shlex.join(["rapidtrain", *argv])})
+    return run_forwarding_signals(torchrun_command(args, script, argv, ctx.device_type), env)
 
 
 def check_inputs_before_launch(args: argparse.Namespace) -> None:
@@ -188,7 +192,6 @@ def quiet_torchrun(argv: list[str]) -> int:
     and waited for (rapidtrain/core/shutdown.py); workers that all stopped on a user error (status 2, their message
     already printed by rank 0) end with status 2 instead of torchrun's traceback and failure report."""
     import logging
-    import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -201,28 +204,45 @@ def quiet_torchrun(argv: list[str]) -> int:
     options = parse_args(argv)
     forwarder = RankSignalForwarder()
     if RankSignalForwarder.available():
-        forwarder.install()  # torchrun then leaves SIGTERM alone; it still handles the others its own way
+        forwarder.install()  # torchrun then leaves SIGTERM and SIGINT alone; it handles the others its own way
         options.signals_to_handle = ",".join(
-            name for name in options.signals_to_handle.split(",") if name.strip() != "SIGTERM")
+            name for name in options.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGINT"))
     # Its per-worker "failed (exitcode: N)" log line; a real crash is still reported in full below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(options)
     except ChildFailedError as failed:
-        codes = {failure.exitcode for failure in failed.failures.values()}
-        if 2 in codes and codes <= {2, -signal.SIGTERM, -signal.SIGKILL}:  # the others stopped by torchrun
-            return 2
-        if forwarder.forwarded and codes <= {-signum for signum in forwarder.forwarded}:
-            print("rapidtrain: the ranks ended on SIGTERM without saving (a run saves on SIGTERM when it has "
-                  "--save, or stops cleanly with --exit-signal-handler, once its training has started)",
-                  file=sys.stderr)
-            return 128 + signal.SIGTERM
-        raise
+        return stopped_launch_status(failed.failures, options, forwarder.forwarded)
     except SignalException as stopped:  # a signal torchrun handles itself (SIGINT, SIGHUP, SIGQUIT)
         return 128 + int(stopped.sigval)
     finally:
         forwarder.settle()
     return 0
+
+
+def stopped_launch_status(failures: dict, options: argparse.Namespace, forwarded: set[int]) -> int:
+    """The launch's status when ranks failed, with its one paragraph (core/stopped_run.py): user errors and
+    Ctrl-C were told by the ranks; anything else is told here, naming the rank that failed first."""
+    import signal
+
+    from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, EXIT_LOST_CONTACT, flag_value, launcher_story, resume_line
+
+    codes = {failure.exitcode for failure in failures.values()}
+    if 2 in codes and codes <= {2, EXIT_LOST_CONTACT, -signal.SIGTERM, -signal.SIGKILL}:  # others stopped by torchrun
+        return 2
+    save = flag_value(list(options.training_script_args), "--save")
+    if codes & {EXIT_INTERRUPTED, -signal.SIGINT} and codes <= {EXIT_INTERRUPTED, -signal.SIGINT, EXIT_LOST_CONTACT}:
+        # Ctrl-C: the ranks saved and said how to resume (a rank in a collective with one that left: lost contact)
+        if -signal.SIGINT in codes:
+            print(f"rapidtrain: stopped by Ctrl-C. {resume_line(save)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if forwarded and codes <= {-signum for signum in forwarded}:
+        print("rapidtrain: the ranks ended on SIGTERM without saving (a run saves on SIGTERM when it has "
+              "--save, or stops cleanly with --exit-signal-handler, once its training has started)",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
+    print(launcher_story(failures, save, str(options.node_rank)), file=sys.stderr, flush=True)
+    return 1
 
 
 COMMANDS = {"plan": plan_command, "demo-data": demo_data_command, "generate": generate_command,

@@ -7,14 +7,19 @@ import atexit
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
+from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, RUN, first_to_report
+
+ABORT_AFTER_S = 1.0  # a second Ctrl-C this long after the first aborts; an echo of the same press comes sooner
 
 
 class StopSignal:
-    """SIGTERM asks the loop to save and exit cleanly. The handler stays until `restore()` (after the final
+    """SIGTERM or Ctrl-C (SIGINT) asks the loop to save and exit cleanly; a second Ctrl-C aborts at once, without
+    saving (one line, status 130). The handler stays until `restore()` (after the final
     save), so a second SIGTERM during that save does not kill it; after a stop by signal it stays until the
     process exits (then ignored through the interpreter's finalization), as a repeat must not kill the exit. A
     process forked from this one (a multiprocessing pool, whose terminate() sends SIGTERM) still ends on
@@ -23,23 +28,35 @@ class StopSignal:
     def __init__(self) -> None:
         self.received = False
         self._owner = os.getpid()
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._interrupted_at: float | None = None
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._owner:  # inherited by a fork: not the trainer, so the default action
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted_at is not None and now - self._interrupted_at > ABORT_AFTER_S:
+                if first_to_report("abort"):
+                    print("rapidtrain: second Ctrl-C: stopped at once, without saving", file=sys.stderr, flush=True)
+                os._exit(EXIT_INTERRUPTED)
+            self._interrupted_at = self._interrupted_at or now
         self.received = True
+        if RUN.stop_signal is None or signum == signal.SIGINT:
+            RUN.stop_signal = signum
 
     def restore(self) -> None:
         if not self.received:
-            signal.signal(signal.SIGTERM, self._previous)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
             return
         # The process is on its way out. The interpreter puts back the default action for Python handlers when
         # it finalizes, which a late repeat would turn into death by SIGTERM after a good save: from the
         # atexit hooks on, repeats are ignored by the kernel instead.
         atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, self._previous[signal.SIGINT])  # the save is done: Ctrl-C may end the exit
 
 
 class StopConditions:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from rapidtrain.config.describe import describe_plan
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.metrics import ThroughputMeter
+from rapidtrain.core.stopped_run import RUN
 from rapidtrain.data.loaders import (
     ShardedLoader,
     eval_loader,
@@ -81,6 +82,7 @@ class Trainer:
         self.model: Any = None
         self.token_count: Callable[[Any], int | torch.Tensor | None] = default_token_count
         self.checkpointer = Checkpointer(self.plan.checkpoint, self)
+        RUN.save = self.plan.checkpoint.save  # for the story told if the run stops (core/stopped_run.py)
         # SIGTERM from here on asks for a save at the end of an iteration, even if it comes during setup.
         self.stop = StopConditions(self.plan.training)
         self.history: list[dict[str, Any]] = []
@@ -223,6 +225,7 @@ class Trainer:
     def after_step(self, result: IterationResult) -> None:
         """Count the iteration; the log line every --log-interval iterations."""
         self.iteration += 1
+        RUN.iteration = self.iteration
         self.consumed_samples += result.samples
         self.last_global_batch = result.samples
         self.meter.record(result.samples, result.tokens)

@@ -145,11 +145,12 @@ def test_sigterm_is_handled_with_save_or_exit_signal_handler(on_sigterm, handled
                                                ([], "default")])
 def test_plan_says_what_sigterm_does(flags, on_sigterm):
     from rapidtrain.config import arguments, plan
+    from rapidtrain.config.describe import ON_SIGTERM
 
     args = arguments.parse_args(["--train-iters", "10", "--lr", "1e-3", *flags], entry="pretrain")
     resolved = plan.from_args(args, plan.RunContext(1, "cpu"))
     assert resolved.training.on_sigterm == on_sigterm
-    assert "  on SIGTERM: " + plan.ON_SIGTERM[on_sigterm] in describe_plan(resolved)
+    assert "  on SIGTERM: " + ON_SIGTERM[on_sigterm] in describe_plan(resolved)
 
 
 def test_exit_status_reports_signals_as_a_shell_does():
