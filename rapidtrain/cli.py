@@ -34,7 +34,11 @@ USAGE = """usage:
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """A rank of a launch (torchrun's, or one that set every env:// variable); stale WORLD_SIZE/LOCAL_RANK left in
+    the environment alone do not make one."""
+    from rapidtrain.core.launch_env import launched_rank
+
+    return launched_rank(os.environ)
 
 
 def entry_script(args: argparse.Namespace) -> Path:
@@ -95,6 +99,12 @@ def run_user_script_in_place(script: Path, argv: list[str]) -> int:
 
 
 def launch(argv: list[str]) -> int:
+    from rapidtrain.core.launch_env import drop_stale_rank_variables
+
+    stale = drop_stale_rank_variables(os.environ)
+    if stale:
+        print(f"rapidtrain: note: ignoring {', '.join(stale)} left in the environment (no launcher set them; torchrun "
+              "sets each rank's own)", file=sys.stderr)
     args = launch_arguments(argv)
     ctx = settings.RunContext.detect(args)
     script = entry_script(args)
@@ -105,6 +115,7 @@ def launch(argv: list[str]) -> int:
         return 0
     rules.exit_on_conflicts(args, ctx)
     check_inputs_before_launch(args)
+    check_rendezvous_before_launch()
     from rapidtrain.core.shutdown import run_forwarding_signals
     from rapidtrain.core.stopped_run import COMMAND_ENV
 
@@ -127,6 +138,20 @@ def check_inputs_before_launch(args: argparse.Namespace) -> None:
 
         tokenizer = tokenizer_settings(args) if args.tokenizer_type else None
         check_pretraining_inputs(args.data_path, args.data_impl, tokenizer)
+
+
+def check_rendezvous_before_launch(env: Mapping[str, str] | None = None) -> None:
+    """Where torchrun will meet the other nodes: the master address resolves, and on the node that serves the
+    rendezvous the port is free (a clear message instead of torchrun's DistNetworkError traceback)."""
+    from rapidtrain.core.launch_env import check_master_address, check_master_port_free
+    from rapidtrain.core.slurm import node_layout
+
+    nodes = node_layout(os.environ if env is None else env)
+    if nodes.master_addr is None:
+        return
+    check_master_address(nodes.master_addr, nodes.master_port)
+    if nodes.node_rank == 0:
+        check_master_port_free(int(nodes.master_port))
 
 
 def plan_command(argv: list[str]) -> int:

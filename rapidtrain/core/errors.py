@@ -24,6 +24,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 class UserError(Exception):
     """A problem the user fixes (a flag, a file, the data); the message names it and says how."""
 
+    every_rank = False  # True: each rank that meets it says so (its own environment, which other ranks lack)
+
 
 def debug_requested(argv: Sequence[str] | None = None) -> bool:
     """True when tracebacks were asked for: RAPIDTRAIN_DEBUG=1 (any value but 0/empty) or --debug."""
@@ -54,7 +56,8 @@ def report_user_error(error: BaseException, program: str = "rapidtrain", argv: S
     from rapidtrain.core.stopped_run import first_to_report, write_error_file
 
     write_error_file("user_error", format_user_error(error, program))
-    if not first_to_report("user_error") and not debug_requested(argv):
+    told_here = getattr(error, "every_rank", False) or first_to_report("user_error")
+    if not told_here and not debug_requested(argv):
         return
     if debug_requested(argv):
         traceback.print_exception(error)
