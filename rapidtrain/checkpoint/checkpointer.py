@@ -290,10 +290,14 @@ def verify_checkpoint(directory: str | Path) -> bool:
     if not path.exists():
         return False
     try:
-        files = json.loads(path.read_text())["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        names = sorted(files)
+        if not all(isinstance(files[name], dict) for name in names):
+            raise TypeError("an entry is not a size and checksum")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path}: damaged ({error}); resume from another iteration or --load folder.") from None
-    names = sorted(files)
+    check_format_version(manifest.get("format", FORMAT_VERSION), path)
     index, reason = _first_damaged(directory, files, names, range(_rank(), len(names), _world()))
     if dist.is_initialized():  # every rank must stop, or the others would wait in the load for ever
         found = torch.tensor([index if index >= 0 else len(names)], dtype=torch.int64)
@@ -669,6 +673,15 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
+def check_format_version(version: Any, path: Path) -> None:
+    """Older formats load (each reader keeps their layout); a newer one is refused: this rapidtrain cannot know
+    what it changed."""
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} was written in checkpoint format {version!r}, newer than the format "
+                              f"{FORMAT_VERSION} this rapidtrain reads: load it with the rapidtrain that wrote it "
+                              "(or a newer one).")
+
+
 def check_complete(directory: Path) -> None:
     missing = [name for name in (METADATA_FILE,) if not (directory / name).exists()]
     if not (directory / COMMON_FILE).exists() and not (directory / LEGACY_COMMON_FILE).exists():
@@ -724,6 +737,7 @@ def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, model: dic
         notes.append(f"{directory} has no {MANIFEST_FILE} (written before checkpoint format {FORMAT_VERSION}): "
                      "its files were not checked for damage")
     common = read_common(directory)
+    check_format_version(common.get("format", 1), directory / COMMON_FILE)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
     load_optimizer = load_optimizer and not finetune
     state = runner.state_dict_for_loading(load_optimizer)

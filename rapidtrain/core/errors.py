@@ -46,6 +46,8 @@ def process_rank() -> int:
 
 def format_user_error(error: BaseException, program: str) -> str:
     message = str(error).strip() or type(error).__name__
+    if "Original Traceback (most recent call last):" in message:  # raised in a DataLoader worker: its message only
+        message = message.splitlines()[-1].split(": ", 1)[-1]
     # Messages written for the rapidtrain command already start with its name.
     return message if message.startswith(f"{program}:") else f"{program}: error: {message}"
 
