@@ -435,6 +435,8 @@ def publish_folder(tmp: Path, final: Path) -> None:
     """Replace `final` by `tmp` so that a reader sees either the old or the new directory, never half (checkpoints
     and exported models); a `.old` left by a killed publish goes first."""
     old = final.with_name(final.name + ".old")
+    if old.is_symlink():  # never renamed over, nor followed
+        old.unlink()
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
@@ -443,8 +445,10 @@ def publish_folder(tmp: Path, final: Path) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    from rapidtrain.checkpoint.save_folder import write_file_exclusively
+
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    write_file_exclusively(tmp, text)  # a symlink planted under the temporary name is refused, not followed
     os.replace(tmp, path)
 
 
@@ -504,9 +508,11 @@ def _prepare_save(root: Path, iteration: int) -> tuple[Path, Path]:
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
+        from rapidtrain.checkpoint.save_folder import exclusive_directory
+
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        exclusive_directory(tmp)  # never through a symlink planted under the temporary name
+        (tmp / "rng").mkdir()
     _barrier()
     return final, tmp
 

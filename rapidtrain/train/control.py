@@ -94,6 +94,7 @@ class Checkpointer:
         self.saved_at: int | None = None
         self._requested = False
         self._lock: Any = None
+        self._shared = False  # every rank checked it sees --save (once: open() is called again before loading)
         self._pending: Any = None  # a background save (--async-save) not yet published
         self._group: Any = None  # the gloo group background saves run their collectives on
         # Set by fine-tuning templates: a pretrained model named by --pretrained-model-name-or-path is loaded
@@ -104,13 +105,16 @@ class Checkpointer:
         """Before the data and the model are built (the templates' setup starts with it), and again harmlessly
         before loading: rank 0 takes --save for this run (one writer per folder), refuses to overwrite
         checkpoints it did not load, and cleans what killed saves left."""
-        if not self.enabled or self.trainer.engine.rank != 0 or self._lock is not None:
+        if not self.enabled or self._lock is not None or self._shared:
             return
-        from rapidtrain.checkpoint.save_folder import prepare_save_folder
+        from rapidtrain.checkpoint.save_folder import check_save_shared, prepare_save_folder
 
-        self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
-        for line in cleaned:
-            print(f" {line}", flush=True)
+        if self.trainer.engine.rank == 0:
+            self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
+            for line in cleaned:
+                print(f" {line}", flush=True)
+        check_save_shared(self.settings.save)  # every node sees the folder rank 0 prepared
+        self._shared = True
 
     def close(self) -> None:
         if self._lock is not None:
