@@ -301,10 +301,14 @@ def verify_checkpoint(directory: str | Path) -> bool:
     if not path.exists():
         return False
     try:
-        files = json.loads(path.read_text())["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        names = sorted(files)
+        if not all(isinstance(files[name], dict) for name in names):
+            raise TypeError("an entry is not a size and checksum")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path}: damaged ({error}); resume from another iteration or --load folder.") from None
-    names = sorted(files)
+    check_format_version(manifest.get("format", FORMAT_VERSION), path)
     index, reason = _first_damaged(directory, files, names, range(_rank(), len(names), _world()))
     if dist.is_initialized():  # every rank must stop, or the others would wait in the load for ever
         found = torch.tensor([index if index >= 0 else len(names)], dtype=torch.int64)
@@ -442,6 +446,8 @@ def publish_folder(tmp: Path, final: Path) -> None:
     """Replace `final` by `tmp` so that a reader sees either the old or the new directory, never half (checkpoints
     and exported models); a `.old` left by a killed publish goes first."""
     old = final.with_name(final.name + ".old")
+    if old.is_symlink():  # never renamed over, nor followed
+        old.unlink()
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
@@ -450,8 +456,10 @@ def publish_folder(tmp: Path, final: Path) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    from rapidtrain.checkpoint.save_folder import write_file_exclusively
+
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    write_file_exclusively(tmp, text)  # a symlink planted under the temporary name is refused, not followed
     os.replace(tmp, path)
 
 
@@ -511,9 +519,11 @@ def _prepare_save(root: Path, iteration: int) -> tuple[Path, Path]:
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
+        from rapidtrain.checkpoint.save_folder import exclusive_directory
+
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        exclusive_directory(tmp)  # never through a symlink planted under the temporary name
+        (tmp / "rng").mkdir()
     _barrier()
     return final, tmp
 
@@ -683,6 +693,15 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
+def check_format_version(version: Any, path: Path) -> None:
+    """Older formats load (each reader keeps their layout); a newer one is refused: this rapidtrain cannot know
+    what it changed."""
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} was written in checkpoint format {version!r}, newer than the format "
+                              f"{FORMAT_VERSION} this rapidtrain reads: load it with the rapidtrain that wrote it "
+                              "(or a newer one).")
+
+
 def check_complete(directory: Path) -> None:
     missing = [name for name in (METADATA_FILE,) if not (directory / name).exists()]
     if not (directory / COMMON_FILE).exists() and not (directory / LEGACY_COMMON_FILE).exists():
@@ -738,6 +757,7 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
         notes.append(f"{directory} has no {MANIFEST_FILE} (written before checkpoint format {FORMAT_VERSION}): "
                      "its files were not checked for damage")
     common = read_common(directory)
+    check_format_version(common.get("format", 1), directory / COMMON_FILE)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
     load_optimizer = load_optimizer and not finetune
     state = runner.state_dict_for_loading(load_optimizer)

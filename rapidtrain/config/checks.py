@@ -320,6 +320,11 @@ def non_finite_or_negative(args: Args) -> list[str]:
             if getattr(args, n) is not None and not (math.isfinite(getattr(args, n)) and getattr(args, n) >= 0)]
 
 
+def min_lr_above_lr(args: Args) -> bool:
+    lr, floor = args.lr, args.min_lr
+    return lr is not None and floor is not None and math.isfinite(lr) and math.isfinite(floor) and floor > lr
+
+
 def not_positive_counts(args: Args) -> list[str]:
     """Counts that must be at least 1 when given: a 0 would divide by zero or never log, evaluate or stop."""
     names = ("train_iters", "epochs", "log_interval", "eval_interval", "save_interval", "exit_interval",

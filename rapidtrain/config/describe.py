@@ -15,8 +15,10 @@ from rapidtrain.config.settings import (
 from rapidtrain.data.tokenizer import TokenizerSettings
 
 ON_SIGTERM = {
-    "save": "save a checkpoint at the end of the iteration, exit 0 (a repeated SIGTERM cannot cut the save)",
-    "stop": "stop at the end of the iteration and exit 0, nothing saved (--exit-signal-handler without --save)",
+    "save": "save a checkpoint at the end of the iteration, exit 0 (a repeated SIGTERM cannot cut the save); "
+            "Ctrl-C the same, exit 130 (a second Ctrl-C aborts at once)",
+    "stop": "stop at the end of the iteration and exit 0, nothing saved (--exit-signal-handler without --save); "
+            "Ctrl-C the same, exit 130",
     "default": "the process ends at once, nothing saved (give --save, or --exit-signal-handler to stop cleanly)",
 }
 

@@ -20,6 +20,7 @@ from rapidtrain.config.settings import (
     RunContext,
     Switches,
 )
+from rapidtrain.core.errors import UserError
 from rapidtrain.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -131,8 +132,16 @@ def parameter_shape_counts(model: ModelConfig) -> dict[tuple[int, ...], int]:
     counts: Counter[tuple[int, ...]] = Counter()
     for index, (experts, layers) in enumerate(kinds.items()):
         one_layer = dataclasses.replace(model, num_layers=1, num_experts=(experts,) if model.num_experts else ())
-        with torch.device("meta"):
-            built = build_model(one_layer, seed=None)
+        try:
+            with torch.device("meta"):
+                built = build_model(one_layer, seed=None)
+        except RuntimeError as error:
+            if "overflow" not in str(error).lower():
+                raise
+            raise UserError(f"--hidden-size {model.hidden_size} (vocabulary "
+                            f"{model.vocab_size}): a weight matrix of this model has more elements than a tensor can "
+                            "address (2^63 bytes). Give sizes a device can hold (GPT-3 175B uses --hidden-size "
+                            "12288).") from None
         for name, param in built.named_parameters():
             in_layer = name.startswith("layers.")
             if in_layer or index == 0:  # the embedding, head and norms once

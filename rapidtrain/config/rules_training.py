@@ -30,6 +30,7 @@ from rapidtrain.config.checks import (
     lengths,
     lora_settings_given,
     low_bit_optimizer_refusal,
+    min_lr_above_lr,
     mixed_schedule_flags,
     needs_iterations,
     non_finite_or_negative,
@@ -282,6 +283,13 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: bool(non_finite_or_negative(a)),
         lambda a, c: f"{', '.join(non_finite_or_negative(a))}: must be a finite number ≥ 0 (a negative rate "
         "climbs the loss, NaN poisons every weight at the first step). Give e.g. --lr 1e-4.",
+    ),
+    Rule(
+        "min-lr-below-lr", ("--min-lr", "--lr"),
+        "The learning-rate floor (--min-lr) does not exceed the peak (--lr); the run's schedule refuses it too.",
+        lambda a, c: min_lr_above_lr(a),
+        lambda a, c: f"--min-lr {a.min_lr:g} exceeds --lr {a.lr:g}: the schedule decays from --lr down to --min-lr. "
+        f"Give --min-lr at most {a.lr:g} (the demo corpus sets --min-lr 1e-4: lower it with --lr).",
     ),
     Rule(
         "counts-positive", ("--train-iters", "--log-interval", "--eval-interval", "--num-workers"),

@@ -14,6 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rapidtrain.core.errors import UserError
+
+
+class LossScalingError(UserError, ValueError):
+    """Loss-scaling flags out of range (the message names them)."""
+
 
 @dataclass(frozen=True)
 class LossScaleSettings:
@@ -44,7 +50,7 @@ class LossScaleSettings:
         if self.growth_factor <= 1.0 or not 0.0 < self.backoff_factor < 1.0:
             problems.append("the growth factor must be > 1 and the backoff factor in (0, 1)")
         if problems:
-            raise ValueError("loss scaling: " + "; ".join(problems))
+            raise LossScalingError("loss scaling: " + "; ".join(problems))
 
 
 class LossScaler:

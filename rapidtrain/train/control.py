@@ -7,6 +7,7 @@ import atexit
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -18,12 +19,16 @@ from rapidtrain.checkpoint.checkpointer import (
     save_checkpoint,
     start_async_save,
 )
-from rapidtrain.checkpoint.save_folder import prepare_save_folder
+from rapidtrain.checkpoint.save_folder import check_save_shared, prepare_save_folder
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
+from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, RUN, first_to_report
+
+ABORT_AFTER_S = 1.0  # a second Ctrl-C this long after the first aborts; an echo of the same press comes sooner
 
 
 class StopSignal:
-    """SIGTERM asks the loop to save and exit cleanly. The handler stays until `restore()` (after the final
+    """SIGTERM or Ctrl-C (SIGINT) asks the loop to save and exit cleanly; a second Ctrl-C aborts at once, without
+    saving (one line, status 130). The handler stays until `restore()` (after the final
     save), so a second SIGTERM during that save does not kill it; after a stop by signal it stays until the
     process exits (then ignored through the interpreter's finalization), as a repeat must not kill the exit. A
     process forked from this one (a multiprocessing pool, whose terminate() sends SIGTERM) still ends on
@@ -31,23 +36,35 @@ class StopSignal:
     def __init__(self) -> None:
         self.received = False
         self._owner = os.getpid()
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._interrupted_at: float | None = None
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._owner:  # inherited by a fork: not the trainer, so the default action
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted_at is not None and now - self._interrupted_at > ABORT_AFTER_S:
+                if first_to_report("abort"):
+                    print("rapidtrain: second Ctrl-C: stopped at once, without saving", file=sys.stderr, flush=True)
+                os._exit(EXIT_INTERRUPTED)
+            self._interrupted_at = self._interrupted_at or now
         self.received = True
+        if RUN.stop_signal is None or signum == signal.SIGINT:
+            RUN.stop_signal = signum
 
     def restore(self) -> None:
         if not self.received:
-            signal.signal(signal.SIGTERM, self._previous)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
             return
         # The process is on its way out. The interpreter puts back the default action for Python handlers when
         # it finalizes, which a late repeat would turn into death by SIGTERM after a good save: from the
         # atexit hooks on, repeats are ignored by the kernel instead.
         atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, self._previous[signal.SIGINT])  # the save is done: Ctrl-C may end the exit
 
 
 class StopConditions:
@@ -83,6 +100,7 @@ class Checkpointer:
         self.saved_at: int | None = None
         self._requested = False
         self._lock: Any = None
+        self._shared = False  # every rank checked it sees --save (once: open() is called again before loading)
         self._pending: Any = None  # a background save (--async-save) not yet published
         self._group: Any = None  # the gloo group background saves run their collectives on
         # Set by fine-tuning templates: a pretrained model named by --pretrained-model-name-or-path is loaded
@@ -93,12 +111,14 @@ class Checkpointer:
         """Before the data and the model are built (the templates' setup starts with it), and again harmlessly
         before loading: rank 0 takes --save for this run (one writer per folder), refuses to overwrite
         checkpoints it did not load, and cleans what killed saves left."""
-        if not self.enabled or self.trainer.engine.rank != 0 or self._lock is not None:
+        if not self.enabled or self._lock is not None or self._shared:
             return
-
-        self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
-        for line in cleaned:
-            print(f" {line}", flush=True)
+        if self.trainer.engine.rank == 0:
+            self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
+            for line in cleaned:
+                print(f" {line}", flush=True)
+        check_save_shared(self.settings.save)  # every node sees the folder rank 0 prepared
+        self._shared = True
 
     def close(self) -> None:
         if self._lock is not None:

@@ -27,6 +27,7 @@ from rapidtrain.config import arguments, rules
 from rapidtrain.config.plan import from_args
 from rapidtrain.config.settings import DistributedSettings, Plan, RunContext
 from rapidtrain.core.cpu_allocator import keep_freed_memory
+from rapidtrain.core.launch_env import environment_problems
 from rapidtrain.core.metrics import Timers, tee_output
 from rapidtrain.core.shutdown import stop_rank_with_torchrun
 from rapidtrain.data.loaders import ShardSettings
@@ -67,6 +68,7 @@ def init_distributed(settings: DistributedSettings, device_type: str) -> None:
     global _GROUPS_STARTED
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return
+    environment_problems()  # RANK < WORLD_SIZE, a master that resolves and a port to serve on: never a hang
     if device_type == "cuda":  # modulo: where each task sees one GPU, LOCAL_RANK may exceed the visible count
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     timeout = timedelta(minutes=settings.timeout_minutes)

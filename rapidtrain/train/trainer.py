@@ -28,6 +28,7 @@ import torch.distributed as dist
 from rapidtrain.config.describe import describe_plan
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.metrics import ThroughputMeter
+from rapidtrain.core.stopped_run import RUN
 from rapidtrain.data.dynamic_shape import FinetuneCollator
 from rapidtrain.data.loaders import (
     ShardedLoader,
@@ -83,6 +84,7 @@ class Trainer:
         self.tokenizer: Any = None  # a template's tokenizer, when it has one (padding, export)
         self.token_count: Callable[[Any], int | torch.Tensor | None] = default_token_count
         self.checkpointer = Checkpointer(self.plan.checkpoint, self)
+        RUN.save = self.plan.checkpoint.save  # for the story told if the run stops (core/stopped_run.py)
         # SIGTERM from here on asks for a save at the end of an iteration, even if it comes during setup.
         self.stop = StopConditions(self.plan.training)
         self.history: list[dict[str, Any]] = []
@@ -261,6 +263,7 @@ class Trainer:
     def after_step(self, result: IterationResult) -> None:
         """Count the iteration; the log line every --log-interval iterations."""
         self.state.advance(result.samples)
+        RUN.iteration = self.iteration
         self.meter.record(result.samples, result.tokens)
         self.totals.add(result)
         self.records.add(self.iteration, result)
