@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from rapidtrain.checkpoint.save_folder import SaveLock, acquire_save_lock, check_resume_safety, write_file_exclusively
 from rapidtrain.core.errors import UserError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -456,8 +457,6 @@ def publish_folder(tmp: Path, final: Path) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    from rapidtrain.checkpoint.save_folder import write_file_exclusively
-
     tmp = path.with_name(path.name + ".tmp")
     write_file_exclusively(tmp, text)  # a symlink planted under the temporary name is refused, not followed
     os.replace(tmp, path)
@@ -790,3 +789,12 @@ def _load_schedule(lr_scheduler: Any, saved: dict[str, Any], schedule_from: str,
                               "--lr-decay-iters and the warm-up must be the saved run's to continue it; "
                               "--override-opt_param-scheduler keeps these flags' schedule, "
                               "--use-checkpoint-opt_param-scheduler the saved one).") from None
+
+
+def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tuple[SaveLock, list[str]]:
+    """Everything a run does with --save before its first iteration, on rank 0 only (a second rank taking the
+    lock would be refused): writable, locked, nothing it would overwrite, leftovers of killed saves cleaned.
+    Returns the lock (keep it for the run) and what was cleaned, for the log."""
+    check_resume_safety(save_dir, load_dir)
+    lock = acquire_save_lock(save_dir)
+    return lock, remove_stale_partial_checkpoints(save_dir)

@@ -135,17 +135,6 @@ def check_save_writable(save_dir: str | Path) -> None:
                               "not be saved. Give a folder this user can write to.") from None
 
 
-def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tuple[SaveLock, list[str]]:
-    """Everything a run does with --save before its first iteration, on rank 0 only (a second rank taking the
-    lock would be refused): writable, locked, nothing it would overwrite, leftovers of killed saves cleaned.
-    Returns the lock (keep it for the run) and what was cleaned, for the log."""
-    check_resume_safety(save_dir, load_dir)
-    lock = acquire_save_lock(save_dir)
-    from rapidtrain.checkpoint.checkpointer import remove_stale_partial_checkpoints  # torch: only for a run that saves
-
-    return lock, remove_stale_partial_checkpoints(save_dir)
-
-
 def check_save_shared(save_dir: str | Path) -> None:
     """Every rank sees the folder rank 0 writes (a collective; after rank 0 prepared the folder): a multi-node
     run's ranks write one checkpoint together, so a node-local --save would lose the other nodes' parts (the

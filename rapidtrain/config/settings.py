@@ -80,7 +80,7 @@ class RunContext:
         return RunContext(per_node * node_layout(os.environ).nnodes, device_type, script, capability)
 
 
-def default_nproc_per_node(device_type: DeviceType) -> int:
+def default_nproc_per_node(device_type: str) -> int:
     if device_type == "cuda":
         import torch
 

@@ -22,6 +22,7 @@ from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from rapidtrain.data.indexed import warm_up
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer
 from rapidtrain.models import build_model
+from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.counting import model_flops_per_iteration
 from rapidtrain.parallel.meta_init import build_model_for
 from rapidtrain.train.engine import Engine
@@ -46,7 +47,7 @@ class MegatronPreTrainer(PreTrainer):
             return list(data.data_path)
 
         demo = prepare_demo_data(progress=self.engine.is_main_process)
-        sentences = self.plan.model is not None and self.plan.model.bert_binary_head
+        sentences = self.plan.model is not None and self.model_config.bert_binary_head
         self.engine.print_rank0(f" no --data-path: training on the demo corpus ({demo.num_documents:,} "
                                 f"documents, {demo.num_tokens:,} tokens) at "
                                 f"{demo.sentence_prefix if sentences else demo.data_prefix}")
@@ -60,15 +61,23 @@ class MegatronPreTrainer(PreTrainer):
         read = sum(warm_up(prefix) for prefix in sorted(prefixes))
         self.engine.print_rank0(f" --mmap-warmup: read {read / 2**20:,.1f} MiB of indexed data")
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """The built-in model's settings: this template trains only the built-in models, which the plan holds."""
+        model = self.plan.model
+        assert model is not None, "the built-in pretraining runs a plan with a built-in model"
+        return model
+
     def build_tokenizer(self) -> Tokenizer:
         settings = self.plan.tokenizer
         if settings is None:  # the rules refuse --data-path without a tokenizer before this point
             raise SystemExit("rapidtrain: --data-path needs --tokenizer-type (and its files).")
         return build_tokenizer(settings)
 
-    def train_valid_test_datasets_provider(self, train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
-        data, model = self.plan.data, self.plan.model
-        assert model is not None
+    def train_valid_test_datasets_provider(  # type: ignore[override]  # Rapidformer: the PreTrainer hook takes counts
+        self, train_val_test_num_samples: list[int]
+    ) -> tuple[Any, Any, Any]:
+        data, model = self.plan.data, self.model_config
         if data.dynamic_shape and model.model_type == "gpt":
             return self.unpacked_datasets()
         build = self.bert_datasets if model.model_type == "bert" else self.gpt_datasets
@@ -77,7 +86,7 @@ class MegatronPreTrainer(PreTrainer):
         return per_split_datasets(data.split_paths, build, train_val_test_num_samples)
 
     def bert_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
-        data, model, t = self.plan.data, self.plan.model, self.tokenizer
+        data, model, t = self.plan.data, self.model_config, self.tokenizer
         config = BERTDatasetConfig(data_prefix=prefixes, split=split, seq_length=model.seq_length,
                                    seed=data.seed, vocab_size=t.vocab_size, cls_id=t.cls, sep_id=t.sep,
                                    mask_id=t.mask, pad_id=t.pad, mask_prob=data.mask_prob,
@@ -89,7 +98,7 @@ class MegatronPreTrainer(PreTrainer):
         return build_gpt_datasets(self.gpt_config(prefixes, split), counts)
 
     def gpt_config(self, prefixes: list[str], split: str) -> Any:
-        data, model = self.plan.data, self.plan.model
+        data, model = self.plan.data, self.model_config
         return GPTDatasetConfig(data_prefix=prefixes, split=split, seq_length=model.seq_length,
                                 seed=data.seed, eod=self.tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
                                 reset_position_ids=data.reset_position_ids,
@@ -112,7 +121,7 @@ class MegatronPreTrainer(PreTrainer):
         if not self.plan.data.dynamic_shape:
             return None
 
-        if self.plan.model.model_type == "bert":
+        if self.model_config.model_type == "bert":
             return BertTrimCollator()
         return PretrainingCollator(pad_id=self.tokenizer.eod, eod=self.tokenizer.eod,
                                    eod_mask_loss=self.plan.data.eod_mask_loss)
@@ -137,10 +146,10 @@ class MegatronPreTrainer(PreTrainer):
         return build_model_for(self.plan), None, None
 
     def model_factory(self) -> Any:
-        return lambda: build_model(self.plan.model, seed=None)
+        return lambda: build_model(self.model_config, seed=None)
 
     def flops_per_iteration(self, interval: Any = None) -> float | None:
-        return float(model_flops_per_iteration(self.plan.model, self.last_global_batch))
+        return float(model_flops_per_iteration(self.model_config, self.last_global_batch))
 
     def end_of_training(self, stopped: bool) -> dict[str, Any]:
         results = super().end_of_training(stopped)
@@ -166,7 +175,7 @@ class MegatronPreTrainer(PreTrainer):
 
     def run_forward_step(self, data_iterator: Any, model: Any) -> Any:
         batch = {k: v.to(self.engine.device, non_blocking=True) for k, v in next(data_iterator).items()}
-        if self.plan.model.model_type == "bert":
+        if self.model_config.model_type == "bert":
             return self._bert_forward(batch, model)
         mask = batch.get("attention_mask")
         documents = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
@@ -177,7 +186,7 @@ class MegatronPreTrainer(PreTrainer):
     def _bert_forward(self, batch: dict[str, torch.Tensor], model: Any) -> Any:
         output = model(batch["text"], attention_mask=batch["padding_mask"], tokentype_ids=batch["types"],
                        lm_labels=batch["labels"])
-        if not self.plan.model.bert_binary_head:
+        if not self.model_config.bert_binary_head:
             return output, lambda per_token: masked_sum(per_token, batch["loss_mask"])
         per_token, binary_logits = output
         lm_sum, count = masked_sum(per_token, batch["loss_mask"])
@@ -202,7 +211,7 @@ def per_split_datasets(split_paths: tuple, build: Callable[[list[str], str, list
                        counts: list[int]) -> tuple[Any, Any, Any]:
     """Megatron's --train-data-path / --valid-data-path / --test-data-path: each split from all the documents of
     its own data (a prefix or a blend); a split without a path is empty."""
-    datasets = []
+    datasets: list[Any] = []
     for index, paths in enumerate(split_paths):
         if not paths:
             datasets.append(None)

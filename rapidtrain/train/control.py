@@ -15,11 +15,12 @@ from rapidtrain.checkpoint.checkpointer import (
     async_save_done,
     background_save_group,
     load_checkpoint,
+    prepare_save_folder,
     publish_async_save,
     save_checkpoint,
     start_async_save,
 )
-from rapidtrain.checkpoint.save_folder import check_save_shared, prepare_save_folder
+from rapidtrain.checkpoint.save_folder import check_save_shared
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
 from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, RUN, first_to_report
 
@@ -114,10 +115,10 @@ class Checkpointer:
         if not self.enabled or self._lock is not None or self._shared:
             return
         if self.trainer.engine.rank == 0:
-            self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
+            self._lock, cleaned = prepare_save_folder(self.save_dir, self.settings.load)
             for line in cleaned:
                 print(f" {line}", flush=True)
-        check_save_shared(self.settings.save)  # every node sees the folder rank 0 prepared
+        check_save_shared(self.save_dir)  # every node sees the folder rank 0 prepared
         self._shared = True
 
     def close(self) -> None:
@@ -128,6 +129,12 @@ class Checkpointer:
     @property
     def enabled(self) -> bool:
         return bool(self.settings.save)
+
+    @property
+    def save_dir(self) -> str:
+        """--save, where saving is enabled (every caller checks `enabled` first)."""
+        assert self.settings.save is not None
+        return self.settings.save
 
     def request(self) -> None:
         """Save at the end of this iteration, whatever the interval (the template's state changed)."""
@@ -149,7 +156,7 @@ class Checkpointer:
 
         trainer, engine = self.trainer, self.trainer.engine
         config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json())}
-        state = (self.settings.save, iteration, engine.runner, engine.lr_scheduler, trainer.consumed_samples, config,
+        state = (self.save_dir, iteration, engine.runner, engine.lr_scheduler, trainer.consumed_samples, config,
                  trainer.checkpoint_extra())
         self.saved_at = iteration
         if not self.settings.async_save:
@@ -189,6 +196,7 @@ class Checkpointer:
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
         finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)
+        assert s.load is not None  # returned above without --load
         loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=finetune,
                                  load_optimizer=s.load_optimizer, load_rng=s.load_rng, schedule_from=s.schedule_from)
         if loaded is None:

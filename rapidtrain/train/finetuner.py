@@ -58,7 +58,7 @@ class Finetuner(Trainer):
         self.export_recipe: Any = None
         self.checkpointer.pretrained_model_only = True  # fine-tuning starts from a pretrained model's weights
 
-    def run_forward_step(self, batch: Any, model: Any) -> Any:  # type: ignore[override]
+    def run_forward_step(self, batch: Any, model: Any) -> Any:
         """Default: a Hugging Face style model's `model(**batch).loss`."""
         output = model(**batch)
         return output.loss if hasattr(output, "loss") else output["loss"]

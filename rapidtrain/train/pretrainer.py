@@ -67,7 +67,9 @@ class PreTrainer(Trainer):
             raise UserError(f"--data-iterator dynamic-shape: {type(self).__name__} does not say how to batch its "
                             "samples by length (the built-in pretraining, rapidtrain/pretrain.py, does). Override "
                             "supports_dynamic_shape(), train_batch_sampler() and collate_fn(), or drop the flag.")
-        counts = list(train_valid_test_num_samples(training.train_iters, training.eval_interval or training.train_iters,
+        iterations = training.train_iters
+        assert iterations is not None  # the rules give pretraining --train-iters (or --train-samples, resolved)
+        counts = list(train_valid_test_num_samples(iterations, training.eval_interval or iterations,
                                                    training.eval_iters, plan.batches.global_batch_size))
         # Sample-based training or a ramp-up: the samples the iterations really take (Megatron's update_train_iters
         # may end a ramp-up iteration a little past --train-samples).

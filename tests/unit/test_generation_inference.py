@@ -158,7 +158,7 @@ def test_a_user_scripts_checkpoint_is_refused_in_one_line(tmp_path, monkeypatch,
     capsys.readouterr()
     code, _, err = run(["--load", str(save), "--prompt", "x"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "holds no built-in GPT" in err and "linear.weight" in err
+    assert "holds no built-in GPT" in err and "user script's own model (Regression, 5 parameters)" in err
 
 
 # ---- runtime flags: each takes effect (named in the first line, seen in the loaded model) or is refused ----

@@ -139,10 +139,11 @@ def run(options: GenerateOptions, overrides: list[str]) -> int:
     settings = SamplingSettings(options.max_new_tokens, options.temperature, options.top_k, options.top_p)
     if settings.problems():
         raise GenerateError("rapidtrain generate: " + "; ".join(settings.problems()))
-    prompts = [options.prompt] if options.prompt is not None else read_prompts(options.input_file)
+    source = "--prompt" if options.prompt is not None else str(options.input_file)  # one of them (the parser)
+    prompts = [options.prompt] if options.prompt is not None else read_prompts(source)
     loaded, runtime = load_model(options, lambda builtin: resolve_runtime(options, builtin), overrides)
     print(first_line(loaded, runtime), file=sys.stderr, flush=True)
-    ids = tokenized(loaded, prompts, "--prompt" if options.prompt is not None else options.input_file)
+    ids = tokenized(loaded, prompts, source)
     generator = torch.Generator(device=runtime.device if not runtime.split_layers else "cuda:0")
     how = Decoding(settings, loaded.tokenizer.vocab_size, loaded.tokenizer.eod, options.kv_cache,
                    generator.manual_seed(options.seed))

@@ -155,7 +155,7 @@ def _check_decoder(model: nn.Module) -> None:
 def check_length(model: nn.Module, prompt_length: int, max_new_tokens: int) -> None:
     """Refuse a prompt + new tokens that pass the built-in model's learned positions."""
     config = getattr(model, "config", None)
-    if getattr(config, "position_embedding_type", None) != "learned_absolute":
+    if config is None or getattr(config, "position_embedding_type", None) != "learned_absolute":
         return
     if prompt_length + max_new_tokens > config.max_position_embeddings:
         raise ValueError(f"prompt ({prompt_length} tokens) + --max-new-tokens {max_new_tokens} exceeds "

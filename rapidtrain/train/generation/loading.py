@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rapidtrain.models.attention_backends import HF_IMPLEMENTATION_OF_NAME, KERNEL_DESCRIPTIONS, KERNEL_OF_NAME
+from rapidtrain.models.attention_backends import HF_IMPLEMENTATION_OF_NAME, KERNEL_DESCRIPTIONS, KERNEL_OF_NAME, Kernel
 from rapidtrain.models.transformer import KVCache
 from rapidtrain.train.generation.decoding import Forward, builtin_forward
 from rapidtrain.train.generation.runtime import GenerateError, GenerateOptions, Runtime
@@ -102,8 +102,8 @@ def _builtin_tokenizer(common: dict[str, Any], args: argparse.Namespace, given: 
     return build_tokenizer(TokenizerSettings(**settings))
 
 
-def load_for_generation(options: argparse.Namespace, overrides: list[str],
-                        attention_kernel: str = "sdpa") -> tuple[nn.Module, Any]:
+def load_for_generation(options: GenerateOptions | argparse.Namespace, overrides: list[str],
+                        attention_kernel: Kernel = "sdpa") -> tuple[nn.Module, Any]:
     """The checkpoint's built-in GPT, whole, fp32, on the CPU in this process, and its tokenizer (as the run's
     plan saved them; tokenizer flags given override the saved files' paths, shape flags must agree with the
     checkpoint)."""
@@ -115,6 +115,11 @@ def load_for_generation(options: argparse.Namespace, overrides: list[str],
 
     directory = checkpoint_directory(options.load, options.iteration)
     config = saved_model_config(directory)
+    script_model = (read_common(directory).get("plan") or {}).get("script_model")
+    if script_model:  # the run's plan recorded the model a user script built
+        raise CheckpointError(f"{directory} holds no built-in GPT: it holds a user script's own model "
+                              f"({script_model}); generate runs the built-in GPT's checkpoints and Hugging Face "
+                              "folders")
     if config is None or config.model_type != "gpt":
         raise CheckpointError(_not_builtin_message(directory, config))
     values, given = parse_overrides(overrides)
@@ -229,9 +234,10 @@ def load_hf(folder: Path, runtime: Runtime, overrides: list[str]) -> LoadedModel
         from rapidtrain.models.lora import describe_quantization
 
         quantization = describe_quantization(runtime.load_in_bits, runtime.dtype).split(" (")[0]
-    return LoadedModel(model, tokenizer, hf_forward(model), lambda: DynamicCache(config=model.config),
+    config: Any = model.config  # a transformers PretrainedConfig (nn.Module types attributes as Tensor | Module)
+    return LoadedModel(model, tokenizer, hf_forward(model), lambda: DynamicCache(config=config),
                        f"transformers {type(model).__name__} from {folder}",
-                       f"attn_implementation={model.config._attn_implementation}", quantization, builtin=False)
+                       f"attn_implementation={config._attn_implementation}", quantization, builtin=False)
 
 
 # ---- the built-in GPT, placed, cast, quantised ----
@@ -244,11 +250,13 @@ def quantize_linear_layers(model: nn.Module, bits: int, compute_dtype: torch.dty
     import bitsandbytes as bnb
 
     swapped = 0
-    for module in list(model.layers.modules()):
+    blocks: Any = model.layers  # the built-in GPT's ModuleDict of layers
+    for module in list(blocks.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is not nn.Linear:
                 continue
             bias = child.bias is not None
+            layer: nn.Module
             if bits == 4:
                 layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias,
                                           compute_dtype=compute_dtype, quant_type="nf4")
@@ -275,16 +283,15 @@ def split_layers(model: nn.Module, devices: list[torch.device]) -> None:
     """Layers in equal consecutive runs over `devices`; embedding, final norm and head on the first device (the
     head may share the embedding's weight). Each layer moves its inputs to its own device; the KV cache of a layer
     lives where the layer does."""
-    layers = list(model.layers.values())
+    blocks: Any = model.layers  # the built-in GPT's ModuleDict of layers
+    layers = list(blocks.values())
     model.to(devices[0])
     for index, layer in enumerate(layers):
         device = devices[index * len(devices) // len(layers)]
         layer.to(device)
         layer.register_forward_pre_hook(_move_inputs(device))
-    if model.final_norm is not None:
-        model.final_norm.register_forward_pre_hook(_move_inputs(devices[0]))
-    else:
-        model.output.register_forward_pre_hook(_move_inputs(devices[0]))
+    head: Any = model.final_norm if model.final_norm is not None else model.output
+    head.register_forward_pre_hook(_move_inputs(devices[0]))
 
 
 def load_builtin(options: GenerateOptions, runtime: Runtime, overrides: list[str]) -> LoadedModel:
@@ -300,7 +307,8 @@ def load_builtin(options: GenerateOptions, runtime: Runtime, overrides: list[str
         split_layers(model, [torch.device("cuda", i) for i in range(torch.cuda.device_count())])
     else:
         model.to(runtime.device)
-    name = f"{model.config.architecture} from {options.load}"
+    config: Any = model.config  # the built-in model's ModelConfig
+    name = f"{config.architecture} from {options.load}"
     attention = f"{runtime.attention}: {KERNEL_DESCRIPTIONS[kernel]}"
     return LoadedModel(model, tokenizer, builtin_forward(model), KVCache, name, attention, quantization, builtin=True)
 

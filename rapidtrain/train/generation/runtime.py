@@ -131,7 +131,7 @@ def resolve_runtime(options: GenerateOptions, builtin: bool) -> Runtime:
                      "yet: drop --torch-compile")
     if found:
         raise GenerateError("rapidtrain generate: " + "; ".join(found))
-    dtype = "bf16" if options.bf16 else "fp16" if options.fp16 else "fp32"
-    bits = 4 if options.load_in_4bit else 8 if options.load_in_8bit else None
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16" if options.bf16 else "fp16" if options.fp16 else "fp32"
+    bits: Literal[4, 8] | None = 4 if options.load_in_4bit else 8 if options.load_in_8bit else None
     return Runtime(device, dtype, options.attention_backend, bits, options.batch_size,
                    options.split_layers)
