@@ -57,12 +57,13 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
         return s * b * h * e / split_all
     kv = model.head_dim * model.query_groups
     inner = model.head_dim * model.num_attention_heads
-    mlp_width = (4 if model.swiglu else 2) * model.ffn_size  # fc1 and activation outputs (SwiGLU: + gate, product)
+    # fc1 and activation outputs (SwiGLU: + gate, product)
+    mlp_width: float = (4 if model.swiglu else 2) * model.ffn_size
     if experts:  # top-k routed copies of each token fill capacity buffers
         mlp_width *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
     masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
     replicated = (4 * h) * e + masks  # two norms' inputs, attention and MLP inputs, two dropout masks
-    split = (2 * inner + 2 * kv + mlp_width) * e  # Q, K, V, attention output, the MLP's wide tensors
+    split: float = (2 * inner + 2 * kv + mlp_width) * e  # Q, K, V, attention output, the MLP's wide tensors
     if granularity == "op":  # rapidtrain's op-level policy keeps matmul, attention and collective outputs
         split = (2 * inner + 2 * kv + mlp_width / 2 + 2 * h) * e
         replicated = h * e

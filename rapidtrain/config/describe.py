@@ -81,8 +81,20 @@ def describe_plan(plan: Plan) -> str:
     for choice in plan.engines:
         lines.append(f"    {choice.switch:<30} → {choice.engine}" + (f"\n{'':36}because {choice.reason}"
                                                                         if choice.reason else ""))
-    if plan.script_model:
-        lines.append(f"  model: {plan.script_model} (built by the script)")
+    lines += _model_lines(plan) + _checkpoint_lines(plan) + _reporting_lines(plan)
+    lines.append("  on SIGTERM: " + ON_SIGTERM[plan.training.on_sigterm])
+    lines.append(f"  distributed: process-group backend {_backends(plan.distributed.backend)}, collectives time "
+                 f"out after {plan.distributed.timeout_minutes:g} minutes (--distributed-timeout-minutes)")
+    lines.append("  MFU: " + (f"against {plan.logging.peak_tflops:g} TFLOP/s per device ({plan.logging.peak_source})"
+                              if plan.logging.peak_tflops else f"not reported: {plan.logging.peak_source}"))
+    lines += [f"  note: {n}" for n in plan.notes]
+    lines += [f"  warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def _model_lines(plan: Plan) -> list[str]:
+    """The model (the built-in one the flags describe, or a script's own as built), its memory and step time."""
+    lines = [f"  model: {plan.script_model} (built by the script)"] if plan.script_model else []
     if plan.model:
         m = plan.model
         groups = f" ({m.query_groups} key/value groups)" if m.query_groups != m.num_attention_heads else ""
@@ -102,26 +114,21 @@ def describe_plan(plan: Plan) -> str:
             + (" (on CPU)" if mem.optimizer_on_cpu else "") + f"; total {mib_text(mem.total_bytes)}",
             *_peak_memory_lines(mem, plan),
         ]
-    if plan.estimate:
-        lines += _estimate_lines(plan.estimate)
+    return lines + (_estimate_lines(plan.estimate) if plan.estimate else [])
+
+
+def _checkpoint_lines(plan: Plan) -> list[str]:
     ck = plan.checkpoint
-    if ck.save or ck.load:
-        lines.append("  checkpoints: " + "; ".join(
-            ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
-             if ck.save else [])
-            + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else [])))
-        if ck.async_save and ck.save:
-            lines.append("    async save: written by a background thread (torch.distributed.checkpoint async_save) "
-                         "from a copy in host memory; published once every rank has finished writing")
-    lines += _reporting_lines(plan)
-    lines.append("  on SIGTERM: " + ON_SIGTERM[plan.training.on_sigterm])
-    lines.append(f"  distributed: process-group backend {_backends(plan.distributed.backend)}, collectives time "
-                 f"out after {plan.distributed.timeout_minutes:g} minutes (--distributed-timeout-minutes)")
-    lines.append("  MFU: " + (f"against {plan.logging.peak_tflops:g} TFLOP/s per device ({plan.logging.peak_source})"
-                              if plan.logging.peak_tflops else f"not reported: {plan.logging.peak_source}"))
-    lines += [f"  note: {n}" for n in plan.notes]
-    lines += [f"  warning: {w}" for w in plan.warnings]
-    return "\n".join(lines)
+    if not (ck.save or ck.load):
+        return []
+    lines = ["  checkpoints: " + "; ".join(
+        ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
+         if ck.save else [])
+        + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else []))]
+    if ck.async_save and ck.save:
+        lines.append("    async save: written by a background thread (torch.distributed.checkpoint async_save) "
+                     "from a copy in host memory; published once every rank has finished writing")
+    return lines
 
 
 def _reporting_lines(plan: Plan) -> list[str]:

@@ -135,7 +135,7 @@ class PreTrainer(Trainer):
 
     # ---- evaluation ----
     @torch.no_grad()
-    def evaluate(self, dataset: Any) -> dict[str, float]:  # type: ignore[override]
+    def evaluate(self, dataset: Any) -> dict[str, float]:
         """Mean losses over --eval-iters global batches from the start of `dataset` (the same batches each time):
         {"lm loss": ...}, or the means of what a Megatron loss function reported."""
         runner = self.engine.runner
