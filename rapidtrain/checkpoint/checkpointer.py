@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from rapidtrain.checkpoint.resume import changed_schedule_flags, load_schedule
 from rapidtrain.checkpoint.save_folder import SaveLock, acquire_save_lock, check_resume_safety, write_file_exclusively
 from rapidtrain.core.errors import UserError
 
@@ -739,8 +740,9 @@ def _read_rng(directory: Path, notes: list[str]) -> dict[str, Any] | None:
 
 def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, model: dict[str, Any] | None, *,
                     finetune: bool = False, load_optimizer: bool = True, load_rng: bool = True,
-                    schedule_from: str = "same") -> LoadedState | None:
-    """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none."""
+                    schedule_from: str = "same", flags: dict[str, Any] | None = None) -> LoadedState | None:
+    """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none.
+    `flags`: this run's flags, to name the ones that differ from the saved run's when the schedule does."""
     iteration = latest_iteration(root)
     if iteration is None:
         if finetune:
@@ -763,7 +765,8 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     safe_dcp_load(state, directory)
     runner.load_state_dict(state, load_optimizer=load_optimizer)
     if load_optimizer and common.get("lr_scheduler") and hasattr(lr_scheduler, "load_state_dict"):
-        _load_schedule(lr_scheduler, common["lr_scheduler"], schedule_from, directory)
+        changed = changed_schedule_flags(common.get("args") or {}, flags or {})
+        load_schedule(lr_scheduler, common["lr_scheduler"], schedule_from, directory, changed)
     if load_rng and not finetune:
         rng = _read_rng(directory, notes)
         if rng is not None:
@@ -774,21 +777,6 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     if finetune:
         return LoadedState(0, 0, {}, notes)
     return LoadedState(iteration, common["consumed_samples"], common.get("extra", {}), notes)
-
-
-def _load_schedule(lr_scheduler: Any, saved: dict[str, Any], schedule_from: str, directory: Path) -> None:
-    from rapidtrain.optim.lr_schedule import LRScheduler
-
-    try:
-        if isinstance(lr_scheduler, LRScheduler):
-            lr_scheduler.load_state_dict(saved, schedule_from=schedule_from)
-        else:
-            lr_scheduler.load_state_dict(saved)
-    except ValueError as error:
-        raise CheckpointError(f"--load {directory}: {error} (the flags --lr, --min-lr, --lr-decay-style, "
-                              "--lr-decay-iters and the warm-up must be the saved run's to continue it; "
-                              "--override-opt_param-scheduler keeps these flags' schedule, "
-                              "--use-checkpoint-opt_param-scheduler the saved one).") from None
 
 
 def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tuple[SaveLock, list[str]]:

@@ -198,7 +198,8 @@ class Checkpointer:
         finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)
         assert s.load is not None  # returned above without --load
         loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=finetune,
-                                 load_optimizer=s.load_optimizer, load_rng=s.load_rng, schedule_from=s.schedule_from)
+                                 load_optimizer=s.load_optimizer, load_rng=s.load_rng, schedule_from=s.schedule_from,
+                                 flags=s.flags)
         if loaded is None:
             engine.print_rank0(f" no checkpoint in {s.load}; starting from scratch")
         else:
