@@ -281,9 +281,9 @@ CASES = [
         [a if a != "64" else "128" for a in TINY] + ws.data_flags() + ["--train-iters", "4", "--load",
                                                                          str(ws.checkpoint)]),
         r"holds a different model: --hidden-size \(checkpoint 64, now 128\)"),
-    Case("pretrain: resumed with another --train-iters names that flag", lambda ws: run_pretrain(
-        TINY + ws.data_flags() + ["--train-iters", "9", "--load", str(ws.checkpoint)]),
-        r"the learning-rate schedule would change, since --train-iters \(checkpoint 3, now 9\): give the saved"),
+    Case("pretrain: resumed with another --global-batch-size names that flag alone", lambda ws: run_pretrain(
+        TINY + ws.data_flags() + ["--train-iters", "6", "--global-batch-size", "8", "--load", str(ws.checkpoint)]),
+        r"the learning-rate schedule would change, since --global-batch-size \(checkpoint 4, now 8\): give the"),
     Case("launch: token ids beyond the vocabulary", lambda ws: run_cli(
         ["--task", "pretraining", "--train-iters", "4", *TINY, *ws.data_flags(str(ws.root / "data" / "wide"))]),
         r"wide: token id \d+ in sequence \d+ is outside the vocabulary \[0, 128\)"),
