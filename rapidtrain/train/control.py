@@ -20,7 +20,7 @@ from rapidtrain.checkpoint.checkpointer import (
     save_checkpoint,
     start_async_save,
 )
-from rapidtrain.checkpoint.save_folder import check_save_shared
+from rapidtrain.checkpoint.save_folder import check_resume_safety, check_save_shared
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
 from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, RUN, first_to_report
 
@@ -192,7 +192,8 @@ class Checkpointer:
         """Fill the runner (and schedule, RNG) from --load; the loaded state, or None when there is none."""
         if not self.settings.load:
             return None
-
+        # A mistyped --load is refused with or without --save (a torchrun started by hand has no launcher check).
+        check_resume_safety(self.settings.save, self.settings.load)
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
         finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)

@@ -291,6 +291,8 @@ CASES = [
          r"--save .*ck already holds checkpoints .* give --load .*ck"),
     Case("launch: mistyped --load", launch("--load", "{root}/ckk", "--save", "{root}/fresh"),
          r"--load .*ckk: no such folder"),
+    Case("pretrain: mistyped --load without --save", pretrain("--load", "/no/such/ck"),
+         r"--load /no/such/ck: no such folder"),
     Case("launch: --save under a regular file", launch("--save", "{root}/a_file/ck"),
          r"--save .*a_file/ck is not writable"),
     Case("launch: missing --user-script", lambda ws: run_cli(["--user-script", str(ws.root / "nope.py"),
