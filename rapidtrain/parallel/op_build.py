@@ -114,7 +114,8 @@ def clear_stale_op_build_locks(names: Sequence[str] = DEEPSPEED_CPU_OPS, idle_se
 
 
 # What each op serves, for the line a run prints when it has to build one (a silent minute looks like a hang).
-OP_PURPOSES = {"cpu_adam": "the CPU Adam of --cpu-offload", "deepspeed_shm_comm": "DeepSpeed's shared-memory CPU collectives"}
+OP_PURPOSES = {"cpu_adam": "the CPU Adam of --cpu-offload",
+               "deepspeed_shm_comm": "DeepSpeed's shared-memory CPU collectives"}
 OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
 
 
@@ -128,9 +129,9 @@ def announce_op_builds(names: Sequence[str]) -> list[str]:
     lines = []
     for name in names:
         if not is_built(name):
-            lines.append(f"rapidtrain: DeepSpeed is building its op {name} ({OP_PURPOSES.get(name, 'a CPU op')}) with "
-                         f"ninja into {build_directory(name)}: once per machine, 1-2 minutes; scripts/setup.sh builds it "
-                         "ahead (python -m rapidtrain.parallel.op_build)")
+            lines.append(f"rapidtrain: DeepSpeed is building its op {name} ({OP_PURPOSES.get(name, 'a CPU op')}) "
+                         f"with ninja into {build_directory(name)}: once per machine, 1-2 minutes; scripts/setup.sh "
+                         "builds it ahead (python -m rapidtrain.parallel.op_build)")
     if lines and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print("\n".join(lines), file=sys.stderr, flush=True)
     return lines

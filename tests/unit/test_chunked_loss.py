@@ -48,7 +48,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_loss_in_fp32(block, bias):
         lambda h, w, b, y: chunked_head_cross_entropy(h, w, b, y, block=block), bias, autocast=False)
     assert losses.dtype == torch.float32 and losses[0, :7].eq(0).all() and losses[1, 3] == 0
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-5)
-    for grad, reference in zip(grads, expected_grads):
+    for grad, reference in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6)
 
 
@@ -57,7 +57,8 @@ def test_chunked_loss_under_bf16_autocast_matches_autocast_linear_then_fp32_loss
     losses, grads = losses_and_grads(lambda h, w, b, y: chunked_head_cross_entropy(h, w, b, y, block=128),
                                      True, autocast=True)
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-4)  # the same bf16 logits, then fp32
-    for grad, reference in zip(grads, expected_grads):  # bf16 gradients: the blocks round alike, the sums differ
+    # bf16 gradients: each block rounds alike, the fp32 sums over blocks differ a little.
+    for grad, reference in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
 
 
@@ -96,7 +97,7 @@ def test_gpt_chunked_loss_matches_the_plain_loss_and_keeps_less_for_backward(aut
     tolerance = 2e-2 if autocast else 1e-4
     # Absolute tolerance on the scale of all gradients: k_proj's bias has a gradient of zero up to rounding.
     scale = max(reference.abs().max().item() for reference in plain_grads)
-    for grad, reference in zip(chunked_grads, plain_grads):
+    for grad, reference in zip(chunked_grads, plain_grads, strict=True):
         torch.testing.assert_close(grad, reference, rtol=tolerance, atol=tolerance * scale)
     # The plain loss keeps log_softmax's fp32 output besides the logits; the chunked one keeps no fp32 copy.
     fp32_logits_bytes = tokens.numel() * 50304 * 4

@@ -76,6 +76,6 @@ def test_a_run_that_must_build_an_op_says_so_and_a_built_one_is_silent(extension
     assert len(lines) == 2 and "building its op cpu_adam (the CPU Adam of --cpu-offload)" in lines[0]
     assert "scripts/setup.sh builds it ahead" in lines[0] and lines[0] in capsys.readouterr().err
     folder = build_directory("cpu_adam")
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "cpu_adam.so").write_bytes(b"")  # what a finished build leaves
     assert is_built("cpu_adam") and announce_op_builds(["cpu_adam"]) == []
