@@ -75,6 +75,8 @@ class GPTModel(nn.Module):
             hidden = self.final_norm(hidden)
         if self.output is None:
             return hidden
+        if labels is not None and self.loss.can_fuse_head(self.output):
+            return self.loss.from_hidden(hidden, self.output, labels)
         logits = self.output(hidden)
         return logits if labels is None else self.loss(logits, labels)
 

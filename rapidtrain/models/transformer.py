@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.attention import attend, flex_block_mask
+from rapidtrain.models.chunked_loss import chunked_head_cross_entropy
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.mlp import MLP
 from rapidtrain.models.moe import MoELayer
@@ -366,12 +367,31 @@ class TokenCrossEntropy(nn.Module):
 
     A module of its own so tensor parallelism can swap it for a vocab-parallel version
     (`torch.distributed.tensor.parallel.loss_parallel`); masking and averaging belong to the loop.
+    With `chunked` (the default) a model whose head and loss are untransformed computes head and loss together
+    chunk by chunk (`from_hidden`, chunked_loss.py): the same numbers without the whole fp32 logits.
     """
+
+    def __init__(self, chunked: bool = True) -> None:
+        super().__init__()
+        self.chunked = chunked
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         targets = labels.masked_fill(labels < 0, -100).flatten()
         loss = F.cross_entropy(logits.float().flatten(0, -2), targets, reduction="none", ignore_index=-100)
         return loss.view(labels.shape)
+
+    def can_fuse_head(self, head: nn.Module) -> bool:
+        """Whether `from_hidden` may compute this loss with `head`: both plain modules that nothing hooks. A head
+        or loss transformed from outside (tensor parallelism's DTensor weight and vocab-parallel loss, DeepSpeed
+        ZeRO-3's gathering hooks, LoRA or quantized heads) keeps the plain path: head(hidden), then the loss."""
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self, head))
+        global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+        plain = type(head) is OutputLayer and type(head.weight) is nn.Parameter
+        return self.chunked and plain and not hooked and not global_hooks
+
+    def from_hidden(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+        """The same per-token loss as `self(head(hidden), labels)`, without the whole fp32 logits at once."""
+        return chunked_head_cross_entropy(hidden, head.weight, head.bias, labels)
 
 
 def tie_weights(model: nn.Module) -> None:

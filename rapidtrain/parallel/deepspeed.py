@@ -315,10 +315,11 @@ def deepspeed_runner(
     """
     import deepspeed
 
-    from rapidtrain.parallel.op_build import clear_stale_op_build_locks
+    from rapidtrain.parallel.op_build import announce_op_builds, clear_stale_op_build_locks
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # keep Megatron's log lines readable
     clear_stale_op_build_locks()  # a killed first build of cpu_adam / shm_comm would make DeepSpeed wait for ever
+    announce_op_builds(["deepspeed_shm_comm"] * (device.type == "cpu") + ["cpu_adam"] * optimizer_offloaded(plan))
     ensure_process_group()
     if plan.layout.data_parallel_size != dist.get_world_size():
         raise ValueError(
