@@ -24,7 +24,7 @@ SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_decay_
 def changed_schedule_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The schedule's flags whose values differ between the saved run and this one, as `--flag (checkpoint A,
     now B)`; flags a side did not record are not compared."""
-    names = SCHEDULE_FLAGS
+    names: tuple[str, ...] = SCHEDULE_FLAGS
     if any(saved.get(name) and saved.get(name) == current.get(name) for name in ("lr_decay_iters", "lr_decay_samples")):
         names = tuple(n for n in names if n not in ("train_iters", "train_samples"))  # the decay horizon is set
     return [f"--{name.replace('_', '-')} (checkpoint {saved[name]}, now {current[name]})"

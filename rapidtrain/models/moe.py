@@ -319,6 +319,7 @@ def collect_aux_loss_sum(model: nn.Module) -> tuple[torch.Tensor | None, int]:
     means = []
     for layer in ran:
         stats = layer.routing_stats
+        assert stats is not None  # `ran` holds the layers with statistics
         means.append(stats[0] / stats[1])
         stats[:2].zero_()
         layer.aux_collected_from = stats
