@@ -13,6 +13,7 @@ expert, the built-in MoE stacks them input-major).
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,14 @@ import torch
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.models.hf_config import LLAMA_FAMILY, TOKENIZER_FILES, UnsupportedModel, family, read_config
+from rapidtrain.models.hf_config import (
+    LLAMA_FAMILY,
+    TOKENIZER_FILES,
+    UnsupportedModel,
+    family,
+    read_config,
+    refuse_pickled_weights,
+)
 from rapidtrain.models.transformer import canonical_parameters, set_parameter
 
 Tensors = list[torch.Tensor]
@@ -204,7 +212,10 @@ class WeightsReader:
 
                 self._opened[file] = safe_open(str(file), framework="pt")
             else:  # weights_only: plain tensors only, no pickled code runs
-                self._opened[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    self._opened[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except pickle.UnpicklingError as error:
+                    raise refuse_pickled_weights(file, error) from None
         return self._opened[file]
 
     def get(self, name: str) -> torch.Tensor:

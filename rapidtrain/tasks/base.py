@@ -3,6 +3,7 @@ feature datasets, padding, and exact loss sums for the trainer's global-batch no
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from rapidtrain.core.errors import UserError
 from rapidtrain.data.dynamic_shape import round_up
+from rapidtrain.models.hf_config import refuse_pickled_weights, refuse_remote_code
 
 Records = list[dict[str, Any]]
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -36,6 +38,7 @@ def _check_folder(path: str | None) -> Path:
             f"m = '{path}'; t.AutoModel.from_pretrained(m).save_pretrained('DIR'); "
             "t.AutoTokenizer.from_pretrained(m).save_pretrained('DIR')\"`, copy DIR here and pass it."
         )
+    refuse_remote_code(folder)
     return folder
 
 
@@ -73,9 +76,12 @@ def load_model(auto_class: str, path: str | None, quantization: Any = None, devi
         kwargs["quantization_config"] = quantization
         if device is not None and torch.device(device).type == "cuda":
             kwargs["device_map"] = {"": torch.device(device).index or 0}
-    return getattr(transformers, auto_class).from_pretrained(
-        str(folder), local_files_only=True, dtype=torch.float32, **kwargs
-    )
+    try:
+        return getattr(transformers, auto_class).from_pretrained(
+            str(folder), local_files_only=True, dtype=torch.float32, **kwargs
+        )
+    except pickle.UnpicklingError as error:  # a pytorch_model.bin holding more than tensors
+        raise refuse_pickled_weights(folder, error) from None
 
 
 class FeatureDataset(torch.utils.data.Dataset):

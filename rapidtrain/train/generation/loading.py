@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from rapidtrain.models.attention_backends import HF_IMPLEMENTATION_OF_NAME, KERNEL_DESCRIPTIONS, KERNEL_OF_NAME, Kernel
+from rapidtrain.models.hf_config import refuse_pickled_weights, refuse_remote_code
 from rapidtrain.models.transformer import KVCache
 from rapidtrain.train.generation.decoding import Forward, builtin_forward
 from rapidtrain.train.generation.runtime import GenerateError, GenerateOptions, Runtime
@@ -198,9 +200,12 @@ def load_hf_model(folder: Path, runtime: Runtime) -> nn.Module:
 
     hf_logging.disable_progress_bar()  # the first line already says what is loaded
     adapter = not (folder / "config.json").is_file()
+    base = _adapter_base(folder) if adapter else folder
+    refuse_remote_code(base, "--load")
     try:
-        model = AutoModelForCausalLM.from_pretrained(_adapter_base(folder) if adapter else folder,
-                                                     **_hf_load_options(runtime))
+        model = AutoModelForCausalLM.from_pretrained(base, **_hf_load_options(runtime))
+    except pickle.UnpicklingError as error:  # a pytorch_model.bin holding more than tensors
+        raise refuse_pickled_weights(base, error) from None
     except (OSError, ValueError, KeyError) as error:
         raise GenerateError(f"rapidtrain generate: --load {folder}: transformers cannot load it as a causal "
                             f"language model from local files ({str(error).splitlines()[0]})") from error
