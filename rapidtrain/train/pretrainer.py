@@ -30,6 +30,10 @@ class PreTrainer(Trainer):
 
     loss_name = "lm loss"
 
+    def __init__(self, engine: Any = None, **engine_kwargs: Any) -> None:
+        super().__init__(engine, **engine_kwargs)
+        self._evaluation_loaders: dict[int, DataLoader] = {}  # evaluation_loader(): one per evaluation set
+
     # ---- hooks a subclass provides ----
     def train_valid_test_datasets_provider(  # type: ignore[override]
         self, train_val_test_num_samples: list[int]
@@ -134,6 +138,15 @@ class PreTrainer(Trainer):
         return {}
 
     # ---- evaluation ----
+    def evaluation_loader(self, dataset: Any) -> DataLoader:
+        """One loader per evaluation set for the whole run: its workers persist, so no evaluation forks new ones
+        while the training loader's threads run (a fork that meets a thread starting or ending deadlocks the child
+        in CPython 3.11's after-fork handling, which hung 2-rank runs at their second evaluation)."""
+        loader = self._evaluation_loaders.get(id(dataset))
+        if loader is None:
+            loader = self._evaluation_loaders[id(dataset)] = self.data_loader(dataset, 0)
+        return loader
+
     @torch.no_grad()
     def evaluate(self, dataset: Any) -> dict[str, float]:
         """Mean losses over --eval-iters global batches from the start of `dataset` (the same batches each time):
@@ -142,7 +155,7 @@ class PreTrainer(Trainer):
         runner.train(False)
         totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         reported: dict[str, torch.Tensor] = {}
-        iterator = iter(self.data_loader(dataset, 0))
+        iterator = iter(self.evaluation_loader(dataset))
         try:
             batches = min(self.plan.training.eval_iters, len(dataset) // self.plan.batches.global_batch_size)
             for _ in range(batches):
