@@ -36,6 +36,9 @@ def test_glue_classification_black_box(tmp_path):
     assert (
         tmp_path / "out" / "latest_checkpointed_iteration.txt"
     ).read_text().strip() == "32"  # 2 × 512 / 32
+    # Run twice in a row, as a README block is: the second run finds its own finished checkpoint and stops there.
+    again = run_example("glue_classification/run.sh", {"WORK": str(tmp_path), "EPOCHS": "2"})
+    assert "nothing to do: the checkpoint is at iteration 32, the end" in again.stdout
 
 
 def test_glue_classification_white_box_template(tmp_path):
