@@ -323,7 +323,7 @@ def glue_bert(tmp_path_factory) -> Path:
     return root
 
 
-def black_box(root: Path, save: Path, *switches: str, epochs: int = 4) -> subprocess.CompletedProcess:
+def black_box(root: Path, save: Path, *switches: str, epochs: int = 2) -> subprocess.CompletedProcess:
     command = [
         sys.executable,
         "-m",
@@ -416,6 +416,7 @@ def assert_exported_weights_are_the_trained_ones(save: Path, folder: str) -> Non
 def test_black_box_command_fine_tunes_bert_with_zero2_and_mixed_precision(glue_bert, tmp_path):
     from rapidtrain.data.finetune import read_split_file
 
+    # 2 epochs (black_box's default): the tiny BERT is past 0.9 after its second (measured: 0.52, then 0.91)
     run = black_box(glue_bert, tmp_path, "--zero-2-memory-optimization", "--mixed-precision")
     assert "DeepSpeed ZeRO stage 2" in run.stdout and "DeepSpeed bf16 engine" in run.stdout
     reported = json.loads((tmp_path / "best" / "eval_results.json").read_text())["validation"]["accuracy"]
@@ -445,7 +446,7 @@ def test_every_partitioning_exports_the_model_it_evaluated(glue_bert, tmp_path, 
     fp32, the precision `from_pretrained` loads) they make the reported predictions."""
     from rapidtrain.data.finetune import read_split_file
 
-    black_box(glue_bert, tmp_path, *switches, epochs=2)
+    black_box(glue_bert, tmp_path, *switches)
     assert_exported_weights_are_the_trained_ones(tmp_path, "last")
     if "--bf16" in switches:  # bf16 evaluation vs an fp32 re-evaluation: borderline examples flip by CPU
         return
