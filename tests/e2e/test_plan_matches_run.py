@@ -3,6 +3,8 @@ sets over GPT, BERT, the demo, real data, each parallel family and fine-tuning."
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +30,14 @@ def printed_plan(output: str) -> str:
 
 
 def plan_command(flags: list[str], world: int) -> str:
-    result = subprocess.run([sys.executable, "-m", "rapidtrain.cli", "plan", "--world-size", str(world), *flags],
-                            capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=300)
-    assert result.returncode == 0, result.stderr
-    return printed_plan(result.stdout)
+    """What `rapidtrain plan --world-size N FLAGS` prints, run in this process: the command is pure (no process
+    group, no model), so it needs no Python start of its own beside the run it is compared with."""
+    from rapidtrain import cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(["plan", "--world-size", str(world), *flags]) == 0
+    return printed_plan(printed.getvalue())
 
 
 def indexed_data(demo_data, sentences: bool = False) -> list[str]:
