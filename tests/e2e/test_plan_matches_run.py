@@ -3,6 +3,8 @@ sets over GPT, BERT, the demo, real data, each parallel family and fine-tuning."
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -29,10 +31,15 @@ def printed_plan(output: str) -> str:
 
 
 def plan_command(flags: list[str], world: int, *extra: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "rapidtrain.cli", "plan", "--world-size", str(world), *extra,
-                             *flags], capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=300)
-    assert result.returncode == 0, result.stderr
-    return result.stdout if extra else printed_plan(result.stdout)
+    """What `rapidtrain plan --world-size N [EXTRA] FLAGS` prints, run in this process: the command is pure (no
+    process group, no model), so it needs no Python start of its own beside the run it is compared with. With
+    EXTRA (--json) the whole output, else the plan block."""
+    from rapidtrain import cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(["plan", "--world-size", str(world), *extra, *flags]) == 0
+    return printed.getvalue() if extra else printed_plan(printed.getvalue())
 
 
 def built(output: str) -> dict:
