@@ -108,7 +108,10 @@ class TaskFinetuner(Finetuner):
 @user_errors()
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = Engine(argv=argv)
-    return TaskFinetuner(engine).train()
+    results = TaskFinetuner(engine).train()
+    # As pretrain.py: the process group is torn down while every rank is still here, not by interpreter exit.
+    engine.shutdown()
+    return results
 
 
 if __name__ == "__main__":

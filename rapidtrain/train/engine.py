@@ -154,6 +154,15 @@ def _mesh_sizes(mesh: ParallelMesh) -> dict[str, int]:
     return sizes
 
 
+def shutdown_distributed() -> None:
+    """Every rank reaches here, then the default process group is destroyed: its threads end while the ranks are
+    alive, not while the interpreter shuts down (an undestroyed gloo group can abort the exit with "terminate called
+    without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -367,9 +376,7 @@ class Engine:
         return tensor
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        shutdown_distributed()
 
 
 RapidformerEngine = Engine
