@@ -177,60 +177,38 @@ def save_tiny_model(
 ) -> Path:
     """A randomly initialised `bert` (masked LM), `gpt2` (causal LM) or `t5` saved with its tokenizer."""
     import torch
-    import transformers as t
 
-    ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
-    special = {"bos_token_id": tokenizer.cls_token_id, "eos_token_id": tokenizer.sep_token_id}
-    configs = {
-        "bert": (
-            t.BertForMaskedLM,
-            t.BertConfig(
-                hidden_size=hidden,
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                intermediate_size=2 * hidden,
-                max_position_embeddings=max_length,
-                hidden_dropout_prob=dropout,
-                attention_probs_dropout_prob=dropout,
-                **ids,
-            ),
-        ),
-        "gpt2": (
-            t.GPT2LMHeadModel,
-            t.GPT2Config(
-                n_embd=hidden,
-                n_layer=layers,
-                n_head=heads,
-                n_positions=max_length,
-                resid_pdrop=dropout,
-                embd_pdrop=dropout,
-                attn_pdrop=dropout,
-                **ids,
-                **special,
-            ),
-        ),
-        "t5": (
-            t.T5ForConditionalGeneration,
-            # T5Config's typed signature omits decoder_start_token_id, which it still takes and keeps.
-            t.T5Config(  # type: ignore[call-arg]
-                d_model=hidden,
-                d_ff=2 * hidden,
-                num_layers=layers,
-                num_heads=heads,
-                d_kv=hidden // heads,
-                decoder_start_token_id=tokenizer.pad_token_id,
-                dropout_rate=dropout,
-                eos_token_id=tokenizer.sep_token_id,
-                **ids,
-            ),
-        ),
-    }
-    model_class, config = configs[kind]
+    model_class, config = _tiny_config(kind, tokenizer, hidden, layers, heads, max_length, dropout)
     torch.manual_seed(seed)
     model = model_class(config)
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     return Path(directory)
+
+
+def _tiny_config(kind: str, tokenizer: Any, hidden: int, layers: int, heads: int, max_length: int,
+                 dropout: float) -> tuple[Any, Any]:
+    """The Hugging Face model class and config of a tiny `kind` over `tokenizer`'s vocabulary."""
+    import transformers as t
+
+    ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    if kind == "bert":
+        return t.BertForMaskedLM, t.BertConfig(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * hidden,
+            max_position_embeddings=max_length, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+            **ids)
+    if kind == "gpt2":
+        return t.GPT2LMHeadModel, t.GPT2Config(
+            n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_length, resid_pdrop=dropout,
+            embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=tokenizer.cls_token_id,
+            eos_token_id=tokenizer.sep_token_id, **ids)
+    if kind != "t5":
+        raise ValueError(f"tiny models are bert, gpt2 or t5, not {kind!r}")
+    # T5Config's typed signature omits decoder_start_token_id, which it still takes and keeps.
+    return t.T5ForConditionalGeneration, t.T5Config(  # type: ignore[call-arg]
+        d_model=hidden, d_ff=2 * hidden, num_layers=layers, num_heads=heads, d_kv=hidden // heads,
+        decoder_start_token_id=tokenizer.pad_token_id, dropout_rate=dropout, eos_token_id=tokenizer.sep_token_id,
+        **ids)
 
 
 def write_tsv(path: Path, rows: list[dict[str, Any]]) -> None:
