@@ -133,12 +133,13 @@ def built_summary(runner: Runner, mesh: ParallelMesh) -> dict[str, Any]:
     """What compose really built, in the Plan's words: the runner and the wrapper around the model, the optimizer
     class, the parameters' dtype and whether they are DTensors, and the mesh. Printed after compose, so a run's
     output shows that it did what its plan said (a test compares the two)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor import DTensor
 
     parameters = list(runner.module.parameters())
     optimizer = getattr(runner.optimizer, "optimizer", runner.optimizer)  # DeepSpeed's ZeRO wraps the real one
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        optimizer = runner.optimizer.optim
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # OSS: the local optimizer over this rank's shard
+        optimizer = optimizer.optim
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in parameters})
     return {"runner": type(runner).__name__, "wrapper": type(runner.module).__name__,
             "optimizer": type(optimizer).__name__, "dtypes": dtypes,
