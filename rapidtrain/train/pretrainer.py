@@ -138,6 +138,16 @@ class PreTrainer(Trainer):
         return {}
 
     # ---- evaluation ----
+    def close_data(self) -> None:
+        """The evaluation loaders' persistent workers stop now, while this process runs: they ignore SIGTERM (a
+        save request is this process's), so multiprocessing's exit handler, which terminates them with SIGTERM
+        and then joins them, would wait on them forever."""
+        for loader in self._evaluation_loaders.values():
+            iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator, once iterated
+            if iterator is not None:
+                iterator._shutdown_workers()
+        self._evaluation_loaders.clear()
+
     def evaluation_loader(self, dataset: Any) -> DataLoader:
         """One loader per evaluation set for the whole run: its workers persist, so no evaluation forks new ones
         while the training loader's threads run (a fork that meets a thread starting or ending deadlocks the child

@@ -240,7 +240,11 @@ class Trainer:
             self.profiler.close()
             self.checkpointer.close()
             self.writer.close(failed=not completed)
+            self.close_data()
         return results
+
+    def close_data(self) -> None:
+        """Stop what the template keeps open for the whole run (PreTrainer: its evaluation loaders' workers)."""
 
     def open_writers(self) -> Writers:
         """The logging rank's writers (TensorBoard, W&B, MLflow), handed the plan as the run's config. Every rank

@@ -114,3 +114,12 @@ def test_gpt_launch_script_runs_and_resumes_from_its_own_save(tmp_path, demo_dat
 def test_all_launch_scripts_parse():
     for script in sorted((REPO / "scripts").glob("*.sh")):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+
+
+def test_a_run_with_loader_workers_and_evaluations_exits(tmp_path, demo_data):
+    """The evaluation loaders' persistent workers ignore SIGTERM; they are stopped when training ends, or
+    multiprocessing's exit handler (terminate with SIGTERM, then join) waits on them forever."""
+    flags = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--num-workers", "2", "--train-iters", "4",
+             "--eval-interval", "2", "--eval-iters", "1", "--lr", "1e-3", "--log-interval", "2"]
+    run = pretrain(1, flags, timeout=300)
+    assert "validation loss at iteration 4" in run.stdout and "test loss at iteration 4" in run.stdout
