@@ -118,7 +118,7 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Megatron's batch-size ramp-up: the global batch starts at START and grows by INCREMENT in "
                         "equal steps over the first SAMPLES samples to --global-batch-size (accumulation steps grow).")
-    g.add_argument("--step-batch-size-schedule", default=None,
+    g.add_argument("--step-batch-size-schedule", nargs="+", default=None,
                    help="Megatron's step schedule 'THRESHOLD:BATCH ...' (K/M/B/T suffixes; thresholds in tokens, "
                         "divided by --seq-length; the first is 0): the global batch of the last threshold reached.")
 
@@ -436,7 +436,7 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
                                                                  "layer is MoE.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Shard experts over this many data-parallel ranks; tokens move by all-to-all.")
-    g.add_argument("--moe-router-topk", type=int, choices=(1, 2), default=1, help="Experts per token.")
+    g.add_argument("--moe-router-topk", type=int, default=1, help="Experts per token (1 to --num-experts).")
     g.add_argument("--moe-capacity-factor", type=float, default=1.0,
                    help="Expert capacity = ceil(k × tokens / experts × factor), at least --moe-min-capacity.")
     g.add_argument("--moe-min-capacity", type=int, default=4, help="Lower bound of expert capacity.")
@@ -609,6 +609,9 @@ def build_parser(
     )
     for add_group in GROUP_BUILDERS:
         add_group(parser)
+    from rapidtrain.config.flag_surface import add_surface
+
+    add_surface(parser)  # every other Megatron-family flag (config/megatron_flags.json), classified
     # Not a flag: whether --pretrained-model-name-or-path initialises the built-in model (parse_args decides).
     parser.set_defaults(builtin_from_pretrained=False)
     if extra_args_provider is not None:
@@ -646,8 +649,10 @@ def parse_args(
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     from rapidtrain.config.meanings import apply_megatron_meanings
+    from rapidtrain.config.surface_meanings import apply_surface
 
-    apply_megatron_meanings(args, given, entry)  # Megatron's leniencies and Rapidformer's meanings, each noted
+    surface_notes = apply_surface(args, parser)  # the other Megatron-family flags: applied, noted or refused
+    apply_megatron_meanings(args, given, entry, surface_notes)  # Megatron's leniencies and Rapidformer's meanings, each noted
     args.given_flags = sorted(given)  # which flags the user typed (the plan tells them from defaults)
     return args
 
@@ -671,6 +676,7 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str
             action.default = argparse.SUPPRESS
         parser._defaults.clear()
         namespace, _ = parser.parse_known_args(argv)
+        vars(namespace).pop("megatron_flags_given", None)  # the record of flags given, not a flag
     finally:
         for action, default in saved:
             action.default = default
