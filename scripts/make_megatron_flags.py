@@ -69,7 +69,7 @@ def _choices(record: dict) -> tuple[list | None, dict | None]:
     by_origin: dict[str, list] = {}
     # The record is the representative definition; with variants, they (each naming its origins) are the whole list.
     for definition in record.get("variants") or [{**record, "origins": list(record["origins"])}]:
-        if not definition.get("choices"):
+        if not isinstance(definition.get("choices"), list):  # none, or computed (an expression's source)
             continue
         for origin in definition["origins"]:
             by_origin.setdefault(origin, [])
@@ -96,19 +96,42 @@ def compact(record: dict) -> dict:
 
 
 def seen_in_scripts(scripts: list[dict], known: set[str]) -> list[dict]:
-    """Flags the launch scripts pass that no extracted parser has: an optional value, the scripts' origins."""
+    """Flags the launch scripts pass that no extracted parser has, with the scripts' origins: a switch when no
+    script gives it a value, else a value of the narrowest type every script's value parses as."""
     seen: dict[str, dict] = {}
+    values: dict[str, list[str]] = {}
     for script in scripts:
-        for token in script["argv"]:
+        argv = script["argv"]
+        for index, token in enumerate(argv):
             flag = token.split("=", 1)[0]
             if not flag.startswith("--") or flag in known:
                 continue
             entry = seen.setdefault(flag, {"flag": flag, "aliases": [], "dest": flag[2:].replace("-", "_"),
-                                           "action": "store", "nargs": "?", "type": "str", "choices": None,
-                                           "default": None, "origins": {}, "seen_in_scripts_only": True})
+                                           "origins": {}, "seen_in_scripts_only": True})
             dates = entry["origins"].setdefault(script["origin"], [script["date"], script["date"]])
             dates[:] = [min(dates[0], script["date"]), max(dates[1], script["date"])]
-    return list(seen.values())
+            following = argv[index + 1] if index + 1 < len(argv) else "--"
+            if "=" in token:
+                values.setdefault(flag, []).append(token.split("=", 1)[1])
+            elif not following.startswith("--"):
+                values.setdefault(flag, []).append(following)
+    for flag, entry in seen.items():
+        given = values.get(flag)
+        shape = {"action": "store", "nargs": None, "type": _narrowest_type(given)} if given else \
+            {"action": "store_true", "nargs": None, "type": None}
+        entry.update(shape, choices=None, default=None if given else False)
+    return [{key: entry[key] for key in ("flag", "aliases", "dest", "action", "nargs", "type", "choices", "default",
+                                         "origins", "seen_in_scripts_only")} for entry in seen.values()]
+
+
+def _narrowest_type(values: list[str]) -> str:
+    for name, kind in (("int", int), ("float", float)):
+        try:
+            [kind(value) for value in values]
+            return name
+        except ValueError:
+            continue
+    return "str"
 
 
 def main() -> None:

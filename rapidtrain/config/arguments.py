@@ -49,6 +49,28 @@ def num_experts_list(value: str) -> int:
     return number
 
 
+def router_type(value: str) -> int | str:
+    """Rapidformer's --router-type 0, or Pai-Megatron-Patch's name for the same router (topk)."""
+    return 0 if value == "topk" else int(value) if value.isdigit() else value
+
+
+def moe_layer_pattern(value: str) -> int | list[int]:
+    """Megatron-Core's --moe-layer-freq: N (every Nth layer), or a per-layer 0/1 pattern written as a list
+    ('[1,0,1,0]') or as Megatron's list expression ('([0]*3+[1]*58)'), read without evaluating anything."""
+    text = value.strip().replace(" ", "")
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    text = text[1:-1] if text.startswith("(") and text.endswith(")") else text
+    pattern: list[int] = []
+    for term in text.split("+"):
+        found = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", term)
+        if not found:
+            raise argparse.ArgumentTypeError(f"--moe-layer-freq {value}: give N, or a 0/1 list such as '[1,0]' or "
+                                             "'([0]*3+[1]*5)'")
+        pattern += [int(bit) for bit in found.group(1).split(",")] * int(found.group(2) or 1)
+    return pattern
+
+
 def _add_data(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data", "Regular settings: data (Megatron indexed data or a fine-tuning set)")
     g.add_argument("--micro-batch-size", type=int, default=1,
@@ -432,8 +454,9 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=num_experts_list, nargs="+", default=None,
                    help="Experts per MoE layer: one number (layers chosen by --moe-layer-freq) or one per "
                         "layer (0 = dense).")
-    g.add_argument("--moe-layer-freq", type=int, default=1, help="With one --num-experts value: every Nth "
-                                                                 "layer is MoE.")
+    g.add_argument("--moe-layer-freq", type=moe_layer_pattern, default=1,
+                   help="With one --num-experts value: every Nth layer is MoE, or Megatron-Core's per-layer 0/1 "
+                        "pattern ('([0]*3+[1]*5)').")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Shard experts over this many data-parallel ranks; tokens move by all-to-all.")
     g.add_argument("--moe-router-topk", type=int, default=1, help="Experts per token (1 to --num-experts).")
@@ -446,8 +469,9 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="Weight of the router z-loss.")
     g.add_argument("--moe-jitter-eps", type=float, default=0.0, help="Multiplicative jitter noise on router input.")
     # Rapidformer's GPT-MoE options.
-    g.add_argument("--router-type", type=int, default=0,
-                   help="Rapidformer's router: 0 = top-k gating with the load-balancing loss (the built-in router).")
+    g.add_argument("--router-type", type=router_type, default=0,
+                   help="Rapidformer's router: 0 (Pai-Megatron-Patch: topk) = top-k gating with the load-balancing "
+                        "loss (the built-in router).")
     g.add_argument("--moe-linear-layer-type", choices=("standard",), default="standard",
                    help="Rapidformer: the experts' linear layers (standard nn.Linear-style weights).")
     g.add_argument("--top-k-linear-strategy", choices=("normal",), default="normal",
@@ -506,8 +530,9 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
                         "in the working folder).")
     g.add_argument("--mlflow-run-name", default=None,
                    help="The MLflow run's name (default: --wandb-exp-name when given, else one MLflow makes up).")
-    g.add_argument("--profile", action="store_true",
-                   help="Trace iterations --profile-step-start+1 to --profile-step-end with the PyTorch profiler on "
+    g.add_argument("--profile", nargs="?", const=True, default=False, choices=(True, "pt", "pt-full"),
+                   help="(Megatron's `--profile pt` / `pt-full` name the same PyTorch profiler.) Trace iterations "
+                        "--profile-step-start+1 to --profile-step-end with the PyTorch profiler on "
                         "--profile-ranks (a .pt.trace.json per rank in --tensorboard-dir, else ./profile; open it "
                         "in Perfetto or TensorBoard); on CUDA also a memory snapshot (memory_snapshot_rank{R}.pickle, "
                         "for pytorch.org/memory_viz).")
@@ -652,7 +677,7 @@ def parse_args(
     from rapidtrain.config.surface_meanings import apply_surface
 
     surface_notes = apply_surface(args, parser)  # the other Megatron-family flags: applied, noted or refused
-    apply_megatron_meanings(args, given, entry, surface_notes)  # Megatron's leniencies and Rapidformer's meanings, each noted
+    apply_megatron_meanings(args, given, entry, surface_notes)  # Megatron's leniencies, Rapidformer's meanings
     args.given_flags = sorted(given)  # which flags the user typed (the plan tells them from defaults)
     return args
 

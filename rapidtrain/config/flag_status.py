@@ -125,7 +125,7 @@ _PRECISION = ("rapidtrain keeps fp32 master weights, optimizer state and gradien
               "norms and the loss in fp32 under autocast")
 _CKPT = ("rapidtrain writes torch.distributed.checkpoint (Megatron's torch_dist): every rank writes its own shards, "
          "published atomically, resharded on load")
-_CLUSTER = "NVIDIA's cluster tooling (fault tolerance, loggers, tracing): not part of rapidtrain; SIGTERM saves and ends"
+_CLUSTER = "NVIDIA's cluster tooling (fault tolerance, loggers, tracing): not in rapidtrain; SIGTERM saves and ends"
 _LOGGING = "a Megatron logging/profiling detail; rapidtrain's log line, --tensorboard-dir and --profile cover it"
 _INFERENCE = "read by Megatron's text-generation, inference and evaluation tools, not by training"
 _MEMORY = "a memory housekeeping knob of Megatron's; torch's caching allocator and rapidtrain's meta-device init " \
@@ -172,10 +172,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--no-create-attention-mask-in-dataloader": (NO_EFFECT, "the causal mask is made by the attention kernel, not the "
                                                             "data loader"),
     "--extra-vocab-size": (NO_EFFECT, "the embedding is sized from the tokenizer's vocabulary (padded to "
-                                      "--make-vocab-size-divisible-by); Pai's extra rows are never indexed by the data"),
+                                      "--make-vocab-size-divisible-by); Pai's extra rows are never indexed"),
     "--max-padding-length": (NO_EFFECT, "pretraining samples are --seq-length tokens; Pai pads fine-tuning samples to "
                                         "this length"),
-    "--embed-layernorm": (REFUSED, "a norm after the embedding (BLOOM) is not in rapidtrain's models; train without it"),
+    "--embed-layernorm": (REFUSED, "a norm after the embedding (BLOOM) is not in rapidtrain's models"),
     "--pad-vocab-size-to": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
                                      "that flag"),
     "--padded-vocab-size": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
@@ -343,6 +343,15 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--z-loss-weight": (REFUSED, "a z-loss on the output logits is not in rapidtrain (the router's is "
                                  "--moe-z-loss-coeff)"),
     "--mtp-num-layers": (REFUSED, "multi-token prediction is not in rapidtrain's models"),
+}
+
+# Values of refused flags that ask for nothing (besides each flag's default, which never does).
+NEUTRAL: dict[str, tuple] = {
+    "--rotary-seq-len-interpolation-factor": (1, 1.0), "--rope-scaling-factor": (1, 1.0),
+    "--rotary-scaling-factor": (1, 1.0), "--rope-type": ("rope",), "--softmax-type": ("vanilla",),
+    "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
+    "--glu-linear-offset": (0, 0.0), "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
+    "--decoupled-lr": (None,), "--attention-head-type": ("multihead",),
 }
 
 # (regular expression over the whole flag, status, note), first match wins.

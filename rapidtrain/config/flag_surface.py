@@ -124,7 +124,11 @@ def add_surface(parser: argparse.ArgumentParser) -> None:
     for record in surface_flags():
         names = [name for name in (record["flag"], *record["aliases"]) if name not in actions]
         if record["flag"] in actions or not names:
-            _widen(actions.get(record["flag"]) or next(actions[n] for n in record["aliases"] if n in actions), record)
+            own = actions.get(record["flag"]) or next(actions[n] for n in record["aliases"] if n in actions)
+            _widen(own, record)
+            for name in names:  # another origin's spelling of a rapidtrain flag
+                own.option_strings.append(name)
+                parser._option_string_actions[name] = own
             continue
         group.add_argument(*names, **_surface_kwargs(record, actions), help=argparse.SUPPRESS)
 
@@ -139,8 +143,8 @@ def _surface_kwargs(record: dict, actions: dict) -> dict:
         target = next(a for a in actions.values() if a.dest == status_table.RENAMED[flag][0])
         if target.nargs == 0:
             return {**kwargs, "dest": target.dest, "nargs": 0, "switch": target.const, "default": argparse.SUPPRESS}
-        return {**kwargs, "dest": target.dest, "nargs": target.nargs, "type": target.type or str,
-                "default": argparse.SUPPRESS}
+        kind = _lenient_int if target.type is int else target.type or str
+        return {**kwargs, "dest": target.dest, "nargs": target.nargs, "type": kind, "default": argparse.SUPPRESS}
     if kwargs["dest"] in {a.dest for a in actions.values()}:  # same name, other meaning: kept apart
         kwargs["dest"] = "megatron_" + kwargs["dest"]
     return {**kwargs, **(_switch_kwargs(record) or _value_kwargs(record))}
@@ -153,17 +157,23 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     "tokenizer_type": {"PretrainedFromHF": "HuggingFaceTokenizer", "HFTokenizer": "HuggingFaceTokenizer",
                        "Llama3Tokenizer": "HuggingFaceTokenizer", "MistralTokenizer": "HuggingFaceTokenizer"},
     "optimizer": {"hybridadam": "adamw"},
-    "data_impl": {},
 }
+# Values a launch script passes that no extracted parser lists (EasyNLP's Rapidformer example): accepted by the
+# parser, then refused by name like any value rapidtrain lacks.
+EXTRA_VALUES: dict[str, list[str]] = {"--tokenizer-type": ["ChineseBPETokenizer"]}
 WIDENED = "megatron_widened"  # parser attribute: dest → rapidtrain's own choices
 
 
 def _widen(action: argparse.Action, record: dict) -> None:
     """rapidtrain's own flag: accept every origin's values; those rapidtrain lacks are refused after parsing."""
+    if action.nargs is None and record["nargs"] in ("+", "*") and action.type in (int, float):
+        action.nargs = "+"  # one origin takes a list (Megatron-Core's per-type coefficients): one value is served
+        action.rapidtrain_scalar = True  # type: ignore[attr-defined]
     if action.choices is None or not record["choices"]:
         return
     own = list(action.choices)
-    extra = [c for c in record["choices"] if c not in own and (action.type is None or isinstance(c, str))]
+    offered = [*record["choices"], *EXTRA_VALUES.get(record["flag"], [])]
+    extra = [c for c in offered if c not in own and (action.type is None or isinstance(c, str))]
     if extra:
         action.choices = [*own, *extra]
         action.rapidtrain_choices = own  # type: ignore[attr-defined]
@@ -178,6 +188,8 @@ def refusal_applies(flag: str, value: object) -> bool:
     record = record_of(flag)
     if record is None:
         return True
+    if value in status_table.NEUTRAL.get(flag, ()):
+        return False
     default = record["default"]
     if isinstance(value, list) and not isinstance(default, list):
         return True

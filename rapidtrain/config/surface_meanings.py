@@ -40,6 +40,7 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser) -> list[str]:
             notes.append(f"{shown}: no effect here; {treatment.note}")
         elif treatment.status == REFUSED and refusal_applies(flag, value):
             refusals.append(f"{shown}: {treatment.note}")
+    _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
     if refusals:
         raise FlagRefused("these flags ask for what rapidtrain does not do (docs/megatron-compat.md lists every "
@@ -58,6 +59,7 @@ def _shown(flag: str, value: object) -> str:
 def _own_values(args: Args, parser: argparse.ArgumentParser, notes: list[str], refusals: list[str]) -> None:
     """rapidtrain's own flags given another origin's value: its spelling translated, or refused."""
     for action in parser._actions:  # argparse offers its actions only this way
+        _one_value(args, action, notes, refusals)
         own = getattr(action, "rapidtrain_choices", None)
         value = getattr(args, action.dest, None)
         if own is None or value is None or value in own:
@@ -73,6 +75,31 @@ def _own_values(args: Args, parser: argparse.ArgumentParser, notes: list[str], r
         args.split = args.split.strip("'\"")
     if isinstance(args.step_batch_size_schedule, list):  # a list written as separate words
         args.step_batch_size_schedule = " ".join(args.step_batch_size_schedule)
+
+
+def _one_value(args: Args, action: argparse.Action, notes: list[str], refusals: list[str]) -> None:
+    value = getattr(args, action.dest, None)
+    if not getattr(action, "rapidtrain_scalar", False) or not isinstance(value, list):
+        return
+    if len(value) == 1:
+        setattr(args, action.dest, value[0])
+    else:
+        refusals.append(f"{action.option_strings[0]} {' '.join(map(str, value))}: rapidtrain takes one value here")
+
+
+def _moe_layer_pattern(args: Args, notes: list[str], refusals: list[str]) -> None:
+    """A per-layer 0/1 --moe-layer-freq becomes rapidtrain's per-layer --num-experts list (0 = dense)."""
+    pattern = args.moe_layer_freq
+    if not isinstance(pattern, list):
+        return
+    experts = args.num_experts or []
+    if len(experts) != 1 or len(pattern) != args.num_layers:
+        refusals.append(f"--moe-layer-freq with a {len(pattern)}-layer pattern needs one --num-experts value and "
+                        f"--num-layers {len(pattern)}")
+        return
+    args.num_experts = [experts[0] * bit for bit in pattern]
+    args.moe_layer_freq = 1
+    notes.append(f"--moe-layer-freq pattern: --num-experts {' '.join(map(str, args.num_experts))} (0 = dense layer)")
 
 
 def _moe_topk(args: Args, refusals: list[str]) -> None:
