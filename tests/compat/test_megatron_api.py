@@ -161,3 +161,14 @@ def test_log_line_shows_the_reported_dict_and_leaves_skipped_iterations_out(engi
     assert "lm loss: 3.000000E+00" in line and "9.000000E+00" not in line
     assert "params norm: 12.500" in line and "global batch size:     6" in line
     assert mixed.reported["lm loss"].tolist() == [3.0, 1.0]  # the skipped iteration's values are left out
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (8,)])
+def test_per_token_losses_with_a_b_by_s_loss_mask_are_the_masked_mean(shape):
+    """Megatron's forward-step contract: losses [b, s] or [b·s] beside a loss mask [b, s]."""
+    losses = torch.arange(8.0).reshape(shape)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]])
+    parts = as_loss((losses, mask))
+    assert (float(parts.value), int(parts.count)) == (0 + 1 + 4 + 6, 4)
+    with pytest.raises(ValueError, match=r"shape \(6,\) with a loss mask of shape \(2, 4\)"):
+        as_loss((torch.zeros(6), mask))
