@@ -14,7 +14,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from rapidtrain.config import arguments, plan, rules
+from rapidtrain.config import arguments, plan, resolve, rules, settings
+from rapidtrain.config.describe import describe_plan
 from rapidtrain.core.errors import UserError, user_errors
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -55,7 +56,7 @@ def torchrun_command(args: argparse.Namespace, script: Path, argv: list[str], de
     from rapidtrain.core.slurm import node_layout
 
     nodes = node_layout(os.environ if env is None else env)
-    nproc = args.nproc_per_node or plan.default_nproc_per_node(device_type) or 1
+    nproc = args.nproc_per_node or settings.default_nproc_per_node(device_type) or 1
     command = [sys.executable, "-m", "rapidtrain.cli", TORCHRUN, f"--nproc-per-node={nproc}",
                f"--nnodes={nodes.nnodes}"]
     if nodes.master_addr is None:
@@ -94,7 +95,7 @@ def run_user_script_in_place(script: Path, argv: list[str]) -> int:
 
 def launch(argv: list[str]) -> int:
     args = launch_arguments(argv)
-    ctx = plan.RunContext.detect(args)
+    ctx = settings.RunContext.detect(args)
     script = entry_script(args)
     if under_torchrun():
         if args.user_script:
@@ -134,16 +135,16 @@ def plan_command(argv: list[str]) -> int:
     options, rest = extra.parse_known_args(argv)
     entry = entry_of(rest) if options.entry is None else options.entry
     args = arguments.parse_args(rest, prog="rapidtrain plan", entry=entry)
-    detected = plan.RunContext.detect(args)
+    detected = settings.RunContext.detect(args)
     world_size = detected.world_size if options.world_size is None else options.world_size
     device_type = options.device or detected.device_type
     capability = detected.capability
     if device_type != detected.device_type or options.device_name:  # planning for another machine
-        capability = plan.DeviceCapability(options.device_name or "", native_bf16=True)
-    ctx = plan.RunContext(world_size, device_type, detected.script, capability)
+        capability = settings.DeviceCapability(options.device_name or "", native_bf16=True)
+    ctx = settings.RunContext(world_size, device_type, detected.script, capability)
     rules.exit_on_conflicts(args, ctx)
     resolved = plan.from_args(args, ctx)
-    print(resolved.to_json() if options.json else resolved.describe())
+    print(resolved.to_json() if options.json else describe_plan(resolved))
     return 0
 
 
@@ -157,7 +158,7 @@ def entry_of(argv: list[str]) -> str | None:
 
 def tokenizer_settings(args: argparse.Namespace):
     """The tokenizer settings of (possibly edited) flags, for user scripts that build their own tokenizer."""
-    return plan.tokenizer_settings_of(args)
+    return resolve.tokenizer_settings_of(args)
 
 
 def demo_data_command(argv: list[str]) -> int:

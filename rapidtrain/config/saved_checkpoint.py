@@ -10,7 +10,7 @@ from typing import Any
 
 from rapidtrain.checkpoint.checkpointer import read_common
 from rapidtrain.config.arguments import build_parser
-from rapidtrain.config.plan import model_config_from_args
+from rapidtrain.config.resolve import model_config_from_args
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.hf_config import trains_builtin_model
 

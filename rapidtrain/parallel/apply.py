@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rapidtrain.config.plan import Plan
+from rapidtrain.config.settings import Plan
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.data_parallel import apply_ddp, apply_fsdp

@@ -74,7 +74,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool
     DTensors, and are reduced over their own group (parallel/experts.py)."""
     from torch.distributed.fsdp import fully_shard
 
-    from rapidtrain.config.plan import experts_sharded_by_fsdp2
+    from rapidtrain.config.memory import experts_sharded_by_fsdp2
     from rapidtrain.parallel.experts import expert_parameters, place_experts_on_mesh_of_others, shard_experts_with_fsdp
 
     experts = set(expert_parameters(model).values())

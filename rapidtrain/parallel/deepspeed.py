@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rapidtrain.config.plan import Plan, Precision, ZeroSettings, read_user_config
+from rapidtrain.config.resolve import read_user_config
+from rapidtrain.config.settings import Plan, Precision, ZeroSettings
 from rapidtrain.core.errors import UserError
 from rapidtrain.models.transformer import canonical_name
 from rapidtrain.optim.grad_scaler import LossScaleSettings

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rapidtrain.config.plan import Plan
+from rapidtrain.config.settings import Plan
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.mesh import ParallelMesh

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rapidtrain.config.plan import Layout
+from rapidtrain.config.settings import Layout
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from rapidtrain.config.plan import Plan
+from rapidtrain.config.settings import Plan
 
 
 def build_model_for(plan: Plan) -> nn.Module:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from rapidtrain.config.plan import Plan
+from rapidtrain.config.settings import Plan
 from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer

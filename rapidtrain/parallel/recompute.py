@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 if TYPE_CHECKING:
-    from rapidtrain.config.plan import RecomputeSettings
+    from rapidtrain.config.settings import RecomputeSettings
 
 # ---- op-level policy ----
 

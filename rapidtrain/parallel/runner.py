@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rapidtrain.config.plan import Precision
+from rapidtrain.config.settings import Precision
 from rapidtrain.optim.grad_scaler import LossScaler
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from rapidtrain.config.plan import Plan, Switches
+    from rapidtrain.config.settings import Plan, Switches
     from rapidtrain.parallel.mesh import ParallelMesh
 
 

@@ -10,7 +10,7 @@ import signal
 import time
 from typing import Any
 
-from rapidtrain.config.plan import CheckpointSettings, TrainingSettings
+from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
 
 
 class StopSignal:

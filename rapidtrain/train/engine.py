@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rapidtrain.config import arguments, rules
-from rapidtrain.config.plan import DistributedSettings, Plan, RunContext, from_args
+from rapidtrain.config.plan import from_args
+from rapidtrain.config.settings import DistributedSettings, Plan, RunContext
 from rapidtrain.core.cpu_allocator import keep_freed_memory
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.shutdown import stop_rank_with_torchrun

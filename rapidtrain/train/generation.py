@@ -182,7 +182,7 @@ def load_for_generation(options: argparse.Namespace, overrides: list[str]) -> tu
     from rapidtrain.checkpoint.checkpointer import CheckpointError, check_same_model, read_common
     from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state
     from rapidtrain.config.arguments import build_parser, given_flags
-    from rapidtrain.config.plan import model_config_from_args
+    from rapidtrain.config.resolve import model_config_from_args
     from rapidtrain.config.saved_checkpoint import saved_model_config
     from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
     from rapidtrain.models import build_model

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from rapidtrain.config.describe import describe_plan
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.shutdown import ignore_sigterm_in_worker
 from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
@@ -77,7 +78,7 @@ class PreTrainer(Trainer):
         self.model, *_ = self.engine.compose(model, optimizer=optimizer, lr_scheduler_fn=scheduler_fn,
                                              model_factory=self.model_factory())
         self.load()
-        self.engine.print_rank0(plan.describe())
+        self.engine.print_rank0(describe_plan(plan))
 
     def data_loader(self, dataset: Any, consumed_samples: int, train: bool = False) -> DataLoader:
         data = self.plan.data

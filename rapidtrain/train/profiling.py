@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rapidtrain.config.plan import ProfileSettings
+from rapidtrain.config.settings import ProfileSettings
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept for the snapshot (Megatron's choice)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rapidtrain.config.plan import Plan
+from rapidtrain.config.settings import Plan
 from rapidtrain.core.metrics import IntervalStats, format_log_line, mfu, peak_memory_bytes
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from rapidtrain.config.plan import LoggingSettings, TrackingSettings
+from rapidtrain.config.settings import LoggingSettings, TrackingSettings
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.metrics import TensorBoardWriter
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rapidtrain.config.describe import describe_plan
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.metrics import ThroughputMeter
 from rapidtrain.data.loaders import (
@@ -362,7 +363,7 @@ class Trainer:
             scheduler_fn = lambda optimizer: engine.build_scheduler(optimizer, None, self.steps_per_epoch)  # noqa: E731
         self.model, *_ = engine.compose(model, optimizer=optimizer, lr_scheduler_fn=scheduler_fn)
         self.load()
-        engine.print_rank0(plan.describe())
+        engine.print_rank0(describe_plan(plan))
         engine.print_rank0(
             f" training: {len(self.train_ds)} samples, {self.steps_per_epoch} steps of "
             f"{plan.batches.global_batch_size} samples per epoch, {engine.total_iterations(self.steps_per_epoch)} "

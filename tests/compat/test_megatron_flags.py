@@ -8,22 +8,22 @@ import json
 import pytest
 import torch
 
-from rapidtrain.config import arguments, plan, rules
-from rapidtrain.config.plan import RunContext
+from rapidtrain.config import arguments, plan, rules, settings
+from rapidtrain.config.settings import RunContext
 from rapidtrain.data.samplers import MegatronRandomSampler
 from rapidtrain.parallel.deepspeed import DeepSpeedConfigConflict, merge_user_config
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
 
-def resolve(argv: list[str], world: int = 1, entry: str | None = "pretrain") -> plan.Plan:
+def resolve(argv: list[str], world: int = 1, entry: str | None = "pretrain") -> settings.Plan:
     args = arguments.parse_args(BASE + argv, entry=entry)
     ctx = RunContext(world, "cpu")
     assert rules.violations(args, ctx) == []
     return plan.from_args(args, ctx)
 
 
-def notes(p: plan.Plan) -> str:
+def notes(p: settings.Plan) -> str:
     return "\n".join(p.notes)
 
 

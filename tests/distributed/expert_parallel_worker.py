@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from rapidtrain.config.plan import Precision
+from rapidtrain.config.settings import Precision
 from rapidtrain.models import build_model
 from rapidtrain.parallel.experts import ExpertParallelExperts
 from rapidtrain.parallel.runner import TorchRunner

@@ -151,7 +151,7 @@ def test_fsdp_accumulation_reduces_only_on_the_last_micro_batch(probes, mode):
 
 def test_fsdp_cpu_offload_is_refused_with_reason():
     from rapidtrain.config import arguments, rules
-    from rapidtrain.config.plan import RunContext
+    from rapidtrain.config.settings import RunContext
 
     args = arguments.parse_args(
         ["--train-iters", "1", "--lr", "1e-3", "--fsdp-memory-optimization", "--cpu-offload"]
@@ -166,7 +166,7 @@ def test_fsdp_cpu_offload_is_refused_with_reason():
 
 def test_fairscale_fsdp_is_refused_with_reason():
     from rapidtrain.config import arguments, rules
-    from rapidtrain.config.plan import RunContext
+    from rapidtrain.config.settings import RunContext
 
     args = arguments.parse_args(
         [

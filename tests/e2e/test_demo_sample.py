@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidtrain.config import arguments, plan
+from rapidtrain.config import arguments, plan, settings
 from rapidtrain.pretrain import DEMO_PROMPT, DEMO_SAMPLE_TOKENS, demo_sample_unavailable
 from tests.launch import TINY_GPT_SHAPE, pretrain
 
@@ -30,9 +30,9 @@ def test_demo_prints_the_trained_models_greedy_sample(tmp_path, demo_data):
     assert generate_sample(model, tokenizer, DEMO_PROMPT, DEMO_SAMPLE_TOKENS).split("\n")[0] == printed
 
 
-def resolved(argv: list[str], world: int = 2) -> plan.Plan:
+def resolved(argv: list[str], world: int = 2) -> settings.Plan:
     args = arguments.parse_args(["--train-iters", "10", "--lr", "1e-4", *argv], entry="pretrain")
-    return plan.from_args(args, plan.RunContext(world, "cpu"))
+    return plan.from_args(args, settings.RunContext(world, "cpu"))
 
 
 @pytest.mark.parametrize("flags, reason", [

@@ -324,7 +324,7 @@ def own_loop_start() -> list[torch.Tensor]:
 
 def test_a_user_script_may_count_epochs_while_builtin_pretraining_may_not():
     from rapidtrain.config import arguments, rules
-    from rapidtrain.config.plan import RunContext
+    from rapidtrain.config.settings import RunContext
 
     flags = ["--epochs", "2", "--lr", "1e-3"]
     builtin = rules.violations(arguments.parse_args(flags), RunContext())

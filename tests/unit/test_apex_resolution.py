@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from rapidtrain.config import arguments, rules
-from rapidtrain.config.plan import RunContext, from_args
+from rapidtrain.config.plan import from_args
+from rapidtrain.config.settings import RunContext
 from rapidtrain.optim.optimizers import apex_optimizer_class, build_optimizer
 
 STAND_IN_APEX = '''

@@ -11,7 +11,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
 from rapidtrain.config import arguments, rules
-from rapidtrain.config.plan import RunContext, from_args
+from rapidtrain.config.plan import from_args
+from rapidtrain.config.settings import RunContext
 from rapidtrain.data.gpt_dataset import ltor_masks_and_position_ids
 from rapidtrain.models import build_model
 from rapidtrain.models.attention import attend, flex_block_mask

@@ -7,7 +7,9 @@ import pytest
 
 from rapidtrain.config import rules
 from rapidtrain.config.arguments import parse_args
-from rapidtrain.config.plan import DeviceCapability, RunContext, from_args
+from rapidtrain.config.describe import describe_plan
+from rapidtrain.config.plan import from_args
+from rapidtrain.config.settings import DeviceCapability, RunContext
 from rapidtrain.train.engine import Engine
 
 BASE = ["--train-iters", "10", "--lr", "1e-3", "--num-layers", "2", "--hidden-size", "64",
@@ -24,7 +26,7 @@ def plan_for(flags: list[str], ctx: RunContext | None = None):
 def test_auto_micro_batch_size_takes_the_largest_divisor_that_fits_and_keeps_the_global_batch():
     plain = plan_for(["--micro-batch-size", "16"])
     state = plain.memory.total_bytes
-    from rapidtrain.config.plan import activation_bytes_per_sample
+    from rapidtrain.config.memory import activation_bytes_per_sample
 
     per_sample = activation_bytes_per_sample(plain.model, plain.precision, plain.switches.recompute)
     budget_gb = (state + 5.5 * per_sample) / 2**30  # micro 5 would fit, but 32 % 5 != 0: the largest divisor is 4
@@ -33,7 +35,7 @@ def test_auto_micro_batch_size_takes_the_largest_divisor_that_fits_and_keeps_the
     assert plan.batches.accumulation_steps == 8
     assert plan.batches.global_batch_size == plain.batches.global_batch_size == 32
     assert plan.data.micro_batch_size == 4  # what the samplers read
-    assert "micro batch: --auto-micro-batch-size: 4, the largest divisor of 32" in plan.describe()
+    assert "micro batch: --auto-micro-batch-size: 4, the largest divisor of 32" in describe_plan(plan)
     # Full recompute keeps a layer's input instead of ~17 activations: the estimate counts it.
     recomputed = plan_for(["--recompute-granularity", "full"])
     assert activation_bytes_per_sample(plain.model, plain.precision, recomputed.switches.recompute) < per_sample
@@ -56,7 +58,7 @@ def test_the_chosen_micro_batch_reaches_the_run():
 def test_the_activation_estimate_is_near_the_measured_bytes():
     import torch
 
-    from rapidtrain.config.plan import activation_bytes_per_sample
+    from rapidtrain.config.memory import activation_bytes_per_sample
     from rapidtrain.models import build_model
     from rapidtrain.parallel.recompute import count_saved_activations
 

@@ -7,7 +7,8 @@ import torch
 import torch._dynamo
 
 from rapidtrain.config import arguments, rules
-from rapidtrain.config.plan import RunContext, from_args
+from rapidtrain.config.plan import from_args
+from rapidtrain.config.settings import RunContext
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.parallel.transforms import apply_graph_optimization, transformer_blocks

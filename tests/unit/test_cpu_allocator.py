@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rapidtrain.config import arguments, plan
-from rapidtrain.config.plan import RunContext
+from rapidtrain.config.settings import RunContext
 from rapidtrain.core.cpu_allocator import glibc_version
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rapidtrain.config import arguments, plan
-from rapidtrain.config.plan import RunContext
+from rapidtrain.config.settings import RunContext
 from rapidtrain.models.transformer import canonical_name
 from rapidtrain.parallel.deepspeed import deepspeed_config, offload_optimizer_config
 

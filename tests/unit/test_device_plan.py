@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from rapidtrain.config import arguments, plan, rules
-from rapidtrain.config.plan import DeviceCapability, RunContext
+from rapidtrain.config import arguments, plan, rules, settings
+from rapidtrain.config.describe import describe_plan
+from rapidtrain.config.settings import DeviceCapability, RunContext
 from rapidtrain.core.peak_flops import known_gpu, peak_flops
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
@@ -20,7 +21,7 @@ H100 = DeviceCapability("NVIDIA H100 80GB HBM3", native_bf16=True)
 V100 = DeviceCapability("Tesla V100-SXM2-32GB", native_bf16=False)
 
 
-def resolve(argv: list[str], capability: DeviceCapability, device: str = "cpu", world: int = 1) -> plan.Plan:
+def resolve(argv: list[str], capability: DeviceCapability, device: str = "cpu", world: int = 1) -> settings.Plan:
     args = arguments.parse_args(BASE + argv)
     return plan.from_args(args, RunContext(world, device, None, capability))  # type: ignore[arg-type]
 
@@ -37,7 +38,7 @@ def test_mixed_precision_is_fp32_on_a_cpu_without_native_bf16_and_says_why():
     resolved = resolve(["--mixed-precision"], AVX2_CPU)
     assert resolved.precision.dtype == "fp32"
     assert "AVX2" in resolved.precision.reason and "100 s" in resolved.precision.reason
-    assert "resolves to fp32" in resolved.describe()
+    assert "resolves to fp32" in describe_plan(resolved)
     assert not resolved.warnings  # nothing to warn about: the plan chose what runs fast
 
 
@@ -52,7 +53,7 @@ def test_explicit_bf16_on_a_cpu_without_native_bf16_runs_bf16_and_warns_with_the
     assert resolved.precision.dtype == "bf16"
     (warning,) = resolved.warnings
     assert "AVX2" in warning and "more than 100 s" in warning and "drop --bf16" in warning
-    assert f"warning: {warning}" in resolved.describe()
+    assert f"warning: {warning}" in describe_plan(resolved)
 
 
 def test_explicit_bf16_on_a_gpu_without_native_bf16_warns_and_names_fp16():
@@ -68,7 +69,7 @@ def test_explicit_bf16_on_native_hardware_does_not_warn():
 def test_the_detected_capability_of_this_machine_is_consistent_with_torch():
     import torch
 
-    detected = plan.detect_capability("cpu")
+    detected = settings.detect_capability("cpu")
     assert detected.name == torch.backends.cpu.get_cpu_capability()
     assert detected.native_bf16 == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
@@ -100,7 +101,7 @@ def test_without_tf32_a_cuda_plan_says_it_is_off():
 def test_backends_per_device_type_on_cuda_and_gloo_on_cpu():
     cuda = resolve([], H100, device="cuda", world=2)
     assert cuda.distributed.backend == "cpu:gloo,cuda:nccl"
-    assert "cuda tensors → nccl" in cuda.describe() and "cpu tensors → gloo" in cuda.describe()
+    assert "cuda tensors → nccl" in describe_plan(cuda) and "cpu tensors → gloo" in describe_plan(cuda)
     assert resolve([], AMX_CPU, world=2).distributed.backend == "gloo"
     assert resolve(["--distributed-backend", "gloo"], H100, device="cuda").distributed.backend == "gloo"
 
@@ -108,7 +109,7 @@ def test_backends_per_device_type_on_cuda_and_gloo_on_cpu():
 def test_distributed_timeout_is_megatrons_ten_minutes_by_default_and_a_flag():
     assert resolve([], AMX_CPU).distributed.timeout_minutes == 10
     resolved = resolve(["--distributed-timeout-minutes", "60"], AMX_CPU)
-    assert resolved.distributed.timeout_minutes == 60 and "after 60 minutes" in resolved.describe()
+    assert resolved.distributed.timeout_minutes == 60 and "after 60 minutes" in describe_plan(resolved)
 
 
 def test_a_zero_timeout_is_refused_naming_the_flag():
@@ -144,7 +145,7 @@ def test_known_gpus_peaks_by_precision(device_name, dtype, tf32, expected):
 def test_the_peak_is_in_the_plan_and_the_log_reports_mfu_on_a_known_gpu():
     resolved = resolve(["--bf16"], H100, device="cuda")
     assert resolved.logging.peak_tflops == 989.0
-    assert "MFU: against 989 TFLOP/s" in resolved.describe() and "H100 SXM" in resolved.describe()
+    assert "MFU: against 989 TFLOP/s" in describe_plan(resolved) and "H100 SXM" in describe_plan(resolved)
 
 
 def test_peak_tflops_overrides_detection():
@@ -154,7 +155,7 @@ def test_peak_tflops_overrides_detection():
 
 def test_no_peak_on_a_cpu_or_an_unknown_gpu_and_the_plan_says_how_to_get_one():
     cpu = resolve([], AMX_CPU)
-    assert cpu.logging.peak_tflops is None and "MFU: not reported" in cpu.describe()
+    assert cpu.logging.peak_tflops is None and "MFU: not reported" in describe_plan(cpu)
     unknown = resolve([], DeviceCapability("Tesla T4"), device="cuda")
     assert unknown.logging.peak_tflops is None and "Tesla T4" in unknown.logging.peak_source
     assert known_gpu("Tesla T4") is None

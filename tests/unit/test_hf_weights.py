@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidtrain.config import arguments, plan, rules
+from rapidtrain.config import arguments, plan, resolve, rules, settings
+from rapidtrain.config.describe import describe_plan
 from rapidtrain.models import build_model
 from rapidtrain.models.hf_config import UnsupportedModel
 from rapidtrain.models.hf_weights import WeightsReader, export_family, hf_state_dict, save_hf_folder
@@ -57,9 +58,9 @@ def flags(folder: Path, *extra: str) -> list[str]:
 def builtin_from(folder: Path, *extra: str):
     """The built-in model the run's flags make: parsed, checked by the rules, resolved by the plan."""
     args = arguments.parse_args(flags(folder, *extra))
-    rules.validate(args, plan.RunContext(1, "cpu"))
-    vocab = plan.builtin_vocab_size(args, None)
-    config = plan.model_config_from_args(args, vocab)
+    rules.validate(args, settings.RunContext(1, "cpu"))
+    vocab = resolve.builtin_vocab_size(args, None)
+    config = resolve.model_config_from_args(args, vocab)
     return build_model(config, seed=1), args
 
 
@@ -100,7 +101,7 @@ def test_hugging_face_weights_give_the_builtin_model_the_same_logits(kind, tmp_p
     ids = tokens()
     difference = (logits_of(ours, ids) - hf_logits_of(theirs, ids)).abs().max()
     assert difference < TOLERANCE, f"{kind}: {difference}"
-    described = plan.from_args(args, plan.RunContext(1, "cpu")).describe()
+    described = describe_plan(plan.from_args(args, settings.RunContext(1, "cpu")))
     assert f"initialised from Hugging Face weights in {folder}" in described
 
 
@@ -125,7 +126,7 @@ def test_flags_not_given_come_from_the_config_and_the_plan_says_llama(tmp_path):
     assert args.group_query_attention and args.num_query_groups == 2
     assert args.position_embedding_type == "rope" and args.rotary_base == 50000.0
     assert args.untie_embeddings_and_output_weights and args.layernorm_epsilon == 1e-6
-    described = plan.from_args(args, plan.RunContext(1, "cpu")).describe()
+    described = describe_plan(plan.from_args(args, settings.RunContext(1, "cpu")))
     assert f"model: built-in GPT (Llama-family) initialised from Hugging Face weights in {folder}" in described
 
 
@@ -133,7 +134,7 @@ def test_flags_that_contradict_the_config_are_refused_naming_both_values(tmp_pat
     folder = save_tiny("llama", tmp_path / "llama")
     args = arguments.parse_args(flags(folder, "--num-layers", "3", "--normalization", "LayerNorm"))
     with pytest.raises(rules.FlagConflict) as refused:
-        rules.validate(args, plan.RunContext(1, "cpu"))
+        rules.validate(args, settings.RunContext(1, "cpu"))
     message = str(refused.value)
     assert "--num-layers 3 (config.json needs --num-layers 2)" in message
     assert "--normalization LayerNorm (config.json needs --normalization RMSNorm)" in message
@@ -144,7 +145,7 @@ def test_fine_tuning_tasks_keep_the_hugging_face_model(tmp_path):
     args = arguments.parse_args(["--pretrained-model-name-or-path", str(folder), "--task", "casual_lm",
                                  "--epochs", "1", "--lr", "1e-4"])
     assert args.num_layers == 4 and not args.swiglu  # nothing taken from the folder
-    resolved = plan.from_args(args, plan.RunContext(1, "cpu"))
+    resolved = plan.from_args(args, settings.RunContext(1, "cpu"))
     assert resolved.template == "Finetuner (Hugging Face model)" and resolved.model is None
 
 
@@ -155,8 +156,9 @@ def test_a_user_script_decides_what_the_folder_is_for(tmp_path):
     args = arguments.parse_args(["--user-script", "my_finetuner.py", "--pretrained-model-name-or-path", str(folder),
                                  "--epochs", "1", "--lr", "1e-4"])
     assert not args.builtin_from_pretrained and args.model_type == "gpt" and args.tokenizer_type is None
-    assert "pretrained-shape-flags" not in {r.name for r in rules.RULES if r.violated(args, plan.RunContext(1, "cpu"))}
-    assert plan.from_args(args, plan.RunContext(1, "cpu")).model is None
+    context = settings.RunContext(1, "cpu")
+    assert "pretrained-shape-flags" not in {r.name for r in rules.RULES if r.violated(args, context)}
+    assert plan.from_args(args, settings.RunContext(1, "cpu")).model is None
 
 
 def test_padded_vocabulary_rows_start_at_zero(tmp_path):
@@ -276,10 +278,10 @@ def test_unsupported_configs_are_refused_and_checkpoint_folders_load(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     args = arguments.parse_args(flags(folder))
     with pytest.raises(rules.FlagConflict, match="rope scaling 'llama3'"):
-        rules.validate(args, plan.RunContext(1, "cpu"))
+        rules.validate(args, settings.RunContext(1, "cpu"))
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "latest_checkpointed_iteration.txt").write_text("3\n")
     args = arguments.parse_args(flags(checkpoint))  # Rapidformer's meaning (issue 15): loaded as --load
-    rules.validate(args, plan.RunContext(1, "cpu"))
+    rules.validate(args, settings.RunContext(1, "cpu"))
     assert args.load == str(checkpoint) and not args.builtin_from_pretrained

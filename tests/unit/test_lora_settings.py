@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rapidtrain.config import arguments, rules
-from rapidtrain.config.plan import RunContext, from_args
+from rapidtrain.config.plan import from_args
+from rapidtrain.config.settings import RunContext
 from rapidtrain.models.lora import LoraSettings
 from rapidtrain.tasks import build_task, load_task_model, toy
 from rapidtrain.tasks.base import load_tokenizer

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from rapidtrain.config import arguments, rules
-from rapidtrain.config.plan import RunContext, from_args, optimizer_state_bytes_per_parameter
+from rapidtrain.config.memory import optimizer_state_bytes_per_parameter
+from rapidtrain.config.plan import from_args
+from rapidtrain.config.settings import RunContext
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.optim import optimizers

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rapidtrain.config import arguments, plan
-from rapidtrain.config.plan import RunContext
+from rapidtrain.config import arguments, memory, plan, settings
+from rapidtrain.config.describe import describe_plan
+from rapidtrain.config.settings import RunContext
 from rapidtrain.models import ModelConfig, build_model
 from rapidtrain.models.counting import count_parameters, expert_parameter_count, model_flops_per_iteration
 from rapidtrain.train.engine import Engine
@@ -85,7 +86,7 @@ def test_plan_splits_expert_parameters_over_expert_parallel_ranks():
     assert experts == 2 * 8 * (2 * 64 * 256 + 256 + 64)  # layers 1 and 3, 8 experts each
     assert one.memory.parameters == one.memory.total_params == count_parameters(one.model)[0]
     assert four.memory.parameters == one.memory.parameters - experts + experts // 4
-    assert "expert parallel 4" in four.describe()
+    assert "expert parallel 4" in describe_plan(four)
 
 
 def test_model_flops_count_only_the_experts_a_token_visits():
@@ -111,7 +112,7 @@ def test_expert_parallel_needs_materialized_weights():
 MOE_8 = "--train-iters 10 --lr 1e-4 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-experts 8".split()
 
 
-def resolve(extra: list[str], world: int = 8) -> plan.Plan:
+def resolve(extra: list[str], world: int = 8) -> settings.Plan:
     args = arguments.parse_args(MOE_8 + extra)
     from rapidtrain.config import rules
 
@@ -140,7 +141,7 @@ def test_expert_parallelism_combines_with_partitioning_and_the_plan_says_how_exp
     experts = expert_parameter_count(ep2.model)
     shared = count_parameters(ep2.model)[0] - experts
     expert_ranks = 1 if switch == "--oss-memory-optimization" else 4
-    state = plan.optimizer_state_bytes_per_parameter(ep2.model, ep2.optimizer, "cpu")  # AdamW: 8 B + the step scalars
+    state = memory.optimizer_state_bytes_per_parameter(ep2.model, ep2.optimizer, "cpu")  # AdamW: 8 B + the step scalars
     assert 8 < state < 8.001
     assert ep2.memory.optimizer_bytes == pytest.approx(state * (shared / 8 + experts / 2 / expert_ranks))
 

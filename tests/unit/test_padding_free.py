@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidtrain.config import arguments, rules
-from rapidtrain.config.plan import RunContext
+from rapidtrain.config.settings import RunContext
 from rapidtrain.models import hf_config
 from rapidtrain.tasks.base import FlattenCollator, PadCollator
 

@@ -8,13 +8,15 @@ import sys
 
 import pytest
 
-from rapidtrain.config import arguments, plan
-from rapidtrain.config.plan import Batches, RunContext
+from rapidtrain.config import arguments, plan, settings
+from rapidtrain.config.describe import describe_plan
+from rapidtrain.config.resolve import parse_step_schedule
+from rapidtrain.config.settings import Batches, RunContext
 
 BASE = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
 
-def resolve(argv: list[str], world: int = 1, device: str = "cpu") -> plan.Plan:
+def resolve(argv: list[str], world: int = 1, device: str = "cpu") -> settings.Plan:
     return plan.from_args(arguments.parse_args(BASE + argv), RunContext(world, device))  # type: ignore[arg-type]
 
 
@@ -25,7 +27,7 @@ def test_batch_arithmetic():
 
 def test_rampup_grows_the_global_batch_as_megatron():
     """--rampup-batch-size 4 4 96 to 16 with micro 2 × dp 2: (16 - 4) / 4 = 3 increments of 32 samples each."""
-    batches = Batches.resolve(2, 16, 2, plan.BatchSchedule("rampup", start=4, increment=4, rampup_samples=96))
+    batches = Batches.resolve(2, 16, 2, settings.BatchSchedule("rampup", start=4, increment=4, rampup_samples=96))
     sizes, consumed = [], 0
     for _ in range(12):
         sizes.append(batches.global_batch_at(consumed))
@@ -41,15 +43,15 @@ def test_rampup_grows_the_global_batch_as_megatron():
 
 
 def test_step_schedule_in_tokens_as_megatron():
-    steps = plan.parse_step_schedule("0:4 1K:8, 2k:16", seq_length=100)  # thresholds in tokens → samples
+    steps = parse_step_schedule("0:4 1K:8, 2k:16", seq_length=100)  # thresholds in tokens → samples
     assert steps == ((0, 4), (10, 8), (20, 16))
-    batches = Batches.resolve(1, None, 2, plan.BatchSchedule("steps", steps=steps))
+    batches = Batches.resolve(1, None, 2, settings.BatchSchedule("steps", steps=steps))
     assert batches.global_batch_size == 16  # the largest of the schedule
     assert [batches.global_batch_at(c) for c in (0, 9, 10, 19, 20, 500)] == [4, 4, 8, 8, 16, 16]
     assert batches.samples_for_iterations(5) == 4 + 4 + 4 + 8 + 16  # 0, 4, 8 → 12 (8), 20 → 16
     for bad in ("1:4", "0:4 0:8", "0:x", "0-4"):
         with pytest.raises(ValueError):
-            plan.parse_step_schedule(bad, seq_length=1)
+            parse_step_schedule(bad, seq_length=1)
 
 
 def test_sample_based_training_resolves_iterations_and_the_schedule_in_samples():
@@ -58,7 +60,7 @@ def test_sample_based_training_resolves_iterations_and_the_schedule_in_samples()
     p = plan.from_args(args, RunContext(2, "cpu"))
     assert (p.training.train_iters, p.training.train_samples) == (12, 100)
     assert (p.schedule.decay_samples, p.schedule.warmup_samples) == (80, 8)
-    assert "100 samples (--train-samples) = 12 iterations" in p.describe()
+    assert "100 samples (--train-samples) = 12 iterations" in describe_plan(p)
 
 
 def test_layout_in_megatron_order():

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rapidtrain.config import arguments, rules
-from rapidtrain.config.plan import RunContext
+from rapidtrain.config.settings import RunContext
 
 BASE = ["--train-iters", "10", "--lr", "1e-4"]
 

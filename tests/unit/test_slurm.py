@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rapidtrain import cli
-from rapidtrain.config.plan import RunContext
+from rapidtrain.config.settings import RunContext
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.slurm import NodeLayout, expand_hostlist, node_layout
 from tests.launch import REPO

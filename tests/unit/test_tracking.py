@@ -8,23 +8,24 @@ import json
 import pytest
 import torch
 
-from rapidtrain.config import arguments, plan
-from rapidtrain.config.plan import LoggingSettings, ProfileSettings, TrackingSettings
+from rapidtrain.config import arguments, plan, settings
+from rapidtrain.config.describe import describe_plan
+from rapidtrain.config.settings import LoggingSettings, ProfileSettings, TrackingSettings
 from rapidtrain.core.errors import UserError
 from rapidtrain.train.profiling import Profiler
 from rapidtrain.train.tracking import MlflowTracker, WandbTracker, Writers, flatten
 
 
-def resolved(argv: list[str]) -> plan.Plan:
+def resolved(argv: list[str]) -> settings.Plan:
     args = arguments.parse_args(["--train-iters", "20", "--lr", "1e-4", *argv], entry="pretrain")
-    return plan.from_args(args, plan.RunContext(1, "cpu"))
+    return plan.from_args(args, settings.RunContext(1, "cpu"))
 
 
 def test_plan_resolves_tracker_defaults_as_megatron():
     p = resolved(["--save", "ck", "--wandb-project", "p", "--wandb-exp-name", "run1", "--mlflow-experiment", "e"])
     assert p.logging.tracking == TrackingSettings("p", "run1", "ck/wandb", "e", None, "run1")
     assert resolved([]).logging.tracking is None
-    described = p.describe()
+    described = describe_plan(p)
     assert "weights & biases: project p, run run1, files in ck/wandb" in described
     assert "mlflow: experiment e, run run1" in described
 
@@ -32,7 +33,7 @@ def test_plan_resolves_tracker_defaults_as_megatron():
 def test_plan_resolves_the_profile_window_and_its_folder():
     p = resolved(["--profile", "--profile-step-start", "3", "--profile-step-end", "5", "--tensorboard-dir", "tb"])
     assert p.profile == ProfileSettings(True, 3, 5, (0,), "tb")
-    assert "over iterations 4-5, traces in tb" in p.describe()
+    assert "over iterations 4-5, traces in tb" in describe_plan(p)
     assert resolved(["--profile", "--profile-step-end", "12"]).profile.trace_dir == "profile"
 
 

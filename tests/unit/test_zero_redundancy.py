@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rapidtrain.config.plan import Layout
+from rapidtrain.config.settings import Layout
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.zero_redundancy import oss_from_optimizer
 

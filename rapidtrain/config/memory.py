@@ -1,0 +1,184 @@
+"""Memory per rank before anything is built: model states by the ZeRO paper's accounting, activations per
+sample, and the micro batch that fits a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from rapidtrain.config.partitioning import zero_stage
+from rapidtrain.config.resolve import optimizer_settings, switches_of, zero_by_fsdp2
+from rapidtrain.config.settings import (
+    Batches,
+    Layout,
+    MemoryEstimate,
+    Precision,
+    RecomputeSettings,
+    RunContext,
+    Switches,
+)
+from rapidtrain.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from rapidtrain.optim.optimizers import OptimizerSettings
+
+if TYPE_CHECKING:
+    from rapidtrain.optim.optimizers import OptimizerSettings
+
+
+def activation_bytes_per_sample(model: ModelConfig, precision: Precision, recompute: RecomputeSettings) -> int:
+    """Estimated activation bytes one sample keeps for backward on one rank: per layer ~17 activations of s × h
+    elements (Korthikanti et al.'s 34·s·h bytes at 16 bits, with fused attention that keeps no s × s scores;
+    op-level recompute keeps ~11 of them, full recompute the layer input), plus the loss's log-softmax."""
+    element = 4 if precision.dtype == "fp32" else 2
+    s, h = model.seq_length, model.hidden_size
+    per_layer = {"none": 17, "selective": 16, "op": 11, "full": 1}[recompute.granularity] * s * h * element
+    recomputed = len(recompute.layers_of(model.num_layers))
+    layers = recomputed * per_layer + (model.num_layers - recomputed) * 17 * s * h * element
+    return layers + s * model.vocab_size * 4  # the fp32 log-softmax the loss keeps (measured: ~1.2× this)
+
+
+def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: ModelConfig, precision: Precision,
+                          memory: MemoryEstimate, recompute: RecomputeSettings) -> tuple[int, str]:
+    """The largest micro batch (at most --micro-batch-size) dividing global / data-parallel that fits the budget
+    (--memory-budget-gb) as model state + micro × per-sample activations, and the arithmetic in words; 1 when none
+    fits (the rules refuse that case)."""
+    per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
+        // layout.data_parallel_size
+    budget = args.memory_budget_gb * 2**30
+    per_sample = activation_bytes_per_sample(model, precision, recompute)
+    fitting = [m for m in range(min(args.micro_batch_size, per_rank), 0, -1)
+               if per_rank % m == 0 and memory.total_bytes + m * per_sample <= budget]
+    micro = fitting[0] if fitting else 1
+    return micro, (f"--auto-micro-batch-size: {micro}, the largest divisor of {per_rank} (global / data parallel) "
+                   f"up to --micro-batch-size {args.micro_batch_size} with model state "
+                   f"{mib_text(memory.total_bytes)} + "
+                   f"{micro} × {mib_text(per_sample)} activations per sample (estimate, recompute "
+                   f"{recompute.granularity}) = {mib_text(memory.total_bytes + micro * per_sample)} within "
+                   f"--memory-budget-gb {args.memory_budget_gb:g}")
+
+
+def size_multiple_warnings(model: ModelConfig | None, batches: Batches, precision: Precision,
+                           ctx: RunContext) -> list[str]:
+    """fp16/bf16 matmuls run on tensor cores (and AMX tiles) at full speed when their dimensions are multiples of
+    8; on NVIDIA Ampere or newer (native bf16: compute capability 8.0+) of 64. The batch enters the matmuls as
+    micro batch × sequence length rows, so that product is checked, not the micro batch alone (a micro batch of 1
+    with a sequence of 2048 is as fast as any)."""
+    if precision.dtype == "fp32" or model is None:
+        return []
+    multiple = 64 if ctx.device_type == "cuda" and ctx.capability.native_bf16 else 8
+    tokens = batches.micro_batch_size * model.seq_length
+    sizes = {"--hidden-size": model.hidden_size, "padded vocabulary": model.vocab_size,
+             "--seq-length": model.seq_length,
+             f"--micro-batch-size {batches.micro_batch_size} × --seq-length {model.seq_length} =": tokens}
+    odd = [f"{name} {value}" for name, value in sizes.items() if value % multiple]
+    if not odd:
+        return []
+    where = "on an NVIDIA Ampere or newer GPU" if multiple == 64 else "for tensor cores"
+    return [f"{', '.join(odd)}: not a multiple of {multiple}; {precision.dtype} matmuls run fastest {where} when "
+            f"these sizes are multiples of {multiple} (--make-vocab-size-divisible-by pads the vocabulary)"]
+
+
+def optimizer_state_bytes_per_parameter(model: ModelConfig, settings: OptimizerSettings, device_type: str) -> float:
+    """The chosen implementation's state per parameter, from the model's real tensor shapes (Adafactor's
+    factored rows and columns, 8-bit blocks and the small tensors they leave in fp32)."""
+    from rapidtrain.optim.optimizers import resolve_optimizer
+    from rapidtrain.optim.state_bytes import optimizer_state_bytes
+
+    shapes = parameter_shape_counts(model)
+    total = sum(math.prod(shape) * count for shape, count in shapes.items())
+    return optimizer_state_bytes(resolve_optimizer(settings, device_type).state, shapes) / max(total, 1)
+
+
+def parameter_shape_counts(model: ModelConfig) -> dict[tuple[int, ...], int]:
+    """How many parameter tensors of each shape the built-in model has, from a one-layer model of each layer kind
+    built on the meta device (shapes only, nothing allocated; layers of one kind count alike, so a plan of
+    10^8 layers answers at once)."""
+    from collections import Counter
+
+    import torch
+
+    from rapidtrain.models import build_model
+
+    kinds = Counter(model.num_experts) if model.num_experts else Counter({0: model.num_layers})
+    counts: Counter[tuple[int, ...]] = Counter()
+    for index, (experts, layers) in enumerate(kinds.items()):
+        one_layer = dataclasses.replace(model, num_layers=1, num_experts=(experts,) if model.num_experts else ())
+        with torch.device("meta"):
+            built = build_model(one_layer, seed=None)
+        for name, param in built.named_parameters():
+            in_layer = name.startswith("layers.")
+            if in_layer or index == 0:  # the embedding, head and norms once
+                counts[tuple(param.shape)] += layers if in_layer else 1
+    return dict(counts)
+
+
+def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout,
+                    precision: Precision, ctx: RunContext, switches: Switches | None = None) -> MemoryEstimate:
+    from rapidtrain.models.counting import count_parameters, expert_parameter_count
+
+    total, active = count_parameters(model)
+    # Experts are sharded over the expert-parallel ranks (and replicated over tensor-parallel ones).
+    experts = expert_parameter_count(model)
+    shared = (total - experts) / layout.tensor_parallel_size / layout.pipeline_parallel_size
+    own_experts = experts / layout.expert_parallel_size / layout.pipeline_parallel_size
+    stage = zero_stage(args)
+    deepspeed = stage > 0 and not zero_by_fsdp2(args)
+    half = precision.dtype != "fp32"
+    # DeepSpeed keeps 16-bit weights and gradients beside fp32 master weights; torch autocast keeps fp32 ones.
+    weight, grad = (2, 2) if deepspeed and half else (4, 4)
+    if deepspeed and (args.cpu_offload or args.nvme_offload_dir):  # the reduced fp32 gradient partition is on the CPU
+        grad = 4
+        state = 8.0  # DeepSpeedCPUAdam: fp32 moments
+    else:
+        settings = optimizer_settings(args, layout, switches or switches_of(args, layout, ctx))
+        state = optimizer_state_bytes_per_parameter(model, settings, ctx.device_type)
+    optimizer = state + (4 if deepspeed and half else 0)
+    n = layout.data_parallel_size
+    shard_optimizer = stage > 0 or args.oss_memory_optimization or args.oss_sdp_memory_optimization \
+        or args.fsdp_memory_optimization
+    # In 3D mode ZeRO-1/2 is FSDP2 over the data-parallel dimension, which reduce-scatters gradients (ZeRO-2 memory).
+    shard_grads = stage >= 2 or (stage == 1 and not deepspeed) or args.oss_sdp_memory_optimization \
+        or args.fsdp_memory_optimization
+    shard_params = stage == 3 or args.fsdp_memory_optimization
+    # Under expert parallelism FSDP2 shards the expert slices over the ranks holding the same experts, if at all;
+    # OSS leaves them whole on each rank (see _expert_partitioning_note).
+    fsdp2 = args.oss_sdp_memory_optimization or args.fsdp_memory_optimization or (stage in (1, 2) and not deepspeed)
+    sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
+    expert_ranks = n // layout.expert_parallel_size if sharded else 1
+
+    def per_rank(nbytes: float, sharded: bool) -> float:
+        return shared * nbytes / (n if sharded else 1) + own_experts * nbytes / (expert_ranks if sharded else 1)
+
+    return MemoryEstimate(
+        parameters=int(shared + own_experts), total_params=total, active_params=active,
+        param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
+        optimizer_bytes=per_rank(optimizer, shard_optimizer),
+        optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
+        params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
+    )
+
+
+def experts_sharded_by_fsdp2(layout: Layout, second_dims: tuple[int, ...]) -> bool:
+    """Under FSDP2 (FSDP, SDP, ZeRO-1/2 through FSDP2) with expert parallelism, whether the expert slices are
+    fully_shard-ed over the ranks holding the same experts (torchtitan's way), on their second dimension
+    (`second_dims`: the experts' hidden and FFN sizes; dimension 0 is expert parallelism's).
+
+    Not when no other rank holds them (data parallel = EP: nothing to shard), nor under tensor parallelism,
+    where they are replicated DTensors on the tensor-parallel mesh, nor when a second dimension does not
+    divide evenly (FSDP2 splits only dimension 0 unevenly): they then stay out of FSDP2 and are all-reduced
+    over their group."""
+    holders = layout.data_parallel_size // layout.expert_parallel_size
+    return (layout.expert_parallel_size > 1 and layout.tensor_parallel_size == 1 and holders > 1
+            and all(size % holders == 0 for size in second_dims))
+
+
+def expert_second_dims(model: ModelConfig | None) -> tuple[int, ...]:
+    """The experts' second dimensions (w1, w_gate, b2: hidden; w2, b1: FFN); () when the model is not known."""
+    return (model.hidden_size, model.ffn_size) if model is not None else ()
+
+
+def mib_text(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"

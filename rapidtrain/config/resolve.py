@@ -1,0 +1,513 @@
+"""Each component's settings resolved from the flags (with Megatron's meanings already applied): precision,
+switches, data, tokenizer, schedule, checkpoint, logging, ZeRO, optimizer, LoRA. `config.plan.from_args` calls
+these once; nothing after the plan does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import TYPE_CHECKING, Any, Literal
+
+from rapidtrain.config.partitioning import PARTITIONING_SWITCHES, chosen_partitioning, zero_stage
+from rapidtrain.config.settings import (
+    Batches,
+    BatchSchedule,
+    CheckpointSettings,
+    CompileWith,
+    DataSettings,
+    DataSource,
+    DistributedSettings,
+    Layout,
+    LoggingSettings,
+    OffloadTarget,
+    Partitioning,
+    PartitioningEngine,
+    Precision,
+    ProfileSettings,
+    RecomputeSettings,
+    RunContext,
+    ScheduleFrom,
+    ScheduleSettings,
+    Switches,
+    TrackingSettings,
+    TrainingSettings,
+    ZeroSettings,
+    expand_num_experts,
+)
+from rapidtrain.data.tokenizer import TokenizerSettings
+from rapidtrain.models.attention_backends import KERNEL_OF_NAME, AttentionSettings
+from rapidtrain.models.attention_backends import resolve as resolve_attention
+from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.hf_config import initialises_builtin, is_megatron_checkpoint, trains_builtin_model
+
+if TYPE_CHECKING:
+    from rapidtrain.optim.grad_scaler import LossScaleSettings
+
+if TYPE_CHECKING:
+    from rapidtrain.models.lora import LoraSettings
+
+
+def zero_by_fsdp2(args: argparse.Namespace) -> bool:
+    """ZeRO-1/2 served by FSDP2 over the data-parallel dimension instead of DeepSpeed: DeepSpeed's engine can
+    neither wrap tensor-parallel DTensors or pipeline stages, nor reduce expert slices that differ from one
+    expert-parallel rank to the next over their own group."""
+    return (args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1
+            or args.expert_model_parallel_size > 1)
+
+
+def precision_of(args: argparse.Namespace, ctx: RunContext) -> Precision:
+    """The flags' precision, and for --mixed-precision what the device does natively: fp16 on CUDA (Rapidformer
+    documents --mixed-precision as fp16), bf16 on a CPU with native bf16, else fp32."""
+    if args.bf16:
+        return Precision("bf16", "none", "--bf16: bf16 autocast, fp32 master weights, no loss scaling")
+    if args.fp16:
+        return Precision("fp16", _loss_scaling(args), "--fp16: fp16 autocast with loss scaling, fp32 master weights")
+    if args.mixed_precision:
+        if ctx.device_type == "cuda":
+            return Precision("fp16", _loss_scaling(args), "--mixed-precision: fp16 autocast with dynamic loss scaling")
+        cpu = ctx.capability.name or "this CPU"
+        if ctx.capability.native_bf16:
+            return Precision("bf16", "none", f"--mixed-precision on a CPU with native bf16 ({cpu} with AVX512-BF16 "
+                             "or AMX) resolves to bf16: fp16 is not supported there (DeepSpeed refuses it, CPU fp16 "
+                             "kernels are slow); bf16 needs no loss scaling")
+        return Precision("fp32", "none", f"--mixed-precision on a CPU without native bf16 ({cpu}: no AVX512-BF16 "
+                         f"or AMX) resolves to fp32: {EMULATED_BF16_COST}; fp16 is not supported on CPUs")
+    return Precision("fp32", "none", "no precision flag: fp32")
+
+
+EMULATED_BF16_COST = ("bf16 would be emulated in fp32 and be far slower, not faster (measured on an AVX2 EPYC: "
+                      "0.73 s per step in fp32, more than 100 s in bf16)")
+
+
+def precision_warnings(args: argparse.Namespace, ctx: RunContext, precision: Precision) -> list[str]:
+    """An explicit --bf16 on a device that only emulates bf16 runs, but at a cost the user should know."""
+    if precision.dtype != "bf16" or ctx.capability.native_bf16:
+        return []
+    if ctx.device_type == "cuda":
+        return [f"--bf16 on {ctx.capability.name or 'this GPU'}, which has no native bf16 (compute capability 8.0 "
+                "or newer): torch emulates it, expect steps slower than fp32; use --fp16 (loss-scaled) on this GPU"]
+    return [f"--bf16 on a CPU without native bf16 ({ctx.capability.name or 'this CPU'}: no AVX512-BF16 or AMX): "
+            f"{EMULATED_BF16_COST}; drop --bf16 (fp32), or use --mixed-precision, which picks fp32 here"]
+
+
+def _loss_scaling(args: argparse.Namespace) -> str:
+    return f"static {args.loss_scale:g}" if args.loss_scale else "dynamic"
+
+
+def read_user_config(path: str) -> dict[str, Any]:
+    """The JSON object of --deepspeed_config FILE (plain data: nothing in it runs); ValueError names the file."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"--deepspeed_config {path}: cannot read it ({error.strerror or error}). Give the path "
+                         "of a DeepSpeed JSON config.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({error}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed_config {path}: a DeepSpeed config is a JSON object, not "
+                         f"{type(config).__name__}.")
+    return config
+
+
+def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    return ModelConfig(
+        model_type=args.model_type,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        vocab_size=vocab_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        position_embedding_type=args.position_embedding_type,
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        bert_binary_head=args.bert_binary_head,
+        num_tokentypes=2 if args.model_type == "bert" else 0,
+        num_experts=expand_num_experts(args.num_experts, args.num_layers, args.moe_layer_freq),
+        moe_router_topk=args.moe_router_topk,
+        moe_capacity_factor=args.moe_capacity_factor,
+        moe_min_capacity=args.moe_min_capacity,
+        moe_token_dropping=not args.disable_moe_token_dropping,
+        moe_aux_loss_coeff=args.moe_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_jitter_eps=args.moe_jitter_eps,
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        rotary_base=args.rotary_base or 10000,
+        rotary_percent=args.rotary_percent or 1.0,
+        openai_gelu=args.openai_gelu,
+        post_layernorm=args.post_layernorm,
+        hf_weights=args.pretrained_model_name_or_path if initialises_builtin(args) else None,
+        moe_residual=args.mlp_type == "residual",
+        attention_kernel=KERNEL_OF_NAME[getattr(args, "attention_backend", "auto")],
+    )
+
+
+def attention_settings(args: argparse.Namespace) -> AttentionSettings:
+    return resolve_attention(getattr(args, "attention_backend", "auto"), args.reset_attention_mask)
+
+
+def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
+    """rapidtrain's own iteration-based pretraining of the built-in model (no user script)."""
+    return args.task == "pretraining" and not ctx.script
+
+
+def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
+    from rapidtrain.config.arguments import uses_demo_data
+
+    if is_pretraining(args, ctx):
+        source: DataSource = "demo" if uses_demo_data(args) else "indexed"
+    elif ctx.script:
+        source = "demo" if uses_demo_data(args) and args.task == "pretraining" else "script"
+    else:
+        source = "finetune"
+    return DataSettings(
+        source=source, data_path=tuple(args.data_path or ()), split=args.split, data_impl=args.data_impl,
+        cache_path=args.data_cache_path, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        num_workers=args.num_workers, seed=args.seed, eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
+        dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
+        split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
+        padding_free=args.padding_free)
+
+
+def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
+    """Megatron's per-split data (--train-data-path ...), or None when --data-path is split by --split."""
+    paths = [getattr(args, f"{split}_data_path", None) for split in ("train", "valid", "test")]
+    if not any(paths):
+        return None
+    return tuple(tuple(p) if p else None for p in paths)
+
+
+STEP_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ...]:
+    """Megatron's --step-batch-size-schedule "0:768 250B:1536 ...": thresholds in tokens (K/M/B/T suffixes)
+    turned into samples by --seq-length, sorted; ValueError names what is wrong."""
+    steps = []
+    for entry in text.replace(",", " ").split():
+        threshold, sep, size = entry.partition(":")
+        if not sep:
+            raise ValueError(f"entry {entry!r} is not THRESHOLD:BATCH")
+        steps.append((_count(threshold) // seq_length, _count(size)))
+    steps.sort()
+    if not steps or steps[0][0] != 0:
+        raise ValueError("the first threshold must be 0")
+    if any(b[0] <= a[0] for a, b in zip(steps, steps[1:], strict=False)):
+        raise ValueError("thresholds must be strictly increasing (in samples: tokens / --seq-length)")
+    if any(size <= 0 for _, size in steps):
+        raise ValueError("batch sizes must be positive")
+    return tuple(steps)
+
+
+def _count(text: str) -> int:
+    text = text.strip().upper()
+    multiplier = STEP_SUFFIXES.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if multiplier > 1 else text) * multiplier)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number (K/M/B/T suffixes allowed)") from None
+
+
+def batch_schedule_of(args: argparse.Namespace) -> BatchSchedule | None:
+    """--rampup-batch-size or --step-batch-size-schedule as a BatchSchedule (validated by the rules)."""
+    if args.rampup_batch_size:
+        start, increment, samples = args.rampup_batch_size
+        return BatchSchedule("rampup", start=start, increment=increment, rampup_samples=samples)
+    if args.step_batch_size_schedule:
+        return BatchSchedule("steps", steps=parse_step_schedule(args.step_batch_size_schedule, args.seq_length))
+    return None
+
+
+def tokenizer_settings_of(args: argparse.Namespace) -> TokenizerSettings | None:
+    """The tokenizer of the pretraining data: the flags', or the demo corpus's; None when there is none."""
+    from rapidtrain.config.arguments import uses_demo_data
+
+    if uses_demo_data(args) and args.tokenizer_type is None:
+        from rapidtrain.data.demo import demo_tokenizer_settings
+
+        return demo_tokenizer_settings()
+    if args.tokenizer_type is None:
+        return None
+    return TokenizerSettings(
+        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=args.tensor_model_parallel_size)
+
+
+def builtin_vocab_size(args: argparse.Namespace, tokenizer: TokenizerSettings | None) -> int | None:
+    """The built-in model's padded vocabulary (Megatron's padding: a multiple of --make-vocab-size-divisible-by
+    × TP), or None when no built-in model is trained (a Hugging Face model, or no tokenizer to size it by).
+    A Hugging Face model initialising it counts with its own vocabulary, if larger (all its embedding rows must
+    fit; rows added by padding start at zero)."""
+    if not trains_builtin_model(args):
+        return None
+    from rapidtrain.data.tokenizer import padded_vocab_size, tokenizer_vocab_size
+    from rapidtrain.models.hf_config import pretrained_vocab_size
+
+    vocab = max(tokenizer_vocab_size(tokenizer) if tokenizer is not None else 0, pretrained_vocab_size(args) or 0)
+    if not vocab:
+        return None
+    return padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+
+
+def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSettings:
+    eval_interval = args.eval_interval
+    if eval_interval is None and args.task == "pretraining":
+        eval_interval = 1000  # Megatron's default; fine-tuning evaluates after each epoch instead
+    train_iters = args.train_iters
+    if args.train_samples is not None:  # Megatron's update_train_iters: ramp-up iterations, then whole batches
+        train_iters = batches.iterations_for_samples(args.train_samples)
+    return TrainingSettings(train_iters=train_iters, epochs=args.epochs, eval_interval=eval_interval,
+                            eval_iters=args.eval_iters, seed=args.seed, exit_interval=args.exit_interval,
+                            exit_duration_in_mins=args.exit_duration_in_mins, train_samples=args.train_samples,
+                            on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
+
+
+def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None) -> CheckpointSettings:
+    schedule_from: ScheduleFrom = "flags" if args.override_opt_param_scheduler else (
+        "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
+    pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
+        and args.load != args.save
+    return CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
+                              finetune=args.finetune, load_optimizer=not args.no_load_optim,
+                              load_rng=not args.no_load_rng, schedule_from=schedule_from,
+                              async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained,
+                              pretrained_model=args.pretrained_model_name_or_path,
+                              flags=recorded_flags(args, vocab_size))
+
+
+def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:
+    """The flags as plain JSON values, with the built-in model's padded vocabulary (as Megatron's args carry it)."""
+    from rapidtrain.config.arguments import flag_values
+
+    flags = json.loads(json.dumps(flag_values(args), default=str))
+    if vocab_size:
+        flags["padded_vocab_size"] = vocab_size
+    return flags
+
+
+def logging_settings(args: argparse.Namespace, ctx: RunContext, precision: Precision, tf32: bool) -> LoggingSettings:
+    from rapidtrain.core.peak_flops import peak_flops
+
+    peak = peak_flops(ctx.device_type, ctx.capability.name, precision.dtype, tf32, args.peak_tflops)
+    return LoggingSettings(
+        log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir, peak_tflops=peak.tflops,
+        peak_source=peak.source,
+        loss_log_file=args.loss_log_file, tracking=tracking_settings(args),
+        tensorboard_queue_size=args.tensorboard_queue_size, timers_to_tensorboard=args.log_timers_to_tensorboard,
+        batch_size_to_tensorboard=args.log_batch_size_to_tensorboard,
+        validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+        memory_to_tensorboard=args.log_memory_to_tensorboard,
+        world_size_to_tensorboard=args.log_world_size_to_tensorboard,
+        learning_rate_to_tensorboard=args.log_learning_rate_to_tensorboard,
+        loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard, params_norm=args.log_params_norm,
+        logging_path=args.logging_path)
+
+
+def tracking_settings(args: argparse.Namespace) -> TrackingSettings | None:
+    project, experiment = getattr(args, "wandb_project", None), getattr(args, "mlflow_experiment", None)
+    if not project and not experiment:
+        return None
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    return TrackingSettings(wandb_project=project or None, wandb_exp_name=args.wandb_exp_name,
+                            wandb_save_dir=save_dir if project else None, mlflow_experiment=experiment or None,
+                            mlflow_tracking_uri=args.mlflow_tracking_uri if experiment else None,
+                            mlflow_run_name=(args.mlflow_run_name or args.wandb_exp_name) if experiment else None)
+
+
+def profile_settings(args: argparse.Namespace) -> ProfileSettings:
+    if not getattr(args, "profile", False):
+        return ProfileSettings()
+    return ProfileSettings(True, args.profile_step_start, args.profile_step_end, tuple(args.profile_ranks),
+                           args.tensorboard_dir or "profile")
+
+
+def distributed_settings(args: argparse.Namespace, ctx: RunContext) -> DistributedSettings:
+    backend = args.distributed_backend or ("nccl" if ctx.device_type == "cuda" else "gloo")
+    return DistributedSettings(backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+                               timeout_minutes=args.distributed_timeout_minutes)
+
+
+def schedule_settings(args: argparse.Namespace) -> ScheduleSettings:
+    sample_based = args.train_samples is not None
+    return ScheduleSettings(lr=args.lr or 0.0, min_lr=args.min_lr, decay_style=args.lr_decay_style,
+                            decay_iters=args.lr_decay_iters, warmup_iters=args.lr_warmup_iters,
+                            warmup_fraction=args.lr_warmup_fraction, wsd_decay_iters=args.lr_wsd_decay_iters,
+                            decay_samples=(args.lr_decay_samples or args.train_samples) if sample_based else None,
+                            warmup_samples=args.lr_warmup_samples, wsd_decay_samples=args.lr_wsd_decay_samples)
+
+
+def loss_scale_settings(args: argparse.Namespace) -> LossScaleSettings:
+    from rapidtrain.optim.grad_scaler import LossScaleSettings
+
+    return LossScaleSettings(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                             hysteresis=args.hysteresis)
+
+
+def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Switches:
+    chosen = [PARTITIONING_SWITCHES[dest] for dest in chosen_partitioning(args)]
+    partitioning: Partitioning = chosen[0] if chosen else "none"
+    engine: PartitioningEngine
+    if partitioning.startswith("zero"):
+        engine = "fsdp2" if zero_by_fsdp2(args) else "deepspeed"
+    elif partitioning in ("oss", "sdp") and args.sharding_backend == "fairscale":
+        engine = "fairscale"
+    else:
+        by_switch: dict[str, PartitioningEngine] = {"oss": "zero-redundancy", "sdp": "fsdp2", "fsdp": "fsdp2"}
+        engine = by_switch.get(partitioning, "ddp")
+    compile_with: CompileWith = "none"
+    if args.onnx_runtime_training:
+        compile_with = "ortmodule" if ort_status()[0] else "inductor"
+    elif args.torch_compile:
+        compile_with = "inductor"
+    recompute = recompute_of(args)
+    return Switches(partitioning, engine, args.cpu_offload, recompute.enabled, compile_with,
+                    args.data_iterator == "dynamic-shape", compile_backend=args.torch_compile_backend,
+                    compile_mode=args.torch_compile_mode, deepspeed_config_file=args.deepspeed_config,
+                    tf32=args.tf32 and ctx.device_type == "cuda",
+                    build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0],
+                    cpu_allocator_tuning=args.cpu_allocator_tuning and ctx.device_type == "cpu",
+                    recompute=recompute)
+
+
+def recompute_of(args: argparse.Namespace) -> RecomputeSettings:
+    """Megatron's meanings: --recompute-activations is selective; --checkpoint-activations and the 2021-22
+    --activations-checkpoint-method are full recompute (the rules refuse flags that disagree)."""
+    granularity = args.recompute_granularity
+    if granularity is None:
+        if args.recompute_activations:
+            granularity = "selective"
+        elif args.checkpoint_activations or args.activations_checkpoint_method:
+            granularity = "full"
+        else:
+            granularity = "none"
+    method: Literal["uniform", "block"] = args.recompute_method or args.activations_checkpoint_method or "uniform"
+    return RecomputeSettings(granularity, method, args.recompute_num_layers or 1)
+
+
+def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout, partitioning: str,
+                       engine: str) -> tuple[bool, str]:
+    """(build the built-in model on meta?, why) for the built-in pretraining: on meta wherever the layout shards
+    the model (FSDP, SDP, ZeRO-3 over several ranks; tensor or pipeline parallelism), so no rank holds it whole."""
+    sharding = [name for name, shards in (
+        (f"--{partitioning}" if not partitioning.startswith("zero") else f"ZeRO stage {partitioning[-1]}",
+         partitioning in ("fsdp", "sdp", "zero-3") and engine != "fairscale" and layout.data_parallel_size > 1),
+        ("tensor parallelism", layout.tensor_parallel_size > 1),
+        ("pipeline parallelism", layout.pipeline_parallel_size > 1)) if shards]
+    if not sharding or not (is_pretraining(args, ctx) and trains_builtin_model(args)):
+        return False, ""
+    if layout.expert_parallel_size > 1:
+        return False, "built whole on every rank: expert parallelism slices the experts of a materialized model"
+    if engine == "deepspeed" and initialises_builtin(args):
+        return False, "built whole on every rank: ZeRO-3 copies the Hugging Face weights from a whole model"
+    return True, " and ".join(sharding)
+
+
+def parameters_are_dtensors(layout: Layout, switches: Switches) -> bool:
+    """Whether the optimizer receives DTensor parameters: tensor parallelism, FSDP2 (FSDP, SDP, ZeRO-1/2 with
+    TP/PP) and composable `replicate` (data parallel beside pipeline stages) make them; one process, DDP,
+    ZeroRedundancyOptimizer, FairScale and DeepSpeed hand over plain tensors."""
+    if layout.tensor_parallel_size > 1:
+        return True
+    sharded_or_replicated = switches.partitioning_engine == "fsdp2" or layout.pipeline_parallel_size > 1
+    return layout.data_parallel_size > 1 and sharded_or_replicated
+
+
+def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, switches: Switches | None = None):
+    """The optimizer's own settings; `--optimizer` (beyond Rapidformer) overrides `--optimizers`. With the
+    layout, they say whether the parameters are DTensors (the implementation is chosen from that)."""
+    from rapidtrain.optim.optimizers import OptimizerSettings
+
+    name = args.optimizer or args.optimizers
+    if name == "adam":  # Megatron's --optimizer adam is Adam with decoupled weight decay, i.e. AdamW
+        name = "adamw"
+    dtensors = layout is not None and switches is not None and parameters_are_dtensors(layout, switches)
+    return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
+                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                             sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors)
+
+
+def uses_deepspeed(args: argparse.Namespace, layout: Layout) -> bool:
+    """ZeRO switches are served by DeepSpeed unless tensor/pipeline parallelism asks for FSDP2 instead."""
+    return zero_stage(args) > 0 and layout.tensor_parallel_size == layout.pipeline_parallel_size == 1
+
+
+def cores_per_rank(local_ranks: int) -> int:
+    """This machine's usable cores shared among the node's ranks (at least one each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores // max(local_ranks, 1), 1)
+
+
+def cpu_adam_threads(ctx: RunContext) -> int:
+    """DeepSpeedCPUAdam's OpenMP threads: an explicit OMP_NUM_THREADS other than torchrun's default of 1, else
+    the cores per rank (torchrun sets 1, which would leave the offloaded optimizer step on one core)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 1:
+        return int(given)
+    nodes = int(os.environ.get("NNODES", "1"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", max(ctx.world_size // max(nodes, 1), 1)))
+    return cores_per_rank(local_ranks)
+
+
+def zero_settings(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> ZeroSettings | None:
+    if not uses_deepspeed(args, layout):
+        return None
+    nvme = args.nvme_offload_dir
+    offload_optimizer: OffloadTarget = "nvme" if nvme else "cpu" if args.cpu_offload else "none"
+    offload_params: OffloadTarget = "nvme" if nvme else "cpu" if args.cpu_offload_params else "none"
+    offloads = offload_optimizer != "none" or offload_params != "none"
+    return ZeroSettings(
+        stage=zero_stage(args), overlap_comm=args.zero_overlap_comm,
+        contiguous_gradients=args.zero_contiguous_gradients,
+        reduce_bucket_size=args.zero_reduce_bucket_size, allgather_bucket_size=args.zero_allgather_bucket_size,
+        stage3_prefetch_bucket_size=args.zero_stage3_prefetch_bucket_size,
+        stage3_param_persistence_threshold=args.zero_stage3_param_persistence_threshold,
+        stage3_max_live_parameters=args.zero_stage3_max_live_parameters,
+        offload_optimizer=offload_optimizer, offload_params=offload_params, nvme_path=nvme,
+        # Page-locked host buffers let CUDA copy asynchronously; a CPU-only run has nothing to pin for.
+        pin_memory=offloads and ctx.device_type == "cuda",
+        cpu_adam_threads=cpu_adam_threads(ctx) if offload_optimizer != "none" else None,
+    )
+
+
+def load_in_bits(args: argparse.Namespace) -> Literal[4, 8] | None:
+    return 4 if args.load_in_4bit else 8 if args.load_in_8bit else None
+
+
+def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
+    """The adapters' and k-bit base's settings of a Hugging Face fine-tune (None for the built-in models)."""
+    if trains_builtin_model(args):
+        return None
+    from rapidtrain.models.lora import LoraSettings
+
+    return LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                        target_modules=tuple(args.lora_target_modules or ()), load_in_bits=load_in_bits(args))
+
+
+def ort_status() -> tuple[bool, str]:
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime") is None:
+        return False, ("onnxruntime-training is not installed (its last release, 1.19.2, does not import "
+                       "with torch 2.13)")
+    try:
+        from onnxruntime.training.ortmodule import ORTModule  # noqa: F401
+    except Exception as error:  # any failure means it cannot serve; say why
+        return False, f"onnxruntime.training does not import with this torch: {type(error).__name__}: {error}"
+    return True, ""

@@ -1,0 +1,328 @@
+"""Rules of sizes, partitioning, the parallel layout, the model's shape, precision and experts (the first part of
+the conflict table; rules.py joins the parts)."""
+
+from __future__ import annotations
+
+import difflib
+
+from rapidtrain.config.arguments import TASKS
+from rapidtrain.config.checks import (
+    Rule,
+    accumulation_steps,
+    deepspeed_zero,
+    dp_size,
+    experts_of,
+    flag_name,
+    layout_divides,
+    num_experts_length_ok,
+    partitioning_flags,
+    positive_sizes,
+    pp_size,
+    query_groups,
+    sliding_window_of,
+    three_d,
+    tp_size,
+)
+from rapidtrain.models import hf_config
+
+LAYOUT_RULES: tuple[Rule, ...] = (
+    Rule(
+        "positive-sizes", ("--micro-batch-size", "--tensor-model-parallel-size", "--num-layers"),
+        "Batch sizes, parallel sizes and model dimensions are positive integers.",
+        lambda a, c: bool(positive_sizes(a)),
+        lambda a, c: f"{', '.join(positive_sizes(a))} must be at least 1.",
+    ),
+    Rule(
+        "unknown-task", ("--task",),
+        f"--task is one of {', '.join(TASKS)} (causal_lm is accepted for casual_lm).",
+        lambda a, c: a.task not in TASKS,
+        lambda a, c: f"--task {a.task!r} is not a task rapidtrain knows"
+        + (f"; did you mean {difflib.get_close_matches(a.task, TASKS, 1)[0]!r}?"
+           if difflib.get_close_matches(a.task, TASKS, 1) else "")
+        + f" Choose one of: {', '.join(TASKS)}.",
+    ),
+    Rule(
+        "one-state-partitioning", ("--oss-memory-optimization", "--oss-sdp-memory-optimization",
+                                   "--fsdp-memory-optimization", "--zero-1-memory-optimization",
+                                   "--zero-2-memory-optimization", "--zero-3-memory-optimization"),
+        "At most one model-state partitioning switch (OSS, SDP, FSDP, ZeRO-1/2/3).",
+        lambda a, c: len(partitioning_flags(a)) > 1,
+        lambda a, c: f"{' and '.join(flag_name(f) for f in partitioning_flags(a))} each choose how model state is "
+                     f"partitioned; "
+        "they cannot be combined. Keep one (ZeRO-3 or FSDP shard the most, ZeRO-1 or OSS the least).",
+    ),
+    Rule(
+        "3d-only-zero12", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                           "--zero-3-memory-optimization", "--oss-memory-optimization",
+                           "--oss-sdp-memory-optimization", "--fsdp-memory-optimization"),
+        "With tensor or pipeline parallelism only ZeRO-1 or ZeRO-2 partitioning combines (served by FSDP2 over "
+        "the data-parallel dimension).",
+        lambda a, c: three_d(a) and any(f in partitioning_flags(a) for f in (
+            "zero_3_memory_optimization", "oss_memory_optimization", "oss_sdp_memory_optimization",
+            "fsdp_memory_optimization")),
+        lambda a, c: f"--tensor-model-parallel-size {tp_size(a)} / --pipeline-model-parallel-size {pp_size(a)} "
+                     f"cannot be "
+        f"combined with {', '.join(flag_name(f) for f in partitioning_flags(a))}: with 3D parallelism parameters "
+        f"are already "
+        "split by layer or column, and only optimizer state and gradients are partitioned further. Use "
+        "--zero-1-memory-optimization or --zero-2-memory-optimization instead, or drop tensor/pipeline parallelism.",
+    ),
+    Rule(
+        "cpu-offload-needs-zero", ("--cpu-offload", "--zero-1-memory-optimization", "--zero-2-memory-optimization",
+                                   "--zero-3-memory-optimization", "--fsdp-memory-optimization"),
+        "--cpu-offload needs a DeepSpeed ZeRO switch and no tensor/pipeline/expert parallelism (DeepSpeedCPUAdam "
+        "serves it); FSDP's own CPU offload is not used.",
+        lambda a, c: a.cpu_offload and not deepspeed_zero(a),
+        lambda a, c: "--cpu-offload moves the optimizer state and step to the CPU with DeepSpeed's DeepSpeedCPUAdam, "
+        "which only DeepSpeed ZeRO without tensor/pipeline/expert parallelism provides. Add "
+        "--zero-2-memory-optimization (or --zero-1/--zero-3), set --tensor-model-parallel-size, "
+        "--pipeline-model-parallel-size and --expert-model-parallel-size to 1, or drop --cpu-offload."
+        + (" With --fsdp-memory-optimization, FSDP2's CPUOffloadPolicy is not used: it would also move the sharded "
+           "parameters and gradients to the CPU and step there (nothing to offload on a CPU-only run); for fully "
+           "sharded states with the optimizer on the CPU use --zero-3-memory-optimization --cpu-offload instead."
+           if a.fsdp_memory_optimization else ""),
+    ),
+    Rule(
+        "world-divisible-by-tp-pp",
+        ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--nproc-per-node"),
+        "The world size is divisible by tensor × pipeline parallel size.",
+        lambda a, c: tp_size(a) >= 1 and pp_size(a) >= 1 and c.world_size % (tp_size(a) * pp_size(a)) != 0,
+        lambda a, c: f"world size {c.world_size} is not divisible by --tensor-model-parallel-size {tp_size(a)} × "
+        f"--pipeline-model-parallel-size {pp_size(a)} = {tp_size(a) * pp_size(a)}. Launch a multiple of "
+        f"{tp_size(a) * pp_size(a)} "
+        "processes (--nproc-per-node × nodes) or change the parallel sizes.",
+    ),
+    Rule(
+        "global-batch-divisible", ("--global-batch-size", "--micro-batch-size"),
+        "The global batch is divisible by micro batch × data-parallel size (the quotient is the accumulation steps).",
+        lambda a, c: layout_divides(a, c) and a.global_batch_size is not None and a.micro_batch_size >= 1
+        and a.global_batch_size % (a.micro_batch_size * dp_size(a, c)) != 0,
+        lambda a, c: f"--global-batch-size {a.global_batch_size} is not divisible by --micro-batch-size "
+        f"{a.micro_batch_size} × data-parallel size {dp_size(a, c)} = {a.micro_batch_size * dp_size(a, c)}. Choose "
+        f"a global "
+        f"batch that is a multiple of {a.micro_batch_size * dp_size(a, c)} (accumulation steps = global / that).",
+    ),
+    Rule(
+        "layers-divisible-by-pp", ("--num-layers", "--pipeline-model-parallel-size"),
+        "The number of layers is divisible by the pipeline-parallel size.",
+        lambda a, c: pp_size(a) >= 1 and a.num_layers % pp_size(a) != 0,
+        lambda a, c: f"--num-layers {a.num_layers} is not divisible by --pipeline-model-parallel-size {pp_size(a)}: "
+        "each stage holds the same number of layers. Change one of them.",
+    ),
+    Rule(
+        "virtual-stages", ("--num-layers-per-virtual-pipeline-stage", "--pipeline-model-parallel-size"),
+        "Interleaved pipelining needs pipeline parallelism and layers per stage divisible by layers per virtual stage.",
+        lambda a, c: a.num_layers_per_virtual_pipeline_stage is not None and (
+            pp_size(a) < 2 or a.num_layers_per_virtual_pipeline_stage < 1
+            or (a.num_layers // max(pp_size(a), 1)) % a.num_layers_per_virtual_pipeline_stage != 0),
+        lambda a, c: f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} needs "
+        "--pipeline-model-parallel-size ≥ 2 and must divide the layers per stage "
+        f"({a.num_layers} / {pp_size(a)}). Adjust it or drop it for the plain 1F1B schedule.",
+    ),
+    Rule(
+        "interleaved-micro-batches", ("--num-layers-per-virtual-pipeline-stage", "--global-batch-size",
+                                      "--micro-batch-size"),
+        "The interleaved schedule needs the micro-batches per iteration (accumulation steps) to be a multiple of the "
+        "pipeline size, as in Megatron.",
+        lambda a, c: pp_size(a) > 1 and a.num_layers_per_virtual_pipeline_stage is not None
+        and (steps := accumulation_steps(a, c)) is not None and steps % pp_size(a) != 0,
+        lambda a, c: f"--num-layers-per-virtual-pipeline-stage with {accumulation_steps(a, c)} micro-batches per "
+        f"iteration (--global-batch-size / (--micro-batch-size × data-parallel size {dp_size(a, c)})): the interleaved "
+        f"schedule runs micro-batches in rounds of --pipeline-model-parallel-size {pp_size(a)}. Make "
+        f"--global-batch-size "
+        f"a multiple of {pp_size(a) * a.micro_batch_size * dp_size(a, c)}, or drop the virtual stages.",
+    ),
+    Rule(
+        "pipeline-per-token-loss", ("--pipeline-model-parallel-size", "--bert-binary-head"),
+        "Pipelining runs per-token losses: not the BERT binary head's sentence-order loss.",
+        lambda a, c: pp_size(a) > 1 and a.bert_binary_head,
+        lambda a, c: f"--pipeline-model-parallel-size {pp_size(a)} with --bert-binary-head: the sentence-order loss is "
+        "not a per-token loss the last stage can sum. Drop one of them.",
+    ),
+    Rule(
+        "heads-divisible-by-tp", ("--num-attention-heads", "--tensor-model-parallel-size"),
+        "Attention heads are divisible by the tensor-parallel size.",
+        lambda a, c: tp_size(a) >= 1 and a.num_attention_heads % tp_size(a) != 0,
+        lambda a, c: f"--num-attention-heads {a.num_attention_heads} is not divisible by --tensor-model-parallel-size "
+        f"{tp_size(a)}: heads are split across tensor-parallel ranks. Choose a head count that is a multiple of "
+        f"{tp_size(a)}.",
+    ),
+    Rule(
+        "query-groups-need-gqa", ("--num-query-groups", "--group-query-attention"),
+        "--num-query-groups takes effect with --group-query-attention only.",
+        lambda a, c: a.num_query_groups is not None and not a.group_query_attention,
+        lambda a, c: f"--num-query-groups {a.num_query_groups} without --group-query-attention would be ignored: "
+        "add --group-query-attention, or drop --num-query-groups for one key/value head per attention head.",
+    ),
+    Rule(
+        "heads-divisible-by-query-groups", ("--num-attention-heads", "--num-query-groups"),
+        "The attention heads are divisible by the query groups (each key/value head serves as many query heads).",
+        lambda a, c: a.num_attention_heads >= 1 and query_groups(a) >= 1
+        and a.num_attention_heads % query_groups(a) != 0,
+        lambda a, c: f"--num-attention-heads {a.num_attention_heads} is not divisible by --num-query-groups "
+        f"{query_groups(a)}: each key/value head serves an equal share of the query heads. Choose a group count "
+        "that divides the heads.",
+    ),
+    Rule(
+        "query-groups-divisible-by-tp", ("--num-query-groups", "--tensor-model-parallel-size"),
+        "With grouped-query attention the query groups (key/value heads) are divisible by the tensor-parallel size.",
+        lambda a, c: a.group_query_attention and tp_size(a) >= 1 and query_groups(a) >= 1
+        and query_groups(a) % tp_size(a) != 0,
+        lambda a, c: f"--num-query-groups {query_groups(a)} is not divisible by --tensor-model-parallel-size "
+        f"{tp_size(a)}: tensor parallelism splits the key/value heads, each rank holding whole ones for its query "
+        f"heads. Use a group count that is a multiple of {tp_size(a)}, or a smaller tensor-parallel size.",
+    ),
+    Rule(
+        "qkv-bias-needs-no-bias-linear", ("--add-qkv-bias", "--disable-bias-linear"),
+        "--add-qkv-bias adds q/k/v biases to a model without biases (--disable-bias-linear).",
+        lambda a, c: a.add_qkv_bias and a.add_bias_linear,
+        lambda a, c: "--add-qkv-bias without --disable-bias-linear changes nothing: every linear layer already has "
+        "a bias. Add --disable-bias-linear (biases on q/k/v only, as Qwen2) or drop --add-qkv-bias.",
+    ),
+    Rule(
+        "rotary-flags-need-rope", ("--rotary-base", "--rotary-percent", "--position-embedding-type"),
+        "--rotary-base and --rotary-percent apply to rotary position embeddings.",
+        lambda a, c: a.position_embedding_type != "rope" and (a.rotary_base is not None
+                                                              or a.rotary_percent is not None),
+        lambda a, c: "--rotary-base / --rotary-percent configure rotary embeddings, but --position-embedding-type is "
+        f"{a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
+    ),
+    Rule(
+        "rotary-percent-range", ("--rotary-percent",),
+        "--rotary-percent lies in (0, 1].",
+        lambda a, c: a.rotary_percent is not None and not 0 < a.rotary_percent <= 1,
+        lambda a, c: f"--rotary-percent {a.rotary_percent} is the share of each head that rope rotates: give a "
+        "value in (0, 1].",
+    ),
+    Rule(
+        "swiglu-ffn-size", ("--swiglu", "--ffn-hidden-size", "--hidden-size"),
+        "With --swiglu and no --ffn-hidden-size the MLP is 2/3 of 4 × hidden rounded down to a multiple of 64 "
+        "(Megatron); that must leave at least 64.",
+        lambda a, c: a.swiglu and a.ffn_hidden_size is None and int(4 * a.hidden_size * 2 / 3 / 64) < 1,
+        lambda a, c: f"--swiglu with --hidden-size {a.hidden_size} and no --ffn-hidden-size: 2/3 of 4 × hidden "
+        "rounded down to a multiple of 64 leaves no MLP. Give --ffn-hidden-size.",
+    ),
+    Rule(
+        "openai-gelu-needs-gelu", ("--openai-gelu", "--swiglu"),
+        "--openai-gelu changes the GELU of GELU MLPs; a GPT with --swiglu has none.",
+        lambda a, c: a.openai_gelu and a.swiglu and a.model_type == "gpt",
+        lambda a, c: "--openai-gelu with --swiglu: the GPT's MLPs use SiLU gates, no GELU is left to change. Drop "
+        "one of them.",
+    ),
+    Rule(
+        "pretrained-folder-initialises-builtin", ("--pretrained-model-name-or-path", "--task"),
+        "With --task pretraining, --pretrained-model-name-or-path is a Hugging Face folder (config.json) of a "
+        "GPT-2, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
+        lambda a, c: hf_config.unsupported_reason(a) is not None,
+        lambda a, c: f"{hf_config.unsupported_reason(a)}.",
+    ),
+    Rule(
+        "pretrained-shape-flags", ("--pretrained-model-name-or-path", "--num-layers", "--hidden-size", "--swiglu"),
+        "Shape flags given beside a Hugging Face folder that initialises the built-in model agree with its "
+        "config.json (flags not given are taken from it).",
+        lambda a, c: bool(hf_config.pretrained_conflicts(a)),
+        lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path}: its config.json fixes the "
+        "model's shape, and these flags contradict it: " + "; ".join(hf_config.pretrained_conflicts(a))
+        + ". Drop them (flags not given are taken from config.json), or use another folder.",
+    ),
+    Rule(
+        "finetuned-shape-flags", ("--pretrained-model-name-or-path", "--num-layers", "--hidden-size", "--seq-length"),
+        "Shape flags given beside a Hugging Face folder that is fine-tuned as it is agree with its config.json, and "
+        "--seq-length fits its position table.",
+        lambda a, c: bool(hf_config.finetune_conflicts(a)),
+        lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path}: its config.json describes "
+        "the model, and these flags contradict it: " + "; ".join(hf_config.finetune_conflicts(a))
+        + ". Drop them (the folder's config decides) or give its values.",
+    ),
+    Rule(
+        "pretrained-needs-data", ("--pretrained-model-name-or-path", "--data-path"),
+        "Continued pretraining from Hugging Face weights reads --data-path (the demo corpus has its own tokenizer).",
+        lambda a, c: hf_config.initialises_builtin(a) and not a.data_path and not a.user_script,
+        lambda a, c: f"--pretrained-model-name-or-path {a.pretrained_model_name_or_path} without --data-path would "
+        "train on the demo corpus, whose token ids come from the demo's own tokenizer and mean nothing to this "
+        "model. Preprocess text with the model's tokenizer (scripts/preprocess_data.py --tokenizer-type "
+        f"HuggingFaceTokenizer --tokenizer-model {a.pretrained_model_name_or_path}) and give --data-path.",
+    ),
+    Rule(
+        "pretrained-sliding-window", ("--pretrained-model-name-or-path", "--seq-length"),
+        "A Hugging Face model with sliding-window attention trains with --seq-length within the window (where the "
+        "window changes nothing).",
+        lambda a, c: sliding_window_of(a) is not None and a.seq_length > sliding_window_of(a),
+        lambda a, c: f"--seq-length {a.seq_length} is longer than the sliding_window {sliding_window_of(a)} of "
+        f"{a.pretrained_model_name_or_path}/config.json: the built-in attention sees the whole sequence. Use "
+        f"--seq-length {sliding_window_of(a)} or less.",
+    ),
+    Rule(
+        "hidden-divisible-by-heads", ("--hidden-size", "--num-attention-heads"),
+        "The hidden size is divisible by the number of attention heads.",
+        lambda a, c: a.num_attention_heads >= 1 and a.hidden_size % a.num_attention_heads != 0,
+        lambda a, c: f"--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
+        f"{a.num_attention_heads}: each head gets hidden / heads dimensions. Change one of them.",
+    ),
+    Rule(
+        "fp16-xor-bf16", ("--fp16", "--bf16"),
+        "--fp16 and --bf16 are exclusive.",
+        lambda a, c: a.fp16 and a.bf16,
+        lambda a, c: "--fp16 and --bf16 both choose the autocast type; keep one (bf16 needs no loss scaling).",
+    ),
+    Rule(
+        "fp16-deepspeed-cpu", ("--fp16", "--mixed-precision", "--zero-1-memory-optimization"),
+        "DeepSpeed refuses fp16 on the CPU: under ZeRO on CPU use --bf16 (--mixed-precision resolves to bf16 there).",
+        lambda a, c: a.fp16 and c.device_type == "cpu" and deepspeed_zero(a),
+        lambda a, c: "--fp16 with a --zero-*-memory-optimization switch on the CPU: DeepSpeed's CPU accelerator does "
+        "not support fp16. Use --bf16 or --mixed-precision (bf16 on CPU) instead.",
+    ),
+    Rule(
+        "seq-within-positions", ("--seq-length", "--max-position-embeddings"),
+        "The sequence length is at most the position-embedding table (learned absolute positions).",
+        lambda a, c: a.position_embedding_type == "learned_absolute" and a.max_position_embeddings is not None
+        and a.seq_length > a.max_position_embeddings,
+        lambda a, c: f"--seq-length {a.seq_length} exceeds --max-position-embeddings {a.max_position_embeddings}: "
+        "positions past the table have no embedding. Raise --max-position-embeddings or shorten --seq-length.",
+    ),
+    Rule(
+        "num-experts-length", ("--num-experts", "--num-layers"),
+        "--num-experts is one number, one per layer, or one per evenly spaced MoE layer.",
+        lambda a, c: not num_experts_length_ok(a),
+        lambda a, c: f"--num-experts has {len(a.num_experts)} values but --num-layers is {a.num_layers}: give one "
+        "number (MoE layers chosen by --moe-layer-freq), one per layer (0 for dense), or one per MoE layer with the "
+        "MoE layers evenly spaced (a count that divides --num-layers, as DeepSpeed's pyramid MoE).",
+    ),
+    Rule(
+        "experts-divisible-by-ep", ("--num-experts", "--expert-model-parallel-size"),
+        "The number of experts of every MoE layer is divisible by the expert-parallel size.",
+        lambda a, c: num_experts_length_ok(a) and a.expert_model_parallel_size >= 1
+        and any(e % a.expert_model_parallel_size for e in experts_of(a)),
+        lambda a, c: f"--num-experts {' '.join(map(str, a.num_experts or []))} is not divisible by "
+        f"--expert-model-parallel-size {a.expert_model_parallel_size}: each expert-parallel rank holds an equal share "
+        "of every MoE layer's experts. Use expert counts that are multiples of it.",
+    ),
+    Rule(
+        "ep-divides-dp",
+        ("--expert-model-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"),
+        "The expert-parallel size divides the data-parallel size, and needs --num-experts.",
+        lambda a, c: a.expert_model_parallel_size > 1 and layout_divides(a, c) and (
+            not experts_of(a) or dp_size(a, c) % a.expert_model_parallel_size != 0),
+        lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} needs --num-experts and must divide "
+        f"the data-parallel size {dp_size(a, c)} (world {c.world_size} / (TP {tp_size(a)} × PP {pp_size(a)})): "
+        f"experts are sharded "
+        "over data-parallel ranks. Change the expert-parallel size or the number of processes.",
+    ),
+    Rule(
+        "ep-with-zero3-or-fairscale", ("--expert-model-parallel-size", "--zero-3-memory-optimization",
+                                       "--sharding-backend"),
+        "Expert parallelism combines with OSS, SDP, FSDP and ZeRO-1/2 (torch engines), not with DeepSpeed ZeRO-3 or "
+        "FairScale.",
+        lambda a, c: a.expert_model_parallel_size > 1 and (
+            a.zero_3_memory_optimization or (a.sharding_backend == "fairscale" and bool(partitioning_flags(a)))),
+        lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} with "
+        + ("--zero-3-memory-optimization: DeepSpeed partitions every parameter over all data-parallel ranks, but "
+           "each expert-parallel rank holds other experts, which must be reduced over their own group. Use "
+           "--fsdp-memory-optimization (FSDP2 shards the expert slices over the ranks holding the same experts)"
+           if a.zero_3_memory_optimization else
+           "--sharding-backend fairscale: FairScale's OSS broadcasts every parameter over all data-parallel ranks, "
+           "which would overwrite the expert slices that differ between expert-parallel ranks. Use the default "
+           "torch backend")
+        + ", or --expert-model-parallel-size 1.",
+    ),
+)
