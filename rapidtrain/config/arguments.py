@@ -676,7 +676,7 @@ def parse_args(
     from rapidtrain.config.meanings import apply_megatron_meanings
     from rapidtrain.config.surface_meanings import apply_surface
 
-    surface_notes = apply_surface(args, parser)  # the other Megatron-family flags: applied, noted or refused
+    surface_notes = apply_surface(args, parser, given)  # the other Megatron-family flags: applied, noted or refused
     apply_megatron_meanings(args, given, entry, surface_notes)  # Megatron's leniencies, Rapidformer's meanings
     args.given_flags = sorted(given)  # which flags the user typed (the plan tells them from defaults)
     return args

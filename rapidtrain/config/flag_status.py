@@ -41,7 +41,6 @@ RENAMED: dict[str, tuple[str, str]] = {
     "--add-bias-linear": ("add_bias_linear", "biases in the linear layers (rapidtrain's default)"),
     "--zero-contigious-gradients": ("zero_contiguous_gradients", "Megatron-DeepSpeed's spelling of "
                                     "--zero-contiguous-gradients"),
-    "--reduce-bucket-size": ("zero_reduce_bucket_size", "a fork's name of --zero-reduce-bucket-size"),
     "--cpu-optimizer": ("cpu_offload", "Megatron-DeepSpeed's ZeRO-Offload switch: --cpu-offload"),
     "--cpu-torch-adam": ("cpu_offload", "Megatron-DeepSpeed's ZeRO-Offload switch: --cpu-offload"),
     "--cpu_torch_adam": ("cpu_offload", "Megatron-DeepSpeed's ZeRO-Offload switch: --cpu-offload"),
@@ -49,8 +48,6 @@ RENAMED: dict[str, tuple[str, str]] = {
                                 "offload_optimizer under ZeRO)"),
     "--use-pytorch-profiler": ("profile", "rapidtrain's --profile is the PyTorch profiler"),
     "--eval-iters-per-eval": ("eval_iters", "a fork's name of --eval-iters"),
-    "--n-head-kv": ("num_query_groups", "a fork's name of --num-query-groups (grouped-query attention)"),
-    "--num-key-value-heads": ("num_query_groups", "a fork's name of --num-query-groups (grouped-query attention)"),
     "--use-torch-fsdp2": ("fsdp_memory_optimization", "Megatron-Core's torch FSDP2: --fsdp-memory-optimization"),
     "--use-megatron-fsdp": ("fsdp_memory_optimization", "Megatron's FSDP: served by torch FSDP2 "
                             "(--fsdp-memory-optimization)"),
@@ -85,6 +82,8 @@ HANDLED: dict[str, str] = {
     "--lr-warmup-tokens": "the warm-up in tokens: --lr-warmup-samples = tokens / --seq-length",
     "--zero-stage": "DeepSpeed's ZeRO stage: 1, 2, 3 select --zero-N-memory-optimization (DeepSpeed ZeRO; FSDP2 over "
                     "the data-parallel dimension with tensor/pipeline parallelism); 0 shards nothing",
+    "--num-key-value-heads": "Megatron-DeepSpeed's key/value heads: --num-query-groups N with --group-query-attention",
+    "--n-head-kv": "a fork's key/value heads: --num-query-groups N with --group-query-attention",
     "--gas": "DeepSpeed's gradient accumulation steps: --global-batch-size = micro × gas × data-parallel size",
     "--mock-data": "synthetic data: the built-in demo corpus (a real tokenised text) instead of Megatron's random "
                    "tokens; no data files needed",
@@ -262,6 +261,7 @@ FLAGS: dict[str, tuple[str, str]] = {
                                           "schedule computes the same numbers"),
     "--enable-zbh1-exact-semantics": (NO_EFFECT, "pipelines run 1F1B with exact semantics already"),
     "--overlapped-distributed-optimizer": (NO_EFFECT, _OVERLAP),
+    "--reduce-bucket-size": (NO_EFFECT, "the bucket size of Megatron-LLaMA's overlapped optimizer; " + _OVERLAP),
     "--num-microbatches-in-minibatch": (NO_EFFECT, "micro-batches per step follow from --global-batch-size"),
     "--sync-tp-duplicated-parameters": (NO_EFFECT, "parameters replicated over tensor-parallel ranks are DTensors kept "
                                                    "equal by construction"),

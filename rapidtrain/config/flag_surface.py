@@ -141,8 +141,9 @@ def _surface_kwargs(record: dict, actions: dict) -> dict:
         return {**kwargs, "dest": dest, "nargs": 0, "switch": value, "default": argparse.SUPPRESS}
     if flag in status_table.RENAMED:
         target = next(a for a in actions.values() if a.dest == status_table.RENAMED[flag][0])
-        if target.nargs == 0:
-            return {**kwargs, "dest": target.dest, "nargs": 0, "switch": target.const, "default": argparse.SUPPRESS}
+        if target.nargs == 0:  # a switch: store_true's True, store_false's False, BooleanOptionalAction's positive
+            switch = True if target.const is None else target.const
+            return {**kwargs, "dest": target.dest, "nargs": 0, "switch": switch, "default": argparse.SUPPRESS}
         kind = _lenient_int if target.type is int else target.type or str
         return {**kwargs, "dest": target.dest, "nargs": target.nargs, "type": kind, "default": argparse.SUPPRESS}
     if kwargs["dest"] in {a.dest for a in actions.values()}:  # same name, other meaning: kept apart

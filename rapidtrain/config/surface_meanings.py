@@ -20,14 +20,16 @@ from rapidtrain.config.flag_surface import (
 Args = argparse.Namespace
 
 
-def apply_surface(args: Args, parser: argparse.ArgumentParser) -> list[str]:
-    """The plan notes of the Megatron-family flags given; raises FlagRefused listing every refused one."""
+def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] | None = None) -> list[str]:
+    """The plan notes of the Megatron-family flags given (`given`: the destinations typed, from which a flag this
+    sets back to its default is removed); raises FlagRefused listing every refused one."""
+    given = set() if given is None else given
     notes: list[str] = []
     refusals: list[str] = []
     _own_values(args, parser, notes, refusals)
-    given = sorted(megatron_flags_given(args), key=lambda item: HANDLER_ORDER.index(item[0])
+    typed = sorted(megatron_flags_given(args), key=lambda item: HANDLER_ORDER.index(item[0])
                    if item[0] in HANDLER_ORDER else len(HANDLER_ORDER))
-    for flag, value in given:
+    for flag, value in typed:
         treatment = classify(flag)
         shown = _shown(flag, value)
         if treatment is None:
@@ -40,6 +42,8 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser) -> list[str]:
             notes.append(f"{shown}: no effect here; {treatment.note}")
         elif treatment.status == REFUSED and refusal_applies(flag, value):
             refusals.append(f"{shown}: {treatment.note}")
+    defaults = {action.dest: action.default for action in parser._actions if action.default != argparse.SUPPRESS}
+    _megatron_deepspeed_config(args, given, notes, refusals, defaults)
     _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
     if refusals:
@@ -75,6 +79,86 @@ def _own_values(args: Args, parser: argparse.ArgumentParser, notes: list[str], r
         args.split = args.split.strip("'\"")
     if isinstance(args.step_batch_size_schedule, list):  # a list written as separate words
         args.step_batch_size_schedule = " ".join(args.step_batch_size_schedule)
+
+
+# DeepSpeed config keys that say what rapidtrain's flags say: key → (destination, value from the key's value).
+DEEPSPEED_KEYS = {
+    "train_micro_batch_size_per_gpu": ("micro_batch_size", int),
+    "train_batch_size": ("global_batch_size", int),
+    "gradient_clipping": ("clip_grad", float),
+    "fp16.enabled": ("fp16", bool),
+    "bf16.enabled": ("bf16", bool),
+    "fp16.loss_scale": ("loss_scale", lambda v: float(v) or None),
+    "fp16.initial_scale_power": ("initial_loss_scale", lambda v: 2.0 ** v),
+    "fp16.loss_scale_window": ("loss_scale_window", int),
+    "fp16.hysteresis": ("hysteresis", int),
+    "fp16.min_loss_scale": ("min_loss_scale", float),
+}
+
+
+ZERO_TUNING = ("zero_overlap_comm", "zero_contiguous_gradients", "zero_reduce_bucket_size",
+               "zero_allgather_bucket_size", "zero_stage3_prefetch_bucket_size",
+               "zero_stage3_param_persistence_threshold", "zero_stage3_max_live_parameters")
+
+
+def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], refusals: list[str],
+                               parser_defaults: dict) -> None:
+    """Megatron-DeepSpeed's `--deepspeed --deepspeed_config FILE`: the file's ZeRO stage selects rapidtrain's ZeRO
+    switch; where DeepSpeed does not run the layout (stage 0, or tensor/pipeline parallelism, served by DDP or
+    FSDP2), the keys that are flags are read as flags and the file is not merged (the plan lists the rest)."""
+    from rapidtrain.config.partitioning import zero_stage
+    from rapidtrain.config.resolve import read_user_config, zero_by_fsdp2
+
+    if not (args.deepspeed and args.deepspeed_config):
+        return
+    path = args.deepspeed_config
+    try:
+        config = read_user_config(path)
+    except ValueError as error:
+        refusals.append(str(error))
+        return
+    zero = config.get("zero_optimization") or {}
+    stage = int(zero) if isinstance(zero, bool) else int(zero.get("stage", 0) or 0)  # DeepSpeed 0.1's `true`: 1
+    chosen = next((n for n in (1, 2, 3) if getattr(args, f"zero_{n}_memory_optimization")), 0)
+    if chosen and stage and chosen != stage:
+        refusals.append(f"--deepspeed_config {path}: ZeRO stage {stage}, the flags {chosen} (--zero-stage); make "
+                        "them agree")
+    elif stage and not chosen:
+        setattr(args, f"zero_{stage}_memory_optimization", True)
+        notes.append(f"--deepspeed_config {path}: ZeRO stage {stage} → --zero-{stage}-memory-optimization")
+    read = _deepspeed_keys_as_flags(args, config, given, path, notes)
+    if zero_stage(args) and not zero_by_fsdp2(args):
+        return  # DeepSpeed runs it: the file is merged with the generated config (a key both set must agree)
+    args.deepspeed_config = None
+    tuning = [dest for dest in ZERO_TUNING if dest in given]
+    for dest in tuning:  # DeepSpeed's own knobs, for an engine this layout does not start
+        setattr(args, dest, parser_defaults[dest])
+        given.discard(dest)  # back at its default: no longer a flag the rules hold the user to
+    if tuning:
+        notes.append(f"{', '.join('--' + d.replace('_', '-') for d in tuning)}: no effect here; they tune DeepSpeed "
+                     "ZeRO, which does not run this layout")
+    notes.append(f"--deepspeed_config {path}: DeepSpeed does not run this layout (ZeRO stage {stage} with tensor-"
+                 f"parallel {args.tensor_model_parallel_size}, pipeline {args.pipeline_model_parallel_size}: DDP, or "
+                 f"FSDP2 for ZeRO-1/2); read as flags: {', '.join(read) or 'none'}; its other keys have no effect")
+
+
+def _deepspeed_keys_as_flags(args: Args, config: dict, given: set[str], path: str,
+                             notes: list[str]) -> list[str]:
+    """The config's keys that rapidtrain has flags for, read as those flags. The file wins over a flag that says
+    otherwise, as in Megatron-DeepSpeed, where DeepSpeed's engine takes batch sizes and loss scaling from it."""
+    read = []
+    for key, (dest, convert) in DEEPSPEED_KEYS.items():
+        section, _, name = key.rpartition(".")
+        holder = config.get(section) if section else config
+        if not isinstance(holder, dict) or name not in holder or holder[name] == "auto":
+            continue
+        value = convert(holder[name])
+        if dest in given and getattr(args, dest) != value:
+            notes.append(f"--{dest.replace('_', '-')} {getattr(args, dest)!r}: --deepspeed_config {path} sets "
+                         f"{key} {holder[name]!r}, which DeepSpeed runs with in Megatron-DeepSpeed; so does this run")
+        setattr(args, dest, value)
+        read.append(f"{key} → --{dest.replace('_', '-')}")
+    return read
 
 
 def _one_value(args: Args, action: argparse.Action, notes: list[str], refusals: list[str]) -> None:
@@ -147,6 +231,13 @@ def _schedule_tokens(kind: str):
         notes.append(f"--lr-{kind}-tokens {value}: --lr-{kind}-iters {iterations} (tokens / --seq-length / global "
                      "batch)")
     return handle
+
+
+def _key_value_heads(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    args.num_query_groups = value
+    args.group_query_attention = value != args.num_attention_heads
+    notes.append(f"--num-key-value-heads {value}: --num-query-groups {value}"
+                 + (" --group-query-attention" if args.group_query_attention else " (one per head: plain attention)"))
 
 
 def _zero_stage(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
@@ -260,6 +351,8 @@ HANDLERS = {
     "--lr-decay-tokens": _schedule_tokens("decay"),
     "--lr-warmup-tokens": _schedule_tokens("warmup"),
     "--zero-stage": _zero_stage,
+    "--num-key-value-heads": _key_value_heads,
+    "--n-head-kv": _key_value_heads,
     "--gas": _gas,
     "--mock-data": _mock_data,
     "--ckpt-format": _ckpt_format,
