@@ -210,8 +210,9 @@ def _train_tokens(args: Args, value: int, notes: list[str], refusals: list[str])
                      f"--train-iters and {value} tokens / (--seq-length {args.seq_length} × global batch "
                      f"{args.global_batch_size}) comes first, as Megatron-DeepSpeed)")
     elif args.train_iters is None:
-        args.train_samples = samples
-        notes.append(f"--train-tokens {value}: --train-samples {samples} (tokens / --seq-length {args.seq_length})")
+        args.train_samples = min(samples, args.train_samples or samples)
+        notes.append(f"--train-tokens {value}: --train-samples {args.train_samples} (whichever of --train-samples and "
+                     f"tokens / --seq-length {args.seq_length} is smaller)")
     else:
         notes.append(f"--train-tokens {value}: --train-iters {args.train_iters} ends the run (the global batch is not "
                      "given, so the tokens' iteration count is not known before start)")

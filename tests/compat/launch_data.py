@@ -132,7 +132,7 @@ def _local_value(script: dict, flag: str | None, value: str, files: LocalFiles, 
         return _local_value(script, "--save", value, files, hf) if value == saved else files.hf_bert
     if flag == "--load" and "--patch-tokenizer-type" in script["argv"]:
         return files.hf_tokenizer  # Pai-Megatron-Patch reads the tokenizer from the checkpoint folder
-    return str(files.folder / script["id"] / flag.strip("-") / re.sub(r"[^\w.-]", "_", name or "x"))
+    return str(files.folder / script["id"] / re.sub(r"[^\w.-]", "_", value.strip("/")))  # same value, same folder
 
 
 @dataclass
@@ -161,3 +161,52 @@ def plan(script: dict, argv: list[str]) -> Planned:
             print(f"error: {error}", file=err)
             status = 2
     return Planned(status, out.getvalue() + err.getvalue())
+
+
+# A launch script's flags for a run on 2 CPU processes: only sizes, counts and the backend change. A value None
+# drops the flag (with its values); a callable maps the old value(s).
+TINY: dict[str, object] = {
+    "--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4", "--ffn-hidden-size": "128",
+    "--seq-length": "64", "--max-position-embeddings": "64", "--encoder-seq-length": "64",
+    "--max-padding-length": "64", "--micro-batch-size": "2", "--batch-size": "2", "--global-batch-size": "4",
+    "--train-iters": "4", "--lr-decay-iters": "4", "--lr-warmup-iters": "1", "--train-samples": "16",
+    "--lr-decay-samples": "16", "--lr-warmup-samples": "2", "--train-tokens": "1024", "--lr-decay-tokens": "1024",
+    "--lr-warmup-tokens": "128", "--eval-iters": "1", "--eval-interval": "2", "--save-interval": "2",
+    "--log-interval": "1", "--num-workers": "0", "--distributed-backend": "gloo", "--num-query-groups": "2",
+    "--num-key-value-heads": "2", "--kv-channels": "16", "--moe-ffn-hidden-size": "128", "--gas": "1",
+    "--num-experts": lambda values: ["2" if v != "0" else "0" for v in values],
+    "--tensor-model-parallel-size": lambda values: [str(min(int(values[0]), 2))],
+    "--model-parallel-size": lambda values: [str(min(int(values[0]), 2))],
+    "--pipeline-model-parallel-size": lambda values: [str(min(int(values[0]), 2))],
+    "--pipe-parallel-size": lambda values: [str(min(int(values[0]), 2))],
+    "--expert-model-parallel-size": "1", "--moe-expert-parallel-size": "1", "--rampup-batch-size": None,
+    "--exit-duration-in-mins": None, "--exit-interval": None, "--moe-router-topk": lambda values: ["1"],
+}
+TINY_DEEPSPEED = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
+
+
+def groups(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """(flag, its values) in order."""
+    out: list[tuple[str, list[str]]] = []
+    for token in argv:
+        if token.startswith("--"):
+            out.append((token, []))
+        elif out:
+            out[-1][1].append(token)
+    return out
+
+
+def tiny(script: dict, files: LocalFiles, changes: dict[str, object] | None = None) -> list[str]:
+    """The localized flags with sizes shrunk (TINY, then `changes`), for two CPU processes."""
+    table = {**TINY, **(changes or {})}
+    argv: list[str] = []
+    for flag, values in groups(localize(script, files)):
+        rule = table.get(flag, values)
+        if flag in table and rule is None:
+            continue
+        new = rule(values) if callable(rule) else ([rule] if isinstance(rule, str) else rule)
+        argv += [flag, *new]
+        if flag in ("--deepspeed_config", "--deepspeed-config"):
+            config = {**json.loads(Path(new[0]).read_text()), **TINY_DEEPSPEED}
+            Path(new[0]).write_text(json.dumps(config))
+    return argv
