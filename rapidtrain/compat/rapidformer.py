@@ -177,8 +177,11 @@ def build_pretrain_huggingface_bert_datasets(
         for prefix in parse_data_path(prefixes)[0]:
             warm_up(prefix)
     tokenizer = get_tokenizer()
+    # Masked tokens are replaced by random ids of the vocabulary file itself: a Hugging Face BERT has no rows for
+    # the [BOS]/[EOS] Megatron's tokenizer appends.
+    vocab_size = getattr(tokenizer, "file_vocab_size", tokenizer.vocab_size)
     config = BERTDatasetConfig(data_prefix=prefixes, split=splits_string, seq_length=max_seq_length, seed=seed,
-                               vocab_size=tokenizer.vocab_size, cls_id=tokenizer.cls, sep_id=tokenizer.sep,
+                               vocab_size=vocab_size, cls_id=tokenizer.cls, sep_id=tokenizer.sep,
                                mask_id=tokenizer.mask, pad_id=tokenizer.pad, mask_prob=masked_lm_prob,
                                short_seq_prob=short_seq_prob, binary_head=binary_head, data_impl=data_impl)
     splits = build_bert_datasets(config, list(train_valid_test_num_samples))

@@ -107,6 +107,6 @@ def _tiny_bert(folder, vocab) -> str:
     from transformers import BertConfig, BertTokenizerFast
 
     tokenizer = BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True)
-    BertConfig(vocab_size=len(tokenizer)).save_pretrained(folder)
+    BertConfig(vocab_size=len(vocab.read_text().splitlines())).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
