@@ -197,10 +197,14 @@ def groups(argv: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def tiny(script: dict, files: LocalFiles, changes: dict[str, object] | None = None) -> list[str]:
-    """The localized flags with sizes shrunk (TINY, then `changes`), for two CPU processes."""
+    """The localized flags with sizes shrunk (TINY, then `changes`, whose flags the script lacks are added), for
+    two CPU processes."""
     table = {**TINY, **(changes or {})}
     argv: list[str] = []
-    for flag, values in groups(localize(script, files)):
+    present = groups(localize(script, files))
+    added = [(flag, []) for flag, rule in (changes or {}).items() if rule is not None
+             and flag not in {name for name, _ in present}]
+    for flag, values in present + added:
         rule = table.get(flag, values)
         if flag in table and rule is None:
             continue

@@ -108,6 +108,26 @@ def test_easynlp_gpt_moe_pretraining_with_rapidformers_gpt_model(local_files):
     assert [field(line, "lm loss") is not None for line in log_lines(run.stdout)].count(True) >= 1
 
 
+def test_easynlp_zeroclue_prompt_fine_tuning_under_deepspeed_zero2(local_files, tmp_path):
+    """EasyNLP's Rapidformer ZeroCLUE example (2022): PETDataset prompts from tab-separated rows, experts with
+    residual MLPs on alternate layers, DeepSpeed ZeRO-2, the script's own flags through its extra_args_provider.
+    Its ChineseBPETokenizer is refused here (test_launch_scripts.py), so this run tokenizes with GPT-2's BPE."""
+    values = BY_ID["ez-rf-gpt-moe-ft-2022"]["argv"]
+    labels = values[values.index("--label_enumerate_values") + 1].split(",")[:3]
+    for name, count in (("train", 16), ("dev", 8)):
+        rows = (f"sentence number {i} about {labels[i % 3]}\t{labels[i % 3]}\t{i}\n" for i in range(count))
+        (tmp_path / f"{name}.tsv").write_text("".join(rows))
+    changes = {"--tokenizer-type": "GPT2BPETokenizer", "--vocab-file": local_files.gpt_vocab,
+               "--merge-file": local_files.gpt_merges, "--num-experts": ["0", "2", "0", "2"], "--epochs": "2",
+               "--pretrained-model-name-or-path": None, "--train-data": str(tmp_path / "train.tsv"),
+               "--valid-data": str(tmp_path / "dev.tsv"), "--save": str(tmp_path / "out"), "--micro-batch-size": "4"}
+    run = python(USER_SCRIPTS / "rapidformer_gpt_prompts.py", tiny(BY_ID["ez-rf-gpt-moe-ft-2022"], local_files,
+                                                                    changes))
+    assert "experts [0, 2, 0, 2]" in run.stdout and "DeepSpeed ZeRO stage 2" in run.stdout
+    assert re.search(r"epoch 2 \| iteration 8 \| validation lm loss: \S+", run.stdout)  # 16 rows / 4 = 4 per epoch
+    assert all("moe loss:" in line for line in log_lines(run.stdout) if "lm loss:" in line)
+
+
 def test_easynlp_bert_pretraining_of_a_hugging_face_model_on_megatron_data(local_files, tmp_path):
     """EasyNLP's Rapidformer BERT pretraining (2022): a Hugging Face BertForPreTraining trained on Megatron's
     sentence-split indexed data through build_pretrain_huggingface_bert_datasets."""
@@ -130,7 +150,8 @@ TORCHRUN = {
         "DeepSpeed does not run this layout", "--normalization rmsnorm: RMSNorm",
         "--num-key-value-heads 2: --num-query-groups 2 --group-query-attention"]),
     "bsw-tr10-13b-2022": ({"--tensor-model-parallel-size": "1"}, [
-        "ZeRO stage 1 → --zero-1-memory-optimization", "--tokenizer-type PretrainedFromHF: HuggingFaceTokenizer",
+        "--zero-stage 1: --zero-1-memory-optimization", "DeepSpeed does not run this layout (ZeRO stage 1 with "
+        "tensor-parallel 1, pipeline 2", "--tokenizer-type PretrainedFromHF: HuggingFaceTokenizer",
         "sets fp16.loss_scale 0"]),
     "dse-3d-pipe-2021": ({"--model-parallel-size": "1"}, [
         "--pipe-parallel-size 2: DeepSpeed's name", "--gas 1: --global-batch-size 2", "torch.distributed.pipelining"]),
