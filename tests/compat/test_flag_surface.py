@@ -104,7 +104,8 @@ def test_the_2020_names_and_fork_spellings_land_on_rapidtrains_flags():
                        "--use-rotary-position-embeddings", "--reduce-bucket-size", "4e8"])
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size) == (2, 2, 4)
     assert (args.lr_warmup_fraction, args.normalization, args.split) == (0.01, "RMSNorm", "99,1,0")
-    assert args.position_embedding_type == "rope" and args.zero_reduce_bucket_size == 400_000_000
+    assert args.position_embedding_type == "rope" and args.zero_reduce_bucket_size == 500_000_000  # not DeepSpeed's
+    assert any(note.startswith("--reduce-bucket-size 400000000.0: no effect here") for note in args.compat_notes)
     assert any(note.startswith("--batch-size 4: Megatron 2020's name") for note in args.compat_notes)
 
 
