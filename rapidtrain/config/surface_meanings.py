@@ -106,8 +106,7 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
     """Megatron-DeepSpeed's `--deepspeed --deepspeed_config FILE`: the file's ZeRO stage selects rapidtrain's ZeRO
     switch; where DeepSpeed does not run the layout (stage 0, or tensor/pipeline parallelism, served by DDP or
     FSDP2), the keys that are flags are read as flags and the file is not merged (the plan lists the rest)."""
-    from rapidtrain.config.partitioning import zero_stage
-    from rapidtrain.config.resolve import read_user_config, zero_by_fsdp2
+    from rapidtrain.config.partitioning import read_user_config, zero_by_fsdp2, zero_stage
 
     if not (args.deepspeed and args.deepspeed_config):
         return
