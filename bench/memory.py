@@ -6,7 +6,7 @@ Three sections, each launching torchrun with this file as the worker:
   and each rank adds up the tensors it actually holds: parameters (local shards of FSDP's DTensors,
   DeepSpeed's 16-bit weights or ZeRO-3 partitions), gradients after the last backward (before the step),
   optimizer state after the step (ZeroRedundancyOptimizer's local state, DeepSpeed's fp32 master partitions
-  and Adam moments). The formula is `rapidtrain.config.plan.memory_estimate` (one place); ratio = measured /
+  and Adam moments). The formula is `rapidtrain.config.memory.memory_estimate` (one place); ratio = measured /
   formula. Peak RSS is the rank's peak process memory; step time is relative to DDP at the same world size.
 - startup: a ~100M-parameter GPT composed under FSDP, ZeRO-3, TP 2 and PP 2, built as the plan says (on the
   meta device: each rank materializes its shards) and, for comparison, whole on every rank first (the way
@@ -462,7 +462,7 @@ def format_table(rows: list[dict], precision: str) -> str:
 
 NOTES = (
     "measured: the largest rank's bytes; parameters and optimizer state after the step, gradients after the "
-    "last backward (reduced, before the step); the formula is rapidtrain.config.plan.memory_estimate (ZeRO paper "
+    "last backward (reduced, before the step); the formula is rapidtrain.config.memory.memory_estimate (ZeRO paper "
     "accounting: torch keeps fp32 weights and gradients under autocast, DeepSpeed 16-bit ones plus fp32 master "
     "weights in the optimizer state).",
     "sdp: FSDP2 with reshard_after_forward=False holds whole parameters only from forward to the end of "

@@ -90,7 +90,7 @@ def measure_layout(tensor_parallel: int, pipeline_parallel: int, steps: int) -> 
     import torch.distributed as dist
 
     from rapidtrain.models import build_model
-    from rapidtrain.pretrain import masked_sum
+    from rapidtrain.train.builtin_pretrainer import masked_sum
     from rapidtrain.train.engine import Engine
     from rapidtrain.train.trainer import Trainer
 

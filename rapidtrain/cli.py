@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,13 +28,19 @@ USAGE = """usage:
                                          print what the flags resolve to, start nothing (--device-name, e.g.
                                          "H100", picks the peak FLOP/s that MFU is measured against)
   rapidtrain demo-data [--cache-dir DIR] prepare the built-in demo corpus
-  rapidtrain generate --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
-                                         continue a prompt with a trained built-in GPT (any saved layout)
+  rapidtrain generate --load DIR (--prompt TEXT | --input-file P.jsonl) [--output-file O.jsonl --batch-size B
+                       --max-new-tokens N --temperature T --top-k K --top-p P --device D --bf16 --load-in-4bit ...]
+                                         continue prompts with a trained built-in GPT (any saved layout) or a
+                                         Hugging Face folder (see rapidtrain generate --help)
 """
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """A rank of a launch (torchrun's, or one that set every env:// variable); stale WORLD_SIZE/LOCAL_RANK left in
+    the environment alone do not make one."""
+    from rapidtrain.core.launch_env import launched_rank
+
+    return launched_rank(os.environ)
 
 
 def entry_script(args: argparse.Namespace) -> Path:
@@ -94,6 +101,12 @@ def run_user_script_in_place(script: Path, argv: list[str]) -> int:
 
 
 def launch(argv: list[str]) -> int:
+    from rapidtrain.core.launch_env import drop_stale_rank_variables
+
+    stale = drop_stale_rank_variables(os.environ)
+    if stale:
+        print(f"rapidtrain: note: ignoring {', '.join(stale)} left in the environment (no launcher set them; torchrun "
+              "sets each rank's own)", file=sys.stderr)
     args = launch_arguments(argv)
     ctx = settings.RunContext.detect(args)
     script = entry_script(args)
@@ -104,10 +117,14 @@ def launch(argv: list[str]) -> int:
         return 0
     rules.exit_on_conflicts(args, ctx)
     check_inputs_before_launch(args)
+    check_rendezvous_before_launch()
     from rapidtrain.core.shutdown import run_forwarding_signals
+    from rapidtrain.core.stopped_run import COMMAND_ENV
 
-    # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/core/shutdown.py).
-    return run_forwarding_signals(torchrun_command(args, script, argv, ctx.device_type))
+    # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/core/shutdown.py). The
+    # command line goes with it, for the resume line of a stopped run.
+    env = dict(os.environ, **{COMMAND_ENV: shlex.join(["rapidtrain", *argv])})
+    return run_forwarding_signals(torchrun_command(args, script, argv, ctx.device_type), env)
 
 
 def check_inputs_before_launch(args: argparse.Namespace) -> None:
@@ -123,6 +140,20 @@ def check_inputs_before_launch(args: argparse.Namespace) -> None:
 
         tokenizer = tokenizer_settings(args) if args.tokenizer_type else None
         check_pretraining_inputs(args.data_path, args.data_impl, tokenizer)
+
+
+def check_rendezvous_before_launch(env: Mapping[str, str] | None = None) -> None:
+    """Where torchrun will meet the other nodes: the master address resolves, and on the node that serves the
+    rendezvous the port is free (a clear message instead of torchrun's DistNetworkError traceback)."""
+    from rapidtrain.core.launch_env import check_master_address, check_master_port_free
+    from rapidtrain.core.slurm import node_layout
+
+    nodes = node_layout(os.environ if env is None else env)
+    if nodes.master_addr is None:
+        return
+    check_master_address(nodes.master_addr, nodes.master_port)
+    if nodes.node_rank == 0:
+        check_master_port_free(int(nodes.master_port))
 
 
 def plan_command(argv: list[str]) -> int:
@@ -188,7 +219,6 @@ def quiet_torchrun(argv: list[str]) -> int:
     and waited for (rapidtrain/core/shutdown.py); workers that all stopped on a user error (status 2, their message
     already printed by rank 0) end with status 2 instead of torchrun's traceback and failure report."""
     import logging
-    import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -201,28 +231,45 @@ def quiet_torchrun(argv: list[str]) -> int:
     options = parse_args(argv)
     forwarder = RankSignalForwarder()
     if RankSignalForwarder.available():
-        forwarder.install()  # torchrun then leaves SIGTERM alone; it still handles the others its own way
+        forwarder.install()  # torchrun then leaves SIGTERM and SIGINT alone; it handles the others its own way
         options.signals_to_handle = ",".join(
-            name for name in options.signals_to_handle.split(",") if name.strip() != "SIGTERM")
+            name for name in options.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGINT"))
     # Its per-worker "failed (exitcode: N)" log line; a real crash is still reported in full below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(options)
     except ChildFailedError as failed:
-        codes = {failure.exitcode for failure in failed.failures.values()}
-        if 2 in codes and codes <= {2, -signal.SIGTERM, -signal.SIGKILL}:  # the others stopped by torchrun
-            return 2
-        if forwarder.forwarded and codes <= {-signum for signum in forwarder.forwarded}:
-            print("rapidtrain: the ranks ended on SIGTERM without saving (a run saves on SIGTERM when it has "
-                  "--save, or stops cleanly with --exit-signal-handler, once its training has started)",
-                  file=sys.stderr)
-            return 128 + signal.SIGTERM
-        raise
+        return stopped_launch_status(failed.failures, options, forwarder.forwarded)
     except SignalException as stopped:  # a signal torchrun handles itself (SIGINT, SIGHUP, SIGQUIT)
         return 128 + int(stopped.sigval)
     finally:
         forwarder.settle()
     return 0
+
+
+def stopped_launch_status(failures: dict, options: argparse.Namespace, forwarded: set[int]) -> int:
+    """The launch's status when ranks failed, with its one paragraph (core/stopped_run.py): user errors and
+    Ctrl-C were told by the ranks; anything else is told here, naming the rank that failed first."""
+    import signal
+
+    from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, EXIT_LOST_CONTACT, flag_value, launcher_story, resume_line
+
+    codes = {failure.exitcode for failure in failures.values()}
+    if 2 in codes and codes <= {2, EXIT_LOST_CONTACT, -signal.SIGTERM, -signal.SIGKILL}:  # others stopped by torchrun
+        return 2
+    save = flag_value(list(options.training_script_args), "--save")
+    if codes & {EXIT_INTERRUPTED, -signal.SIGINT} and codes <= {EXIT_INTERRUPTED, -signal.SIGINT, EXIT_LOST_CONTACT}:
+        # Ctrl-C: the ranks saved and said how to resume (a rank in a collective with one that left: lost contact)
+        if -signal.SIGINT in codes:
+            print(f"rapidtrain: stopped by Ctrl-C. {resume_line(save)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if forwarded and codes <= {-signum for signum in forwarded}:
+        print("rapidtrain: the ranks ended on SIGTERM without saving (a run saves on SIGTERM when it has "
+              "--save, or stops cleanly with --exit-signal-handler, once its training has started)",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
+    print(launcher_story(failures, save, str(options.node_rank)), file=sys.stderr, flush=True)
+    return 1
 
 
 COMMANDS = {"plan": plan_command, "demo-data": demo_data_command, "generate": generate_command,

@@ -42,7 +42,10 @@ class TaskFinetuner(Finetuner):
         self.tokenizer = load_tokenizer(plan.checkpoint.pretrained_model, plan.task in NEEDS_FAST_TOKENIZER)
         self.task = build_task(plan.task, self.tokenizer, data.seq_length, plan.switches.dynamic_shape, data.seed,
                                padding_free=data.padding_free)
-        self.task.mask_prob = data.mask_prob
+        from rapidtrain.tasks.language_modeling import MaskedLM
+
+        if isinstance(self.task, MaskedLM):  # the one task that masks tokens
+            self.task.mask_prob = data.mask_prob
         self.metric_for_best_model = self.task.best_metric
         self.greater_is_better = self.task.greater_is_better
         self.token_count = self.task.token_count
@@ -67,6 +70,8 @@ class TaskFinetuner(Finetuner):
 
         plan = self.engine.plan
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision.dtype, torch.float32)
+        # load_tokenizer refused a missing folder in __init__; a Hugging Face fine-tune's plan has LoRA settings.
+        assert plan.checkpoint.pretrained_model is not None and plan.lora is not None
         model = load_task_model(self.task, plan.checkpoint.pretrained_model, plan.lora,
                                 device=self.engine.device, compute_dtype=compute_dtype,
                                 attn_implementation=plan.attention.hf_implementation)
@@ -103,7 +108,10 @@ class TaskFinetuner(Finetuner):
 @user_errors()
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = Engine(argv=argv)
-    return TaskFinetuner(engine).train()
+    results = TaskFinetuner(engine).train()
+    # As pretrain.py: the process group is torn down while every rank is still here, not by interpreter exit.
+    engine.shutdown()
+    return results
 
 
 if __name__ == "__main__":

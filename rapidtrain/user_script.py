@@ -15,6 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import rapidtrain.train.engine as engine_module
+from rapidtrain.train.engine import Engine, shutdown_distributed
+from rapidtrain.train.finetuner import Finetuner
+from rapidtrain.train.pretrainer import PreTrainer
+from rapidtrain.train.trainer import Trainer
+
 
 class UserScriptError(SystemExit):
     """The script cannot run as a rapidtrain white-box script; exits with status 2 and says why."""
@@ -28,10 +34,6 @@ class UserScriptError(SystemExit):
 
 
 def _templates() -> tuple[type, ...]:
-    from rapidtrain.train.finetuner import Finetuner
-    from rapidtrain.train.pretrainer import PreTrainer
-    from rapidtrain.train.trainer import Trainer
-
     return Trainer, PreTrainer, Finetuner
 
 
@@ -50,8 +52,6 @@ def template_subclasses(namespace: dict[str, Any]) -> list[type]:
 
 
 def _engine_created() -> int:
-    import rapidtrain.train.engine as engine_module
-
     return id(engine_module._GLOBAL_ARGS) if engine_module._GLOBAL_ARGS is not None else 0
 
 
@@ -63,17 +63,15 @@ def run_user_script(script: str | Path, argv: list[str]) -> None:
     sys.path.insert(0, str(script.resolve().parent))  # as `python FILE` would: its own folder first
     namespace = runpy.run_path(str(script), run_name="__main__")
     if _engine_created() != before:
-        return
+        return shutdown_distributed()
     main = namespace.get("main")
     if callable(main) and getattr(main, "__module__", None) == "__main__":
         main()
-        return
+        return shutdown_distributed()
     subclasses = template_subclasses(namespace)
     if len(subclasses) == 1:
-        from rapidtrain.train.engine import Engine
-
         subclasses[0](engine=Engine()).train()
-        return
+        return shutdown_distributed()
     if subclasses:
         names = ", ".join(c.__name__ for c in subclasses)
         raise UserScriptError(

@@ -18,4 +18,8 @@ fi
 # FairScale (optional --sharding-backend fairscale): its last release works with this torch for OSS/ShardedDDP;
 # --no-deps keeps it from touching torch.
 .venv/bin/python -m pip install -q --no-build-isolation --no-deps "fairscale==0.4.13"
+# DeepSpeed JIT-compiles its CPU ops (cpu_adam for --cpu-offload, shm_comm for CPU collectives) on first use, which
+# would hold the first ZeRO run silent for a minute or two: build them now, once per machine.
+echo "setup: building DeepSpeed's CPU ops (cpu_adam, deepspeed_shm_comm) so the first run does not wait on them"
+.venv/bin/python -m rapidtrain.parallel.op_build || echo "setup: DeepSpeed's CPU ops were not built now; the first run that needs one builds it (and says so)"
 .venv/bin/python -c "import torch, rapidtrain; print('rapidtrain', rapidtrain.__version__, 'on torch', torch.__version__)"

@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m ruff check rapidtrain tests scripts bench examples templates
-# Types of the pure layers (config: flags, rules, partitioning, plan; data); [tool.mypy] in pyproject.toml.
-.venv/bin/python -m mypy rapidtrain/config rapidtrain/data
+# Types of the whole package (check_untyped_defs), the runner protocol every engine implements included
+# (parallel.runner.Runner, checked where parallelize returns each runner); [tool.mypy] in pyproject.toml.
+.venv/bin/python -m mypy rapidtrain
 exec .venv/bin/python -m pytest "$@"

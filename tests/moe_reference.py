@@ -52,7 +52,7 @@ def reference_gradients(model: torch.nn.Module, batches: list[dict], coeff: floa
     The balancing loss is built here from the router probabilities of each MoE layer's input; the
     layer's own gradient injector is switched off (scale 0).
     """
-    set_aux_loss_scale(0.0)
+    set_aux_loss_scale(model, 0.0)
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     inputs: list[torch.Tensor] = []
     hooks = [layer.register_forward_pre_hook(lambda _m, args: inputs.append(args[0])) for layer in layers]
@@ -72,7 +72,7 @@ def reference_gradients(model: torch.nn.Module, batches: list[dict], coeff: floa
     finally:
         for hook in hooks:
             hook.remove()
-        set_aux_loss_scale(1.0)
+        set_aux_loss_scale(model, 1.0)
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 

@@ -10,4 +10,4 @@ rapidtrain --task sequence_classification \
   --pretrained-model-name-or-path "$WORK/tiny-bert" --data-dir "$WORK/glue" --data-name sst2 \
   --epochs "${EPOCHS:-3}" --micro-batch-size 16 --global-batch-size 32 --seq-length 32 \
   --lr 3e-3 --lr-warmup-fraction 0.1 --lr-decay-style linear --weight-decay 0.01 --clip-grad 1.0 \
-  --seed 42 --num-workers 0 --log-interval 10 --mixed-precision --save "$WORK/out" "$@"
+  --seed 42 --num-workers 0 --log-interval 10 --mixed-precision --save "$WORK/out" --load "$WORK/out" "$@"

@@ -29,7 +29,7 @@ import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from rapidtrain.checkpoint.resume import changed_schedule_flags, load_schedule
+from rapidtrain.checkpoint.save_folder import SaveLock, acquire_save_lock, check_resume_safety, write_file_exclusively
 from rapidtrain.core.errors import UserError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -59,6 +61,17 @@ MODEL_SHAPE_FIELDS = {"model_type": "--model-type", "num_layers": "--num-layers"
                       "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
                       "post_layernorm": "--post-layernorm"}
 _TRUST_HINT = "Nothing from it was run. Use a checkpoint from a source you trust, or one this run's rapidtrain wrote."
+
+
+class RunnerState(Protocol):
+    """What saving and loading need of a runner (parallel.runner.Runner has it): its state as
+    torch.distributed.checkpoint writes it, a template to load into, and the load itself."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def state_dict_for_loading(self, load_optimizer: bool) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None: ...
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -290,10 +303,14 @@ def verify_checkpoint(directory: str | Path) -> bool:
     if not path.exists():
         return False
     try:
-        files = json.loads(path.read_text())["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        names = sorted(files)
+        if not all(isinstance(files[name], dict) for name in names):
+            raise TypeError("an entry is not a size and checksum")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path}: damaged ({error}); resume from another iteration or --load folder.") from None
-    names = sorted(files)
+    check_format_version(manifest.get("format", FORMAT_VERSION), path)
     index, reason = _first_damaged(directory, files, names, range(_rank(), len(names), _world()))
     if dist.is_initialized():  # every rank must stop, or the others would wait in the load for ever
         found = torch.tensor([index if index >= 0 else len(names)], dtype=torch.int64)
@@ -431,6 +448,8 @@ def publish_folder(tmp: Path, final: Path) -> None:
     """Replace `final` by `tmp` so that a reader sees either the old or the new directory, never half (checkpoints
     and exported models); a `.old` left by a killed publish goes first."""
     old = final.with_name(final.name + ".old")
+    if old.is_symlink():  # never renamed over, nor followed
+        old.unlink()
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
@@ -440,7 +459,7 @@ def publish_folder(tmp: Path, final: Path) -> None:
 
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    write_file_exclusively(tmp, text)  # a symlink planted under the temporary name is refused, not followed
     os.replace(tmp, path)
 
 
@@ -500,9 +519,11 @@ def _prepare_save(root: Path, iteration: int) -> tuple[Path, Path]:
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
+        from rapidtrain.checkpoint.save_folder import exclusive_directory
+
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        exclusive_directory(tmp)  # never through a symlink planted under the temporary name
+        (tmp / "rng").mkdir()
     _barrier()
     return final, tmp
 
@@ -521,7 +542,7 @@ def _publish_checkpoint(root: Path, iteration: int, tmp: Path, final: Path) -> N
         _write_atomically(root / LATEST_FILE, f"{iteration}\n")
 
 
-def save_checkpoint(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
+def save_checkpoint(root: str | Path, iteration: int, runner: RunnerState, lr_scheduler: Any, consumed_samples: int,
                     config: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration` (every rank calls this); `config` is the run's flags and plan as JSON values
     (the plan's model settings are checked at load)."""
@@ -572,7 +593,7 @@ class BackgroundWriter(dcp.FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def start_async_save(root: str | Path, iteration: int, runner: Any, lr_scheduler: Any, consumed_samples: int,
+def start_async_save(root: str | Path, iteration: int, runner: RunnerState, lr_scheduler: Any, consumed_samples: int,
                      config: dict[str, Any], extra: dict[str, Any] | None, process_group: Any) -> PendingSave:
     """Copy the state to host memory and hand it to torch.distributed.checkpoint's async_save (every rank calls
     this); returns as soon as the copy is made. `process_group` must be a gloo group of every rank used by
@@ -604,6 +625,9 @@ def start_async_save(root: str | Path, iteration: int, runner: Any, lr_scheduler
         finally:
             stager.close()
 
+    # Staging is synchronous (StagingOptions above), for which async_save returns the upload's Future itself
+    # rather than an AsyncSaveResponse.
+    assert isinstance(upload, Future)
     upload.add_done_callback(checksum_when_written)
     return PendingSave(root, iteration, tmp, final, written)
 
@@ -669,6 +693,15 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
+def check_format_version(version: Any, path: Path) -> None:
+    """Older formats load (each reader keeps their layout); a newer one is refused: this rapidtrain cannot know
+    what it changed."""
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} was written in checkpoint format {version!r}, newer than the format "
+                              f"{FORMAT_VERSION} this rapidtrain reads: load it with the rapidtrain that wrote it "
+                              "(or a newer one).")
+
+
 def check_complete(directory: Path) -> None:
     missing = [name for name in (METADATA_FILE,) if not (directory / name).exists()]
     if not (directory / COMMON_FILE).exists() and not (directory / LEGACY_COMMON_FILE).exists():
@@ -705,10 +738,11 @@ def _read_rng(directory: Path, notes: list[str]) -> dict[str, Any] | None:
     return read_rng_file(path)
 
 
-def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, model: dict[str, Any] | None, *,
+def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, model: dict[str, Any] | None, *,
                     finetune: bool = False, load_optimizer: bool = True, load_rng: bool = True,
-                    schedule_from: str = "same") -> LoadedState | None:
-    """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none."""
+                    schedule_from: str = "same", flags: dict[str, Any] | None = None) -> LoadedState | None:
+    """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none.
+    `flags`: this run's flags, to name the ones that differ from the saved run's when the schedule does."""
     iteration = latest_iteration(root)
     if iteration is None:
         if finetune:
@@ -724,13 +758,15 @@ def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, model: dic
         notes.append(f"{directory} has no {MANIFEST_FILE} (written before checkpoint format {FORMAT_VERSION}): "
                      "its files were not checked for damage")
     common = read_common(directory)
+    check_format_version(common.get("format", 1), directory / COMMON_FILE)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
     load_optimizer = load_optimizer and not finetune
     state = runner.state_dict_for_loading(load_optimizer)
     safe_dcp_load(state, directory)
     runner.load_state_dict(state, load_optimizer=load_optimizer)
     if load_optimizer and common.get("lr_scheduler") and hasattr(lr_scheduler, "load_state_dict"):
-        _load_schedule(lr_scheduler, common["lr_scheduler"], schedule_from, directory)
+        changed = changed_schedule_flags(common.get("args") or {}, flags or {})
+        load_schedule(lr_scheduler, common["lr_scheduler"], schedule_from, directory, changed)
     if load_rng and not finetune:
         rng = _read_rng(directory, notes)
         if rng is not None:
@@ -743,16 +779,10 @@ def load_checkpoint(root: str | Path, runner: Any, lr_scheduler: Any, model: dic
     return LoadedState(iteration, common["consumed_samples"], common.get("extra", {}), notes)
 
 
-def _load_schedule(lr_scheduler: Any, saved: dict[str, Any], schedule_from: str, directory: Path) -> None:
-    from rapidtrain.optim.lr_schedule import LRScheduler
-
-    try:
-        if isinstance(lr_scheduler, LRScheduler):
-            lr_scheduler.load_state_dict(saved, schedule_from=schedule_from)
-        else:
-            lr_scheduler.load_state_dict(saved)
-    except ValueError as error:
-        raise CheckpointError(f"--load {directory}: {error} (the flags --lr, --min-lr, --lr-decay-style, "
-                              "--lr-decay-iters and the warm-up must be the saved run's to continue it; "
-                              "--override-opt_param-scheduler keeps these flags' schedule, "
-                              "--use-checkpoint-opt_param-scheduler the saved one).") from None
+def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tuple[SaveLock, list[str]]:
+    """Everything a run does with --save before its first iteration, on rank 0 only (a second rank taking the
+    lock would be refused): writable, locked, nothing it would overwrite, leftovers of killed saves cleaned.
+    Returns the lock (keep it for the run) and what was cleaned, for the log."""
+    check_resume_safety(save_dir, load_dir)
+    lock = acquire_save_lock(save_dir)
+    return lock, remove_stale_partial_checkpoints(save_dir)

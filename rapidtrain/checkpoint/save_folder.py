@@ -135,12 +135,51 @@ def check_save_writable(save_dir: str | Path) -> None:
                               "not be saved. Give a folder this user can write to.") from None
 
 
-def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tuple[SaveLock, list[str]]:
-    """Everything a run does with --save before its first iteration, on rank 0 only (a second rank taking the
-    lock would be refused): writable, locked, nothing it would overwrite, leftovers of killed saves cleaned.
-    Returns the lock (keep it for the run) and what was cleaned, for the log."""
-    check_resume_safety(save_dir, load_dir)
-    lock = acquire_save_lock(save_dir)
-    from rapidtrain.checkpoint.checkpointer import remove_stale_partial_checkpoints  # torch: only for a run that saves
+def check_save_shared(save_dir: str | Path) -> None:
+    """Every rank sees the folder rank 0 writes (a collective; after rank 0 prepared the folder): a multi-node
+    run's ranks write one checkpoint together, so a node-local --save would lose the other nodes' parts (the
+    symptom: "Parent directory .../iter_*.tmp/rng does not exist" on the second node at the first save)."""
+    import torch.distributed as dist
 
-    return lock, remove_stale_partial_checkpoints(save_dir)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    folder = Path(save_dir)
+    names = [f".rapidtrain-shared-{os.getpid()}-{time.time_ns()}" if dist.get_rank() == 0 else ""]
+    if dist.get_rank() == 0:
+        (folder / names[0]).write_text(socket.gethostname())
+    dist.broadcast_object_list(names, src=0)
+    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "?"))
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, ((folder / names[0]).is_file(), node, socket.gethostname()))
+    if dist.get_rank() == 0:
+        (folder / names[0]).unlink(missing_ok=True)
+    blind = sorted({f"node {n} ({host})" for seen, n, host in views if not seen})
+    if blind:
+        raise SaveFolderError(
+            f"--save {save_dir} is not one folder for every node: {', '.join(blind)} does not see the files node 0 "
+            "writes there (a node-local path). The ranks of a run write each checkpoint together: give --save a "
+            "folder on a file system shared by all nodes (NFS, Lustre, ...), mounted at the same path on each.")
+
+
+def exclusive_directory(path: Path) -> None:
+    """Create the temporary folder `path` afresh (a leftover folder of a killed save is removed first); a symlink
+    planted under that name is refused, so no save writes outside --save."""
+    if path.is_symlink():
+        raise SaveFolderError(f"{path} is a symbolic link: a save there would write outside --save {path.parent}. "
+                              "Remove the link (rapidtrain never creates one).")
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    os.mkdir(path, 0o755)  # exclusive: fails if something appeared under the name meanwhile
+
+
+def write_file_exclusively(path: Path, text: str) -> None:
+    """Write `path` as a new file, never through a symlink (O_EXCL | O_NOFOLLOW after removing a leftover)."""
+    if path.is_symlink():
+        raise SaveFolderError(f"{path} is a symbolic link: writing it would change a file outside --save "
+                              f"{path.parent}. Remove the link (rapidtrain never creates one).")
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(descriptor, "w") as stream:
+        stream.write(text)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -135,10 +135,12 @@ def _initialise(model: torch.nn.Module) -> None:
     from rapidtrain.models import init_weights
 
     init_weights(model, _engine().plan.training.seed)
-    if model.config.hf_weights:
+    # The built-in models keep their ModelConfig as .config (nn.Module's __getattr__ types it Tensor | Module).
+    config = cast(ModelConfig, model.config)
+    if config.hf_weights:
         from rapidtrain.models.hf_weights import load_hf_weights
 
-        load_hf_weights(model, model.config.hf_weights)
+        load_hf_weights(model, config.hf_weights)
 
 
 class GPTModel(_BuiltinGPT):
@@ -228,7 +230,8 @@ def build_train_valid_test_datasets(
                               cache_dir=plan.data.cache_path,
                               vocab_size=plan.model.vocab_size if plan.model else None)
     splits = build_gpt_datasets(config, list(train_valid_test_num_samples))
-    return tuple(TextSamples(d) if d is not None else None for d in splits)
+    train, valid, test = (TextSamples(d) if d is not None else None for d in splits)
+    return train, valid, test
 
 
 # ---- megatron.training.pretrain ----
@@ -251,7 +254,10 @@ def pretrain(
     from rapidtrain.train.pretrainer import PreTrainer
 
     class MegatronScript(PreTrainer):
-        def train_valid_test_datasets_provider(self, train_val_test_num_samples: list[int]) -> tuple:
+        # PreTrainer's hook takes the sample counts where Trainer's takes none (as PreTrainer itself declares).
+        def train_valid_test_datasets_provider(  # type: ignore[override]
+            self, train_val_test_num_samples: list[int]
+        ) -> tuple[Any, Any, Any]:
             return train_valid_test_dataset_provider(train_val_test_num_samples)
 
         def model_optimizer_lr_scheduler_provider(self) -> tuple:

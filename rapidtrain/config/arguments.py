@@ -8,6 +8,7 @@ conflict table (`rules.py`) and the plan (`plan.py`) read it, nothing else does.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -581,6 +582,17 @@ GROUP_BUILDERS = (
 )
 
 
+def finite_float(text: str) -> float:
+    """A float flag's value: nan and infinity are refused (argparse names the flag)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+finite_float.__name__ = "float"  # argparse's "invalid float value" message
+
+
 class FlagParser(argparse.ArgumentParser):
     """argparse with errors a person reads first: the problem, a "did you mean" for a misspelled flag, and a
     pointer to --help instead of the whole usage block; exit status 2 as argparse."""
@@ -589,6 +601,8 @@ class FlagParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         # argparse (before 3.13) reads `--lr -1e-3` as two flags: its negative-number pattern has no exponent.
         self._negative_number_matcher = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+        # Every float flag (argument groups share the registry): nan and inf pass float() and every range check.
+        self.register("type", float, finite_float)
 
     def parse_args(self, args=None, namespace=None):
         namespace, extras = self.parse_known_args(args, namespace)
@@ -740,6 +754,8 @@ def entry_defaults(entry: str | None, args: argparse.Namespace, given: set[str])
     chosen = dict(ENTRY_DEFAULTS[entry])
     if uses_demo_data(args):
         chosen.update(DEMO_DEFAULTS)
+        if "lr" in given and "min_lr" not in given and args.lr:  # the demo's floor stays under a given --lr
+            chosen["min_lr"] = min(DEMO_DEFAULTS["min_lr"], args.lr / 10)
     else:
         model_type = args.model_type if "model_type" in given else chosen.get("model_type", args.model_type)
         chosen["tokenizer_type"] = MEGATRON_TOKENIZERS[model_type]

@@ -12,7 +12,7 @@ from rapidtrain.config import arguments
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.config.plan import layout_of
 from rapidtrain.config.resolve import optimizer_settings, precision_of, read_user_config, switches_of, zero_by_fsdp2
-from rapidtrain.config.settings import RunContext, data_parallel_size, expand_num_experts
+from rapidtrain.config.settings import Batches, RunContext, data_parallel_size, expand_num_experts
 from rapidtrain.models import hf_config
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME
 
@@ -60,9 +60,9 @@ def accumulation_steps(args: Args, ctx: RunContext) -> int | None:
     """Micro-batches per iteration, when the batch flags divide (another rule reports when they do not)."""
     if not layout_divides(args, ctx) or args.micro_batch_size < 1:
         return None
-    per_step = args.micro_batch_size * dp_size(args, ctx)
-    global_batch = args.global_batch_size or per_step
-    return global_batch // per_step if global_batch % per_step == 0 else None
+    batches = Batches.resolve(args.micro_batch_size, args.global_batch_size, dp_size(args, ctx))  # the plan's rule
+    divides = batches.global_batch_size % (batches.micro_batch_size * batches.data_parallel_size) == 0
+    return batches.accumulation_steps if divides else None
 
 
 def uses_hf_model(args: Args) -> bool:
@@ -320,6 +320,11 @@ def non_finite_or_negative(args: Args) -> list[str]:
             if getattr(args, n) is not None and not (math.isfinite(getattr(args, n)) and getattr(args, n) >= 0)]
 
 
+def min_lr_above_lr(args: Args) -> bool:
+    lr, floor = args.lr, args.min_lr
+    return lr is not None and floor is not None and math.isfinite(lr) and math.isfinite(floor) and floor > lr
+
+
 def not_positive_counts(args: Args) -> list[str]:
     """Counts that must be at least 1 when given: a 0 would divide by zero or never log, evaluate or stop."""
     names = ("train_iters", "epochs", "log_interval", "eval_interval", "save_interval", "exit_interval",
@@ -458,7 +463,7 @@ def auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
                 "yourself.")
     if not layout_divides(args, ctx):
         return None  # the layout rule reports it
-    from rapidtrain.config.memory import activation_bytes_per_sample, memory_estimate
+    from rapidtrain.config.memory import memory_estimate, with_peak
     from rapidtrain.config.resolve import (
         builtin_vocab_size,
         model_config_from_args,
@@ -470,15 +475,21 @@ def auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
     vocab = builtin_vocab_size(args, tokenizer_settings_of(args))
     if not vocab:
         return None
-    model, precision = model_config_from_args(args, vocab), precision_of(args, ctx)
-    state = memory_estimate(args, model, layout_of(args, ctx), precision, ctx).total_bytes
-    need = state + activation_bytes_per_sample(model, precision, recompute_of(args))
-    if need <= args.memory_budget_gb * 2**30:
+    model, precision, layout = model_config_from_args(args, vocab), precision_of(args, ctx), layout_of(args, ctx)
+    per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
+        // layout.data_parallel_size
+    memory = with_peak(memory_estimate(args, model, layout, precision, ctx), model, 1, per_rank, layout, precision,
+                       recompute_of(args), ctx.device_type)
+    if memory.peak_bytes_per_rank <= args.memory_budget_gb * 2**30:
         return None
-    return (f"--auto-micro-batch-size: even micro batch 1 needs ~{need / 2**30:.2f} GiB (model state "
-            f"{state / 2**30:.2f} GiB + one sample's activations) > --memory-budget-gb {args.memory_budget_gb:g}, "
-            "so the global batch cannot be kept: raise the budget, recompute (--recompute-granularity full), "
-            "shard the model state (--zero-3-memory-optimization), or shorten --seq-length.")
+    stage = max(range(len(memory.stage_state_bytes)),
+                key=lambda i: memory.stage_state_bytes[i] + memory.stage_activation_bytes[i])
+    return (f"--auto-micro-batch-size: even micro batch 1 needs ~{memory.peak_bytes_per_rank / 2**30:.2f} GiB on "
+            f"the largest rank (model state {memory.stage_state_bytes[stage] / 2**30:.2f} GiB + activations "
+            f"{memory.stage_activation_bytes[stage] / 2**30:.2f} GiB) > --memory-budget-gb "
+            f"{args.memory_budget_gb:g}, so the global batch cannot be kept: raise the budget, recompute "
+            "(--recompute-granularity full), shard the model state (--zero-3-memory-optimization, tensor or pipeline "
+            "parallelism), or shorten --seq-length.")
 
 
 def profile_problem(args: Args, ctx: RunContext) -> str | None:

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rapidtrain.config.memory import mib_text
-from rapidtrain.config.settings import DataSettings, Plan, ScheduleSettings, TrainingSettings
+from rapidtrain.config.settings import (
+    DataSettings,
+    Layout,
+    MemoryEstimate,
+    Plan,
+    ScheduleSettings,
+    StepEstimate,
+    TrainingSettings,
+)
 from rapidtrain.data.tokenizer import TokenizerSettings
 
-if TYPE_CHECKING:
-    pass
-
-if TYPE_CHECKING:
-    pass
-
-
-
-
 ON_SIGTERM = {
-    "save": "save a checkpoint at the end of the iteration, exit 0 (a repeated SIGTERM cannot cut the save)",
-    "stop": "stop at the end of the iteration and exit 0, nothing saved (--exit-signal-handler without --save)",
+    "save": "save a checkpoint at the end of the iteration, exit 0 (a repeated SIGTERM cannot cut the save); "
+            "Ctrl-C the same, exit 130 (a second Ctrl-C aborts at once)",
+    "stop": "stop at the end of the iteration and exit 0, nothing saved (--exit-signal-handler without --save); "
+            "Ctrl-C the same, exit 130",
     "default": "the process ends at once, nothing saved (give --save, or --exit-signal-handler to stop cleanly)",
 }
 
@@ -66,9 +65,7 @@ def describe_plan(plan: Plan) -> str:
                                                     if lay.expert_parallel_size > 1 else ""),
     ]
     if lay.world_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1):
-        for stage, dp_rows in enumerate(lay.rank_grid()):
-            lines.append(f"    pipeline stage {stage}: " + "  ".join(
-                f"dp{d}→ranks {row}" for d, row in enumerate(dp_rows)))
+        lines += _rank_lines(lay)
     lines += [
         *([f"  micro batch: {bat.micro_batch_choice}"] if bat.micro_batch_choice else []),
         f"  batches: micro {bat.micro_batch_size} × accumulation steps {bat.accumulation_steps} × data parallel "
@@ -84,6 +81,20 @@ def describe_plan(plan: Plan) -> str:
     for choice in plan.engines:
         lines.append(f"    {choice.switch:<30} → {choice.engine}" + (f"\n{'':36}because {choice.reason}"
                                                                         if choice.reason else ""))
+    lines += _model_lines(plan) + _checkpoint_lines(plan) + _reporting_lines(plan)
+    lines.append("  on SIGTERM: " + ON_SIGTERM[plan.training.on_sigterm])
+    lines.append(f"  distributed: process-group backend {_backends(plan.distributed.backend)}, collectives time "
+                 f"out after {plan.distributed.timeout_minutes:g} minutes (--distributed-timeout-minutes)")
+    lines.append("  MFU: " + (f"against {plan.logging.peak_tflops:g} TFLOP/s per device ({plan.logging.peak_source})"
+                              if plan.logging.peak_tflops else f"not reported: {plan.logging.peak_source}"))
+    lines += [f"  note: {n}" for n in plan.notes]
+    lines += [f"  warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def _model_lines(plan: Plan) -> list[str]:
+    """The model (the built-in one the flags describe, or a script's own as built), its memory and step time."""
+    lines = [f"  model: {plan.script_model} (built by the script)"] if plan.script_model else []
     if plan.model:
         m = plan.model
         groups = f" ({m.query_groups} key/value groups)" if m.query_groups != m.num_attention_heads else ""
@@ -101,25 +112,23 @@ def describe_plan(plan: Plan) -> str:
             + (f" (offloaded to {mem.params_offloaded})" if mem.params_offloaded != "none" else "") + ", "
             f"gradients {mib_text(mem.grad_bytes)}, optimizer {mib_text(mem.optimizer_bytes)}"
             + (" (on CPU)" if mem.optimizer_on_cpu else "") + f"; total {mib_text(mem.total_bytes)}",
+            *_peak_memory_lines(mem, plan),
         ]
+    return lines + (_estimate_lines(plan.estimate) if plan.estimate else [])
+
+
+def _checkpoint_lines(plan: Plan) -> list[str]:
     ck = plan.checkpoint
-    if ck.save or ck.load:
-        lines.append("  checkpoints: " + "; ".join(
-            ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
-             if ck.save else [])
-            + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else [])))
-        if ck.async_save and ck.save:
-            lines.append("    async save: written by a background thread (torch.distributed.checkpoint async_save) "
-                         "from a copy in host memory; published once every rank has finished writing")
-    lines += _reporting_lines(plan)
-    lines.append("  on SIGTERM: " + ON_SIGTERM[plan.training.on_sigterm])
-    lines.append(f"  distributed: process-group backend {_backends(plan.distributed.backend)}, collectives time "
-                 f"out after {plan.distributed.timeout_minutes:g} minutes (--distributed-timeout-minutes)")
-    lines.append("  MFU: " + (f"against {plan.logging.peak_tflops:g} TFLOP/s per device ({plan.logging.peak_source})"
-                              if plan.logging.peak_tflops else f"not reported: {plan.logging.peak_source}"))
-    lines += [f"  note: {n}" for n in plan.notes]
-    lines += [f"  warning: {w}" for w in plan.warnings]
-    return "\n".join(lines)
+    if not (ck.save or ck.load):
+        return []
+    lines = ["  checkpoints: " + "; ".join(
+        ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
+         if ck.save else [])
+        + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else []))]
+    if ck.async_save and ck.save:
+        lines.append("    async save: written by a background thread (torch.distributed.checkpoint async_save) "
+                     "from a copy in host memory; published once every rank has finished writing")
+    return lines
 
 
 def _reporting_lines(plan: Plan) -> list[str]:
@@ -149,3 +158,60 @@ def _backends(backend: str) -> str:
         return backend
     parts = dict(part.split(":") for part in backend.split(","))
     return ", ".join(f"{kind} tensors → {name}" for kind, name in parts.items()) + f" ({backend})"
+
+
+FULL_RANK_GRID_UP_TO = 32  # ranks; beyond, the groups are summarized (first, last, stride)
+
+
+def _rank_lines(layout: Layout) -> list[str]:
+    """Which ranks form each group: the whole grid for a few ranks, else each kind of group summarized."""
+    grid = layout.rank_grid()
+    if layout.world_size <= FULL_RANK_GRID_UP_TO:
+        return [f"    pipeline stage {stage}: " + "  ".join(f"dp{d}→ranks {row}" for d, row in enumerate(rows))
+                for stage, rows in enumerate(grid)]
+    tp, dp, pp = layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size
+    kinds = [("tensor-parallel", tp, dp * pp, [grid[0][0], grid[-1][-1]]),
+             ("data-parallel", dp, tp * pp, [[row[0] for row in grid[0]], [row[-1] for row in grid[-1]]]),
+             ("pipeline", pp, tp * dp, [[rows[0][0] for rows in grid], [rows[-1][-1] for rows in grid]])]
+    lines = ["    rank groups (Megatron order: tensor ranks neighbours, then data, pipeline outermost):"]
+    for name, size, count, (first, last) in kinds:
+        if size > 1:
+            lines.append(f"      {count:,} {name} groups of {size}: first {_ranks(first)}, last {_ranks(last)}")
+    return lines
+
+
+def _ranks(group: list[int]) -> str:
+    """A group of evenly spaced ranks in a few characters: [0, 8, …, 56] (stride 8)."""
+    if len(group) <= 4:
+        return str(group)
+    stride = group[1] - group[0]
+    return f"[{group[0]}, {group[1]}, …, {group[-1]}] (stride {stride})"
+
+
+def _peak_memory_lines(mem: MemoryEstimate, plan: Plan) -> list[str]:
+    """Model states and activations at each pipeline stage's peak (the first and last when there are many)."""
+    if not mem.stage_state_bytes:
+        return []
+    count = len(mem.stage_state_bytes)
+    shown = range(count) if count <= 4 else (0, 1, count - 1)
+    stages = [f"stage {i}: {mib_text(mem.stage_state_bytes[i])} + activations "
+              f"{mib_text(mem.stage_activation_bytes[i])}" for i in shown]
+    recompute = plan.switches.recompute.granularity
+    head = (f"  peak memory per rank (estimate, model states + activations by Korthikanti et al. 2022, recompute "
+            f"{recompute}): {mib_text(mem.peak_bytes_per_rank)} on the largest rank")
+    if count == 1:
+        return [head + f" (model states {mib_text(mem.stage_state_bytes[0])} + activations "
+                       f"{mib_text(mem.stage_activation_bytes[0])})"]
+    return [head, "    " + "; ".join(stages) + (" (stages between alike, fewer micro-batches in flight)"
+                                                   if count > 4 else "")]
+
+
+def _estimate_lines(estimate: StepEstimate) -> list[str]:
+    if estimate.reason:
+        return [f"  expected step time: {estimate.reason}"]
+    parts = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in estimate.parts)
+    return [f"  expected: {estimate.seconds_per_iteration:.3g} s/iteration, {estimate.tflops_per_device:.0f} TFLOP/s "
+            f"per GPU, MFU {estimate.mfu:.0%} on {estimate.device} (model FLOPs; "
+            f"{estimate.hardware_tflops_per_device:.0f} TFLOP/s with recomputation)",
+            f"    where the time goes: {parts}",
+            *(f"    assuming {a}" for a in estimate.assumptions)]

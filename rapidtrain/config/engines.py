@@ -119,15 +119,43 @@ def describe_compile(args: argparse.Namespace) -> str:
     return f"torch.compile(backend={args.torch_compile_backend!r}, mode={args.torch_compile_mode or 'default'!r})"
 
 
-def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,
-                switches: Switches, model: ModelConfig | None = None) -> tuple[list[EngineChoice], list[str]]:
-    from rapidtrain.optim.optimizers import describe_optimizer
+def pipeline_schedule(layout: Layout, micro_batches: int) -> str:
+    """The schedule parallel/pipeline.py runs, named by what it is, with the micro-batches and stages."""
+    p, v, m = layout.pipeline_parallel_size, layout.virtual_pipeline_stages, micro_batches
+    if v > 1:
+        return (f"interleaved 1F1B, {v} model chunks per rank, {m} micro-batches over {p} stages "
+                f"(bubble (p - 1)/(v·m) = {(p - 1) / (v * m):.1%})")
+    if m >= p:
+        return f"1F1B, {m} micro-batches over {p} stages (bubble (p - 1)/m = {(p - 1) / m:.1%})"
+    return (f"GPipe, {m} micro-batches over {p} stages (1F1B needs at least as many micro-batches as stages; "
+            f"bubble (p - 1)/m = {(p - 1) / m:.0%})")
 
-    engines: list[EngineChoice] = []
+
+def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,
+                switches: Switches, model: ModelConfig | None = None,
+                micro_batches: int = 1) -> tuple[list[EngineChoice], list[str]]:
+    """The engine behind each switch, in the plan's order, and notes on flags that need a word."""
     notes: list[str] = []
+    partitioning = _partitioning_choice(args, layout, model)
+    engines = (_data_parallel_choices(args, ctx, layout, partitioning)
+               + _model_parallel_choices(args, layout, micro_batches)
+               + _precision_choices(layout, precision, partitioning)
+               + recompute_choices(args) + _kernel_choices(args, precision)
+               + _host_choices(args, ctx, layout, precision, switches, notes)
+               + _data_choices(args, ctx)
+               + [_optimizer_choice(args, ctx, layout, switches)])
+    if args.cpu_offload:
+        notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
+                     "selects Adam there")
+    return engines, notes
+
+
+def _data_parallel_choices(args: argparse.Namespace, ctx: RunContext, layout: Layout,
+                           partitioning: EngineChoice | None) -> list[EngineChoice]:
+    """Data parallelism, the model-state partitioning, ZeRO's communication and what is offloaded."""
+    engines: list[EngineChoice] = []
     backend = args.distributed_backend or ("nccl" if ctx.device_type == "cuda" else "gloo")
     three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
-    partitioning = _partitioning_choice(args, layout, model)
     if layout.data_parallel_size > 1 and (partitioning is None or "DistributedDataParallel" in partitioning.engine):
         how = "composable replicate() over the data-parallel mesh dimension" if three_d else "DistributedDataParallel"
         engines.append(EngineChoice("data parallel", f"torch {how} ({backend})",
@@ -153,39 +181,55 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
                                     f"offload_param to nvme at {args.nvme_offload_dir} (async_io){threads}, {pinned}",
                                     "parameter shards of at least DeepSpeed's 1 MiB I/O block are swapped to files; "
                                     "smaller ones stay in host memory"))
+    return engines
+
+
+def _model_parallel_choices(args: argparse.Namespace, layout: Layout, micro_batches: int) -> list[EngineChoice]:
+    """Tensor, pipeline and expert parallelism."""
+    engines: list[EngineChoice] = []
     if layout.tensor_parallel_size > 1:
         engines.append(EngineChoice("--tensor-model-parallel-size", "DTensor parallelize_module: column/row split of "
                                     "attention and MLP, vocab-parallel embedding and loss"
                                     + (", sequence parallel norms/dropout" if layout.sequence_parallel else "")))
     if layout.pipeline_parallel_size > 1:
-        schedule = "interleaved 1F1B" if layout.virtual_pipeline_stages > 1 else \
-            "1F1B (GPipe with fewer micro-batches than stages)"
-        engines.append(EngineChoice("--pipeline-model-parallel-size", f"torch.distributed.pipelining, {schedule}, "
-                                    "microbatches = accumulation steps"))
+        engines.append(EngineChoice("--pipeline-model-parallel-size", "torch.distributed.pipelining, "
+                                    + pipeline_schedule(layout, micro_batches)))
     if args.num_experts:
         ep = f", experts sharded over {layout.expert_parallel_size} ranks (all-to-all)" \
             if layout.expert_parallel_size > 1 else ""
         residual = (", PR-MoE (--mlp-type residual): a dense MLP beside the experts, mixed in by learned per-token "
                     "coefficients" if args.mlp_type == "residual" else "")
+        capacity = ("dropless (--disable-moe-token-dropping: every token reaches its experts, no capacity "
+                    "factor)" if args.disable_moe_token_dropping
+                    else f"capacity factor {args.moe_capacity_factor:g} (tokens over capacity dropped)")
         engines.append(EngineChoice("--num-experts", f"rapidtrain MoE layers: top-{args.moe_router_topk} router, "
-                                    f"load-balancing loss, capacity factor {args.moe_capacity_factor:g}{ep}{residual}"))
-    if precision.dtype != "fp32":
-        deepspeed_own = partitioning is not None and partitioning.engine.startswith("DeepSpeed")
-        engine = f"DeepSpeed {precision.dtype} engine" if deepspeed_own else f"torch.autocast({precision.dtype})"
-        if precision.loss_scaling != "none":
-            engine += f" + {precision.loss_scaling} loss scaling"
-        if partitioning is not None and "FSDP2" in partitioning.engine and layout.data_parallel_size > 1:
-            engine += (f"; FSDP2 MixedPrecisionPolicy on the transformer blocks ({precision.dtype} all-gather and "
-                       "compute, fp32 reduce-scatter and accumulation; embeddings, final norm and head in fp32)")
-        engines.append(EngineChoice("precision", engine, precision.reason))
-    engines += recompute_choices(args)
+                                    f"load-balancing loss, {capacity}{ep}{residual}"))
+    return engines
+
+
+def _precision_choices(layout: Layout, precision: Precision, partitioning: EngineChoice | None) -> list[EngineChoice]:
+    if precision.dtype == "fp32":
+        return []
+    deepspeed_own = partitioning is not None and partitioning.engine.startswith("DeepSpeed")
+    engine = f"DeepSpeed {precision.dtype} engine" if deepspeed_own else f"torch.autocast({precision.dtype})"
+    if precision.loss_scaling != "none":
+        engine += f" + {precision.loss_scaling} loss scaling"
+    if partitioning is not None and "FSDP2" in partitioning.engine and layout.data_parallel_size > 1:
+        engine += (f"; FSDP2 MixedPrecisionPolicy on the transformer blocks ({precision.dtype} all-gather and "
+                   "compute, fp32 reduce-scatter and accumulation; embeddings, final norm and head in fp32)")
+    return [EngineChoice("precision", engine, precision.reason)]
+
+
+def _kernel_choices(args: argparse.Namespace, precision: Precision) -> list[EngineChoice]:
+    """Graph optimisation, k-bit bases and adapters, the attention kernel, compile."""
+    engines: list[EngineChoice] = []
     if args.onnx_runtime_training:
         usable, why = ort_status()
         engines.append(EngineChoice("--onnx-runtime-training", "onnxruntime ORTModule" if usable
                                     else f"{describe_compile(args)} as the graph optimiser", why))
     lora = lora_settings(args)
     if lora is not None and lora.load_in_bits:
-        from rapidtrain.models.lora import describe_quantization
+        from rapidtrain.models.lora import describe_quantization  # torch: kept off `rapidtrain plan`'s start-up
 
         engines.append(EngineChoice(f"--load-in-{lora.load_in_bits}bit",
                                     describe_quantization(lora.load_in_bits, precision.dtype)))
@@ -196,19 +240,31 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
         engines.append(EngineChoice("--attention-backend", *attention.describe(trains_builtin_model(args))))
     if args.torch_compile:
         engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer"))
+    return engines
+
+
+def _host_choices(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,
+                  switches: Switches, notes: list[str]) -> list[EngineChoice]:
+    """The CPU allocator, TF32 and how the model is constructed."""
+    engines: list[EngineChoice] = []
     if ctx.device_type == "cpu" and args.cpu_allocator_tuning:
         from rapidtrain.core.cpu_allocator import DESCRIPTION, glibc_version
 
         if glibc_version():
-            engines.append(EngineChoice("CPU allocator", DESCRIPTION, "each step reuses the last step's pages "
-                                        "instead of faulting them in again; --no-cpu-allocator-tuning turns it off"))
+            engines.append(EngineChoice("CPU allocator", DESCRIPTION, "each step reuses the last step's "
+                                        "pages instead of faulting them in again; --no-cpu-allocator-tuning turns it "
+                                        "off"))
         else:
             notes.append("CPU allocator: the C library is not glibc, so malloc is left as it is")
     if args.tf32 or ctx.device_type == "cuda":
         engines.append(tf32_choice(args, ctx, precision))
     construction = construction_choice(args, ctx, layout, switches)
-    if construction is not None:
-        engines.append(construction)
+    return engines + ([construction] if construction is not None else [])
+
+
+def _data_choices(args: argparse.Namespace, ctx: RunContext) -> list[EngineChoice]:
+    """How batches are shaped and the data read."""
+    engines: list[EngineChoice] = []
     if args.data_iterator == "dynamic-shape":
         how = "length-bucketed batches padded to the longest (multiple of 8)"
         if is_pretraining(args, ctx) and args.model_type == "gpt":
@@ -227,19 +283,18 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
                                     "--padding-free: no compute or memory spent on padded tokens"))
     if args.mmap_warmup:
         engines.append(EngineChoice("--mmap-warmup", "every .bin/.idx file of the data read once before training"))
-    if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
-        from rapidtrain.optim.optimizers import describe_offload_optimizer
+    return engines
 
-        engines.append(EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args))))
-    else:
-        settings = optimizer_settings(args, layout, switches)
-        engines.append(EngineChoice("optimizer", describe_optimizer(settings, ctx.device_type),
-                                    "the layout's parameters are " + ("DTensors (tensor parallel / FSDP2 / "
-                                    "replicate)" if settings.dtensor_parameters else "plain tensors")))
-    if args.cpu_offload:
-        notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
-                     "selects Adam there")
-    return engines, notes
+
+def _optimizer_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout, switches: Switches) -> EngineChoice:
+    from rapidtrain.optim.optimizers import describe_offload_optimizer, describe_optimizer  # torch: see above
+
+    if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
+        return EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args)))
+    settings = optimizer_settings(args, layout, switches)
+    return EngineChoice("optimizer", describe_optimizer(settings, ctx.device_type),
+                        "the layout's parameters are " + ("DTensors (tensor parallel / FSDP2 / replicate)"
+                                                          if settings.dtensor_parameters else "plain tensors"))
 
 
 def recompute_choices(args: argparse.Namespace) -> list[EngineChoice]:

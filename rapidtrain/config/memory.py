@@ -8,6 +8,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from rapidtrain.config.activations import ActivationContext, stage_activation_bytes
 from rapidtrain.config.partitioning import zero_stage
 from rapidtrain.config.resolve import optimizer_settings, switches_of, zero_by_fsdp2
 from rapidtrain.config.settings import (
@@ -19,45 +20,70 @@ from rapidtrain.config.settings import (
     RunContext,
     Switches,
 )
+from rapidtrain.core.errors import UserError
 from rapidtrain.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from rapidtrain.optim.optimizers import OptimizerSettings
 
-if TYPE_CHECKING:
-    from rapidtrain.optim.optimizers import OptimizerSettings
+
+def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int) -> list[float]:
+    """Each pipeline stage's parameters over the average stage's (the model's total / p): the first stage holds
+    the embeddings, the last the final norm and the head (with tied embeddings, beyond one stage, its own copy
+    of the word embedding), the others only their layers."""
+    from rapidtrain.models.counting import count_parameters
+
+    if pipeline_parallel == 1:
+        return [1.0]
+    total = count_parameters(model)[0]
+    edges = count_parameters(dataclasses.replace(model, num_layers=0, num_experts=()))[0]
+    h, vocab = model.hidden_size, model.vocab_size
+    head = h + vocab * h  # the final norm (its weight) and an output matrix, tied copy or its own
+    embedding = edges - (0 if model.tie_embeddings else vocab * h) - h
+    layers = (total - edges) / pipeline_parallel
+    average = total / pipeline_parallel
+    shares = [layers / average] * pipeline_parallel
+    shares[0] += embedding / average
+    shares[-1] += head / average
+    return shares
 
 
-def activation_bytes_per_sample(model: ModelConfig, precision: Precision, recompute: RecomputeSettings) -> int:
-    """Estimated activation bytes one sample keeps for backward on one rank: per layer ~17 activations of s × h
-    elements (Korthikanti et al.'s 34·s·h bytes at 16 bits, with fused attention that keeps no s × s scores;
-    op-level recompute keeps ~11 of them, full recompute the layer input), plus the loss's log-softmax."""
-    element = 4 if precision.dtype == "fp32" else 2
-    s, h = model.seq_length, model.hidden_size
-    per_layer = {"none": 17, "selective": 16, "op": 11, "full": 1}[recompute.granularity] * s * h * element
-    recomputed = len(recompute.layers_of(model.num_layers))
-    layers = recomputed * per_layer + (model.num_layers - recomputed) * 17 * s * h * element
-    return layers + s * model.vocab_size * 4  # the fp32 log-softmax the loss keeps (measured: ~1.2× this)
+def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batches: int, layout: Layout,
+              precision: Precision, recompute: RecomputeSettings, device_type: str) -> MemoryEstimate:
+    """`memory` with each pipeline stage's model states and activations, and the largest rank's peak."""
+    act = ActivationContext.of(model, precision.dtype, device_type)
+    activations = stage_activation_bytes(model, micro, micro_batches, layout, act, recompute)
+    states = [memory.total_bytes * share for share in stage_parameter_shares(model, layout.pipeline_parallel_size)]
+    peak = max(state + kept for state, kept in zip(states, activations, strict=True))
+    return dataclasses.replace(memory, stage_state_bytes=tuple(states), stage_activation_bytes=tuple(activations),
+                               peak_bytes_per_rank=peak)
 
 
 def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: ModelConfig, precision: Precision,
-                          memory: MemoryEstimate, recompute: RecomputeSettings) -> tuple[int, str]:
-    """The largest micro batch (at most --micro-batch-size) dividing global / data-parallel that fits the budget
-    (--memory-budget-gb) as model state + micro × per-sample activations, and the arithmetic in words; 1 when none
-    fits (the rules refuse that case)."""
+                          memory: MemoryEstimate, recompute: RecomputeSettings, device_type: str) -> tuple[int, str]:
+    """The largest micro batch (at most --micro-batch-size) dividing global / data-parallel whose largest rank
+    (model states + activations of the micro-batches its pipeline stage keeps in flight, under the layout's tensor
+    and sequence parallelism and recompute) fits --memory-budget-gb; 1 when none fits (the rules refuse that
+    case). Returns it and the arithmetic in words."""
     per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
         // layout.data_parallel_size
     budget = args.memory_budget_gb * 2**30
-    per_sample = activation_bytes_per_sample(model, precision, recompute)
+
+    def peak(micro: int) -> MemoryEstimate:
+        return with_peak(memory, model, micro, per_rank // micro, layout, precision, recompute, device_type)
+
     fitting = [m for m in range(min(args.micro_batch_size, per_rank), 0, -1)
-               if per_rank % m == 0 and memory.total_bytes + m * per_sample <= budget]
+               if per_rank % m == 0 and peak(m).peak_bytes_per_rank <= budget]
     micro = fitting[0] if fitting else 1
+    chosen = peak(micro)
+    stage = max(range(len(chosen.stage_state_bytes)),
+                key=lambda i: chosen.stage_state_bytes[i] + chosen.stage_activation_bytes[i])
+    where = f" (pipeline stage {stage}, the largest)" if layout.pipeline_parallel_size > 1 else ""
     return micro, (f"--auto-micro-batch-size: {micro}, the largest divisor of {per_rank} (global / data parallel) "
-                   f"up to --micro-batch-size {args.micro_batch_size} with model state "
-                   f"{mib_text(memory.total_bytes)} + "
-                   f"{micro} × {mib_text(per_sample)} activations per sample (estimate, recompute "
-                   f"{recompute.granularity}) = {mib_text(memory.total_bytes + micro * per_sample)} within "
-                   f"--memory-budget-gb {args.memory_budget_gb:g}")
+                   f"up to --micro-batch-size {args.micro_batch_size} whose largest rank{where} holds model state "
+                   f"{mib_text(chosen.stage_state_bytes[stage])} + activations "
+                   f"{mib_text(chosen.stage_activation_bytes[stage])} (estimate, recompute {recompute.granularity}) "
+                   f"= {mib_text(chosen.peak_bytes_per_rank)} within --memory-budget-gb {args.memory_budget_gb:g}")
 
 
 def size_multiple_warnings(model: ModelConfig | None, batches: Batches, precision: Precision,
@@ -106,8 +132,16 @@ def parameter_shape_counts(model: ModelConfig) -> dict[tuple[int, ...], int]:
     counts: Counter[tuple[int, ...]] = Counter()
     for index, (experts, layers) in enumerate(kinds.items()):
         one_layer = dataclasses.replace(model, num_layers=1, num_experts=(experts,) if model.num_experts else ())
-        with torch.device("meta"):
-            built = build_model(one_layer, seed=None)
+        try:
+            with torch.device("meta"):
+                built = build_model(one_layer, seed=None)
+        except RuntimeError as error:
+            if "overflow" not in str(error).lower():
+                raise
+            raise UserError(f"--hidden-size {model.hidden_size} (vocabulary "
+                            f"{model.vocab_size}): a weight matrix of this model has more elements than a tensor can "
+                            "address (2^63 bytes). Give sizes a device can hold (GPT-3 175B uses --hidden-size "
+                            "12288).") from None
         for name, param in built.named_parameters():
             in_layer = name.startswith("layers.")
             if in_layer or index == 0:  # the embedding, head and norms once

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import TYPE_CHECKING
 
 from rapidtrain.config.engines import engines_for
-from rapidtrain.config.memory import auto_micro_batch_size, memory_estimate, size_multiple_warnings
+from rapidtrain.config.estimate import plan_estimate
+from rapidtrain.config.memory import auto_micro_batch_size, memory_estimate, size_multiple_warnings, with_peak
 from rapidtrain.config.resolve import (
     attention_settings,
     batch_schedule_of,
@@ -35,21 +35,6 @@ from rapidtrain.config.resolve import (
     zero_settings,
 )
 from rapidtrain.config.settings import Batches, Layout, Plan, RunContext, data_parallel_size
-
-if TYPE_CHECKING:
-    pass
-
-if TYPE_CHECKING:
-    pass
-
-
-# ---- one place for the arithmetic the rules, the plan and the engine share ----
-
-
-# ---- each component's own settings (nothing after the plan reads the flags) ----
-
-
-# ---- resolution ----
 
 
 def template_of(args: argparse.Namespace, ctx: RunContext) -> str:
@@ -82,12 +67,17 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     # The micro batch is chosen before the batch arithmetic, which every later setting follows.
     micro, choice, global_batch = args.micro_batch_size, None, args.global_batch_size
     if args.auto_micro_batch_size and model and memory and args.memory_budget_gb:
-        micro, choice = auto_micro_batch_size(args, layout, model, precision, memory, switches.recompute)
+        micro, choice = auto_micro_batch_size(args, layout, model, precision, memory, switches.recompute,
+                                              ctx.device_type)
         # Without --global-batch-size the flags mean --micro-batch-size × data parallel: keep that batch.
         global_batch = global_batch or args.micro_batch_size * layout.data_parallel_size
     batches = dataclasses.replace(Batches.resolve(micro, global_batch, layout.data_parallel_size,
                                                   batch_schedule_of(args)), micro_batch_choice=choice)
-    engines, notes = engines_for(args, ctx, layout, precision, switches, model)
+    if model and memory:
+        memory = with_peak(memory, model, batches.micro_batch_size, batches.accumulation_steps, layout, precision,
+                           switches.recompute, ctx.device_type)
+    engines, notes = engines_for(args, ctx, layout, precision, switches, model,
+                                 batches.accumulation_steps)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags
     from rapidtrain.config.meanings import hugging_face_notes
 
@@ -97,23 +87,19 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
                      "collate_fn decides how its batches are built (rapidtrain.tasks.base.FlattenCollator packs "
                      "them the same way)")
     warnings = precision_warnings(args, ctx, precision) + size_multiple_warnings(model, batches, precision, ctx)
-    return Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
-                switches, training_settings(args, batches),
-                dataclasses.replace(data_settings(args, ctx), micro_batch_size=batches.micro_batch_size), tokenizer,
-                optimizer_settings(args, layout, switches), schedule_settings(args), loss_scale_settings(args),
-                args.clip_grad, checkpoint_settings(args, vocab_size),
-                logging_settings(args, ctx, precision, switches.tf32), tuple(notes),
-                lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
-                distributed_settings(args, ctx), tuple(warnings),
-                attention_settings(args))
+    resolved = Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
+                    switches, training_settings(args, batches),
+                    dataclasses.replace(data_settings(args, ctx), micro_batch_size=batches.micro_batch_size),
+                    tokenizer, optimizer_settings(args, layout, switches), schedule_settings(args),
+                    loss_scale_settings(args), args.clip_grad, checkpoint_settings(args, vocab_size),
+                    logging_settings(args, ctx, precision, switches.tf32), tuple(notes),
+                    lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
+                    distributed_settings(args, ctx), tuple(warnings), attention_settings(args))
+    return with_estimate(resolved, ctx)
 
 
-# ---- the engine behind each switch (DESIGN.md's table) ----
-
-
-# ---- memory per rank (ZeRO paper accounting) ----
-
-
-# ---- printing ----
+def with_estimate(plan: Plan, ctx: RunContext) -> Plan:
+    """The plan with its expected step time on the context's device (config/estimate.py)."""
+    return dataclasses.replace(plan, estimate=plan_estimate(plan, ctx.device_type, ctx.capability.name))
 
 

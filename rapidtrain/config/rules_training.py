@@ -30,6 +30,7 @@ from rapidtrain.config.checks import (
     lengths,
     lora_settings_given,
     low_bit_optimizer_refusal,
+    min_lr_above_lr,
     mixed_schedule_flags,
     needs_iterations,
     non_finite_or_negative,
@@ -55,6 +56,14 @@ from rapidtrain.config.resolve import zero_by_fsdp2
 from rapidtrain.models import hf_config
 
 TRAINING_RULES: tuple[Rule, ...] = (
+    Rule(
+        "min-lr-within-lr", ("--min-lr", "--lr"),
+        "--min-lr is the floor the schedule decays to from --lr, so it is at most --lr.",
+        lambda a, c: bool(a.lr) and a.min_lr > a.lr,
+        lambda a, c: f"--min-lr {a.min_lr:g} is above --lr {a.lr:g}: the schedule decays from --lr down to "
+        "--min-lr, so the learning rate would rise instead. Give --min-lr at most --lr (Megatron's runs use about "
+        "a tenth of it).",
+    ),
     Rule(
         "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                                    "--pretrained-model-name-or-path"),
@@ -276,6 +285,13 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "climbs the loss, NaN poisons every weight at the first step). Give e.g. --lr 1e-4.",
     ),
     Rule(
+        "min-lr-below-lr", ("--min-lr", "--lr"),
+        "The learning-rate floor (--min-lr) does not exceed the peak (--lr); the run's schedule refuses it too.",
+        lambda a, c: min_lr_above_lr(a),
+        lambda a, c: f"--min-lr {a.min_lr:g} exceeds --lr {a.lr:g}: the schedule decays from --lr down to --min-lr. "
+        f"Give --min-lr at most {a.lr:g} (the demo corpus sets --min-lr 1e-4: lower it with --lr).",
+    ),
+    Rule(
         "counts-positive", ("--train-iters", "--log-interval", "--eval-interval", "--num-workers"),
         "Iteration counts and intervals are at least 1; --eval-iters and --num-workers are not negative.",
         lambda a, c: bool(not_positive_counts(a)),
@@ -396,7 +412,8 @@ TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
         "compile-backend-known", ("--torch-compile-backend",),
         "--torch-compile-backend names a backend registered with torch._dynamo.",
-        lambda a, c: a.torch_compile_backend not in compile_backends(),
+        # inductor (the default) is always registered: asking torch._dynamo costs ~1.5 s of `rapidtrain plan`.
+        lambda a, c: a.torch_compile_backend != "inductor" and a.torch_compile_backend not in compile_backends(),
         lambda a, c: f"--torch-compile-backend {a.torch_compile_backend!r} is not a torch.compile backend here; "
         f"choose one of {', '.join(compile_backends())} (inductor is the default).",
     ),

@@ -26,7 +26,10 @@ def saved_model_config(directory: Path) -> ModelConfig | None:
     checkpoint. The Hugging Face folder that initialised it (if any) is not needed again: the weights are in
     the checkpoint."""
     common = read_common(directory)
-    model = (common.get("plan") or {}).get("model")
+    saved_plan = common.get("plan") or {}
+    if saved_plan.get("script_model"):  # a user script's own model: no built-in model to rebuild
+        return None
+    model = saved_plan.get("model")
     if model:
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items() if k in fields}

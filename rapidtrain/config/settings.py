@@ -80,7 +80,7 @@ class RunContext:
         return RunContext(per_node * node_layout(os.environ).nnodes, device_type, script, capability)
 
 
-def default_nproc_per_node(device_type: DeviceType) -> int:
+def default_nproc_per_node(device_type: str) -> int:
     if device_type == "cuda":
         import torch
 
@@ -321,7 +321,10 @@ class EngineChoice:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Model-state bytes per rank (ZeRO paper accounting); activations are not included."""
+    """Bytes per rank before anything is built: model states by the ZeRO paper's accounting (`param_bytes`,
+    `grad_bytes`, `optimizer_bytes`: the average rank's), and per pipeline stage the model states (the first stage
+    holds the embedding, the last the head) and the activations at its peak (Korthikanti et al. 2022, see
+    config/activations.py); `peak_bytes_per_rank` is the largest stage's sum."""
 
     parameters: int
     total_params: int
@@ -331,11 +334,30 @@ class MemoryEstimate:
     optimizer_bytes: float
     optimizer_on_cpu: bool = False
     params_offloaded: OffloadTarget = "none"  # ZeRO-3 parameter partitions in host memory or on NVMe
+    stage_state_bytes: tuple[float, ...] = ()  # model states on one rank of each pipeline stage (on the device)
+    stage_activation_bytes: tuple[float, ...] = ()  # activations kept at each stage's peak, on one rank of it
+    peak_bytes_per_rank: float = 0.0  # the largest stage's model states + activations (0: not estimated)
 
     @property
     def total_bytes(self) -> float:
         params = 0 if self.params_offloaded != "none" else self.param_bytes
         return params + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """The expected time of one iteration on the plan's GPUs and where it goes (config/estimate.py), or why there
+    is none (`reason`, with the times left at 0). TFLOP/s and MFU count model FLOPs (no recomputation), as the
+    log line does; `hardware_tflops_per_device` counts what runs, recomputation included."""
+
+    device: str = ""
+    seconds_per_iteration: float = 0.0
+    tflops_per_device: float = 0.0
+    mfu: float = 0.0
+    hardware_tflops_per_device: float = 0.0
+    parts: tuple[tuple[str, float], ...] = ()  # (what, seconds per iteration) in the order they add up
+    assumptions: tuple[str, ...] = ()
+    reason: str = ""  # why nothing is estimated ("" when estimated)
 
 
 @dataclass(frozen=True)
@@ -521,6 +543,9 @@ class Plan:
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     warnings: tuple[str, ...] = field(default_factory=tuple)  # printed when a run starts, before anything is built
     attention: AttentionSettings = field(default_factory=AttentionSettings)  # --attention-backend's kernel
+    estimate: StepEstimate | None = None  # the expected step time (None: no built-in model to estimate)
+    # A user script's own model (not the built-in one), as built: "class, N parameters" (Engine.compose sets it)
+    script_model: str | None = None
 
     @property
     def train_iters(self) -> int | None:

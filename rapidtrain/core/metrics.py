@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -151,6 +151,12 @@ class Timer:
         self.stop()
 
 
+class ScalarSink(Protocol):
+    """Where timers write their means: a TensorBoard writer, or the run's writers together."""
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None: ...
+
+
 class Timers:
     """Megatron's named timers: `timers("forward-backward").start()` ... `.stop()`; `timers.write(writer,
     step)` puts each one's seconds per iteration since the last write into TensorBoard as `timers/NAME`.
@@ -169,7 +175,7 @@ class Timers:
             self._timers[name] = Timer(self.device, self.clock)
         return self._timers[name]
 
-    def write(self, writer: TensorBoardWriter, step: int, iterations: int) -> None:
+    def write(self, writer: ScalarSink, step: int, iterations: int) -> None:
         for name, timer in self._timers.items():
             writer.add_scalar(f"timers/{name}", timer.elapsed(reset=True) / max(iterations, 1), step)
 

@@ -67,8 +67,10 @@ def stop_rank_with_torchrun() -> bool:
 
 
 def ignore_sigterm_in_worker(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: SIGTERM is the rank's to handle (save, then stop its workers itself)."""
+    """DataLoader `worker_init_fn`: SIGTERM and Ctrl-C are the rank's to handle (save, then stop its workers
+    itself); a worker that died of them would stop the rank with "DataLoader worker is killed by signal"."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def exit_status(returncode: int) -> int:
@@ -88,8 +90,13 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     env = dict(os.environ if env is None else env, **{PARENT_PID_ENV: str(os.getpid())})
     process: subprocess.Popen | None = None
     received: list[int] = []
+    aborted: list[bool] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and signum in received and process is not None and not aborted:
+            aborted.append(True)
+            abort_tree(process.pid)
+            return
         if signum in received:
             return
         received.append(signum)
@@ -102,10 +109,24 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
         process = subprocess.Popen(list(command), env=env, start_new_session=True)
         for signum in list(received):  # arrived while it was being started
             process.send_signal(signum)
-        return exit_status(process.wait())
+        status = exit_status(process.wait())
+        return 128 + signal.SIGINT if aborted else status
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_IGN if signum in received else handler)
+
+
+def abort_tree(pid: int) -> None:
+    """A second Ctrl-C: SIGKILL `pid` and every process under it (each rank is in a session of its own), at once."""
+    print("rapidtrain: second Ctrl-C: stopping every rank now, without saving", file=sys.stderr, flush=True)
+    tree, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        tree.append(current)
+        frontier += child_pids(current)
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def child_pids(parent: int | None = None) -> list[int]:
@@ -137,6 +158,7 @@ class RankSignalForwarder:
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._forward)
+        signal.signal(signal.SIGINT, self._forward)  # Ctrl-C stops like SIGTERM: the ranks save (status 130)
 
     def _forward(self, signum: int, _frame: FrameType | None) -> None:
         ranks = child_pids()
@@ -152,5 +174,5 @@ class RankSignalForwarder:
     def settle(self) -> None:
         """torchrun is done: after a forwarded stop, a repeat must not kill it on its way out (the interpreter
         drops Python handlers while it finalizes), or its status would be the signal's, not the ranks'."""
-        if self.forwarded:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for signum in self.forwarded:
+            signal.signal(signum, signal.SIG_IGN)

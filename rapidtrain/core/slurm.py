@@ -113,6 +113,7 @@ def node_layout(env: Mapping[str, str]) -> NodeLayout:
     nnodes = int(nodes[1]) if nodes and nodes[1].isdigit() else 1
     if nnodes == 1:
         return NodeLayout(source="slurm")
+    assert nodes is not None  # nnodes > 1 was read from it
     tasks = slurm_tasks_per_node(env)
     if tasks is not None and tasks > 1:
         raise UserError(f"Slurm started {tasks} tasks on this node; rapidtrain starts torchrun, which starts "

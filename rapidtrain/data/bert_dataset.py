@@ -180,6 +180,7 @@ class BERTDataset(torch.utils.data.Dataset):
                 "class: BERTDataset",
                 f"prefix: {os.path.abspath(prefix)}",
                 f"sequences: {len(sizes)} tokens: {int(np.sum(sizes, dtype=np.int64))}",
+                f"content: {getattr(indexed_dataset, 'fingerprint', '-')}",
                 f"split: {split_name} sentences: [{int(doc_bounds[0])}, {int(doc_bounds[-1])})",
                 f"num_samples: {num_samples} max_tokens: {config.max_tokens}",
                 f"short_seq_prob: {config.short_seq_prob:.4f} seed: {config.seed}",

@@ -64,6 +64,9 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
 
 def normalize_weights(weights: Sequence[float]) -> list[float]:
     """Weights divided by their sum; they must be non-negative with a positive sum."""
+    if not all(math.isfinite(w) for w in weights):
+        raise DataPathError(f"--data-path weights {list(weights)}: each weight must be a finite number (not nan or "
+                            "inf): a blend is written w1 p1 w2 p2 ...")
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise DataPathError(f"--data-path weights {list(weights)} must be non-negative with a positive sum")
     total = float(sum(weights))

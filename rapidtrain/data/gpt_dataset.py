@@ -239,6 +239,7 @@ class GPTDataset(torch.utils.data.Dataset):
                 "class: GPTDataset",
                 f"prefix: {os.path.abspath(prefix)}",
                 f"sequences: {len(sizes)} tokens: {int(np.sum(sizes, dtype=np.int64))}",
+                f"content: {getattr(indexed_dataset, 'fingerprint', '-')}",
                 f"split: {split_name} documents: [{int(documents[0])}, {int(documents[-1]) + 1})",
                 f"num_samples: {num_samples}",
                 f"seq_length: {config.seq_length}",

@@ -7,6 +7,7 @@ legacy TNTIDX format (`--data-impl lazy` / `cached`).
 from __future__ import annotations
 
 import array
+import hashlib
 import os
 import struct
 from collections.abc import Sequence
@@ -186,7 +187,9 @@ class IndexedDataset:
         self.dtype, self.sequence_lengths, self._offsets, self.document_indices = read_index(idx_path)
         self._itemsize = self.dtype.itemsize
         bin_size = _check_bin_size(bin_path, self.sequence_lengths, self._offsets, self._itemsize)
-        self._bin_path = bin_path
+        self._bin_path, self._idx_path = bin_path, idx_path
+        self._opened_as = _file_states(idx_path, bin_path)  # what a change under the run is measured against
+        self._fingerprint: str | None = None
         self._bin: np.ndarray | None = None
         if self.impl == "mmap" and bin_size:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r")
@@ -208,8 +211,36 @@ class IndexedDataset:
             return [self.get(j) for j in range(*i.indices(len(self)))]
         return self.get(i)
 
+    @property
+    def fingerprint(self) -> str:
+        """The files' content as index caches key it: sizes, modification times and a hash of the .idx (a corpus
+        preprocessed again into the same prefix, with the same counts, gets another key)."""
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(digest_size=16)
+            with open(self._idx_path, "rb") as index:
+                for block in iter(lambda: index.read(2**22), b""):
+                    digest.update(block)
+            states = " ".join(f"{size}@{mtime}" for size, mtime in self._opened_as)
+            self._fingerprint = f"{states} idx:{digest.hexdigest()}"
+        return self._fingerprint
+
+    def check_unchanged(self) -> None:
+        """DataFileError when the .bin or .idx is no longer the file opened (rewritten, truncated, replaced): reading
+        on would return other tokens, fail on an offset, or end in a bus error on a shrunk memory map."""
+        try:
+            now = _file_states(self._idx_path, self._bin_path)
+        except OSError:
+            now = None
+        if now != self._opened_as:
+            changed = [path for path, before, after in zip((self._idx_path, self._bin_path), self._opened_as,
+                                                           now or (None, None), strict=True) if before != after]
+            raise DataFileError(f"data file {', '.join(changed)} changed while training (size or modification time "
+                                "differs from when it was opened): restore it, or restart the run on the new data "
+                                "(its index cache is rebuilt).")
+
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of sequence `i` (to its end when length is None)."""
+        self.check_unchanged()  # two stat calls: cheap beside the copy, and a shrunk map would SIGBUS
         count = len(self)
         if not -count <= i < count:
             raise IndexError(f"{self.prefix}: sequence {i} out of range (0..{count - 1})")
@@ -250,6 +281,14 @@ class IndexedDataset:
 
     def __setstate__(self, state: dict) -> None:
         IndexedDataset.__init__(self, state["prefix"], state["impl"])
+
+
+def _file_states(*paths: str) -> tuple[tuple[int, int], ...]:
+    states = []
+    for path in paths:
+        stat = os.stat(path)
+        states.append((stat.st_size, stat.st_mtime_ns))
+    return tuple(states)
 
 
 def _existing_files(prefix: str) -> tuple[str, str]:

@@ -147,11 +147,13 @@ def preprocess(settings: PreprocessSettings) -> PreprocessResult:
             )
         for key, (_, idx_path) in temporary.items():
             builders[key].finalize(idx_path)
+    except OSError as error:  # a full disk, a file-size limit (ulimit -f), a quota: said with the prefix, no traceback
+        _discard(builders, temporary)
+        raise PreprocessError(f"--output-prefix {settings.output_prefix}: writing the output failed "
+                              f"({error.strerror or error}); nothing was kept. Free space or raise the limit "
+                              "(df -h, ulimit -f), or give a prefix on another disk") from None
     except BaseException:
-        for builder in builders.values():
-            builder.close()
-        for path in (path for pair in temporary.values() for path in pair if os.path.exists(path)):
-            os.remove(path)
+        _discard(builders, temporary)
         raise
     for key, (bin_path, idx_path) in temporary.items():
         os.replace(bin_path, prefixes[key] + ".bin")  # the .idx last: it is what readers open first
@@ -160,6 +162,14 @@ def preprocess(settings: PreprocessSettings) -> PreprocessResult:
     result.removed_stale = removed
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _discard(builders: dict[str, IndexedDatasetBuilder], temporary: dict[str, tuple[str, str]]) -> None:
+    """Close the builders and remove their temporary files: an interrupted run leaves no half-written output."""
+    for builder in builders.values():
+        builder.close()
+    for path in (path for pair in temporary.values() for path in pair if os.path.exists(path)):
+        os.remove(path)
 
 
 def _make_output_folder(output_prefix: str) -> None:

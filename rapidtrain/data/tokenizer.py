@@ -160,7 +160,14 @@ class GPT2BPETokenizer(Tokenizer):
         from tokenizers import Tokenizer as RustTokenizer
         from tokenizers import decoders, models, pre_tokenizers
 
-        self._tokenizer = RustTokenizer(models.BPE.from_file(vocab_file, merge_file))
+        try:
+            self._tokenizer = RustTokenizer(models.BPE.from_file(vocab_file, merge_file))
+        except Exception as error:  # the tokenizers library says only "Merges text file invalid at line 1"
+            raise TokenizerSettingsError(
+                f"--vocab-file {vocab_file} / --merge-file {merge_file}: not GPT-2's vocab.json (a JSON object of "
+                f"token → id) and merges.txt (one 'a b' pair a line): {str(error).strip() or type(error).__name__}. "
+                "Check that the two files are not swapped."
+            ) from None
         # GPT-2 splits with its own regex and adds no leading space, as Megatron's GPT2Tokenizer does.
         self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tokenizer.decoder = decoders.ByteLevel()

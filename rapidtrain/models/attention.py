@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,10 @@ def _flex_attention(compiled: bool) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
     # Uncompiled FlexAttention materializes the scores; compiled (Triton on CUDA) it is a fused kernel.
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    if not compiled:
+        return flex_attention
+    kernel: Any = torch.compile(flex_attention, dynamic=False)  # torch types it as a plain `function`
+    return kernel
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_causal: bool, dropout_p: float,
@@ -45,10 +49,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_c
     """Attention of q [b, heads, sq, d] over k, v [b, groups, sk, d] with `kernel`; `mask` is a bool tensor
     (True = may attend) or None, or for "flex" the BlockMask that `flex_block_mask` built."""
     gqa = q.shape[1] != k.shape[1]
-    if kernel == "eager":
-        return eager_attention(q, k, v, mask, is_causal, dropout_p)
     if kernel == "flex":
         return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=gqa)
+    assert mask is None or isinstance(mask, torch.Tensor)  # a BlockMask is flex's alone
+    if kernel == "eager":
+        return eager_attention(q, k, v, mask, is_causal, dropout_p)
     call = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=dropout_p,
                              is_causal=is_causal, enable_gqa=gqa)
     if kernel in SDPA_BACKENDS:

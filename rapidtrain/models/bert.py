@@ -8,6 +8,8 @@ Like GPT, parts may be None for a pipeline stage: no `embedding` → input is hi
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -64,7 +66,7 @@ class BertModel(nn.Module):
             {str(i): TransformerLayer(config, i, causal=False) for i in range(config.num_layers)}
         )
         self.final_norm: nn.Module | None = None if config.post_layernorm else make_norm(config)
-        tied = self.embedding.word_embeddings.weight if config.tie_embeddings else None
+        tied = cast(nn.Parameter, self.embedding.word_embeddings.weight) if config.tie_embeddings else None
         self.lm_head: BertLMHead | None = BertLMHead(config, tied)
         self.pooler = Pooler(config.hidden_size) if config.bert_binary_head else None
         self.binary_head = nn.Linear(config.hidden_size, 2) if config.bert_binary_head else None
@@ -95,9 +97,10 @@ class BertModel(nn.Module):
         lm_output = lm_logits if lm_labels is None else self.loss(lm_logits, lm_labels)
         if self.binary_head is None:
             return lm_output
+        assert self.pooler is not None  # built together with the binary head
         return lm_output, self.binary_head(self.pooler(hidden))
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> BertModel:
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> BertModel:
         """Materialize from meta, then restore the embedding/decoder tie that new Parameters break."""
         super().to_empty(device=device, recurse=recurse)
         tie_weights(self)

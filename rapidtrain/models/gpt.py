@@ -8,6 +8,8 @@ a ModuleDict keyed "0", "1", ... so a stage that deletes layers keeps the names 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -39,7 +41,7 @@ class GPTModel(nn.Module):
             {str(i): TransformerLayer(config, i, causal=True) for i in range(config.num_layers)}
         )
         self.final_norm: nn.Module | None = None if config.post_layernorm else make_norm(config)
-        tied = self.embedding.word_embeddings.weight if config.tie_embeddings else None
+        tied = cast(nn.Parameter, self.embedding.word_embeddings.weight) if config.tie_embeddings else None
         self.output: OutputLayer | None = OutputLayer(config.hidden_size, config.vocab_size, tied, bias=False)
         self.loss = TokenCrossEntropy()
 
@@ -75,10 +77,12 @@ class GPTModel(nn.Module):
             hidden = self.final_norm(hidden)
         if self.output is None:
             return hidden
+        if labels is not None and self.loss.can_fuse_head(self.output):
+            return self.loss.from_hidden(hidden, self.output, labels)
         logits = self.output(hidden)
         return logits if labels is None else self.loss(logits, labels)
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPTModel:
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> GPTModel:
         """Materialize from meta, then restore the embedding/output tie that new Parameters break."""
         super().to_empty(device=device, recurse=recurse)
         tie_weights(self)

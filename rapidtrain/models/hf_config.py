@@ -37,6 +37,33 @@ class UnsupportedModel(UserError, ValueError):
     """A Hugging Face config the built-in models cannot reproduce exactly."""
 
 
+class UnsafeModelFolder(UserError, ValueError):
+    """A model folder that only loads by running code from it (custom architectures, pickled objects)."""
+
+
+def refuse_remote_code(folder: str | Path, flag: str = "--pretrained-model-name-or-path") -> None:
+    """A folder whose config.json maps its classes to Python files in the folder (`auto_map`) loads only with
+    trust_remote_code, which would run that code (and prompts on the terminal): refused in one line instead."""
+    config = Path(folder) / "config.json"
+    try:
+        mapped = json.loads(config.read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable config.json: the loader names that itself
+    if mapped:
+        raise UnsafeModelFolder(
+            f"{flag} {folder}: config.json maps the model to code in the folder (auto_map: "
+            f"{', '.join(sorted(mapped))}), which loads only with trust_remote_code; rapidtrain runs no code from a "
+            "model folder. Use a model whose architecture transformers has built in.")
+
+
+def refuse_pickled_weights(file: str | Path, error: BaseException) -> UnsafeModelFolder:
+    """torch.load(weights_only=True) refused a weights file holding more than tensors: one line, not torch's
+    traceback that suggests weights_only=False (which would run what the file holds)."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UnsafeModelFolder(f"{file}: refused, it holds pickled objects beyond plain tensors and nothing in it ran "
+                             f"({reason[:160]}). Save the weights as safetensors (save_pretrained's default).")
+
+
 def classify_folder(path: str | Path) -> FolderKind:
     """What a --pretrained-model-name-or-path folder is: a Hugging Face model (config.json), a rapidtrain or
     Megatron-style checkpoint (latest_checkpointed_iteration.txt; config.meanings loads it as --load), missing,
@@ -63,7 +90,9 @@ def is_megatron_checkpoint(args: argparse.Namespace) -> bool:
         return True
     fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
     save = getattr(args, "save", None)
-    return fresh and bool(save) and path.resolve() == Path(save).resolve()
+    if not fresh or not save:
+        return False
+    return path.resolve() == Path(save).resolve()
 
 
 @functools.lru_cache(maxsize=8)

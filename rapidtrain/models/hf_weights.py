@@ -13,6 +13,7 @@ expert, the built-in MoE stacks them input-major).
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,14 @@ import torch
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.models.hf_config import LLAMA_FAMILY, TOKENIZER_FILES, UnsupportedModel, family, read_config
+from rapidtrain.models.hf_config import (
+    LLAMA_FAMILY,
+    TOKENIZER_FILES,
+    UnsupportedModel,
+    family,
+    read_config,
+    refuse_pickled_weights,
+)
 from rapidtrain.models.transformer import canonical_parameters, set_parameter
 
 Tensors = list[torch.Tensor]
@@ -204,7 +212,10 @@ class WeightsReader:
 
                 self._opened[file] = safe_open(str(file), framework="pt")
             else:  # weights_only: plain tensors only, no pickled code runs
-                self._opened[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    self._opened[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except pickle.UnpicklingError as error:
+                    raise refuse_pickled_weights(file, error) from None
         return self._opened[file]
 
     def get(self, name: str) -> torch.Tensor:
@@ -310,7 +321,8 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
             initializer_range=config.init_method_std, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
             architectures=["GPT2LMHeadModel"])
     if kind in LLAMA_FAMILY:
-        common = dict(
+        # Any: the values are of mixed types, each the one its transformers keyword takes.
+        common: dict[str, Any] = dict(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
             num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
             num_key_value_heads=config.query_groups, max_position_embeddings=config.max_position_embeddings,

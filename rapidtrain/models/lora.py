@@ -109,7 +109,9 @@ def add_lora(model: nn.Module, settings: LoraSettings, task_type: str | None) ->
     from peft import LoraConfig, get_peft_model
 
     def config(targets: Any) -> LoraConfig:
-        return LoraConfig(r=settings.rank, lora_alpha=settings.scaling_alpha, lora_dropout=settings.dropout,
+        # peft annotates lora_alpha as int but only divides it by r, so a fractional alpha works.
+        return LoraConfig(r=settings.rank, lora_alpha=settings.scaling_alpha,  # type: ignore[arg-type]
+                          lora_dropout=settings.dropout,
                           task_type=task_type, target_modules=targets)
 
     if settings.target_modules:
@@ -151,7 +153,8 @@ def dequantised_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, value in model.state_dict().items():
         owner, _, leaf = name.rpartition(".")
-        layer = layers.get(owner)
+        # Any: bitsandbytes' layers and their Params4bit / Int8Params weights carry untyped attributes.
+        layer: Any = layers.get(owner)
         if layer is None:
             state[name] = value.detach().float() if value.is_floating_point() else value
         elif leaf == "weight":

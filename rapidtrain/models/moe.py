@@ -75,23 +75,14 @@ class Routing(NamedTuple):
     capacity: int
 
 
-# Factor on the injected router-loss gradient; a plain global (not a Function attribute) so
-# torch.compile can read it, guarding on its value.
-_aux_loss_scale = 1.0
-
-
-def set_aux_loss_scale(scale: float) -> None:
-    """Multiply the router losses' gradient by `scale` (per process, default 1.0).
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Multiply the router losses' gradient by `scale` in every MoE layer of `model` (default 1.0).
 
     Set it to what the main loss is multiplied by before backward, e.g. 1 / accumulation steps
-    (times the fp16 loss scale), so both gradients carry the same factor. Read at forward time.
-    """
-    global _aux_loss_scale
-    _aux_loss_scale = float(scale)
-
-
-def get_aux_loss_scale() -> float:
-    return _aux_loss_scale
+    (times the fp16 loss scale), so both gradients carry the same factor. Read at forward time; a plain
+    float attribute, so torch.compile guards on its value."""
+    for layer in moe_layers(model).values():
+        layer.aux_loss_scale = float(scale)
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -112,19 +103,19 @@ class AuxLossInjector(torch.autograd.Function):
         return grad_hidden, torch.ones_like(router_loss)
 
 
-_stats_paused = False
-
-
 @contextlib.contextmanager
-def routing_stats_paused() -> Iterator[None]:
-    """Forwards inside do not count in the routing statistics: forwards that are no training step, such as a
-    pipeline stage's shape inference on placeholder inputs."""
-    global _stats_paused
-    before, _stats_paused = _stats_paused, True
+def routing_stats_paused(model: nn.Module) -> Iterator[None]:
+    """Forwards of `model` inside do not count in the routing statistics: forwards that are no training step,
+    such as a pipeline stage's shape inference on placeholder inputs."""
+    layers = list(moe_layers(model).values())
+    before = [layer.stats_paused for layer in layers]
+    for layer in layers:
+        layer.stats_paused = True
     try:
         yield
     finally:
-        _stats_paused = before
+        for layer, paused in zip(layers, before, strict=True):
+            layer.stats_paused = paused
 
 
 def _recomputing() -> bool:
@@ -226,6 +217,8 @@ class MoELayer(nn.Module):
         self.returns_aux_loss = False
         self.last_aux_loss: torch.Tensor | None = None
         self.aux_collected_from: torch.Tensor | None = None  # routing_stats when collect_aux_losses last read it
+        self.aux_loss_scale = 1.0  # set_aux_loss_scale: the factor the main loss carries into backward
+        self.stats_paused = False  # routing_stats_paused: forwards that are no training step
 
     def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """fp32 router logits [T, E]; in training, optional multiplicative jitter on the router input."""
@@ -288,7 +281,7 @@ class MoELayer(nn.Module):
             return output
         tokens_per_expert = F.one_hot(expert_index, self.num_experts).sum(dim=(0, 1))
         aux_loss = load_balancing_loss(probs, tokens_per_expert)
-        if not (_stats_paused or _recomputing()):
+        if not (self.stats_paused or _recomputing()):
             self._record(aux_loss.detach(), tokens_per_expert.detach())
         if self.returns_aux_loss:
             self.last_aux_loss = aux_loss
@@ -296,7 +289,7 @@ class MoELayer(nn.Module):
             router_loss = self.aux_loss_coeff * aux_loss
             if self.z_loss_coeff:
                 router_loss = router_loss + self.z_loss_coeff * router_z_loss(logits)
-            output = AuxLossInjector.apply(output, router_loss * _aux_loss_scale)
+            output = AuxLossInjector.apply(output, router_loss * self.aux_loss_scale)
         return output
 
     def _record(self, aux_loss: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
@@ -326,6 +319,7 @@ def collect_aux_loss_sum(model: nn.Module) -> tuple[torch.Tensor | None, int]:
     means = []
     for layer in ran:
         stats = layer.routing_stats
+        assert stats is not None  # `ran` holds the layers with statistics
         means.append(stats[0] / stats[1])
         stats[:2].zero_()
         layer.aux_collected_from = stats

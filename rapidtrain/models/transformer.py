@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.attention import attend, flex_block_mask
+from rapidtrain.models.chunked_loss import chunked_head_cross_entropy
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.mlp import MLP
 from rapidtrain.models.moe import MoELayer
@@ -167,6 +168,17 @@ def sdpa_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool
     return allowed | eye
 
 
+def decoding_mask(padding: torch.Tensor, new: int) -> torch.Tensor:
+    """The boolean mask [b, 1, new, total] of `new` tokens decoded after total - new cached ones, from the padding
+    mask [b, total] of all of them (1 = real token; left padding): token i sees the real tokens up to its own
+    position, and always itself (so a padding row is never empty)."""
+    total = padding.shape[1]
+    query_position = torch.arange(total - new, total, device=padding.device)[:, None]
+    key_position = torch.arange(total, device=padding.device)
+    allowed = padding.bool()[:, None, None, :] & (key_position <= query_position)
+    return allowed | (key_position == query_position)
+
+
 class KVCache:
     """Keys and values of the tokens decoded so far, per layer, so each new token attends to them
     without recomputing them. `length` tokens are cached; the next token's position is `length`."""
@@ -287,6 +299,8 @@ def run_layers(
     """Run every layer this model (or pipeline stage) holds, with rotary angles and mask made once.
 
     With a KV cache, this step's tokens follow the `cache.length` cached ones; the cache grows by them.
+    With a KV cache and a [b, cached + s] padding mask (batched decoding, left padding), each row sees its own
+    real tokens only; the caller gives each row's position_ids.
     `document_ids` [b, s] (FlexAttention only): packed documents attend within their own document.
     """
     seq_length = hidden.shape[1]
@@ -302,6 +316,8 @@ def run_layers(
     if document_ids is not None:
         raise ValueError("document_ids mask packed documents through FlexAttention's BlockMask: build the model "
                          "with --attention-backend flex_attention, or pass a dense attention_mask")
+    if cache is not None and attention_mask is not None and attention_mask.dim() == 2:
+        return _run(layers, hidden, decoding_mask(attention_mask, seq_length), rope, cache)
     mask = sdpa_mask(attention_mask, seq_length, causal)
     if cache is not None and cache.length and seq_length > 1:
         if mask is not None:
@@ -351,12 +367,31 @@ class TokenCrossEntropy(nn.Module):
 
     A module of its own so tensor parallelism can swap it for a vocab-parallel version
     (`torch.distributed.tensor.parallel.loss_parallel`); masking and averaging belong to the loop.
+    With `chunked` (the default) a model whose head and loss are untransformed computes head and loss together
+    chunk by chunk (`from_hidden`, chunked_loss.py): the same numbers without the whole fp32 logits.
     """
+
+    def __init__(self, chunked: bool = True) -> None:
+        super().__init__()
+        self.chunked = chunked
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         targets = labels.masked_fill(labels < 0, -100).flatten()
         loss = F.cross_entropy(logits.float().flatten(0, -2), targets, reduction="none", ignore_index=-100)
         return loss.view(labels.shape)
+
+    def can_fuse_head(self, head: nn.Module) -> bool:
+        """Whether `from_hidden` may compute this loss with `head`: both plain modules that nothing hooks. A head
+        or loss transformed from outside (tensor parallelism's DTensor weight and vocab-parallel loss, DeepSpeed
+        ZeRO-3's gathering hooks, LoRA or quantized heads) keeps the plain path: head(hidden), then the loss."""
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self, head))
+        global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+        plain = type(head) is OutputLayer and type(head.weight) is nn.Parameter
+        return self.chunked and plain and not hooked and not global_hooks
+
+    def from_hidden(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+        """The same per-token loss as `self(head(hidden), labels)`, without the whole fp32 logits at once."""
+        return chunked_head_cross_entropy(hidden, head.weight, head.bias, labels)
 
 
 def tie_weights(model: nn.Module) -> None:

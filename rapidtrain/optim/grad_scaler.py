@@ -14,6 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rapidtrain.core.errors import UserError
+
+
+class LossScalingError(UserError, ValueError):
+    """Loss-scaling flags out of range (the message names them)."""
+
 
 @dataclass(frozen=True)
 class LossScaleSettings:
@@ -44,7 +50,7 @@ class LossScaleSettings:
         if self.growth_factor <= 1.0 or not 0.0 < self.backoff_factor < 1.0:
             problems.append("the growth factor must be > 1 and the backoff factor in (0, 1)")
         if problems:
-            raise ValueError("loss scaling: " + "; ".join(problems))
+            raise LossScalingError("loss scaling: " + "; ".join(problems))
 
 
 class LossScaler:
@@ -66,7 +72,8 @@ class LossScaler:
         self.settings = settings or LossScaleSettings()
         self.data_parallel_average = max(int(data_parallel_average), 1)
         self.dynamic = self.settings.loss_scale is None
-        self._scale = float(self.settings.initial_loss_scale if self.dynamic else self.settings.loss_scale)
+        loss_scale = self.settings.loss_scale
+        self._scale = float(self.settings.initial_loss_scale if loss_scale is None else loss_scale)
         self._growth_tracker = 0
         self._hysteresis_tracker = self.settings.hysteresis
 

@@ -55,8 +55,10 @@ class LAMB(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.use_nvlamb = use_nvlamb
 
+    # torch types step() as two overloads (closure or none); one signature covering both is what torch's own
+    # optimizers define too.
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One LAMB update of every parameter that has a gradient."""
         loss = None
         if closure is not None:
@@ -86,6 +88,7 @@ class LAMB(torch.optim.Optimizer):
     def _update_parameter(
         self, param: torch.Tensor, group: dict[str, Any], clip_divisor: torch.Tensor
     ) -> None:
+        assert param.grad is not None  # step() updates only parameters that have a gradient
         if param.grad.is_sparse:
             raise RuntimeError("LAMB does not support sparse gradients")
         state = self.state[param]
@@ -116,6 +119,7 @@ class LAMB(torch.optim.Optimizer):
         """Stage 1 of apex's kernel: the bias-corrected Adam direction plus decoupled weight decay."""
         beta1, beta2 = group["betas"]
         decay = group["weight_decay"]
+        assert param.grad is not None  # step() updates only parameters that have a gradient
         grad = param.grad.float() / clip_divisor
         weights = param.float()
         if not self.adam_w_mode and decay != 0.0:

@@ -13,7 +13,7 @@ import importlib.metadata
 import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -132,7 +132,7 @@ def _as_param_groups(model_or_params: ParamsLike, weight_decay: float) -> list[d
     if isinstance(model_or_params, nn.Module):
         groups = param_groups(model_or_params, weight_decay)
     else:
-        items = list(model_or_params)
+        items: list[Any] = list(model_or_params)  # tensors or param-group dicts, told apart below
         if items and all(isinstance(item, dict) for item in items):
             groups = [{"weight_decay": weight_decay, **item} for item in items]
         else:
@@ -335,4 +335,6 @@ def _torch_optimizer(
     speed = {"fused": True} if fused else {"foreach": True}
     (speed_name,) = speed
     description = f"torch.optim.{kind.__name__}({shown}{speed_name}=True){note}"
-    return Resolution(lambda groups: kind(groups, lr=lr, **options, **speed), description, state)
+    # A concrete torch optimizer class: it takes lr and its options, which the base Optimizer's __init__ does not.
+    make = cast(Callable[..., torch.optim.Optimizer], kind)
+    return Resolution(lambda groups: make(groups, lr=lr, **options, **speed), description, state)

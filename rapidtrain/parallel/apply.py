@@ -18,7 +18,7 @@ from rapidtrain.optim.optimizers import build_optimizer
 from rapidtrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.meta_init import is_on_meta, materialize
-from rapidtrain.parallel.runner import TorchRunner
+from rapidtrain.parallel.runner import Runner, TorchRunner
 from rapidtrain.parallel.transforms import apply_transforms
 
 
@@ -30,7 +30,7 @@ def parallelize(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     model_factory: Callable[[], nn.Module] | None = None,
-):
+) -> Runner:
     """Wrap `model` as the plan says and return its runner (TorchRunner or DeepSpeedRunner)."""
     switches = plan.switches
     if switches.partitioning_engine == "deepspeed":
@@ -42,6 +42,7 @@ def parallelize(
 
         # Before tensor parallelism, which then replicates each rank's expert slice over its TP ranks.
         apply_expert_parallel(model, mesh, plan.layout.expert_parallel_size)
+    runner: TorchRunner  # every torch layout; the expert reduction below is added to it
     if plan.layout.pipeline_parallel_size > 1:  # split first; each stage then goes through the same order
         from rapidtrain.parallel.pipeline import pipeline_runner
 
@@ -56,7 +57,7 @@ def parallelize(
 
 
 def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, device: torch.device,
-                          optimizer: torch.optim.Optimizer | None):
+                          optimizer: torch.optim.Optimizer | None) -> TorchRunner:
     """The transformed model wrapped for data parallelism (DDP, ZeroRedundancyOptimizer, FSDP2, FairScale).
 
     A model built on meta is wrapped first and then materialized (each rank allocates its own shards only)."""

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch import nn
 from rapidtrain.config.resolve import read_user_config
 from rapidtrain.config.settings import Plan, Precision, ZeroSettings
 from rapidtrain.core.errors import UserError
+from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.transformer import canonical_name
 from rapidtrain.optim.grad_scaler import LossScaleSettings
 from rapidtrain.optim.optimizers import OFFLOAD_OPTIMIZERS, OptimizerSettings, build_optimizer, param_groups
@@ -238,7 +239,8 @@ def initialise_partitioned(model: nn.Module, seed: int) -> None:
 
     from rapidtrain.models.transformer import canonical_parameters, initial_value
 
-    config = model.config
+    # The built-in models keep their ModelConfig as .config (nn.Module's __getattr__ types it Tensor | Module).
+    config = cast(ModelConfig, model.config)
     rank = dist.get_rank()
     with torch.no_grad():
         for name, module, param in canonical_parameters(model):
@@ -262,7 +264,8 @@ def undo_skip_init_patch() -> None:
         pending.extend(cls.__subclasses__())
     for cls in classes:
         if "_apply" in cls.__dict__ and hasattr(cls, "_old_apply_of_skip_init_hook"):
-            cls._apply = cls._old_apply_of_skip_init_hook
+            # Putting back the method DeepSpeed's hook replaced is the point, so mypy's method-assign is moot.
+            cls._apply = cls._old_apply_of_skip_init_hook  # type: ignore[method-assign]
 
 
 def prepare_model(module: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Module:
@@ -312,10 +315,11 @@ def deepspeed_runner(
     """
     import deepspeed
 
-    from rapidtrain.parallel.op_build import clear_stale_op_build_locks
+    from rapidtrain.parallel.op_build import announce_op_builds, clear_stale_op_build_locks
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # keep Megatron's log lines readable
     clear_stale_op_build_locks()  # a killed first build of cpu_adam / shm_comm would make DeepSpeed wait for ever
+    announce_op_builds(["deepspeed_shm_comm"] * (device.type == "cpu") + ["cpu_adam"] * optimizer_offloaded(plan))
     ensure_process_group()
     if plan.layout.data_parallel_size != dist.get_world_size():
         raise ValueError(
@@ -371,7 +375,8 @@ def parameter_residency(module: nn.Module, offload_params: str = "none") -> dict
         swapped = (getattr(shard, "final_location", None) == OffloadDeviceEnum.nvme
                    and shard.status == PartitionedParamStatus.NOT_AVAILABLE)
         if swapped:
-            residency["shard on nvme"] += param.partition_numel() * param.element_size()  # shard: a placeholder
+            # shard: a placeholder. partition_numel is DeepSpeed's, added to a ZeRO-3 parameter.
+            residency["shard on nvme"] += cast(Any, param).partition_numel() * param.element_size()
         else:
             where = "shard in host memory" if offload_params != "none" else "shard on device"
             residency[where] += shard.numel() * shard.element_size()

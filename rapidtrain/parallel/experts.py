@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.models.moe import Experts, moe_layers
@@ -110,8 +110,8 @@ class ExpertParallelExperts(Experts):
             received.view(ep, local, capacity, hidden).transpose(0, 1).reshape(local, ep * capacity, hidden)
         )
         # Local values: expert slices are DTensors when placed beside data-parallel DTensors (replicate, FSDP2).
-        output = self.run_experts(rows, *(None if w is None else _local(w)
-                                          for w in (self.w1, self.w_gate, self.b1, self.w2, self.b2)))
+        output = self.run_experts(rows, _local(self.w1), _local_or_none(self.w_gate), _local_or_none(self.b1),
+                                  _local(self.w2), _local_or_none(self.b2))
         back = output.view(local, ep, capacity, hidden).transpose(0, 1).reshape(experts, capacity, hidden)
         return all_to_all(back, self.group)
 
@@ -192,12 +192,13 @@ def shard_experts_with_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_
     from torch.distributed.fsdp import fully_shard
 
     expert_dp = mesh.submesh("expert_dp")
+    assert expert_dp is not None  # expert parallelism made the expert mesh
     for module in expert_modules(model):
-        fully_shard(module, mesh=expert_dp, reshard_after_forward=reshard_after_forward,
-                    shard_placement_fn=lambda _param: Shard(1))
-        module.set_gradient_divide_factor(float(mesh.layout.data_parallel_size))
+        sharded = fully_shard(module, mesh=expert_dp, reshard_after_forward=reshard_after_forward,
+                              shard_placement_fn=lambda _param: Shard(1))  # the module itself, now an FSDPModule
+        sharded.set_gradient_divide_factor(float(mesh.layout.data_parallel_size))
         if expert_dp.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
-            module.set_force_sum_reduction_for_comms(True)
+            sharded.set_force_sum_reduction_for_comms(True)
 
 
 def _map_tensors(value: Any, convert: Any) -> Any:
@@ -209,6 +210,10 @@ def _map_tensors(value: Any, convert: Any) -> Any:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank's own values: under tensor parallelism expert slices are replicated DTensors."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_or_none(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else _local(tensor)
 
 
 @dataclass
@@ -301,13 +306,14 @@ def add_expert_parallelism(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunn
         )
     assert mesh.expert_mesh is not None
     by_fsdp = any(isinstance(module, FSDPModule) for module in expert_modules(runner.module))
+    placements: tuple[Placement, Placement]
     if by_fsdp:  # FSDP2 reduces them and splits each slice over expert_dp (shard_experts_with_fsdp)
         checkpoint_mesh, placements = mesh.expert_mesh["expert_dp", "ep"], (Shard(1), Shard(0))
         norm_group = mesh.group("dp")  # every data-parallel rank holds a different piece
     else:
         checkpoint_mesh, placements = mesh.expert_mesh["ep", "tp"], (Shard(0), Replicate())
         norm_group = mesh.group("ep")  # each ep rank holds other experts, the tp ranks the same ones
-    distributed = isinstance(params[0], DTensor)
+    first = params[0]
     experts = ExpertParallelism(
         expert_params=params,
         gradient_average=runner.gradient_average,
@@ -315,8 +321,8 @@ def add_expert_parallelism(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunn
         expert_parallel_size=mesh.layout.expert_parallel_size,
         checkpoint_mesh=checkpoint_mesh,
         checkpoint_placements=placements,
-        parameter_mesh=params[0].device_mesh if distributed else None,
-        parameter_placements=tuple(params[0].placements) if distributed else (),
+        parameter_mesh=first.device_mesh if isinstance(first, DTensor) else None,
+        parameter_placements=tuple(first.placements) if isinstance(first, DTensor) else (),
     )
     if not by_fsdp:
         runner.before_step.append(experts.reduce_expert_gradients)

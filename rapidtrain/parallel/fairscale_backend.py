@@ -12,7 +12,7 @@ OSSRunner's layout, so they load into every other mode.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,8 @@ def fairscale_runner(
     optimizer_settings = plan.optimizer
     assert optimizer_settings is not None and plan.loss_scale is not None
     scaler = LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None
-    common = dict(precision=plan.precision, device_type=device.type, clip_grad=plan.clip_grad, scaler=scaler)
+    common: dict[str, Any] = dict(precision=plan.precision, device_type=device.type, clip_grad=plan.clip_grad,
+                                  scaler=scaler)
     if group is None:  # one data-parallel rank: nothing to shard
         optimizer = optimizer or build_optimizer(model, optimizer_settings, device.type)[0]
         return TorchRunner(module=model, optimizer=optimizer, **common)
@@ -99,19 +100,23 @@ class ShardedDDPRunner(OSSRunner):
         super().__init__(*args, **kwargs)
         self._accumulating = contextlib.ExitStack()
         # Gradients of parameters another rank owns were not reduced here: the norm sums the owners' parts.
-        owned = [p for p in self.parameters if self.optimizer._param_to_rank[p] == self.optimizer.rank]
+        oss: Any = self.optimizer  # fairscale's OSS, typed as the plain Optimizer it extends
+        owned = [p for p in self.parameters if oss._param_to_rank[p] == oss.rank]
         self.grad_norm = GradNorm([], local_parameters=owned, local_group=data_parallel_group)
 
     @property
     def state_module(self) -> nn.Module:
-        return self.module.module  # names without ShardedDataParallel's prefix, as every mode saves them
+        # Names without ShardedDataParallel's prefix, as every mode saves them. It keeps the model as .module
+        # (the cast: nn.Module's __getattr__ types it Tensor | Module).
+        return cast(nn.Module, self.module.module)
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         # ShardedDataParallel checks its flag in backward, after the micro-batch context: keep no_sync open.
         if enabled:
             self._accumulating.close()
         elif not self.module._should_accumulate_grads:
-            self._accumulating.enter_context(self.module.no_sync())
+            # ShardedDataParallel's no_sync (the cast: nn.Module's __getattr__ types it Tensor | Module).
+            self._accumulating.enter_context(cast(Any, self.module).no_sync())
         return contextlib.nullcontext()
 
     def zero_grad(self) -> None:

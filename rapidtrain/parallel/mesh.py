@@ -61,7 +61,8 @@ class ParallelMesh:
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of one dimension, or None when it has a single rank (nothing to reduce)."""
         mesh = self._mesh_of(name)
-        if mesh is None or name not in mesh.mesh_dim_names or mesh.size(mesh.mesh_dim_names.index(name)) == 1:
+        names = mesh.mesh_dim_names if mesh is not None else None  # ours are always named
+        if mesh is None or names is None or name not in names or mesh.size(names.index(name)) == 1:
             return None
         return mesh.get_group(name)
 

@@ -1,4 +1,5 @@
-"""Stale locks of interrupted op builds, cleared before DeepSpeed compiles its CPU ops.
+"""DeepSpeed's CPU ops: built ahead by scripts/setup.sh (`python -m rapidtrain.parallel.op_build`), announced when
+a run has to build one itself, and the stale locks of interrupted builds cleared before DeepSpeed compiles them.
 
 DeepSpeed JIT-builds `cpu_adam` (for --cpu-offload) and `deepspeed_shm_comm` (CPU collectives) with
 torch.utils.cpp_extension, which guards each build folder with a FileBaton: `lock` created with O_EXCL,
@@ -110,3 +111,49 @@ def clear_stale_op_build_locks(names: Sequence[str] = DEEPSPEED_CPU_OPS, idle_se
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return done
+
+
+# What each op serves, for the line a run prints when it has to build one (a silent minute looks like a hang).
+OP_PURPOSES = {"cpu_adam": "the CPU Adam of --cpu-offload",
+               "deepspeed_shm_comm": "DeepSpeed's shared-memory CPU collectives"}
+OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
+
+
+def is_built(name: str) -> bool:
+    """Whether torch.utils.cpp_extension's build folder already holds op `name`'s shared library."""
+    return (build_directory(name) / f"{name}.so").exists()
+
+
+def announce_op_builds(names: Sequence[str]) -> list[str]:
+    """Print one line per op in `names` that is not built yet: DeepSpeed compiles it now, which takes minutes."""
+    lines = []
+    for name in names:
+        if not is_built(name):
+            lines.append(f"rapidtrain: DeepSpeed is building its op {name} ({OP_PURPOSES.get(name, 'a CPU op')}) "
+                         f"with ninja into {build_directory(name)}: once per machine, 1-2 minutes; scripts/setup.sh "
+                         "builds it ahead (python -m rapidtrain.parallel.op_build)")
+    if lines and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    return lines
+
+
+def build_deepspeed_cpu_ops(names: Sequence[str] = DEEPSPEED_CPU_OPS) -> list[str]:
+    """Build the ops `names` that this machine's DeepSpeed accelerator can build; returns those built."""
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in names:
+        builder = get_accelerator().create_op_builder(OP_BUILDERS[name])
+        if builder is None or not builder.is_compatible(verbose=False):
+            print(f"rapidtrain: DeepSpeed op {name} does not build on this machine ({get_accelerator()._name}): "
+                  "skipped", flush=True)
+            continue
+        started = time.perf_counter()
+        builder.load(verbose=False)
+        print(f"rapidtrain: DeepSpeed op {name} ready ({time.perf_counter() - started:.0f} s)", flush=True)
+        built.append(name)
+    return built
+
+
+if __name__ == "__main__":
+    build_deepspeed_cpu_ops()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from rapidtrain.config.settings import Plan
+from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer
@@ -72,10 +73,11 @@ def keep_stages(model: nn.Module, stages: list[int], num_stages: int) -> nn.Modu
             f"--pipeline-model-parallel-size splits the built-in GPT/BERT by layers; "
             f"{type(model).__name__} has no `layers` ModuleDict. Use --pipeline-model-parallel-size 1."
         )
-    names = stage_layers(model.config.num_layers, num_stages)
+    names = stage_layers(_config_of(model).num_layers, num_stages)
     mine = {name for s in stages for name in names[s]}
-    for name in [n for n in model.layers if n not in mine]:
-        del model.layers[name]
+    layers = cast(nn.ModuleDict, model.layers)  # checked above (nn.Module's __getattr__ types it Tensor | Module)
+    for name in [n for n in layers if n not in mine]:
+        del layers[name]
     for part in FIRST_STAGE_PARTS:
         if 0 not in stages and getattr(model, part, None) is not None:
             setattr(model, part, None)
@@ -85,16 +87,21 @@ def keep_stages(model: nn.Module, stages: list[int], num_stages: int) -> nn.Modu
     return model
 
 
+def _config_of(model: nn.Module) -> ModelConfig:
+    # The built-in models keep their ModelConfig as .config (nn.Module's __getattr__ types it Tensor | Module).
+    return cast(ModelConfig, model.config)
+
+
 def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     """A module of the model's class that runs one stage, sharing its submodules with `model`
     (with interleaving a rank runs several stages of one model whose names stay the full model's)."""
     view = object.__new__(type(model))
     nn.Module.__init__(view)
     view.config = model.config
-    layer_names = set(stage_layers(model.config.num_layers, num_stages)[stage])
+    layer_names = set(stage_layers(_config_of(model).num_layers, num_stages)[stage])
     for name, child in model._modules.items():  # with the parts set to None, which named_children skips
         if name == "layers":
-            child = nn.ModuleDict({k: v for k, v in child.items() if k in layer_names})
+            child = nn.ModuleDict({k: v for k, v in cast(nn.ModuleDict, child).items() if k in layer_names})
         elif name in FIRST_STAGE_PARTS and stage != 0 or name in LAST_STAGE_PARTS and stage != num_stages - 1:
             child = None
         setattr(view, name, child)
@@ -105,7 +112,7 @@ def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
 def tied_copies(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the tied word embedding where this stage holds it, and of a head's own copy
     of it on a stage without the embedding; the embedding group sums their gradients."""
-    if not model.config.tie_embeddings:
+    if not _config_of(model).tie_embeddings:
         return []
     found = {}
     if getattr(model, "embedding", None) is not None:
@@ -113,7 +120,8 @@ def tied_copies(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         found[id(weight)] = (TIED_EMBEDDING_NAME, weight)
     for module_name, module in model.named_modules():
         if isinstance(module, OutputLayer) and module.tied_to is not None:
-            found.setdefault(id(module.weight), (f"{module_name}.weight", module.weight))
+            weight = cast(nn.Parameter, module.weight)  # a Parameter (nn.Linear types it Tensor)
+            found.setdefault(id(weight), (f"{module_name}.weight", weight))
     return list(found.values())
 
 
@@ -142,7 +150,7 @@ class Stage(PipelineStage):
     def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
         from rapidtrain.models.moe import routing_stats_paused
 
-        with routing_stats_paused():
+        with routing_stats_paused(self.submod):
             return super()._compute_outputs(*args, **kwargs)
 
 
@@ -165,6 +173,7 @@ def pipeline_runner(
         keep_stages(model, stages, num_stages), stages, num_stages, plan, mesh, device
     )
     if optimizer is None:
+        assert plan.optimizer is not None  # a training plan has its optimizer settings
         optimizer, _ = build_optimizer(model, plan.optimizer, device.type)
     pipeline_group = mesh.group("pp")
     runner = PipelineRunner(
@@ -180,7 +189,7 @@ def pipeline_runner(
         is_first=0 in stages,
         is_last=num_stages - 1 in stages,
         last_stage_rank=mesh.pipeline_global_rank(layout.pipeline_parallel_size - 1),
-        embedding_group=mesh.embedding_group() if model.config.tie_embeddings else None,
+        embedding_group=mesh.embedding_group() if _config_of(model).tie_embeddings else None,
     )
 
     def make_schedule(micro_batches: int) -> Any:
@@ -225,11 +234,11 @@ def parallelize_stages(
     return model, views
 
 
-def build_schedule(stages: list[PipelineStage], micro_batches: int, loss_fn: Callable) -> Any:
+def build_schedule(stages: Sequence[PipelineStage], micro_batches: int, loss_fn: Callable) -> Any:
     """Interleaved 1F1B with several stages per rank; 1F1B, or GPipe when there are fewer micro-batches
     than stages (1F1B needs one per stage; the result is the same). Losses are summed, not averaged."""
     if len(stages) > 1:
-        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
+        return ScheduleInterleaved1F1B(list(stages), micro_batches, loss_fn=loss_fn, scale_grads=False)
     schedule = Schedule1F1B if micro_batches >= stages[0].num_stages else ScheduleGPipe
     return schedule(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
 
@@ -350,7 +359,7 @@ class PipelineRunner(TorchRunner):
         the index. A target that is no such view is read (it lives on the host)."""
         if self._targets is not None and target.untyped_storage().data_ptr() == \
                 self._targets.untyped_storage().data_ptr():
-            return target.storage_offset()
+            return int(target.storage_offset())  # an int (SymInt only under tracing)
         return int(target[0])
 
     def _run(
@@ -430,8 +439,10 @@ class PipelineRunner(TorchRunner):
             grad = param.grad
             if grad is None:  # keep the collective matched: this stage contributed nothing
                 param.grad = grad = torch.zeros_like(param)
-            if isinstance(grad, DTensor) and grad.placements != param.placements:
-                param.grad = grad = grad.redistribute(placements=param.placements)
+            if isinstance(grad, DTensor):
+                placements = cast(DTensor, param).placements  # a DTensor gradient's parameter is a DTensor
+                if grad.placements != placements:
+                    param.grad = grad = grad.redistribute(placements=placements)
             dist.all_reduce(
                 grad.to_local() if isinstance(grad, DTensor) else grad, group=self.embedding_group
             )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,8 +51,54 @@ class LossParts(NamedTuple):
     for a mean loss), and the values to report by name (Megatron's loss-function dict)."""
 
     value: torch.Tensor
-    count: torch.Tensor | None
+    tokens: torch.Tensor | None
     reported: dict[str, torch.Tensor]
+
+
+class Runner(Protocol):
+    """What the loop, the checkpoints and the export need of one wrapped model and its optimizer. Every engine
+    implements it: `TorchRunner` (plain, DDP, FSDP2, OSS, pipeline stages, experts), `DeepSpeedRunner`,
+    FairScale's runner; mypy checks each against it where `parallelize` returns them."""
+
+    module: nn.Module
+    optimizer: Any  # a torch optimizer, DeepSpeed's ZeRO optimizer or ZeroRedundancyOptimizer: param_groups, step
+    precision: Precision
+    device_type: str
+    gradient_average: int
+
+    def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager[None]: ...
+
+    def forward_backward(self, micro_batches: list[Any], forward_step: Callable,
+                         global_tokens: torch.Tensor | int | None) -> LossTotal: ...
+
+    def evaluate(self, micro_batches: list[Any], forward_step: Callable) -> EvalTotals: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def unscale_gradients(self) -> torch.Tensor | None: ...
+
+    def step(self, skip: bool = False) -> StepOutcome: ...
+
+    def zero_grad(self) -> None: ...
+
+    def params_norm(self) -> torch.Tensor: ...
+
+    def train(self, mode: bool = True) -> None: ...
+
+    @property
+    def skips_nonfinite(self) -> bool: ...
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    @property
+    def backward_scale(self) -> float: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def state_dict_for_loading(self, load_optimizer: bool) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None: ...
 
 
 def autocast(precision: Precision, device_type: str) -> contextlib.AbstractContextManager:
@@ -162,9 +208,9 @@ class GradNorm:
     def __call__(self, of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.grad) -> torch.Tensor:
         """The norm of each parameter's gradient, or of `of(parameter)` (the parameters themselves for
         --log-params-norm), over the same groups."""
-        squared = squared_norm([of(p) for p in self.parameters if of(p) is not None])
+        squared = squared_norm([g for p in self.parameters if (g := of(p)) is not None])
         if self.local_parameters:
-            local = squared_norm([_local(of(p)) for p in self.local_parameters if of(p) is not None])
+            local = squared_norm([_local(g) for p in self.local_parameters if (g := of(p)) is not None])
             local = local.to(squared.device)
             if self.local_group is not None:
                 dist.all_reduce(local, group=self.local_group)
@@ -218,7 +264,8 @@ def run_micro_batches(runner: Any, micro_batches: list[Any], forward_step: Calla
         with runner.micro_batch(is_last=index == steps - 1):
             loss_sum, count, values = as_loss(forward_step(batches, runner.module))
         per_token = count is not None and global_tokens is not None
-        scale = per_token_scale(runner.gradient_average, global_tokens) if per_token else 1.0 / steps
+        scale = 1.0 / steps if global_tokens is None or not per_token else per_token_scale(runner.gradient_average,
+                                                                                             global_tokens)
         runner.backward(scaled(loss_sum, scale))
         contribution = loss_sum.detach().double() * (1.0 if per_token else 1.0 / steps)
         total = contribution if total is None else total + contribution
@@ -317,16 +364,16 @@ class TorchRunner:
         return self.scaler.multiplier if self.scaler is not None else 1.0
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        if hasattr(self.module, "set_requires_gradient_sync"):
+        set_sync = getattr(self.module, "set_requires_gradient_sync", None)
+        if set_sync is not None:
             # FSDP2 decides in backward, which the trainer runs after this context (outside autocast):
             # so the flag is set for the whole micro-batch, and the last one turns reduction back on.
-            self.module.set_requires_gradient_sync(enabled)
+            set_sync(enabled)
             return contextlib.nullcontext()
-        if enabled:
+        no_sync = getattr(self.module, "no_sync", None)  # DDP
+        if enabled or no_sync is None:
             return contextlib.nullcontext()
-        if hasattr(self.module, "no_sync"):  # DDP
-            return self.module.no_sync()
-        return contextlib.nullcontext()
+        return no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()

@@ -20,7 +20,8 @@ OffsetBasedRNGTracker serves the dropout of sequence-sharded DTensors; CPU has n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -38,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.moe import MoELayer
 from rapidtrain.models.transformer import Attention, OutputLayer, TransformerLayer
 
@@ -58,13 +60,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     check_tensor_parallel_shape(model.config, tp_mesh.size())
     _enable_loss_parallel()
     residual = Shard(1) if sequence_parallel else Replicate()
+    # The casts: nn.Module's __getattr__ types a submodule Tensor | Module.
     if getattr(model, "embedding", None) is not None:
-        _split_embedding(model.embedding, tp_mesh, sequence_parallel)
-    for layer in model.layers.values():
+        _split_embedding(cast(nn.Module, model.embedding), tp_mesh, sequence_parallel)
+    for layer in cast(Mapping[str, TransformerLayer], model.layers).values():  # a ModuleDict of them
         _split_layer(layer, tp_mesh, residual, sequence_parallel)
     _split_head(model, tp_mesh, residual, sequence_parallel)
     _tie_output_to_embedding(model)
-    parallelize_module(model.loss, tp_mesh, VocabParallelLoss())
+    parallelize_module(cast(nn.Module, model.loss), tp_mesh, VocabParallelLoss())
     for module in _unsplit_subtrees(model):
         parallelize_module(module, tp_mesh, ReplicatedParameters())
     _fork_rng_where_sharded(model, tp_mesh, sequence_parallel)
@@ -84,8 +87,9 @@ def check_tensor_parallel_shape(config, tp_size: int) -> None:
 
 def _split_embedding(embedding: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     # Vocabulary rows split; each rank looks up its rows and the partial results are summed.
-    parallelize_module(embedding.word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
-    weight = embedding.word_embeddings.weight
+    word_embeddings = cast(nn.Module, embedding.word_embeddings)  # a submodule, not a Tensor
+    parallelize_module(word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    weight: Any = word_embeddings.weight  # a DTensor Parameter since the line above
     # DTensor's embedding backward returns a replicated gradient; keep it split like the weight (a local
     # slice), so optimizer state, gradient reductions and the pipeline's tied-copy sum see one layout.
     weight.register_hook(
@@ -218,12 +222,13 @@ class ReplicatedParameters(ParallelStyle):
         ]
         for owner, name in owners:
             param = owner._parameters[name]
+            assert param is not None  # named_parameters lists only parameters that are set
             if not isinstance(param, DTensor):
                 value = distribute_tensor(
                     param.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank
                 )
                 owner.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
-        saved: list[list[torch.Tensor]] = []
+        saved: list[list[Any]] = []  # Parameters, or the local views forward puts in their place
 
         def localize(_module: nn.Module, _args: tuple) -> None:
             # Direct dict access: the local view is not a Parameter (it must stay in the autograd graph).
@@ -307,7 +312,7 @@ class ShardedDropoutRNG:
 
 
 def _fork_rng_where_sharded(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    config = model.config
+    config = cast(ModelConfig, model.config)  # the built-in model's (nn.Module's __getattr__ types it Tensor | Module)
     fork = ShardedDropoutRNG(tp_mesh.get_local_rank())
     for module in model.modules():
         if isinstance(module, Attention) and config.attention_dropout > 0:

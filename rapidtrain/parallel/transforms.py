@@ -5,7 +5,7 @@ checkpointing → graph compilation. Written once; the plain, pipeline and DeepS
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 
@@ -22,7 +22,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not candidates:
         return []
-    return list(max(candidates, key=lambda m: sum(p.numel() for p in m.parameters())))
+    return list(max(candidates, key=lambda m: sum(p.numel() for p in cast(nn.Module, m).parameters())))
 
 
 def _replace_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> None:
@@ -38,8 +38,9 @@ def _replace_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) ->
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every transformer block in backward (torch.utils.checkpoint, non-reentrant)."""
-    if hasattr(model, "gradient_checkpointing_enable"):  # Hugging Face models know their own blocks
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is not None:  # Hugging Face models know their own blocks
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -76,7 +77,9 @@ def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Mod
     if layout.tensor_parallel_size > 1:
         from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh.submesh("tp"), sequence_parallel=layout.sequence_parallel)
+        tp_mesh = mesh.submesh("tp")
+        assert tp_mesh is not None  # a tensor-parallel layout has the tp dimension
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel=layout.sequence_parallel)
     recompute = switches.recompute
     if recompute.granularity == "full" and recompute.method == "uniform":
         apply_activation_checkpointing(model)

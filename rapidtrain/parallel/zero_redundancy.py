@@ -16,7 +16,7 @@ learning rate reaches them); their gradients are reduced over their own group (p
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -47,9 +47,10 @@ def oss_optimizer(
         mine = [{**g, "params": list(g["params"]) + extra} for g, extra in zip(local_groups, own, strict=True)]
         return build_optimizer(mine, settings, device_type)[0]
 
+    # torch types optimizer_class as a class but only calls it with (params, **defaults): a factory serves.
     return ZeroRedundancyOptimizer(
         partitioned,
-        optimizer_class=local_optimizer,
+        optimizer_class=cast(type[torch.optim.Optimizer], local_optimizer),
         process_group=mesh.group("dp"),
         lr=settings.lr,
     )
@@ -100,7 +101,7 @@ class OSSRunner(TorchRunner):
 
     @property
     def local_optimizer(self) -> torch.optim.Optimizer:
-        return self.optimizer.optim
+        return cast(ZeroRedundancyOptimizer, self.optimizer).optim
 
     @property
     def state_module(self) -> nn.Module:

@@ -3,6 +3,7 @@ feature datasets, padding, and exact loss sums for the trainer's global-batch no
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from rapidtrain.core.errors import UserError
 from rapidtrain.data.dynamic_shape import round_up
+from rapidtrain.models.hf_config import refuse_pickled_weights, refuse_remote_code
 
 Records = list[dict[str, Any]]
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -36,6 +38,7 @@ def _check_folder(path: str | None) -> Path:
             f"m = '{path}'; t.AutoModel.from_pretrained(m).save_pretrained('DIR'); "
             "t.AutoTokenizer.from_pretrained(m).save_pretrained('DIR')\"`, copy DIR here and pass it."
         )
+    refuse_remote_code(folder)
     return folder
 
 
@@ -73,9 +76,12 @@ def load_model(auto_class: str, path: str | None, quantization: Any = None, devi
         kwargs["quantization_config"] = quantization
         if device is not None and torch.device(device).type == "cuda":
             kwargs["device_map"] = {"": torch.device(device).index or 0}
-    return getattr(transformers, auto_class).from_pretrained(
-        str(folder), local_files_only=True, dtype=torch.float32, **kwargs
-    )
+    try:
+        return getattr(transformers, auto_class).from_pretrained(
+            str(folder), local_files_only=True, dtype=torch.float32, **kwargs
+        )
+    except pickle.UnpicklingError as error:  # a pytorch_model.bin holding more than tensors
+        raise refuse_pickled_weights(folder, error) from None
 
 
 class FeatureDataset(torch.utils.data.Dataset):
@@ -199,7 +205,8 @@ class Task:
         self.seq_length = min(seq_length, getattr(tokenizer, "model_max_length", seq_length) or seq_length)
         self.dynamic_shape = dynamic_shape
         self.seed = seed
-        self.collate = PadCollator(self.pad_values(), None if dynamic_shape else self.seq_length)
+        self.collate: Callable[[Sequence[dict[str, Any]]], dict[str, torch.Tensor]] = PadCollator(
+            self.pad_values(), None if dynamic_shape else self.seq_length)
 
     def pad_values(self) -> dict[str, int]:
         return {
@@ -218,8 +225,9 @@ class Task:
     def forward(self, batch: dict[str, torch.Tensor], model: Any) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def token_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Loss-carrying labels of a host batch, as a tensor (the loop divides by it, never reads it)."""
+    def token_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        """Loss-carrying labels of a host batch, as a tensor (the loop divides by it, never reads it) or a count
+        known without reading a tensor."""
         return (batch["labels"] != -100).sum()
 
     def evaluate(self, model: Any, loader: Any, gather: Gather) -> tuple[dict[str, float], list | None]:

@@ -100,7 +100,7 @@ class SequenceClassification(Task):
 
     def feature(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
         texts = [str(record[c]) for c in self.columns]
-        feature = self.tokenize(*texts)
+        feature: dict[str, Any] = self.tokenize(*texts)
         feature["labels"] = self.labels.id_of(record.get(self.label_column))
         feature["index"] = index
         return feature
@@ -160,6 +160,7 @@ class TokenClassification(Task):
         encoding = self.tokenizer(
             words, is_split_into_words=True, truncation=True, max_length=self.seq_length
         )
+        assert self.tag_column is not None  # prepare() found it before making features
         tags = record.get(self.tag_column) or []
         labels, previous = [], None
         for word in encoding.word_ids():

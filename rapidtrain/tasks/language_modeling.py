@@ -99,7 +99,7 @@ class MaskedLM(Task):
         column = text_columns(as_records(splits["train"]), TEXT, "masked_lm", "name the text column `text`")[
             0
         ]
-        prepared = {}
+        prepared: dict[str, FeatureDataset] = {}
         for name, split in splits.items():
             features = [
                 {**self.tokenize(str(r[column])), "index": i} for i, r in enumerate(as_records(split))
@@ -199,7 +199,8 @@ class Seq2SeqLM(Task):
     def evaluate(self, model: Any, loader: Any, gather: Gather) -> tuple[dict[str, float], list]:
         from rapidtrain.parallel.data_parallel import unwrap
 
-        generator = unwrap(model[0] if isinstance(model, list) else model)
+        # Any: a transformers model, whose generate() nn.Module's typing does not know.
+        generator: Any = unwrap(model[0] if isinstance(model, list) else model)
         special = set(self.tokenizer.all_special_ids)
         totals = torch.zeros(2, dtype=torch.float64)
         scores, generations = [], []

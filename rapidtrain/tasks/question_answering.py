@@ -70,7 +70,8 @@ class QuestionAnswering(Task):
         if texts:
             first, last = starts[0], starts[0] + len(texts[0])
             inside = [i for i, o in enumerate(offsets) if o is not None and o[0] < last and o[1] > first]
-            if inside and offsets[inside[0]][0] <= first and offsets[inside[-1]][1] >= last:
+            head, tail = (offsets[inside[0]], offsets[inside[-1]]) if inside else (None, None)
+            if head is not None and tail is not None and head[0] <= first and tail[1] >= last:
                 start_token, end_token = inside[0], inside[-1]
         feature = {k: v for k, v in encoding.items() if k != "offset_mapping"}
         feature.update(start_positions=start_token, end_positions=end_token, index=index)

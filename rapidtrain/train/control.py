@@ -7,39 +7,65 @@ import atexit
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
+from rapidtrain.checkpoint.checkpointer import (
+    async_save_done,
+    background_save_group,
+    load_checkpoint,
+    prepare_save_folder,
+    publish_async_save,
+    save_checkpoint,
+    start_async_save,
+)
+from rapidtrain.checkpoint.save_folder import check_resume_safety, check_save_shared
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
+from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, RUN, first_to_report
+
+ABORT_AFTER_S = 1.0  # a second Ctrl-C this long after the first aborts; an echo of the same press comes sooner
 
 
 class StopSignal:
-    """SIGTERM asks the loop to save and exit cleanly. The handler stays until `restore()` (after the final
+    """SIGTERM or Ctrl-C (SIGINT) asks the loop to save and exit cleanly; a second Ctrl-C aborts at once, without
+    saving (one line, status 130). The handler stays until `restore()` (after the final
     save), so a second SIGTERM during that save does not kill it; after a stop by signal it stays until the
     process exits (then ignored through the interpreter's finalization), as a repeat must not kill the exit. A
     process forked from this one (a multiprocessing pool, whose terminate() sends SIGTERM) still ends on
     SIGTERM as usual."""
-
     def __init__(self) -> None:
         self.received = False
         self._owner = os.getpid()
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._interrupted_at: float | None = None
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._owner:  # inherited by a fork: not the trainer, so the default action
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted_at is not None and now - self._interrupted_at > ABORT_AFTER_S:
+                if first_to_report("abort"):
+                    print("rapidtrain: second Ctrl-C: stopped at once, without saving", file=sys.stderr, flush=True)
+                os._exit(EXIT_INTERRUPTED)
+            self._interrupted_at = self._interrupted_at or now
         self.received = True
+        if RUN.stop_signal is None or signum == signal.SIGINT:
+            RUN.stop_signal = signum
 
     def restore(self) -> None:
         if not self.received:
-            signal.signal(signal.SIGTERM, self._previous)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
             return
         # The process is on its way out. The interpreter puts back the default action for Python handlers when
         # it finalizes, which a late repeat would turn into death by SIGTERM after a good save: from the
         # atexit hooks on, repeats are ignored by the kernel instead.
         atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, self._previous[signal.SIGINT])  # the save is done: Ctrl-C may end the exit
 
 
 class StopConditions:
@@ -47,7 +73,6 @@ class StopConditions:
     --exit-duration-in-mins, counted from when the trainer is built), which the loop agrees on with the
     iteration's other decisions. SIGTERM is handled with --save or --exit-signal-handler (plan.training.on_sigterm);
     otherwise it ends the process at once, as in Megatron without --exit-signal-handler."""
-
     def __init__(self, settings: TrainingSettings) -> None:
         self.settings = settings
         self.started = time.time()
@@ -70,13 +95,13 @@ class StopConditions:
 class Checkpointer:
     """Saves every --save-interval iterations, when asked (end of an epoch), and once at the end; never twice
     at one iteration. Loads at start (--load)."""
-
     def __init__(self, settings: CheckpointSettings, trainer: Any) -> None:
         self.settings = settings
         self.trainer = trainer
         self.saved_at: int | None = None
         self._requested = False
         self._lock: Any = None
+        self._shared = False  # every rank checked it sees --save (once: open() is called again before loading)
         self._pending: Any = None  # a background save (--async-save) not yet published
         self._group: Any = None  # the gloo group background saves run their collectives on
         # Set by fine-tuning templates: a pretrained model named by --pretrained-model-name-or-path is loaded
@@ -87,13 +112,14 @@ class Checkpointer:
         """Before the data and the model are built (the templates' setup starts with it), and again harmlessly
         before loading: rank 0 takes --save for this run (one writer per folder), refuses to overwrite
         checkpoints it did not load, and cleans what killed saves left."""
-        if not self.enabled or self.trainer.engine.rank != 0 or self._lock is not None:
+        if not self.enabled or self._lock is not None or self._shared:
             return
-        from rapidtrain.checkpoint.save_folder import prepare_save_folder
-
-        self._lock, cleaned = prepare_save_folder(self.settings.save, self.settings.load)
-        for line in cleaned:
-            print(f" {line}", flush=True)
+        if self.trainer.engine.rank == 0:
+            self._lock, cleaned = prepare_save_folder(self.save_dir, self.settings.load)
+            for line in cleaned:
+                print(f" {line}", flush=True)
+        check_save_shared(self.save_dir)  # every node sees the folder rank 0 prepared
+        self._shared = True
 
     def close(self) -> None:
         if self._lock is not None:
@@ -103,6 +129,12 @@ class Checkpointer:
     @property
     def enabled(self) -> bool:
         return bool(self.settings.save)
+
+    @property
+    def save_dir(self) -> str:
+        """--save, where saving is enabled (every caller checks `enabled` first)."""
+        assert self.settings.save is not None
+        return self.settings.save
 
     def request(self) -> None:
         """Save at the end of this iteration, whatever the interval (the template's state changed)."""
@@ -121,11 +153,10 @@ class Checkpointer:
         --async-save in the background, after the previous background save is published."""
         if not self.enabled or (self.saved_at == iteration and not force):
             return
-        from rapidtrain.checkpoint.checkpointer import background_save_group, save_checkpoint, start_async_save
 
         trainer, engine = self.trainer, self.trainer.engine
         config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json())}
-        state = (self.settings.save, iteration, engine.runner, engine.lr_scheduler, trainer.consumed_samples, config,
+        state = (self.save_dir, iteration, engine.runner, engine.lr_scheduler, trainer.consumed_samples, config,
                  trainer.checkpoint_extra())
         self.saved_at = iteration
         if not self.settings.async_save:
@@ -142,7 +173,6 @@ class Checkpointer:
     def poll(self) -> None:
         """Publish a background save once every rank has written it (a host all-reduce each iteration while one
         is under way; nothing otherwise)."""
-        from rapidtrain.checkpoint.checkpointer import async_save_done
 
         if self._pending is not None and async_save_done(self._pending):
             self._publish()
@@ -153,8 +183,6 @@ class Checkpointer:
             self._publish()
 
     def _publish(self) -> None:
-        from rapidtrain.checkpoint.checkpointer import publish_async_save
-
         pending, self._pending = self._pending, None
         path = publish_async_save(pending)
         self.trainer.engine.print_rank0(f" saved checkpoint at iteration {pending.iteration:7d} to {path} (written "
@@ -164,13 +192,15 @@ class Checkpointer:
         """Fill the runner (and schedule, RNG) from --load; the loaded state, or None when there is none."""
         if not self.settings.load:
             return None
-        from rapidtrain.checkpoint.checkpointer import load_checkpoint
-
+        # A mistyped --load is refused with or without --save (a torchrun started by hand has no launcher check).
+        check_resume_safety(self.settings.save, self.settings.load)
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
         finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)
+        assert s.load is not None  # returned above without --load
         loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=finetune,
-                                 load_optimizer=s.load_optimizer, load_rng=s.load_rng, schedule_from=s.schedule_from)
+                                 load_optimizer=s.load_optimizer, load_rng=s.load_rng, schedule_from=s.schedule_from,
+                                 flags=s.flags)
         if loaded is None:
             engine.print_rank0(f" no checkpoint in {s.load}; starting from scratch")
         else:

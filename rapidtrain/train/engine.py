@@ -9,11 +9,12 @@ applies it to a model and returns the runner that the templates, or a user's own
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import random
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -26,18 +27,22 @@ from rapidtrain.config import arguments, rules
 from rapidtrain.config.plan import from_args
 from rapidtrain.config.settings import DistributedSettings, Plan, RunContext
 from rapidtrain.core.cpu_allocator import keep_freed_memory
-from rapidtrain.core.errors import UserError
+from rapidtrain.core.launch_env import environment_problems
+from rapidtrain.core.metrics import Timers, tee_output
 from rapidtrain.core.shutdown import stop_rank_with_torchrun
 from rapidtrain.data.loaders import ShardSettings
+from rapidtrain.models.bert import BertModel
+from rapidtrain.models.gpt import GPTModel
+from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
+from rapidtrain.parallel.apply import parallelize
+from rapidtrain.parallel.deepspeed import ensure_process_group, run_config
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
-from rapidtrain.parallel.runner import LossTotal, StepOutcome, agree
+from rapidtrain.parallel.runner import Runner, StepOutcome
+from rapidtrain.train.own_loop import compose_own_loop, rebind_optimizer
+from rapidtrain.train.step import StepContext, finish_step
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
 _CURRENT_ENGINE: Engine | None = None  # the run's Engine, for Megatron's global-state API in user scripts
-
-
-class TrainingStopped(UserError, RuntimeError):
-    """The run cannot go on (a non-finite loss without loss scaling); nothing corrupt was saved."""
 
 
 def get_args() -> argparse.Namespace:
@@ -63,11 +68,12 @@ def init_distributed(settings: DistributedSettings, device_type: str) -> None:
     global _GROUPS_STARTED
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return
+    environment_problems()  # RANK < WORLD_SIZE, a master that resolves and a port to serve on: never a hang
     if device_type == "cuda":  # modulo: where each task sees one GPU, LOCAL_RANK may exceed the visible count
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     timeout = timedelta(minutes=settings.timeout_minutes)
     store = fresh_group_store(timeout)
-    extra = {}
+    extra: dict[str, Any] = {}
     if store is not None:
         extra = {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
     dist.init_process_group(settings.backend, timeout=timeout, **extra)
@@ -78,7 +84,7 @@ def apply_tf32(enabled: bool) -> None:
     """TF32 tensor cores for fp32 matmuls and cuDNN convolutions (the plan decides: --tf32 on CUDA only)."""
     if enabled:
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]  # torch 2.9+, no stub
 
 
 # Default process groups this process started (a run after another's shutdown, as tests do, starts a second).
@@ -112,25 +118,59 @@ def main_script() -> str | None:
     return str(path)
 
 
+def plan_for_built_model(plan: Plan, model: nn.Module) -> Plan:
+    """The plan once the model exists: a model that is not a built-in GPT or BERT (a user script's own) replaces
+    the built-in model's description and memory estimate, which the flags alone would have implied, so the plan
+    and the checkpoints say what is really trained."""
+    if isinstance(model, GPTModel | BertModel):
+        return plan
+    parameters = sum(p.numel() for p in model.parameters())
+    return dataclasses.replace(plan, model=None, memory=None, estimate=None,
+                               script_model=f"{type(model).__name__}, {parameters:,} parameters")
+
+
+def built_summary(runner: Runner, mesh: ParallelMesh) -> dict[str, Any]:
+    """What compose really built, in the Plan's words: the runner and the wrapper around the model, the optimizer
+    class, the parameters' dtype and whether they are DTensors, and the mesh. Printed after compose, so a run's
+    output shows that it did what its plan said (a test compares the two)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = list(runner.module.parameters())
+    optimizer = getattr(runner.optimizer, "optimizer", runner.optimizer)  # DeepSpeed's ZeRO wraps the real one
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        optimizer = runner.optimizer.optim
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in parameters})
+    return {"runner": type(runner).__name__, "wrapper": type(runner.module).__name__,
+            "optimizer": type(optimizer).__name__, "dtypes": dtypes,
+            "dtensor": any(isinstance(p, DTensor) for p in parameters), "mesh": _mesh_sizes(mesh)}
+
+
+def _mesh_sizes(mesh: ParallelMesh) -> dict[str, int]:
+    """The device mesh's dimensions as torch built them (a single process has none)."""
+    sizes: dict[str, int] = {}
+    for device_mesh in (mesh.mesh, mesh.expert_mesh):
+        if device_mesh is not None:
+            sizes |= dict(zip(device_mesh.mesh_dim_names or (), device_mesh.mesh.shape, strict=True))
+    return sizes
+
+
+def shutdown_distributed() -> None:
+    """Every rank reaches here, then the default process group is destroyed: its threads end while the ranks are
+    alive, not while the interpreter shuts down (an undestroyed gloo group can abort the exit with "terminate called
+    without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-@dataclass
-class StepDecision:
-    """What one optimizer step did, as every rank agreed: its outcome, whether the loss was non-finite (and
-    not skipped), whether a stop was requested anywhere."""
-
-    outcome: StepOutcome
-    nan: bool = False
-    stop: bool = False
-
-
 class Engine:
     """What a run needs before its model exists: flags, the plan, process groups, seeds."""
-
     def __init__(
         self,
         extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
@@ -154,20 +194,25 @@ class Engine:
             keep_freed_memory()
         seed_everything(self.plan.training.seed)
         self.mesh: ParallelMesh = build_mesh(self.plan.layout, self.context.device_type)
-        self.runner: Any = None
+        self._runner: Runner | None = None  # set by compose()
         self.lr_scheduler: Any = None
         self.accumulation: Any = None  # an own loop's place in its global batch (own_loop.py)
         self._backward_losses: torch.Tensor | None = None  # an own loop's losses since the last step
-        from rapidtrain.core.metrics import Timers
 
         self.timers = Timers(self.device)  # the loop's, and user code's through rapidtrain.get_timers()
         self._tokenizer: Any = None
         _CURRENT_ENGINE = self
         self._megatron_args()
         if self.plan.logging.logging_path and (self.is_main_process or self.is_logging_rank):
-            from rapidtrain.core.metrics import tee_output
 
             tee_output(self.plan.logging.logging_path)
+
+    @property
+    def runner(self) -> Runner:
+        """The wrapped model and its optimizer, as `compose` built them."""
+        if self._runner is None:
+            raise RuntimeError("Engine.compose() has not run yet: there is no model to train")
+        return self._runner
 
     def _megatron_args(self) -> None:
         """What Megatron's args carry once the run's layout is known, for user scripts (get_args())."""
@@ -180,7 +225,6 @@ class Engine:
         args.train_iters = self.plan.training.train_iters  # --train-iters, or what --train-samples comes to
         args.deepspeed_configuration = None  # Megatron-DeepSpeed's: the config DeepSpeed runs with, if it runs
         if self.plan.switches.partitioning_engine == "deepspeed":
-            from rapidtrain.parallel.deepspeed import ensure_process_group, run_config
 
             args.deepspeed_configuration = run_config(self.plan)
             # DeepSpeed's communication layer up now, as Megatron-DeepSpeed's initialisation does: a script may
@@ -240,17 +284,17 @@ class Engine:
         the flags. The returned model is the wrapped module to call; `engine.backward`/`engine.step`
         drive the rest.
         """
-        from rapidtrain.parallel.apply import parallelize
 
         names = {id(p): n for n, p in model.named_parameters()} if optimizer is not None else {}
-        self.runner = parallelize(model, self.plan, self.mesh, self.device, optimizer=optimizer,
+        if self.context.script or self.plan.model is not None:
+            self.plan = plan_for_built_model(self.plan, model)
+        self._runner = parallelize(model, self.plan, self.mesh, self.device, optimizer=optimizer,
                                   model_factory=model_factory)
+        self.print_rank0(" built: " + json.dumps(built_summary(self.runner, self.mesh)))
         if optimizer is not None and self.runner.optimizer is optimizer:  # the user's, over the wrapped parameters
-            from rapidtrain.train.own_loop import rebind_optimizer
 
             rebind_optimizer(optimizer, names, self.runner.module)
         if train_dataloader is not None or eval_dataloader is not None:  # a user's own loop
-            from rapidtrain.train.own_loop import compose_own_loop
 
             return compose_own_loop(self, train_dataloader, eval_dataloader, lr_scheduler_fn)
         self.lr_scheduler = self.build_scheduler(self.runner.optimizer, lr_scheduler_fn)
@@ -264,7 +308,6 @@ class Engine:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = getattr(optimizer, "optimizer", optimizer)
             return lr_scheduler_fn(optimizer)
-        from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
 
         schedule = self.plan.schedule
         if steps_per_epoch is not None:  # fine-tuning: the length is known only now; clamp a warm-up past it
@@ -277,8 +320,6 @@ class Engine:
         """A warm-up of --lr-warmup-iters that does not end before an epoch-based run's decay horizon is
         shortened to one iteration less than the horizon (the peak --lr is then reached), with a warning: the
         number of iterations follows from the data, which the flags could not know."""
-        import dataclasses
-
         horizon = schedule.decay_iters or iterations
         if schedule.warmup_fraction is not None or schedule.warmup_iters < horizon or horizon < 2:
             return schedule
@@ -306,38 +347,12 @@ class Engine:
         self._backward_losses = detached if self._backward_losses is None else self._backward_losses + detached
         self.runner.backward(loss)
 
-    def reduce_loss(self, total: LossTotal, global_tokens: torch.Tensor | int | None) -> torch.Tensor:
-        """The global batch's loss on the device: summed over data-parallel ranks, then averaged over its
-        tokens (per-token sums) or its ranks (mean losses)."""
-        value = total.value.clone()
-        self.all_reduce_data_parallel(value)
-        if total.per_token and global_tokens is not None:
-            return value / global_tokens
-        return value / self.plan.layout.data_parallel_size
-
-    def optimizer_step(self, loss: torch.Tensor | None = None, stop_requested: bool = False,
-                       where: str = "this iteration", samples: int | None = None) -> StepDecision:
-        """Finish the gradients, agree with every rank (overflow, non-finite loss, stop) in one collective
-        and one host read, then step or skip, and advance the schedule by one global batch (`samples`: this
-        iteration's, when a ramp-up makes it differ from --global-batch-size).
-
-        A non-finite loss without loss scaling stops the run before the optimizer step: nothing is updated
-        and nothing saved (TrainingStopped)."""
-        runner = self.runner
-        found_inf = runner.unscale_gradients()
-        nonfinite = ~torch.isfinite(loss) if loss is not None else False
-        overflow, is_nonfinite, stop = agree(
-            [found_inf if found_inf is not None else False, nonfinite, stop_requested], self.device)
-        if is_nonfinite and not runner.skips_nonfinite:
-            runner.zero_grad()
-            raise TrainingStopped(
-                f"the loss is not finite at {where}; the run stops before the optimizer step and saves nothing "
-                "(the checkpoints in --save stay as they were). Lower --lr, keep --clip-grad on, check the data, "
-                "or use --fp16 with loss scaling, then resume with --load.")
-        outcome = runner.step(skip=overflow)
-        if not outcome.skipped and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "step"):
-            self._advance_schedule(samples)
-        return StepDecision(outcome, nan=is_nonfinite and not outcome.skipped, stop=stop)
+    def step_context(self) -> StepContext:
+        """What `train.step` needs of this run: the runner, the data-parallel group, the schedule, the timers."""
+        plan = self.plan
+        return StepContext(self.runner, self.device, self.mesh.group("dp"), plan.layout.data_parallel_size,
+                           plan.data.micro_batch_size, plan.batches.global_batch_size, self.lr_scheduler,
+                           self.timers if plan.logging.timers_to_tensorboard else None)
 
     def step(self) -> StepOutcome:
         """An own loop's optimizer step: clip, step (skipped on fp16 overflow) and advance the schedule by one
@@ -345,15 +360,7 @@ class Engine:
         if self.accumulation is not None and not self.accumulation.is_last:
             return StepOutcome(None)
         losses, self._backward_losses = self._backward_losses, None
-        return self.optimizer_step(losses).outcome
-
-    def _advance_schedule(self, samples: int | None = None) -> None:
-        from rapidtrain.optim.lr_schedule import LRScheduler
-
-        if isinstance(self.lr_scheduler, LRScheduler):
-            self.lr_scheduler.step(samples or self.plan.batches.global_batch_size)
-        else:
-            self.lr_scheduler.step()
+        return finish_step(self.step_context(), losses).outcome
 
     def all_reduce_data_parallel(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         group = self.mesh.group("dp")
@@ -369,9 +376,7 @@ class Engine:
         return tensor
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        shutdown_distributed()
 
 
 RapidformerEngine = Engine

@@ -9,7 +9,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,9 @@ def recipe_of(model: nn.Module) -> ExportRecipe | None:
     peft_config = None
     base = model
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        peft_config = copy.deepcopy(next(iter(model.peft_config.values())))
-        base = model.get_base_model()
+        peft: Any = model  # a peft model, whose attributes nn.Module's typing does not know
+        peft_config = copy.deepcopy(next(iter(peft.peft_config.values())))
+        base = peft.get_base_model()
     if not (hasattr(base, "save_pretrained") and hasattr(base, "config")):
         return None
     config = copy.deepcopy(base.config)
@@ -55,7 +56,8 @@ def full_model_state(runner: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(runner.module, options=options)
+    # A model's state dict holds tensors (the declared type covers optimizer state too).
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(runner.module, options=options))
     return {
         name: value.detach().float() if value.is_floating_point() else value for name, value in state.items()
     }
@@ -100,7 +102,7 @@ def write_model(
     if recipe is None:
         torch.save(state, tmp / "model.pt")
     else:
-        model = _skeleton(recipe, state)
+        model: Any = _skeleton(recipe, state)  # a transformers (or peft) model: save_pretrained and the rest
         if recipe.peft_config is not None:
             model.save_pretrained(tmp / "adapter")  # the LoRA adapter alone, for peft users
             model = model.merge_and_unload()

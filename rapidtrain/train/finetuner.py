@@ -51,13 +51,14 @@ class Finetuner(Trainer):
 
     def __init__(self, engine: Any = None, **engine_kwargs: Any) -> None:
         super().__init__(engine, **engine_kwargs)
-        self.tokenizer: Any = None  # saved beside the model when set
+        self.tokenizer = None  # saved beside the model when set
+        self.flops_counts: Any = None  # the model's matrix-product sizes (prepare_model), for TFLOP/s and MFU
         self.best_metric: float | None = None
         self.best_epoch: int | None = None
         self.export_recipe: Any = None
         self.checkpointer.pretrained_model_only = True  # fine-tuning starts from a pretrained model's weights
 
-    def run_forward_step(self, batch: Any, model: Any) -> Any:  # type: ignore[override]
+    def run_forward_step(self, batch: Any, model: Any) -> Any:
         """Default: a Hugging Face style model's `model(**batch).loss`."""
         output = model(**batch)
         return output.loss if hasattr(output, "loss") else output["loss"]
@@ -76,7 +77,7 @@ class Finetuner(Trainer):
     def flops_per_iteration(self, interval: Any = None) -> float | None:
         """Training FLOPs of the interval's average iteration (for TFLOP/s and, with --peak-tflops, MFU): 6 per
         weight of every matrix product and token, and 12 · layers · hidden · sequence per token for attention."""
-        counts = getattr(self, "flops_counts", None)
+        counts = self.flops_counts
         if counts is None or interval is None or not interval.iterations or not interval.samples:
             return None
         matrix_weights, layers, hidden = counts

@@ -28,10 +28,10 @@ class AccumulationTracker:
         self.group_size = 1
         self.is_last = True
 
-    def place(self, step: int, steps_in_epoch: int) -> None:
+    def place(self, step: int, steps_in_epoch: float) -> None:
         """Micro-batch `step` of an epoch of `steps_in_epoch`: its group is cut short at the epoch's end."""
         group_start = step - step % self.accumulation_steps
-        self.group_size = min(self.accumulation_steps, steps_in_epoch - group_start)
+        self.group_size = int(min(self.accumulation_steps, steps_in_epoch - group_start))  # inf: no epoch end
         self.is_last = step - group_start == self.group_size - 1
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,10 @@ class PreTrainer(Trainer):
 
     loss_name = "lm loss"
 
+    def __init__(self, engine: Any = None, **engine_kwargs: Any) -> None:
+        super().__init__(engine, **engine_kwargs)
+        self._evaluation_loaders: dict[int, DataLoader] = {}  # evaluation_loader(): one per evaluation set
+
     # ---- hooks a subclass provides ----
     def train_valid_test_datasets_provider(  # type: ignore[override]
         self, train_val_test_num_samples: list[int]
@@ -67,7 +71,9 @@ class PreTrainer(Trainer):
             raise UserError(f"--data-iterator dynamic-shape: {type(self).__name__} does not say how to batch its "
                             "samples by length (the built-in pretraining, rapidtrain/pretrain.py, does). Override "
                             "supports_dynamic_shape(), train_batch_sampler() and collate_fn(), or drop the flag.")
-        counts = list(train_valid_test_num_samples(training.train_iters, training.eval_interval or training.train_iters,
+        iterations = training.train_iters
+        assert iterations is not None  # the rules give pretraining --train-iters (or --train-samples, resolved)
+        counts = list(train_valid_test_num_samples(iterations, training.eval_interval or iterations,
                                                    training.eval_iters, plan.batches.global_batch_size))
         # Sample-based training or a ramp-up: the samples the iterations really take (Megatron's update_train_iters
         # may end a ramp-up iteration a little past --train-samples).
@@ -78,7 +84,8 @@ class PreTrainer(Trainer):
         self.model, *_ = self.engine.compose(model, optimizer=optimizer, lr_scheduler_fn=scheduler_fn,
                                              model_factory=self.model_factory())
         self.load()
-        self.engine.print_rank0(describe_plan(plan))
+        self.plan = self.engine.plan  # compose describes the model it was given
+        self.engine.print_rank0(describe_plan(self.plan))
 
     def data_loader(self, dataset: Any, consumed_samples: int, train: bool = False) -> DataLoader:
         data = self.plan.data
@@ -131,15 +138,24 @@ class PreTrainer(Trainer):
         return {}
 
     # ---- evaluation ----
+    def evaluation_loader(self, dataset: Any) -> DataLoader:
+        """One loader per evaluation set for the whole run: its workers persist, so no evaluation forks new ones
+        while the training loader's threads run (a fork that meets a thread starting or ending deadlocks the child
+        in CPython 3.11's after-fork handling, which hung 2-rank runs at their second evaluation)."""
+        loader = self._evaluation_loaders.get(id(dataset))
+        if loader is None:
+            loader = self._evaluation_loaders[id(dataset)] = self.data_loader(dataset, 0)
+        return loader
+
     @torch.no_grad()
-    def evaluate(self, dataset: Any) -> dict[str, float]:  # type: ignore[override]
+    def evaluate(self, dataset: Any) -> dict[str, float]:
         """Mean losses over --eval-iters global batches from the start of `dataset` (the same batches each time):
         {"lm loss": ...}, or the means of what a Megatron loss function reported."""
         runner = self.engine.runner
         runner.train(False)
         totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         reported: dict[str, torch.Tensor] = {}
-        iterator = iter(self.data_loader(dataset, 0))
+        iterator = iter(self.evaluation_loader(dataset))
         try:
             batches = min(self.plan.training.eval_iters, len(dataset) // self.plan.batches.global_batch_size)
             for _ in range(batches):

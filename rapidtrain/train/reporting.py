@@ -115,7 +115,7 @@ def build_log_line(plan: Plan, totals: IntervalTotals, interval: IntervalStats, 
         "train/grad norm": (grad_norm is not None, grad_norm),
         "train/params norm": (params_norm is not None, params_norm),
     }
-    scalars.update({tag: float(value) for tag, (wanted, value) in optional.items() if wanted})
+    scalars.update({tag: float(value) for tag, (wanted, value) in optional.items() if wanted and value is not None})
     return line, scalars
 
 

@@ -131,6 +131,7 @@ class MlflowTracker:
             Path(uri.removeprefix("sqlite:///")).resolve().parent.mkdir(parents=True, exist_ok=True)
         try:
             self.client = MlflowClient(tracking_uri=uri)
+            assert settings.mlflow_experiment is not None  # Writers opens this tracker only for the flag
             experiment = self.client.get_experiment_by_name(settings.mlflow_experiment)
             experiment_id = (experiment.experiment_id if experiment is not None else self.client.create_experiment(
                 settings.mlflow_experiment, artifact_location=_artifact_location(self.client.tracking_uri)))

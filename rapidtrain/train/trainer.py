@@ -28,6 +28,8 @@ import torch.distributed as dist
 from rapidtrain.config.describe import describe_plan
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.metrics import ThroughputMeter
+from rapidtrain.core.stopped_run import RUN
+from rapidtrain.data.dynamic_shape import FinetuneCollator
 from rapidtrain.data.loaders import (
     ShardedLoader,
     eval_loader,
@@ -37,11 +39,13 @@ from rapidtrain.data.loaders import (
     train_batch_sampler,
     train_loader,
 )
+from rapidtrain.models import moe
 from rapidtrain.parallel.runner import as_loss, autocast
 from rapidtrain.train.control import Checkpointer, StopConditions
-from rapidtrain.train.engine import Engine, TrainingStopped
+from rapidtrain.train.engine import Engine
 from rapidtrain.train.profiling import Profiler
 from rapidtrain.train.reporting import IntervalTotals, IterationResult, LossRecords, build_log_line
+from rapidtrain.train.step import TrainingStopped, TrainState, train_step
 from rapidtrain.train.tracking import Writers
 
 __all__ = ["Trainer", "TrainingStopped", "IterationResult", "default_token_count"]
@@ -69,25 +73,61 @@ def _tokens_in(batch: Any) -> int:
 
 class Trainer:
     """The loop, and the general template's epoch-based data. Subclasses provide data and models."""
-
     loss_name = "loss"  # the training loss's name in the log line (PreTrainer: Megatron's "lm loss")
 
     def __init__(self, engine: Engine | None = None, **engine_kwargs: Any) -> None:
         self.engine = engine or Engine(**engine_kwargs)
         self.args = self.engine.args  # for Rapidformer user code; rapidtrain's own code reads the plan
         self.plan = self.engine.plan
-        self.iteration = 0
-        self.consumed_samples = 0
+        self.state = TrainState(last_global_batch=self.plan.batches.global_batch_size)
         self.model: Any = None
+        self.tokenizer: Any = None  # a template's tokenizer, when it has one (padding, export)
         self.token_count: Callable[[Any], int | torch.Tensor | None] = default_token_count
         self.checkpointer = Checkpointer(self.plan.checkpoint, self)
+        RUN.save = self.plan.checkpoint.save  # for the story told if the run stops (core/stopped_run.py)
         # SIGTERM from here on asks for a save at the end of an iteration, even if it comes during setup.
         self.stop = StopConditions(self.plan.training)
         self.history: list[dict[str, Any]] = []
-        self._eval_loader: ShardedLoader | None = None
-        self._epoch_ends = False
-        self.last_global_batch = self.plan.batches.global_batch_size  # the last iteration's (ramp-up)
         self.timers = self.engine.timers
+        # The general template's epoch data (setup()): datasets, this rank's share, epoch arithmetic.
+        self.train_ds: Any = None
+        self.valid_ds: Any = None
+        self.test_ds: Any = None
+        self.settings: Any = None
+        self.lengths: list[int] | None = None
+        self.samples_per_epoch = 0
+        self.micro_steps_per_epoch = 0
+        self.steps_per_epoch: int | None = None
+        self.bar: Any = None  # the epoch's progress bar
+        self._epoch_ends = False  # the last global batch handed out closes an epoch
+        self._eval_loader: ShardedLoader | None = None
+        # What one run() opens and closes (_run()): writers, throughput, log totals, loss records, profiler.
+        self.writer = Writers()
+        self.meter = ThroughputMeter(self.engine.device)
+        self.totals = IntervalTotals()
+        self.records = LossRecords(None)
+        self.profiler: Profiler | None = None
+
+    # The loop's position, kept in `state` (checkpoints save it); Rapidformer's templates expose these names.
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.state.iteration = value
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.state.consumed_samples
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self.state.consumed_samples = value
+
+    @property
+    def last_global_batch(self) -> int:
+        return self.state.last_global_batch
 
     # ---- hooks a subclass provides ----
     def train_valid_test_datasets_provider(self) -> tuple[Any, Any, Any, Any]:
@@ -145,7 +185,7 @@ class Trainer:
             ) from error
 
     def pad_token_id(self) -> int:
-        pad = getattr(getattr(self, "tokenizer", None), "pad_token_id", None)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
         return int(pad) if pad is not None else 0
 
     # ---- the loop ----
@@ -222,9 +262,8 @@ class Trainer:
 
     def after_step(self, result: IterationResult) -> None:
         """Count the iteration; the log line every --log-interval iterations."""
-        self.iteration += 1
-        self.consumed_samples += result.samples
-        self.last_global_batch = result.samples
+        self.state.advance(result.samples)
+        RUN.iteration = self.iteration
         self.meter.record(result.samples, result.tokens)
         self.totals.add(result)
         self.records.add(self.iteration, result)
@@ -237,7 +276,7 @@ class Trainer:
         logging = self.plan.logging
         line, scalars = build_log_line(
             self.plan, totals, interval, iteration=self.iteration,
-            train_iters=self.engine.total_iterations(getattr(self, "steps_per_epoch", None)),
+            train_iters=self.engine.total_iterations(self.steps_per_epoch),
             consumed_samples=self.consumed_samples, learning_rate=self.current_lr(),
             loss_scale=self.engine.runner.loss_scale, loss_name=self.loss_name,
             flops_per_iteration=self.flops_per_iteration(interval), device=self.engine.device,
@@ -277,47 +316,21 @@ class Trainer:
 
     # ---- one iteration ----
     def train_step(self, micro_batches: list[Any], stop_requested: bool = False) -> IterationResult:
-        """Forward and backward of every micro-batch of one global batch, then one optimizer step."""
-        engine, runner = self.engine, self.engine.runner
-        global_tokens = self._global_tokens(micro_batches)
+        """One global batch through train.step (the step's one owner), with the MoE balancing loss's scale set
+        before and its value read after."""
         self._set_moe_aux_scale(len(micro_batches))
-        timed = self.plan.logging.timers_to_tensorboard  # a reading waits for the device: only when asked
-        if timed:
-            self.timers("forward-backward").start()
-        total = runner.forward_backward(micro_batches, self.forward_step, global_tokens)
-        loss = engine.reduce_loss(total, global_tokens)
-        if timed:
-            self.timers("forward-backward").stop()
-            self.timers("optimizer").start()
-        samples = len(micro_batches) * self.plan.data.micro_batch_size * self.plan.layout.data_parallel_size
-        decision = engine.optimizer_step(loss, stop_requested, where=f"iteration {self.iteration + 1}",
-                                         samples=samples)
-        if timed:
-            self.timers("optimizer").stop()
-        tokens = sum(_tokens_in(b) for b in micro_batches) * self.plan.layout.data_parallel_size
-        return IterationResult(loss, decision.outcome.grad_norm, decision.outcome.skipped, decision.nan,
-                               samples, tokens, extras=self._moe_extras(), stop=decision.stop,
-                               reported=total.reported)
-
-    def _global_tokens(self, micro_batches: list[Any]) -> torch.Tensor | None:
-        """Loss-carrying tokens of the global batch (at least 1), counted on the host and summed over
-        data-parallel ranks: an fp64 CPU tensor that gloo carries and the loop divides by, never read on the
-        host, so neither the device nor the loader's tensors are waited for."""
-        counts = [self.token_count(b) for b in micro_batches]
-        if any(c is None for c in counts):
-            return None
-        total = torch.stack([torch.as_tensor(c, dtype=torch.float64).reshape(()) for c in counts]).sum()
-        self.engine.all_reduce_data_parallel(total)
-        return total.clamp(min=1)
+        result = train_step(self.engine.step_context(), micro_batches, self.forward_step, self.token_count,
+                            _tokens_in, stop_requested=stop_requested, where=f"iteration {self.iteration + 1}")
+        outcome = result.decision.outcome
+        return IterationResult(result.loss, outcome.grad_norm, outcome.skipped, result.decision.nan,
+                               result.samples, result.tokens, extras=self._moe_extras(), stop=result.decision.stop,
+                               reported=result.reported)
 
     def _set_moe_aux_scale(self, steps: int) -> None:
-        from rapidtrain.models import moe
-
-        moe.set_aux_loss_scale(self.engine.runner.backward_scale / steps)
+        moe.set_aux_loss_scale(self.engine.runner.module, self.engine.runner.backward_scale / steps)
 
     def _moe_extras(self) -> dict[str, torch.Tensor]:
         """The MoE balancing loss: the mean over all MoE layers (of every pipeline stage) and data-parallel ranks."""
-        from rapidtrain.models import moe
 
         total, layers = moe.collect_aux_loss_sum(self.engine.runner.module)
         pipeline = self.engine.mesh.group("pp")
@@ -344,7 +357,6 @@ class Trainer:
                             "/ --step-batch-size-schedule.")
         self.train_ds, self.valid_ds, self.test_ds, collate_fn = self.train_valid_test_datasets_provider()
         if collate_fn is None and plan.switches.dynamic_shape:
-            from rapidtrain.data.dynamic_shape import FinetuneCollator
 
             collate_fn = FinetuneCollator(self.pad_token_id())
         self.collate_fn = collate_fn
@@ -363,6 +375,7 @@ class Trainer:
             scheduler_fn = lambda optimizer: engine.build_scheduler(optimizer, None, self.steps_per_epoch)  # noqa: E731
         self.model, *_ = engine.compose(model, optimizer=optimizer, lr_scheduler_fn=scheduler_fn)
         self.load()
+        self.plan = plan = engine.plan  # compose describes the model it was given
         engine.print_rank0(describe_plan(plan))
         engine.print_rank0(
             f" training: {len(self.train_ds)} samples, {self.steps_per_epoch} steps of "
@@ -371,7 +384,6 @@ class Trainer:
 
     def prepare_model(self, model: Any) -> None:
         """Look at the model before it is wrapped (Finetuner: how to export it)."""
-
     def load(self) -> None:
         self.checkpointer.open()
         loaded = self.checkpointer.load()
@@ -423,8 +435,7 @@ class Trainer:
 
     def print_log(self, line: str) -> None:
         """The log line, written above the epoch's progress bar."""
-        bar = getattr(self, "bar", None)
-        (bar.write if bar is not None else print)(line)
+        (self.bar.write if self.bar is not None else print)(line)
 
     def after_iteration(self) -> None:
         """The general template's own work after an iteration: progress, step-based evaluation when

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidtrain.pretrain import MegatronPreTrainer
+from rapidtrain.train.builtin_pretrainer import MegatronPreTrainer
 from rapidtrain.train.engine import Engine
 from tests.launch import TINY_GPT_PARITY, pretrain, read_losses, relative_difference
 

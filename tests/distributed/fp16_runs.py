@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rapidtrain.pretrain import ENTRY, MegatronPreTrainer  # noqa: E402
+from rapidtrain.pretrain import ENTRY  # noqa: E402
+from rapidtrain.train.builtin_pretrainer import MegatronPreTrainer  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 
 

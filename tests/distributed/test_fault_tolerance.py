@@ -70,13 +70,19 @@ def train_here(args: list[str]) -> None:
     main(TINY + args)
 
 
-@pytest.fixture
-def saved(tmp_path, demo_data) -> Path:
-    """Checkpoints at iterations 2 and 4 of a one-process run; `latest` says 4."""
-    folder = tmp_path / "ck"
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory, demo_data) -> Path:
+    """Checkpoints at iterations 2 and 4 of a one-process run; `latest` says 4. Trained once for the module."""
+    folder = tmp_path_factory.mktemp("trained") / "ck"
     train_here(["--train-iters", "4", "--save", str(folder), "--save-interval", "2"])
     assert (folder / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     return folder
+
+
+@pytest.fixture
+def saved(trained_once, tmp_path) -> Path:
+    """A test's own copy of the trained checkpoints (the tests damage them)."""
+    return Path(shutil.copytree(trained_once, tmp_path / "ck"))
 
 
 def test_unpublished_tmp_checkpoint_is_ignored(saved, tmp_path):

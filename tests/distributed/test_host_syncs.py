@@ -106,7 +106,8 @@ def optimizers_of(runner: Any) -> list[Any]:
 def probe(out: Path) -> None:
     import torch.distributed as dist
 
-    from rapidtrain.pretrain import ENTRY, MegatronPreTrainer
+    from rapidtrain.pretrain import ENTRY
+    from rapidtrain.train.builtin_pretrainer import MegatronPreTrainer
     from rapidtrain.train.engine import Engine
 
     counter = ReadCounter()

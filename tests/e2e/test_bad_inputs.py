@@ -281,6 +281,9 @@ CASES = [
         [a if a != "64" else "128" for a in TINY] + ws.data_flags() + ["--train-iters", "4", "--load",
                                                                          str(ws.checkpoint)]),
         r"holds a different model: --hidden-size \(checkpoint 64, now 128\)"),
+    Case("pretrain: resumed with another --global-batch-size names that flag alone", lambda ws: run_pretrain(
+        TINY + ws.data_flags() + ["--train-iters", "6", "--global-batch-size", "8", "--load", str(ws.checkpoint)]),
+        r"the learning-rate schedule would change, since --global-batch-size \(checkpoint 4, now 8\): give the"),
     Case("launch: token ids beyond the vocabulary", lambda ws: run_cli(
         ["--task", "pretraining", "--train-iters", "4", *TINY, *ws.data_flags(str(ws.root / "data" / "wide"))]),
         r"wide: token id \d+ in sequence \d+ is outside the vocabulary \[0, 128\)"),
@@ -288,6 +291,8 @@ CASES = [
          r"--save .*ck already holds checkpoints .* give --load .*ck"),
     Case("launch: mistyped --load", launch("--load", "{root}/ckk", "--save", "{root}/fresh"),
          r"--load .*ckk: no such folder"),
+    Case("pretrain: mistyped --load without --save", pretrain("--load", "/no/such/ck"),
+         r"--load /no/such/ck: no such folder"),
     Case("launch: --save under a regular file", launch("--save", "{root}/a_file/ck"),
          r"--save .*a_file/ck is not writable"),
     Case("launch: missing --user-script", lambda ws: run_cli(["--user-script", str(ws.root / "nope.py"),

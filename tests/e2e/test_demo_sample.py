@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rapidtrain.config import arguments, plan, settings
-from rapidtrain.pretrain import DEMO_PROMPT, DEMO_SAMPLE_TOKENS, demo_sample_unavailable
+from rapidtrain.train.builtin_pretrainer import DEMO_PROMPT, DEMO_SAMPLE_TOKENS, demo_sample_unavailable
 from tests.launch import TINY_GPT_SHAPE, pretrain
 
 TINY = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--global-batch-size", "4", "--num-workers", "0",

@@ -36,6 +36,9 @@ def test_glue_classification_black_box(tmp_path):
     assert (
         tmp_path / "out" / "latest_checkpointed_iteration.txt"
     ).read_text().strip() == "32"  # 2 × 512 / 32
+    # Run twice in a row, as a README block is: the second run finds its own finished checkpoint and stops there.
+    again = run_example("glue_classification/run.sh", {"WORK": str(tmp_path), "EPOCHS": "2"})
+    assert "nothing to do: the checkpoint is at iteration 32, the end" in again.stdout
 
 
 def test_glue_classification_white_box_template(tmp_path):
@@ -50,7 +53,7 @@ def test_glue_classification_white_box_template(tmp_path):
     assert results["validation"]["accuracy"] > 0.8
 
 
-def test_custom_pretrainer(demo_data):
+def test_custom_pretrainer(demo_data, tmp_path):
     run = run_example(
         "custom_pretrainer/run.sh",
         {"ITERS": "6"},
@@ -62,7 +65,17 @@ def test_custom_pretrainer(demo_data):
         "3",
         "--eval-iters",
         "1",
+        "--save",
+        str(tmp_path / "lstm"),
     )
+    # The plan describes the model the script built, not the built-in GPT the flags alone would imply ...
+    assert "model: LSTMLanguageModel, " in run.stdout and "(built by the script)" in run.stdout
+    assert "built-in GPT" not in run.stdout
+    # ... and the checkpoint says so: generate refuses it in one line instead of failing to load a GPT into it.
+    refused = subprocess.run([sys.executable, "-m", "rapidtrain.cli", "generate", "--load", str(tmp_path / "lstm"),
+                              "--prompt", "Return"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert refused.returncode == 2 and "holds no built-in GPT" in refused.stderr
+    assert "Traceback" not in refused.stderr
     losses = [
         float(line.split("lm loss: ")[1].split(" ")[0])
         for line in run.stdout.splitlines()

@@ -323,7 +323,7 @@ def glue_bert(tmp_path_factory) -> Path:
     return root
 
 
-def black_box(root: Path, save: Path, *switches: str, epochs: int = 4) -> subprocess.CompletedProcess:
+def black_box(root: Path, save: Path, *switches: str, epochs: int = 2) -> subprocess.CompletedProcess:
     command = [
         sys.executable,
         "-m",
@@ -381,19 +381,51 @@ def exported_predictions(model_dir: Path, dev: list[dict]) -> list[str]:
         return [loaded.config.id2label[int(i)] for i in loaded(**batch).logits.argmax(-1)]
 
 
+def trained_weights(save: Path, folder: str) -> dict[str, torch.Tensor]:
+    """The model of the checkpoint written at the iteration an exported folder was evaluated (restitched from
+    the ranks' shards by the reader), LoRA adapters merged by peft as a user of the adapter folder would."""
+    from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state
+
+    iteration = json.loads((save / folder / "eval_results.json").read_text())["iteration"]
+    trained = consolidated_model_state(checkpoint_directory(save, iteration))
+    if not (save / folder / "adapter").is_dir():
+        return trained
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(save / folder))
+    model = get_peft_model(model, LoraConfig.from_pretrained(save / folder / "adapter"))
+    model.load_state_dict(trained, assign=True, strict=True)
+    return model.merge_and_unload().state_dict()
+
+
+def assert_exported_weights_are_the_trained_ones(save: Path, folder: str) -> None:
+    """Every tensor of an exported folder equals, bit for bit, the trained one (gathered by the export from the
+    sharding engine; read back from the checkpoint's shards here)."""
+    from safetensors.torch import load_file
+
+    trained = trained_weights(save, folder)
+    exported = load_file(save / folder / "model.safetensors")
+    assert sorted(exported) == sorted(trained)
+    different = [name for name, value in exported.items() if not torch.equal(value, trained[name])]
+    assert not different, f"exported tensors differ from the trained ones: {different}"
+
+
 @pytest.mark.slow
 def test_black_box_command_fine_tunes_bert_with_zero2_and_mixed_precision(glue_bert, tmp_path):
     from rapidtrain.data.finetune import read_split_file
 
+    # 2 epochs (black_box's default): the tiny BERT is past 0.9 after its second (measured: 0.52, then 0.91)
     run = black_box(glue_bert, tmp_path, "--zero-2-memory-optimization", "--mixed-precision")
     assert "DeepSpeed ZeRO stage 2" in run.stdout and "DeepSpeed bf16 engine" in run.stdout
     reported = json.loads((tmp_path / "best" / "eval_results.json").read_text())["validation"]["accuracy"]
     assert reported >= 0.8  # chance is 0.5
+    # bf16 evaluation: the exported model is checked on its weights, not by re-evaluating it in fp32
+    # (a borderline example flips between the two precisions, differently on each CPU)
+    assert_exported_weights_are_the_trained_ones(tmp_path, "best")
     dev = read_split_file(glue_bert / "glue" / "sst2" / "dev.tsv")
-    predicted = exported_predictions(tmp_path / "best", dev)
-    assert predicted == [
-        row["prediction"] for row in read_jsonl(tmp_path / "best" / "eval_predictions.jsonl")
-    ]
+    predicted = [row["prediction"] for row in read_jsonl(tmp_path / "best" / "eval_predictions.jsonl")]
     assert sum(int(p) == r["label"] for p, r in zip(predicted, dev, strict=True)) / len(dev) == reported
     print(f"headline: validation accuracy {reported:.4f} with ZeRO-2 + bf16 on 2 gloo ranks")
 
@@ -410,10 +442,14 @@ def test_black_box_command_fine_tunes_bert_with_zero2_and_mixed_precision(glue_b
     ids=["fsdp-recompute", "zero3", "sdp-bf16", "zero1-lora"],
 )
 def test_every_partitioning_exports_the_model_it_evaluated(glue_bert, tmp_path, switches):
-    """The full weights gathered from each sharding engine are the ones that made the reported predictions."""
+    """The full weights gathered from each sharding engine are the trained ones, and (where the run evaluated in
+    fp32, the precision `from_pretrained` loads) they make the reported predictions."""
     from rapidtrain.data.finetune import read_split_file
 
-    black_box(glue_bert, tmp_path, *switches, epochs=2)
+    black_box(glue_bert, tmp_path, *switches)
+    assert_exported_weights_are_the_trained_ones(tmp_path, "last")
+    if "--bf16" in switches:  # bf16 evaluation vs an fp32 re-evaluation: borderline examples flip by CPU
+        return
     dev = read_split_file(glue_bert / "glue" / "sst2" / "dev.tsv")
     saved = [row["prediction"] for row in read_jsonl(tmp_path / "last" / "eval_predictions.jsonl")]
     assert exported_predictions(tmp_path / "last", dev) == saved

@@ -3,6 +3,9 @@ sets over GPT, BERT, the demo, real data, each parallel family and fine-tuning."
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +30,45 @@ def printed_plan(output: str) -> str:
     return "\n".join(block)
 
 
-def plan_command(flags: list[str], world: int) -> str:
-    result = subprocess.run([sys.executable, "-m", "rapidtrain.cli", "plan", "--world-size", str(world), *flags],
-                            capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=300)
-    assert result.returncode == 0, result.stderr
-    return printed_plan(result.stdout)
+def plan_command(flags: list[str], world: int, *extra: str) -> str:
+    """What `rapidtrain plan --world-size N [EXTRA] FLAGS` prints, run in this process: the command is pure (no
+    process group, no model), so it needs no Python start of its own beside the run it is compared with. With
+    EXTRA (--json) the whole output, else the plan block."""
+    from rapidtrain import cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(["plan", "--world-size", str(world), *extra, *flags]) == 0
+    return printed.getvalue() if extra else printed_plan(printed.getvalue())
+
+
+def built(output: str) -> dict:
+    """The run's ` built: {...}` line: what Engine.compose really built."""
+    line = next(line for line in output.splitlines() if line.startswith(" built: "))
+    return json.loads(line.removeprefix(" built: "))
+
+
+def check_built_as_planned(made: dict, plan: dict) -> None:
+    """What was built (runner, wrapper, optimizer class, parameter kind, mesh) is what the Plan says."""
+    layout, switches = plan["layout"], plan["switches"]
+    engine = switches["partitioning_engine"]
+    if layout["pipeline_parallel_size"] > 1:
+        assert made["runner"] == "PipelineRunner"
+    elif engine == "deepspeed":
+        assert (made["runner"], made["wrapper"]) == ("DeepSpeedRunner", "DeepSpeedEngine")
+    elif engine == "fsdp2":
+        assert made["wrapper"].startswith("FSDP") and made["dtensor"]
+    elif layout["data_parallel_size"] > 1 and layout["tensor_parallel_size"] == 1:
+        assert made["wrapper"] == "DistributedDataParallel"
+    assert made["dtensor"] == (layout["tensor_parallel_size"] > 1 or engine == "fsdp2" and layout["world_size"] > 1)
+    optimizer_line = next(c["engine"] for c in plan["engines"] if c["switch"] == "optimizer")
+    assert made["optimizer"] in optimizer_line, (made["optimizer"], optimizer_line)
+    expected_mesh = {"tp": layout["tensor_parallel_size"], "pp": layout["pipeline_parallel_size"]}
+    assert all(made["mesh"].get(name, 1) == size for name, size in expected_mesh.items()), made["mesh"]
+    if layout["expert_parallel_size"] > 1:
+        assert made["mesh"]["ep"] == layout["expert_parallel_size"]
+    if plan["precision"]["dtype"] == "fp32":
+        assert made["dtypes"] == ["float32"]
 
 
 def indexed_data(demo_data, sentences: bool = False) -> list[str]:
@@ -66,6 +103,7 @@ def test_plan_command_prints_the_plan_the_pretraining_run_prints(name, demo_data
     flags = SHAPE + flags + (["--train-iters", "2"] if "--train-iters" not in flags else [])
     run = torchrun(ranks, PRETRAIN, flags, timeout=600)
     assert printed_plan(run.stdout) == plan_command(flags, ranks)
+    check_built_as_planned(built(run.stdout), json.loads(plan_command(flags, ranks, "--json")))
 
 
 def test_plan_command_prints_the_plan_the_fine_tuning_run_prints(tmp_path):

@@ -28,12 +28,6 @@ def moe_layer(experts: int = 4, hidden: int = 4, **overrides: object) -> MoELaye
     return MoELayer(ModelConfig(**{**settings, **overrides}), experts)
 
 
-@pytest.fixture(autouse=True)
-def default_aux_loss_scale():
-    yield
-    set_aux_loss_scale(1.0)
-
-
 def test_expert_capacity_arithmetic():
     assert expert_capacity(16, 4, 1, 1.0, 1) == 4
     assert expert_capacity(16, 4, 2, 1.0, 1) == 8
@@ -166,7 +160,7 @@ def test_router_loss_gradient_is_injected_and_scaled():
     (layer(x) * 0).sum().backward()
     torch.testing.assert_close(layer.router.weight.grad, expected)
     layer.zero_grad()
-    set_aux_loss_scale(0.25)
+    set_aux_loss_scale(layer, 0.25)
     (layer(x) * 0).sum().backward()
     torch.testing.assert_close(layer.router.weight.grad, 0.25 * expected)
     assert layer.experts.w1.grad.abs().sum() == 0

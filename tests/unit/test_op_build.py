@@ -9,7 +9,14 @@ import textwrap
 
 import pytest
 
-from rapidtrain.parallel.op_build import build_directory, clear_stale_lock, clear_stale_op_build_locks, lock_holders
+from rapidtrain.parallel.op_build import (
+    announce_op_builds,
+    build_directory,
+    clear_stale_lock,
+    clear_stale_op_build_locks,
+    is_built,
+    lock_holders,
+)
 
 BUILDER = textwrap.dedent("""
     import sys, time
@@ -62,3 +69,13 @@ def test_lock_of_a_running_build_is_kept(extensions):
 def test_nothing_to_do_without_a_lock(extensions):
     assert clear_stale_op_build_locks() == []
     assert not any((extensions / name / "lock").exists() for name in ("cpu_adam", "deepspeed_shm_comm"))
+
+
+def test_a_run_that_must_build_an_op_says_so_and_a_built_one_is_silent(extensions, capsys):
+    lines = announce_op_builds(["cpu_adam", "deepspeed_shm_comm"])
+    assert len(lines) == 2 and "building its op cpu_adam (the CPU Adam of --cpu-offload)" in lines[0]
+    assert "scripts/setup.sh builds it ahead" in lines[0] and lines[0] in capsys.readouterr().err
+    folder = build_directory("cpu_adam")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cpu_adam.so").write_bytes(b"")  # what a finished build leaves
+    assert is_built("cpu_adam") and announce_op_builds(["cpu_adam"]) == []

@@ -19,7 +19,7 @@ ALLOWED_MODULES = {
     "cli.py", "pretrain.py", "pretrain_gpt.py", "pretrain_bert.py", "finetune.py",
     "rapidformer.py",
 }
-ALLOWED_PACKAGES = {"compat"}
+ALLOWED_PACKAGES = {"compat", "config"}  # config/ resolves the flags: reading them is its job
 
 # (module, function) → why it must read a namespace. Keep this list short; each entry needs a reason.
 ALLOWED_FUNCTIONS = {
@@ -40,8 +40,10 @@ ALLOWED_FUNCTIONS = {
        for name in ("chosen_partitioning", "zero_stage")},
     ("config/saved_checkpoint.py", "saved_model_config"):
         "reads the flags a checkpoint was saved with (not this run's) to rebuild an old checkpoint's model",
-    ("train/generation.py", "load_for_generation"):
+    ("train/generation/loading.py", "load_for_generation"):
         "`rapidtrain generate` has no plan: it reads its own options and the flags the checkpoint was saved with",
+    ("train/generation/loading.py", "_builtin_tokenizer"):
+        "`rapidtrain generate` has no plan: the tokenizer comes from the flags the checkpoint was saved with",
 }
 
 # Where the plan-building helpers above may be used: the modules that build the plan, and the reader of a

@@ -314,3 +314,20 @@ def test_keep_newlines_keeps_the_whitespace_after_each_sentence(tmp_path):
     text = "First one.\nSecond one. Third."
     assert split_sentences(text) == ["First one.", "Second one.", "Third."]
     assert split_sentences(text, keep_newlines=True) == ["First one.\n", "Second one. ", "Third."]
+
+
+def test_a_file_size_limit_is_named_and_leaves_nothing(tmp_path):
+    import resource
+
+    def small_file_limit() -> None:  # as `ulimit -f` would: writes past 64 KiB fail with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    line = json.dumps({"text": " ".join(["7"] * 200)}) + "\n"
+    (tmp_path / "in.jsonl").write_text(line * 2_000)  # 400k tokens: far past the limit
+    args = ["--input", "in.jsonl", "--output-prefix", "out/p", "--tokenizer-type", "NullTokenizer"]
+    done = subprocess.run([sys.executable, str(SCRIPT), *args, "--vocab-size", "10"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_file_limit)
+    assert done.returncode == 2, done.stderr
+    assert "--output-prefix out/p: writing the output failed (File too large)" in done.stderr
+    assert "Traceback" not in done.stderr and os.listdir(tmp_path / "out") == []

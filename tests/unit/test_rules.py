@@ -15,6 +15,7 @@ BASE = ["--train-iters", "10", "--lr", "1e-4"]
 # rule name → (flags that violate it, flags that pass, world size, device)
 CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "positive-sizes": (["--micro-batch-size", "0"], ["--micro-batch-size", "1"], 1, "cpu"),
+    "min-lr-within-lr": (["--lr", "1e-4", "--min-lr", "1e-3"], ["--lr", "1e-4", "--min-lr", "1e-5"], 1, "cpu"),
     "unknown-task": (["--task", "sequence_clasification"], ["--task", "causal_lm"], 1, "cpu"),
     "one-state-partitioning": (
         ["--zero-2-memory-optimization", "--fsdp-memory-optimization"],
@@ -228,7 +229,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
-    "rates-finite": (["--lr", "-1e-3", "--min-lr", "nan"], ["--lr", "3e-4", "--min-lr", "0"], 1, "cpu"),
+    "rates-finite": (["--lr", "-1e-3", "--min-lr", "-1"], ["--lr", "3e-4", "--min-lr", "0"], 1, "cpu"),
+    "min-lr-below-lr": (["--lr", "1e-4", "--min-lr", "2e-4"], ["--lr", "1e-4", "--min-lr", "1e-4"], 1, "cpu"),
     "counts-positive": (["--log-interval", "0", "--num-workers", "-1"], ["--log-interval", "1", "--num-workers", "0"],
                         1, "cpu"),
     "probabilities-in-range": (["--hidden-dropout", "1"], ["--hidden-dropout", "0.99"], 1, "cpu"),
@@ -452,8 +454,11 @@ def test_context_rules(name):
     assert name not in {rule.name for rule in rules.RULES if rule.violated(args, good)}
 
 
-def test_probabilities_refuse_nan_and_the_split_names_its_problem():
-    assert "probabilities-in-range" in fired(BASE + ["--attention-dropout", "nan"], 1, "cpu")
+def test_probabilities_refuse_nan_and_the_split_names_its_problem(capsys):
+    with pytest.raises(SystemExit) as stop:  # every float flag refuses nan in the parser, naming the flag
+        arguments.parse_args(BASE + ["--attention-dropout", "nan"])
+    refused = "argument --attention-dropout: 'nan' is not a finite number"
+    assert stop.value.code == 2 and refused in capsys.readouterr().err
     args = arguments.parse_args(BASE + ["--split", "a,b"])
     messages = rules.violations(args, RunContext(1, "cpu"))
     assert any(m.startswith("--split 'a,b': expected one to three numbers") for m in messages)

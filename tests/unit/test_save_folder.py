@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from rapidtrain.checkpoint.checkpointer import prepare_save_folder
 from rapidtrain.checkpoint.save_folder import (
     LOCK_FILE,
     SaveFolderError,
     acquire_save_lock,
     check_resume_safety,
     check_save_writable,
-    prepare_save_folder,
 )
 
 REPO = Path(__file__).resolve().parents[2]

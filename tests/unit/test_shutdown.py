@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rapidtrain.config.describe import describe_plan
+from rapidtrain.config.describe import ON_SIGTERM, describe_plan
 from rapidtrain.config.settings import TrainingSettings
 from rapidtrain.core.shutdown import child_pids, exit_status, ignore_sigterm_in_worker, run_forwarding_signals
 from rapidtrain.train.control import StopConditions, StopSignal
@@ -149,7 +149,7 @@ def test_plan_says_what_sigterm_does(flags, on_sigterm):
     args = arguments.parse_args(["--train-iters", "10", "--lr", "1e-3", *flags], entry="pretrain")
     resolved = plan.from_args(args, plan.RunContext(1, "cpu"))
     assert resolved.training.on_sigterm == on_sigterm
-    assert "  on SIGTERM: " + plan.ON_SIGTERM[on_sigterm] in describe_plan(resolved)
+    assert "  on SIGTERM: " + ON_SIGTERM[on_sigterm] in describe_plan(resolved)
 
 
 def test_exit_status_reports_signals_as_a_shell_does():

@@ -270,3 +270,11 @@ def test_a_file_of_the_wrong_kind_is_refused(files):
         build_tokenizer(TokenizerSettings("SentencePieceTokenizer", tokenizer_model=str(files / "vocab.txt")))
     with pytest.raises(TokenizerSettingsError, match=r"lacks \[UNK\]"):
         build_tokenizer(TokenizerSettings("BertWordPieceCase", vocab_file=str(files / "merges.txt")))
+
+
+def test_swapped_vocab_and_merges_files_are_named_in_one_message(files):
+    vocab, merges = str(files / "vocab.json"), str(files / "merges.txt")
+    with pytest.raises(TokenizerSettingsError) as refused:
+        build_tokenizer(TokenizerSettings("GPT2BPETokenizer", vocab_file=merges, merge_file=vocab))
+    message = str(refused.value)
+    assert f"--vocab-file {merges} / --merge-file {vocab}" in message and "swapped" in message

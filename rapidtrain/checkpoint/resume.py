@@ -1,0 +1,48 @@
+"""What resuming checks beyond the tensors: the learning-rate schedule of the saved run against this one's, with
+the flags that changed named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rapidtrain.core.errors import UserError
+from rapidtrain.optim.lr_schedule import LRScheduler
+
+
+class ResumeError(UserError, ValueError):
+    """The checkpoint cannot be continued with these flags."""
+
+
+# The flags the learning-rate schedule is computed from (in samples: the batch and the run's length count too).
+SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_decay_samples", "lr_warmup_iters",
+                  "lr_warmup_fraction", "lr_warmup_samples", "lr_warmup_init", "lr_wsd_decay_iters",
+                  "lr_wsd_decay_samples", "lr_wsd_decay_style", "train_iters", "train_samples", "global_batch_size",
+                  "rampup_batch_size", "step_batch_size_schedule")
+
+
+def changed_schedule_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The schedule's flags whose values differ between the saved run and this one, as `--flag (checkpoint A,
+    now B)`; flags a side did not record are not compared."""
+    names: tuple[str, ...] = SCHEDULE_FLAGS
+    if any(saved.get(name) and saved.get(name) == current.get(name) for name in ("lr_decay_iters", "lr_decay_samples")):
+        names = tuple(n for n in names if n not in ("train_iters", "train_samples"))  # the decay horizon is set
+    return [f"--{name.replace('_', '-')} (checkpoint {saved[name]}, now {current[name]})"
+            for name in names if name in saved and name in current and saved[name] != current[name]]
+
+
+def load_schedule(lr_scheduler: Any, saved: dict[str, Any], schedule_from: str, directory: Path,
+                   changed: list[str]) -> None:
+    try:
+        if isinstance(lr_scheduler, LRScheduler):
+            lr_scheduler.load_state_dict(saved, schedule_from=schedule_from)
+        else:
+            lr_scheduler.load_state_dict(saved)
+    except ValueError as error:
+        keep = ("--override-opt_param-scheduler keeps these flags' schedule, --use-checkpoint-opt_param-scheduler "
+                "the saved one")
+        if changed:
+            raise ResumeError(f"--load {directory}: the learning-rate schedule would change, since "
+                              f"{', '.join(changed)}: give the saved run's value to continue it, or {keep}.") from None
+        raise ResumeError(f"--load {directory}: {error} (the flags --lr, --min-lr, --lr-decay-style, --lr-decay-iters "
+                          f"and the warm-up must be the saved run's to continue it; {keep}).") from None

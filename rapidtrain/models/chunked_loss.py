@@ -1,0 +1,94 @@
+"""Output head + per-token cross-entropy in chunks of tokens, so the [tokens, vocabulary] fp32 logits never exist
+whole: forward keeps each token's log-sum-exp and, where they are cheap, the logits in the matmul's own dtype;
+backward turns one chunk at a time into gradients.
+
+The plain path holds the logits three times over a step (autocast's bf16 output, its fp32 copy, log_softmax's fp32
+output saved for backward) and a fourth in backward (their gradient); at vocabulary 50k and 8k tokens each fp32 copy
+is 1.6 GB. Here bf16/fp16 logits are kept as the matmul wrote them (exactly what the fp32 copy would hold, at half
+its size) and fp32 logits are kept only when one chunk holds them all; otherwise backward recomputes each chunk's
+logits, one more head matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Vocabulary entries per block are chosen so one block's fp32 logits stay near this many elements (32 MiB): large
+# enough for efficient matmuls, small enough that the loss never dominates peak memory.
+BLOCK_ELEMENTS = 8 * 2**20
+
+
+def block_size(vocab_size: int, tokens: int) -> int:
+    """Vocabulary entries per block: a multiple of 64 (at least 64) giving about BLOCK_ELEMENTS fp32 logits."""
+    return min(vocab_size, max(64, BLOCK_ELEMENTS // max(tokens, 1) // 64 * 64))
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One block's logits [T, block] in the matmul dtype."""
+    return hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
+
+
+class ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """loss[t] = logsumexp(h[t] Wᵀ + b) - (h[t] Wᵀ + b)[label[t]], fp32, 0 where label < 0, computed over blocks of
+    the vocabulary (so every matmul keeps all tokens as its long dimension, and dW needs no adding up over chunks).
+
+    hidden [T, h] and weight [V, h] (bias [V]) arrive in the matmul dtype (autocast's, cast by the caller)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                block: int) -> torch.Tensor:
+        keep = hidden.element_size() <= 2 or block >= weight.shape[0]
+        kept, block_lse = [], []
+        picked = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, weight.shape[0], block):
+            raw = _logits(hidden, weight[start:start + block], None if bias is None else bias[start:start + block])
+            kept += [raw] if keep else []
+            logits = raw.float()
+            block_lse.append(torch.logsumexp(logits, dim=-1))
+            inside = (targets >= start) & (targets < start + logits.shape[1])
+            index = (targets - start).clamp(0, logits.shape[1] - 1)
+            picked += logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~inside, 0.0)
+        log_sum_exp = torch.logsumexp(torch.stack(block_lse), dim=0)
+        ignored = targets < 0
+        ctx.save_for_backward(hidden, weight, bias, targets, log_sum_exp, ignored, *kept)
+        ctx.block = block
+        return (log_sum_exp - picked).masked_fill_(ignored, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, log_sum_exp, ignored, *kept = ctx.saved_tensors
+        scale = grad_losses.float().masked_fill(ignored, 0.0)[:, None]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.empty_like(weight)
+        grad_bias = None if bias is None else torch.empty_like(bias)
+        for index, start in enumerate(range(0, weight.shape[0], ctx.block)):
+            end = start + ctx.block
+            logits = kept[index] if kept else _logits(hidden, weight[start:end],
+                                                      None if bias is None else bias[start:end])
+            # d loss / d logits = softmax - one_hot(label), times each token's incoming gradient. Out of place:
+            # the kept logits stay intact for a backward with retain_graph.
+            grad_logits = torch.sub(logits.float(), log_sum_exp[:, None]).exp_()
+            inside = (targets >= start) & (targets < start + grad_logits.shape[1])
+            grad_logits.scatter_add_(1, (targets - start).clamp(0, grad_logits.shape[1] - 1)[:, None],
+                                     -inside.float()[:, None])
+            grad_logits = grad_logits.mul_(scale).to(hidden.dtype)
+            if grad_bias is not None:
+                grad_bias[start:end] = grad_logits.float().sum(0)
+            grad_hidden += grad_logits @ weight[start:end]
+            grad_weight[start:end] = grad_logits.t() @ hidden
+        return grad_hidden.to(hidden.dtype), grad_weight, grad_bias, None, None
+
+
+def chunked_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               labels: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Per-token loss [*labels.shape] of the head (weight, bias) on hidden [..., h], as autocast would compute
+    `cross_entropy(linear(hidden).float())`: the matmuls in autocast's dtype where it is on, the loss in fp32."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+    targets = labels.reshape(-1).long()
+    block = block or block_size(weight.shape[0], flat.shape[0])
+    with torch.autocast(device, enabled=False):
+        losses = ChunkedHeadCrossEntropy.apply(flat, weight.to(dtype), None if bias is None else bias.to(dtype),
+                                               targets, block)
+    return losses.view(labels.shape)

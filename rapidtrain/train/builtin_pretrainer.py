@@ -1,0 +1,245 @@
+"""The built-in models' pretraining template: Megatron's datasets on --data-path (a blend, per-split paths, or the
+demo corpus), Megatron's masked per-token loss, evaluation over --eval-iters, and the demo's greedy sample.
+`rapidtrain/pretrain.py` (and its Megatron names pretrain_gpt.py, pretrain_bert.py) run it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
+from rapidtrain.data.blending import parse_data_path
+from rapidtrain.data.demo import prepare_demo_data
+from rapidtrain.data.dynamic_shape import (
+    BertTrimCollator,
+    LengthBucketBatchSampler,
+    PretrainingCollator,
+    build_unpacked_datasets,
+)
+from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+from rapidtrain.data.indexed import warm_up
+from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer
+from rapidtrain.models import build_model
+from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.counting import model_flops_per_iteration
+from rapidtrain.parallel.meta_init import build_model_for
+from rapidtrain.train.engine import Engine
+from rapidtrain.train.generation import generate_sample
+from rapidtrain.train.pretrainer import PreTrainer
+
+
+class MegatronPreTrainer(PreTrainer):
+    """The built-in models on --data-path (or per-split paths, or the demo corpus), Megatron's datasets and loss."""
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.data_prefix = self.prepare_data()
+        self.tokenizer = self.build_tokenizer()
+
+    def prepare_data(self) -> list[str]:
+        """The --data-path prefixes (a blend keeps its weights), or the demo corpus, built on first use (BERT with
+        its binary head reads the demo's sentence-split copy)."""
+        data = self.plan.data
+        if data.mmap_warmup:
+            self.warm_up_data()
+        if data.source != "demo":
+            return list(data.data_path)
+
+        demo = prepare_demo_data(progress=self.engine.is_main_process)
+        sentences = self.plan.model is not None and self.model_config.bert_binary_head
+        self.engine.print_rank0(f" no --data-path: training on the demo corpus ({demo.num_documents:,} "
+                                f"documents, {demo.num_tokens:,} tokens) at "
+                                f"{demo.sentence_prefix if sentences else demo.data_prefix}")
+        return [demo.sentence_prefix if sentences else demo.data_prefix]
+
+    def warm_up_data(self) -> None:
+        """--mmap-warmup: read each .bin file once, so the first iterations do not wait on page faults."""
+
+        paths = [self.plan.data.data_path, *(self.plan.data.split_paths or ())]
+        prefixes = {p for path in paths if path for p in parse_data_path(path)[0]}
+        read = sum(warm_up(prefix) for prefix in sorted(prefixes))
+        self.engine.print_rank0(f" --mmap-warmup: read {read / 2**20:,.1f} MiB of indexed data")
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The built-in model's settings: this template trains only the built-in models, which the plan holds."""
+        model = self.plan.model
+        assert model is not None, "the built-in pretraining runs a plan with a built-in model"
+        return model
+
+    def build_tokenizer(self) -> Tokenizer:
+        settings = self.plan.tokenizer
+        if settings is None:  # the rules refuse --data-path without a tokenizer before this point
+            raise SystemExit("rapidtrain: --data-path needs --tokenizer-type (and its files).")
+        return build_tokenizer(settings)
+
+    def train_valid_test_datasets_provider(  # type: ignore[override]  # Rapidformer: the PreTrainer hook takes counts
+        self, train_val_test_num_samples: list[int]
+    ) -> tuple[Any, Any, Any]:
+        data, model = self.plan.data, self.model_config
+        if data.dynamic_shape and model.model_type == "gpt":
+            return self.unpacked_datasets()
+        build = self.bert_datasets if model.model_type == "bert" else self.gpt_datasets
+        if data.split_paths is None:
+            return build(self.data_prefix, data.split, train_val_test_num_samples)
+        return per_split_datasets(data.split_paths, build, train_val_test_num_samples)
+
+    def bert_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
+        data, model, t = self.plan.data, self.model_config, self.tokenizer
+        config = BERTDatasetConfig(data_prefix=prefixes, split=split, seq_length=model.seq_length,
+                                   seed=data.seed, vocab_size=t.vocab_size, cls_id=t.cls, sep_id=t.sep,
+                                   mask_id=t.mask, pad_id=t.pad, mask_prob=data.mask_prob,
+                                   short_seq_prob=data.short_seq_prob, binary_head=model.bert_binary_head,
+                                   data_impl=data.data_impl, cache_dir=data.cache_path)
+        return build_bert_datasets(config, counts)
+
+    def gpt_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
+        return build_gpt_datasets(self.gpt_config(prefixes, split), counts)
+
+    def gpt_config(self, prefixes: list[str], split: str) -> Any:
+        data, model = self.plan.data, self.model_config
+        return GPTDatasetConfig(data_prefix=prefixes, split=split, seq_length=model.seq_length,
+                                seed=data.seed, eod=self.tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
+                                reset_position_ids=data.reset_position_ids,
+                                reset_attention_mask=data.reset_attention_mask, data_impl=data.data_impl,
+                                cache_dir=data.cache_path, vocab_size=model.vocab_size,
+                                document_ids=self.plan.attention.document_ids)
+
+    # ---- --data-iterator dynamic-shape ----
+    def supports_dynamic_shape(self) -> bool:
+        return True
+
+    def unpacked_datasets(self) -> tuple[Any, Any, Any]:
+        """GPT with dynamic shapes: one document per sample (at most --seq-length + 1 tokens), not packed."""
+
+        return build_unpacked_datasets(self.gpt_config(self.data_prefix, self.plan.data.split))
+
+    def collate_fn(self) -> Any:
+        """Dynamic shape: GPT's unpacked documents padded to the batch's longest; BERT's samples (of
+        varying length: --short-seq-prob, sentence ends) cut to the batch's longest. Both round up to 8."""
+        if not self.plan.data.dynamic_shape:
+            return None
+
+        if self.model_config.model_type == "bert":
+            return BertTrimCollator()
+        return PretrainingCollator(pad_id=self.tokenizer.eod, eod=self.tokenizer.eod,
+                                   eod_mask_loss=self.plan.data.eod_mask_loss)
+
+    def train_batch_sampler(self, dataset: Any, consumed_samples: int) -> Any:
+        """Dynamic shape: micro-batches of similar-length samples (GPT's documents, BERT's samples), epoch after
+        epoch."""
+        if not self.plan.data.dynamic_shape:
+            return super().train_batch_sampler(dataset, consumed_samples)
+
+        data = self.plan.data
+        return EpochsOf(LengthBucketBatchSampler(dataset.lengths, data.micro_batch_size,
+                                                 self.engine.mesh.data_parallel_rank,
+                                                 self.plan.layout.data_parallel_size, seed=data.seed,
+                                                 consumed_samples=consumed_samples))
+
+    # ---- model, FLOPs, forward ----
+    def model_optimizer_lr_scheduler_provider(self) -> tuple[Any, None, None]:
+        """The built-in model: on the meta device when the plan shards it (each rank materializes its part when
+        it is composed), else whole and initialised."""
+
+        return build_model_for(self.plan), None, None
+
+    def model_factory(self) -> Any:
+        return lambda: build_model(self.model_config, seed=None)
+
+    def flops_per_iteration(self, interval: Any = None) -> float | None:
+        return float(model_flops_per_iteration(self.model_config, self.last_global_batch))
+
+    def end_of_training(self, stopped: bool) -> dict[str, Any]:
+        results = super().end_of_training(stopped)
+        if self.plan.data.source == "demo" and not stopped and self.finished():
+            self.print_demo_sample()
+        return results
+
+    def print_demo_sample(self) -> None:
+        """What the demo's model writes after the prompt: a newcomer sees what training did. Tensor-parallel ranks
+        generate together (each runs its heads); a pipeline stage or a sharded model cannot generate alone."""
+
+        reason = demo_sample_unavailable(self.plan)
+        if reason:
+            save = self.plan.checkpoint.save
+            self.engine.print_rank0(f" sample: not generated here ({reason}); "
+                                    + (f"`rapidtrain generate --load {save} --prompt '{DEMO_PROMPT}'` loads the "
+                                       "checkpoint whole in one process" if save else
+                                       "save with --save, then `rapidtrain generate --load SAVE --prompt ...`"))
+            return
+        text = generate_sample(self.model, self.tokenizer, DEMO_PROMPT, DEMO_SAMPLE_TOKENS)
+        self.engine.print_rank0(f" sample from the trained model (greedy, up to {DEMO_SAMPLE_TOKENS} tokens after the "
+                                "prompt):\n   " + text.replace("\n", "\n   "))
+
+    def run_forward_step(self, data_iterator: Any, model: Any) -> Any:
+        batch = {k: v.to(self.engine.device, non_blocking=True) for k, v in next(data_iterator).items()}
+        if self.model_config.model_type == "bert":
+            return self._bert_forward(batch, model)
+        mask = batch.get("attention_mask")
+        documents = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
+        losses = model(batch["tokens"], position_ids=batch["position_ids"],
+                       attention_mask=None if mask is None else ~mask, labels=batch["labels"], **documents)
+        return losses, lambda per_token: masked_sum(per_token, batch["loss_mask"])
+
+    def _bert_forward(self, batch: dict[str, torch.Tensor], model: Any) -> Any:
+        output = model(batch["text"], attention_mask=batch["padding_mask"], tokentype_ids=batch["types"],
+                       lm_labels=batch["labels"])
+        if not self.model_config.bert_binary_head:
+            return output, lambda per_token: masked_sum(per_token, batch["loss_mask"])
+        per_token, binary_logits = output
+        lm_sum, count = masked_sum(per_token, batch["loss_mask"])
+        lm_loss = lm_sum / count.clamp(min=1)
+        sop = torch.nn.functional.cross_entropy(binary_logits.float(), batch["is_random"])
+        # Megatron's BERT log line shows the two losses apart.
+        return lm_loss + sop, {"lm loss": lm_loss.detach(), "sop loss": sop.detach()}
+
+
+class EpochsOf:
+    """A batch sampler that walks one epoch per `iter()` (the length buckets), walked again and again: the
+    sample stream of iteration-based pretraining."""
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield from self.sampler
+
+
+def per_split_datasets(split_paths: tuple, build: Callable[[list[str], str, list[int]], tuple],
+                       counts: list[int]) -> tuple[Any, Any, Any]:
+    """Megatron's --train-data-path / --valid-data-path / --test-data-path: each split from all the documents of
+    its own data (a prefix or a blend); a split without a path is empty."""
+    datasets: list[Any] = []
+    for index, paths in enumerate(split_paths):
+        if not paths:
+            datasets.append(None)
+            continue
+        only = [0, 0, 0]
+        only[index] = 1
+        wanted = [count if i == index else 0 for i, count in enumerate(counts)]
+        datasets.append(build(list(paths), ",".join(map(str, only)), wanted)[index])
+    return tuple(datasets)
+
+
+DEMO_PROMPT = "Return a new"  # the demo corpus is the standard library's docstrings
+DEMO_SAMPLE_TOKENS = 24
+
+
+def demo_sample_unavailable(plan: Any) -> str:
+    """Why the demo's closing sample cannot be generated under this layout, or "" when it can."""
+    if plan.model is None or plan.model.model_type != "gpt":
+        return "only the GPT generates text"
+    if plan.layout.pipeline_parallel_size > 1:
+        return "pipeline parallelism: each stage holds some layers only"
+    if plan.switches.partitioning in ("fsdp", "sdp", "zero-3") or (
+            plan.switches.partitioning in ("zero-1", "zero-2") and plan.switches.partitioning_engine == "fsdp2"):
+        return f"{plan.switches.partitioning} partitioning shards the parameters over the ranks"
+    return ""
+
+
+def masked_sum(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the loss over tokens that count, how many count): the trainer averages over the global batch."""
+    mask = loss_mask.float()
+    return (per_token.float() * mask).sum(), mask.sum()

@@ -1,0 +1,137 @@
+"""How `rapidtrain generate` runs a model: device, dtype, attention kernel, k-bit weights, compilation and batch
+size, each checked against this machine (refused with the reason where it cannot take effect), and the line that
+names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from rapidtrain.core.errors import UserError
+from rapidtrain.models.attention_backends import attention_problem
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class GenerateError(UserError, ValueError):
+    """A generate flag, prompt file or folder that cannot be used as given; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """`rapidtrain generate`'s own flags (command.py's parser documents each); generate has no training plan."""
+
+    load: str
+    iteration: int | None = None
+    prompt: str | None = None
+    input_file: str | None = None
+    output_file: str | None = None
+    batch_size: int = 1
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 1234
+    kv_cache: bool = True
+    device: str = "auto"
+    split_layers: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    attention_backend: str = "auto"
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+    torch_compile: bool = False
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how the model runs: `device` ("cpu", "cuda", "cuda:1"), `dtype` of the weights and activations,
+    the --attention-backend name, 4/8-bit bitsandbytes weights (None: the dtype's), prompts per batch,
+    and `split_layers` (the layers spread over every visible GPU)."""
+
+    device: str = "cpu"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    attention: str = "auto"
+    load_in_bits: Literal[4, 8] | None = None
+    batch_size: int = 1
+    split_layers: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+
+def _device(options: GenerateOptions) -> str:
+    if options.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return options.device
+
+
+def _precision_problems(options: GenerateOptions, device_type: str) -> list[str]:
+    found = []
+    if options.bf16 and options.fp16:
+        found.append("--bf16 and --fp16 both choose the dtype: give one")
+    if options.fp16 and device_type == "cpu":
+        found.append("--fp16 on a CPU: CPUs have no native fp16 arithmetic (PyTorch emulates it, slower than fp32); "
+                     "use --bf16 where the CPU has AVX512-BF16/AMX, or fp32 (no flag)")
+    if options.bf16 and device_type == "cpu" and not torch.cpu._is_avx512_bf16_supported():
+        found.append("--bf16 on this CPU: it has no native bf16 instructions (AVX512-BF16 or AMX), so bf16 would be "
+                     "emulated and slower than fp32: drop --bf16")
+    if options.bf16 and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        found.append("--bf16: this GPU has no bf16 arithmetic (before Ampere): use --fp16")
+    return found
+
+
+def _quantization_problems(options: GenerateOptions) -> list[str]:
+    if not (options.load_in_4bit or options.load_in_8bit):
+        return []
+    if options.load_in_4bit and options.load_in_8bit:
+        return ["--load-in-4bit and --load-in-8bit both choose the weights' width: give one"]
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return ["--load-in-4bit / --load-in-8bit quantise the weights with bitsandbytes, which is not installed: "
+                "pip install 'rapidtrain[lowbit]'"]
+    return []
+
+
+def _device_problems(options: GenerateOptions, device: str) -> list[str]:
+    found = []
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        found.append(f"--device {options.device}: no CUDA device here (torch {torch.__version__}); use --device cpu")
+    elif torch.device(device).type not in ("cpu", "cuda"):
+        found.append(f"--device {options.device}: generate runs on cpu or cuda[:N]")
+    if options.split_layers and torch.cuda.device_count() < 2:
+        found.append(f"--split-layers spreads the model's layers over several GPUs; this machine has "
+                     f"{torch.cuda.device_count()}: drop it (one device holds the whole model)")
+    return found
+
+
+def resolve_runtime(options: GenerateOptions, builtin: bool) -> Runtime:
+    """The Runtime the flags ask for, or GenerateError naming every flag that cannot take effect here."""
+    device = _device(options)
+    found = _device_problems(options, device)
+    device_type = torch.device(device).type if not found else "cpu"
+    found += _precision_problems(options, device_type) + _quantization_problems(options)
+    if options.batch_size < 1:
+        found.append(f"--batch-size {options.batch_size} must be at least 1")
+    half = options.bf16 or options.fp16
+    attention = attention_problem(options.attention_backend, device_type, builtin, 0.0, half, training=False)
+    if attention:
+        found.append(attention)
+    if options.torch_compile:
+        found.append("--torch-compile: the KV cache grows by one token per step, so each decoding step has new shapes "
+                     "and torch.compile would recompile at every one; generate has no static (preallocated) cache "
+                     "yet: drop --torch-compile")
+    if found:
+        raise GenerateError("rapidtrain generate: " + "; ".join(found))
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16" if options.bf16 else "fp16" if options.fp16 else "fp32"
+    bits: Literal[4, 8] | None = 4 if options.load_in_4bit else 8 if options.load_in_8bit else None
+    return Runtime(device, dtype, options.attention_backend, bits, options.batch_size,
+                   options.split_layers)
