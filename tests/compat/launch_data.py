@@ -200,6 +200,7 @@ def tiny(script: dict, files: LocalFiles, changes: dict[str, object] | None = No
     """The localized flags with sizes shrunk (TINY, then `changes`, whose flags the script lacks are added), for
     two CPU processes."""
     table = {**TINY, **(changes or {})}
+    changes = {"--num-workers": "0", **(changes or {})}  # data read in-process: two cores, no loader workers
     argv: list[str] = []
     present = groups(localize(script, files))
     added = [(flag, []) for flag, rule in (changes or {}).items() if rule is not None
