@@ -29,8 +29,13 @@ _EXPORTS = {
     "GPTModel": "rapidtrain.compat.megatron",
     "BertModel": "rapidtrain.compat.megatron",
     "megatron_pretrain": "rapidtrain.compat.megatron",
-    # Rapidformer's templates beyond the three above (rapidtrain/compat/rapidformer.py).
+    # Rapidformer's names beyond the three templates above (rapidtrain/compat/rapidformer.py): `from rapidformer
+    # import X` becomes `from rapidtrain import X`. Its GPTModel (which returns the MoE balancing losses) is
+    # rapidtrain.rapidformer.GPTModel; rapidtrain.GPTModel is Megatron's.
     "GPTFinetuner": "rapidtrain.compat.rapidformer",
+    "GPTDataset": "rapidtrain.compat.rapidformer",
+    "PETDataset": "rapidtrain.compat.rapidformer",
+    "build_pretrain_huggingface_bert_datasets": "rapidtrain.compat.rapidformer",
 }
 _MODULES = {"mpu": "rapidtrain.compat.mpu"}  # `from rapidtrain import mpu`, as `from megatron import mpu`
 __all__ = [*_EXPORTS, *_MODULES, "__version__"]

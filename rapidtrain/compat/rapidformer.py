@@ -95,3 +95,94 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         ids = self.samples[idx][: self.length]
         return {"text": np.array(ids + [self.eod] * (self.length - len(ids)), dtype=np.int64)}
+
+
+class PETDataset(torch.utils.data.Dataset):
+    """Rapidformer's prompt (PET) samples for a GPT: tab-separated rows whose columns are named by `input_schema`
+    ('sent,label,sid'), each turned into the text `pattern` spells ('sent,这句话表达的主题是,label': a part that
+    names a column is that column's value, the label column is its word from `label_desc`, any other part is
+    literal), tokenized with an end of document, cut or padded with it to `seq_length` + 1: {"text": ids,
+    "label": index of the row's label in `label_enumerate_values`}."""
+
+    def __init__(self, datapaths: Sequence[str] | str, tokenizer: Any, seq_length: int, input_schema: str,
+                 pattern: str, label_desc: str, label_enumerate_values: str) -> None:
+        values, words = label_enumerate_values.split(","), label_desc.split(",")
+        if len(values) != len(words):
+            raise UserError(f"PETDataset: --label_enumerate_values has {len(values)} labels and --label_desc "
+                            f"{len(words)} words; give one word per label")
+        self.word_of, self.index_of = dict(zip(values, words, strict=True)), {v: i for i, v in enumerate(values)}
+        self.columns, self.parts = input_schema.split(","), pattern.split(",")
+        self.tokenizer, self.length = tokenizer, seq_length + 1
+        paths = [datapaths] if isinstance(datapaths, str | Path) else list(datapaths or [])
+        self.samples = [sample for path in paths for sample in self._read(path)]
+        if not self.samples:
+            raise UserError(f"PETDataset: {', '.join(map(str, paths))} holds no rows.")
+
+    def _read(self, path: str | Path) -> list[dict[str, np.ndarray | int]]:
+        try:
+            lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
+        except OSError as error:
+            raise UserError(f"PETDataset: cannot read {path} ({error.strerror or error}).") from None
+        return [self._sample(dict(zip(self.columns, line.split("\t"), strict=False))) for line in lines if line]
+
+    def _sample(self, row: dict[str, str]) -> dict[str, np.ndarray | int]:
+        label = row.get("label", "")
+        text = "".join(self.word_of.get(label, label) if part == "label" else row.get(part, part)
+                       for part in self.parts)
+        eod = self.tokenizer.eod
+        ids = (self.tokenizer.tokenize(text) + [eod])[: self.length]
+        return {"text": np.array(ids + [eod] * (self.length - len(ids)), dtype=np.int64),
+                "label": self.index_of.get(label, -1)}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray | int]:
+        return self.samples[idx]
+
+
+class HuggingFaceBertSamples(torch.utils.data.Dataset):
+    """Megatron BERT samples in Hugging Face BertForPreTraining's keywords: input_ids, token_type_ids,
+    attention_mask, labels (-100 where no token is masked) and next_sentence_label (1: B is a random sentence)."""
+
+    def __init__(self, samples: torch.utils.data.Dataset) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray | np.int64]:
+        sample = self.samples[idx]
+        return {"input_ids": sample["text"], "token_type_ids": sample["types"],
+                "attention_mask": sample["padding_mask"], "labels": np.where(sample["labels"] < 0, -100,
+                                                                              sample["labels"]),
+                "next_sentence_label": sample["is_random"]}
+
+
+def build_pretrain_huggingface_bert_datasets(
+    data_prefix: Sequence[str] | str, data_impl: str, splits_string: str,
+    train_valid_test_num_samples: Sequence[int], max_seq_length: int, masked_lm_prob: float = 0.15,
+    short_seq_prob: float = 0.1, seed: int = 1234, skip_warmup: bool = True, binary_head: bool = True,
+    **unused: Any,
+) -> tuple[Any, Any, Any]:
+    """Rapidformer's BERT pretraining data for a Hugging Face BERT: Megatron's masked-LM (and sentence-pair)
+    samples of --data-path, made with the --tokenizer-type / --vocab-file tokenizer, in HF's keywords."""
+    from rapidtrain.compat.megatron import get_tokenizer
+    from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
+    from rapidtrain.data.blending import parse_data_path
+    from rapidtrain.data.indexed import warm_up
+
+    prefixes = [data_prefix] if isinstance(data_prefix, str) else list(data_prefix)
+    if not skip_warmup:
+        for prefix in parse_data_path(prefixes)[0]:
+            warm_up(prefix)
+    tokenizer = get_tokenizer()
+    # Masked tokens are replaced by random ids of the vocabulary file itself: a Hugging Face BERT has no rows for
+    # the [BOS]/[EOS] Megatron's tokenizer appends.
+    vocab_size = getattr(tokenizer, "file_vocab_size", tokenizer.vocab_size)
+    config = BERTDatasetConfig(data_prefix=prefixes, split=splits_string, seq_length=max_seq_length, seed=seed,
+                               vocab_size=vocab_size, cls_id=tokenizer.cls, sep_id=tokenizer.sep,
+                               mask_id=tokenizer.mask, pad_id=tokenizer.pad, mask_prob=masked_lm_prob,
+                               short_seq_prob=short_seq_prob, binary_head=binary_head, data_impl=data_impl)
+    splits = build_bert_datasets(config, list(train_valid_test_num_samples))
+    return tuple(HuggingFaceBertSamples(d) if d is not None else None for d in splits)

@@ -50,6 +50,28 @@ def num_experts_list(value: str) -> int:
     return number
 
 
+def router_type(value: str) -> int | str:
+    """Rapidformer's --router-type 0, or Pai-Megatron-Patch's name for the same router (topk)."""
+    return 0 if value == "topk" else int(value) if value.isdigit() else value
+
+
+def moe_layer_pattern(value: str) -> int | list[int]:
+    """Megatron-Core's --moe-layer-freq: N (every Nth layer), or a per-layer 0/1 pattern written as a list
+    ('[1,0,1,0]') or as Megatron's list expression ('([0]*3+[1]*58)'), read without evaluating anything."""
+    text = value.strip().replace(" ", "")
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    text = text[1:-1] if text.startswith("(") and text.endswith(")") else text
+    pattern: list[int] = []
+    for term in text.split("+"):
+        found = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", term)
+        if not found:
+            raise argparse.ArgumentTypeError(f"--moe-layer-freq {value}: give N, or a 0/1 list such as '[1,0]' or "
+                                             "'([0]*3+[1]*5)'")
+        pattern += [int(bit) for bit in found.group(1).split(",")] * int(found.group(2) or 1)
+    return pattern
+
+
 def _add_data(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data", "Regular settings: data (Megatron indexed data or a fine-tuning set)")
     g.add_argument("--micro-batch-size", type=int, default=1,
@@ -119,7 +141,7 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Megatron's batch-size ramp-up: the global batch starts at START and grows by INCREMENT in "
                         "equal steps over the first SAMPLES samples to --global-batch-size (accumulation steps grow).")
-    g.add_argument("--step-batch-size-schedule", default=None,
+    g.add_argument("--step-batch-size-schedule", nargs="+", default=None,
                    help="Megatron's step schedule 'THRESHOLD:BATCH ...' (K/M/B/T suffixes; thresholds in tokens, "
                         "divided by --seq-length; the first is 0): the global batch of the last threshold reached.")
 
@@ -433,11 +455,12 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=num_experts_list, nargs="+", default=None,
                    help="Experts per MoE layer: one number (layers chosen by --moe-layer-freq) or one per "
                         "layer (0 = dense).")
-    g.add_argument("--moe-layer-freq", type=int, default=1, help="With one --num-experts value: every Nth "
-                                                                 "layer is MoE.")
+    g.add_argument("--moe-layer-freq", type=moe_layer_pattern, default=1,
+                   help="With one --num-experts value: every Nth layer is MoE, or Megatron-Core's per-layer 0/1 "
+                        "pattern ('([0]*3+[1]*5)').")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Shard experts over this many data-parallel ranks; tokens move by all-to-all.")
-    g.add_argument("--moe-router-topk", type=int, choices=(1, 2), default=1, help="Experts per token.")
+    g.add_argument("--moe-router-topk", type=int, default=1, help="Experts per token (1 to --num-experts).")
     g.add_argument("--moe-capacity-factor", type=float, default=1.0,
                    help="Expert capacity = ceil(k × tokens / experts × factor), at least --moe-min-capacity.")
     g.add_argument("--moe-min-capacity", type=int, default=4, help="Lower bound of expert capacity.")
@@ -447,8 +470,9 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="Weight of the router z-loss.")
     g.add_argument("--moe-jitter-eps", type=float, default=0.0, help="Multiplicative jitter noise on router input.")
     # Rapidformer's GPT-MoE options.
-    g.add_argument("--router-type", type=int, default=0,
-                   help="Rapidformer's router: 0 = top-k gating with the load-balancing loss (the built-in router).")
+    g.add_argument("--router-type", type=router_type, default=0,
+                   help="Rapidformer's router: 0 (Pai-Megatron-Patch: topk) = top-k gating with the load-balancing "
+                        "loss (the built-in router).")
     g.add_argument("--moe-linear-layer-type", choices=("standard",), default="standard",
                    help="Rapidformer: the experts' linear layers (standard nn.Linear-style weights).")
     g.add_argument("--top-k-linear-strategy", choices=("normal",), default="normal",
@@ -507,8 +531,9 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
                         "in the working folder).")
     g.add_argument("--mlflow-run-name", default=None,
                    help="The MLflow run's name (default: --wandb-exp-name when given, else one MLflow makes up).")
-    g.add_argument("--profile", action="store_true",
-                   help="Trace iterations --profile-step-start+1 to --profile-step-end with the PyTorch profiler on "
+    g.add_argument("--profile", nargs="?", const=True, default=False, choices=(True, "pt", "pt-full"),
+                   help="(Megatron's `--profile pt` / `pt-full` name the same PyTorch profiler.) Trace iterations "
+                        "--profile-step-start+1 to --profile-step-end with the PyTorch profiler on "
                         "--profile-ranks (a .pt.trace.json per rank in --tensorboard-dir, else ./profile; open it "
                         "in Perfetto or TensorBoard); on CUDA also a memory snapshot (memory_snapshot_rank{R}.pickle, "
                         "for pytorch.org/memory_viz).")
@@ -623,6 +648,9 @@ def build_parser(
     )
     for add_group in GROUP_BUILDERS:
         add_group(parser)
+    from rapidtrain.config.flag_surface import add_surface
+
+    add_surface(parser)  # every other Megatron-family flag (config/megatron_flags.json), classified
     # Not a flag: whether --pretrained-model-name-or-path initialises the built-in model (parse_args decides).
     parser.set_defaults(builtin_from_pretrained=False)
     if extra_args_provider is not None:
@@ -660,8 +688,10 @@ def parse_args(
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     from rapidtrain.config.meanings import apply_megatron_meanings
+    from rapidtrain.config.surface_meanings import apply_surface
 
-    apply_megatron_meanings(args, given, entry)  # Megatron's leniencies and Rapidformer's meanings, each noted
+    surface_notes = apply_surface(args, parser, given)  # the other Megatron-family flags: applied, noted or refused
+    apply_megatron_meanings(args, given, entry, surface_notes)  # Megatron's leniencies, Rapidformer's meanings
     args.given_flags = sorted(given)  # which flags the user typed (the plan tells them from defaults)
     return args
 
@@ -685,6 +715,7 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str
             action.default = argparse.SUPPRESS
         parser._defaults.clear()
         namespace, _ = parser.parse_known_args(argv)
+        vars(namespace).pop("megatron_flags_given", None)  # the record of flags given, not a flag
     finally:
         for action, default in saved:
             action.default = default

@@ -27,10 +27,11 @@ CHECKPOINT_SHAPE_FLAGS = (
 )
 
 
-def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = None) -> None:
+def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = None,
+                            earlier_notes: list[str] | None = None) -> None:
     """`entry`: the built-in pretraining's entry point (pretrain.py, pretrain_gpt.py, ...), None for a user script
-    or fine-tuning."""
-    notes: list[str] = []
+    or fine-tuning. `earlier_notes`: those of the Megatron-family flags already applied (surface_meanings.py)."""
+    notes: list[str] = list(earlier_notes or [])
     _bert_binary_head(args)
     _sequence_parallel(args, notes)
     _megatron_checkpoint_folder(args, given, notes)

@@ -9,7 +9,13 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Literal
 
-from rapidtrain.config.partitioning import PARTITIONING_SWITCHES, chosen_partitioning, zero_stage
+from rapidtrain.config.partitioning import (  # noqa: F401 (read_user_config: resolve's name for it, kept)
+    PARTITIONING_SWITCHES,
+    chosen_partitioning,
+    read_user_config,
+    zero_by_fsdp2,
+    zero_stage,
+)
 from rapidtrain.config.settings import (
     Batches,
     BatchSchedule,
@@ -46,14 +52,6 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:
     from rapidtrain.models.lora import LoraSettings
-
-
-def zero_by_fsdp2(args: argparse.Namespace) -> bool:
-    """ZeRO-1/2 served by FSDP2 over the data-parallel dimension instead of DeepSpeed: DeepSpeed's engine can
-    neither wrap tensor-parallel DTensors or pipeline stages, nor reduce expert slices that differ from one
-    expert-parallel rank to the next over their own group."""
-    return (args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1
-            or args.expert_model_parallel_size > 1)
 
 
 def precision_of(args: argparse.Namespace, ctx: RunContext) -> Precision:
@@ -93,24 +91,6 @@ def precision_warnings(args: argparse.Namespace, ctx: RunContext, precision: Pre
 
 def _loss_scaling(args: argparse.Namespace) -> str:
     return f"static {args.loss_scale:g}" if args.loss_scale else "dynamic"
-
-
-def read_user_config(path: str) -> dict[str, Any]:
-    """The JSON object of --deepspeed_config FILE (plain data: nothing in it runs); ValueError names the file."""
-    import json
-    from pathlib import Path
-
-    try:
-        config = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise ValueError(f"--deepspeed_config {path}: cannot read it ({error.strerror or error}). Give the path "
-                         "of a DeepSpeed JSON config.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({error}).") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--deepspeed_config {path}: a DeepSpeed config is a JSON object, not "
-                         f"{type(config).__name__}.")
-    return config
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:

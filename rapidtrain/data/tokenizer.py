@@ -213,6 +213,7 @@ class BertWordPieceTokenizer(Tokenizer):
         self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         self._tokenizer.decoder = decoders.WordPiece()
         self._vocab_size = len(vocab) + sum(token not in vocab for token in ("[BOS]", "[EOS]"))
+        self.file_vocab_size = len(vocab)  # the ids vocab.txt defines (a Hugging Face BERT's embedding rows)
         self.cls, self.sep, self.pad, self.mask = (vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"))
 
     @property

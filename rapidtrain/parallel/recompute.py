@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -89,13 +90,10 @@ class _RecomputeAttentionCore(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class SelectiveRecompute(nn.Module):
-    """Wraps one layer; its attention core is recomputed in backward. The wrapped layer keeps its name under
-    `_checkpoint_wrapped_module`, the prefix torch.distributed.checkpoint strips, so checkpoints keep their keys."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self._checkpoint_wrapped_module = module
+class SelectiveRecompute(ActivationWrapper):
+    """Wraps one layer; its attention core is recomputed in backward. As torch's checkpoint_wrapper (the same base
+    class), the wrapped layer sits under `_checkpoint_wrapped_module`, a prefix its state dict, parameter names and
+    attribute lookups leave out, so checkpoints keep the plain layer's keys (get_state_dict walks `layer.ln1`)."""
 
     def forward(self, *args, **kwargs):
         with _RecomputeAttentionCore():

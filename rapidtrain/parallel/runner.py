@@ -132,8 +132,18 @@ def as_loss(output: Any) -> LossParts:
         if len(output) == 3 and isinstance(output[2], Mapping):
             return LossParts(output[0], torch.as_tensor(output[1]), reported_pairs(output[2]))
         loss_sum, count = output
+        if isinstance(count, torch.Tensor) and count.numel() > 1:
+            return _masked_token_losses(loss_sum, count)
         return LossParts(loss_sum, torch.as_tensor(count), {})
     return LossParts(output, None, {})
+
+
+def _masked_token_losses(losses: torch.Tensor, loss_mask: torch.Tensor) -> LossParts:
+    if losses.numel() != loss_mask.numel():
+        raise ValueError(f"the forward step returned per-token losses of shape {tuple(losses.shape)} with a loss "
+                         f"mask of shape {tuple(loss_mask.shape)}: they must hold one value per token each")
+    mask = loss_mask.reshape(-1).to(losses.dtype)
+    return LossParts((losses.reshape(-1) * mask).sum(), mask.sum(), {})
 
 
 def reported_pairs(values: Mapping[str, Any]) -> dict[str, torch.Tensor]:

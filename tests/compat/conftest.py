@@ -76,3 +76,37 @@ def megatron_data(tmp_path_factory) -> MegatronData:
     return MegatronData(folder, folder / "gpt2-vocab.json", folder / "gpt2-merges.txt", folder / "bert-vocab.txt",
                         str(folder / "my-gpt2_text_document"), str(folder / "my-bert_text_sentence"), parts,
                         folder / "train.txt", folder / "valid.txt")
+
+
+@pytest.fixture(scope="session")
+def local_files(megatron_data, demo_data, tmp_path_factory):
+    """The files a launch script of tests/compat/launch_scripts.json names, made here: Megatron data and
+    tokenizers, a SentencePiece model, a Hugging Face tokenizer folder, JSON text."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.compat.launch_data import LocalFiles
+
+    folder = tmp_path_factory.mktemp("launch")
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer(str(megatron_data.gpt_vocab), str(megatron_data.gpt_merges))
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                 bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    hf.save_pretrained(folder / "hf-tokenizer")
+    text = folder / "text.json"
+    text.write_text("".join(json.dumps({"text": line}) + "\n" for line in megatron_data.train_text.read_text()
+                            .splitlines()))
+    return LocalFiles(folder, megatron_data.gpt_prefix, megatron_data.bert_prefix, str(megatron_data.gpt_vocab),
+                      str(megatron_data.gpt_merges), str(megatron_data.bert_vocab), demo_data.tokenizer_model,
+                      str(folder / "hf-tokenizer"), str(text), _tiny_bert(folder / "hf-bert", megatron_data.bert_vocab))
+
+
+def _tiny_bert(folder, vocab) -> str:
+    """A Hugging Face BERT folder in bert-base-uncased's shape (config.json and the test's WordPiece vocabulary; no
+    weights: planning reads the config only)."""
+    from transformers import BertConfig, BertTokenizerFast
+
+    tokenizer = BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True)
+    BertConfig(vocab_size=len(vocab.read_text().splitlines())).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

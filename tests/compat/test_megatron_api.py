@@ -127,10 +127,10 @@ def test_tokenizer_timers_and_print(engine, capsys):
 def test_megatron_loss_function_dict_is_a_mean_loss_with_reported_values():
     output = torch.tensor([2.0, 4.0])
     parts = as_loss((output, lambda out: (out.mean(), {"lm loss": out.mean(), "moe loss": torch.tensor(0.5)})))
-    assert parts.count is None and float(parts.value) == 3.0
+    assert parts.tokens is None and float(parts.value) == 3.0
     assert {k: v.tolist() for k, v in parts.reported.items()} == {"lm loss": [3.0, 1.0], "moe loss": [0.5, 1.0]}
     core = as_loss((torch.tensor(6.0), torch.tensor(3), {"lm loss": torch.tensor([6.0, 3.0])}))
-    assert int(core.count) == 3 and core.reported["lm loss"].tolist() == [6.0, 3.0]
+    assert int(core.tokens) == 3 and core.reported["lm loss"].tolist() == [6.0, 3.0]
     with pytest.raises(ValueError, match="report a number"):
         as_loss((torch.tensor(1.0), {"lm loss": torch.zeros(3)}))
 
@@ -159,3 +159,14 @@ def test_log_line_shows_the_reported_dict_and_leaves_skipped_iterations_out(engi
     assert "lm loss: 3.000000E+00" in line and "9.000000E+00" not in line
     assert "params norm: 12.500" in line and "global batch size:     6" in line
     assert mixed.reported["lm loss"].tolist() == [3.0, 1.0]  # the skipped iteration's values are left out
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (8,)])
+def test_per_token_losses_with_a_b_by_s_loss_mask_are_the_masked_mean(shape):
+    """Megatron's forward-step contract: losses [b, s] or [b·s] beside a loss mask [b, s]."""
+    losses = torch.arange(8.0).reshape(shape)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]])
+    parts = as_loss((losses, mask))
+    assert (float(parts.value), int(parts.tokens)) == (0 + 1 + 4 + 6, 4)
+    with pytest.raises(ValueError, match=r"shape \(6,\) with a loss mask of shape \(2, 4\)"):
+        as_loss((torch.zeros(6), mask))

@@ -1,15 +1,16 @@
-"""A Megatron-shaped white-box script (pretrain_gpt.py's get_batch / loss_func / forward_step / pretrain, only its
-imports changed) trains exactly as rapidtrain's own pretrain_gpt.py: the same losses and gradient norms, bit for
-bit, in one process and under tensor parallelism; its loss function's dict is the log line's loss."""
+"""A Megatron-shaped white-box script (user_scripts/megatron_gpt.py: model and dataset providers and a forward step
+handed to `pretrain`) trains exactly as rapidtrain's own pretrain_gpt.py: the same losses and gradient norms, bit
+for bit, in one process and under tensor parallelism; its loss function's dict is the log line's loss."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.compat.scripting import SCRIPTS
 from tests.launch import REPO, read_grad_norms, read_losses, torchrun
 
-WHITE_BOX = SCRIPTS / "white_box" / "megatron_pretrain_gpt.py"
+WHITE_BOX = Path(__file__).resolve().parent / "user_scripts" / "megatron_gpt.py"
 BUILT_IN = REPO / "rapidtrain" / "pretrain_gpt.py"
 
 

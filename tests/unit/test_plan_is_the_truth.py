@@ -15,6 +15,7 @@ PACKAGE = REPO / "rapidtrain"
 ALLOWED_MODULES = {
     "config/arguments.py", "config/rules.py", "config/plan.py", "config/meanings.py", "config/saved_checkpoint.py",
     "config/settings.py", "config/resolve.py", "config/memory.py", "config/engines.py",
+    "config/flag_surface.py", "config/surface_meanings.py",
     "cli.py", "pretrain.py", "pretrain_gpt.py", "pretrain_bert.py", "finetune.py",
     "rapidformer.py",
 }

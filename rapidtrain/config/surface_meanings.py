@@ -1,0 +1,376 @@
+"""What the Megatron-family flags given on a command line do here, applied once after parsing: each one works (its
+meaning applied, with a plan note where it is another origin's name or unit), is noted as having no effect, or is
+refused with exit status 2 naming the flag, why, and what to use (all refusals at once)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from rapidtrain.config.flag_status import NO_EFFECT, REFUSED
+from rapidtrain.config.flag_surface import (
+    VALUE_ALIASES,
+    FlagRefused,
+    classify,
+    megatron_flags_given,
+    refusal_applies,
+)
+
+Args = argparse.Namespace
+
+
+def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] | None = None) -> list[str]:
+    """The plan notes of the Megatron-family flags given (`given`: the destinations typed, from which a flag this
+    sets back to its default is removed); raises FlagRefused listing every refused one."""
+    given = set() if given is None else given
+    notes: list[str] = []
+    refusals: list[str] = []
+    _own_values(args, parser, notes, refusals)
+    typed = sorted(megatron_flags_given(args), key=lambda item: HANDLER_ORDER.index(item[0])
+                   if item[0] in HANDLER_ORDER else len(HANDLER_ORDER))
+    for flag, value in typed:
+        treatment = classify(flag)
+        shown = _shown(flag, value)
+        if treatment is None:
+            continue
+        if treatment.kind in ("renamed", "sets"):
+            notes.append(f"{shown}: {treatment.note}")
+        elif treatment.kind == "handled":
+            HANDLERS[flag](args, value, notes, refusals)
+        elif treatment.status == NO_EFFECT:
+            notes.append(f"{shown}: no effect here; {treatment.note}")
+        elif treatment.status == REFUSED and refusal_applies(flag, value):
+            refusals.append(f"{shown}: {treatment.note}")
+    defaults = {action.dest: action.default for action in parser._actions if action.default != argparse.SUPPRESS}
+    _megatron_deepspeed_config(args, given, notes, refusals, defaults)
+    _moe_layer_pattern(args, notes, refusals)
+    _moe_topk(args, refusals)
+    if refusals:
+        raise FlagRefused("these flags ask for what rapidtrain does not do (docs/megatron-compat.md lists every "
+                          "flag):\n" + "\n".join(f"  {line}" for line in refusals))
+    return notes
+
+
+def _shown(flag: str, value: object) -> str:
+    if value is True or value is False:
+        return flag
+    if isinstance(value, list):
+        return f"{flag} {' '.join(map(str, value))}"
+    return f"{flag} {value}"
+
+
+def _own_values(args: Args, parser: argparse.ArgumentParser, notes: list[str], refusals: list[str]) -> None:
+    """rapidtrain's own flags given another origin's value: its spelling translated, or refused."""
+    for action in parser._actions:  # argparse offers its actions only this way
+        _one_value(args, action, notes, refusals)
+        own = getattr(action, "rapidtrain_choices", None)
+        value = getattr(args, action.dest, None)
+        if own is None or value is None or value in own:
+            continue
+        flag = action.option_strings[0]
+        alias = VALUE_ALIASES.get(action.dest, {}).get(value)
+        if alias is not None:
+            setattr(args, action.dest, alias)
+            notes.append(f"{flag} {value}: {alias}, rapidtrain's spelling")
+        else:
+            refusals.append(f"{flag} {value}: not in rapidtrain; it has {', '.join(map(str, own))}")
+    if isinstance(args.split, str):  # `--split '99,1,0'` from a script that quoted it inside a variable
+        args.split = args.split.strip("'\"")
+    if isinstance(args.step_batch_size_schedule, list):  # a list written as separate words
+        args.step_batch_size_schedule = " ".join(args.step_batch_size_schedule)
+
+
+# DeepSpeed config keys that say what rapidtrain's flags say: key → (destination, value from the key's value).
+DEEPSPEED_KEYS = {
+    "train_micro_batch_size_per_gpu": ("micro_batch_size", int),
+    "train_batch_size": ("global_batch_size", int),
+    "gradient_clipping": ("clip_grad", float),
+    "fp16.enabled": ("fp16", bool),
+    "bf16.enabled": ("bf16", bool),
+    "fp16.loss_scale": ("loss_scale", lambda v: float(v) or None),
+    "fp16.initial_scale_power": ("initial_loss_scale", lambda v: 2.0 ** v),
+    "fp16.loss_scale_window": ("loss_scale_window", int),
+    "fp16.hysteresis": ("hysteresis", int),
+    "fp16.min_loss_scale": ("min_loss_scale", float),
+}
+
+
+ZERO_TUNING = ("zero_overlap_comm", "zero_contiguous_gradients", "zero_reduce_bucket_size",
+               "zero_allgather_bucket_size", "zero_stage3_prefetch_bucket_size",
+               "zero_stage3_param_persistence_threshold", "zero_stage3_max_live_parameters")
+
+
+def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], refusals: list[str],
+                               parser_defaults: dict) -> None:
+    """Megatron-DeepSpeed's `--deepspeed --deepspeed_config FILE`: the file's ZeRO stage selects rapidtrain's ZeRO
+    switch; where DeepSpeed does not run the layout (stage 0, or tensor/pipeline parallelism, served by DDP or
+    FSDP2), the keys that are flags are read as flags and the file is not merged (the plan lists the rest)."""
+    from rapidtrain.config.partitioning import read_user_config, zero_by_fsdp2, zero_stage
+
+    if not (args.deepspeed and args.deepspeed_config):
+        return
+    path = args.deepspeed_config
+    try:
+        config = read_user_config(path)
+    except ValueError as error:
+        refusals.append(str(error))
+        return
+    zero = config.get("zero_optimization") or {}
+    stage = int(zero) if isinstance(zero, bool) else int(zero.get("stage", 0) or 0)  # DeepSpeed 0.1's `true`: 1
+    chosen = next((n for n in (1, 2, 3) if getattr(args, f"zero_{n}_memory_optimization")), 0)
+    if chosen and stage and chosen != stage:
+        refusals.append(f"--deepspeed_config {path}: ZeRO stage {stage}, the flags {chosen} (--zero-stage); make "
+                        "them agree")
+    elif stage and not chosen:
+        setattr(args, f"zero_{stage}_memory_optimization", True)
+        notes.append(f"--deepspeed_config {path}: ZeRO stage {stage} → --zero-{stage}-memory-optimization")
+    read = _deepspeed_keys_as_flags(args, config, given, path, notes)
+    if zero_stage(args) and not zero_by_fsdp2(args):
+        return  # DeepSpeed runs it: the file is merged with the generated config (a key both set must agree)
+    args.deepspeed_config = None
+    tuning = [dest for dest in ZERO_TUNING if dest in given]
+    for dest in tuning:  # DeepSpeed's own knobs, for an engine this layout does not start
+        setattr(args, dest, parser_defaults[dest])
+        given.discard(dest)  # back at its default: no longer a flag the rules hold the user to
+    if tuning:
+        notes.append(f"{', '.join('--' + d.replace('_', '-') for d in tuning)}: no effect here; they tune DeepSpeed "
+                     "ZeRO, which does not run this layout")
+    notes.append(f"--deepspeed_config {path}: DeepSpeed does not run this layout (ZeRO stage {stage} with tensor-"
+                 f"parallel {args.tensor_model_parallel_size}, pipeline {args.pipeline_model_parallel_size}: DDP, or "
+                 f"FSDP2 for ZeRO-1/2); read as flags: {', '.join(read) or 'none'}; its other keys have no effect")
+
+
+def _deepspeed_keys_as_flags(args: Args, config: dict, given: set[str], path: str,
+                             notes: list[str]) -> list[str]:
+    """The config's keys that rapidtrain has flags for, read as those flags. The file wins over a flag that says
+    otherwise, as in Megatron-DeepSpeed, where DeepSpeed's engine takes batch sizes and loss scaling from it."""
+    read = []
+    for key, (dest, convert) in DEEPSPEED_KEYS.items():
+        section, _, name = key.rpartition(".")
+        holder = config.get(section) if section else config
+        if not isinstance(holder, dict) or name not in holder or holder[name] == "auto":
+            continue
+        value = convert(holder[name])
+        if dest in given and getattr(args, dest) != value:
+            notes.append(f"--{dest.replace('_', '-')} {getattr(args, dest)!r}: --deepspeed_config {path} sets "
+                         f"{key} {holder[name]!r}, which DeepSpeed runs with in Megatron-DeepSpeed; so does this run")
+        setattr(args, dest, value)
+        read.append(f"{key} → --{dest.replace('_', '-')}")
+    return read
+
+
+def _one_value(args: Args, action: argparse.Action, notes: list[str], refusals: list[str]) -> None:
+    value = getattr(args, action.dest, None)
+    if not getattr(action, "rapidtrain_scalar", False) or not isinstance(value, list):
+        return
+    if len(value) == 1:
+        setattr(args, action.dest, value[0])
+    else:
+        refusals.append(f"{action.option_strings[0]} {' '.join(map(str, value))}: rapidtrain takes one value here")
+
+
+def _moe_layer_pattern(args: Args, notes: list[str], refusals: list[str]) -> None:
+    """A per-layer 0/1 --moe-layer-freq becomes rapidtrain's per-layer --num-experts list (0 = dense)."""
+    pattern = args.moe_layer_freq
+    if not isinstance(pattern, list):
+        return
+    experts = args.num_experts or []
+    if len(experts) != 1 or len(pattern) != args.num_layers:
+        refusals.append(f"--moe-layer-freq with a {len(pattern)}-layer pattern needs one --num-experts value and "
+                        f"--num-layers {len(pattern)}")
+        return
+    args.num_experts = [experts[0] * bit for bit in pattern]
+    args.moe_layer_freq = 1
+    notes.append(f"--moe-layer-freq pattern: --num-experts {' '.join(map(str, args.num_experts))} (0 = dense layer)")
+
+
+def _moe_topk(args: Args, refusals: list[str]) -> None:
+    experts = max(args.num_experts or [0])
+    if args.moe_router_topk < 1 or (experts > 1 and args.moe_router_topk > experts):
+        refusals.append(f"--moe-router-topk {args.moe_router_topk}: each token goes to 1 to --num-experts ({experts}) "
+                        "experts")
+
+
+def _samples(tokens: int, args: Args) -> int:
+    return math.ceil(tokens / args.seq_length)
+
+
+def _iterations(samples: int, args: Args) -> int | None:
+    return math.ceil(samples / args.global_batch_size) if args.global_batch_size else None
+
+
+def _train_tokens(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    samples = _samples(value, args)
+    iterations = _iterations(samples, args)
+    if args.train_iters is not None and iterations is not None:
+        args.train_iters = min(args.train_iters, iterations)
+        notes.append(f"--train-tokens {value}: training stops after {args.train_iters} iterations (whichever of "
+                     f"--train-iters and {value} tokens / (--seq-length {args.seq_length} × global batch "
+                     f"{args.global_batch_size}) comes first, as Megatron-DeepSpeed)")
+    elif args.train_iters is None:
+        args.train_samples = min(samples, args.train_samples or samples)
+        notes.append(f"--train-tokens {value}: --train-samples {args.train_samples} (whichever of --train-samples and "
+                     f"tokens / --seq-length {args.seq_length} is smaller)")
+    else:
+        notes.append(f"--train-tokens {value}: --train-iters {args.train_iters} ends the run (the global batch is not "
+                     "given, so the tokens' iteration count is not known before start)")
+
+
+def _schedule_tokens(kind: str):
+    def handle(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+        samples = _samples(value, args)
+        if args.train_iters is None:
+            setattr(args, f"lr_{kind}_samples", samples)
+            notes.append(f"--lr-{kind}-tokens {value}: --lr-{kind}-samples {samples} (tokens / --seq-length)")
+            return
+        iterations = _iterations(samples, args) or math.ceil(samples / args.micro_batch_size)
+        setattr(args, f"lr_{kind}_iters", iterations)
+        if kind == "warmup":
+            args.lr_warmup_fraction = None
+        notes.append(f"--lr-{kind}-tokens {value}: --lr-{kind}-iters {iterations} (tokens / --seq-length / global "
+                     "batch)")
+    return handle
+
+
+def _key_value_heads(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    args.num_query_groups = value
+    args.group_query_attention = value != args.num_attention_heads
+    notes.append(f"--num-key-value-heads {value}: --num-query-groups {value}"
+                 + (" --group-query-attention" if args.group_query_attention else " (one per head: plain attention)"))
+
+
+def _zero_stage(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    if value not in (0, 1, 2, 3):
+        refusals.append(f"--zero-stage {value}: DeepSpeed's stages are 0 to 3")
+        return
+    if value:
+        setattr(args, f"zero_{value}_memory_optimization", True)
+    notes.append(f"--zero-stage {value}: " + (f"--zero-{value}-memory-optimization" if value else
+                                              "no ZeRO sharding (plain data parallelism)"))
+
+
+def _gas(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    if args.global_batch_size is not None:
+        notes.append(f"--gas {value}: --global-batch-size {args.global_batch_size} decides the accumulation steps")
+        return
+    world = int(os.environ.get("WORLD_SIZE") or args.nproc_per_node or 1)
+    data_parallel = max(world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size), 1)
+    args.global_batch_size = args.micro_batch_size * value * data_parallel
+    notes.append(f"--gas {value}: --global-batch-size {args.global_batch_size} (micro {args.micro_batch_size} × "
+                 f"{value} × data parallel {data_parallel})")
+
+
+def _note(text: str):
+    def handle(args: Args, value: object, notes: list[str], refusals: list[str]) -> None:
+        notes.append(f"{_shown(text, value)}: " + classify(text).note)
+    return handle
+
+
+def _mock_data(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
+    args.data_path = None
+    notes.append("--mock-data: " + classify("--mock-data").note)
+
+
+def _ckpt_format(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    if value != "torch_dist":
+        notes.append(f"--ckpt-format {value}: checkpoints are written as torch_dist (torch.distributed.checkpoint), "
+                     "rapidtrain's one format")
+
+
+def _kv_channels(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    derived = args.hidden_size // args.num_attention_heads
+    if value != derived:
+        refusals.append(f"--kv-channels {value}: rapidtrain's head dimension is --hidden-size / --num-attention-heads "
+                        f"= {derived}; leave --kv-channels out")
+
+
+def _no_position_embedding(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
+    if args.position_embedding_type != "rope":
+        refusals.append("--no-position-embedding: rapidtrain's models need a position encoding; add "
+                        "--position-embedding-type rope (or --use-rotary-position-embeddings)")
+
+
+def _pretrained_checkpoint(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    if args.load is None:
+        args.load, args.finetune = value, True
+        notes.append(f"--pretrained-checkpoint {value}: --load {value} --finetune")
+
+
+def _patch_tokenizer(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    folder = args.tokenizer_model or args.load or getattr(args, "pretrained_checkpoint", None)
+    args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", folder
+    notes.append(f"--patch-tokenizer-type {value}: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {folder} "
+                 "(a local Hugging Face tokenizer folder)")
+
+
+def _pai_dataset(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    if "idxmap" in value.lower() or value.upper() == "MMAP":
+        notes.append(f"--dataset {value}: Megatron indexed data (--data-path)")
+    else:
+        refusals.append(f"--dataset {value}: JSON and SFT datasets are not read by rapidtrain's pretraining; make "
+                        "indexed data with scripts/preprocess_data.py and pass --dataset ...-Idxmap")
+
+
+def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    if value != "pretrain":
+        refusals.append(f"--train-mode {value}: Pai's SFT mode is not in rapidtrain; fine-tune with --task casual_lm")
+
+
+def _load_balancing(args: Args, value, notes: list[str], refusals: list[str]) -> None:
+    kinds = set(value if isinstance(value, list) else [value])
+    if kinds <= {"aux_loss"}:
+        notes.append(f"{_shown('--moe-router-load-balancing-type', value)}: the built-in router's load-balancing loss")
+    elif kinds == {"none"}:
+        args.moe_loss_coeff = 0.0
+        notes.append("--moe-router-load-balancing-type none: --moe-aux-loss-coeff 0")
+    else:
+        refusals.append(f"{_shown('--moe-router-load-balancing-type', value)}: rapidtrain's router balances with "
+                        "aux_loss only (or none)")
+
+
+def _moe_ffn(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    every_layer_moe = args.num_experts and len(args.num_experts) == 1 and args.moe_layer_freq == 1
+    if args.ffn_hidden_size in (None, value) and every_layer_moe:
+        args.ffn_hidden_size = value
+        notes.append(f"--moe-ffn-hidden-size {value}: every layer is MoE, so the experts' size is --ffn-hidden-size")
+    elif args.ffn_hidden_size != value:
+        refusals.append(f"--moe-ffn-hidden-size {value}: experts have the dense MLP's size here (--ffn-hidden-size "
+                        f"{args.ffn_hidden_size}); give one size")
+
+
+def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    if value == "external":
+        refusals.append("--dataloader-type external: a user-supplied iterator is served by a --user-script instead")
+    else:
+        notes.append(f"--dataloader-type {value}: " + classify("--dataloader-type").note)
+
+
+HANDLERS = {
+    "--train-tokens": _train_tokens,
+    "--lr-decay-tokens": _schedule_tokens("decay"),
+    "--lr-warmup-tokens": _schedule_tokens("warmup"),
+    "--zero-stage": _zero_stage,
+    "--num-key-value-heads": _key_value_heads,
+    "--n-head-kv": _key_value_heads,
+    "--gas": _gas,
+    "--mock-data": _mock_data,
+    "--ckpt-format": _ckpt_format,
+    "--kv-channels": _kv_channels,
+    "--apply-layernorm-1p": _note("--apply-layernorm-1p"),
+    "--no-position-embedding": _no_position_embedding,
+    "--pretrained-checkpoint": _pretrained_checkpoint,
+    "--patch-tokenizer-type": _patch_tokenizer,
+    "--dataset": _pai_dataset,
+    "--train-mode": _train_mode,
+    "--transformer-impl": _note("--transformer-impl"),
+    "--no-pipeline-parallel": _note("--no-pipeline-parallel"),
+    "--moe-router-load-balancing-type": _load_balancing,
+    "--moe-ffn-hidden-size": _moe_ffn,
+    "--dataloader-type": _dataloader_type,
+    "--use-flash-attn": _note("--use-flash-attn"),
+    "--use-flash-attn-v1": _note("--use-flash-attn-v1"),
+    "--use-flash-attn-triton": _note("--use-flash-attn-triton"),
+}
+# Sizes and iteration counts first, so the schedule in tokens converts with the final global batch.
+HANDLER_ORDER = ["--gas", "--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"]

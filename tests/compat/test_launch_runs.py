@@ -1,0 +1,176 @@
+"""Launch scripts of tests/compat/launch_scripts.json run for real, as their users run them, changed only in paths,
+sizes and world size (two CPU processes with gloo at most): Megatron-LM's entry points for Megatron's scripts, and
+user scripts written here in the shape of EasyNLP's Rapidformer examples for those (tests/compat/user_scripts/)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.compat.launch_data import BY_ID, groups, tiny
+from tests.launch import REPO, child_env, torchrun
+
+USER_SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
+ENTRY = {name: REPO / "rapidtrain" / f"{name}.py" for name in ("pretrain_gpt", "pretrain_bert")}
+
+
+def log_lines(output: str) -> list[str]:
+    return re.findall(r"\] iteration +\d+/ +\d+ \|[^\n]*", output)
+
+
+def field(line: str, name: str) -> str | None:
+    found = re.search(rf"\| {re.escape(name)}: +([^|]+?) \|", line)
+    return found.group(1).strip() if found else None
+
+
+def latest(folder: str) -> int:
+    return int((Path(folder) / "latest_checkpointed_iteration.txt").read_text())
+
+
+def value_of(argv: list[str], flag: str) -> str:
+    return next(values[0] for name, values in groups(argv) if name == flag)
+
+
+def python(script: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """`python SCRIPT FLAGS`: one process, as the scripts launched with plain python run."""
+    result = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, env=child_env(),
+                            cwd=REPO, timeout=600)
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def test_megatron_2021_gpt_script_trains_with_fp16_saves_and_finds_its_work_done(local_files):
+    """Megatron-LM's examples/pretrain_gpt.sh (2021): one process, fp16 with Megatron's dynamic loss scale (an
+    iteration that overflows is skipped and halves the scale), --save and --load the same folder; run again, it
+    loads its checkpoint and has nothing to do."""
+    argv = tiny(BY_ID["mlm-gpt-2021"], local_files)
+    run = python(ENTRY["pretrain_gpt"], argv)
+    lines = log_lines(run.stdout)
+    assert len(lines) == 4 and "tokenizer GPT2BPETokenizer" in run.stdout
+    scales = [float(field(line, "loss scale")) for line in lines]
+    for line, scale, after in zip(lines, scales, scales[1:] + [None], strict=True):
+        if field(line, "number of skipped iterations") == "1":
+            assert field(line, "lm loss") is None and (after is None or after == scale / 2)
+    assert latest(value_of(argv, "--save")) == 4 and "validation loss at iteration 2" in run.stdout
+    again = python(ENTRY["pretrain_gpt"], argv)
+    assert "loaded checkpoint" in again.stdout and "nothing to do" in again.stdout
+
+
+def test_megatron_2020_bert_script_with_its_2020_flag_names(local_files):
+    """Megatron-LM's examples/pretrain_bert.sh (2020): --batch-size and --warmup, Megatron's names of that year,
+    are the micro batch and the warm-up fraction; BERT trains with its sentence-order head."""
+    run = python(ENTRY["pretrain_bert"], tiny(BY_ID["mlm-bert-2020"], local_files))
+    assert "--batch-size 2: Megatron 2020's name of --micro-batch-size" in run.stdout
+    assert "--warmup 0.01: Megatron 2020's name of --lr-warmup-fraction" in run.stdout
+    assert re.search(r"lm loss value: \S+ \| lm loss PPL: \S+ \| sop loss value: \S+", run.stdout)
+    assert len(log_lines(run.stdout)) == 4
+
+
+def test_easynlp_bert_finetuning_reads_its_application_flags(local_files, tmp_path):
+    """EasyNLP's Rapidformer text classification (2022): --app-name and --user-defined-parameters reach the user
+    script through get_args(); the shape flags are those of the local model's config.json."""
+    from rapidtrain.tasks import toy
+
+    model, data = toy.make_task("sequence_classification", tmp_path / "task", train=32, dev=16)
+    shape = json.loads((model / "config.json").read_text())
+    changes = {"--pretrained-model-name-or-path": str(model), "--data-dir": str(data.parent), "--data-name": data.name,
+               "--user-defined-parameters": f"pretrain_model_name_or_path={model}", "--epochs": "2",
+               "--num-layers": str(shape["num_hidden_layers"]), "--hidden-size": str(shape["hidden_size"]),
+               "--num-attention-heads": str(shape["num_attention_heads"]),
+               "--max-position-embeddings": str(shape["max_position_embeddings"])}
+    run = python(USER_SCRIPTS / "easynlp_bert_finetune.py", tiny(BY_ID["ez-rf-bert-ft-2022"], local_files, changes))
+    assert "note: --app-name: for the user script" in run.stdout
+    assert re.search(r"epoch 2 \| iteration 16 \| validation accuracy: [0-9.]+", run.stdout)
+
+
+def test_easynlp_gpt_moe_pretraining_with_rapidformers_gpt_model(local_files):
+    """EasyNLP's Rapidformer GPT-MoE pretraining (2023): --pretrained-model-name-or-path names its own --save
+    folder (empty: training starts from scratch), experts with PR-MoE residual MLPs, the loss function's lm and
+    moe losses in the log line, TensorBoard and --logging-path."""
+    argv = tiny(BY_ID["ez-rf-gpt-moe-pretrain-2023"], local_files, {"--fp16": []})
+    run = python(USER_SCRIPTS / "rapidformer_gpt_moe.py", argv)
+    assert "holds no checkpoint yet, so training starts from scratch" in run.stdout
+    lines = log_lines(run.stdout)
+    assert len(lines) == 4 and all("moe loss:" in line for line in lines if "lm loss:" in line)
+    assert "moe loss value:" in run.stdout and "load balancing loss:" in lines[0]
+    assert list(Path(value_of(argv, "--tensorboard-dir")).rglob("events.out.tfevents.*"))
+    assert latest(value_of(argv, "--save")) == 4
+    dense = tiny(BY_ID["ez-rf-gpt-moe-pretrain-2023"], local_files, {"--num-experts": None, "--save": None,
+                                                                     "--pretrained-model-name-or-path": None,
+                                                                     "--use-expert-residual-network": None,
+                                                                     "--fp16": None})
+    run = python(USER_SCRIPTS / "rapidformer_gpt_moe.py", dense)  # per-token losses [b, s] with the loss mask
+    assert [field(line, "lm loss") is not None for line in log_lines(run.stdout)].count(True) >= 1
+
+
+def test_easynlp_zeroclue_prompt_fine_tuning_under_deepspeed_zero2(local_files, tmp_path):
+    """EasyNLP's Rapidformer ZeroCLUE example (2022): PETDataset prompts from tab-separated rows, experts with
+    residual MLPs on alternate layers, DeepSpeed ZeRO-2, the script's own flags through its extra_args_provider.
+    Its ChineseBPETokenizer is refused here (test_launch_scripts.py), so this run tokenizes with GPT-2's BPE."""
+    values = BY_ID["ez-rf-gpt-moe-ft-2022"]["argv"]
+    labels = values[values.index("--label_enumerate_values") + 1].split(",")[:3]
+    for name, count in (("train", 16), ("dev", 8)):
+        rows = (f"sentence number {i} about {labels[i % 3]}\t{labels[i % 3]}\t{i}\n" for i in range(count))
+        (tmp_path / f"{name}.tsv").write_text("".join(rows))
+    changes = {"--tokenizer-type": "GPT2BPETokenizer", "--vocab-file": local_files.gpt_vocab,
+               "--merge-file": local_files.gpt_merges, "--num-experts": ["0", "2", "0", "2"], "--epochs": "2",
+               "--pretrained-model-name-or-path": None, "--train-data": str(tmp_path / "train.tsv"),
+               "--valid-data": str(tmp_path / "dev.tsv"), "--save": str(tmp_path / "out"), "--micro-batch-size": "4"}
+    run = python(USER_SCRIPTS / "rapidformer_gpt_prompts.py", tiny(BY_ID["ez-rf-gpt-moe-ft-2022"], local_files,
+                                                                    changes))
+    assert "experts [0, 2, 0, 2]" in run.stdout and "DeepSpeed ZeRO stage 2" in run.stdout
+    assert re.search(r"epoch 2 \| iteration 8 \| validation lm loss: \S+", run.stdout)  # 16 rows / 4 = 4 per epoch
+    assert all("moe loss:" in line for line in log_lines(run.stdout) if "lm loss:" in line)
+
+
+def test_easynlp_bert_pretraining_of_a_hugging_face_model_on_megatron_data(local_files, tmp_path):
+    """EasyNLP's Rapidformer BERT pretraining (2022): a Hugging Face BertForPreTraining trained on Megatron's
+    sentence-split indexed data through build_pretrain_huggingface_bert_datasets."""
+    from transformers import BertConfig, BertForPreTraining
+
+    rows = len(Path(local_files.bert_vocab).read_text().splitlines())  # the ids vocab.txt defines
+    config = BertConfig(vocab_size=rows, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=256, max_position_embeddings=64)
+    BertForPreTraining(config).save_pretrained(tmp_path / "bert")
+    changes = {"--pretrained-model-name-or-path": str(tmp_path / "bert"), "--fsdp-memory-optimization": None}
+    run = python(USER_SCRIPTS / "easynlp_bert_pretrain.py",
+                 tiny(BY_ID["ez-rf-bert-pretrain-2022"], local_files, changes))
+    losses = [float(field(line, "lm loss")) for line in log_lines(run.stdout)]
+    assert len(losses) == 4 and all(loss > 0 for loss in losses)
+
+
+# Two processes each: the script, what its flags change for two CPU ranks, and what the run must print.
+TORCHRUN = {
+    "mds-llama2-2024": ({"--pipeline-model-parallel-size": "1"}, [
+        "DeepSpeed does not run this layout", "--normalization rmsnorm: RMSNorm",
+        "--num-key-value-heads 2: --num-query-groups 2 --group-query-attention"]),
+    "bsw-tr10-13b-2022": ({"--tensor-model-parallel-size": "1"}, [
+        "--zero-stage 1: --zero-1-memory-optimization", "DeepSpeed does not run this layout (ZeRO stage 1 with "
+        "tensor-parallel 1, pipeline 2", "--tokenizer-type PretrainedFromHF: HuggingFaceTokenizer",
+        "sets fp16.loss_scale 0"]),
+    "dse-3d-pipe-2021": ({"--model-parallel-size": "1"}, [
+        "--pipe-parallel-size 2: DeepSpeed's name", "--gas 1: --global-batch-size 2", "torch.distributed.pipelining"]),
+    "pai-llama3-mcore-2025": ({}, [
+        "--patch-tokenizer-type LLama3Tokenizer: --tokenizer-type HuggingFaceTokenizer",
+        "--dataset LLama-Pretrain-Idxmap: Megatron indexed data", "--extra-vocab-size 256: no effect here"]),
+    "mds-rope-1.3b-2023": ({"--pipeline-model-parallel-size": "1"}, [
+        "--lr-decay-tokens 1024: --lr-decay-samples 16", "--lr-warmup-tokens 128: --lr-warmup-samples 2"]),
+    "mlm-mixtral-2026": ({"--pipeline-model-parallel-size": "1"}, [
+        "--moe-grouped-gemm: no effect here", "--moe-router-load-balancing-type aux_loss"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script_id", list(TORCHRUN))
+def test_launch_script_trains_on_two_processes(local_files, script_id):
+    changes, expected = TORCHRUN[script_id]
+    argv = tiny(BY_ID[script_id], local_files, changes)
+    run = torchrun(2, ENTRY["pretrain_bert" if "bert" in BY_ID[script_id]["entry"] else "pretrain_gpt"], argv)
+    missing = [text for text in expected if text not in run.stdout]
+    assert not missing, f"{missing} not in:\n{run.stdout[-5000:]}"
+    assert len(log_lines(run.stdout)) == 4

@@ -1,0 +1,88 @@
+"""Real launch scripts of the Megatron family (tests/compat/launch_scripts.json: Megatron-LM 2020-2026, Microsoft's
+and BigScience's Megatron-DeepSpeed, BigScience's training runs, DeepSpeedExamples, Pai-Megatron-Patch,
+Megatron-LLaMA, EasyNLP's Rapidformer examples), changed only in their paths: `rapidtrain plan` with their
+original sizes and world size either plans them, saying what each of their flags does here, or stops with exit
+status 2 naming what rapidtrain does not do."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from rapidtrain.config.arguments import build_parser
+from rapidtrain.config.flag_surface import classify, own_flags_help
+from tests.compat.launch_data import BY_ID, SCRIPTS, localize, plan
+
+# The scripts that do not plan, and what their message must name: a feature rapidtrain lacks, or a mistake of the
+# script that Megatron's own parser or checks stop too.
+REFUSED = {
+    "mlm-mnli-ft-2020": ["--task 'MNLI'"],  # Megatron's fine-tuning tasks (tasks/main.py)
+    "mlm-race-ft-2021": ["--task 'RACE'"],
+    "mds-bert-mnli-2022": ["--task 'MNLI'"],
+    "mlm-bert-mp-2020": ["--pipeline-model-parallel-size 2 with --bert-binary-head"],
+    "mlm-bert-340m-2024": ["--num-layers 24 is not divisible by --pipeline-model-parallel-size 16"],  # as Megatron
+    "mlm-bert-340m-2026": ["--num-layers 24 is not divisible by --pipeline-model-parallel-size 16"],
+    "mlm-llama3-8b-fp8-2025": ["--fp8-format hybrid", "--decoupled-lr", "--calculate-per-token-loss"],
+    "mlm-llama3-8b-fp8-2026": ["--fp8-format hybrid", "--decoupled-lr", "--calculate-per-token-loss"],
+    "mlm-gptoss-2026": ["--softmax-type learnable", "--window-size", "--enable-gpt-oss"],
+    "ez-rf-gpt-moe-ft-2022": ["--tokenizer-type ChineseBPETokenizer"],
+    "pai-mixtral-pretrain-2024": ["--dataset LLama-Pretrain-Raw"],
+    "pai-llama2-ft-ga-2024": ["--dataset LLama-Pretrain-Raw"],
+    "pai-mistral-pretrain-2024": ["--sliding-window 4096"],
+    "pai-deepseekv3-2025": ["--multi-latent-attention", "--rope-type yarn"],
+    "pai-qwen3-mcore-2025": ["--qk-layernorm", "--kv-channels 128"],
+    "bmds-gpt-cl-2021": ["argument --lr-decay-tokens: expected one argument"],  # its shell arithmetic fails
+    "bmds-gpt-multilingual-2021": ["--train-weighted-split-paths"],
+    "bsw-tr1-13b-2021": ["of the batch schedule are not divisible by --micro-batch-size 1 × data-parallel size"],
+    "bsw-tr11b-1b3-2022": ["--position-embedding-type alibi", "--embed-layernorm"],
+    "bsw-tr11-176b-2022": ["--position-embedding-type alibi", "--embed-layernorm"],
+    "bsw-tr13f-6b3-mtf-2022": ["--position-embedding-type alibi", "--embed-layernorm"],
+    "dse-gpt2-mp-2020": ["--global-batch-size 16 is not divisible"],  # its DeepSpeed config's 16 vs 8 × DP 8
+    "dse-zero-offload-10b-2020": ["needs --vocab-file"],
+    "dse-zero2-2020": ["--global-batch-size 16 is not divisible"],  # its DeepSpeed config's 16 vs 8 × DP 4
+    "mds-prmoe-2022": ["is not divisible by --expert-model-parallel-size 64"],
+    "mds-bert-pile-2022": ["--micro-batch-size must be at least 1"],  # its shell arithmetic gives -512
+    "mds-seqpar-32k-2024": ["--ds-sequence-parallel-size 4"],
+}
+
+
+@pytest.fixture(scope="module")
+def planned(local_files):
+    return {script["id"]: plan(script, localize(script, local_files)) for script in SCRIPTS}
+
+
+def test_the_data_holds_forty_and_more_scripts_over_years_and_origins(planned):
+    years = Counter(script["date"][:4] for script in SCRIPTS)
+    origins = Counter(script["origin"] for script in SCRIPTS)
+    assert len(SCRIPTS) >= 40 and len(years) >= 6 and len(origins) >= 7 and set(REFUSED) <= set(BY_ID)
+    for origin in sorted(origins):
+        ids = [s["id"] for s in SCRIPTS if s["origin"] == origin]
+        print(f"{origin}: {sum(planned[i].status == 0 for i in ids)} of {len(ids)} plan")
+
+
+@pytest.mark.parametrize("script_id", [script["id"] for script in SCRIPTS])
+def test_each_script_plans_or_names_what_rapidtrain_lacks(planned, script_id):
+    result = planned[script_id]
+    if script_id in REFUSED:
+        assert result.status == 2, result.output[-2000:]
+        assert "Traceback" not in result.output
+        missing = [words for words in REFUSED[script_id] if words not in result.output]
+        assert not missing, f"{missing} not in:\n{result.output[-3000:]}"
+        return
+    assert result.status == 0, result.output[-3000:]
+    assert "world" in result.output.lower()
+    unnoted = [flag for flag in _flags(BY_ID[script_id]) if _no_effect(flag) and flag not in result.output]
+    assert not unnoted, f"flags with no effect that the plan does not mention: {unnoted}"
+
+
+def _flags(script: dict) -> set[str]:
+    return {token.split("=", 1)[0] for token in script["argv"] if token.startswith("--")}
+
+
+OWN = own_flags_help(build_parser())
+
+
+def _no_effect(flag: str) -> bool:
+    treatment = classify(flag, OWN)
+    return treatment is not None and treatment.status == "no_effect"
