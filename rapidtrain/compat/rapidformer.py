@@ -145,7 +145,7 @@ class HuggingFaceBertSamples(torch.utils.data.Dataset):
     """Megatron BERT samples in Hugging Face BertForPreTraining's keywords: input_ids, token_type_ids,
     attention_mask, labels (-100 where no token is masked) and next_sentence_label (1: B is a random sentence)."""
 
-    def __init__(self, samples: torch.utils.data.Dataset) -> None:
+    def __init__(self, samples: Any) -> None:  # a BERT sample dataset (map-style, sized)
         self.samples = samples
 
     def __len__(self) -> int:
@@ -185,4 +185,5 @@ def build_pretrain_huggingface_bert_datasets(
                                mask_id=tokenizer.mask, pad_id=tokenizer.pad, mask_prob=masked_lm_prob,
                                short_seq_prob=short_seq_prob, binary_head=binary_head, data_impl=data_impl)
     splits = build_bert_datasets(config, list(train_valid_test_num_samples))
-    return tuple(HuggingFaceBertSamples(d) if d is not None else None for d in splits)
+    train, valid, test = (HuggingFaceBertSamples(d) if d is not None else None for d in splits)
+    return train, valid, test

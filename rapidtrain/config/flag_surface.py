@@ -10,8 +10,10 @@ import argparse
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rapidtrain.config import flag_status as status_table
 from rapidtrain.core.errors import UserError
@@ -79,7 +81,7 @@ def _lenient_int(text: str) -> int:
     return int(number)
 
 
-VALUE_TYPES = {"int": _lenient_int, "float": float, "str": str, None: str}
+VALUE_TYPES: dict[str | None, Callable[[str], Any]] = {"int": _lenient_int, "float": float, "str": str, None: str}
 
 
 class SurfaceAction(argparse.Action):
@@ -127,7 +129,7 @@ def add_surface(parser: argparse.ArgumentParser) -> None:
             own = actions.get(record["flag"]) or next(actions[n] for n in record["aliases"] if n in actions)
             _widen(own, record)
             for name in names:  # another origin's spelling of a rapidtrain flag
-                own.option_strings.append(name)
+                list.append(own.option_strings, name)  # type: ignore[arg-type]  # a list at run time
                 parser._option_string_actions[name] = own
             continue
         group.add_argument(*names, **_surface_kwargs(record, actions), help=argparse.SUPPRESS)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
+from typing import Any
 
 from rapidtrain.config.flag_status import NO_EFFECT, REFUSED
 from rapidtrain.config.flag_surface import (
@@ -82,7 +84,7 @@ def _own_values(args: Args, parser: argparse.ArgumentParser, notes: list[str], r
 
 
 # DeepSpeed config keys that say what rapidtrain's flags say: key → (destination, value from the key's value).
-DEEPSPEED_KEYS = {
+DEEPSPEED_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "train_micro_batch_size_per_gpu": ("micro_batch_size", int),
     "train_batch_size": ("global_batch_size", int),
     "gradient_clipping": ("clip_grad", float),
@@ -263,13 +265,20 @@ def _gas(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
 
 def _note(text: str):
     def handle(args: Args, value: object, notes: list[str], refusals: list[str]) -> None:
-        notes.append(f"{_shown(text, value)}: " + classify(text).note)
+        notes.append(f"{_shown(text, value)}: " + note_of(text))
     return handle
+
+
+def note_of(flag: str) -> str:
+    """The table's note of a flag this module applies (each one is classified: test_flag_surface)."""
+    treatment = classify(flag)
+    assert treatment is not None, flag
+    return treatment.note
 
 
 def _mock_data(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
     args.data_path = None
-    notes.append("--mock-data: " + classify("--mock-data").note)
+    notes.append("--mock-data: " + note_of("--mock-data"))
 
 
 def _ckpt_format(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
@@ -343,7 +352,7 @@ def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[st
     if value == "external":
         refusals.append("--dataloader-type external: a user-supplied iterator is served by a --user-script instead")
     else:
-        notes.append(f"--dataloader-type {value}: " + classify("--dataloader-type").note)
+        notes.append(f"--dataloader-type {value}: " + note_of("--dataloader-type"))
 
 
 HANDLERS = {
