@@ -109,6 +109,12 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default=None, help="Fine-tuning dataset folder (GLUE-style files or save_to_disk).")
     g.add_argument("--data-name", default=None, help="Fine-tuning dataset name under --data-dir, e.g. mrpc.")
     g.add_argument("--dataset-name", default=None, help="Alias of --data-name used by some Rapidformer scripts.")
+    _add_data_streams(g)
+
+
+def _add_data_streams(g: argparse._ArgumentGroup) -> None:
+    """The data group's second half: batching by length, loader workers, document masking, BERT sampling, per-split
+    paths and task files, batch-size ramp-ups."""
     g.add_argument("--data-iterator", choices=("dynamic-shape",), default=None,
                    help="dynamic-shape: bucket samples by length and pad each batch to its longest (multiple of 8) "
                         "instead of fixed --seq-length padding (rapidtrain.data.dynamic_shape).")
@@ -173,6 +179,12 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
                    help="Epsilon of LayerNorm and RMSNorm.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate output-layer weights instead of the tied input embedding.")
+    _add_transformer_variants(g)
+
+
+def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
+    """The model group's second half: BERT's binary head, Megatron-Core model switches, the Llama-family variants
+    (normalization, SwiGLU, grouped-query attention, biases, rotary settings) and the attention backend."""
     g.add_argument("--bert-binary-head", action="store_true", default=None,
                    help="BERT: the sentence-order (binary) head on the pooled [CLS]; on by default for BERT, as in "
                         "Megatron (its data must be sentence-split: preprocess_data.py --split-sentences).")
@@ -242,6 +254,12 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    _add_training_controls(g)
+
+
+def _add_training_controls(g: argparse._ArgumentGroup) -> None:
+    """The training group's second half: length (iterations or epochs), seed and evaluation, the user script, LoRA
+    and k-bit bases, exit conditions, Rapidformer's app flags and the distributed backend."""
     g.add_argument("--train-iters", type=int, default=None, help="Iterations (iteration-based training).")
     g.add_argument("--epochs", type=int, default=None, help="Epochs (epoch-based fine-tuning).")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (weights, data order, dropout).")
