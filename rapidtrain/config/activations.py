@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rapidtrain.config.settings import Layout, RecomputeSettings
+from rapidtrain.models.chunked_loss import block_size
 from rapidtrain.models.config import ModelConfig
 
 
@@ -37,6 +38,7 @@ class ActivationContext:
     mask_bytes: int  # a dropout mask element: 1 on CUDA (bool), the input's size on a CPU (measured)
     hidden_dropout: bool
     scores_kept: bool  # eager attention, or SDPA's math path (a CPU with attention dropout); flash kernels keep none
+    chunked_loss: bool = False  # head and loss computed together in chunks (models/chunked_loss.py)
 
     @staticmethod
     def of(model: ModelConfig, dtype: str, device_type: str) -> ActivationContext:
@@ -80,6 +82,9 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
     the logits themselves, alive beside it while the loss is computed (measured: the peak is there)."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     norms = 2 * s * b * h * act.element_bytes / (t if layout.sequence_parallel else 1)
+    if act.chunked_loss:  # no fp32 log-softmax: the logits alone, kept when 16-bit or when one chunk holds them all
+        kept = act.element_bytes <= 2 or block_size(model.vocab_size, s * b) >= model.vocab_size
+        return norms + (act.element_bytes * s * b * model.vocab_size if kept else 0)
     return norms + (4 + act.element_bytes) * s * b * model.vocab_size / t
 
 

@@ -463,7 +463,7 @@ def auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
                 "yourself.")
     if not layout_divides(args, ctx):
         return None  # the layout rule reports it
-    from rapidtrain.config.memory import memory_estimate, with_peak
+    from rapidtrain.config.memory import loss_is_chunked, memory_estimate, with_peak
     from rapidtrain.config.resolve import (
         builtin_vocab_size,
         model_config_from_args,
@@ -479,7 +479,7 @@ def auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
     per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
         // layout.data_parallel_size
     memory = with_peak(memory_estimate(args, model, layout, precision, ctx), model, 1, per_rank, layout, precision,
-                       recompute_of(args), ctx.device_type)
+                       recompute_of(args), ctx.device_type, loss_is_chunked(layout, switches_of(args, layout, ctx)))
     if memory.peak_bytes_per_rank <= args.memory_budget_gb * 2**30:
         return None
     stage = max(range(len(memory.stage_state_bytes)),

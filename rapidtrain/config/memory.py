@@ -48,10 +48,18 @@ def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int) -> list[f
     return shares
 
 
+def loss_is_chunked(layout: Layout, switches: Switches) -> bool:
+    """Whether the built-in model computes head and loss in chunks (models/chunked_loss.py): not when tensor
+    parallelism, FSDP2's DTensor weights or ZeRO-3's gathering hooks transform the head."""
+    return (layout.tensor_parallel_size == 1 and switches.partitioning_engine != "fsdp2"
+            and switches.partitioning != "zero-3")
+
+
 def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batches: int, layout: Layout,
-              precision: Precision, recompute: RecomputeSettings, device_type: str) -> MemoryEstimate:
+              precision: Precision, recompute: RecomputeSettings, device_type: str,
+              chunked_loss: bool = False) -> MemoryEstimate:
     """`memory` with each pipeline stage's model states and activations, and the largest rank's peak."""
-    act = ActivationContext.of(model, precision.dtype, device_type)
+    act = dataclasses.replace(ActivationContext.of(model, precision.dtype, device_type), chunked_loss=chunked_loss)
     activations = stage_activation_bytes(model, micro, micro_batches, layout, act, recompute)
     states = [memory.total_bytes * share for share in stage_parameter_shares(model, layout.pipeline_parallel_size)]
     peak = max(state + kept for state, kept in zip(states, activations, strict=True))
@@ -60,7 +68,8 @@ def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batc
 
 
 def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: ModelConfig, precision: Precision,
-                          memory: MemoryEstimate, recompute: RecomputeSettings, device_type: str) -> tuple[int, str]:
+                          memory: MemoryEstimate, recompute: RecomputeSettings, device_type: str,
+                          chunked_loss: bool = False) -> tuple[int, str]:
     """The largest micro batch (at most --micro-batch-size) dividing global / data-parallel whose largest rank
     (model states + activations of the micro-batches its pipeline stage keeps in flight, under the layout's tensor
     and sequence parallelism and recompute) fits --memory-budget-gb; 1 when none fits (the rules refuse that
@@ -70,7 +79,8 @@ def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: Model
     budget = args.memory_budget_gb * 2**30
 
     def peak(micro: int) -> MemoryEstimate:
-        return with_peak(memory, model, micro, per_rank // micro, layout, precision, recompute, device_type)
+        return with_peak(memory, model, micro, per_rank // micro, layout, precision, recompute, device_type,
+                         chunked_loss)
 
     fitting = [m for m in range(min(args.micro_batch_size, per_rank), 0, -1)
                if per_rank % m == 0 and peak(m).peak_bytes_per_rank <= budget]

@@ -12,7 +12,13 @@ import dataclasses
 
 from rapidtrain.config.engines import engines_for
 from rapidtrain.config.estimate import plan_estimate
-from rapidtrain.config.memory import auto_micro_batch_size, memory_estimate, size_multiple_warnings, with_peak
+from rapidtrain.config.memory import (
+    auto_micro_batch_size,
+    loss_is_chunked,
+    memory_estimate,
+    size_multiple_warnings,
+    with_peak,
+)
 from rapidtrain.config.resolve import (
     attention_settings,
     batch_schedule_of,
@@ -68,14 +74,14 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     micro, choice, global_batch = args.micro_batch_size, None, args.global_batch_size
     if args.auto_micro_batch_size and model and memory and args.memory_budget_gb:
         micro, choice = auto_micro_batch_size(args, layout, model, precision, memory, switches.recompute,
-                                              ctx.device_type)
+                                              ctx.device_type, loss_is_chunked(layout, switches))
         # Without --global-batch-size the flags mean --micro-batch-size × data parallel: keep that batch.
         global_batch = global_batch or args.micro_batch_size * layout.data_parallel_size
     batches = dataclasses.replace(Batches.resolve(micro, global_batch, layout.data_parallel_size,
                                                   batch_schedule_of(args)), micro_batch_choice=choice)
     if model and memory:
         memory = with_peak(memory, model, batches.micro_batch_size, batches.accumulation_steps, layout, precision,
-                           switches.recompute, ctx.device_type)
+                           switches.recompute, ctx.device_type, loss_is_chunked(layout, switches))
     engines, notes = engines_for(args, ctx, layout, precision, switches, model,
                                  batches.accumulation_steps)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags

@@ -99,9 +99,9 @@ class MeasuredTrainer(MegatronPreTrainer):
     def train_step(self, micro_batches, stop_requested=False):
         if self.iteration != 1:
             return super().train_step(micro_batches, stop_requested)
-        engine, runner = self.engine, self.engine.runner
+        runner = self.engine.runner
         parameters = list(runner.module.parameters())
-        forward_backward, optimizer_step = runner.forward_backward, engine.optimizer_step
+        forward_backward, optimizer_step = runner.forward_backward, runner.step
         measured: dict = {}
 
         def measured_forward_backward(*args, **kwargs):
@@ -115,11 +115,11 @@ class MeasuredTrainer(MegatronPreTrainer):
             measured["state_bytes"] = sum(storages_reachable(runner, buffers).values())
             return optimizer_step(*args, **kwargs)
 
-        runner.forward_backward, engine.optimizer_step = measured_forward_backward, measured_optimizer_step
+        runner.forward_backward, runner.step = measured_forward_backward, measured_optimizer_step
         try:
             result = super().train_step(micro_batches, stop_requested)
         finally:
-            del runner.forward_backward, engine.optimizer_step
+            del runner.forward_backward, runner.step
         self.measured = measured
         return result
 

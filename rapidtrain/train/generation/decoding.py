@@ -104,7 +104,9 @@ def _choose(logits: torch.Tensor, step: int, finished: torch.Tensor, how: Decodi
     return chosen
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: the training-time sample runs the trained (maybe DeepSpeed ZeRO-3) model, whose
+# autograd functions cannot touch inference tensors ("Cannot set version_counter for inference tensor").
+@torch.no_grad()
 def decode(forward: Forward, tokens: torch.Tensor, mask: torch.Tensor, how: Decoding,
            new_cache: Callable[[], Any]) -> torch.Tensor:
     """The new tokens [b, n ≤ max_new_tokens] after a left-padded batch (tokens and mask [b, s]). Each row's
