@@ -772,7 +772,7 @@ def entry_defaults(entry: str | None, args: argparse.Namespace, given: set[str])
     chosen = dict(ENTRY_DEFAULTS[entry])
     if uses_demo_data(args):
         chosen.update(DEMO_DEFAULTS)
-        if "lr" in given and "min_lr" not in given and args.lr:  # the demo's floor stays under a given --lr
+        if "lr" in given and "min_lr" not in given and args.lr and args.lr > 0:  # the demo's floor stays under --lr
             chosen["min_lr"] = min(DEMO_DEFAULTS["min_lr"], args.lr / 10)
     else:
         model_type = args.model_type if "model_type" in given else chosen.get("model_type", args.model_type)

@@ -57,14 +57,6 @@ from rapidtrain.models import hf_config
 
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
-        "min-lr-within-lr", ("--min-lr", "--lr"),
-        "--min-lr is the floor the schedule decays to from --lr, so it is at most --lr.",
-        lambda a, c: bool(a.lr) and a.min_lr > a.lr,
-        lambda a, c: f"--min-lr {a.min_lr:g} is above --lr {a.lr:g}: the schedule decays from --lr down to "
-        "--min-lr, so the learning rate would rise instead. Give --min-lr at most --lr (Megatron's runs use about "
-        "a tenth of it).",
-    ),
-    Rule(
         "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                                    "--pretrained-model-name-or-path"),
         "Tensor and pipeline parallelism apply to the built-in Megatron-style models, not Hugging Face models.",
@@ -285,11 +277,14 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "climbs the loss, NaN poisons every weight at the first step). Give e.g. --lr 1e-4.",
     ),
     Rule(
-        "min-lr-below-lr", ("--min-lr", "--lr"),
-        "The learning-rate floor (--min-lr) does not exceed the peak (--lr); the run's schedule refuses it too.",
-        lambda a, c: min_lr_above_lr(a),
-        lambda a, c: f"--min-lr {a.min_lr:g} exceeds --lr {a.lr:g}: the schedule decays from --lr down to --min-lr. "
-        f"Give --min-lr at most {a.lr:g} (the demo corpus sets --min-lr 1e-4: lower it with --lr).",
+        "min-lr-within-lr", ("--min-lr", "--lr"),
+        "--min-lr is the floor the schedule decays to from --lr, so it is at most --lr (the run's schedule refuses it "
+        "too).",
+        # Only between valid rates: a negative or non-finite one is the rule above's to name.
+        lambda a, c: min_lr_above_lr(a) and not non_finite_or_negative(a),
+        lambda a, c: f"--min-lr {a.min_lr:g} is above --lr {a.lr:g}: the schedule decays from --lr down to "
+        "--min-lr, so the learning rate would rise instead. Give --min-lr at most --lr (Megatron's runs use about "
+        "a tenth of it).",
     ),
     Rule(
         "counts-positive", ("--train-iters", "--log-interval", "--eval-interval", "--num-workers"),

@@ -236,7 +236,7 @@ CASES = [
     Case("plan: misspelled flag", plan("--lr-warmup-iter", "2"),
          r"^rapidtrain plan: error: unknown flag --lr-warmup-iter \(did you mean --lr-warmup-iters\?\)"),
     Case("plan: --lr -1e-3", plan("--lr", "-1e-3"), r"--lr -0\.001: must be a finite number"),
-    Case("plan: --lr nan", plan("--lr", "nan"), r"--lr nan: must be a finite number"),
+    Case("plan: --lr nan", plan("--lr", "nan"), r"argument --lr: 'nan' is not a finite number"),
     Case("plan: --split a,b", plan("--split", "a,b"), r"--split 'a,b': expected one to three numbers"),
     Case("plan: --split 0,0,0", plan("--split", "0,0,0"), r"--split '0,0,0': weights must be non-negative"),
     Case("plan: --split 0,0,1", plan("--split", "0,0,1"), r"--split '0,0,1' gives the training split no documents"),

@@ -70,7 +70,7 @@ def test_every_float_flag_refuses_nan_and_infinity(flag, value):
 
 def test_plan_refuses_what_the_run_refuses():
     status, stderr = plan_status(["--train-iters", "10", "--lr", "5e-5", "--min-lr", "1e-4"])
-    assert status == 2 and "--min-lr 0.0001 exceeds --lr 5e-05" in stderr
+    assert status == 2 and "--min-lr 0.0001 is above --lr 5e-05" in stderr
     # The demo's own --min-lr (1e-4) follows a smaller --lr (to lr / 10) instead of stopping the run.
     status, stderr = plan_status(["--train-iters", "10", "--lr", "5e-5"])
     assert status == 0, stderr
