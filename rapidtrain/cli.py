@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rapidtrain.config import arguments, plan, resolve, rules, settings
 from rapidtrain.config.describe import describe_plan
+from rapidtrain.config.flag_parser import FlagParser
 from rapidtrain.core.errors import UserError, user_errors
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -157,7 +158,7 @@ def check_rendezvous_before_launch(env: Mapping[str, str] | None = None) -> None
 
 
 def plan_command(argv: list[str]) -> int:
-    extra = arguments.FlagParser(prog="rapidtrain plan", add_help=False)
+    extra = FlagParser(prog="rapidtrain plan", add_help=False)
     extra.add_argument("--world-size", type=int, default=None)
     extra.add_argument("--device", choices=("cpu", "cuda"), default=None)
     extra.add_argument("--device-name", default=None)

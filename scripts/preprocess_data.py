@@ -21,7 +21,7 @@ if __package__ in (None, ""):
     if os.path.isdir(os.path.join(_root, "rapidtrain")) and _root not in sys.path:
         sys.path.insert(0, _root)
 
-from rapidtrain.config.arguments import FlagParser  # noqa: E402
+from rapidtrain.config.flag_parser import FlagParser  # noqa: E402
 from rapidtrain.core.errors import user_errors  # noqa: E402
 from rapidtrain.data.preprocess import PreprocessSettings, preprocess  # noqa: E402
 from rapidtrain.data.tokenizer import TOKENIZER_TYPES, TokenizerSettings  # noqa: E402

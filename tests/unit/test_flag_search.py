@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rapidtrain import cli
 from rapidtrain.config import arguments
+from rapidtrain.config.flag_parser import finite_float
 
 ACTIONS = [a for a in arguments.build_parser()._actions
            if a.option_strings and a.option_strings[0].startswith("--") and a.dest != "help"
@@ -29,7 +30,7 @@ def values_for(action: argparse.Action) -> st.SearchStrategy[list[str]]:
         one = st.sampled_from([str(c) for c in action.choices])
     elif action.type is int:
         one = INTS
-    elif action.type in (float, arguments.finite_float):
+    elif action.type in (float, finite_float):
         one = FLOATS
     else:
         one = st.sampled_from(["x", "1", "/nonexistent/path", ""])
@@ -61,7 +62,7 @@ def test_random_flag_sets_plan_or_exit_2_naming_flags(flags, world):
         assert "--" in stderr or "rapidtrain" in stderr, (argv, stderr)
 
 
-@pytest.mark.parametrize("flag", [a.option_strings[0] for a in ACTIONS if a.type in (float, arguments.finite_float)])
+@pytest.mark.parametrize("flag", [a.option_strings[0] for a in ACTIONS if a.type in (float, finite_float)])
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_every_float_flag_refuses_nan_and_infinity(flag, value):
     status, stderr = plan_status(["--train-iters", "10", "--lr", "1e-3", flag, value])
