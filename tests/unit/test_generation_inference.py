@@ -234,3 +234,14 @@ def test_flash_attention_2_is_refused_for_a_hugging_face_model_on_cpu(trained, c
     code, _, err = run(["--load", str(hf_folder), *tokenizer, "--prompt", "x", "--attention-backend",
                         "flash_attention_2"], capsys)
     assert code == 2 and "needs a CUDA device and the flash_attn package" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_temperature_is_refused_by_name(tmp_path, value, capsys):
+    """NaN passes `temperature < 0`; the parser refuses it before any model loads."""
+    from rapidtrain.train.generation.command import generation_parser
+
+    with pytest.raises(SystemExit) as refused:
+        generation_parser().parse_known_args(["--load", str(tmp_path), "--prompt", "x", "--temperature", value])
+    assert refused.value.code == 2
+    assert f"argument --temperature: '{value}' is not a finite number" in capsys.readouterr().err

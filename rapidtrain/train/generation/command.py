@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rapidtrain.config.flag_parser import FlagParser
 from rapidtrain.models.attention_backends import NAMES as ATTENTION_NAMES
 from rapidtrain.train.generation.decoding import (
     Decoding,
@@ -25,7 +26,8 @@ from rapidtrain.train.generation.runtime import GenerateError, GenerateOptions, 
 
 
 def generation_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # rapidtrain's parser: float flags refuse NaN and infinity (--temperature nan passed every range check).
+    parser = FlagParser(
         prog="rapidtrain generate",
         description="Continue prompts with a trained model: a rapidtrain checkpoint of the built-in GPT (its model "
                     "and tokenizer flags default to the saved ones; give them to override, e.g. --tokenizer-model "
