@@ -12,6 +12,7 @@ setup(
     description="Training launcher for transformers with Rapidformer's command line",
     python_requires=">=3.11",
     packages=find_packages(include=["rapidtrain", "rapidtrain.*"]),
+    package_data={"rapidtrain.config": ["megatron_flags.json"]},  # the Megatron-family flag surface (read at parse)
     install_requires=[
         "torch>=2.6",
         "numpy",
