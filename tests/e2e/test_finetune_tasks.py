@@ -416,8 +416,9 @@ def assert_exported_weights_are_the_trained_ones(save: Path, folder: str) -> Non
 def test_black_box_command_fine_tunes_bert_with_zero2_and_mixed_precision(glue_bert, tmp_path):
     from rapidtrain.data.finetune import read_split_file
 
-    # 2 epochs (black_box's default): the tiny BERT is past 0.9 after its second (measured: 0.52, then 0.91)
-    run = black_box(glue_bert, tmp_path, "--zero-2-memory-optimization", "--mixed-precision")
+    # 4 epochs: after 2 the tiny BERT sits on its learning transition (0.91 alone, 0.68 in a full-suite run), after 4
+    # it is clear of it
+    run = black_box(glue_bert, tmp_path, "--zero-2-memory-optimization", "--mixed-precision", epochs=4)
     from rapidtrain.config.settings import detect_capability
 
     assert "DeepSpeed ZeRO stage 2" in run.stdout
