@@ -48,8 +48,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "At most one model-state partitioning switch (OSS, SDP, FSDP, ZeRO-1/2/3).",
         lambda a, c: len(partitioning_flags(a)) > 1,
         lambda a, c: f"{' and '.join(flag_name(f) for f in partitioning_flags(a))} each choose how model state is "
-                     f"partitioned; "
-        "they cannot be combined. Keep one (ZeRO-3 or FSDP shard the most, ZeRO-1 or OSS the least).",
+        f"partitioned; they cannot be combined. Keep one (ZeRO-3 or FSDP shard the most, ZeRO-1 or OSS the least).",
     ),
     Rule(
         "3d-only-zero12", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -63,8 +62,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         lambda a, c: f"--tensor-model-parallel-size {tp_size(a)} / --pipeline-model-parallel-size {pp_size(a)} "
                      f"cannot be "
         f"combined with {', '.join(flag_name(f) for f in partitioning_flags(a))}: with 3D parallelism parameters "
-        f"are already "
-        "split by layer or column, and only optimizer state and gradients are partitioned further. Use "
+        f"are already split by layer or column, and only optimizer state and gradients are partitioned further. Use "
         "--zero-1-memory-optimization or --zero-2-memory-optimization instead, or drop tensor/pipeline parallelism.",
     ),
     Rule(
@@ -305,8 +303,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
             not experts_of(a) or dp_size(a, c) % a.expert_model_parallel_size != 0),
         lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} needs --num-experts and must divide "
         f"the data-parallel size {dp_size(a, c)} (world {c.world_size} / (TP {tp_size(a)} × PP {pp_size(a)})): "
-        f"experts are sharded "
-        "over data-parallel ranks. Change the expert-parallel size or the number of processes.",
+        f"experts are sharded over data-parallel ranks. Change the expert-parallel size or the number of processes.",
     ),
     Rule(
         "ep-with-zero3-or-fairscale", ("--expert-model-parallel-size", "--zero-3-memory-optimization",

@@ -320,8 +320,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: (train_samples_of(a, c) or 0) > MAX_TRAIN_SAMPLES,
         lambda a, c: f"--train-iters {a.train_iters} × global batch "
         f"{(train_samples_of(a, c) or 0) // max(a.train_iters or 1, 1)} = {train_samples_of(a, c):,} samples: the "
-        f"sample "
-        f"and shuffle indices of that stream would need about "
+        f"sample and shuffle indices of that stream would need about "
         f"{(train_samples_of(a, c) or 0) * INDEX_BYTES_PER_SAMPLE / 2**40:,.0f} TiB ({INDEX_BYTES_PER_SAMPLE} bytes "
         f"per sample), and {MAX_TRAIN_SAMPLES:,} samples (2**36) is far beyond any real run. Check --train-iters.",
     ),
