@@ -154,6 +154,29 @@ def build_gpt_indices(
     return {"document_index": doc_idx, "sample_index": sample_idx, "shuffle_index": shuffle_idx}
 
 
+def gpt_index_problem(arrays: dict[str, np.ndarray], sizes: np.ndarray, seq_length: int) -> str | None:
+    """What is wrong with index arrays read from the cache (None: nothing). Checks the invariant the builder
+    guarantees: sample k starts k·seq_length tokens into the documents laid end to end in document-index order,
+    at an offset inside its document; and the shuffle index is a permutation of the samples."""
+    documents, samples, shuffle = arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"]
+    if documents.ndim != 1 or samples.ndim != 2 or samples.shape[1] != 2 or shuffle.ndim != 1 or not len(samples):
+        return "unexpected array shapes"
+    if len(documents) and (documents.min() < 0 or documents.max() >= len(sizes)):
+        return "the document index names sequences the data does not have"
+    positions, offsets = samples[:, 0], samples[:, 1]
+    if positions.min() < 0 or positions.max() >= max(len(documents), 1) or offsets.min() < 0:
+        return "the sample index points outside the document index"
+    lengths = np.asarray(sizes, dtype=np.int64)[documents] if len(documents) else np.zeros(1, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    expected = np.arange(len(samples), dtype=np.int64) * seq_length
+    inside = offsets[1:] < lengths[positions[1:]]
+    if not np.array_equal(starts[positions] + offsets, expected) or not inside.all():
+        return f"the sample index does not step by --seq-length {seq_length} tokens"
+    if len(shuffle) != len(samples) - 1 or (len(shuffle) and shuffle.max() >= len(shuffle)):
+        return "the shuffle index is not a permutation of the samples"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # The dataset.
 
@@ -252,6 +275,7 @@ class GPTDataset(torch.utils.data.Dataset):
             f"GPTDataset-{split_name}",
             ["document_index", "sample_index", "shuffle_index"],
             lambda: build_gpt_indices(sizes, documents, num_samples, config.seq_length, config.seed),
+            lambda arrays: gpt_index_problem(arrays, sizes, config.seq_length),
         )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]

@@ -1,0 +1,203 @@
+"""Damaged data files a user gives rapidtrain: each reader, called as the product calls it, either works (the damage
+left the file valid) or raises UserError naming the file, never another exception and never a hang.
+
+Covered here: Megatron indexed data (.idx in both formats, .bin), the .npy index cache of a previous run, tokenizer
+files of every kind, fine-tuning split files and preprocessing's JSON lines. Checkpoints and JSON configs:
+test_reader_mutations_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_split_datasets, open_indexed_dataset
+from rapidtrain.data.indexed import IndexedDatasetBuilder, LegacyIndexedDatasetBuilder
+from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
+from tests.unit.mutations import (
+    BOUNDED,
+    byte_mutations,
+    json_mutations,
+    mutate,
+    restore,
+    works_or_names,
+)
+
+DOCUMENTS = [[5, 6, 7, 8, 1], [9, 10, 1], [11, 12, 13, 14, 15, 16, 1], [17, 1]]
+VOCAB = 32
+
+
+def write_indexed(prefix: Path, legacy: bool = False) -> str:
+    builder = (LegacyIndexedDatasetBuilder if legacy else IndexedDatasetBuilder)(str(prefix) + ".bin",
+                                                                                 np.int32 if legacy else np.uint16)
+    for document in DOCUMENTS:
+        builder.add_document([document])
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+def read_every_sequence(prefix: str, impl: str) -> list[list[int]]:
+    """What pretraining does with --data-path: open (its checks), then read every sequence."""
+    dataset = open_indexed_dataset(prefix, impl, VOCAB)
+    return [dataset.get(i).tolist() for i in range(len(dataset))]
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("indexed")
+    return {"mmap": write_indexed(folder / "mmap"), "lazy": write_indexed(folder / "legacy", legacy=True)}
+
+
+@pytest.mark.parametrize("impl", ["mmap", "lazy"])
+@pytest.mark.parametrize("suffix", [".idx", ".bin"])
+@BOUNDED
+@given(mutation=byte_mutations)
+def test_damaged_indexed_data_is_read_or_refused_naming_the_file(corpora, impl, suffix, mutation):
+    prefix = corpora[impl]
+    path = Path(prefix + suffix)
+    original = path.read_bytes()
+    mutate(path, mutation)
+    try:
+        read = works_or_names(lambda: read_every_sequence(prefix, impl), path, prefix)
+        if read is not None and mutation[0] != "flip":  # a flipped token byte still reads, as other tokens
+            assert read == DOCUMENTS
+    finally:
+        restore(path, original)
+
+
+# ---- the .npy index cache a previous run left ----
+
+def gpt_config(cache: Path) -> GPTDatasetConfig:
+    return GPTDatasetConfig(data_prefix=[], split="100,0,0", seq_length=4, seed=1, eod=1, cache_dir=str(cache),
+                            vocab_size=VOCAB)
+
+
+def every_sample(prefix: str, cache: Path) -> list[list[int]]:
+    train = build_gpt_split_datasets(prefix, gpt_config(cache), [12, 0, 0])[0]
+    return [train[i]["tokens"].tolist() for i in range(len(train))]
+
+
+@BOUNDED
+@given(name=st.sampled_from(["document_index", "sample_index", "shuffle_index", "description"]),
+       mutation=byte_mutations)
+def test_damaged_index_cache_is_read_or_refused_naming_the_file(corpora, tmp_path_factory, name, mutation):
+    cache = tmp_path_factory.mktemp("cache")
+    expected = every_sample(corpora["mmap"], cache)
+    path = next(cache.glob(f"*-{name}.*"))
+    mutate(path, mutation)
+    read = works_or_names(lambda: every_sample(corpora["mmap"], cache), path, cache)
+    if read is not None and mutation[0] != "flip":
+        assert read == expected
+
+
+# ---- tokenizer files ----
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "a tiny corpus for tiny tokenizers", "lorem ipsum dolor"] * 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory) -> Path:
+    import sentencepiece
+    from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tokenizers")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save_model(str(folder))
+    wordpiece = BertWordPieceTokenizer()
+    wordpiece.train_from_iterator(CORPUS, vocab_size=100, show_progress=False)
+    wordpiece.save_model(str(folder))
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_prefix=str(folder / "sp"),
+                                             vocab_size=40, minloglevel=2)
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(
+        str(folder / "hf"))
+    return folder
+
+
+TOKENIZER_FILES = {  # the file damaged: the tokenizer type that reads it, and its settings
+    "vocab.json": ("GPT2BPETokenizer", {"vocab_file": "vocab.json", "merge_file": "merges.txt"}),
+    "merges.txt": ("GPT2BPETokenizer", {"vocab_file": "vocab.json", "merge_file": "merges.txt"}),
+    "vocab.txt": ("BertWordPieceLowerCase", {"vocab_file": "vocab.txt"}),
+    "sp.model": ("SentencePieceTokenizer", {"tokenizer_model": "sp.model"}),
+    "hf/tokenizer.json": ("HuggingFaceTokenizer", {"tokenizer_model": "hf"}),
+    "hf/tokenizer_config.json": ("HuggingFaceTokenizer", {"tokenizer_model": "hf"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZER_FILES))
+@BOUNDED
+@given(mutation=json_mutations)
+def test_damaged_tokenizer_files_load_or_are_refused_naming_the_file(tokenizer_files, name, mutation):
+    kind, files = TOKENIZER_FILES[name]
+    path = tokenizer_files / name
+    if mutation[0].startswith("json") and path.suffix != ".json":
+        mutation = ("empty",)
+    settings = TokenizerSettings(kind, **{key: str(tokenizer_files / value) for key, value in files.items()})
+    original = path.read_bytes()
+    mutate(path, mutation)
+
+    def load_and_use() -> list[int]:
+        tokenizer = build_tokenizer(settings)
+        ids = tokenizer.tokenize(CORPUS[0])
+        tokenizer.detokenize(ids)
+        return ids
+
+    try:
+        works_or_names(load_and_use, path, path.parent)
+    finally:
+        restore(path, original)
+
+
+# ---- fine-tuning split files ----
+
+RECORDS = [{"sentence": "good film", "label": 1}, {"sentence": "dull plot", "label": 0}]
+
+
+def write_split(folder: Path, suffix: str) -> Path:
+    path = folder / f"train{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    else:
+        separator = "\t" if suffix == ".tsv" else ","
+        path.write_text("sentence" + separator + "label\n"
+                        + "".join(f"{r['sentence']}{separator}{r['label']}\n" for r in RECORDS))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".tsv", ".csv"])
+@BOUNDED
+@given(mutation=byte_mutations)
+def test_damaged_finetuning_files_load_or_are_refused_naming_the_file(tmp_path_factory, suffix, mutation):
+    from rapidtrain.data.finetune import load_finetune_dataset
+
+    folder = tmp_path_factory.mktemp("glue")
+    path = write_split(folder, suffix)
+    mutate(path, mutation)
+    splits = works_or_names(lambda: load_finetune_dataset(str(folder)), path, folder)
+    if splits is not None:
+        assert all(isinstance(record, dict) for records in splits.values() for record in records)
+
+
+# ---- preprocessing's --input JSON lines ----
+
+@BOUNDED
+@given(mutation=byte_mutations)
+def test_damaged_preprocessing_input_is_read_or_refused_naming_the_file(tmp_path_factory, mutation):
+    from rapidtrain.data.indexed import IndexedDataset
+    from rapidtrain.data.preprocess import PreprocessSettings, preprocess
+
+    folder = tmp_path_factory.mktemp("preprocess")
+    source = folder / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": " ".join(map(str, d))}) + "\n" for d in DOCUMENTS))
+    mutate(source, mutation)
+    settings = PreprocessSettings(input=str(source), output_prefix=str(folder / "out" / "p"), progress=False,
+                                  tokenizer=TokenizerSettings("NullTokenizer", vocab_size=VOCAB), append_eod=True)
+    result = works_or_names(lambda: preprocess(settings), source)
+    if result is not None:
+        IndexedDataset(result.data_prefixes["text"])  # what it wrote reads back
