@@ -89,7 +89,7 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
     saved = dict(common.get("args") or {})
     # A user script may have set args.model_type to Megatron's ModelType: the saved plan says which model it is.
     saved_model = (common.get("plan") or {}).get("model") or {}
-    if saved_model.get("model_type") in ("gpt", "bert"):
+    if isinstance(saved_model, dict) and saved_model.get("model_type") in ("gpt", "bert"):
         saved["model_type"] = saved_model["model_type"]
     taken = []
     for dest in CHECKPOINT_SHAPE_FLAGS:

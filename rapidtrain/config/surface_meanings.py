@@ -118,8 +118,15 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
     except ValueError as error:
         refusals.append(str(error))
         return
-    zero = config.get("zero_optimization") or {}
-    stage = int(zero) if isinstance(zero, bool) else int(zero.get("stage", 0) or 0)  # DeepSpeed 0.1's `true`: 1
+    try:
+        zero = config.get("zero_optimization") or {}
+        stage = int(zero) if isinstance(zero, bool) else int(zero.get("stage", 0) or 0)  # DeepSpeed 0.1's `true`: 1
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage {stage}")
+    except (ValueError, TypeError, AttributeError) as error:
+        refusals.append(f"--deepspeed_config {path}: zero_optimization is not DeepSpeed's ({error}): give an "
+                        'object with "stage": 0 to 3')
+        return
     chosen = next((n for n in (1, 2, 3) if getattr(args, f"zero_{n}_memory_optimization")), 0)
     if chosen and stage and chosen != stage:
         refusals.append(f"--deepspeed_config {path}: ZeRO stage {stage}, the flags {chosen} (--zero-stage); make "
@@ -127,7 +134,11 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
     elif stage and not chosen:
         setattr(args, f"zero_{stage}_memory_optimization", True)
         notes.append(f"--deepspeed_config {path}: ZeRO stage {stage} → --zero-{stage}-memory-optimization")
-    read = _deepspeed_keys_as_flags(args, config, given, path, notes)
+    try:
+        read = _deepspeed_keys_as_flags(args, config, given, path, notes)
+    except (ValueError, TypeError) as error:
+        refusals.append(f"--deepspeed_config {path}: a value has the wrong type ({error}); fix the file")
+        return
     if zero_stage(args) and not zero_by_fsdp2(args):
         return  # DeepSpeed runs it: the file is merged with the generated config (a key both set must agree)
     args.deepspeed_config = None

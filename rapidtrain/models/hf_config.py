@@ -100,9 +100,13 @@ def read_config(path: str) -> dict[str, Any]:
     """config.json of a Hugging Face folder, as plain JSON."""
     file = Path(path) / "config.json"
     try:
-        return json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UnsupportedModel(f"--pretrained-model-name-or-path {path}: cannot read {file} ({error})") from error
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as error:  # ValueError: not JSON, or not UTF-8
+        raise UnsupportedModel(f"--pretrained-model-name-or-path {path}: cannot read {file} ({error})") from None
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"--pretrained-model-name-or-path {path}: {file} holds a JSON "
+                               f"{type(config).__name__}, not a model config (an object)")
+    return config
 
 
 def trains_builtin_model(args: argparse.Namespace) -> bool:
@@ -120,7 +124,7 @@ def initialises_builtin(args: argparse.Namespace) -> bool:
 
 def family(config: dict[str, Any]) -> str:
     kind = config.get("model_type")
-    if kind not in SUPPORTED:
+    if not isinstance(kind, str) or kind not in SUPPORTED:
         raise UnsupportedModel(
             f"config.json model_type {kind!r} cannot initialise a built-in model; supported: "
             f"{', '.join(SUPPORTED)}"
@@ -271,15 +275,33 @@ _BASE = {
 }
 
 
+# Flags taken from config.json that are counts (a positive int; bool is refused, JSON's true is no size).
+_COUNT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                "num_query_groups", "moe_router_topk")
+
+
 def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
-    """flag dest → the value the built-in model needs to hold these weights exactly."""
+    """flag dest → the value the built-in model needs to hold these weights exactly. A config.json with keys
+    missing or of the wrong type (damaged, or another library's) raises UnsupportedModel naming the key."""
     kind = family(config)
-    if kind == "gpt2":
-        flags = _gpt2_flags(config)
-    elif kind in LLAMA_FAMILY:
-        flags = _llama_flags(config)
-    else:
-        flags = _bert_flags(config)
+    try:
+        if kind == "gpt2":
+            flags = _gpt2_flags(config)
+        elif kind in LLAMA_FAMILY:
+            flags = _llama_flags(config)
+        else:
+            flags = _bert_flags(config)
+    except KeyError as error:
+        raise UnsupportedModel(f"config.json lacks {error} that a {kind} config has") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as error:
+        raise UnsupportedModel(f"config.json holds a value of the wrong type for a {kind} config ({error})") from None
+    wrong = [dest for dest in _COUNT_FLAGS if dest in flags and flags[dest] is not None
+             and (type(flags[dest]) is not int or flags[dest] <= 0)]
+    wrong += [dest for dest in ("layernorm_epsilon", "rotary_base") if flags.get(dest) is not None
+              and (type(flags[dest]) not in (int, float) or not flags[dest] > 0)]
+    if wrong:
+        raise UnsupportedModel(f"config.json gives {', '.join(f'{d} = {flags[d]!r}' for d in wrong)}: "
+                               "not a positive number")
     return _BASE | flags
 
 
@@ -288,9 +310,10 @@ def pretrained_vocab_size(args: argparse.Namespace) -> int | None:
     if not initialises_builtin(args):
         return None
     try:
-        return int(read_config(args.pretrained_model_name_or_path)["vocab_size"])
+        vocab_size = read_config(args.pretrained_model_name_or_path)["vocab_size"]
     except (UnsupportedModel, KeyError):
         return None
+    return vocab_size if type(vocab_size) is int and vocab_size > 0 else None
 
 
 # ---- applying it to the flags ----

@@ -77,6 +77,8 @@ def read_prompts(path: str) -> list[str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as error:
         raise GenerateError(f"rapidtrain generate: --input-file {path}: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise GenerateError(f"rapidtrain generate: --input-file {path}: not UTF-8 text (byte {error.start})") from None
     prompts = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
