@@ -26,6 +26,7 @@ from rapidtrain.checkpoint.checkpointer import LATEST_FILE, MANIFEST_FILE, itera
 from tests.unit.mutations import BOUNDED, byte_mutations, json_mutations, mutate, works_or_names
 from tests.unit.test_checkpoint_safety import ARGS, MODEL, ModelAndOptimizer, rewrite_manifest, schedule
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 tracker_mutations = st.one_of(json_mutations, st.tuples(st.just("text"), st.sampled_from(
     ["", " 3 ", "3\n3", "-1", "7", "²", "٣", "03", "9" * 30, "3.0", "iter_0000003"])))
 CHECKPOINT_FILES = {LATEST_FILE: tracker_mutations, f"iter_0000003/{MANIFEST_FILE}": json_mutations,
