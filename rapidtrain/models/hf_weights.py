@@ -197,8 +197,7 @@ class WeightsReader:
                                    ("pytorch_model.bin.index.json", "pytorch_model.bin")):
             index = self.folder / index_name
             if index.exists():
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                return [self.folder / shard for shard in shards]
+                return [self.folder / shard for shard in _shards(index)]
             if (self.folder / single).exists():
                 return [self.folder / single]
         raise UnsupportedModel(
@@ -207,15 +206,20 @@ class WeightsReader:
 
     def _open(self, file: Path) -> Any:
         if file not in self._opened:
-            if file.suffix == ".safetensors":
-                from safetensors import safe_open
+            try:
+                if file.suffix == ".safetensors":
+                    from safetensors import safe_open
 
-                self._opened[file] = safe_open(str(file), framework="pt")
-            else:  # weights_only: plain tensors only, no pickled code runs
-                try:
-                    self._opened[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                except pickle.UnpicklingError as error:
-                    raise refuse_pickled_weights(file, error) from None
+                    self._opened[file] = safe_open(str(file), framework="pt")
+                else:  # weights_only: plain tensors only, no pickled code runs
+                    loaded = _load_state_dict(file)
+                    if not isinstance(loaded, dict):
+                        raise TypeError(f"a {type(loaded).__name__}, not a state dict")
+                    self._opened[file] = loaded
+            except pickle.UnpicklingError as error:
+                raise refuse_pickled_weights(file, error) from None
+            except Exception as error:  # noqa: BLE001 - safetensors and torch say "damaged" in their own types
+                raise _damaged(file, error) from None
         return self._opened[file]
 
     def get(self, name: str) -> torch.Tensor:
@@ -223,7 +227,46 @@ class WeightsReader:
             raise UnsupportedModel(f"{self.folder}: no weight {name!r} in the folder's files")
         file, stored = self.location[_normalized(name)]
         opened = self._open(file)
-        return opened.get_tensor(stored) if file.suffix == ".safetensors" else opened[stored]
+        try:
+            value = opened.get_tensor(stored) if file.suffix == ".safetensors" else opened[stored]
+        except Exception as error:  # noqa: BLE001 - a header that promises bytes the file does not hold
+            raise _damaged(file, error) from None
+        if not isinstance(value, torch.Tensor):
+            raise _damaged(file, TypeError(f"{stored} is a {type(value).__name__}, not a tensor"))
+        return value
+
+
+def _load_state_dict(file: Path) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "mmap can only be used" not in str(error):
+            raise
+        # torch's legacy (pre-zip) format: read whole, memory-mapping needs the zip layout
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _damaged(file: Path, error: BaseException) -> UnsupportedModel:
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return UnsupportedModel(f"{file}: cannot be read ({type(error).__name__}: {reason}); the weights are damaged or "
+                            "truncated: copy or save the model again (save_pretrained)")
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files a .index.json names: file names in its folder (a damaged index is refused, naming it)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+        if not all(isinstance(shard, str) and shard and Path(shard).name == shard for shard in shards):
+            raise TypeError("its shard names are not file names")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UnsupportedModel(f"{index}: damaged ({type(error).__name__}: {error}); save the model again "
+                               "(save_pretrained)") from None
+    missing = [shard for shard in shards if not (index.parent / shard).is_file()]
+    if missing:
+        raise UnsupportedModel(f"{index} names shards that are not in {index.parent}: {', '.join(missing[:3])}; "
+                               "copy the whole folder")
+    return shards
 
 
 # ---- into a built-in model ----

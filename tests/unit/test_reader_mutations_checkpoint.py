@@ -19,14 +19,15 @@ import uuid
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rapidtrain.checkpoint.checkpointer import LATEST_FILE, MANIFEST_FILE, iteration_dir, save_checkpoint
-from tests.unit.mutations import BOUNDED, byte_mutations, json_mutations, mutate, works_or_names
+from tests.unit.mutations import BOUNDED, byte_mutations, json_mutations, mutate, restore, works_or_names
 from tests.unit.test_checkpoint_safety import ARGS, MODEL, ModelAndOptimizer, rewrite_manifest, schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+PLANNED = settings(BOUNDED, max_examples=15)  # each example plans in full (~0.15 s): fewer, to stay bounded
 tracker_mutations = st.one_of(json_mutations, st.tuples(st.just("text"), st.sampled_from(
     ["", " 3 ", "3\n3", "-1", "7", "²", "٣", "03", "9" * 30, "3.0", "iter_0000003"])))
 CHECKPOINT_FILES = {LATEST_FILE: tracker_mutations, f"iter_0000003/{MANIFEST_FILE}": json_mutations,
@@ -114,7 +115,7 @@ def plan(argv: list[str]) -> object:
 
 
 @pytest.mark.parametrize("name", [LATEST_FILE, "iter_0000003/common.json"])
-@BOUNDED
+@PLANNED
 @given(data=st.data())
 def test_plan_of_a_damaged_megatron_folder_works_or_names_it(checkpoint, name, data):
     root, _ = damaged_copy(checkpoint, name, data.draw(CHECKPOINT_FILES[name], label="mutation"), True)
@@ -129,7 +130,7 @@ DEEPSPEED = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "zer
 
 
 @pytest.mark.parametrize("launcher", [[], ["--deepspeed"]], ids=["rapidformer", "megatron-deepspeed"])
-@BOUNDED
+@PLANNED
 @given(mutation=json_mutations)
 def test_damaged_deepspeed_config_plans_or_is_refused_naming_it(tmp_path_factory, launcher, mutation):
     path = tmp_path_factory.mktemp("ds") / "ds_config.json"
@@ -143,7 +144,7 @@ HF_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_laye
              "n_positions": 32, "vocab_size": 64, "torch_dtype": "float32"}
 
 
-@BOUNDED
+@PLANNED
 @given(mutation=json_mutations)
 def test_damaged_hugging_face_config_plans_or_is_refused_naming_it(tmp_path_factory, mutation):
     folder = tmp_path_factory.mktemp("hf")
@@ -179,3 +180,49 @@ def test_damaged_rapidformer_text_data_is_read_or_refused_naming_it(tmp_path_fac
     path.write_text("1 2 3\n4 5\n")
     mutate(path, mutation)
     works_or_names(lambda: GPTDataset(str(path), NullTokenizer(64), seq_length=4), path)
+
+
+# ---- Hugging Face weights that start the built-in model: sharded safetensors and their index, pytorch_model.bin --
+
+HF_CONFIG_ARGS = {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 32, "n_inner": 32}
+WEIGHT_FILES = ["safetensors/model-00001-of-*.safetensors", "safetensors/model.safetensors.index.json",
+                "bin/pytorch_model.bin"]
+
+
+@pytest.fixture(scope="module")
+def weight_folders(tmp_path_factory) -> dict[str, Path]:
+    """A tiny GPT-2 saved as sharded safetensors (with their index) and as a pytorch_model.bin."""
+    import torch
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**HF_CONFIG_ARGS))
+    sharded, pickled = tmp_path_factory.mktemp("safetensors"), tmp_path_factory.mktemp("bin")
+    model.save_pretrained(sharded, max_shard_size="8KB")
+    model.config.save_pretrained(pickled)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    return {"safetensors": sharded, "bin": pickled}
+
+
+@pytest.mark.parametrize("name", WEIGHT_FILES)
+@BOUNDED
+@given(data=st.data())
+def test_damaged_hugging_face_weights_load_or_are_refused_naming_them(weight_folders, name, data):
+    from rapidtrain.config import arguments, resolve
+    from rapidtrain.models import build_model
+
+    kind, file = name.split("/")
+    folder = weight_folders[kind]
+    path = next(folder.glob(file))
+    mutation = data.draw(json_mutations if path.suffix == ".json" else byte_mutations, label="mutation")
+    original = path.read_bytes()
+    mutate(path, mutation)
+
+    def build() -> object:  # the built-in model started from the folder, as --pretrained-model-name-or-path does
+        args = arguments.parse_args(["--pretrained-model-name-or-path", str(folder), "--data-path", "unused",
+                                     "--train-iters", "1", "--seq-length", "16"])
+        return build_model(resolve.model_config_from_args(args, resolve.builtin_vocab_size(args, None)), seed=1)
+
+    try:
+        works_or_names(build, folder)
+    finally:
+        restore(path, original)
