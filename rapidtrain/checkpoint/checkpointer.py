@@ -232,7 +232,7 @@ def read_common(directory: Path) -> dict[str, Any]:
 _COMMON_TYPES: dict[str, tuple[type, ...]] = {"iteration": (int,), "consumed_samples": (int,), "format": (int,),
                                               "args": (dict,), "plan": (dict, type(None)), "extra": (dict,),
                                               "lr_scheduler": (dict, type(None))}
-_REQUIRED_COMMON = ("iteration", "consumed_samples")
+_POSITION = ("iteration", "consumed_samples")  # what a resume needs (the shape alone is read without them)
 
 
 def _checked_common(state: Any, path: Path) -> dict[str, Any]:
@@ -241,10 +241,9 @@ def _checked_common(state: Any, path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: damaged (a {type(state).__name__}, not the checkpoint's common state); "
                               "resume from another iteration or --load folder.")
-    wrong = [name for name in _REQUIRED_COMMON if name not in state]
-    wrong += [name for name, kinds in _COMMON_TYPES.items() if name in state and
+    wrong = [name for name, kinds in _COMMON_TYPES.items() if name in state and
               (not isinstance(state[name], kinds) or isinstance(state[name], bool))]
-    if any(isinstance(state.get(name), int) and state[name] < 0 for name in _REQUIRED_COMMON):
+    if any(isinstance(state.get(name), int) and state[name] < 0 for name in _POSITION):
         wrong.append("a negative position")
     if wrong:
         raise CheckpointError(f"{path}: damaged (missing or wrong: {', '.join(wrong)}); resume from another "
@@ -786,6 +785,9 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
         notes.append(f"{directory} has no {MANIFEST_FILE} (written before checkpoint format {FORMAT_VERSION}): "
                      "its files were not checked for damage")
     common = read_common(directory)
+    if not finetune and any(name not in common for name in _POSITION):
+        raise CheckpointError(f"{directory / COMMON_FILE}: damaged (it lacks the iteration or consumed_samples a "
+                              "resume continues from); resume from another iteration or --load folder.")
     check_format_version(common.get("format", 1), directory / COMMON_FILE)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
     load_optimizer = load_optimizer and not finetune

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.models.hf_config import is_megatron_checkpoint
@@ -83,7 +84,8 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
     from rapidtrain.checkpoint.checkpointer import CheckpointError, iteration_dir, latest_iteration, read_common
 
     try:
-        common = read_common(iteration_dir(folder, latest_iteration(folder) or 0))
+        directory = iteration_dir(folder, latest_iteration(folder) or 0)
+        common = read_common(directory)
     except CheckpointError:
         return  # loading it reports the problem, naming the file
     saved = dict(common.get("args") or {})
@@ -94,11 +96,35 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
     taken = []
     for dest in CHECKPOINT_SHAPE_FLAGS:
         if dest in saved and dest not in given and getattr(args, dest, None) != saved[dest]:
+            expected = [] if dest == "num_experts" else getattr(args, dest, None)  # a list, even when unset
+            if not _fits(saved[dest], expected):
+                raise CheckpointError(f"{directory / 'common.json'}: damaged: its saved {dest} is {saved[dest]!r}; "
+                                      "resume from another iteration, or give the shape flags yourself.")
             setattr(args, dest, saved[dest])
             taken.append(dest)
     if taken:
         notes.append(f"model shape taken from the checkpoint in {folder} (flags not given): "
                      + ", ".join("--" + d.replace("_", "-") for d in taken))
+
+
+def _fits(saved: Any, current: Any) -> bool:
+    """A saved shape value is of the kind the flag holds (damage that left valid JSON would fail far from the file):
+    the current value's type, or for a flag without a value, a number, a word, a switch or a list of counts."""
+    def count_list(value: Any) -> bool:
+        return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+    if isinstance(current, bool):
+        return isinstance(saved, bool)
+    if isinstance(current, int):
+        return type(saved) is int and saved >= 0
+    if isinstance(current, float):
+        return type(saved) in (int, float) and saved >= 0
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    if isinstance(current, (list, tuple)):
+        return count_list(saved)
+    return saved is None or isinstance(saved, (bool, str)) or count_list(saved) or (
+        type(saved) in (int, float) and saved >= 0)
 
 
 def _finetune_without_load(args: Args, notes: list[str]) -> None:

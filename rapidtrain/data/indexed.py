@@ -198,6 +198,8 @@ class IndexedDataset:
         self.dtype, self.sequence_lengths, self._offsets, self.document_indices = read_index(idx_path)
         self._itemsize = self.dtype.itemsize
         bin_size = _check_bin_size(bin_path, self.sequence_lengths, self._offsets, self._itemsize)
+        # After the size check, whose message names a wrong dtype code; this one finds damage inside the index.
+        _check_sequence_layout(idx_path, self.sequence_lengths, self._offsets, self._itemsize)
         self._opened_as = _file_states(idx_path, bin_path)  # what a change under the run is measured against
         if self.impl == "mmap" and bin_size:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r")
@@ -399,7 +401,6 @@ def _read_mmap_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, n
     offsets = np.frombuffer(buffer, dtype="<i8", count=sequences, offset=start + 4 * sequences)
     documents = np.frombuffer(buffer, dtype="<i8", count=doc_entries, offset=start + 12 * sequences)
     _check_document_indices(idx_path, documents, sequences)
-    _check_sequence_layout(idx_path, lengths, offsets, dtype.itemsize)
     return dtype, lengths, offsets, documents
 
 
@@ -422,7 +423,6 @@ def _read_legacy_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray,
         raise DataFileError(f"{idx_path}: corrupt data offsets (they must grow, by less than 2**31 tokens a "
                             "sequence); rebuild it with scripts/preprocess_data.py")
     offsets = data_offsets[:-1] * element_size
-    _check_sequence_layout(idx_path, lengths, offsets, element_size)
     return dtype, lengths.astype(np.int32), offsets, documents
 
 

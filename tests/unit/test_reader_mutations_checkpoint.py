@@ -125,6 +125,20 @@ def test_plan_of_a_damaged_megatron_folder_works_or_names_it(checkpoint, name, d
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.parametrize("value", ["x", [1], True, -3, {"a": 1}, 3.5, None])
+@pytest.mark.parametrize("key", ["num_layers", "num_experts"])
+def test_plan_refuses_a_saved_shape_of_the_wrong_kind_naming_common_json(checkpoint, key, value):
+    """Valid JSON with a wrong value where the shape is read: named, not a TypeError deep in the plan."""
+    root = checkpoint.parent / f"shape-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(checkpoint, root)
+    common = iteration_dir(root, 3) / "common.json"
+    common.write_text(json.dumps(json.loads(common.read_text()) | {"args": {key: value}}))
+    try:
+        works_or_names(lambda: plan([*TINY, "--pretrained-model-name-or-path", str(root)]), common)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 DEEPSPEED = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
