@@ -201,3 +201,22 @@ def test_damaged_preprocessing_input_is_read_or_refused_naming_the_file(tmp_path
     result = works_or_names(lambda: preprocess(settings), source)
     if result is not None:
         IndexedDataset(result.data_prefixes["text"])  # what it wrote reads back
+
+
+# ---- the demo corpus cache a previous run built ----
+
+MANIFEST = {"data_prefix": "corpus_text_document", "tokenizer_model": "tokenizer.model",
+            "tokenizer_type": "SentencePieceTokenizer", "num_documents": 3, "num_tokens": 40,
+            "sentence_prefix": "corpus_text_sentence"}
+
+
+@BOUNDED
+@given(mutation=json_mutations)
+def test_damaged_demo_cache_manifest_is_read_or_refused_naming_it(tmp_path_factory, mutation):
+    from rapidtrain.data.demo import prepare_demo_data
+
+    cache = tmp_path_factory.mktemp("demo")
+    path = cache / "manifest.json"
+    path.write_text(json.dumps(MANIFEST))
+    mutate(path, mutation)  # a folder in its place: no demo cache, refused before anything is built into it
+    works_or_names(lambda: prepare_demo_data(str(cache), progress=False), path, cache)

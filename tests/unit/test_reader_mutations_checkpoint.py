@@ -170,6 +170,20 @@ def test_damaged_hugging_face_config_plans_or_is_refused_naming_it(tmp_path_fact
     works_or_names(lambda: plan(argv), folder)
 
 
+@BOUNDED
+@given(mutation=json_mutations)
+def test_damaged_lora_adapter_config_is_read_or_refused_naming_it(tmp_path_factory, mutation):
+    from rapidtrain.train.generation.loading import _adapter_base
+
+    base, adapter = tmp_path_factory.mktemp("base"), tmp_path_factory.mktemp("adapter")
+    (base / "config.json").write_text(json.dumps(HF_CONFIG))
+    path = adapter / "adapter_config.json"
+    path.write_text(json.dumps({"base_model_name_or_path": str(base), "r": 8, "target_modules": ["c_attn"]}))
+    mutate(path, mutation)
+    found = works_or_names(lambda: _adapter_base(adapter), path, adapter)
+    assert found in (None, base)
+
+
 # ---- text files read line by line: generation prompts, Rapidformer's GPT and PET data ----
 
 @BOUNDED
