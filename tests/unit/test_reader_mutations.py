@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_split_datasets, open_indexed_dataset
+from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets, open_indexed_dataset
 from rapidtrain.data.indexed import IndexedDatasetBuilder, LegacyIndexedDatasetBuilder
 from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
 from tests.unit.mutations import (
@@ -72,27 +72,68 @@ def test_damaged_indexed_data_is_read_or_refused_naming_the_file(corpora, impl, 
 
 # ---- the .npy index cache a previous run left ----
 
-def gpt_config(cache: Path) -> GPTDatasetConfig:
-    return GPTDatasetConfig(data_prefix=[], split="100,0,0", seq_length=4, seed=1, eod=1, cache_dir=str(cache),
-                            vocab_size=VOCAB)
+SENTENCES = [[[20, 21, 22], [23, 24, 25, 26]], [[27, 28], [29, 30, 31], [20, 22]], [[23, 25, 27, 29], [21, 24]]] * 2
 
 
-def every_sample(prefix: str, cache: Path) -> list[list[int]]:
-    train = build_gpt_split_datasets(prefix, gpt_config(cache), [12, 0, 0])[0]
+def every_sample(kind: str, prefixes: dict[str, str], cache: Path) -> list[list[int]]:
+    """Every sample of the training split as pretraining builds it: a GPT prefix, a blend of two, or BERT."""
+    if kind == "bert":
+        from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
+
+        config = BERTDatasetConfig(data_prefix=[prefixes["sentences"]], split="100,0,0", seq_length=12, seed=1,
+                                   vocab_size=VOCAB, cls_id=2, sep_id=3, mask_id=4, pad_id=0, binary_head=True,
+                                   cache_dir=str(cache))
+        train = build_bert_datasets(config, [8, 0, 0])[0]
+        return [train[i]["text"].tolist() for i in range(len(train))]
+    data = [prefixes["mmap"]] if kind == "gpt" else ["1", prefixes["mmap"], "2", prefixes["lazy"]]
+    config = GPTDatasetConfig(data_prefix=data, split="100,0,0", seq_length=4, seed=1, eod=1, cache_dir=str(cache),
+                              vocab_size=VOCAB, data_impl="infer")
+    train = build_gpt_datasets(config, [12, 0, 0])[0]
     return [train[i]["tokens"].tolist() for i in range(len(train))]
 
 
+CACHED = {"gpt": ["document_index", "sample_index", "shuffle_index", "description"],
+          "blend": ["BlendedDataset-dataset_index", "BlendedDataset-dataset_sample_index"],
+          "bert": ["samples_mapping"]}
+
+
+@pytest.mark.parametrize("kind", sorted(CACHED))
 @BOUNDED
-@given(name=st.sampled_from(["document_index", "sample_index", "shuffle_index", "description"]),
-       mutation=byte_mutations)
-def test_damaged_index_cache_is_read_or_refused_naming_the_file(corpora, tmp_path_factory, name, mutation):
+@given(data=st.data())
+def test_damaged_index_cache_is_read_or_refused_naming_the_file(corpora, tmp_path_factory, kind, data):
+    prefixes = {**corpora, "sentences": write_sentences(tmp_path_factory.mktemp("bert") / "s")}
     cache = tmp_path_factory.mktemp("cache")
-    expected = every_sample(corpora["mmap"], cache)
+    expected = every_sample(kind, prefixes, cache)
+    name, mutation = data.draw(st.sampled_from(CACHED[kind]), label="file"), data.draw(byte_mutations, label="damage")
     path = next(cache.glob(f"*-{name}.*"))
     mutate(path, mutation)
-    read = works_or_names(lambda: every_sample(corpora["mmap"], cache), path, cache)
-    if read is not None and mutation[0] != "flip":
+    read = works_or_names(lambda: every_sample(kind, prefixes, cache), path, cache)
+    if read is not None and mutation[0] != "flip" and kind != "bert":  # BERT's masking draws from the run's RNG
         assert read == expected
+
+
+@pytest.mark.parametrize("name, row, value", [("sample_index", (2, 1), None), ("sample_index", (1, 0), None),
+                                               ("shuffle_index", (0,), 10**6), ("document_index", (1,), 99)])
+def test_cached_gpt_index_with_other_valid_values_is_refused_naming_it(corpora, tmp_path, name, row, value):
+    """A well-formed .npy whose numbers break the index's invariant (a sample not seq_length tokens on, a sample
+    or document that does not exist): refused before training reads past a document's end."""
+    from rapidtrain.core.errors import UserError
+
+    every_sample("gpt", corpora, tmp_path)
+    path = next(tmp_path.glob(f"*-{name}.npy"))
+    array = np.load(path)
+    array[row] = array[row] + 1 if value is None else value  # None: one token or document further on
+    np.save(path, array)
+    with pytest.raises(UserError, match=rf"{path}.*is damaged \(.*\); delete these files"):
+        every_sample("gpt", corpora, tmp_path)
+
+
+def write_sentences(prefix: Path) -> str:
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", np.uint16)
+    for document in SENTENCES:
+        builder.add_document(document)
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
 
 
 # ---- tokenizer files ----
