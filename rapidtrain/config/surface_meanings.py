@@ -287,13 +287,6 @@ def _ckpt_format(args: Args, value: str, notes: list[str], refusals: list[str]) 
                      "rapidtrain's one format")
 
 
-def _kv_channels(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
-    derived = args.hidden_size // args.num_attention_heads
-    if value != derived:
-        refusals.append(f"--kv-channels {value}: rapidtrain's head dimension is --hidden-size / --num-attention-heads "
-                        f"= {derived}; leave --kv-channels out")
-
-
 def _no_position_embedding(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
     if args.position_embedding_type != "rope":
         refusals.append("--no-position-embedding: rapidtrain's models need a position encoding; add "
@@ -365,7 +358,6 @@ HANDLERS = {
     "--gas": _gas,
     "--mock-data": _mock_data,
     "--ckpt-format": _ckpt_format,
-    "--kv-channels": _kv_channels,
     "--apply-layernorm-1p": _note("--apply-layernorm-1p"),
     "--no-position-embedding": _no_position_embedding,
     "--pretrained-checkpoint": _pretrained_checkpoint,
