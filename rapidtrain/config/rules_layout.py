@@ -196,8 +196,8 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "rope-scaling-needs-rope", ("--use-rope-scaling", "--rotary-seq-len-interpolation-factor",
                                     "--position-embedding-type"),
         "Rope scaling and position interpolation apply to rotary position embeddings.",
-        lambda a, c: a.position_embedding_type != "rope" and (a.use_rope_scaling or a.rotary_seq_len_interpolation_factor
-                                                              not in (None, 1)),
+        lambda a, c: a.position_embedding_type != "rope"
+        and (a.use_rope_scaling or a.rotary_seq_len_interpolation_factor not in (None, 1)),
         lambda a, c: "--use-rope-scaling / --rotary-seq-len-interpolation-factor scale rotary embeddings, but "
         f"--position-embedding-type is {a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
     ),
