@@ -106,7 +106,11 @@ HANDLED: dict[str, str] = {
                               "--pipeline-model-parallel-size > 1",
     "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss) is rapidtrain's router; "
                                         "none turns the loss off; other types are refused",
-    "--moe-ffn-hidden-size": "accepted when it equals the dense MLP size (--ffn-hidden-size); other sizes refused",
+    "--moe-ffn-hidden-size": "the experts' size: accepted when it equals the dense MLP size (--ffn-hidden-size), or "
+                             "when every layer is MoE (no layer is dense, so it becomes --ffn-hidden-size); other "
+                             "sizes refused",
+    "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
+                           "the vocabulary pads to exactly N",
     "--dataloader-type": "single and cyclic: rapidtrain's samplers (Megatron's order within an epoch, reshuffled per "
                          "epoch); external is refused",
     "--use-flash-attn": "torch scaled_dot_product_attention runs a flash kernel on CUDA where the shapes allow "
@@ -174,8 +178,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                         "this length"),
     "--embed-layernorm": (REFUSED, "a norm after the embedding (BLOOM) is not in rapidtrain's models"),
     "--pad-vocab-size-to": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
-                                     "that flag"),
-    "--padded-vocab-size": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
                                      "that flag"),
     "--decoupled-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in rapidtrain; "
                                 "leave it out (one --lr for all)"),
