@@ -213,6 +213,20 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
                    help="Rotary base theta with --position-embedding-type rope (default 10000).")
     g.add_argument("--rotary-percent", type=float, default=None,
                    help="Share of each head's dimensions that rope rotates (default 1.0).")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Size of each attention head (default --hidden-size / --num-attention-heads); q/k/v project "
+                        "hidden → heads × kv-channels and o_proj back (Qwen3: 128).")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="A norm (--normalization's kind) on each head's queries and keys before rope, one weight of "
+                        "--kv-channels shared by the heads (Qwen3, OLMo 2).")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1's rope scaling: long-wavelength pairs slowed by --rope-scaling-factor, short ones "
+                        "kept, those between blended (low/high frequency factors 1 and 4, original context 8192, as "
+                        "Megatron).")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="Llama 3.1's rope scaling factor with --use-rope-scaling (default 8).")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="Linear position interpolation: rope sees positions / this factor (default 1: none).")
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact GELU.")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",

@@ -13,6 +13,7 @@ from rapidtrain.config.settings import (
     TrainingSettings,
 )
 from rapidtrain.data.tokenizer import TokenizerSettings
+from rapidtrain.models.config import ModelConfig
 
 ON_SIGTERM = {
     "save": "save a checkpoint at the end of the iteration, exit 0 (a repeated SIGTERM cannot cut the save); "
@@ -92,6 +93,20 @@ def describe_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _attention_details(m: ModelConfig) -> str:
+    """Head size, q/k norms and rope scaling where the flags ask for them (Qwen3, Llama 3.1)."""
+    parts = [f"head size {m.head_dim} (--kv-channels)"] if m.kv_channels else []
+    if m.qk_layernorm:
+        parts.append(f"q/k {m.normalization} per head (--qk-layernorm)")
+    if m.position_embedding_type == "rope" and m.rope_scaling == "llama3":
+        parts.append(f"Llama 3.1 rope scaling ×{m.rope_scaling_factor:g} (low/high frequency factors "
+                     f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original "
+                     f"{m.rope_original_max_positions})")
+    if m.position_embedding_type == "rope" and m.rotary_interpolation_factor != 1:
+        parts.append(f"rope positions / {m.rotary_interpolation_factor:g} (linear interpolation)")
+    return "".join(f", {part}" for part in parts)
+
+
 def _model_lines(plan: Plan) -> list[str]:
     """The model (the built-in one the flags describe, or a script's own as built), its memory and step time."""
     lines = [f"  model: {plan.script_model} (built by the script)"] if plan.script_model else []
@@ -100,8 +115,8 @@ def _model_lines(plan: Plan) -> list[str]:
         groups = f" ({m.query_groups} key/value groups)" if m.query_groups != m.num_attention_heads else ""
         lines.append(f"  model: {m.architecture}"
                      + (f" initialised from Hugging Face weights in {m.hf_weights}" if m.hf_weights else "")
-                     + f": {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads{groups}, "
-                     f"ffn {m.ffn_size}, seq {m.seq_length}, padded vocab {m.vocab_size}"
+                     + f": {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads{groups}"
+                     + _attention_details(m) + f", ffn {m.ffn_size}, seq {m.seq_length}, padded vocab {m.vocab_size}"
                      + (f", experts {list(m.num_experts)}" if m.num_experts else ""))
     if plan.memory:
         mem = plan.memory

@@ -89,8 +89,6 @@ HANDLED: dict[str, str] = {
                    "tokens; no data files needed",
     "--ckpt-format": "torch_dist is rapidtrain's own format (torch.distributed.checkpoint, resharding on load); "
                      "another format is written as torch_dist too, and the plan says so",
-    "--kv-channels": "the attention head dimension: accepted when it equals --hidden-size / --num-attention-heads "
-                     "(rapidtrain's models derive it); any other value is refused",
     "--apply-layernorm-1p": "Megatron's zero-centred norm weight (1 + w): the same function as a plain LayerNorm "
                             "weight, and since norms get no weight decay here, the same training",
     "--no-position-embedding": "no learned position table: with rotary embeddings that is already so; without them "
@@ -108,7 +106,11 @@ HANDLED: dict[str, str] = {
                               "--pipeline-model-parallel-size > 1",
     "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss) is rapidtrain's router; "
                                         "none turns the loss off; other types are refused",
-    "--moe-ffn-hidden-size": "accepted when it equals the dense MLP size (--ffn-hidden-size); other sizes refused",
+    "--moe-ffn-hidden-size": "the experts' size: accepted when it equals the dense MLP size (--ffn-hidden-size), or "
+                             "when every layer is MoE (no layer is dense, so it becomes --ffn-hidden-size); other "
+                             "sizes refused",
+    "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
+                           "the vocabulary pads to exactly N",
     "--dataloader-type": "single and cyclic: rapidtrain's samplers (Megatron's order within an epoch, reshuffled per "
                          "epoch); external is refused",
     "--use-flash-attn": "torch scaled_dot_product_attention runs a flash kernel on CUDA where the shapes allow "
@@ -177,8 +179,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--embed-layernorm": (REFUSED, "a norm after the embedding (BLOOM) is not in rapidtrain's models"),
     "--pad-vocab-size-to": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
                                      "that flag"),
-    "--padded-vocab-size": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
-                                     "that flag"),
     "--decoupled-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in rapidtrain; "
                                 "leave it out (one --lr for all)"),
     "--decoupled-min-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in "
@@ -190,14 +190,14 @@ FLAGS: dict[str, tuple[str, str]] = {
                                          "--seq-length"),
     "--ds-sequence-parallel-size": (REFUSED, "DeepSpeed-Ulysses sequence parallelism is not in rapidtrain; use "
                                              "--sequence-parallel with tensor parallelism"),
-    "--qk-layernorm": (REFUSED, "a norm on queries and keys is not in rapidtrain's models; leave it out"),
     "--multi-latent-attention": (REFUSED, "Multi-head Latent Attention (DeepSeek) is not in rapidtrain's models; use "
                                           "--group-query-attention"),
     "--softmax-type": (REFUSED, "attention sinks (off-by-one or learnable softmax) are not in rapidtrain; only "
                                 "vanilla softmax"),
     "--expert-tensor-parallel-size": (REFUSED, "experts are not split by tensor parallelism; shard them over ranks "
                                                "with --expert-model-parallel-size"),
-    "--rope-type": (REFUSED, "RoPE scaling (YaRN) is not in rapidtrain's models; plain rope only"),
+    "--rope-type": (REFUSED, "YaRN rope scaling is not in rapidtrain's models: plain rope, Llama 3.1's scaling "
+                             "(--use-rope-scaling) or linear interpolation (--rotary-seq-len-interpolation-factor)"),
     "--window-size": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
     "--sliding-window": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
     "--window-attn-skip-freq": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
@@ -287,11 +287,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
     "--rotary-interleaved": (REFUSED, "interleaved rotary pairs are not in rapidtrain's models (rotate_half only)"),
-    "--use-rope-scaling": (REFUSED, "RoPE scaling (Llama 3.1) is not in rapidtrain's models"),
-    "--rope-scaling-factor": (REFUSED, "RoPE scaling is not in rapidtrain's models"),
-    "--rotary-scaling-factor": (REFUSED, "RoPE scaling is not in rapidtrain's models"),
+    "--rotary-scaling-factor": (REFUSED, "YaRN's scaling factor (--rope-type yarn) is not in rapidtrain's models; "
+                                         "--use-rope-scaling with --rope-scaling-factor is Llama 3.1's"),
     "--rotary-scale-factor": (REFUSED, "RoPE scaling is not in rapidtrain's models"),
-    "--rotary-seq-len-interpolation-factor": (REFUSED, "RoPE position interpolation is not in rapidtrain's models"),
     "--mscale": (REFUSED, "YaRN scaling is not in rapidtrain's models"),
     "--mscale-all-dim": (REFUSED, "YaRN scaling is not in rapidtrain's models"),
     "--init-method-xavier-uniform": (REFUSED, "weights are initialised normal(0, --init-method-std)"),
@@ -347,7 +345,6 @@ FLAGS: dict[str, tuple[str, str]] = {
 
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
 NEUTRAL: dict[str, tuple] = {
-    "--rotary-seq-len-interpolation-factor": (1, 1.0), "--rope-scaling-factor": (1, 1.0),
     "--rotary-scaling-factor": (1, 1.0), "--rope-type": ("rope",), "--softmax-type": ("vanilla",),
     "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
     "--glu-linear-offset": (0, 0.0), "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),

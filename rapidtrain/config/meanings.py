@@ -23,7 +23,8 @@ CHECKPOINT_SHAPE_FLAGS = (
     "position_embedding_type", "normalization", "layernorm_epsilon", "swiglu", "group_query_attention",
     "num_query_groups", "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu",
     "post_layernorm", "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
-    "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by",
+    "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by", "kv_channels", "qk_layernorm", "use_rope_scaling",
+    "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
 )
 
 
@@ -160,6 +161,7 @@ BUILTIN_ONLY_FLAGS = (
     "model_type", "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon",
     "position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
     "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu", "post_layernorm",
+    "kv_channels", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
     "untie_embeddings_and_output_weights", "bert_binary_head", "split", "data_impl", "eod_mask_loss",
     "reset_position_ids", "reset_attention_mask", "short_seq_prob",
 )
@@ -211,6 +213,9 @@ def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> lis
     if args.keep_last and entry is not None:
         notes.append("--keep-last: no effect in iteration-based pretraining (it keeps a fine-tuning epoch's last, "
                      "incomplete micro-batch)")
+    if "rope_scaling_factor" in given and not args.use_rope_scaling:
+        notes.append(f"--rope-scaling-factor {args.rope_scaling_factor:g}: no effect without --use-rope-scaling (as "
+                     "in Megatron)")
     moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")
     if any(flag in given for flag in moe_options):
         notes.append("--router-type 0 / --moe-linear-layer-type standard / --top-k-linear-strategy normal: the "

@@ -131,6 +131,11 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         hf_weights=args.pretrained_model_name_or_path if initialises_builtin(args) else None,
         moe_residual=args.mlp_type == "residual",
         attention_kernel=KERNEL_OF_NAME[getattr(args, "attention_backend", "auto")],
+        kv_channels=args.kv_channels,
+        qk_layernorm=args.qk_layernorm,
+        rope_scaling="llama3" if args.use_rope_scaling else "none",
+        rope_scaling_factor=args.rope_scaling_factor,
+        rotary_interpolation_factor=args.rotary_seq_len_interpolation_factor or 1.0,
     )
 
 

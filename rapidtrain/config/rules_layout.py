@@ -193,6 +193,23 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "value in (0, 1].",
     ),
     Rule(
+        "rope-scaling-needs-rope", ("--use-rope-scaling", "--rotary-seq-len-interpolation-factor",
+                                    "--position-embedding-type"),
+        "Rope scaling and position interpolation apply to rotary position embeddings.",
+        lambda a, c: a.position_embedding_type != "rope"
+        and (a.use_rope_scaling or a.rotary_seq_len_interpolation_factor not in (None, 1)),
+        lambda a, c: "--use-rope-scaling / --rotary-seq-len-interpolation-factor scale rotary embeddings, but "
+        f"--position-embedding-type is {a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
+    ),
+    Rule(
+        "rope-scaling-factors-positive", ("--rope-scaling-factor", "--rotary-seq-len-interpolation-factor"),
+        "Rope scaling factors are positive.",
+        lambda a, c: a.rope_scaling_factor <= 0 or (a.rotary_seq_len_interpolation_factor is not None
+                                                    and a.rotary_seq_len_interpolation_factor <= 0),
+        lambda a, c: f"--rope-scaling-factor {a.rope_scaling_factor:g} / --rotary-seq-len-interpolation-factor "
+        f"{a.rotary_seq_len_interpolation_factor}: each divides rope's frequencies; give a positive value.",
+    ),
+    Rule(
         "swiglu-ffn-size", ("--swiglu", "--ffn-hidden-size", "--hidden-size"),
         "With --swiglu and no --ffn-hidden-size the MLP is 2/3 of 4 × hidden rounded down to a multiple of 64 "
         "(Megatron); that must leave at least 64.",
@@ -252,10 +269,12 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "hidden-divisible-by-heads", ("--hidden-size", "--num-attention-heads"),
-        "The hidden size is divisible by the number of attention heads.",
-        lambda a, c: a.num_attention_heads >= 1 and a.hidden_size % a.num_attention_heads != 0,
+        "The hidden size is divisible by the number of attention heads (unless --kv-channels gives the head size).",
+        lambda a, c: a.num_attention_heads >= 1 and a.hidden_size % a.num_attention_heads != 0
+        and not a.kv_channels,
         lambda a, c: f"--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
-        f"{a.num_attention_heads}: each head gets hidden / heads dimensions. Change one of them.",
+        f"{a.num_attention_heads}: each head gets hidden / heads dimensions. Change one of them, or give the head "
+        "size with --kv-channels.",
     ),
     Rule(
         "fp16-xor-bf16", ("--fp16", "--bf16"),

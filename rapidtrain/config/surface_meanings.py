@@ -287,13 +287,6 @@ def _ckpt_format(args: Args, value: str, notes: list[str], refusals: list[str]) 
                      "rapidtrain's one format")
 
 
-def _kv_channels(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
-    derived = args.hidden_size // args.num_attention_heads
-    if value != derived:
-        refusals.append(f"--kv-channels {value}: rapidtrain's head dimension is --hidden-size / --num-attention-heads "
-                        f"= {derived}; leave --kv-channels out")
-
-
 def _no_position_embedding(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
     if args.position_embedding_type != "rope":
         refusals.append("--no-position-embedding: rapidtrain's models need a position encoding; add "
@@ -339,13 +332,31 @@ def _load_balancing(args: Args, value, notes: list[str], refusals: list[str]) ->
 
 
 def _moe_ffn(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
-    every_layer_moe = args.num_experts and len(args.num_experts) == 1 and args.moe_layer_freq == 1
-    if args.ffn_hidden_size in (None, value) and every_layer_moe:
+    pattern = args.moe_layer_freq
+    every_layer = pattern == 1 or (isinstance(pattern, list) and len(pattern) > 0 and set(pattern) == {1})
+    every_layer_moe = args.num_experts and len(args.num_experts) == 1 and every_layer
+    if every_layer_moe:
+        # No layer is dense, so --ffn-hidden-size sizes nothing in Megatron either: the experts' size rules.
+        unused = f" (the --ffn-hidden-size {args.ffn_hidden_size} given sizes no layer)" \
+            if args.ffn_hidden_size not in (None, value) else ""
         args.ffn_hidden_size = value
-        notes.append(f"--moe-ffn-hidden-size {value}: every layer is MoE, so the experts' size is --ffn-hidden-size")
+        notes.append(f"--moe-ffn-hidden-size {value}: every layer is MoE, so the experts' size is --ffn-hidden-size"
+                     + unused)
     elif args.ffn_hidden_size != value:
         refusals.append(f"--moe-ffn-hidden-size {value}: experts have the dense MLP's size here (--ffn-hidden-size "
                         f"{args.ffn_hidden_size}); give one size")
+
+
+def _padded_vocab_size(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    tp = args.tensor_model_parallel_size
+    if value < 1 or value % tp:
+        refusals.append(f"--padded-vocab-size {value}: the embedding's rows are split over --tensor-model-parallel-"
+                        f"size {tp} ranks, so give a positive multiple of {tp}")
+        return
+    # Padding to a multiple of N/TP × TP = N gives exactly N rows for any tokenizer of at most N ids.
+    args.make_vocab_size_divisible_by = value // tp
+    notes.append(f"--padded-vocab-size {value}: the embedding has {value} rows (--make-vocab-size-divisible-by "
+                 f"{value // tp} × tensor-parallel {tp}); a tokenizer of more ids would pad to the next multiple")
 
 
 def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
@@ -365,7 +376,6 @@ HANDLERS = {
     "--gas": _gas,
     "--mock-data": _mock_data,
     "--ckpt-format": _ckpt_format,
-    "--kv-channels": _kv_channels,
     "--apply-layernorm-1p": _note("--apply-layernorm-1p"),
     "--no-position-embedding": _no_position_embedding,
     "--pretrained-checkpoint": _pretrained_checkpoint,
@@ -376,6 +386,7 @@ HANDLERS = {
     "--no-pipeline-parallel": _note("--no-pipeline-parallel"),
     "--moe-router-load-balancing-type": _load_balancing,
     "--moe-ffn-hidden-size": _moe_ffn,
+    "--padded-vocab-size": _padded_vocab_size,
     "--dataloader-type": _dataloader_type,
     "--use-flash-attn": _note("--use-flash-attn"),
     "--use-flash-attn-v1": _note("--use-flash-attn-v1"),

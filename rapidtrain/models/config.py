@@ -54,6 +54,17 @@ class ModelConfig:
     hf_weights: str | None = None  # a Hugging Face folder whose weights replace the seeded initial values
     moe_residual: bool = False  # PR-MoE: each MoE layer adds a dense MLP mixed in by learned coefficients
     attention_kernel: Literal["sdpa", "sdpa_flash", "sdpa_cudnn", "eager", "flex"] = "sdpa"  # --attention-backend
+    # Qwen3 / OLMo 2 attention: head size apart from hidden / heads, and a norm on each head's queries and keys.
+    kv_channels: int | None = None  # --kv-channels; None: hidden_size / num_attention_heads
+    qk_layernorm: bool = False  # --qk-layernorm: --normalization over head_dim, one weight shared by all heads
+    # Rope scaling: Llama 3.1's frequency-dependent one (--use-rope-scaling; the other three numbers are Megatron's
+    # fixed values, Hugging Face's llama3 rope_parameters) and linear position interpolation.
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    rotary_interpolation_factor: float = 1.0  # --rotary-seq-len-interpolation-factor: positions / factor
 
     @property
     def ffn_size(self) -> int:
@@ -93,7 +104,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def experts_in_layer(self, layer: int) -> int:
         return self.num_experts[layer] if self.num_experts else 0

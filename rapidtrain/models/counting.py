@@ -12,9 +12,9 @@ def _linear(fan_in: int, fan_out: int, bias: bool = True) -> int:
     return fan_in * fan_out + (fan_out if bias else 0)
 
 
-def _norm(config: ModelConfig) -> int:
+def _norm(config: ModelConfig, size: int | None = None) -> int:
     """A LayerNorm has a weight and a bias, an RMSNorm a weight only."""
-    return config.hidden_size * (1 if config.normalization == "RMSNorm" else 2)
+    return (size or config.hidden_size) * (1 if config.normalization == "RMSNorm" else 2)
 
 
 def _expert_parameters(config: ModelConfig) -> int:
@@ -27,10 +27,12 @@ def _expert_parameters(config: ModelConfig) -> int:
 def _attention_parameters(config: ModelConfig) -> int:
     h, d = config.hidden_size, config.head_dim
     queries, keys = d * config.num_attention_heads, d * config.query_groups
+    qk_norms = 2 * _norm(config, d) if config.qk_layernorm else 0  # shared by the heads: head_dim-sized
     return (
         _linear(h, queries, config.qkv_bias)
         + 2 * _linear(h, keys, config.qkv_bias)
         + _linear(queries, h, config.add_bias_linear)
+        + qk_norms
     )
 
 
@@ -102,7 +104,7 @@ def model_flops_per_iteration(
     """Matmul FLOPs of one iteration's forward and backward (backward = 2 × forward; recomputation
     for activation checkpointing is not counted, as Megatron's model FLOPs).
 
-    Forward, with N = B·s tokens, a = heads·head_dim (= h), g = query groups·head_dim (= a without
+    Forward, with N = B·s tokens, a = heads·head_dim (= h unless --kv-channels), g = query groups·head_dim (= a without
     grouped-query attention), f = ffn size, 2 FLOPs per multiply-add:
       q and o projections, k and v     2 · 2·N·h·a + 2 · 2·N·h·g        = 8·N·h²  (g = a = h)
       scores Q·Kᵀ and probs·V          2 · 2·N·s·a, halved for causal GPT (only the lower triangle

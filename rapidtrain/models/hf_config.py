@@ -25,11 +25,12 @@ SUPPORTED = {
     "llama": "GPT (Llama-family)",
     "mistral": "GPT (Llama-family, Mistral)",
     "qwen2": "GPT (Llama-family, Qwen2)",
+    "qwen3": "GPT (Llama-family, Qwen3: q/k norms)",
     "mixtral": "GPT (Llama-family MoE, Mixtral)",
     "bert": "BERT",
     "megatron-bert": "BERT (Megatron pre-LN)",
 }
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "mixtral")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
@@ -131,27 +132,39 @@ def family(config: dict[str, Any]) -> str:
 # ---- config.json → flags ----
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
-    """rope theta, refusing rope scalings the built-in rotary does not implement (transformers 4 and 5 keys)."""
-    parameters = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kind = parameters.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise UnsupportedModel(
-            f"config.json uses rope scaling {kind!r}; the built-in rotary embedding implements plain rope only"
-        )
+# Llama 3.1's rope scaling as Megatron's --use-rope-scaling fixes it (only the factor is a flag there).
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """rope theta and scaling (transformers 4's rope_scaling and 5's rope_parameters keys): plain, Llama 3.1's
+    llama3 with Megatron's fixed factors, or linear; other scalings are refused."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = parameters.get("rope_type") or parameters.get("type") or "default"
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModel("config.json has partial_rotary_factor; Llama-family models rotate whole heads")
-    return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))
+    flags = {"rotary_base": float(parameters.get("rope_theta", config.get("rope_theta", 10000.0))),
+             "use_rope_scaling": False, "rope_scaling_factor": 8.0, "rotary_seq_len_interpolation_factor": None}
+    if kind == "llama3":
+        other = {key: parameters.get(key) for key in LLAMA3_FIXED if parameters.get(key) != LLAMA3_FIXED[key]}
+        if other:
+            raise UnsupportedModel(f"config.json's llama3 rope scaling has {other}; --use-rope-scaling fixes them "
+                                   f"at Megatron's {LLAMA3_FIXED}")
+        return flags | {"use_rope_scaling": True, "rope_scaling_factor": float(parameters["factor"])}
+    if kind == "linear":
+        return flags | {"rotary_seq_len_interpolation_factor": float(parameters["factor"])}
+    if kind != "default":
+        raise UnsupportedModel(f"config.json uses rope scaling {kind!r}; the built-in rotary embedding implements "
+                               "plain rope, llama3 and linear")
+    return flags
 
 
-def _head_dim_matches(config: dict[str, Any], hidden: int, heads: int) -> None:
+def _head_dim(config: dict[str, Any], hidden: int, heads: int) -> int | None:
+    """--kv-channels for config.json's head_dim: None where it is hidden / heads (the built-in default)."""
     head_dim = config.get("head_dim")
-    if head_dim not in (None, hidden // heads):
-        raise UnsupportedModel(
-            f"config.json head_dim {head_dim} differs from hidden_size / num_attention_heads = {hidden // heads}; "
-            "the built-in attention uses hidden / heads"
-        )
+    if head_dim is None or (hidden % heads == 0 and head_dim == hidden // heads):
+        return None
+    return int(head_dim)
 
 
 def _gelu(activation: str) -> bool:
@@ -185,7 +198,10 @@ def _gpt2_flags(config: dict[str, Any]) -> dict[str, Any]:
 def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
     kind = config["model_type"]
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    _head_dim_matches(config, hidden, heads)
+    if kind == "qwen3" and (config.get("use_sliding_window") or any(
+            layer != "full_attention" for layer in config.get("layer_types") or [])):
+        raise UnsupportedModel("config.json's Qwen3 uses sliding-window attention; the built-in attention sees the "
+                               "whole sequence")
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"config.json hidden_act {config['hidden_act']!r}: Llama-family MLPs use SwiGLU (silu)")
     if config.get("mlp_bias"):
@@ -204,8 +220,10 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
         "ffn_hidden_size": config["intermediate_size"],
         "max_position_embeddings": config["max_position_embeddings"],
         "position_embedding_type": "rope",
-        "rotary_base": _rope_theta(config),
+        **_rope_flags(config),
         "rotary_percent": 1.0,
+        "kv_channels": _head_dim(config, hidden, heads),
+        "qk_layernorm": kind == "qwen3",  # Qwen3's q_norm / k_norm: RMSNorm over head_dim
         "normalization": "RMSNorm",
         "layernorm_epsilon": config.get("rms_norm_eps", 1e-6),
         "swiglu": True,
@@ -259,6 +277,11 @@ def _bert_flags(config: dict[str, Any]) -> dict[str, Any]:
 _BASE = {
     "rotary_base": None,
     "rotary_percent": None,
+    "kv_channels": None,
+    "qk_layernorm": False,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "rotary_seq_len_interpolation_factor": None,
     "swiglu": False,
     "group_query_attention": False,
     "num_query_groups": None,

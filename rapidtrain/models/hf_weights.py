@@ -109,6 +109,8 @@ def _llama_links(config: ModelConfig) -> list[Link]:
             links.append(one(f"{ours}.attention.{p}_proj.weight", f"{theirs}.self_attn.{p}_proj.weight"))
             if config.add_qkv_bias and p != "o":
                 links.append(one(f"{ours}.attention.{p}_proj.bias", f"{theirs}.self_attn.{p}_proj.bias"))
+        if config.qk_layernorm:  # Qwen3
+            links += [one(f"{ours}.attention.{p}_norm.weight", f"{theirs}.self_attn.{p}_norm.weight") for p in "qk"]
         experts = config.experts_in_layer(i)
         if not experts:
             links += [one(f"{ours}.mlp.fc1.weight", f"{theirs}.mlp.up_proj.weight"),
@@ -274,6 +276,9 @@ def export_family(config: ModelConfig) -> str:
 
     gelu_mlp = not config.swiglu
     need(config.position_embedding_type != "rope" or config.rotary_percent == 1.0, "--rotary-percent 1.0")
+    if config.normalization == "LayerNorm" or config.model_type == "bert":
+        need(not config.qk_layernorm and config.head_dim * config.num_attention_heads == config.hidden_size,
+             "no --qk-layernorm and no --kv-channels (Hugging Face has them in Llama-family models only)")
     if config.model_type == "bert":
         need(config.normalization == "LayerNorm", "--normalization LayerNorm")
         need(config.position_embedding_type == "learned_absolute", "learned absolute positions")
@@ -296,15 +301,36 @@ def export_family(config: ModelConfig) -> str:
             need(len(experts) == 1, "the same number of experts in every layer (Mixtral)")
             need(config.moe_router_topk > 1, "--moe-router-topk 2 (Mixtral renormalises the top-k weights)")
             need(not config.add_qkv_bias, "no --add-qkv-bias (Mixtral)")
+            need(not config.qk_layernorm, "no --qk-layernorm (Mixtral)")
             kind = "mixtral"
+        elif config.qk_layernorm:
+            need(not config.add_qkv_bias, "no --add-qkv-bias (Qwen3)")
+            kind = "qwen3"
         else:
             kind = "qwen2" if config.add_qkv_bias else "llama"
+        need(kind != "qwen2" or config.kv_channels in (None, config.hidden_size // config.num_attention_heads),
+             "no --kv-channels (Qwen2's config has no head_dim)")
+        need(config.rope_scaling == "none" or config.rotary_interpolation_factor == 1,
+             "one rope scaling (--use-rope-scaling or --rotary-seq-len-interpolation-factor, not both)")
     if problems:
         raise UnsupportedModel(
             f"no Hugging Face architecture holds this {config.architecture} exactly; exporting it as "
             f"{kind} needs " + "; ".join(problems)
         )
     return kind
+
+
+def hf_rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    """Hugging Face's rope_parameters of the built-in rope: default, llama3 (Megatron's fixed factors) or linear."""
+    parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
+    if config.rope_scaling == "llama3":
+        parameters |= {"rope_type": "llama3", "factor": config.rope_scaling_factor,
+                       "low_freq_factor": config.rope_low_freq_factor,
+                       "high_freq_factor": config.rope_high_freq_factor,
+                       "original_max_position_embeddings": config.rope_original_max_positions}
+    elif config.rotary_interpolation_factor != 1:
+        parameters |= {"rope_type": "linear", "factor": config.rotary_interpolation_factor}
+    return parameters
 
 
 def hf_config_for(config: ModelConfig, kind: str) -> Any:
@@ -326,9 +352,14 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
             num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
             num_key_value_heads=config.query_groups, max_position_embeddings=config.max_position_embeddings,
-            rms_norm_eps=config.layernorm_epsilon, rope_theta=float(config.rotary_base), tie_word_embeddings=tie,
-            attention_dropout=dropout, initializer_range=config.init_method_std, hidden_act="silu",
-            bos_token_id=None, eos_token_id=None)
+            rms_norm_eps=config.layernorm_epsilon, rope_parameters=hf_rope_parameters(config),
+            tie_word_embeddings=tie, attention_dropout=dropout, initializer_range=config.init_method_std,
+            hidden_act="silu", bos_token_id=None, eos_token_id=None)
+        if kind != "qwen2":  # Qwen2's config has no head_dim (export_family refuses --kv-channels there)
+            common["head_dim"] = config.head_dim
+        if kind == "qwen3":
+            return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False,
+                                            architectures=["Qwen3ForCausalLM"])
         if kind == "mixtral":
             return transformers.MixtralConfig(
                 **common, num_local_experts=max(config.num_experts), num_experts_per_tok=config.moe_router_topk,

@@ -21,14 +21,16 @@ from rapidtrain.models.chunked_loss import chunked_head_cross_entropy
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.mlp import MLP
 from rapidtrain.models.moe import MoELayer
+from rapidtrain.models.rope import inverse_frequency, rotary_cos_sin
 
 
 def check_model_config(config: ModelConfig) -> None:
     """Refuse shapes the model cannot build, naming the flag to change."""
-    if config.hidden_size % config.num_attention_heads:
+    if config.kv_channels is None and config.hidden_size % config.num_attention_heads:
         raise ValueError(
             f"--hidden-size {config.hidden_size} is not divisible by --num-attention-heads "
-            f"{config.num_attention_heads}: choose a head count that divides the hidden size"
+            f"{config.num_attention_heads}: choose a head count that divides the hidden size, or give the head size "
+            "with --kv-channels"
         )
     if config.num_attention_heads % config.query_groups:
         raise ValueError(
@@ -49,7 +51,7 @@ def check_model_config(config: ModelConfig) -> None:
     if config.position_embedding_type == "rope" and config.head_dim % 2:
         raise ValueError(
             f"rotary position embeddings need an even head size, got {config.head_dim} "
-            "(--hidden-size / --num-attention-heads): change either, or use learned_absolute positions"
+            "(--kv-channels, else --hidden-size / --num-attention-heads): change it, or use learned_absolute positions"
         )
     if config.num_experts and len(config.num_experts) != config.num_layers:
         raise ValueError(
@@ -117,20 +119,6 @@ class Embedding(nn.Module):
         if self.norm is not None:
             hidden = self.norm(hidden)
         return self.dropout(hidden)
-
-
-def rotary_cos_sin(
-    position_ids: torch.Tensor, rotary_dim: int, base: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, fp32, shaped [b or 1, 1, s, rotary_dim] to broadcast over heads.
-
-    Computed from positions on the fly (no buffer), so meta-device construction needs no re-init.
-    """
-    exponents = torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim
-    inverse_frequency = 1.0 / (base**exponents)
-    angles = position_ids.float().unsqueeze(-1) * inverse_frequency
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
-    return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -217,6 +205,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
         self.o_proj = nn.Linear(d * config.num_attention_heads, h, bias=config.add_bias_linear)
+        # --qk-layernorm: one norm over head_dim for all query heads, one for all key heads (Qwen3's q_norm/k_norm);
+        # under tensor parallelism each rank holds them whole and applies them to its own heads.
+        self.q_norm = make_norm(config, d) if config.qk_layernorm else None
+        self.k_norm = make_norm(config, d) if config.qk_layernorm else None
 
     def forward(
         self,
@@ -230,6 +222,8 @@ class Attention(nn.Module):
             proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
@@ -308,7 +302,7 @@ def run_layers(
     if config.position_embedding_type == "rope":
         if position_ids is None:
             position_ids = cached_positions(hidden, cache)
-        rope = rotary_cos_sin(position_ids, config.rotary_dim, config.rotary_base)
+        rope = rotary_cos_sin(position_ids, inverse_frequency(config, hidden.device))
     if config.attention_kernel == "flex":
         mask = flex_block_mask(hidden.shape[0], seq_length, seq_length + (cache.length if cache else 0),
                                hidden.device, causal, document_ids, attention_mask)

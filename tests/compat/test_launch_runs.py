@@ -174,3 +174,25 @@ def test_launch_script_trains_on_two_processes(local_files, script_id):
     missing = [text for text in expected if text not in run.stdout]
     assert not missing, f"{missing} not in:\n{run.stdout[-5000:]}"
     assert len(log_lines(run.stdout)) == 4
+
+
+def test_pai_qwen3_script_trains_with_its_head_size_and_qk_norms(local_files):
+    """Pai-Megatron-Patch's Qwen3-30B-A3B pretraining script (2025), shrunk to one process (TP 4 × PP 2 × EP 4
+    become 1): 24-dimension heads apart from hidden 64 / 4 heads (as Qwen3's 128 apart from 2048 / 32), RMSNorm on
+    each head's queries and keys, every layer MoE with --moe-ffn-hidden-size experts, --padded-vocab-size rows.
+    The checkpoint it saves holds the q/k norms and projections of that head size."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    changes = {"--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--kv-channels": "24",
+               "--moe-layer-freq": "([1]*4)", "--padded-vocab-size": "1024"}
+    argv = tiny(BY_ID["pai-qwen3-mcore-2025"], local_files, changes)
+    run = python(ENTRY["pretrain_gpt"], argv)
+    assert len(log_lines(run.stdout)) == 4
+    assert "head size 24 (--kv-channels), q/k RMSNorm per head (--qk-layernorm)" in run.stdout
+    assert "experts [2, 2, 2, 2]" in run.stdout and "ffn 128" in run.stdout and "padded vocab 1024" in run.stdout
+    folder = Path(value_of(argv, "--save")) / f"iter_{latest(value_of(argv, '--save')):07d}"
+    shapes = {name: tuple(meta.size) for name, meta in FileSystemReader(str(folder)).read_metadata()
+              .state_dict_metadata.items() if hasattr(meta, "size")}
+    layer = next(name for name in shapes if name.endswith("layers.3.attention.q_norm.weight")).rsplit("q_norm", 1)[0]
+    assert shapes[layer + "q_norm.weight"] == shapes[layer + "k_norm.weight"] == (24,)
+    assert shapes[layer + "q_proj.weight"] == (4 * 24, 64) and shapes[layer + "o_proj.weight"] == (64, 4 * 24)

@@ -31,7 +31,6 @@ REFUSED = {
     "pai-llama2-ft-ga-2024": ["--dataset LLama-Pretrain-Raw"],
     "pai-mistral-pretrain-2024": ["--sliding-window 4096"],
     "pai-deepseekv3-2025": ["--multi-latent-attention", "--rope-type yarn"],
-    "pai-qwen3-mcore-2025": ["--qk-layernorm", "--kv-channels 128"],
     "bmds-gpt-cl-2021": ["argument --lr-decay-tokens: expected one argument"],  # its shell arithmetic fails
     "bmds-gpt-multilingual-2021": ["--train-weighted-split-paths"],
     "bsw-tr1-13b-2021": ["of the batch schedule are not divisible by --micro-batch-size 1 × data-parallel size"],
@@ -74,6 +73,15 @@ def test_each_script_plans_or_names_what_rapidtrain_lacks(planned, script_id):
     assert "world" in result.output.lower()
     unnoted = [flag for flag in _flags(BY_ID[script_id]) if _no_effect(flag) and flag not in result.output]
     assert not unnoted, f"flags with no effect that the plan does not mention: {unnoted}"
+
+
+def test_pai_qwen3_plans_with_its_head_size_qk_norms_and_published_parameter_count(planned):
+    """Qwen3-30B-A3B: 128-dimension heads (32 × 128 = 4096 ≠ hidden 2048), RMSNorm on q and k per head, 128 experts
+    of 768 in all 48 layers, 151936 embedding rows: 30.5B parameters, 3.3B active (Qwen's published 30.5B / 3.3B)."""
+    output = planned["pai-qwen3-mcore-2025"].output
+    assert "head size 128 (--kv-channels)" in output and "q/k RMSNorm per head (--qk-layernorm)" in output
+    assert "ffn 768" in output and "padded vocab 151936" in output
+    assert "parameters: 30,532,122,624 total, 3,353,032,704 active per token" in output
 
 
 def _flags(script: dict) -> set[str]:

@@ -265,6 +265,18 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "rope-scaling-needs-rope": (
+        ["--use-rope-scaling"],
+        ["--use-rope-scaling", "--position-embedding-type", "rope"],
+        1,
+        "cpu",
+    ),
+    "rope-scaling-factors-positive": (
+        ["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0"],
+        ["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "4"],
+        1,
+        "cpu",
+    ),
     "swiglu-ffn-size": (["--swiglu", "--hidden-size", "16"], ["--swiglu", "--hidden-size", "16", "--ffn-hidden-size",
                                                              "96"], 1, "cpu"),
     "openai-gelu-needs-gelu": (["--swiglu", "--openai-gelu"], ["--openai-gelu"], 1, "cpu"),
