@@ -39,6 +39,8 @@ def _embedding_and_head_parameters(config: ModelConfig) -> int:
     count = vocab * h + _norm(config)  # word embeddings + final norm (post-norm: the embedding norm instead)
     if config.position_embedding_type == "learned_absolute":
         count += config.max_position_embeddings * h
+    if config.embed_layernorm:
+        count += 2 * h  # BLOOM's LayerNorm on the word embeddings (weight and bias, whatever --normalization)
     count += config.num_tokentypes * h
     if not config.tie_embeddings:
         count += vocab * h  # the output layer's own weight; tied, the embedding counts once
