@@ -131,6 +131,9 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         hf_weights=args.pretrained_model_name_or_path if initialises_builtin(args) else None,
         moe_residual=args.mlp_type == "residual",
         attention_kernel=KERNEL_OF_NAME[getattr(args, "attention_backend", "auto")],
+        embed_layernorm=args.embed_layernorm,
+        sliding_window=args.sliding_window,
+        window_skip_freq=int(getattr(args, "window_attn_skip_freq", None) or 0),
     )
 
 

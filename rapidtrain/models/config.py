@@ -82,7 +82,8 @@ class ModelConfig:
         elif self.normalization == "LayerNorm" and not self.swiglu and self.position_embedding_type == "alibi" \
                 and self.embed_layernorm:
             kind = "built-in GPT (BLOOM-style)"
-        elif self.normalization == "LayerNorm" and not self.swiglu and self.position_embedding_type != "rope":
+        elif self.normalization == "LayerNorm" and not self.swiglu \
+                and self.position_embedding_type == "learned_absolute":
             kind = "built-in GPT (GPT-2-style)"
         else:
             kind = "built-in GPT"

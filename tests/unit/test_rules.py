@@ -253,6 +253,19 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         "cpu",
     ),
     "qkv-bias-needs-no-bias-linear": (["--add-qkv-bias"], ["--add-qkv-bias", "--disable-bias-linear"], 1, "cpu"),
+    "alibi-and-window-are-gpt": (
+        ["--model-type", "bert", "--sliding-window", "8"],
+        ["--model-type", "gpt", "--sliding-window", "8", "--position-embedding-type", "alibi"],
+        1,
+        "cpu",
+    ),
+    "sliding-window-positive": (["--sliding-window", "0"], ["--sliding-window", "1"], 1, "cpu"),
+    "alibi-needs-a-biased-kernel": (
+        ["--position-embedding-type", "alibi", "--attention-backend", "flash", "--bf16"],
+        ["--position-embedding-type", "alibi", "--attention-backend", "auto", "--bf16"],
+        1,
+        "cuda",
+    ),
     "rotary-flags-need-rope": (
         ["--rotary-base", "500000"],
         ["--rotary-base", "500000", "--position-embedding-type", "rope"],
