@@ -189,8 +189,8 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "alibi-and-window-are-gpt", ("--position-embedding-type", "--sliding-window", "--model-type"),
         "ALiBi and sliding-window attention are causal features of the built-in GPT.",
         lambda a, c: a.model_type == "bert" and (a.position_embedding_type == "alibi" or a.sliding_window is not None),
-        lambda a, c: f"{'--position-embedding-type alibi' if a.position_embedding_type == 'alibi' else '--sliding-window'}"
-        " with --model-type bert: the built-in BERT attends both ways, and rapidtrain has ALiBi and sliding windows "
+        lambda a, c: ("--position-embedding-type alibi" if a.position_embedding_type == "alibi" else "--sliding-window")
+        + " with --model-type bert: the built-in BERT attends both ways, and rapidtrain has ALiBi and sliding windows "
         "for the causal GPT only. Drop it, or use --model-type gpt.",
     ),
     Rule(
