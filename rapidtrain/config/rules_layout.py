@@ -267,8 +267,8 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "pretrained-sliding-window", ("--pretrained-model-name-or-path", "--seq-length"),
-        "A Hugging Face model with sliding-window attention trains with --seq-length within the window (where the "
-        "window changes nothing).",
+        "A Hugging Face Qwen2 with sliding-window attention in some layers trains with --seq-length within the window "
+        "(where the window changes nothing).",
         lambda a, c: sliding_window_of(a) is not None and a.seq_length > sliding_window_of(a),
         lambda a, c: f"--seq-length {a.seq_length} is longer than the sliding_window {sliding_window_of(a)} of "
         f"{a.pretrained_model_name_or_path}/config.json: the built-in attention sees the whole sequence. Use "
