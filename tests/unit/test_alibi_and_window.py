@@ -169,3 +169,15 @@ def _tensor_parallel_worker(rank: int, store: str) -> None:
 def test_tensor_parallel_ranks_take_the_slopes_of_their_own_heads(tmp_path):
     """TP 2 over 6 heads: rank 1 computes heads 3-5 with their slopes; the logits equal the whole model's."""
     torch.multiprocessing.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+def test_flops_count_the_keys_a_window_leaves():
+    """Causal scores cost 2·2·N·a·s/2 per layer; with a window w the queries see w - w²/2s keys on average: for
+    s = 16, w = 4 that is 3.5 instead of 8, in the windowed layers only (here 1 of 2: --window-attn-skip-freq 2)."""
+    from rapidtrain.models.counting import model_flops_per_iteration
+
+    plain = ModelConfig(**SMALL)
+    windowed = ModelConfig(**SMALL, sliding_window=4, window_skip_freq=2)
+    tokens_per_batch, heads_dim = 3 * 16, 48
+    saved = 3 * 4 * tokens_per_batch * heads_dim * (8 - 3.5)  # forward + backward, one windowed layer
+    assert model_flops_per_iteration(plain, 3) - model_flops_per_iteration(windowed, 3) == saved
