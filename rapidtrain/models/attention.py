@@ -101,8 +101,10 @@ def _biased_mask(slopes: torch.Tensor, q: torch.Tensor, kv_len: int, mask: torch
     return bias.to(q.dtype)
 
 
-def _alibi_score_mod(slopes: torch.Tensor, offset: int) -> Callable:
-    """FlexAttention's score_mod adding ALiBi's bias; query i is position i + offset (after cached tokens)."""
+def _alibi_score_mod(slopes: torch.Tensor, cached: int) -> Callable:
+    """FlexAttention's score_mod adding ALiBi's bias; query i is position i + cached (after cached tokens). The
+    count travels as a tensor (a fill, no host copy), so compiled FlexAttention does not recompile per decoded token."""
+    offset = torch.full((), cached, dtype=torch.int64, device=slopes.device)
 
     def add_bias(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                  kv_idx: torch.Tensor) -> torch.Tensor:

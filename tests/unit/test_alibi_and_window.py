@@ -119,8 +119,9 @@ def ref_layers(model: GPTModel, ids: torch.Tensor, masks: list) -> torch.Tensor:
     return model.output(model.final_norm(hidden))
 
 
-@pytest.mark.parametrize("shape", [BLOOM, {"sliding_window": 3}, {**BLOOM, "sliding_window": 4}],
-                         ids=["alibi", "window", "alibi-window"])
+@pytest.mark.parametrize("shape", [BLOOM, {"sliding_window": 3}, {**BLOOM, "sliding_window": 4},
+                                   {**BLOOM, "sliding_window": 4, "attention_kernel": "flex"}],
+                         ids=["alibi", "window", "alibi-window", "alibi-window-flex"])
 def test_kv_cache_decoding_gives_the_full_forward_logits(shape):
     model = build_model(ModelConfig(**SMALL, **shape), seed=6).eval()
     ids = tokens(length=9)
