@@ -114,6 +114,14 @@ HANDLED: dict[str, str] = {
     "--use-flash-attn": "torch scaled_dot_product_attention runs a flash kernel on CUDA where the shapes allow "
                         "(--attention-backend flash pins it); on a CPU its own kernel",
 }
+HANDLED["--decoupled-lr"] = ("Megatron-Core's own rate for the word embedding and the output layer: their parameter "
+                             "groups follow the schedule's warm-up and decay from this peak (to --decoupled-min-lr, "
+                             "else --min-lr); every engine (DDP, FSDP2, OSS, DeepSpeed ZeRO, pipeline stages)")
+HANDLED["--decoupled-min-lr"] = "the floor of --decoupled-lr's groups (default --min-lr); nothing without --decoupled-lr"
+HANDLED["--calculate-per-token-loss"] = (
+    "the loss summed over the tokens of every micro-batch and data-parallel rank, over their count: rapidtrain's "
+    "reduction whenever the forward step returns (loss sum, token count), as the built-in models and tasks do; with "
+    "this flag a mean loss from a user's forward step stops the run instead")
 HANDLED["--use-flash-attn-v1"] = HANDLED["--use-flash-attn-triton"] = HANDLED["--use-flash-attn"]
 
 _FUSION = ("one of Megatron's fused CUDA kernels; rapidtrain's layers are torch ops (SDPA attention, torch.compile "
@@ -179,12 +187,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                      "that flag"),
     "--padded-vocab-size": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
                                      "that flag"),
-    "--decoupled-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in rapidtrain; "
-                                "leave it out (one --lr for all)"),
-    "--decoupled-min-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in "
-                                    "rapidtrain; leave it out"),
-    "--calculate-per-token-loss": (REFUSED, "rapidtrain averages the loss per micro-batch, as Megatron without this "
-                                            "flag; leave it out"),
     "--context-parallel-size": (REFUSED, "context parallelism (sequence split over ranks in attention) is not in "
                                          "rapidtrain; use --sequence-parallel with tensor parallelism, or shorter "
                                          "--seq-length"),
@@ -351,7 +353,7 @@ NEUTRAL: dict[str, tuple] = {
     "--rotary-scaling-factor": (1, 1.0), "--rope-type": ("rope",), "--softmax-type": ("vanilla",),
     "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
     "--glu-linear-offset": (0, 0.0), "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
-    "--decoupled-lr": (None,), "--attention-head-type": ("multihead",),
+    "--attention-head-type": ("multihead",),
 }
 
 # (regular expression over the whole flag, status, note), first match wins.

@@ -376,6 +376,8 @@ class TrainingSettings:
     # at once, as in Megatron without --exit-signal-handler).
     on_sigterm: Literal["save", "stop", "default"] = "default"
     train_samples: int | None = None  # sample-based training (--train-samples); train_iters then follows from it
+    # --calculate-per-token-loss: the forward step must return (loss sum, token count); a mean loss stops the run
+    per_token_loss: bool = False
 
 
 ScheduleFrom = Literal["same", "flags", "checkpoint"]

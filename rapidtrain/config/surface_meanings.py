@@ -355,6 +355,35 @@ def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[st
         notes.append(f"--dataloader-type {value}: " + note_of("--dataloader-type"))
 
 
+def _decoupled_lr(args: Args, value: float, notes: list[str], refusals: list[str]) -> None:
+    floor = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
+    named = "--decoupled-min-lr" if args.decoupled_min_lr is not None else "--min-lr"
+    bad = [f"{flag} {rate}" for flag, rate in (("--decoupled-lr", value), (named, floor))
+           if not (math.isfinite(rate) and rate >= 0)]
+    if bad:
+        refusals.append(f"{', '.join(bad)}: learning rates are finite numbers ≥ 0")
+    elif floor > value:
+        refusals.append(f"--decoupled-lr {value:g} is below {named} {floor:g}, the floor its groups decay to; give "
+                        "--decoupled-min-lr at most --decoupled-lr")
+    else:
+        notes.append(f"--decoupled-lr {value:g}: the word embedding and output layer follow the schedule from "
+                     f"{value:g} down to {floor:g} ({named}); the other parameters from --lr")
+
+
+def _decoupled_min_lr(args: Args, value: float, notes: list[str], refusals: list[str]) -> None:
+    if args.decoupled_lr is None:
+        notes.append(f"--decoupled-min-lr {value:g}: no effect here; it is the floor of --decoupled-lr, not given "
+                     "(as in Megatron-Core)")
+
+
+def _per_token_loss(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
+    if args.model_type == "bert" and args.bert_binary_head:
+        refusals.append("--calculate-per-token-loss: BERT's sentence-order loss is one value per sample, not per "
+                        "token; add --bert-no-binary-head or drop the flag")
+    else:
+        notes.append("--calculate-per-token-loss: " + note_of("--calculate-per-token-loss"))
+
+
 HANDLERS = {
     "--train-tokens": _train_tokens,
     "--lr-decay-tokens": _schedule_tokens("decay"),
@@ -380,6 +409,9 @@ HANDLERS = {
     "--use-flash-attn": _note("--use-flash-attn"),
     "--use-flash-attn-v1": _note("--use-flash-attn-v1"),
     "--use-flash-attn-triton": _note("--use-flash-attn-triton"),
+    "--decoupled-lr": _decoupled_lr,
+    "--decoupled-min-lr": _decoupled_min_lr,
+    "--calculate-per-token-loss": _per_token_loss,
 }
 # Sizes and iteration counts first, so the schedule in tokens converts with the final global batch.
 HANDLER_ORDER = ["--gas", "--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"]
