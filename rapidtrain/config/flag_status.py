@@ -117,7 +117,8 @@ HANDLED: dict[str, str] = {
 HANDLED["--decoupled-lr"] = ("Megatron-Core's own rate for the word embedding and the output layer: their parameter "
                              "groups follow the schedule's warm-up and decay from this peak (to --decoupled-min-lr, "
                              "else --min-lr); every engine (DDP, FSDP2, OSS, DeepSpeed ZeRO, pipeline stages)")
-HANDLED["--decoupled-min-lr"] = "the floor of --decoupled-lr's groups (default --min-lr); nothing without --decoupled-lr"
+HANDLED["--decoupled-min-lr"] = ("the floor of --decoupled-lr's groups (default --min-lr); no effect without "
+                                 "--decoupled-lr")
 HANDLED["--calculate-per-token-loss"] = (
     "the loss summed over the tokens of every micro-batch and data-parallel rank, over their count: rapidtrain's "
     "reduction whenever the forward step returns (loss sum, token count), as the built-in models and tasks do; with "
