@@ -53,6 +53,10 @@ def _data_source(data: DataSettings, tokenizer: TokenizerSettings | None) -> str
              "finetune": f"fine-tuning set {data.data_dir or ''} {data.data_name or ''}".rstrip(),
              "script": "provided by the user script"}
     text = words[data.source]
+    if data.weighted_splits:
+        text = "Megatron indexed data, weighted splits " + " | ".join(
+            f"{split}: " + "; ".join(group.describe() for group in groups)
+            for split, groups in zip(("train", "valid", "test"), data.weighted_splits, strict=True) if groups)
     if tokenizer is not None and data.source != "finetune":
         text += f"; tokenizer {tokenizer.tokenizer_type}"
     return text + f"; {data.num_workers} loader workers per rank"

@@ -123,6 +123,13 @@ HANDLED["--calculate-per-token-loss"] = (
     "the loss summed over the tokens of every micro-batch and data-parallel rank, over their count: rapidtrain's "
     "reduction whenever the forward step returns (loss sum, token count), as the built-in models and tasks do; with "
     "this flag a mean loss from a user's forward step stops the run instead")
+_WEIGHTED = ("BigScience's per-split weighted data, \"NAME: W1 START:END PREFIX1, W2 START:END PREFIX2\": each "
+             "group a blend of its prefixes' documents between those fractions; one training group, each validation "
+             "or test group evaluated and logged on its own")
+for _split in ("train", "valid", "test"):
+    HANDLED[f"--{_split}-weighted-split-paths"] = _WEIGHTED
+    HANDLED[f"--{_split}-weighted-split-paths-path"] = ("a file with one line of quoted groups, read as "
+                                                        f"--{_split}-weighted-split-paths")
 HANDLED["--use-flash-attn-v1"] = HANDLED["--use-flash-attn-triton"] = HANDLED["--use-flash-attn"]
 
 _FUSION = ("one of Megatron's fused CUDA kernels; rapidtrain's layers are torch ops (SDPA attention, torch.compile "
@@ -239,13 +246,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--moe-router-dtype": (NO_EFFECT, "the router computes its scores in fp32"),
     "--moe-shared-expert-overlap": (NO_EFFECT, _OVERLAP),
     "--moe-permute-fusion": (NO_EFFECT, _FUSION),
-    "--train-weighted-split-paths": (REFUSED, "BigScience's per-split weighted paths: give --train-data-path / "
-                                              "--valid-data-path / --test-data-path 'w1 prefix1 w2 prefix2 ...'"),
-    "--valid-weighted-split-paths": (REFUSED, "give --valid-data-path 'w1 prefix1 ...' instead"),
-    "--test-weighted-split-paths": (REFUSED, "give --test-data-path 'w1 prefix1 ...' instead"),
-    "--train-weighted-split-paths-path": (REFUSED, "give --train-data-path 'w1 prefix1 ...' instead"),
-    "--valid-weighted-split-paths-path": (REFUSED, "give --valid-data-path 'w1 prefix1 ...' instead"),
-    "--test-weighted-split-paths-path": (REFUSED, "give --test-data-path 'w1 prefix1 ...' instead"),
     "--abort-on-unmet-fused-kernel-constraints": (NO_EFFECT, _FUSION),
     "--lazy-mpu-init": (REFUSED, "the process group starts when training starts; a user script of Megatron's "
                                  "external-initialisation kind is not served"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rapidtrain.data.tokenizer import TokenizerSettings
+from rapidtrain.data.weighted_splits import WeightedGroup
 from rapidtrain.models.attention_backends import AttentionSettings
 from rapidtrain.models.config import ModelConfig
 
@@ -494,6 +495,8 @@ class DataSettings:
     data_name: str | None = None
     # Megatron's separate splits (--train-data-path ...): indexed data per split instead of --split of --data-path.
     split_paths: tuple[tuple[str, ...] | None, ...] | None = None
+    # BigScience's --*-weighted-split-paths: (train, valid, test) named groups, each a blend of document ranges.
+    weighted_splits: tuple[tuple[WeightedGroup, ...], ...] | None = None
     keep_last: bool = False  # fine-tuning: keep an epoch's last, incomplete micro-batch
     mmap_warmup: bool = False
     # casual_lm fine-tuning: each micro-batch is one row of its sequences back to back (--padding-free).

@@ -48,6 +48,7 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] |
     _megatron_deepspeed_config(args, given, notes, refusals, defaults)
     _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
+    _weighted_splits(args, given, notes, refusals)
     if refusals:
         raise FlagRefused("these flags ask for what rapidtrain does not do (docs/megatron-compat.md lists every "
                           "flag):\n" + "\n".join(f"  {line}" for line in refusals))
@@ -384,6 +385,66 @@ def _per_token_loss(args: Args, value: bool, notes: list[str], refusals: list[st
         notes.append("--calculate-per-token-loss: " + note_of("--calculate-per-token-loss"))
 
 
+SPLITS = ("train", "valid", "test")
+
+
+def _weighted_paths_file(split: str):
+    """`--SPLIT-weighted-split-paths-path FILE`: the file's groups, as if given as --SPLIT-weighted-split-paths."""
+    def handle(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+        from rapidtrain.data.weighted_splits import DataPathError, read_groups_file
+
+        flag = f"--{split}-weighted-split-paths"
+        if getattr(args, f"{split}_weighted_split_paths"):
+            refusals.append(f"{flag} and {flag}-path: give the groups one way")
+            return
+        try:
+            setattr(args, f"{split}_weighted_split_paths", read_groups_file(value, f"{flag}-path"))
+        except DataPathError as error:
+            refusals.append(str(error))
+    return handle
+
+
+def _weighted_splits(args: Args, given: set[str], notes: list[str], refusals: list[str]) -> None:
+    """BigScience's weighted split paths, parsed into `args.weighted_split_groups` (train, valid, test groups):
+    each group a blend of document ranges; exclusive with --data-path and the per-split --*-data-path."""
+    from rapidtrain.data.weighted_splits import DataPathError, parse_group
+
+    texts = [getattr(args, f"{split}_weighted_split_paths", None) or [] for split in SPLITS]
+    if not any(texts):
+        return
+    try:
+        groups = tuple(tuple(parse_group(text, f"--{split}-weighted-split-paths") for text in split_texts)
+                       for split, split_texts in zip(SPLITS, texts, strict=True))
+    except DataPathError as error:
+        refusals.append(str(error))
+        return
+    problem = _weighted_splits_problem(args, groups)
+    if problem:
+        refusals.append(problem)
+        return
+    args.weighted_split_groups = groups
+    for split, split_groups in zip(SPLITS, groups, strict=True):
+        if split_groups:
+            evaluated = "" if split == "train" else " (each group evaluated and logged on its own)"
+            notes.append(f"--{split}-weighted-split-paths: {'; '.join(g.describe() for g in split_groups)}{evaluated}")
+    if "split" in given:
+        notes.append(f"--split {args.split}: no effect here; the weighted split paths give each split's documents")
+
+
+def _weighted_splits_problem(args: Args, groups: tuple) -> str | None:
+    train, valid, test = groups
+    if args.data_path or any(getattr(args, f"{split}_data_path", None) for split in SPLITS):
+        return ("--*-weighted-split-paths with --data-path or --*-data-path: BigScience's two ways of naming the "
+                "data exclude each other; give one")
+    if len(train) != 1:
+        return (f"--train-weighted-split-paths: {len(train)} groups; training reads one blend (as BigScience): "
+                "give one group, its components separated by commas")
+    if args.model_type == "bert" or args.data_iterator == "dynamic-shape":
+        return ("--*-weighted-split-paths: the weighted splits feed the GPT's packed samples; drop "
+                "--data-iterator dynamic-shape (or use --data-path for BERT)")
+    return None
+
+
 HANDLERS = {
     "--train-tokens": _train_tokens,
     "--lr-decay-tokens": _schedule_tokens("decay"),
@@ -412,6 +473,8 @@ HANDLERS = {
     "--decoupled-lr": _decoupled_lr,
     "--decoupled-min-lr": _decoupled_min_lr,
     "--calculate-per-token-loss": _per_token_loss,
+    **{f"--{split}-weighted-split-paths": (lambda args, value, notes, refusals: None) for split in SPLITS},
+    **{f"--{split}-weighted-split-paths-path": _weighted_paths_file(split) for split in SPLITS},
 }
 # Sizes and iteration counts first, so the schedule in tokens converts with the final global batch.
 HANDLER_ORDER = ["--gas", "--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"]

@@ -18,7 +18,7 @@ from rapidtrain.data.dynamic_shape import (
     PretrainingCollator,
     build_unpacked_datasets,
 )
-from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets, build_weighted_group
 from rapidtrain.data.indexed import warm_up
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer
 from rapidtrain.models import build_model
@@ -58,6 +58,8 @@ class MegatronPreTrainer(PreTrainer):
 
         paths = [self.plan.data.data_path, *(self.plan.data.split_paths or ())]
         prefixes = {p for path in paths if path for p in parse_data_path(path)[0]}
+        prefixes |= {c.prefix for groups in self.plan.data.weighted_splits or () for group in groups
+                     for c in group.components}
         read = sum(warm_up(prefix) for prefix in sorted(prefixes))
         self.engine.print_rank0(f" --mmap-warmup: read {read / 2**20:,.1f} MiB of indexed data")
 
@@ -80,6 +82,8 @@ class MegatronPreTrainer(PreTrainer):
         data, model = self.plan.data, self.model_config
         if data.dynamic_shape and model.model_type == "gpt":
             return self.unpacked_datasets()
+        if data.weighted_splits is not None:
+            return self.weighted_datasets(data.weighted_splits, train_val_test_num_samples)
         build = self.bert_datasets if model.model_type == "bert" else self.gpt_datasets
         if data.split_paths is None:
             return build(self.data_prefix, data.split, train_val_test_num_samples)
@@ -96,6 +100,18 @@ class MegatronPreTrainer(PreTrainer):
 
     def gpt_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
         return build_gpt_datasets(self.gpt_config(prefixes, split), counts)
+
+    def weighted_datasets(self, splits: tuple, counts: list[int]) -> tuple[Any, Any, Any]:
+        """BigScience's weighted split paths: the training group's blend, and each validation and test group by
+        its name (each evaluated on its own)."""
+        config = self.gpt_config([], "1,0,0")  # the groups name their prefixes and document ranges themselves
+        train = build_weighted_group(splits[0][0], config, counts[0], "train") if splits[0] else None
+        return (train, *self._named_groups(splits[1:], counts[1:], config))
+
+    @staticmethod
+    def _named_groups(splits: tuple, counts: list[int], config: Any) -> list[dict[str, Any] | None]:
+        return [{group.name: build_weighted_group(group, config, count, name) for group in groups} or None
+                for groups, count, name in zip(splits, counts, ("valid", "test"), strict=True)]
 
     def gpt_config(self, prefixes: list[str], split: str) -> Any:
         data, model = self.plan.data, self.model_config
