@@ -53,6 +53,9 @@ def _data_source(data: DataSettings, tokenizer: TokenizerSettings | None) -> str
              "finetune": f"fine-tuning set {data.data_dir or ''} {data.data_name or ''}".rstrip(),
              "script": "provided by the user script"}
     text = words[data.source]
+    if data.raw_json:
+        files = [paths[0] for paths in data.split_paths or () if paths]
+        text = f"{data.raw_json} JSON records {' '.join(files)}, {data.max_padding_length} tokens a sample"
     if data.weighted_splits:
         text = "Megatron indexed data, weighted splits " + " | ".join(
             f"{split}: " + "; ".join(group.describe() for group in groups)

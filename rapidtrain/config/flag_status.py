@@ -99,9 +99,13 @@ HANDLED: dict[str, str] = {
                                "iteration 0)",
     "--patch-tokenizer-type": "Pai-Megatron-Patch's Hugging Face tokenizers (LLamaTokenizer, Qwen2Tokenizer, ...): "
                               "--tokenizer-type HuggingFaceTokenizer from --tokenizer-model, else the --load folder",
-    "--dataset": "Pai-Megatron-Patch's dataset kind: the *-Idxmap kinds are Megatron indexed data (works); "
-                 "raw JSON and SFT kinds are refused (preprocess with scripts/preprocess_data.py)",
-    "--train-mode": "Pai-Megatron-Patch's mode: pretrain works; finetune (SFT on JSON) is refused",
+    "--dataset": "Pai-Megatron-Patch's dataset kind: the *-Idxmap kinds (and MMAP) are Megatron indexed data; "
+                 "LLama-Pretrain-Raw and LLama-SFT read JSON instruction/output records from --train-data-path, "
+                 "tokenized at start with the prompt masked out of the loss; other raw kinds are refused",
+    "--max-padding-length": "with a raw JSON --dataset, the tokens of each sample (padded; Pai's pretraining kind "
+                            "adds one for the shift); pretraining samples are --seq-length tokens otherwise",
+    "--train-mode": "Pai-Megatron-Patch's mode: pretrain works; finetune (its sequence/label-pair indexed data or "
+                    "chat-template JSON) is refused; --dataset LLama-SFT trains on instruction/output JSON",
     "--transformer-impl": "rapidtrain's layers are its own torch modules (SDPA attention); local or "
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "
@@ -188,8 +192,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                             "data loader"),
     "--extra-vocab-size": (NO_EFFECT, "the embedding is sized from the tokenizer's vocabulary (padded to "
                                       "--make-vocab-size-divisible-by); Pai's extra rows are never indexed"),
-    "--max-padding-length": (NO_EFFECT, "pretraining samples are --seq-length tokens; Pai pads fine-tuning samples to "
-                                        "this length"),
     "--embed-layernorm": (REFUSED, "a norm after the embedding (BLOOM) is not in rapidtrain's models"),
     "--pad-vocab-size-to": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
                                      "that flag"),

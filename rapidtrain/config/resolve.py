@@ -160,7 +160,8 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
         split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
-        padding_free=args.padding_free, weighted_splits=getattr(args, "weighted_split_groups", None))
+        padding_free=args.padding_free, weighted_splits=getattr(args, "weighted_split_groups", None),
+        raw_json=getattr(args, "raw_json_dataset", None), max_padding_length=getattr(args, "max_padding_length", None))
 
 
 def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:

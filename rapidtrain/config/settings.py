@@ -497,6 +497,9 @@ class DataSettings:
     split_paths: tuple[tuple[str, ...] | None, ...] | None = None
     # BigScience's --*-weighted-split-paths: (train, valid, test) named groups, each a blend of document ranges.
     weighted_splits: tuple[tuple[WeightedGroup, ...], ...] | None = None
+    # Pai's raw JSON kinds (--dataset LLama-Pretrain-Raw): split_paths name JSON files, samples max_padding_length
+    raw_json: str | None = None
+    max_padding_length: int | None = None
     keep_last: bool = False  # fine-tuning: keep an epoch's last, incomplete micro-batch
     mmap_warmup: bool = False
     # casual_lm fine-tuning: each micro-batch is one row of its sequences back to back (--padding-free).

@@ -49,6 +49,8 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] |
     _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
     _weighted_splits(args, given, notes, refusals)
+    if getattr(args, "raw_json_dataset", None) and "split" in given:
+        notes.append(f"--split {args.split}: no effect here; each split reads its own JSON file")
     if refusals:
         raise FlagRefused("these flags ask for what rapidtrain does not do (docs/megatron-compat.md lists every "
                           "flag):\n" + "\n".join(f"  {line}" for line in refusals))
@@ -315,16 +317,58 @@ def _patch_tokenizer(args: Args, value: str, notes: list[str], refusals: list[st
 
 
 def _pai_dataset(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    from rapidtrain.data.raw_json import RAW_JSON_KINDS
+
     if "idxmap" in value.lower() or value.upper() == "MMAP":
         notes.append(f"--dataset {value}: Megatron indexed data (--data-path)")
+    elif value in RAW_JSON_KINDS:
+        _raw_json(args, value, notes, refusals)
     else:
-        refusals.append(f"--dataset {value}: JSON and SFT datasets are not read by rapidtrain's pretraining; make "
-                        "indexed data with scripts/preprocess_data.py and pass --dataset ...-Idxmap")
+        kinds = ", ".join(RAW_JSON_KINDS)
+        refusals.append(f"--dataset {value}: not read by rapidtrain's pretraining (it reads {kinds} JSON and Megatron "
+                        "indexed data); make indexed data with scripts/preprocess_data.py and pass --dataset "
+                        "...-Idxmap")
+
+
+def _raw_json(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    """Pai's raw JSON kinds: instruction/output records from --train-data-path, tokenized at start, padded."""
+    length = args.max_padding_length or args.seq_length
+    if not args.train_data_path:
+        refusals.append(f"--dataset {value}: give the JSON file of instruction/output records with --train-data-path")
+    elif length > args.seq_length:
+        refusals.append(f"--max-padding-length {length}: samples longer than --seq-length {args.seq_length}; give "
+                        "at most --seq-length")
+    else:
+        args.raw_json_dataset, args.max_padding_length = value, length
+        source = "the training file (as Pai)" if not args.valid_data_path else "--valid-data-path"
+        notes.append(f"--dataset {value}: Pai's raw JSON records tokenized at start (prompt = instruction + input, "
+                     f"masked out of the loss; answer = output + end of document), {length} tokens a sample (padded, "
+                     f"longer records dropped); validation reads {source}")
+        if args.data_path:
+            notes.append(f"--data-path {' '.join(args.data_path)}: no effect here; --dataset {value} reads "
+                         "--train-data-path")
+            args.data_path = None
+        for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+            if getattr(args, dest):
+                notes.append(f"--{dest.replace('_', '-')}: no effect here; a raw JSON sample is one record, whose "
+                             "answer and end-of-document token carry the loss (Pai's raw datasets mask the prompt "
+                             "only)")
+                setattr(args, dest, False)
+
+
+def _max_padding_length(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    from rapidtrain.data.raw_json import RAW_JSON_KINDS
+
+    if getattr(args, "dataset", None) not in RAW_JSON_KINDS:
+        notes.append(f"--max-padding-length {value}: no effect here; " + note_of("--max-padding-length"))
 
 
 def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
     if value != "pretrain":
-        refusals.append(f"--train-mode {value}: Pai's SFT mode is not in rapidtrain; fine-tune with --task casual_lm")
+        refusals.append(f"--train-mode {value}: Pai's SFT mode (its sequence/label-pair indexed data, chat-template "
+                        "JSON) is not in rapidtrain; train on instruction/output JSON with --dataset LLama-SFT "
+                        "--train-data-path FILE (the prompt masked out of the loss), or fine-tune with --task "
+                        "casual_lm")
 
 
 def _load_balancing(args: Args, value, notes: list[str], refusals: list[str]) -> None:
@@ -473,6 +517,7 @@ HANDLERS = {
     "--decoupled-lr": _decoupled_lr,
     "--decoupled-min-lr": _decoupled_min_lr,
     "--calculate-per-token-loss": _per_token_loss,
+    "--max-padding-length": _max_padding_length,
     **{f"--{split}-weighted-split-paths": (lambda args, value, notes, refusals: None) for split in SPLITS},
     **{f"--{split}-weighted-split-paths-path": _weighted_paths_file(split) for split in SPLITS},
 }

@@ -20,6 +20,7 @@ from rapidtrain.data.dynamic_shape import (
 )
 from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets, build_weighted_group
 from rapidtrain.data.indexed import warm_up
+from rapidtrain.data.raw_json import build_raw_json_datasets
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
@@ -84,6 +85,8 @@ class MegatronPreTrainer(PreTrainer):
             return self.unpacked_datasets()
         if data.weighted_splits is not None:
             return self.weighted_datasets(data.weighted_splits, train_val_test_num_samples)
+        if data.raw_json is not None:
+            return self.raw_json_datasets(train_val_test_num_samples)
         build = self.bert_datasets if model.model_type == "bert" else self.gpt_datasets
         if data.split_paths is None:
             return build(self.data_prefix, data.split, train_val_test_num_samples)
@@ -107,6 +110,18 @@ class MegatronPreTrainer(PreTrainer):
         config = self.gpt_config([], "1,0,0")  # the groups name their prefixes and document ranges themselves
         train = build_weighted_group(splits[0][0], config, counts[0], "train") if splits[0] else None
         return (train, *self._named_groups(splits[1:], counts[1:], config))
+
+    def raw_json_datasets(self, counts: list[int]) -> tuple[Any, Any, Any]:
+        """Pai's raw JSON kinds: the records tokenized now, the prompt masked out of the loss."""
+        data = self.plan.data
+        assert data.raw_json is not None and data.max_padding_length is not None  # the plan sets both together
+        datasets = build_raw_json_datasets(data.split_paths or (None, None, None), data.raw_json,
+                                           data.max_padding_length, self.tokenizer, counts, data.seed)
+        train = datasets[0]
+        self.engine.print_rank0(f" --dataset {data.raw_json}: {len(train.ids):,} records tokenized"
+                                + (f", {train.dropped:,} longer than the padded length dropped" if train.dropped
+                                   else ""))
+        return datasets
 
     @staticmethod
     def _named_groups(splits: tuple, counts: list[int], config: Any) -> list[dict[str, Any] | None]:

@@ -27,8 +27,6 @@ REFUSED = {
     "mlm-llama3-8b-fp8-2026": ["--fp8-format hybrid"],
     "mlm-gptoss-2026": ["--softmax-type learnable", "--window-size", "--enable-gpt-oss"],
     "ez-rf-gpt-moe-ft-2022": ["--tokenizer-type ChineseBPETokenizer"],
-    "pai-mixtral-pretrain-2024": ["--dataset LLama-Pretrain-Raw"],
-    "pai-llama2-ft-ga-2024": ["--dataset LLama-Pretrain-Raw"],
     "pai-mistral-pretrain-2024": ["--sliding-window 4096"],
     "pai-deepseekv3-2025": ["--multi-latent-attention", "--rope-type yarn"],
     "pai-qwen3-mcore-2025": ["--qk-layernorm", "--kv-channels 128"],
