@@ -83,7 +83,7 @@ def describe_plan(plan: Plan) -> str:
            if bat.schedule else ""),
         "  training length: " + _training_length(plan.training),
         "  data: " + _data_source(plan.data, plan.tokenizer),
-        "  schedule: " + _schedule(plan.schedule, plan.clip_grad, plan.optimizer and plan.optimizer.decoupled),
+        "  schedule: " + _schedule(plan.schedule, plan.clip_grad, plan.optimizer.decoupled if plan.optimizer else None),
         f"  precision: {plan.precision.dtype}, loss scaling {plan.precision.loss_scaling} ({plan.precision.reason})",
         "  engines:",
     ]

@@ -109,7 +109,8 @@ class MegatronPreTrainer(PreTrainer):
         its name (each evaluated on its own)."""
         config = self.gpt_config([], "1,0,0")  # the groups name their prefixes and document ranges themselves
         train = build_weighted_group(splits[0][0], config, counts[0], "train") if splits[0] else None
-        return (train, *self._named_groups(splits[1:], counts[1:], config))
+        valid, test = self._named_groups(splits[1:], counts[1:], config)
+        return train, valid, test
 
     def raw_json_datasets(self, counts: list[int]) -> tuple[Any, Any, Any]:
         """Pai's raw JSON kinds: the records tokenized now, the prompt masked out of the loss."""
