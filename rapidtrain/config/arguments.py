@@ -730,7 +730,9 @@ def uses_demo_data(args: argparse.Namespace) -> bool:
     folder needs data in its own tokenizer."""
     from rapidtrain.models.hf_config import is_megatron_checkpoint
 
-    per_split = any(getattr(args, name, None) for name in ("train_data_path", "train_data"))
+    per_split = any(getattr(args, name, None) for name in ("train_data_path", "train_data",
+                                                           "train_weighted_split_paths",
+                                                           "train_weighted_split_paths_path"))
     pretrained = args.pretrained_model_name_or_path and not is_megatron_checkpoint(args)
     return not args.data_path and not per_split and not pretrained
 

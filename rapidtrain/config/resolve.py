@@ -168,7 +168,8 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
         split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
-        padding_free=args.padding_free)
+        padding_free=args.padding_free, weighted_splits=getattr(args, "weighted_split_groups", None),
+        raw_json=getattr(args, "raw_json_dataset", None), max_padding_length=getattr(args, "max_padding_length", None))
 
 
 def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
@@ -263,6 +264,7 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
     return TrainingSettings(train_iters=train_iters, epochs=args.epochs, eval_interval=eval_interval,
                             eval_iters=args.eval_iters, seed=args.seed, exit_interval=args.exit_interval,
                             exit_duration_in_mins=args.exit_duration_in_mins, train_samples=args.train_samples,
+                            per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
                             on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
 
 
@@ -426,9 +428,13 @@ def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, s
     if name == "adam":  # Megatron's --optimizer adam is Adam with decoupled weight decay, i.e. AdamW
         name = "adamw"
     dtensors = layout is not None and switches is not None and parameters_are_dtensors(layout, switches)
+    decoupled_lr = getattr(args, "decoupled_lr", None)  # Megatron-Core's flags (config/surface_meanings.py)
+    decoupled_min_lr = getattr(args, "decoupled_min_lr", None)
     return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors)
+                             sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors, decoupled_lr=decoupled_lr,
+                             decoupled_min_lr=None if decoupled_lr is None else
+                             (args.min_lr if decoupled_min_lr is None else decoupled_min_lr))
 
 
 def uses_deepspeed(args: argparse.Namespace, layout: Layout) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rapidtrain.data.tokenizer import TokenizerSettings
+from rapidtrain.data.weighted_splits import WeightedGroup
 from rapidtrain.models.attention_backends import AttentionSettings
 from rapidtrain.models.config import ModelConfig
 
@@ -376,6 +377,8 @@ class TrainingSettings:
     # at once, as in Megatron without --exit-signal-handler).
     on_sigterm: Literal["save", "stop", "default"] = "default"
     train_samples: int | None = None  # sample-based training (--train-samples); train_iters then follows from it
+    # --calculate-per-token-loss: the forward step must return (loss sum, token count); a mean loss stops the run
+    per_token_loss: bool = False
 
 
 ScheduleFrom = Literal["same", "flags", "checkpoint"]
@@ -492,6 +495,11 @@ class DataSettings:
     data_name: str | None = None
     # Megatron's separate splits (--train-data-path ...): indexed data per split instead of --split of --data-path.
     split_paths: tuple[tuple[str, ...] | None, ...] | None = None
+    # BigScience's --*-weighted-split-paths: (train, valid, test) named groups, each a blend of document ranges.
+    weighted_splits: tuple[tuple[WeightedGroup, ...], ...] | None = None
+    # Pai's raw JSON kinds (--dataset LLama-Pretrain-Raw): split_paths name JSON files, samples max_padding_length
+    raw_json: str | None = None
+    max_padding_length: int | None = None
     keep_last: bool = False  # fine-tuning: keep an epoch's last, incomplete micro-batch
     mmap_warmup: bool = False
     # casual_lm fine-tuning: each micro-batch is one row of its sequences back to back (--padding-free).

@@ -353,7 +353,8 @@ class Engine:
         plan = self.plan
         return StepContext(self.runner, self.device, self.mesh.group("dp"), plan.layout.data_parallel_size,
                            plan.data.micro_batch_size, plan.batches.global_batch_size, self.lr_scheduler,
-                           self.timers if plan.logging.timers_to_tensorboard else None)
+                           self.timers if plan.logging.timers_to_tensorboard else None,
+                           per_token_loss=plan.training.per_token_loss)
 
     def step(self) -> StepOutcome:
         """An own loop's optimizer step: clip, step (skipped on fp16 overflow) and advance the schedule by one

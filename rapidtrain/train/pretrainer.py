@@ -121,12 +121,22 @@ class PreTrainer(Trainer):
     def after_iteration(self) -> None:
         interval = self.plan.training.eval_interval
         if interval and self.iteration % interval == 0 and self.valid_ds is not None:
-            self.evaluate_and_print("validation", self.valid_ds)
+            self.evaluate_each("validation", self.valid_ds)
 
     def end_of_training(self, stopped: bool) -> dict[str, Any]:
         if not stopped and self.finished() and self.test_ds is not None and self.plan.training.eval_iters:
-            return self.evaluate_and_print("test", self.test_ds)
+            return self.evaluate_each("test", self.test_ds)
         return {}
+
+    def evaluate_each(self, name: str, datasets: Any) -> dict[str, float]:
+        """One evaluation set, or several by name (a dict, as BigScience's validation groups): each evaluated and
+        printed on its own, `name GROUP`."""
+        if not isinstance(datasets, dict):
+            return self.evaluate_and_print(name, datasets)
+        results: dict[str, float] = {}
+        for group, dataset in datasets.items():
+            results.update(self.evaluate_and_print(f"{name} {group}", dataset))
+        return results
 
     def print_log(self, line: str) -> None:
         print(line, flush=True)

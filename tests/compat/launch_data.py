@@ -83,6 +83,7 @@ PATH_FLAGS = {"--vocab-file", "--merge-file", "--tokenizer-model", "--tokenizer-
               "--logging-path", "--data-cache-path", "--wandb-save-dir", "--train-data", "--valid-data",
               "--pretrained-model-name-or-path"}
 DATA_FLAGS = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"}
+WEIGHTED_FLAGS = {"--train-weighted-split-paths", "--valid-weighted-split-paths", "--test-weighted-split-paths"}
 
 
 def localize(script: dict, files: LocalFiles) -> list[str]:
@@ -106,6 +107,8 @@ def localize(script: dict, files: LocalFiles) -> list[str]:
 
 def _local_value(script: dict, flag: str | None, value: str, files: LocalFiles, hf: bool) -> str:
     name = Path(value.strip("'\"")).name
+    if flag in WEIGHTED_FLAGS:  # "NAME: W START:END PREFIX, ...": each prefix becomes the local GPT data
+        return re.sub(r"(?<=\s)/[^\s,]+", lambda _: files.gpt_prefix, value)
     if flag in DATA_FLAGS:
         if re.fullmatch(r"[\d.eE+-]+", value):
             return value  # a blend weight

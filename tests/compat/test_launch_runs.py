@@ -90,6 +90,14 @@ def test_bigscience_bloom_1b3_script_trains_with_alibi_and_the_embedding_layerno
     names = set(saved.state_dict_metadata)
     assert any(name.endswith("embedding.word_embeddings_norm.weight") for name in names), sorted(names)[:20]
     assert not any("position_embeddings" in name for name in names)
+def test_bigscience_multilingual_script_trains_on_its_weighted_split_paths(local_files):
+    """BigScience's examples/pretrain_gpt_multilingual.sh (2021): one training blend of four document ranges (its
+    commas left out, as the script writes it), five validation and five test groups, each evaluated on its own."""
+    run = python(ENTRY["pretrain_gpt"], tiny(BY_ID["bmds-gpt-multilingual-2021"], local_files))
+    assert len(log_lines(run.stdout)) == 4 and "--split 949,50,1: no effect here" in run.stdout
+    for group in ("VALID_EN", "VALID_KR", "VALID_EN-AR-JP-KR_BALANCED"):
+        assert re.search(rf"validation {group} loss at iteration \d+ \| lm loss value: \S+", run.stdout), group
+    assert re.search(r"test TEST_EN-AR-JP-KR_BALANCED loss at iteration 4 \| lm loss value: \S+", run.stdout)
 
 
 def test_easynlp_bert_finetuning_reads_its_application_flags(local_files, tmp_path):
