@@ -20,6 +20,7 @@ from rapidtrain.config.describe import describe_plan
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.shutdown import ignore_sigterm_in_worker
 from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
+from rapidtrain.data.loaders import shutdown_workers
 from rapidtrain.data.samplers import MegatronPretrainingSampler
 from rapidtrain.parallel.runner import add_pairs
 from rapidtrain.train.trainer import Trainer
@@ -153,10 +154,9 @@ class PreTrainer(Trainer):
         save request is this process's), so multiprocessing's exit handler, which terminates them with SIGTERM
         and then joins them, would wait on them forever."""
         for loader in self._evaluation_loaders.values():
-            iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator, once iterated
-            if iterator is not None:
-                iterator._shutdown_workers()
+            shutdown_workers(loader)
         self._evaluation_loaders.clear()
+        super().close_data()
 
     def evaluation_loader(self, dataset: Any) -> DataLoader:
         """One loader per evaluation set for the whole run: its workers persist, so no evaluation forks new ones
