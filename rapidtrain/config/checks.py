@@ -535,3 +535,24 @@ def attention_backend_problem(args: Args, ctx: RunContext) -> str | None:
 
     return attention_problem(args.attention_backend, ctx.device_type, hf_config.trains_builtin_model(args),
                              args.attention_dropout, half_precision=precision_of(args, ctx).dtype != "fp32")
+
+
+def megatron_task_problem(args: Args, ctx: RunContext) -> str | None:
+    """What Megatron's tasks (--task MNLI / RACE, rapidtrain/tasks_main.py) need and do not combine with."""
+    if args.task not in arguments.MEGATRON_TASKS or args.user_script or ctx.script:
+        return None
+    task = f"--task {args.task}"
+    if not args.train_data or not args.valid_data:
+        return (f"{task} reads its files from --train-data and --valid-data (Megatron's tasks/main.py): give both "
+                "(MNLI: GLUE's train.tsv and dev_matched.tsv ...; RACE: folders such as RACE/train/middle)")
+    if args.epochs is None and args.train_iters is None:
+        return f"{task} trains for --epochs N (Megatron's tasks/main.py); give --epochs"
+    if args.model_type != "bert":
+        return f"{task} fine-tunes the built-in BERT; drop --model-type {args.model_type}"
+    if three_d(args) or (args.num_experts and max(args.num_experts) > 1):
+        return (f"{task}: the task model (BERT with a new head) runs data-parallel here, optionally with ZeRO or "
+                "FSDP; drop --tensor-model-parallel-size / --pipeline-model-parallel-size / --num-experts (or set "
+                "them to 1)")
+    if args.data_iterator == "dynamic-shape":
+        return f"{task}: Megatron's task samples are padded to --seq-length; drop --data-iterator dynamic-shape"
+    return None

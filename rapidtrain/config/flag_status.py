@@ -93,8 +93,9 @@ HANDLED: dict[str, str] = {
                             "weight, and since norms get no weight decay here, the same training",
     "--no-position-embedding": "no learned position table: with rotary embeddings that is already so; without them "
                                "refused (rapidtrain's models need a position encoding)",
-    "--pretrained-checkpoint": "Megatron tasks' starting weights: --load FOLDER --finetune (model only, from "
-                               "iteration 0)",
+    "--pretrained-checkpoint": "Megatron tasks' starting weights: with --task MNLI / RACE (rapidtrain/tasks_main.py) "
+                               "the BERT checkpoint whose encoder and pooler the task's model starts from; "
+                               "otherwise --load FOLDER --finetune (model only, from iteration 0)",
     "--patch-tokenizer-type": "Pai-Megatron-Patch's Hugging Face tokenizers (LLamaTokenizer, Qwen2Tokenizer, ...): "
                               "--tokenizer-type HuggingFaceTokenizer from --tokenizer-model, else the --load folder",
     "--dataset": "Pai-Megatron-Patch's dataset kind: the *-Idxmap kinds are Megatron indexed data (works); "

@@ -149,12 +149,14 @@ def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
 
 
 def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
-    from rapidtrain.config.arguments import uses_demo_data
+    from rapidtrain.config.arguments import is_megatron_task, uses_demo_data
 
     if is_pretraining(args, ctx):
         source: DataSource = "demo" if uses_demo_data(args) else "indexed"
     elif ctx.script:
         source = "demo" if uses_demo_data(args) and args.task == "pretraining" else "script"
+    elif is_megatron_task(args):
+        source = "task"
     else:
         source = "finetune"
     return DataSettings(
@@ -165,7 +167,8 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
         split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
-        padding_free=args.padding_free)
+        padding_free=args.padding_free, train_data=tuple(args.train_data or ()) if source == "task" else (),
+        valid_data=tuple(args.valid_data or ()) if source == "task" else ())
 
 
 def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
@@ -273,7 +276,14 @@ def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None)
                               load_rng=not args.no_load_rng, schedule_from=schedule_from,
                               async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained,
                               pretrained_model=args.pretrained_model_name_or_path,
+                              pretrained_checkpoint=megatron_task_checkpoint(args),
                               flags=recorded_flags(args, vocab_size))
+
+
+def megatron_task_checkpoint(args: argparse.Namespace) -> str | None:
+    from rapidtrain.config.arguments import is_megatron_task
+
+    return getattr(args, "pretrained_checkpoint", None) if is_megatron_task(args) else None
 
 
 def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:

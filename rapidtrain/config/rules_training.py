@@ -30,6 +30,7 @@ from rapidtrain.config.checks import (
     lengths,
     lora_settings_given,
     low_bit_optimizer_refusal,
+    megatron_task_problem,
     min_lr_above_lr,
     mixed_schedule_flags,
     needs_iterations,
@@ -508,6 +509,14 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "at most the layers of a pipeline stage; op granularity is for the built-in models.",
         lambda a, c: recompute_problem(a) is not None,
         lambda a, c: str(recompute_problem(a)),
+    ),
+    Rule(
+        "megatron-task", ("--task", "--train-data", "--valid-data", "--epochs", "--model-type",
+                          "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--data-iterator"),
+        "Megatron's tasks (--task MNLI / RACE) read --train-data and --valid-data files, train for --epochs, fine-tune "
+        "the built-in BERT data-parallel (ZeRO and FSDP allowed) on samples padded to --seq-length.",
+        lambda a, c: megatron_task_problem(a, c) is not None,
+        lambda a, c: str(megatron_task_problem(a, c)),
     ),
     Rule(
         "auto-micro-batch-size", ("--auto-micro-batch-size", "--memory-budget-gb", "--global-batch-size",

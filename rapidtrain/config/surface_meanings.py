@@ -18,6 +18,7 @@ from rapidtrain.config.flag_surface import (
     megatron_flags_given,
     refusal_applies,
 )
+from rapidtrain.config.settings import MEGATRON_TASKS
 
 Args = argparse.Namespace
 
@@ -294,7 +295,10 @@ def _no_position_embedding(args: Args, value: bool, notes: list[str], refusals: 
 
 
 def _pretrained_checkpoint(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
-    if args.load is None:
+    if args.task in MEGATRON_TASKS:  # Megatron's tasks/main.py: the starting BERT; --load resumes the task run
+        notes.append(f"--pretrained-checkpoint {value}: the {args.task} model starts from this BERT checkpoint's "
+                     "encoder and pooler (its head is new)")
+    elif args.load is None:
         args.load, args.finetune = value, True
         notes.append(f"--pretrained-checkpoint {value}: --load {value} --finetune")
 

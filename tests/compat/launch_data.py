@@ -16,7 +16,7 @@ SCRIPTS: list[dict] = json.loads(Path(__file__).with_name("launch_scripts.json")
 BY_ID = {script["id"]: script for script in SCRIPTS}
 # Megatron's entry programs and what rapidtrain runs for them; other entries are user scripts of their own.
 ENTRIES = {"pretrain_gpt.py": "pretrain_gpt", "pretrain_gpt2.py": "pretrain_gpt", "pretrain_llama.py": "pretrain_gpt",
-           "pretrain_bert.py": "pretrain_bert"}
+           "pretrain_bert.py": "pretrain_bert", "main.py": "tasks_main"}
 
 
 def entry_of(script: dict) -> str | None:

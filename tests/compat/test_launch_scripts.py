@@ -17,9 +17,6 @@ from tests.compat.launch_data import BY_ID, SCRIPTS, localize, plan
 # The scripts that do not plan, and what their message must name: a feature rapidtrain lacks, or a mistake of the
 # script that Megatron's own parser or checks stop too.
 REFUSED = {
-    "mlm-mnli-ft-2020": ["--task 'MNLI'"],  # Megatron's fine-tuning tasks (tasks/main.py)
-    "mlm-race-ft-2021": ["--task 'RACE'"],
-    "mds-bert-mnli-2022": ["--task 'MNLI'"],
     "mlm-bert-mp-2020": ["--pipeline-model-parallel-size 2 with --bert-binary-head"],
     "mlm-bert-340m-2024": ["--num-layers 24 is not divisible by --pipeline-model-parallel-size 16"],  # as Megatron
     "mlm-bert-340m-2026": ["--num-layers 24 is not divisible by --pipeline-model-parallel-size 16"],
