@@ -162,8 +162,8 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("transformer", "Regular settings: transformer (built-in Megatron-style models)")
     g.add_argument("--pretrained-model-name-or-path", default=None,
                    help="Local Hugging Face model folder (never the hub). Fine-tuning tasks load it with transformers' "
-                        "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, Llama, "
-                        "Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
+                        "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, BLOOM, "
+                        "Llama, Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
     g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
@@ -172,8 +172,10 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, default=256, help="Sequence length of training samples (default 256).")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Rows of the position-embedding table (default: --seq-length).")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute",
-                   help="Learned absolute positions (Megatron GPT default) or rotary embeddings.")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "alibi"),
+                   default="learned_absolute",
+                   help="Learned absolute positions (Megatron GPT default), rotary embeddings, or ALiBi's per-head "
+                        "linear biases on the attention scores (BLOOM; GPT only, no position embeddings).")
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
     g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight initialisation.")
@@ -238,6 +240,12 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
                         "backend), the explicit form, or FlexAttention (--reset-attention-mask then masks by document "
                         "ids through a block-sparse mask); Hugging Face models load with that attn_implementation. "
                         "The plan says which kernel runs; one the device cannot run is refused.")
+    g.add_argument("--embed-layernorm", action="store_true",
+                   help="A LayerNorm on the word embeddings, before anything is added to them (BLOOM, "
+                        "Megatron-DeepSpeed).")
+    g.add_argument("--sliding-window", type=int, default=None,
+                   help="Sliding-window attention (Mistral; GPT only): each query sees itself and the keys before it, "
+                        "at most this many in all (Megatron's --window-size L,0 is L + 1).")
     g.add_argument("--post-layernorm", action="store_true",
                    help="Original BERT order: x = norm(x + f(x)) in every layer, a norm on the embedding sum and "
                         "no final norm (Hugging Face BERT). Default: pre-norm, as Megatron.")

@@ -85,11 +85,13 @@ def optimizer_choice(args: Args) -> tuple[str, str]:
 
 
 def sliding_window_of(args: Args) -> int | None:
-    """The sliding window a Hugging Face model that initialises the built-in one attends within, if any."""
+    """The sliding window of a Hugging Face Qwen2 that initialises the built-in model, if it uses one: only its layers
+    from max_window_layers on attend within it, which the built-in GPT's one window for all layers does not build.
+    (Mistral's and Mixtral's window covers every layer: it becomes --sliding-window.)"""
     if not hf_config.initialises_builtin(args) or hf_config.unsupported_reason(args):
         return None
     config = hf_config.read_config(args.pretrained_model_name_or_path)
-    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window"):
+    if config.get("model_type") != "qwen2" or not config.get("use_sliding_window"):
         return None
     return config.get("sliding_window")
 

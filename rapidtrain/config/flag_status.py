@@ -65,6 +65,8 @@ SETS: dict[str, tuple[str, object, str]] = {
     "--use-llama2-rotary-position-embeddings": ("position_embedding_type", "rope", "rotary embeddings (Llama 2's)"),
     "--use-mistral-rotary-position-embeddings": ("position_embedding_type", "rope", "rotary embeddings (Mistral's)"),
     "--RMSNorm": ("normalization", "RMSNorm", "a fork's switch for --normalization RMSNorm"),
+    "--use-alibi-mask": ("position_embedding_type", "alibi", "Pai-Megatron-Patch's ALiBi switch: "
+                         "--position-embedding-type alibi"),
     "--disable-bias-linear-fc": ("add_bias_linear", False, "a fork's switch: no biases in the MLP "
                                  "(with --disable-bias-attn-fc, --disable-bias-linear)"),
     "--disable-bias-attn-fc": ("add_bias_linear", False, "a fork's switch: no biases in attention "
@@ -91,8 +93,8 @@ HANDLED: dict[str, str] = {
                      "another format is written as torch_dist too, and the plan says so",
     "--apply-layernorm-1p": "Megatron's zero-centred norm weight (1 + w): the same function as a plain LayerNorm "
                             "weight, and since norms get no weight decay here, the same training",
-    "--no-position-embedding": "no learned position table: with rotary embeddings that is already so; without them "
-                               "refused (rapidtrain's models need a position encoding)",
+    "--no-position-embedding": "no learned position table: with rotary embeddings or ALiBi that is already so; "
+                               "without them refused (rapidtrain's models need a position encoding)",
     "--pretrained-checkpoint": "Megatron tasks' starting weights: with --task MNLI / RACE (rapidtrain/tasks_main.py) "
                                "the BERT checkpoint whose encoder and pooler the task's model starts from; "
                                "otherwise --load FOLDER --finetune (model only, from iteration 0)",
@@ -117,6 +119,10 @@ HANDLED: dict[str, str] = {
     "--use-flash-attn": "torch scaled_dot_product_attention runs a flash kernel on CUDA where the shapes allow "
                         "(--attention-backend flash pins it); on a CPU its own kernel",
 }
+HANDLED["--window-size"] = ("Megatron-Core's attention window 'LEFT,RIGHT' (flash-attention's convention: keys "
+                           "LEFT back to RIGHT ahead): LEFT,0 is --sliding-window LEFT + 1; -1 is no limit")
+HANDLED["--window-attn-skip-freq"] = ("with a sliding window, every Nth layer (1-based) attends to the whole "
+                                      "sequence, as Megatron-Core")
 HANDLED["--use-flash-attn-v1"] = HANDLED["--use-flash-attn-triton"] = HANDLED["--use-flash-attn"]
 
 _FUSION = ("one of Megatron's fused CUDA kernels; rapidtrain's layers are torch ops (SDPA attention, torch.compile "
@@ -177,7 +183,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                       "--make-vocab-size-divisible-by); Pai's extra rows are never indexed"),
     "--max-padding-length": (NO_EFFECT, "pretraining samples are --seq-length tokens; Pai pads fine-tuning samples to "
                                         "this length"),
-    "--embed-layernorm": (REFUSED, "a norm after the embedding (BLOOM) is not in rapidtrain's models"),
     "--pad-vocab-size-to": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
                                      "that flag"),
     "--decoupled-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in rapidtrain; "
@@ -199,9 +204,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                "with --expert-model-parallel-size"),
     "--rope-type": (REFUSED, "YaRN rope scaling is not in rapidtrain's models: plain rope, Llama 3.1's scaling "
                              "(--use-rope-scaling) or linear interpolation (--rotary-seq-len-interpolation-factor)"),
-    "--window-size": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
-    "--sliding-window": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
-    "--window-attn-skip-freq": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
     "--apply-residual-connection-post-layernorm": (REFUSED, "that residual order is not in rapidtrain's models; "
                                                             "--post-layernorm gives BERT's post-norm order"),
     "--fp8-format": (REFUSED, "FP8 training needs Transformer Engine and FP8 hardware; not in rapidtrain: use --bf16"),
@@ -284,7 +286,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--glu-linear-offset": (REFUSED, "GLU offsets are not in rapidtrain's models"),
     "--activation-func-clamp-value": (REFUSED, "activation clamping is not in rapidtrain's models"),
     "--attention-output-gate": (REFUSED, "gated attention output is not in rapidtrain's models"),
-    "--use-alibi-mask": (REFUSED, "ALiBi is not in rapidtrain's models: --position-embedding-type rope"),
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
     "--rotary-interleaved": (REFUSED, "interleaved rotary pairs are not in rapidtrain's models (rotate_half only)"),

@@ -136,6 +136,9 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         rope_scaling="llama3" if args.use_rope_scaling else "none",
         rope_scaling_factor=args.rope_scaling_factor,
         rotary_interpolation_factor=args.rotary_seq_len_interpolation_factor or 1.0,
+        embed_layernorm=args.embed_layernorm,
+        sliding_window=args.sliding_window,
+        window_skip_freq=int(getattr(args, "window_attn_skip_freq", None) or 0),
     )
 
 

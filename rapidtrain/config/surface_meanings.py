@@ -289,9 +289,9 @@ def _ckpt_format(args: Args, value: str, notes: list[str], refusals: list[str]) 
 
 
 def _no_position_embedding(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
-    if args.position_embedding_type != "rope":
+    if args.position_embedding_type not in ("rope", "alibi"):
         refusals.append("--no-position-embedding: rapidtrain's models need a position encoding; add "
-                        "--position-embedding-type rope (or --use-rotary-position-embeddings)")
+                        "--position-embedding-type rope (or --use-rotary-position-embeddings) or alibi")
 
 
 def _pretrained_checkpoint(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
@@ -370,6 +370,43 @@ def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[st
         notes.append(f"--dataloader-type {value}: " + note_of("--dataloader-type"))
 
 
+def _window_size(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    """Megatron-Core's --window-size 'LEFT,RIGHT' (also '(LEFT, RIGHT)' or 'LEFT RIGHT'): keys from LEFT positions back
+    (-1: all of them) to RIGHT ahead; the built-in GPT is causal, so RIGHT can only be 0 (or -1, which causality
+    makes 0)."""
+    parts = str(value).strip("()[] ").replace(",", " ").split()
+    if len(parts) != 2 or not all(part.lstrip("-").isdigit() for part in parts):
+        refusals.append(f"--window-size {value}: give two integers LEFT,RIGHT, e.g. 4096,0 (-1: no limit)")
+        return
+    left, right = int(parts[0]), int(parts[1])
+    if left < -1 or right not in (0, -1):
+        refusals.append(f"--window-size {value}: the built-in GPT is causal, so the window is LEFT,0 with LEFT >= 0 "
+                        "keys back (or -1, no limit)")
+        return
+    window = None if left == -1 else left + 1
+    if args.sliding_window is not None and args.sliding_window != window:
+        refusals.append(f"--window-size {value} and --sliding-window {args.sliding_window} ask for different windows: "
+                        "keep one")
+        return
+    args.sliding_window = window
+    notes.append(f"--window-size {value}: " + (f"--sliding-window {window} (each query and the {left} keys before it)"
+                                               if window else "no sliding window (-1: every earlier key)"))
+
+
+def _window_skip_freq(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        refusals.append(f"--window-attn-skip-freq {value}: rapidtrain takes one integer N >= 1 (every Nth layer "
+                        "attends to the whole sequence), not a per-layer pattern")
+        return
+    args.window_attn_skip_freq = int(text)
+    if args.sliding_window is None:
+        notes.append(f"--window-attn-skip-freq {text}: no effect here; there is no sliding window (--window-size or "
+                     "--sliding-window) to skip")
+    else:
+        notes.append(f"--window-attn-skip-freq {text}: " + note_of("--window-attn-skip-freq"))
+
+
 HANDLERS = {
     "--train-tokens": _train_tokens,
     "--lr-decay-tokens": _schedule_tokens("decay"),
@@ -395,6 +432,10 @@ HANDLERS = {
     "--use-flash-attn": _note("--use-flash-attn"),
     "--use-flash-attn-v1": _note("--use-flash-attn-v1"),
     "--use-flash-attn-triton": _note("--use-flash-attn-triton"),
+    "--window-size": _window_size,
+    "--window-attn-skip-freq": _window_skip_freq,
 }
 # Sizes and iteration counts first, so the schedule in tokens converts with the final global batch.
-HANDLER_ORDER = ["--gas", "--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"]
+# The window before the layers that skip it.
+HANDLER_ORDER = ["--gas", "--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens", "--window-size",
+                 "--window-attn-skip-freq"]

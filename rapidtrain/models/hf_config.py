@@ -1,5 +1,5 @@
 """What a `--pretrained-model-name-or-path` folder holds, and the built-in model's flags that a Hugging Face
-config.json fixes (GPT-2, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
+config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
 
 Reads config.json as JSON only: nothing from the folder is imported or run. With `--task pretraining` a
 Hugging Face folder initialises the built-in model; the shape flags not given are taken from the config,
@@ -22,6 +22,7 @@ FolderKind = Literal["huggingface", "rapidtrain", "missing", "other"]
 # Hugging Face model_type → what the built-in model becomes.
 SUPPORTED = {
     "gpt2": "GPT (GPT-2)",
+    "bloom": "GPT (BLOOM: ALiBi, embedding LayerNorm)",
     "llama": "GPT (Llama-family)",
     "mistral": "GPT (Llama-family, Mistral)",
     "qwen2": "GPT (Llama-family, Qwen2)",
@@ -195,6 +196,26 @@ def _gpt2_flags(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _bloom_flags(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("apply_residual_connection_post_layernorm"):
+        raise UnsupportedModel("config.json apply_residual_connection_post_layernorm: the built-in GPT adds the "
+                               "residual before the norm (pre-LN)")
+    hidden = config.get("hidden_size") or config["n_embed"]
+    return {
+        "model_type": "gpt",
+        "num_layers": config["n_layer"],
+        "hidden_size": hidden,
+        "num_attention_heads": config["n_head"],
+        "ffn_hidden_size": 4 * hidden,  # BLOOM's MLP is always 4h
+        "position_embedding_type": "alibi",
+        "embed_layernorm": True,
+        "normalization": "LayerNorm",
+        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+        "openai_gelu": True,  # BLOOM's GELU is the tanh approximation
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
+    }
+
+
 def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
     kind = config["model_type"]
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
@@ -232,6 +253,8 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
         "add_bias_linear": False,
         "add_qkv_bias": kind == "qwen2",  # Qwen2's q/k/v projections always have biases
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        # Mistral's and Mixtral's window covers every layer (Qwen2's only some: the rules refuse what it changes).
+        "sliding_window": config.get("sliding_window") if kind in ("mistral", "mixtral") else None,
     }
     if kind == "mixtral":
         topk = config["num_experts_per_tok"]
@@ -291,6 +314,8 @@ _BASE = {
     "post_layernorm": False,
     "bert_binary_head": False,
     "num_experts": None,
+    "embed_layernorm": False,
+    "sliding_window": None,
 }
 
 
@@ -299,6 +324,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
     kind = family(config)
     if kind == "gpt2":
         flags = _gpt2_flags(config)
+    elif kind == "bloom":
+        flags = _bloom_flags(config)
     elif kind in LLAMA_FAMILY:
         flags = _llama_flags(config)
     else:
