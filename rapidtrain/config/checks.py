@@ -11,8 +11,16 @@ from dataclasses import dataclass
 from rapidtrain.config import arguments
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.config.plan import layout_of
-from rapidtrain.config.resolve import optimizer_settings, precision_of, read_user_config, switches_of, zero_by_fsdp2
+from rapidtrain.config.resolve import (
+    optimizer_settings,
+    precision_of,
+    read_user_config,
+    switches_of,
+    tokenizer_settings_of,
+    zero_by_fsdp2,
+)
 from rapidtrain.config.settings import Batches, RunContext, data_parallel_size, expand_num_experts
+from rapidtrain.data.tokenizer import TokenizerSettingsError, tokenizer_vocab_size
 from rapidtrain.models import hf_config
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME
 
@@ -558,3 +566,19 @@ def megatron_task_problem(args: Args, ctx: RunContext) -> str | None:
     if args.data_iterator == "dynamic-shape":
         return f"{task}: Megatron's task samples are padded to --seq-length; drop --data-iterator dynamic-shape"
     return None
+
+
+def pad_vocab_problem(args: Args) -> str | None:
+    """BigScience's --pad-vocab-size-to N pads to N rows, never fewer than the tokenizer's ids (as its Megatron)."""
+    wanted = getattr(args, "pad_vocab_size_to", None)
+    if wanted is None:
+        return None
+    settings = tokenizer_settings_of(args)
+    try:
+        vocab = tokenizer_vocab_size(settings) if settings is not None else 0
+    except TokenizerSettingsError:
+        return None  # a missing tokenizer file is reported by the plan, naming its flag
+    if vocab <= wanted:
+        return None
+    return (f"--pad-vocab-size-to {wanted} is smaller than the tokenizer's vocabulary of {vocab} ids "
+            f"(--tokenizer-type {settings.tokenizer_type if settings else ''}); give at least {vocab}")

@@ -114,6 +114,9 @@ HANDLED: dict[str, str] = {
                              "sizes refused",
     "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
                            "the vocabulary pads to exactly N",
+    "--pad-vocab-size-to": "BigScience's embedding rows: exactly N (--make-vocab-size-divisible-by N / TP); refused "
+                           "when N is smaller than the tokenizer's vocabulary or not divisible by the tensor-parallel "
+                           "size",
     "--dataloader-type": "single and cyclic: rapidtrain's samplers (Megatron's order within an epoch, reshuffled per "
                          "epoch); external is refused",
     "--use-flash-attn": "torch scaled_dot_product_attention runs a flash kernel on CUDA where the shapes allow "
@@ -183,8 +186,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                       "--make-vocab-size-divisible-by); Pai's extra rows are never indexed"),
     "--max-padding-length": (NO_EFFECT, "pretraining samples are --seq-length tokens; Pai pads fine-tuning samples to "
                                         "this length"),
-    "--pad-vocab-size-to": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
-                                     "that flag"),
     "--decoupled-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in rapidtrain; "
                                 "leave it out (one --lr for all)"),
     "--decoupled-min-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in "

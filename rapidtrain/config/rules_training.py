@@ -39,6 +39,7 @@ from rapidtrain.config.checks import (
     optimizer_choice,
     options_without_switch,
     outside_range,
+    pad_vocab_problem,
     padding_free_problem,
     partitioning_flags,
     per_split_problem,
@@ -509,6 +510,12 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "at most the layers of a pipeline stage; op granularity is for the built-in models.",
         lambda a, c: recompute_problem(a) is not None,
         lambda a, c: str(recompute_problem(a)),
+    ),
+    Rule(
+        "pad-vocab-size-to-fits", ("--pad-vocab-size-to", "--tokenizer-type"),
+        "BigScience's --pad-vocab-size-to N gives the embedding exactly N rows: at least the tokenizer's ids.",
+        lambda a, c: pad_vocab_problem(a) is not None,
+        lambda a, c: str(pad_vocab_problem(a)),
     ),
     Rule(
         "megatron-task", ("--task", "--train-data", "--valid-data", "--epochs", "--model-type",

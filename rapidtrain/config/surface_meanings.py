@@ -363,6 +363,18 @@ def _padded_vocab_size(args: Args, value: int, notes: list[str], refusals: list[
                  f"{value // tp} × tensor-parallel {tp}); a tokenizer of more ids would pad to the next multiple")
 
 
+def _pad_vocab_size_to(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    """BigScience's exact row count; the tokenizer's size is checked against it by the rules (which read it)."""
+    tp = args.tensor_model_parallel_size
+    if value < 1 or value % tp:
+        refusals.append(f"--pad-vocab-size-to {value}: the embedding's rows are split over --tensor-model-parallel-"
+                        f"size {tp} ranks, so give a positive multiple of {tp}")
+        return
+    args.make_vocab_size_divisible_by = value // tp  # padding to a multiple of N/TP × TP gives N rows
+    notes.append(f"--pad-vocab-size-to {value}: the embedding has exactly {value} rows (--make-vocab-size-divisible-"
+                 f"by {value // tp} × tensor-parallel {tp})")
+
+
 def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
     if value == "external":
         refusals.append("--dataloader-type external: a user-supplied iterator is served by a --user-script instead")
@@ -428,6 +440,7 @@ HANDLERS = {
     "--moe-router-load-balancing-type": _load_balancing,
     "--moe-ffn-hidden-size": _moe_ffn,
     "--padded-vocab-size": _padded_vocab_size,
+    "--pad-vocab-size-to": _pad_vocab_size_to,
     "--dataloader-type": _dataloader_type,
     "--use-flash-attn": _note("--use-flash-attn"),
     "--use-flash-attn-v1": _note("--use-flash-attn-v1"),

@@ -30,9 +30,9 @@ REFUSED = {
     "bmds-gpt-cl-2021": ["argument --lr-decay-tokens: expected one argument"],  # its shell arithmetic fails
     "bmds-gpt-multilingual-2021": ["--train-weighted-split-paths"],
     "bsw-tr1-13b-2021": ["of the batch schedule are not divisible by --micro-batch-size 1 × data-parallel size"],
-    "bsw-tr11b-1b3-2022": ["--pad-vocab-size-to 250880", "--train-weighted-split-paths-path"],
-    "bsw-tr11-176b-2022": ["--pad-vocab-size-to 250880", "--train-weighted-split-paths-path"],
-    "bsw-tr13f-6b3-mtf-2022": ["--pad-vocab-size-to 250880", "--train-weighted-split-paths-path"],
+    "bsw-tr11b-1b3-2022": ["--train-weighted-split-paths-path"],
+    "bsw-tr11-176b-2022": ["--train-weighted-split-paths-path"],
+    "bsw-tr13f-6b3-mtf-2022": ["--train-weighted-split-paths-path"],
     "dse-gpt2-mp-2020": ["--global-batch-size 16 is not divisible"],  # its DeepSpeed config's 16 vs 8 × DP 8
     "dse-zero-offload-10b-2020": ["needs --vocab-file"],
     "dse-zero2-2020": ["--global-batch-size 16 is not divisible"],  # its DeepSpeed config's 16 vs 8 × DP 4
