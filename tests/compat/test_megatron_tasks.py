@@ -75,26 +75,62 @@ def test_a_file_that_is_not_mnli_names_the_flag_and_line(tmp_path, vocab):
         read_race(str(tmp_path / "missing"), vocab, 16, flag="--valid-data")
 
 
-def test_megatron_2020_mnli_script_fine_tunes_a_pretrained_bert_and_reports_accuracy(local_files, tmp_path):
-    """Megatron-LM's examples/finetune_mnli_distributed.sh (2020) shrunk to one process: the BERT checkpoint comes
-    from Megatron-LM's BERT script (2020) run by pretrain_bert.py for 2 iterations; one epoch over 24 MNLI rows,
-    then the accuracy on dev_matched and dev_mismatched, each file apart and overall, as Megatron prints it."""
-    pretrained = tmp_path / "bert"
-    shape = {"--fp16": None, "--checkpoint-activations": None, "--save-interval": None}
+SHRUNK = {"--fp16": None, "--checkpoint-activations": None, "--save-interval": None}
+
+
+@pytest.fixture(scope="module")
+def pretrained_bert(local_files, tmp_path_factory):
+    """A BERT checkpoint as a Megatron user makes one: Megatron-LM's BERT script (2020) run by pretrain_bert.py with
+    its sizes shrunk, 2 iterations, --save."""
+    folder = tmp_path_factory.mktemp("pretrained") / "bert"
     python(ENTRY["pretrain_bert"], tiny(BY_ID["mlm-bert-2020"], local_files,
-                                        {**shape, "--train-iters": "2", "--save": str(pretrained),
-                                         "--load": None}))
+                                        {**SHRUNK, "--train-iters": "2", "--save": str(folder), "--load": None}))
+    return folder
+
+
+def test_megatron_2020_mnli_script_fine_tunes_a_pretrained_bert_and_reports_accuracy(local_files, pretrained_bert,
+                                                                                      tmp_path):
+    """Megatron-LM's examples/finetune_mnli_distributed.sh (2020) shrunk to one process, from the checkpoint
+    pretrain_bert.py saved: one epoch over 24 MNLI rows, then the accuracy on dev_matched and dev_mismatched, each
+    file apart and overall, as Megatron prints it."""
     write_mnli(tmp_path / "train.tsv", 24)
     write_mnli(tmp_path / "dev_matched.tsv", 6, offset=100)
     write_mnli(tmp_path / "dev_mismatched.tsv", 3, offset=200)
-    changes = {**shape, "--train-data": str(tmp_path / "train.tsv"), "--pretrained-checkpoint": str(pretrained),
+    changes = {**SHRUNK, "--train-data": str(tmp_path / "train.tsv"), "--pretrained-checkpoint": str(pretrained_bert),
                "--valid-data": [str(tmp_path / "dev_matched.tsv"), str(tmp_path / "dev_mismatched.tsv")],
                "--epochs": "1", "--batch-size": "4", "--save": None, "--eval-interval": None}
     run = python(REPO / "rapidtrain" / "tasks_main.py", tiny(BY_ID["mlm-mnli-ft-2020"], local_files, changes))
     assert "started from the pretrained BERT: encoder and pooler" in run.stdout
+    assert "head of 3 classes on the pooled [CLS], Megatron's MNLI task" in run.stdout
     assert len(re.findall(r"\] iteration +\d+/ +6 \|[^\n]*lm loss: [0-9.E+-]+", run.stdout)) == 6
     matched = re.search(r" > \|epoch: 0\| metrics for dev-matched: correct / total = (\d+) / 6 = ([0-9.]+) %",
                         run.stdout)
     assert matched and abs(float(matched.group(2)) - 100 * int(matched.group(1)) / 6) < 1e-3
     assert re.search(r" > \|epoch: 0\| metrics for dev-mismatched: correct / total = \d+ / 3 = ", run.stdout)
     assert re.search(r" >> \|epoch: 0\| overall: correct / total = \d+ / 9 = [0-9.]+ %", run.stdout)
+
+
+def test_the_task_model_takes_the_encoder_and_refuses_a_checkpoint_of_another_shape(pretrained_bert):
+    """The checkpoint's encoder and pooler land in the task model unchanged (its head is new); a model of another
+    hidden size is refused naming the flag that differs. RACE's [b, 4, s] inputs give one score per option."""
+    import torch
+
+    from rapidtrain.checkpoint.checkpointer import CheckpointError, read_common
+    from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state
+    from rapidtrain.models.config import ModelConfig
+    from rapidtrain.tasks.megatron_tasks import BertTaskModel
+
+    directory = checkpoint_directory(str(pretrained_bert))
+    config = ModelConfig(**read_common(directory)["plan"]["model"])
+    model = BertTaskModel(config, outputs=1, seed=3)
+    model.load_pretrained(str(pretrained_bert))
+    saved = consolidated_model_state(directory)
+    encoder = model.encoder.state_dict()
+    assert len(encoder) > 20 and all(torch.equal(value, saved[name]) for name, value in encoder.items())
+    assert torch.equal(model.pooler.dense.weight, saved["pooler.dense.weight"])
+    model.eval()
+    tokens = torch.randint(5, 100, (2, 4, 16))
+    assert model(tokens, torch.ones_like(tokens), torch.zeros_like(tokens)).shape == (2, 4)
+    other = BertTaskModel(ModelConfig(**{**config.__dict__, "hidden_size": 32}), outputs=3, seed=3)
+    with pytest.raises(CheckpointError, match=r"holds a different model: --hidden-size \(checkpoint 64, now 32\)"):
+        other.load_pretrained(str(pretrained_bert))
