@@ -35,11 +35,20 @@ def clean_text(text: str) -> str:
     return text
 
 
+def special_ids(tokenizer: Tokenizer) -> tuple[int, int, int]:
+    """[CLS], [SEP] and [PAD] of a BERT tokenizer; another tokenizer has no such ids."""
+    if tokenizer.cls is None or tokenizer.sep is None or tokenizer.pad is None:
+        raise TaskDataError(f"--tokenizer-type: {type(tokenizer).__name__} has no [CLS], [SEP] and [PAD] ids; "
+                            "Megatron's tasks read BERT's WordPiece (BertWordPieceLowerCase or BertWordPieceCase)")
+    return tokenizer.cls, tokenizer.sep, tokenizer.pad
+
+
 def pair_row(first: Sequence[int], second: Sequence[int] | None, seq_length: int,
              tokenizer: Tokenizer) -> tuple[list[int], list[int], list[int]]:
     """(ids, token types, padding mask) of `[CLS] first [SEP] second [SEP]`, cut to `seq_length` (keeping a closing
     [SEP]) and padded to it."""
-    ids = [tokenizer.cls, *first, tokenizer.sep]
+    cls, sep, pad = special_ids(tokenizer)
+    ids = [cls, *first, sep]
     types = [0] * len(ids)
     if second is not None:
         ids += list(second)
@@ -48,10 +57,10 @@ def pair_row(first: Sequence[int], second: Sequence[int] | None, seq_length: int
     if trimmed:
         ids, types = ids[: seq_length - 1], types[: seq_length - 1]
     if second is not None or trimmed:
-        ids.append(tokenizer.sep)
+        ids.append(sep)
         types.append(0 if second is None else 1)
     padding = seq_length - len(ids)
-    return ids + [tokenizer.pad] * padding, types + [0] * padding, [1] * len(ids) + [0] * padding
+    return ids + [pad] * padding, types + [0] * padding, [1] * len(ids) + [0] * padding
 
 
 def _sample(rows: list[tuple[list[int], list[int], list[int]]], label: int, source: int) -> dict[str, Any]:

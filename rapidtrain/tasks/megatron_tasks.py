@@ -118,7 +118,7 @@ class MegatronTaskFinetuner(Finetuner):
     def _resuming(self) -> bool:
         """--load names a checkpoint of this task run (Megatron loads the pretrained BERT only at iteration 0)."""
         load = self.plan.checkpoint.load
-        return bool(load) and (Path(load) / "latest_checkpointed_iteration.txt").exists()
+        return load is not None and (Path(load) / "latest_checkpointed_iteration.txt").exists()
 
     def run_forward_step(self, batch: Any, model: Any) -> Any:
         logits = model(batch["text"], batch["padding_mask"], batch["types"])
