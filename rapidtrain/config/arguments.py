@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 # The tokenizer module owns the list of types (it imports only the standard library at load time).
 from rapidtrain.config.flag_parser import FlagParser
+from rapidtrain.config.settings import MEGATRON_TASKS
 from rapidtrain.data.tokenizer import TOKENIZER_TYPES
 
 TASKS = (
@@ -24,6 +25,7 @@ TASKS = (
     "casual_lm",
     "seq2seq_lm",
     "pretraining",
+    *MEGATRON_TASKS,
 )
 # Rapidformer spells it `casual_lm`; users who type the correct spelling get the same task.
 TASK_ALIASES = {"causal_lm": "casual_lm"}
@@ -252,7 +254,9 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
 def _add_training(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training", "Regular settings: training")
     g.add_argument("--task", type=canonical_task, default="pretraining",
-                   help=f"Training task: {', '.join(TASKS)} ('causal_lm' is accepted for casual_lm).")
+                   help=f"Training task: {', '.join(TASKS)} ('causal_lm' is accepted for casual_lm). MNLI and RACE are "
+                        "Megatron's tasks/main.py (rapidtrain/tasks_main.py): the built-in BERT from "
+                        "--pretrained-checkpoint, on --train-data / --valid-data files.")
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor after decay.")
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
@@ -685,6 +689,12 @@ def parse_args(
     return args
 
 
+def is_megatron_task(args: argparse.Namespace) -> bool:
+    """--task MNLI / RACE: Megatron's tasks/main.py, whose --train-data/--valid-data are task files (not indexed
+    data) and whose --pretrained-checkpoint is the BERT the task's model starts from (not --load)."""
+    return args.task in MEGATRON_TASKS
+
+
 def builtin_from_pretrained(args: argparse.Namespace) -> bool:
     """--task pretraining with --pretrained-model-name-or-path, and no --user-script (whose script decides what
     the folder is for): the folder initialises the built-in model, its config.json giving the shape flags not
@@ -719,6 +729,7 @@ ENTRY_DEFAULTS: dict[str, dict] = {
     "pretrain": {},  # rapidtrain/pretrain.py and `rapidtrain --task pretraining`: GPT unless --model-type bert
     "pretrain_gpt": {"model_type": "gpt"},
     "pretrain_bert": {"model_type": "bert"},
+    "tasks_main": {"model_type": "bert"},  # Megatron's tasks/main.py: the built-in BERT fine-tuned on --task MNLI/RACE
 }
 DEMO_DEFAULTS = {"train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style": "cosine",
                  "lr_warmup_fraction": 0.03, "micro_batch_size": 8, "log_interval": 10, "eval_interval": 100,

@@ -52,7 +52,9 @@ def _data_source(data: DataSettings, tokenizer: TokenizerSettings | None) -> str
     words = {"demo": "the built-in demo corpus (no --data-path; the demo's small-model defaults apply)",
              "indexed": "Megatron indexed data " + " ".join(data.data_path),
              "finetune": f"fine-tuning set {data.data_dir or ''} {data.data_name or ''}".rstrip(),
-             "script": "provided by the user script"}
+             "script": "provided by the user script",
+             "task": "task files --train-data " + " ".join(data.train_data) + "; validation, each file scored "
+                     "apart: " + " ".join(data.valid_data)}
     text = words[data.source]
     if data.raw_json:
         files = [paths[0] for paths in data.split_paths or () if paths]

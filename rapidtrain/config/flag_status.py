@@ -95,8 +95,9 @@ HANDLED: dict[str, str] = {
                             "weight, and since norms get no weight decay here, the same training",
     "--no-position-embedding": "no learned position table: with rotary embeddings or ALiBi that is already so; "
                                "without them refused (rapidtrain's models need a position encoding)",
-    "--pretrained-checkpoint": "Megatron tasks' starting weights: --load FOLDER --finetune (model only, from "
-                               "iteration 0)",
+    "--pretrained-checkpoint": "Megatron tasks' starting weights: with --task MNLI / RACE (rapidtrain/tasks_main.py) "
+                               "the BERT checkpoint whose encoder and pooler the task's model starts from; "
+                               "otherwise --load FOLDER --finetune (model only, from iteration 0)",
     "--patch-tokenizer-type": "Pai-Megatron-Patch's Hugging Face tokenizers (LLamaTokenizer, Qwen2Tokenizer, ...): "
                               "--tokenizer-type HuggingFaceTokenizer from --tokenizer-model, else the --load folder",
     "--dataset": "Pai-Megatron-Patch's dataset kind: the *-Idxmap kinds (and MMAP) are Megatron indexed data; "
@@ -117,6 +118,9 @@ HANDLED: dict[str, str] = {
                              "sizes refused",
     "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
                            "the vocabulary pads to exactly N",
+    "--pad-vocab-size-to": "BigScience's embedding rows: exactly N (--make-vocab-size-divisible-by N / TP); refused "
+                           "when N is smaller than the tokenizer's vocabulary or not divisible by the tensor-parallel "
+                           "size",
     "--dataloader-type": "single and cyclic: rapidtrain's samplers (Megatron's order within an epoch, reshuffled per "
                          "epoch); external is refused",
     "--use-flash-attn": "torch scaled_dot_product_attention runs a flash kernel on CUDA where the shapes allow "
@@ -200,8 +204,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                             "data loader"),
     "--extra-vocab-size": (NO_EFFECT, "the embedding is sized from the tokenizer's vocabulary (padded to "
                                       "--make-vocab-size-divisible-by); Pai's extra rows are never indexed"),
-    "--pad-vocab-size-to": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
-                                     "that flag"),
     "--context-parallel-size": (REFUSED, "context parallelism (sequence split over ranks in attention) is not in "
                                          "rapidtrain; use --sequence-parallel with tensor parallelism, or shorter "
                                          "--seq-length"),

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
+from rapidtrain.config.settings import MEGATRON_TASKS
 from rapidtrain.models.hf_config import is_megatron_checkpoint
 
 Args = argparse.Namespace
@@ -39,7 +40,7 @@ def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = Non
     _megatron_checkpoint_folder(args, given, notes)
     _finetune_without_load(args, notes)
     _distributed_optimizer(args, notes)
-    if entry is not None:
+    if entry is not None and args.task == "pretraining":
         _per_split_data(args, notes)
     _finetune_data_path(args, notes)
     if args.use_expert_residual_network:
@@ -104,7 +105,10 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
 
 
 def _finetune_without_load(args: Args, notes: list[str]) -> None:
-    if args.finetune and not args.load:
+    if args.finetune and args.task in MEGATRON_TASKS:
+        notes.append("--finetune: Megatron's tasks start the model from --pretrained-checkpoint at iteration 0 "
+                     "whether or not it is given")
+    elif args.finetune and not args.load:
         notes.append("--finetune without --load does nothing (no checkpoint to take the model from); the model "
                      "starts from its initialisation, as in Megatron")
 

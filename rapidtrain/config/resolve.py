@@ -152,12 +152,14 @@ def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
 
 
 def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
-    from rapidtrain.config.arguments import uses_demo_data
+    from rapidtrain.config.arguments import is_megatron_task, uses_demo_data
 
     if is_pretraining(args, ctx):
         source: DataSource = "demo" if uses_demo_data(args) else "indexed"
     elif ctx.script:
         source = "demo" if uses_demo_data(args) and args.task == "pretraining" else "script"
+    elif is_megatron_task(args):
+        source = "task"
     else:
         source = "finetune"
     return DataSettings(
@@ -169,7 +171,9 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
         split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
         padding_free=args.padding_free, weighted_splits=getattr(args, "weighted_split_groups", None),
-        raw_json=getattr(args, "raw_json_dataset", None), max_padding_length=getattr(args, "max_padding_length", None))
+        raw_json=getattr(args, "raw_json_dataset", None), max_padding_length=getattr(args, "max_padding_length", None),
+        train_data=tuple(args.train_data or ()) if source == "task" else (),
+        valid_data=tuple(args.valid_data or ()) if source == "task" else ())
 
 
 def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
@@ -278,7 +282,14 @@ def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None)
                               load_rng=not args.no_load_rng, schedule_from=schedule_from,
                               async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained,
                               pretrained_model=args.pretrained_model_name_or_path,
+                              pretrained_checkpoint=megatron_task_checkpoint(args),
                               flags=recorded_flags(args, vocab_size))
+
+
+def megatron_task_checkpoint(args: argparse.Namespace) -> str | None:
+    from rapidtrain.config.arguments import is_megatron_task
+
+    return getattr(args, "pretrained_checkpoint", None) if is_megatron_task(args) else None
 
 
 def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:

@@ -401,6 +401,9 @@ class CheckpointSettings:
     load_is_pretrained_model: bool = False
     # --pretrained-model-name-or-path: the folder a Hugging Face fine-tune takes its model and tokenizer from.
     pretrained_model: str | None = None
+    # --pretrained-checkpoint of Megatron's tasks (--task MNLI/RACE): the rapidtrain BERT checkpoint whose encoder
+    # and pooler the task's model starts from (its head is new); --load stays the task run's own resume folder.
+    pretrained_checkpoint: str | None = None
     # The flags as JSON values, recorded in each checkpoint beside the plan (Megatron's checkpoints carry their
     # args; Megatron-format loading and generation read the model's shape back from them).
     flags: dict[str, Any] = field(default_factory=dict)
@@ -465,7 +468,9 @@ class DistributedSettings:
     timeout_minutes: float = 10.0
 
 
-DataSource = Literal["demo", "indexed", "finetune", "script"]
+# Megatron-LM's tasks/main.py: the built-in BERT fine-tuned from a rapidtrain BERT checkpoint (tasks_main.py).
+MEGATRON_TASKS = ("MNLI", "RACE")
+DataSource = Literal["demo", "indexed", "finetune", "script", "task"]
 
 
 @dataclass(frozen=True)
@@ -473,7 +478,8 @@ class DataSettings:
     """Where samples come from and how they are batched and shared out.
 
     `source`: "demo" (the built-in corpus: pretraining with no --data-path), "indexed" (Megatron .bin/.idx
-    from --data-path), "finetune" (--data-dir/--data-name) or "script" (a user script brings its own).
+    from --data-path), "finetune" (--data-dir/--data-name), "script" (a user script brings its own) or "task"
+    (Megatron's tasks/main.py: --task MNLI/RACE files in --train-data / --valid-data).
     """
 
     source: DataSource
@@ -504,6 +510,9 @@ class DataSettings:
     mmap_warmup: bool = False
     # casual_lm fine-tuning: each micro-batch is one row of its sequences back to back (--padding-free).
     padding_free: bool = False
+    # Megatron's tasks (--task MNLI/RACE): the task's training files, and the validation files each scored apart.
+    train_data: tuple[str, ...] = ()
+    valid_data: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from rapidtrain.config.flag_surface import (
     megatron_flags_given,
     refusal_applies,
 )
+from rapidtrain.config.settings import MEGATRON_TASKS
 
 Args = argparse.Namespace
 
@@ -297,7 +298,10 @@ def _no_position_embedding(args: Args, value: bool, notes: list[str], refusals: 
 
 
 def _pretrained_checkpoint(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
-    if args.load is None:
+    if args.task in MEGATRON_TASKS:  # Megatron's tasks/main.py: the starting BERT; --load resumes the task run
+        notes.append(f"--pretrained-checkpoint {value}: the {args.task} model starts from this BERT checkpoint's "
+                     "encoder and pooler (its head is new)")
+    elif args.load is None:
         args.load, args.finetune = value, True
         notes.append(f"--pretrained-checkpoint {value}: --load {value} --finetune")
 
@@ -402,6 +406,18 @@ def _padded_vocab_size(args: Args, value: int, notes: list[str], refusals: list[
     args.make_vocab_size_divisible_by = value // tp
     notes.append(f"--padded-vocab-size {value}: the embedding has {value} rows (--make-vocab-size-divisible-by "
                  f"{value // tp} × tensor-parallel {tp}); a tokenizer of more ids would pad to the next multiple")
+
+
+def _pad_vocab_size_to(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    """BigScience's exact row count; the tokenizer's size is checked against it by the rules (which read it)."""
+    tp = args.tensor_model_parallel_size
+    if value < 1 or value % tp:
+        refusals.append(f"--pad-vocab-size-to {value}: the embedding's rows are split over --tensor-model-parallel-"
+                        f"size {tp} ranks, so give a positive multiple of {tp}")
+        return
+    args.make_vocab_size_divisible_by = value // tp  # padding to a multiple of N/TP × TP gives N rows
+    notes.append(f"--pad-vocab-size-to {value}: the embedding has exactly {value} rows (--make-vocab-size-divisible-"
+                 f"by {value // tp} × tensor-parallel {tp})")
 
 
 def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
@@ -556,6 +572,7 @@ HANDLERS = {
     "--moe-router-load-balancing-type": _load_balancing,
     "--moe-ffn-hidden-size": _moe_ffn,
     "--padded-vocab-size": _padded_vocab_size,
+    "--pad-vocab-size-to": _pad_vocab_size_to,
     "--dataloader-type": _dataloader_type,
     "--use-flash-attn": _note("--use-flash-attn"),
     "--use-flash-attn-v1": _note("--use-flash-attn-v1"),

@@ -122,8 +122,8 @@ def plan_for_built_model(plan: Plan, model: nn.Module) -> Plan:
     """The plan once the model exists: a model that is not a built-in GPT or BERT (a user script's own) replaces
     the built-in model's description and memory estimate, which the flags alone would have implied, so the plan
     and the checkpoints say what is really trained."""
-    if isinstance(model, GPTModel | BertModel):
-        return plan
+    if isinstance(model, GPTModel | BertModel) or isinstance(getattr(model, "encoder", None), BertModel):
+        return plan  # the built-in model itself, or the built-in BERT under a Megatron task's head (the plan says it)
     parameters = sum(p.numel() for p in model.parameters())
     return dataclasses.replace(plan, model=None, memory=None, estimate=None,
                                script_model=f"{type(model).__name__}, {parameters:,} parameters")

@@ -17,6 +17,14 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "positive-sizes": (["--micro-batch-size", "0"], ["--micro-batch-size", "1"], 1, "cpu"),
     "min-lr-within-lr": (["--lr", "1e-4", "--min-lr", "1e-3"], ["--lr", "1e-4", "--min-lr", "1e-4"], 1, "cpu"),
     "unknown-task": (["--task", "sequence_clasification"], ["--task", "causal_lm"], 1, "cpu"),
+    "pad-vocab-size-to-fits": (["--pad-vocab-size-to", "128"], ["--pad-vocab-size-to", "65536"], 1, "cpu"),
+    "megatron-task": (  # Megatron's tasks/main.py: its files, the built-in BERT, data parallel
+        ["--task", "MNLI", "--model-type", "bert", "--train-data", "t.tsv", "--valid-data", "d.tsv",
+         "--tensor-model-parallel-size", "2"],
+        ["--task", "MNLI", "--model-type", "bert", "--train-data", "t.tsv", "--valid-data", "d.tsv"],
+        2,
+        "cpu",
+    ),
     "one-state-partitioning": (
         ["--zero-2-memory-optimization", "--fsdp-memory-optimization"],
         ["--zero-2-memory-optimization"],
