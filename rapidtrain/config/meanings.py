@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
+from rapidtrain.config.settings import MEGATRON_TASKS
 from rapidtrain.models.hf_config import is_megatron_checkpoint
 
 Args = argparse.Namespace
@@ -24,7 +25,9 @@ CHECKPOINT_SHAPE_FLAGS = (
     "position_embedding_type", "normalization", "layernorm_epsilon", "swiglu", "group_query_attention",
     "num_query_groups", "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu",
     "post_layernorm", "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
-    "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by",
+    "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by", "kv_channels", "qk_layernorm", "use_rope_scaling",
+    "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "embed_layernorm", "sliding_window",
+    "window_attn_skip_freq",
 )
 
 
@@ -38,7 +41,7 @@ def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = Non
     _megatron_checkpoint_folder(args, given, notes)
     _finetune_without_load(args, notes)
     _distributed_optimizer(args, notes)
-    if entry is not None:
+    if entry is not None and args.task == "pretraining":
         _per_split_data(args, notes)
     _finetune_data_path(args, notes)
     if args.use_expert_residual_network:
@@ -128,7 +131,10 @@ def _fits(saved: Any, current: Any) -> bool:
 
 
 def _finetune_without_load(args: Args, notes: list[str]) -> None:
-    if args.finetune and not args.load:
+    if args.finetune and args.task in MEGATRON_TASKS:
+        notes.append("--finetune: Megatron's tasks start the model from --pretrained-checkpoint at iteration 0 "
+                     "whether or not it is given")
+    elif args.finetune and not args.load:
         notes.append("--finetune without --load does nothing (no checkpoint to take the model from); the model "
                      "starts from its initialisation, as in Megatron")
 
@@ -186,7 +192,9 @@ BUILTIN_ONLY_FLAGS = (
     "model_type", "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon",
     "position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
     "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu", "post_layernorm",
-    "untie_embeddings_and_output_weights", "bert_binary_head", "split", "data_impl", "eod_mask_loss",
+    "kv_channels", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
+    "untie_embeddings_and_output_weights", "bert_binary_head", "embed_layernorm", "sliding_window", "split",
+    "data_impl", "eod_mask_loss",
     "reset_position_ids", "reset_attention_mask", "short_seq_prob",
 )
 
@@ -237,6 +245,9 @@ def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> lis
     if args.keep_last and entry is not None:
         notes.append("--keep-last: no effect in iteration-based pretraining (it keeps a fine-tuning epoch's last, "
                      "incomplete micro-batch)")
+    if "rope_scaling_factor" in given and not args.use_rope_scaling:
+        notes.append(f"--rope-scaling-factor {args.rope_scaling_factor:g}: no effect without --use-rope-scaling (as "
+                     "in Megatron)")
     moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")
     if any(flag in given for flag in moe_options):
         notes.append("--router-type 0 / --moe-linear-layer-type standard / --top-k-linear-strategy normal: the "

@@ -186,11 +186,52 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         f"{a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
     ),
     Rule(
+        "alibi-and-window-are-gpt", ("--position-embedding-type", "--sliding-window", "--model-type"),
+        "ALiBi and sliding-window attention are causal features of the built-in GPT.",
+        lambda a, c: a.model_type == "bert" and (a.position_embedding_type == "alibi" or a.sliding_window is not None),
+        lambda a, c: ("--position-embedding-type alibi" if a.position_embedding_type == "alibi" else "--sliding-window")
+        + " with --model-type bert: the built-in BERT attends both ways, and rapidtrain has ALiBi and sliding windows "
+        "for the causal GPT only. Drop it, or use --model-type gpt.",
+    ),
+    Rule(
+        "sliding-window-positive", ("--sliding-window",),
+        "--sliding-window counts the keys a query sees, itself included: at least 1.",
+        lambda a, c: a.sliding_window is not None and a.sliding_window < 1,
+        lambda a, c: f"--sliding-window {a.sliding_window}: each query sees itself and the keys before it, at most "
+        "this many; give 1 or more (leave it out for no window).",
+    ),
+    Rule(
+        "alibi-needs-a-biased-kernel", ("--position-embedding-type", "--attention-backend"),
+        "ALiBi adds a bias to the scores: on CUDA, PyTorch's flash and cuDNN kernels take none.",
+        lambda a, c: a.position_embedding_type == "alibi" and c.device_type == "cuda"
+        and a.attention_backend in ("flash", "flash_attention_2", "fused"),
+        lambda a, c: f"--position-embedding-type alibi with --attention-backend {a.attention_backend}: that CUDA "
+        "kernel takes no additive bias. Choose auto (memory-efficient attention takes ALiBi's bias), unfused, or "
+        "flex_attention.",
+    ),
+    Rule(
         "rotary-percent-range", ("--rotary-percent",),
         "--rotary-percent lies in (0, 1].",
         lambda a, c: a.rotary_percent is not None and not 0 < a.rotary_percent <= 1,
         lambda a, c: f"--rotary-percent {a.rotary_percent} is the share of each head that rope rotates: give a "
         "value in (0, 1].",
+    ),
+    Rule(
+        "rope-scaling-needs-rope", ("--use-rope-scaling", "--rotary-seq-len-interpolation-factor",
+                                    "--position-embedding-type"),
+        "Rope scaling and position interpolation apply to rotary position embeddings.",
+        lambda a, c: a.position_embedding_type != "rope"
+        and (a.use_rope_scaling or a.rotary_seq_len_interpolation_factor not in (None, 1)),
+        lambda a, c: "--use-rope-scaling / --rotary-seq-len-interpolation-factor scale rotary embeddings, but "
+        f"--position-embedding-type is {a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
+    ),
+    Rule(
+        "rope-scaling-factors-positive", ("--rope-scaling-factor", "--rotary-seq-len-interpolation-factor"),
+        "Rope scaling factors are positive.",
+        lambda a, c: a.rope_scaling_factor <= 0 or (a.rotary_seq_len_interpolation_factor is not None
+                                                    and a.rotary_seq_len_interpolation_factor <= 0),
+        lambda a, c: f"--rope-scaling-factor {a.rope_scaling_factor:g} / --rotary-seq-len-interpolation-factor "
+        f"{a.rotary_seq_len_interpolation_factor}: each divides rope's frequencies; give a positive value.",
     ),
     Rule(
         "swiglu-ffn-size", ("--swiglu", "--ffn-hidden-size", "--hidden-size"),
@@ -210,7 +251,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
         "pretrained-folder-initialises-builtin", ("--pretrained-model-name-or-path", "--task"),
         "With --task pretraining, --pretrained-model-name-or-path is a Hugging Face folder (config.json) of a "
-        "GPT-2, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
+        "GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
         lambda a, c: hf_config.unsupported_reason(a) is not None,
         lambda a, c: f"{hf_config.unsupported_reason(a)}.",
     ),
@@ -243,8 +284,8 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "pretrained-sliding-window", ("--pretrained-model-name-or-path", "--seq-length"),
-        "A Hugging Face model with sliding-window attention trains with --seq-length within the window (where the "
-        "window changes nothing).",
+        "A Hugging Face Qwen2 with sliding-window attention in some layers trains with --seq-length within the window "
+        "(where the window changes nothing).",
         lambda a, c: sliding_window_of(a) is not None and a.seq_length > sliding_window_of(a),
         lambda a, c: f"--seq-length {a.seq_length} is longer than the sliding_window {sliding_window_of(a)} of "
         f"{a.pretrained_model_name_or_path}/config.json: the built-in attention sees the whole sequence. Use "
@@ -252,10 +293,12 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "hidden-divisible-by-heads", ("--hidden-size", "--num-attention-heads"),
-        "The hidden size is divisible by the number of attention heads.",
-        lambda a, c: a.num_attention_heads >= 1 and a.hidden_size % a.num_attention_heads != 0,
+        "The hidden size is divisible by the number of attention heads (unless --kv-channels gives the head size).",
+        lambda a, c: a.num_attention_heads >= 1 and a.hidden_size % a.num_attention_heads != 0
+        and not a.kv_channels,
         lambda a, c: f"--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
-        f"{a.num_attention_heads}: each head gets hidden / heads dimensions. Change one of them.",
+        f"{a.num_attention_heads}: each head gets hidden / heads dimensions. Change one of them, or give the head "
+        "size with --kv-channels.",
     ),
     Rule(
         "fp16-xor-bf16", ("--fp16", "--bf16"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rapidtrain.data.blending import build_blended_splits
+from rapidtrain.data.blending import BlendedDataset, build_blended_splits, component_num_samples, normalize_weights
 from rapidtrain.data.index_cache import (
     DataConfigError,
     check_index_memory,
@@ -20,6 +20,7 @@ from rapidtrain.data.index_cache import (
     load_or_build_cached_indices,
 )
 from rapidtrain.data.indexed import IndexedDataset, check_token_ids
+from rapidtrain.data.weighted_splits import WeightedComponent, WeightedGroup
 
 # Megatron separates the final epoch when it contributes less than this fraction of an epoch's samples.
 SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
@@ -356,3 +357,29 @@ def build_gpt_datasets(config: GPTDatasetConfig, train_valid_test_num_samples: S
         lambda prefix, counts: build_gpt_split_datasets(prefix, config, counts),
         config.cache_dir,
     )
+
+
+def build_gpt_range_dataset(component: WeightedComponent, config: GPTDatasetConfig, num_samples: int,
+                            split_name: str) -> GPTDataset:
+    """A GPTDataset over the documents of `component.prefix` between its two fractions (BigScience's START:END)."""
+    indexed = open_indexed_dataset(component.prefix, config.data_impl, config.vocab_size)
+    begin, end = component.document_range(len(indexed))
+    if end <= begin:
+        raise DataConfigError(
+            f"--{split_name}-weighted-split-paths: {component.start:g}:{component.end:g} of {component.prefix}'s "
+            f"{len(indexed)} documents holds none; widen the range or use more documents")
+    documents = np.arange(begin, end, dtype=np.int32)
+    return GPTDataset(indexed, component.prefix, documents, int(num_samples), config, split_name)
+
+
+def build_weighted_group(group: WeightedGroup, config: GPTDatasetConfig, num_samples: int,
+                         split_name: str) -> GPTDataset | BlendedDataset:
+    """One weighted group: its one component, or a blend of `num_samples` drawn by the normalized weights, each
+    component built with its share plus Megatron's margin."""
+    if len(group.components) == 1:
+        return build_gpt_range_dataset(group.components[0], config, num_samples, split_name)
+    weights = normalize_weights(group.weights)
+    parts = [build_gpt_range_dataset(component, config, counts[0], split_name)
+             for component, counts in zip(group.components, component_num_samples(weights, [num_samples]),
+                                          strict=True)]
+    return BlendedDataset(parts, weights, num_samples, index_cache_dir(group.components[0].prefix, config.cache_dir))

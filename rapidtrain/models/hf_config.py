@@ -1,5 +1,5 @@
 """What a `--pretrained-model-name-or-path` folder holds, and the built-in model's flags that a Hugging Face
-config.json fixes (GPT-2, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
+config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
 
 Reads config.json as JSON only: nothing from the folder is imported or run. With `--task pretraining` a
 Hugging Face folder initialises the built-in model; the shape flags not given are taken from the config,
@@ -22,14 +22,16 @@ FolderKind = Literal["huggingface", "rapidtrain", "missing", "other"]
 # Hugging Face model_type → what the built-in model becomes.
 SUPPORTED = {
     "gpt2": "GPT (GPT-2)",
+    "bloom": "GPT (BLOOM: ALiBi, embedding LayerNorm)",
     "llama": "GPT (Llama-family)",
     "mistral": "GPT (Llama-family, Mistral)",
     "qwen2": "GPT (Llama-family, Qwen2)",
+    "qwen3": "GPT (Llama-family, Qwen3: q/k norms)",
     "mixtral": "GPT (Llama-family MoE, Mixtral)",
     "bert": "BERT",
     "megatron-bert": "BERT (Megatron pre-LN)",
 }
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "mixtral")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
@@ -135,27 +137,39 @@ def family(config: dict[str, Any]) -> str:
 # ---- config.json → flags ----
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
-    """rope theta, refusing rope scalings the built-in rotary does not implement (transformers 4 and 5 keys)."""
-    parameters = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kind = parameters.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise UnsupportedModel(
-            f"config.json uses rope scaling {kind!r}; the built-in rotary embedding implements plain rope only"
-        )
+# Llama 3.1's rope scaling as Megatron's --use-rope-scaling fixes it (only the factor is a flag there).
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """rope theta and scaling (transformers 4's rope_scaling and 5's rope_parameters keys): plain, Llama 3.1's
+    llama3 with Megatron's fixed factors, or linear; other scalings are refused."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = parameters.get("rope_type") or parameters.get("type") or "default"
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModel("config.json has partial_rotary_factor; Llama-family models rotate whole heads")
-    return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))
+    flags = {"rotary_base": float(parameters.get("rope_theta", config.get("rope_theta", 10000.0))),
+             "use_rope_scaling": False, "rope_scaling_factor": 8.0, "rotary_seq_len_interpolation_factor": None}
+    if kind == "llama3":
+        other = {key: parameters.get(key) for key in LLAMA3_FIXED if parameters.get(key) != LLAMA3_FIXED[key]}
+        if other:
+            raise UnsupportedModel(f"config.json's llama3 rope scaling has {other}; --use-rope-scaling fixes them "
+                                   f"at Megatron's {LLAMA3_FIXED}")
+        return flags | {"use_rope_scaling": True, "rope_scaling_factor": float(parameters["factor"])}
+    if kind == "linear":
+        return flags | {"rotary_seq_len_interpolation_factor": float(parameters["factor"])}
+    if kind != "default":
+        raise UnsupportedModel(f"config.json uses rope scaling {kind!r}; the built-in rotary embedding implements "
+                               "plain rope, llama3 and linear")
+    return flags
 
 
-def _head_dim_matches(config: dict[str, Any], hidden: int, heads: int) -> None:
+def _head_dim(config: dict[str, Any], hidden: int, heads: int) -> int | None:
+    """--kv-channels for config.json's head_dim: None where it is hidden / heads (the built-in default)."""
     head_dim = config.get("head_dim")
-    if head_dim not in (None, hidden // heads):
-        raise UnsupportedModel(
-            f"config.json head_dim {head_dim} differs from hidden_size / num_attention_heads = {hidden // heads}; "
-            "the built-in attention uses hidden / heads"
-        )
+    if head_dim is None or (hidden % heads == 0 and head_dim == hidden // heads):
+        return None
+    return int(head_dim)
 
 
 def _gelu(activation: str) -> bool:
@@ -186,10 +200,33 @@ def _gpt2_flags(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _bloom_flags(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("apply_residual_connection_post_layernorm"):
+        raise UnsupportedModel("config.json apply_residual_connection_post_layernorm: the built-in GPT adds the "
+                               "residual before the norm (pre-LN)")
+    hidden = config.get("hidden_size") or config["n_embed"]
+    return {
+        "model_type": "gpt",
+        "num_layers": config["n_layer"],
+        "hidden_size": hidden,
+        "num_attention_heads": config["n_head"],
+        "ffn_hidden_size": 4 * hidden,  # BLOOM's MLP is always 4h
+        "position_embedding_type": "alibi",
+        "embed_layernorm": True,
+        "normalization": "LayerNorm",
+        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+        "openai_gelu": True,  # BLOOM's GELU is the tanh approximation
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
+    }
+
+
 def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
     kind = config["model_type"]
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    _head_dim_matches(config, hidden, heads)
+    if kind == "qwen3" and (config.get("use_sliding_window") or any(
+            layer != "full_attention" for layer in config.get("layer_types") or [])):
+        raise UnsupportedModel("config.json's Qwen3 uses sliding-window attention; the built-in attention sees the "
+                               "whole sequence")
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"config.json hidden_act {config['hidden_act']!r}: Llama-family MLPs use SwiGLU (silu)")
     if config.get("mlp_bias"):
@@ -208,8 +245,10 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
         "ffn_hidden_size": config["intermediate_size"],
         "max_position_embeddings": config["max_position_embeddings"],
         "position_embedding_type": "rope",
-        "rotary_base": _rope_theta(config),
+        **_rope_flags(config),
         "rotary_percent": 1.0,
+        "kv_channels": _head_dim(config, hidden, heads),
+        "qk_layernorm": kind == "qwen3",  # Qwen3's q_norm / k_norm: RMSNorm over head_dim
         "normalization": "RMSNorm",
         "layernorm_epsilon": config.get("rms_norm_eps", 1e-6),
         "swiglu": True,
@@ -218,6 +257,8 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
         "add_bias_linear": False,
         "add_qkv_bias": kind == "qwen2",  # Qwen2's q/k/v projections always have biases
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        # Mistral's and Mixtral's window covers every layer (Qwen2's only some: the rules refuse what it changes).
+        "sliding_window": config.get("sliding_window") if kind in ("mistral", "mixtral") else None,
     }
     if kind == "mixtral":
         topk = config["num_experts_per_tok"]
@@ -263,6 +304,11 @@ def _bert_flags(config: dict[str, Any]) -> dict[str, Any]:
 _BASE = {
     "rotary_base": None,
     "rotary_percent": None,
+    "kv_channels": None,
+    "qk_layernorm": False,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "rotary_seq_len_interpolation_factor": None,
     "swiglu": False,
     "group_query_attention": False,
     "num_query_groups": None,
@@ -272,12 +318,14 @@ _BASE = {
     "post_layernorm": False,
     "bert_binary_head": False,
     "num_experts": None,
+    "embed_layernorm": False,
+    "sliding_window": None,
 }
 
 
 # Flags taken from config.json that are counts (a positive int; bool is refused, JSON's true is no size).
 _COUNT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                "num_query_groups", "moe_router_topk")
+                "num_query_groups", "moe_router_topk", "kv_channels", "sliding_window")
 
 
 def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
@@ -287,6 +335,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
     try:
         if kind == "gpt2":
             flags = _gpt2_flags(config)
+        elif kind == "bloom":
+            flags = _bloom_flags(config)
         elif kind in LLAMA_FAMILY:
             flags = _llama_flags(config)
         else:
@@ -297,7 +347,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModel(f"config.json holds a value of the wrong type for a {kind} config ({error})") from None
     wrong = [dest for dest in _COUNT_FLAGS if dest in flags and flags[dest] is not None
              and (type(flags[dest]) is not int or flags[dest] <= 0)]
-    wrong += [dest for dest in ("layernorm_epsilon", "rotary_base") if flags.get(dest) is not None
+    wrong += [dest for dest in ("layernorm_epsilon", "rotary_base", "rope_scaling_factor",
+                                "rotary_seq_len_interpolation_factor") if flags.get(dest) is not None
               and (type(flags[dest]) not in (int, float) or not flags[dest] > 0)]
     if wrong:
         raise UnsupportedModel(f"config.json gives {', '.join(f'{d} = {flags[d]!r}' for d in wrong)}: "

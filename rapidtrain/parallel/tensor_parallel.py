@@ -63,13 +63,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     # The casts: nn.Module's __getattr__ types a submodule Tensor | Module.
     if getattr(model, "embedding", None) is not None:
         _split_embedding(cast(nn.Module, model.embedding), tp_mesh, sequence_parallel)
+    # ALiBi: this rank computes heads [rank × heads / TP, ...), and takes their slopes.
+    first_head = tp_mesh.get_local_rank() * (cast(ModelConfig, model.config).num_attention_heads // tp_mesh.size())
     for layer in cast(Mapping[str, TransformerLayer], model.layers).values():  # a ModuleDict of them
         _split_layer(layer, tp_mesh, residual, sequence_parallel)
+        layer.attention.first_head = first_head
     _split_head(model, tp_mesh, residual, sequence_parallel)
     _tie_output_to_embedding(model)
     parallelize_module(cast(nn.Module, model.loss), tp_mesh, VocabParallelLoss())
+    per_head_norms = {id(norm) for attention in model.modules() if isinstance(attention, Attention)
+                      for norm in (attention.q_norm, attention.k_norm) if norm is not None}
     for module in _unsplit_subtrees(model):
-        parallelize_module(module, tp_mesh, ReplicatedParameters())
+        # --qk-layernorm's norms see only this rank's heads: their gradients are summed over the ranks.
+        parallelize_module(module, tp_mesh, ReplicatedParameters(sum_gradients=id(module) in per_head_norms))
     _fork_rng_where_sharded(model, tp_mesh, sequence_parallel)
 
 
@@ -213,8 +219,14 @@ class ReplicatedParameters(ParallelStyle):
 
     The module sees plain tensors, so any module (an MoE layer, a norm) runs unchanged on replicated
     inputs; gradients flow back into the DTensor parameters and agree across ranks, because the
-    inputs and the gradients arriving from split neighbours (all-reduced) agree.
+    inputs and the gradients arriving from split neighbours (all-reduced) agree. A module applied to this rank's
+    own heads (--qk-layernorm's q/k norms) gets only their share of the gradient: `sum_gradients` all-reduces it
+    over the tensor-parallel ranks (Megatron's copy-to-model-parallel-region: identity forward, sum backward).
     """
+
+    def __init__(self, sum_gradients: bool = False) -> None:
+        super().__init__()
+        self.sum_gradients = sum_gradients
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         owners = [
@@ -236,7 +248,10 @@ class ReplicatedParameters(ParallelStyle):
             for owner, name in owners:
                 param = owner._parameters[name]
                 if isinstance(param, DTensor):
-                    owner._parameters[name] = param.to_local()
+                    local = param.to_local()
+                    if self.sum_gradients:
+                        local = _SumGradient.apply(local, device_mesh.get_group())
+                    owner._parameters[name] = local
 
         def restore(_module: nn.Module, _args: tuple, _output: object) -> None:
             for (owner, name), param in zip(owners, saved.pop(), strict=True):
@@ -245,6 +260,21 @@ class ReplicatedParameters(ParallelStyle):
         module.register_forward_pre_hook(localize)
         module.register_forward_hook(restore, always_call=True)
         return module
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group`'s ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class VocabParallelLoss(ParallelStyle):

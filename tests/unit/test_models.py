@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rapidtrain.models import BertModel, GPTModel, ModelConfig, build_model, init_weights
-from rapidtrain.models.transformer import apply_rotary, rotary_cos_sin
+from rapidtrain.models.rope import plain_inverse_frequency, rotary_cos_sin
+from rapidtrain.models.transformer import apply_rotary
 
 SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16)
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
@@ -154,8 +155,8 @@ def test_rope_scores_depend_only_on_relative_position():
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
 
     def score(query_position: int, key_position: int) -> float:
-        cos_q, sin_q = rotary_cos_sin(torch.tensor([[query_position]]), 8, 10000)
-        cos_k, sin_k = rotary_cos_sin(torch.tensor([[key_position]]), 8, 10000)
+        cos_q, sin_q = rotary_cos_sin(torch.tensor([[query_position]]), plain_inverse_frequency(8, 10000))
+        cos_k, sin_k = rotary_cos_sin(torch.tensor([[key_position]]), plain_inverse_frequency(8, 10000))
         return (apply_rotary(q, cos_q, sin_q) * apply_rotary(k, cos_k, sin_k)).sum().item()
 
     assert score(7, 3) == pytest.approx(score(104, 100), rel=1e-4)
@@ -322,13 +323,13 @@ def test_grouped_query_attention_equals_heads_sharing_repeated_keys_and_values()
         .reshape(32, 32) for p in "kv"
     })
     x = torch.randn(2, 12, 32)
-    rope = rotary_cos_sin(torch.arange(12).unsqueeze(0), 8, 10000)
+    rope = rotary_cos_sin(torch.arange(12).unsqueeze(0), plain_inverse_frequency(8, 10000))
     torch.testing.assert_close(grouped(x, rope=rope), full(x, rope=rope))
 
 
 def test_rotary_percent_leaves_the_other_dimensions_alone():
     x = torch.randn(1, 2, 5, 8)
-    cos, sin = rotary_cos_sin(torch.arange(5).unsqueeze(0), 4, 10000)  # half of the 8 dimensions
+    cos, sin = rotary_cos_sin(torch.arange(5).unsqueeze(0), plain_inverse_frequency(4, 10000))  # half of 8 dims
     rotated = apply_rotary(x, cos, sin)
     assert torch.equal(rotated[..., 4:], x[..., 4:])
     assert not torch.allclose(rotated[..., 1:, :4], x[..., 1:, :4])
