@@ -32,8 +32,9 @@ def changed_schedule_flags(saved: dict[str, Any], current: dict[str, Any]) -> li
 
 
 # The saved state of rapidtrain's LRScheduler: each entry's type (a damaged common.json is refused before use).
-_SAVED_SCHEDULE_TYPES = {"num_steps": int, "max_lr": (int, float), "min_lr": (int, float),
-                         "lr_warmup_steps": int, "lr_decay_steps": (int, type(None)), "lr_decay_style": str}
+_SAVED_SCHEDULE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "num_steps": int, "max_lr": (int, float), "min_lr": (int, float), "lr_warmup_steps": int,
+    "lr_decay_steps": (int, type(None)), "lr_decay_style": str}
 
 
 def _damaged_schedule(saved: Any) -> list[str]:
