@@ -57,7 +57,14 @@ def _engine_created() -> int:
 
 def run_user_script(script: str | Path, argv: list[str]) -> None:
     """Run `script` with `argv` as its command line; raise UserScriptError when it trains nothing."""
-    script = Path(script)
+    previous, engine_module.USER_SCRIPT = engine_module.USER_SCRIPT, str(script)
+    try:
+        _run_user_script(Path(script), argv)
+    finally:
+        engine_module.USER_SCRIPT = previous
+
+
+def _run_user_script(script: Path, argv: list[str]) -> None:
     before = _engine_created()
     sys.argv = [str(script), *argv]
     sys.path.insert(0, str(script.resolve().parent))  # as `python FILE` would: its own folder first

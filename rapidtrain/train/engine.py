@@ -106,12 +106,20 @@ def fresh_group_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"rapidtrain/attempt_{attempt}/group_{_GROUPS_STARTED}", agent_store)
 
 
+# The --user-script being run (rapidtrain/user_script.py sets it): its template classes may be built after runpy has
+# put the process's own `__main__` back, so `__main__` alone would not name it.
+USER_SCRIPT: str | None = None
+
+
 def main_script() -> str | None:
-    """The file run as `__main__` when it is not one of rapidtrain's own entry points (pretrain.py, ...)."""
+    """The user's script: the --user-script being run, else the file run as `__main__` when it is not one of
+    rapidtrain's own entry points (pretrain.py, ...)."""
     from pathlib import Path
 
     import __main__
 
+    if USER_SCRIPT is not None:
+        return USER_SCRIPT
     path = getattr(__main__, "__file__", None)
     if path is None or Path(__file__).resolve().parents[1] in Path(path).resolve().parents:
         return None

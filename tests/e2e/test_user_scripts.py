@@ -309,7 +309,12 @@ def own_loop(micro_batch_size: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_own_loop_accumulation_equals_one_large_micro_batch():
+def test_own_loop_accumulation_equals_one_large_micro_batch(monkeypatch):
+    import rapidtrain.train.engine as engine_module
+
+    # A user's own loop runs as `python my_loop.py`, so its Engine sees a user script (general flags such as
+    # --epochs); this file stands for it, whatever the test process's own __main__ is.
+    monkeypatch.setattr(engine_module, "USER_SCRIPT", __file__)
     one, four = own_loop(16), own_loop(4)  # global batch 16: 1 micro-batch of 16, or 4 of 4
     for a, b in zip(one, four, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
