@@ -126,10 +126,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     (Megatron's non-interleaved rotary; r < d with --rotary-percent), in fp32."""
     rotary_dim = cos.shape[-1]
     x32 = x.float()
-    part, rest = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    whole = rotary_dim == x.shape[-1]  # the usual case: no untouched rest to slice off and join again
+    part = x32 if whole else x32[..., :rotary_dim]
     first, second = part.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return torch.cat([part * cos + rotated * sin, rest], dim=-1).to(x.dtype)
+    rotated = part * cos + torch.cat([-second, first], dim=-1) * sin
+    return (rotated if whole else torch.cat([rotated, x32[..., rotary_dim:]], dim=-1)).to(x.dtype)
 
 
 def sdpa_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool) -> torch.Tensor | None:
@@ -184,6 +185,42 @@ class KVCache:
         self.keys[layer], self.values[layer] = keys, values
         return keys, values
 
+    def advance(self, tokens: int) -> None:
+        """Count this step's tokens as cached (after every layer extended the cache with them)."""
+        self.length += tokens
+
+
+class StaticKVCache:
+    """Keys and values in buffers preallocated for `max_length` tokens per layer, so that every decoding step after
+    the prompt has the same shapes (what lets torch.compile compile the step once). The prompt fills slots [0, s)
+    and attends over them alone; each later step writes its tokens at `slots` (a tensor set by the decoding loop,
+    not a Python int, which compiled code would specialise on) and attends over all max_length slots under the
+    loop's [b, max_length] mask, which hides the slots not written yet and the padding."""
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length = max_length
+        self.keys: dict[str, torch.Tensor] = {}
+        self.values: dict[str, torch.Tensor] = {}
+        self.length = 0  # tokens of the prompt; the loop counts the decoded ones by its slots
+        self.slots: torch.Tensor | None = None
+
+    def extend(self, layer: str, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values [b, groups, s, d] of `layer`; what the step attends over."""
+        if self.slots is None:  # the prompt
+            b, groups, s, d = keys.shape
+            self.keys[layer] = keys.new_zeros(b, groups, self.max_length, d)
+            self.values[layer] = values.new_zeros(b, groups, self.max_length, d)
+            self.keys[layer][:, :, :s] = keys
+            self.values[layer][:, :, :s] = values
+            return keys, values
+        self.keys[layer].index_copy_(2, self.slots, keys)
+        self.values[layer].index_copy_(2, self.slots, values)
+        return self.keys[layer], self.values[layer]
+
+    def advance(self, tokens: int) -> None:
+        if self.slots is None:
+            self.length += tokens
+
 
 class Attention(nn.Module):
     """Self-attention with separate q/k/v projections (column-split friendly) and o_proj.
@@ -215,7 +252,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: tuple[KVCache, str] | None = None,
+        cache: tuple[KVCache | StaticKVCache, str] | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (
@@ -264,7 +301,7 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
     ) -> torch.Tensor:
         layer_cache = None if cache is None else (cache, self.name)
         if self.post_layernorm:
@@ -274,7 +311,7 @@ class TransformerLayer(nn.Module):
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 
-def cached_positions(hidden: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+def cached_positions(hidden: torch.Tensor, cache: KVCache | StaticKVCache | None) -> torch.Tensor:
     """Positions [1, s] of this step's tokens: after the cached ones."""
     start = cache.length if cache is not None else 0
     return torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -287,7 +324,7 @@ def run_layers(
     position_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     causal: bool,
-    cache: KVCache | None = None,
+    cache: KVCache | StaticKVCache | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run every layer this model (or pipeline stage) holds, with rotary angles and mask made once.
@@ -303,6 +340,10 @@ def run_layers(
         if position_ids is None:
             position_ids = cached_positions(hidden, cache)
         rope = rotary_cos_sin(position_ids, inverse_frequency(config, hidden.device))
+    if isinstance(cache, StaticKVCache) and cache.slots is not None:
+        if attention_mask is None or attention_mask.dim() != 2:
+            raise ValueError("a static KV cache's decoding step needs the [b, max_length] mask of its written slots")
+        return _run(layers, hidden, attention_mask.bool()[:, None, None, :], rope, cache)
     if config.attention_kernel == "flex":
         mask = flex_block_mask(hidden.shape[0], seq_length, seq_length + (cache.length if cache else 0),
                                hidden.device, causal, document_ids, attention_mask)
@@ -323,11 +364,11 @@ def run_layers(
 
 
 def _run(layers: nn.ModuleDict, hidden: torch.Tensor, mask: object, rope: tuple[torch.Tensor, torch.Tensor] | None,
-         cache: KVCache | None) -> torch.Tensor:
+         cache: KVCache | StaticKVCache | None) -> torch.Tensor:
     for layer in layers.values():
         hidden = layer(hidden, mask, rope, cache)
     if cache is not None:
-        cache.length += hidden.shape[1]
+        cache.advance(hidden.shape[1])
     return hidden
 
 

@@ -136,11 +136,17 @@ def decode(forward: Forward, tokens: torch.Tensor, mask: torch.Tensor, how: Deco
 
 
 def builtin_forward(model: nn.Module) -> Forward:
-    """The built-in GPT as the loop calls it (a tensor-parallel model gathers its vocabulary-split logits)."""
+    """The built-in GPT as the loop calls it: the last position's logits only (the head over a whole prompt is
+    wasted work), except that a tensor-parallel model computes and gathers its vocabulary-split logits whole
+    (under sequence parallelism each rank holds part of the positions, so "the last" is not local)."""
+    from torch.distributed.tensor import DTensor
+
+    output = getattr(model, "output", None)
+    keep = 0 if output is None or isinstance(output.weight, DTensor) else 1
 
     def forward(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 cache: Any) -> torch.Tensor:
-        logits = model(tokens, position_ids=positions, attention_mask=mask, kv_cache=cache)
+        logits = model(tokens, position_ids=positions, attention_mask=mask, kv_cache=cache, logits_to_keep=keep)
         return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
     return forward
