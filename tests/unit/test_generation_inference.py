@@ -71,6 +71,7 @@ def test_compiled_step_decodes_what_the_uncompiled_loop_does():
     forward = builtin_forward(model)
     tokens, mask = left_padded(prompts(), 0, "cpu")
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     step = compiled_step(model, "cpu")
     assert decode_static(forward, step, tokens, mask, GREEDY).tolist() == batched(forward, KVCache)
     # Another prompt length in the same cache bucket reuses the compiled step.

@@ -91,7 +91,8 @@ def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.dev
     return tokens.to(device), mask.to(device)
 
 
-def _choose(logits: torch.Tensor, step: int, finished: torch.Tensor, how: Decoding) -> torch.Tensor:
+def choose(logits: torch.Tensor, step: int, finished: torch.Tensor, how: Decoding) -> torch.Tensor:
+    """Each row's next token from its last logits [b, V]; a finished row keeps ending the document."""
     logits = logits.float()
     if how.vocab_size is not None and how.vocab_size < logits.shape[-1]:
         logits[:, how.vocab_size:] = float("-inf")
@@ -120,7 +121,7 @@ def decode(forward: Forward, tokens: torch.Tensor, mask: torch.Tensor, how: Deco
     chosen_so_far: list[torch.Tensor] = []
     for step in range(how.settings.max_new_tokens):
         logits = forward(step_tokens, step_positions, mask if padded else None, cache)
-        chosen = _choose(logits[:, -1], step, finished, how)[:, None]
+        chosen = choose(logits[:, -1], step, finished, how)[:, None]
         chosen_so_far.append(chosen)
         next_position = positions[:, -1:] + 1
         if cache is None:

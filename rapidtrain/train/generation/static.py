@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from rapidtrain.models.transformer import StaticKVCache
-from rapidtrain.train.generation.decoding import Decoding, Forward, _choose, builtin_forward
+from rapidtrain.train.generation.decoding import Decoding, Forward, builtin_forward, choose
 
 
 def compile_mode(device_type: str) -> str:
@@ -50,16 +50,17 @@ def decode_static(prompt_forward: Forward, step_forward: Forward, tokens: torch.
         # tensors whose address stays fixed.
         torch._dynamo.mark_static_address(buffer)
     position = positions[:, -1:]
+    slots = torch.full((1,), length - 1, device=tokens.device)
     finished = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     chosen_so_far: list[torch.Tensor] = []
     for step in range(how.settings.max_new_tokens):
-        chosen = _choose(logits[:, -1], step, finished, how)[:, None]
+        chosen = choose(logits[:, -1], step, finished, how)[:, None]
         chosen_so_far.append(chosen)
         if step + 1 == how.settings.max_new_tokens or (how.eos_id is not None and bool(finished.all())):
             break
-        slot = length + step
-        written[:, slot] = 1
-        cache.slots = torch.tensor([slot], device=tokens.device)
+        written[:, length + step] = 1
+        slots += 1  # on the device, in place: no host-to-device copy per step
+        cache.slots = slots
         position = position + 1
         logits = step_forward(chosen, position, written, cache)
     return torch.cat(chosen_so_far, dim=1)
