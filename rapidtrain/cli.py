@@ -25,7 +25,7 @@ USAGE = """usage:
   rapidtrain FLAGS                       train (torchrun is started for you; see rapidtrain --help)
   rapidtrain --user-script FILE FLAGS    run a white-box script (Finetuner / PreTrainer / Trainer / Engine.compose)
   rapidtrain plan FLAGS [--world-size N] [--device cpu|cuda] [--device-name GPU] [--json]
-                       [--entry pretrain_gpt|pretrain_bert]
+                       [--entry pretrain_gpt|pretrain_bert|tasks_main]
                                          print what the flags resolve to, start nothing (--device-name, e.g.
                                          "H100", picks the peak FLOP/s that MFU is measured against)
   rapidtrain demo-data [--cache-dir DIR] prepare the built-in demo corpus
@@ -53,6 +53,8 @@ def entry_script(args: argparse.Namespace) -> Path:
         return script
     if args.task == "pretraining":
         return PACKAGE_DIR / "pretrain.py"
+    if args.task in arguments.MEGATRON_TASKS:
+        return PACKAGE_DIR / "tasks_main.py"
     return PACKAGE_DIR / "finetune.py"
 
 
@@ -183,6 +185,8 @@ def plan_command(argv: list[str]) -> int:
 def entry_of(argv: list[str]) -> str | None:
     """The entry point a launch with these flags runs, whose declared defaults its plan must use."""
     args = arguments.build_parser().parse_known_args(argv)[0]
+    if not args.user_script and args.task in arguments.MEGATRON_TASKS:
+        return "tasks_main"
     if args.user_script or args.task != "pretraining":
         return None
     return "pretrain"

@@ -9,7 +9,9 @@ import pytest
 
 CACHE = Path(os.environ.get("RAPIDTRAIN_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "tests"))
 os.environ.setdefault("RAPIDTRAIN_CACHE", str(CACHE / "rapidtrain"))
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Under pytest-xdist (`-n 2`, what scripts/test.sh runs) each worker gets its share of the cores.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // WORKERS)))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -26,7 +26,8 @@ def free_port() -> int:
 def child_env(extra: dict[str, str] | None = None, nproc: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     # Share the cores among the ranks: oversubscribed threads make multi-rank CPU runs many times slower.
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // nproc))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # the suite's own parallel workers
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // (nproc * workers)))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env

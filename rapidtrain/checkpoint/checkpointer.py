@@ -217,15 +217,38 @@ def read_common(directory: Path) -> dict[str, Any]:
     path = directory / COMMON_FILE
     if path.exists():
         try:
-            return json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return _checked_common(json.loads(path.read_text()), path)
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
             raise CheckpointError(f"{path}: damaged ({error}); resume from another iteration or --load "
                                   "folder.") from None
     legacy = directory / LEGACY_COMMON_FILE
     if legacy.exists():
-        return _safe_torch_load(legacy)
+        return _checked_common(_safe_torch_load(legacy), legacy)
     raise CheckpointError(f"checkpoint {directory} has no {COMMON_FILE}: it was not fully written. Point --load at "
                           "a folder whose latest iteration is complete.")
+
+
+# What each entry of the common state must be (None allowed where an entry is optional).
+_COMMON_TYPES: dict[str, tuple[type, ...]] = {"iteration": (int,), "consumed_samples": (int,), "format": (int,),
+                                              "args": (dict,), "plan": (dict, type(None)), "extra": (dict,),
+                                              "lr_scheduler": (dict, type(None))}
+_POSITION = ("iteration", "consumed_samples")  # what a resume needs (the shape alone is read without them)
+
+
+def _checked_common(state: Any, path: Path) -> dict[str, Any]:
+    """The common state, refused naming `path` when it is not the object rapidtrain writes (valid JSON changed by
+    damage would otherwise fail later, far from the file)."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: damaged (a {type(state).__name__}, not the checkpoint's common state); "
+                              "resume from another iteration or --load folder.")
+    wrong = [name for name, kinds in _COMMON_TYPES.items() if name in state and
+              (not isinstance(state[name], kinds) or isinstance(state[name], bool))]
+    if any(isinstance(state.get(name), int) and state[name] < 0 for name in _POSITION):
+        wrong.append("a negative position")
+    if wrong:
+        raise CheckpointError(f"{path}: damaged (missing or wrong: {', '.join(wrong)}); resume from another "
+                              "iteration or --load folder.")
+    return state
 
 
 # ---- integrity: a manifest of sizes and CRC-32s ----
@@ -306,9 +329,10 @@ def verify_checkpoint(directory: str | Path) -> bool:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
         names = sorted(files)
-        if not all(isinstance(files[name], dict) for name in names):
+        if not all(isinstance(files[name], dict) and type(files[name].get("size")) is int
+                   and isinstance(files[name].get("crc32"), str) for name in names):
             raise TypeError("an entry is not a size and checksum")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, OSError) as error:
         raise CheckpointError(f"{path}: damaged ({error}); resume from another iteration or --load folder.") from None
     check_format_version(manifest.get("format", FORMAT_VERSION), path)
     index, reason = _first_damaged(directory, files, names, range(_rank(), len(names), _world()))
@@ -686,10 +710,13 @@ def latest_iteration(root: str | Path) -> int | None:
     path = Path(root) / LATEST_FILE
     if not path.exists():
         return None
-    text = path.read_text().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; the file is corrupt. Remove it to "
-                              "start from scratch, or write the iteration of a complete iter_* folder into it.")
+    fix = "Remove it to start from scratch, or write the iteration of a complete iter_* folder into it."
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:  # a folder in its place, unreadable, or bytes that are no text
+        raise CheckpointError(f"{path}: cannot be read ({error}); the file is damaged. {fix}") from None
+    if not re.fullmatch(r"[0-9]{1,12}", text):  # isdigit() would take '²', which int() refuses
+        raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number; the file is corrupt. {fix}")
     return int(text)
 
 
@@ -758,6 +785,9 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
         notes.append(f"{directory} has no {MANIFEST_FILE} (written before checkpoint format {FORMAT_VERSION}): "
                      "its files were not checked for damage")
     common = read_common(directory)
+    if not finetune and any(name not in common for name in _POSITION):
+        raise CheckpointError(f"{directory / COMMON_FILE}: damaged (it lacks the iteration or consumed_samples a "
+                              "resume continues from); resume from another iteration or --load folder.")
     check_format_version(common.get("format", 1), directory / COMMON_FILE)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
     load_optimizer = load_optimizer and not finetune

@@ -31,8 +31,27 @@ def changed_schedule_flags(saved: dict[str, Any], current: dict[str, Any]) -> li
             for name in names if name in saved and name in current and saved[name] != current[name]]
 
 
+# The saved state of rapidtrain's LRScheduler: each entry's type (a damaged common.json is refused before use).
+_SAVED_SCHEDULE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "num_steps": int, "max_lr": (int, float), "min_lr": (int, float), "lr_warmup_steps": int,
+    "lr_decay_steps": (int, type(None)), "lr_decay_style": str}
+
+
+def _damaged_schedule(saved: Any) -> list[str]:
+    if not isinstance(saved, dict):
+        return ["lr_scheduler"]
+    return [name for name, kinds in _SAVED_SCHEDULE_TYPES.items() if name in saved and (
+        not isinstance(saved[name], kinds) or isinstance(saved[name], bool)
+        or (isinstance(saved[name], int) and name.endswith("steps") and saved[name] < 0))
+        ] + ([] if "num_steps" in saved else ["num_steps"])
+
+
 def load_schedule(lr_scheduler: Any, saved: dict[str, Any], schedule_from: str, directory: Path,
                    changed: list[str]) -> None:
+    if isinstance(lr_scheduler, LRScheduler) and _damaged_schedule(saved):
+        raise ResumeError(f"--load {directory}: the learning-rate schedule in its common.json is damaged (missing or "
+                          f"wrong: {', '.join(_damaged_schedule(saved))}); resume from another iteration or --load "
+                          "folder.")
     try:
         if isinstance(lr_scheduler, LRScheduler):
             lr_scheduler.load_state_dict(saved, schedule_from=schedule_from)

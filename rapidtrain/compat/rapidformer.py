@@ -82,10 +82,10 @@ class GPTDataset(torch.utils.data.Dataset):
         for path in paths:
             try:
                 lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
-            except OSError as error:
-                raise UserError(f"GPTDataset: cannot read {path} ({error.strerror or error}); --train-data and "
-                                "--valid-data name text files, one sample per line.") from None
-            self.samples += [tokenizer.tokenize(line.strip()) + [self.eod] for line in lines if line.strip()]
+            except (OSError, UnicodeDecodeError) as error:
+                raise UserError(f"GPTDataset: cannot read {path} ({getattr(error, 'strerror', None) or error}); "
+                                "--train-data and --valid-data name UTF-8 text files, one sample per line.") from None
+            self.samples += [_tokenized(tokenizer, line.strip(), path) + [self.eod] for line in lines if line.strip()]
         if not self.samples:
             raise UserError(f"GPTDataset: {', '.join(map(str, paths))} holds no text lines.")
 
@@ -95,6 +95,13 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         ids = self.samples[idx][: self.length]
         return {"text": np.array(ids + [self.eod] * (self.length - len(ids)), dtype=np.int64)}
+
+
+def _tokenized(tokenizer: Any, text: str, path: str | Path) -> list[int]:
+    try:
+        return list(tokenizer.tokenize(text))
+    except ValueError as error:  # NullTokenizer's complaint about text that is not token ids
+        raise UserError(f"GPTDataset: {path}: {error}") from None
 
 
 class PETDataset(torch.utils.data.Dataset):
@@ -121,8 +128,9 @@ class PETDataset(torch.utils.data.Dataset):
     def _read(self, path: str | Path) -> list[dict[str, np.ndarray | int]]:
         try:
             lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
-        except OSError as error:
-            raise UserError(f"PETDataset: cannot read {path} ({error.strerror or error}).") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise UserError(f"PETDataset: cannot read {path} ({getattr(error, 'strerror', None) or error}); "
+                            "give a UTF-8 text file.") from None
         return [self._sample(dict(zip(self.columns, line.split("\t"), strict=False))) for line in lines if line]
 
     def _sample(self, row: dict[str, str]) -> dict[str, np.ndarray | int]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 # The tokenizer module owns the list of types (it imports only the standard library at load time).
 from rapidtrain.config.flag_parser import FlagParser
+from rapidtrain.config.settings import MEGATRON_TASKS
 from rapidtrain.data.tokenizer import TOKENIZER_TYPES
 
 TASKS = (
@@ -24,6 +25,7 @@ TASKS = (
     "casual_lm",
     "seq2seq_lm",
     "pretraining",
+    *MEGATRON_TASKS,
 )
 # Rapidformer spells it `casual_lm`; users who type the correct spelling get the same task.
 TASK_ALIASES = {"causal_lm": "casual_lm"}
@@ -160,8 +162,8 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("transformer", "Regular settings: transformer (built-in Megatron-style models)")
     g.add_argument("--pretrained-model-name-or-path", default=None,
                    help="Local Hugging Face model folder (never the hub). Fine-tuning tasks load it with transformers' "
-                        "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, Llama, "
-                        "Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
+                        "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, BLOOM, "
+                        "Llama, Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
     g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
@@ -170,8 +172,10 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, default=256, help="Sequence length of training samples (default 256).")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Rows of the position-embedding table (default: --seq-length).")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute",
-                   help="Learned absolute positions (Megatron GPT default) or rotary embeddings.")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "alibi"),
+                   default="learned_absolute",
+                   help="Learned absolute positions (Megatron GPT default), rotary embeddings, or ALiBi's per-head "
+                        "linear biases on the attention scores (BLOOM; GPT only, no position embeddings).")
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
     g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight initialisation.")
@@ -236,6 +240,12 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
                         "backend), the explicit form, or FlexAttention (--reset-attention-mask then masks by document "
                         "ids through a block-sparse mask); Hugging Face models load with that attn_implementation. "
                         "The plan says which kernel runs; one the device cannot run is refused.")
+    g.add_argument("--embed-layernorm", action="store_true",
+                   help="A LayerNorm on the word embeddings, before anything is added to them (BLOOM, "
+                        "Megatron-DeepSpeed).")
+    g.add_argument("--sliding-window", type=int, default=None,
+                   help="Sliding-window attention (Mistral; GPT only): each query sees itself and the keys before it, "
+                        "at most this many in all (Megatron's --window-size L,0 is L + 1).")
     g.add_argument("--post-layernorm", action="store_true",
                    help="Original BERT order: x = norm(x + f(x)) in every layer, a norm on the embedding sum and "
                         "no final norm (Hugging Face BERT). Default: pre-norm, as Megatron.")
@@ -244,7 +254,9 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
 def _add_training(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training", "Regular settings: training")
     g.add_argument("--task", type=canonical_task, default="pretraining",
-                   help=f"Training task: {', '.join(TASKS)} ('causal_lm' is accepted for casual_lm).")
+                   help=f"Training task: {', '.join(TASKS)} ('causal_lm' is accepted for casual_lm). MNLI and RACE are "
+                        "Megatron's tasks/main.py (rapidtrain/tasks_main.py): the built-in BERT from "
+                        "--pretrained-checkpoint, on --train-data / --valid-data files.")
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor after decay.")
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
@@ -677,6 +689,12 @@ def parse_args(
     return args
 
 
+def is_megatron_task(args: argparse.Namespace) -> bool:
+    """--task MNLI / RACE: Megatron's tasks/main.py, whose --train-data/--valid-data are task files (not indexed
+    data) and whose --pretrained-checkpoint is the BERT the task's model starts from (not --load)."""
+    return args.task in MEGATRON_TASKS
+
+
 def builtin_from_pretrained(args: argparse.Namespace) -> bool:
     """--task pretraining with --pretrained-model-name-or-path, and no --user-script (whose script decides what
     the folder is for): the folder initialises the built-in model, its config.json giving the shape flags not
@@ -711,6 +729,7 @@ ENTRY_DEFAULTS: dict[str, dict] = {
     "pretrain": {},  # rapidtrain/pretrain.py and `rapidtrain --task pretraining`: GPT unless --model-type bert
     "pretrain_gpt": {"model_type": "gpt"},
     "pretrain_bert": {"model_type": "bert"},
+    "tasks_main": {"model_type": "bert"},  # Megatron's tasks/main.py: the built-in BERT fine-tuned on --task MNLI/RACE
 }
 DEMO_DEFAULTS = {"train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style": "cosine",
                  "lr_warmup_fraction": 0.03, "micro_batch_size": 8, "log_interval": 10, "eval_interval": 100,
@@ -722,7 +741,9 @@ def uses_demo_data(args: argparse.Namespace) -> bool:
     folder needs data in its own tokenizer."""
     from rapidtrain.models.hf_config import is_megatron_checkpoint
 
-    per_split = any(getattr(args, name, None) for name in ("train_data_path", "train_data"))
+    per_split = any(getattr(args, name, None) for name in ("train_data_path", "train_data",
+                                                           "train_weighted_split_paths",
+                                                           "train_weighted_split_paths_path"))
     pretrained = args.pretrained_model_name_or_path and not is_megatron_checkpoint(args)
     return not args.data_path and not per_split and not pretrained
 

@@ -11,8 +11,16 @@ from dataclasses import dataclass
 from rapidtrain.config import arguments
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.config.plan import layout_of
-from rapidtrain.config.resolve import optimizer_settings, precision_of, read_user_config, switches_of, zero_by_fsdp2
+from rapidtrain.config.resolve import (
+    optimizer_settings,
+    precision_of,
+    read_user_config,
+    switches_of,
+    tokenizer_settings_of,
+    zero_by_fsdp2,
+)
 from rapidtrain.config.settings import Batches, RunContext, data_parallel_size, expand_num_experts
+from rapidtrain.data.tokenizer import TokenizerSettingsError, tokenizer_vocab_size
 from rapidtrain.models import hf_config
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME
 
@@ -85,11 +93,13 @@ def optimizer_choice(args: Args) -> tuple[str, str]:
 
 
 def sliding_window_of(args: Args) -> int | None:
-    """The sliding window a Hugging Face model that initialises the built-in one attends within, if any."""
+    """The sliding window of a Hugging Face Qwen2 that initialises the built-in model, if it uses one: only its layers
+    from max_window_layers on attend within it, which the built-in GPT's one window for all layers does not build.
+    (Mistral's and Mixtral's window covers every layer: it becomes --sliding-window.)"""
     if not hf_config.initialises_builtin(args) or hf_config.unsupported_reason(args):
         return None
     config = hf_config.read_config(args.pretrained_model_name_or_path)
-    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window"):
+    if config.get("model_type") != "qwen2" or not config.get("use_sliding_window"):
         return None
     return config.get("sliding_window")
 
@@ -535,3 +545,40 @@ def attention_backend_problem(args: Args, ctx: RunContext) -> str | None:
 
     return attention_problem(args.attention_backend, ctx.device_type, hf_config.trains_builtin_model(args),
                              args.attention_dropout, half_precision=precision_of(args, ctx).dtype != "fp32")
+
+
+def megatron_task_problem(args: Args, ctx: RunContext) -> str | None:
+    """What Megatron's tasks (--task MNLI / RACE, rapidtrain/tasks_main.py) need and do not combine with."""
+    if args.task not in arguments.MEGATRON_TASKS or args.user_script or ctx.script:
+        return None
+    task = f"--task {args.task}"
+    if not args.train_data or not args.valid_data:
+        return (f"{task} reads its files from --train-data and --valid-data (Megatron's tasks/main.py): give both "
+                "(MNLI: GLUE's train.tsv and dev_matched.tsv ...; RACE: folders such as RACE/train/middle)")
+    if args.epochs is None and args.train_iters is None:
+        return f"{task} trains for --epochs N (Megatron's tasks/main.py); give --epochs"
+    if args.model_type != "bert":
+        return f"{task} fine-tunes the built-in BERT; drop --model-type {args.model_type}"
+    if three_d(args) or (args.num_experts and max(args.num_experts) > 1):
+        return (f"{task}: the task model (BERT with a new head) runs data-parallel here, optionally with ZeRO or "
+                "FSDP; drop --tensor-model-parallel-size / --pipeline-model-parallel-size / --num-experts (or set "
+                "them to 1)")
+    if args.data_iterator == "dynamic-shape":
+        return f"{task}: Megatron's task samples are padded to --seq-length; drop --data-iterator dynamic-shape"
+    return None
+
+
+def pad_vocab_problem(args: Args) -> str | None:
+    """BigScience's --pad-vocab-size-to N pads to N rows, never fewer than the tokenizer's ids (as its Megatron)."""
+    wanted = getattr(args, "pad_vocab_size_to", None)
+    if wanted is None:
+        return None
+    settings = tokenizer_settings_of(args)
+    try:
+        vocab = tokenizer_vocab_size(settings) if settings is not None else 0
+    except TokenizerSettingsError:
+        return None  # a missing tokenizer file is reported by the plan, naming its flag
+    if vocab <= wanted:
+        return None
+    return (f"--pad-vocab-size-to {wanted} is smaller than the tokenizer's vocabulary of {vocab} ids "
+            f"(--tokenizer-type {settings.tokenizer_type if settings else ''}); give at least {vocab}")

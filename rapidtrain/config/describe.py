@@ -32,7 +32,7 @@ def _training_length(t: TrainingSettings) -> str:
     return f"{length}, {evaluation}, seed {t.seed}"
 
 
-def _schedule(s: ScheduleSettings, clip_grad: float) -> str:
+def _schedule(s: ScheduleSettings, clip_grad: float, decoupled: tuple[float, float] | None = None) -> str:
     if s.warmup_fraction is not None:
         warmup = f"warm-up {s.warmup_fraction:g} of the decay horizon"
     elif s.decay_samples is not None:
@@ -43,15 +43,26 @@ def _schedule(s: ScheduleSettings, clip_grad: float) -> str:
     if s.decay_samples is not None:
         horizon = f" over {s.decay_samples:,} samples"
     clipping = f"clip grad {clip_grad:g}" if clip_grad > 0 else "no clipping"
-    return f"lr {s.lr:.1E} → min {s.min_lr:.1E}, {s.decay_style} decay{horizon}, {warmup}; {clipping}"
+    own = (f"; word embedding and output layer lr {decoupled[0]:.1E} → min {decoupled[1]:.1E} (--decoupled-lr, "
+           "same warm-up and decay)" if decoupled else "")
+    return f"lr {s.lr:.1E} → min {s.min_lr:.1E}, {s.decay_style} decay{horizon}, {warmup}{own}; {clipping}"
 
 
 def _data_source(data: DataSettings, tokenizer: TokenizerSettings | None) -> str:
     words = {"demo": "the built-in demo corpus (no --data-path; the demo's small-model defaults apply)",
              "indexed": "Megatron indexed data " + " ".join(data.data_path),
              "finetune": f"fine-tuning set {data.data_dir or ''} {data.data_name or ''}".rstrip(),
-             "script": "provided by the user script"}
+             "script": "provided by the user script",
+             "task": "task files --train-data " + " ".join(data.train_data) + "; validation, each file scored "
+                     "apart: " + " ".join(data.valid_data)}
     text = words[data.source]
+    if data.raw_json:
+        files = [paths[0] for paths in data.split_paths or () if paths]
+        text = f"{data.raw_json} JSON records {' '.join(files)}, {data.max_padding_length} tokens a sample"
+    if data.weighted_splits:
+        text = "Megatron indexed data, weighted splits " + " | ".join(
+            f"{split}: " + "; ".join(group.describe() for group in groups)
+            for split, groups in zip(("train", "valid", "test"), data.weighted_splits, strict=True) if groups)
     if tokenizer is not None and data.source != "finetune":
         text += f"; tokenizer {tokenizer.tokenizer_type}"
     return text + f"; {data.num_workers} loader workers per rank"
@@ -75,7 +86,7 @@ def describe_plan(plan: Plan) -> str:
            if bat.schedule else ""),
         "  training length: " + _training_length(plan.training),
         "  data: " + _data_source(plan.data, plan.tokenizer),
-        "  schedule: " + _schedule(plan.schedule, plan.clip_grad),
+        "  schedule: " + _schedule(plan.schedule, plan.clip_grad, plan.optimizer.decoupled if plan.optimizer else None),
         f"  precision: {plan.precision.dtype}, loss scaling {plan.precision.loss_scaling} ({plan.precision.reason})",
         "  engines:",
     ]
@@ -117,7 +128,8 @@ def _model_lines(plan: Plan) -> list[str]:
                      + (f" initialised from Hugging Face weights in {m.hf_weights}" if m.hf_weights else "")
                      + f": {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads{groups}"
                      + _attention_details(m) + f", ffn {m.ffn_size}, seq {m.seq_length}, padded vocab {m.vocab_size}"
-                     + (f", experts {list(m.num_experts)}" if m.num_experts else ""))
+                     + (f", experts {list(m.num_experts)}" if m.num_experts else "")
+                     + "".join(f"; {feature}" for feature in m.attention_features))
     if plan.memory:
         mem = plan.memory
         lines += [

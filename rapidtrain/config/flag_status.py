@@ -65,6 +65,8 @@ SETS: dict[str, tuple[str, object, str]] = {
     "--use-llama2-rotary-position-embeddings": ("position_embedding_type", "rope", "rotary embeddings (Llama 2's)"),
     "--use-mistral-rotary-position-embeddings": ("position_embedding_type", "rope", "rotary embeddings (Mistral's)"),
     "--RMSNorm": ("normalization", "RMSNorm", "a fork's switch for --normalization RMSNorm"),
+    "--use-alibi-mask": ("position_embedding_type", "alibi", "Pai-Megatron-Patch's ALiBi switch: "
+                         "--position-embedding-type alibi"),
     "--disable-bias-linear-fc": ("add_bias_linear", False, "a fork's switch: no biases in the MLP "
                                  "(with --disable-bias-attn-fc, --disable-bias-linear)"),
     "--disable-bias-attn-fc": ("add_bias_linear", False, "a fork's switch: no biases in attention "
@@ -91,15 +93,20 @@ HANDLED: dict[str, str] = {
                      "another format is written as torch_dist too, and the plan says so",
     "--apply-layernorm-1p": "Megatron's zero-centred norm weight (1 + w): the same function as a plain LayerNorm "
                             "weight, and since norms get no weight decay here, the same training",
-    "--no-position-embedding": "no learned position table: with rotary embeddings that is already so; without them "
-                               "refused (rapidtrain's models need a position encoding)",
-    "--pretrained-checkpoint": "Megatron tasks' starting weights: --load FOLDER --finetune (model only, from "
-                               "iteration 0)",
+    "--no-position-embedding": "no learned position table: with rotary embeddings or ALiBi that is already so; "
+                               "without them refused (rapidtrain's models need a position encoding)",
+    "--pretrained-checkpoint": "Megatron tasks' starting weights: with --task MNLI / RACE (rapidtrain/tasks_main.py) "
+                               "the BERT checkpoint whose encoder and pooler the task's model starts from; "
+                               "otherwise --load FOLDER --finetune (model only, from iteration 0)",
     "--patch-tokenizer-type": "Pai-Megatron-Patch's Hugging Face tokenizers (LLamaTokenizer, Qwen2Tokenizer, ...): "
                               "--tokenizer-type HuggingFaceTokenizer from --tokenizer-model, else the --load folder",
-    "--dataset": "Pai-Megatron-Patch's dataset kind: the *-Idxmap kinds are Megatron indexed data (works); "
-                 "raw JSON and SFT kinds are refused (preprocess with scripts/preprocess_data.py)",
-    "--train-mode": "Pai-Megatron-Patch's mode: pretrain works; finetune (SFT on JSON) is refused",
+    "--dataset": "Pai-Megatron-Patch's dataset kind: the *-Idxmap kinds (and MMAP) are Megatron indexed data; "
+                 "LLama-Pretrain-Raw and LLama-SFT read JSON instruction/output records from --train-data-path, "
+                 "tokenized at start with the prompt masked out of the loss; other raw kinds are refused",
+    "--max-padding-length": "with a raw JSON --dataset, the tokens of each sample (padded; Pai's pretraining kind "
+                            "adds one for the shift); pretraining samples are --seq-length tokens otherwise",
+    "--train-mode": "Pai-Megatron-Patch's mode: pretrain works; finetune (its sequence/label-pair indexed data or "
+                    "chat-template JSON) is refused; --dataset LLama-SFT trains on instruction/output JSON",
     "--transformer-impl": "rapidtrain's layers are its own torch modules (SDPA attention); local or "
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "
@@ -111,11 +118,34 @@ HANDLED: dict[str, str] = {
                              "sizes refused",
     "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
                            "the vocabulary pads to exactly N",
+    "--pad-vocab-size-to": "BigScience's embedding rows: exactly N (--make-vocab-size-divisible-by N / TP); refused "
+                           "when N is smaller than the tokenizer's vocabulary or not divisible by the tensor-parallel "
+                           "size",
     "--dataloader-type": "single and cyclic: rapidtrain's samplers (Megatron's order within an epoch, reshuffled per "
                          "epoch); external is refused",
     "--use-flash-attn": "torch scaled_dot_product_attention runs a flash kernel on CUDA where the shapes allow "
                         "(--attention-backend flash pins it); on a CPU its own kernel",
 }
+HANDLED["--window-size"] = ("Megatron-Core's attention window 'LEFT,RIGHT' (flash-attention's convention: keys "
+                           "LEFT back to RIGHT ahead): LEFT,0 is --sliding-window LEFT + 1; -1 is no limit")
+HANDLED["--window-attn-skip-freq"] = ("with a sliding window, every Nth layer (1-based) attends to the whole "
+                                      "sequence, as Megatron-Core")
+HANDLED["--decoupled-lr"] = ("Megatron-Core's own rate for the word embedding and the output layer: their parameter "
+                             "groups follow the schedule's warm-up and decay from this peak (to --decoupled-min-lr, "
+                             "else --min-lr); every engine (DDP, FSDP2, OSS, DeepSpeed ZeRO, pipeline stages)")
+HANDLED["--decoupled-min-lr"] = ("the floor of --decoupled-lr's groups (default --min-lr); no effect without "
+                                 "--decoupled-lr")
+HANDLED["--calculate-per-token-loss"] = (
+    "the loss summed over the tokens of every micro-batch and data-parallel rank, over their count: rapidtrain's "
+    "reduction whenever the forward step returns (loss sum, token count), as the built-in models and tasks do; with "
+    "this flag a mean loss from a user's forward step stops the run instead")
+_WEIGHTED = ("BigScience's per-split weighted data, \"NAME: W1 START:END PREFIX1, W2 START:END PREFIX2\": each "
+             "group a blend of its prefixes' documents between those fractions; one training group, each validation "
+             "or test group evaluated and logged on its own")
+for _split in ("train", "valid", "test"):
+    HANDLED[f"--{_split}-weighted-split-paths"] = _WEIGHTED
+    HANDLED[f"--{_split}-weighted-split-paths-path"] = ("a file with one line of quoted groups, read as "
+                                                        f"--{_split}-weighted-split-paths")
 HANDLED["--use-flash-attn-v1"] = HANDLED["--use-flash-attn-triton"] = HANDLED["--use-flash-attn"]
 
 _FUSION = ("one of Megatron's fused CUDA kernels; rapidtrain's layers are torch ops (SDPA attention, torch.compile "
@@ -174,17 +204,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                             "data loader"),
     "--extra-vocab-size": (NO_EFFECT, "the embedding is sized from the tokenizer's vocabulary (padded to "
                                       "--make-vocab-size-divisible-by); Pai's extra rows are never indexed"),
-    "--max-padding-length": (NO_EFFECT, "pretraining samples are --seq-length tokens; Pai pads fine-tuning samples to "
-                                        "this length"),
-    "--embed-layernorm": (REFUSED, "a norm after the embedding (BLOOM) is not in rapidtrain's models"),
-    "--pad-vocab-size-to": (REFUSED, "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by; use "
-                                     "that flag"),
-    "--decoupled-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in rapidtrain; "
-                                "leave it out (one --lr for all)"),
-    "--decoupled-min-lr": (REFUSED, "a separate learning rate for the embedding and output layer is not in "
-                                    "rapidtrain; leave it out"),
-    "--calculate-per-token-loss": (REFUSED, "rapidtrain averages the loss per micro-batch, as Megatron without this "
-                                            "flag; leave it out"),
     "--context-parallel-size": (REFUSED, "context parallelism (sequence split over ranks in attention) is not in "
                                          "rapidtrain; use --sequence-parallel with tensor parallelism, or shorter "
                                          "--seq-length"),
@@ -198,9 +217,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                "with --expert-model-parallel-size"),
     "--rope-type": (REFUSED, "YaRN rope scaling is not in rapidtrain's models: plain rope, Llama 3.1's scaling "
                              "(--use-rope-scaling) or linear interpolation (--rotary-seq-len-interpolation-factor)"),
-    "--window-size": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
-    "--sliding-window": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
-    "--window-attn-skip-freq": (REFUSED, "sliding-window attention is not in rapidtrain's models"),
     "--apply-residual-connection-post-layernorm": (REFUSED, "that residual order is not in rapidtrain's models; "
                                                             "--post-layernorm gives BERT's post-norm order"),
     "--fp8-format": (REFUSED, "FP8 training needs Transformer Engine and FP8 hardware; not in rapidtrain: use --bf16"),
@@ -236,13 +252,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--moe-router-dtype": (NO_EFFECT, "the router computes its scores in fp32"),
     "--moe-shared-expert-overlap": (NO_EFFECT, _OVERLAP),
     "--moe-permute-fusion": (NO_EFFECT, _FUSION),
-    "--train-weighted-split-paths": (REFUSED, "BigScience's per-split weighted paths: give --train-data-path / "
-                                              "--valid-data-path / --test-data-path 'w1 prefix1 w2 prefix2 ...'"),
-    "--valid-weighted-split-paths": (REFUSED, "give --valid-data-path 'w1 prefix1 ...' instead"),
-    "--test-weighted-split-paths": (REFUSED, "give --test-data-path 'w1 prefix1 ...' instead"),
-    "--train-weighted-split-paths-path": (REFUSED, "give --train-data-path 'w1 prefix1 ...' instead"),
-    "--valid-weighted-split-paths-path": (REFUSED, "give --valid-data-path 'w1 prefix1 ...' instead"),
-    "--test-weighted-split-paths-path": (REFUSED, "give --test-data-path 'w1 prefix1 ...' instead"),
     "--abort-on-unmet-fused-kernel-constraints": (NO_EFFECT, _FUSION),
     "--lazy-mpu-init": (REFUSED, "the process group starts when training starts; a user script of Megatron's "
                                  "external-initialisation kind is not served"),
@@ -283,7 +292,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--glu-linear-offset": (REFUSED, "GLU offsets are not in rapidtrain's models"),
     "--activation-func-clamp-value": (REFUSED, "activation clamping is not in rapidtrain's models"),
     "--attention-output-gate": (REFUSED, "gated attention output is not in rapidtrain's models"),
-    "--use-alibi-mask": (REFUSED, "ALiBi is not in rapidtrain's models: --position-embedding-type rope"),
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
     "--rotary-interleaved": (REFUSED, "interleaved rotary pairs are not in rapidtrain's models (rotate_half only)"),
@@ -348,7 +356,7 @@ NEUTRAL: dict[str, tuple] = {
     "--rotary-scaling-factor": (1, 1.0), "--rope-type": ("rope",), "--softmax-type": ("vanilla",),
     "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
     "--glu-linear-offset": (0, 0.0), "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
-    "--decoupled-lr": (None,), "--attention-head-type": ("multihead",),
+    "--attention-head-type": ("multihead",),
 }
 
 # (regular expression over the whole flag, status, note), first match wins.

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
+from rapidtrain.config.settings import MEGATRON_TASKS
 from rapidtrain.models.hf_config import is_megatron_checkpoint
 
 Args = argparse.Namespace
@@ -24,7 +26,8 @@ CHECKPOINT_SHAPE_FLAGS = (
     "num_query_groups", "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu",
     "post_layernorm", "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
     "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by", "kv_channels", "qk_layernorm", "use_rope_scaling",
-    "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
+    "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "embed_layernorm", "sliding_window",
+    "window_attn_skip_freq",
 )
 
 
@@ -38,7 +41,7 @@ def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = Non
     _megatron_checkpoint_folder(args, given, notes)
     _finetune_without_load(args, notes)
     _distributed_optimizer(args, notes)
-    if entry is not None:
+    if entry is not None and args.task == "pretraining":
         _per_split_data(args, notes)
     _finetune_data_path(args, notes)
     if args.use_expert_residual_network:
@@ -84,17 +87,22 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
     from rapidtrain.checkpoint.checkpointer import CheckpointError, iteration_dir, latest_iteration, read_common
 
     try:
-        common = read_common(iteration_dir(folder, latest_iteration(folder) or 0))
+        directory = iteration_dir(folder, latest_iteration(folder) or 0)
+        common = read_common(directory)
     except CheckpointError:
         return  # loading it reports the problem, naming the file
     saved = dict(common.get("args") or {})
     # A user script may have set args.model_type to Megatron's ModelType: the saved plan says which model it is.
     saved_model = (common.get("plan") or {}).get("model") or {}
-    if saved_model.get("model_type") in ("gpt", "bert"):
+    if isinstance(saved_model, dict) and saved_model.get("model_type") in ("gpt", "bert"):
         saved["model_type"] = saved_model["model_type"]
     taken = []
     for dest in CHECKPOINT_SHAPE_FLAGS:
         if dest in saved and dest not in given and getattr(args, dest, None) != saved[dest]:
+            expected = [] if dest == "num_experts" else getattr(args, dest, None)  # a list, even when unset
+            if not _fits(saved[dest], expected):
+                raise CheckpointError(f"{directory / 'common.json'}: damaged: its saved {dest} is {saved[dest]!r}; "
+                                      "resume from another iteration, or give the shape flags yourself.")
             setattr(args, dest, saved[dest])
             taken.append(dest)
     if taken:
@@ -102,8 +110,31 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
                      + ", ".join("--" + d.replace("_", "-") for d in taken))
 
 
+def _fits(saved: Any, current: Any) -> bool:
+    """A saved shape value is of the kind the flag holds (damage that left valid JSON would fail far from the file):
+    the current value's type, or for a flag without a value, a number, a word, a switch or a list of counts."""
+    def count_list(value: Any) -> bool:
+        return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+    if isinstance(current, bool):
+        return isinstance(saved, bool)
+    if isinstance(current, int):
+        return type(saved) is int and saved >= 0
+    if isinstance(current, float):
+        return type(saved) in (int, float) and saved >= 0
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    if isinstance(current, (list, tuple)):
+        return count_list(saved)
+    return saved is None or isinstance(saved, (bool, str)) or count_list(saved) or (
+        type(saved) in (int, float) and saved >= 0)
+
+
 def _finetune_without_load(args: Args, notes: list[str]) -> None:
-    if args.finetune and not args.load:
+    if args.finetune and args.task in MEGATRON_TASKS:
+        notes.append("--finetune: Megatron's tasks start the model from --pretrained-checkpoint at iteration 0 "
+                     "whether or not it is given")
+    elif args.finetune and not args.load:
         notes.append("--finetune without --load does nothing (no checkpoint to take the model from); the model "
                      "starts from its initialisation, as in Megatron")
 
@@ -162,7 +193,8 @@ BUILTIN_ONLY_FLAGS = (
     "position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
     "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu", "post_layernorm",
     "kv_channels", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
-    "untie_embeddings_and_output_weights", "bert_binary_head", "split", "data_impl", "eod_mask_loss",
+    "untie_embeddings_and_output_weights", "bert_binary_head", "embed_layernorm", "sliding_window", "split",
+    "data_impl", "eod_mask_loss",
     "reset_position_ids", "reset_attention_mask", "short_seq_prob",
 )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from rapidtrain.config.arguments import MEGATRON_TASKS
 from rapidtrain.config.engines import engines_for
 from rapidtrain.config.estimate import plan_estimate
 from rapidtrain.config.memory import (
@@ -48,6 +49,9 @@ def template_of(args: argparse.Namespace, ctx: RunContext) -> str:
         return f"user script {ctx.script}"
     if args.task == "pretraining":
         return "PreTrainer (built-in model)"
+    if args.task in MEGATRON_TASKS:
+        head = "3 classes" if args.task == "MNLI" else "one score per option"
+        return f"Finetuner (built-in BERT + a head of {head} on the pooled [CLS], Megatron's {args.task} task)"
     return "Finetuner (Hugging Face model)"
 
 

@@ -136,6 +136,9 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         rope_scaling="llama3" if args.use_rope_scaling else "none",
         rope_scaling_factor=args.rope_scaling_factor,
         rotary_interpolation_factor=args.rotary_seq_len_interpolation_factor or 1.0,
+        embed_layernorm=args.embed_layernorm,
+        sliding_window=args.sliding_window,
+        window_skip_freq=int(getattr(args, "window_attn_skip_freq", None) or 0),
     )
 
 
@@ -149,12 +152,14 @@ def is_pretraining(args: argparse.Namespace, ctx: RunContext) -> bool:
 
 
 def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
-    from rapidtrain.config.arguments import uses_demo_data
+    from rapidtrain.config.arguments import is_megatron_task, uses_demo_data
 
     if is_pretraining(args, ctx):
         source: DataSource = "demo" if uses_demo_data(args) else "indexed"
     elif ctx.script:
         source = "demo" if uses_demo_data(args) and args.task == "pretraining" else "script"
+    elif is_megatron_task(args):
+        source = "task"
     else:
         source = "finetune"
     return DataSettings(
@@ -165,7 +170,10 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
         split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
-        padding_free=args.padding_free)
+        padding_free=args.padding_free, weighted_splits=getattr(args, "weighted_split_groups", None),
+        raw_json=getattr(args, "raw_json_dataset", None), max_padding_length=getattr(args, "max_padding_length", None),
+        train_data=tuple(args.train_data or ()) if source == "task" else (),
+        valid_data=tuple(args.valid_data or ()) if source == "task" else ())
 
 
 def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
@@ -260,6 +268,7 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
     return TrainingSettings(train_iters=train_iters, epochs=args.epochs, eval_interval=eval_interval,
                             eval_iters=args.eval_iters, seed=args.seed, exit_interval=args.exit_interval,
                             exit_duration_in_mins=args.exit_duration_in_mins, train_samples=args.train_samples,
+                            per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
                             on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
 
 
@@ -273,7 +282,14 @@ def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None)
                               load_rng=not args.no_load_rng, schedule_from=schedule_from,
                               async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained,
                               pretrained_model=args.pretrained_model_name_or_path,
+                              pretrained_checkpoint=megatron_task_checkpoint(args),
                               flags=recorded_flags(args, vocab_size))
+
+
+def megatron_task_checkpoint(args: argparse.Namespace) -> str | None:
+    from rapidtrain.config.arguments import is_megatron_task
+
+    return getattr(args, "pretrained_checkpoint", None) if is_megatron_task(args) else None
 
 
 def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:
@@ -423,9 +439,13 @@ def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, s
     if name == "adam":  # Megatron's --optimizer adam is Adam with decoupled weight decay, i.e. AdamW
         name = "adamw"
     dtensors = layout is not None and switches is not None and parameters_are_dtensors(layout, switches)
+    decoupled_lr = getattr(args, "decoupled_lr", None)  # Megatron-Core's flags (config/surface_meanings.py)
+    decoupled_min_lr = getattr(args, "decoupled_min_lr", None)
     return OptimizerSettings(name=name, lr=args.lr or 0.0, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors)
+                             sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors, decoupled_lr=decoupled_lr,
+                             decoupled_min_lr=None if decoupled_lr is None else
+                             (args.min_lr if decoupled_min_lr is None else decoupled_min_lr))
 
 
 def uses_deepspeed(args: argparse.Namespace, layout: Layout) -> bool:

@@ -186,6 +186,30 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         f"{a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
     ),
     Rule(
+        "alibi-and-window-are-gpt", ("--position-embedding-type", "--sliding-window", "--model-type"),
+        "ALiBi and sliding-window attention are causal features of the built-in GPT.",
+        lambda a, c: a.model_type == "bert" and (a.position_embedding_type == "alibi" or a.sliding_window is not None),
+        lambda a, c: ("--position-embedding-type alibi" if a.position_embedding_type == "alibi" else "--sliding-window")
+        + " with --model-type bert: the built-in BERT attends both ways, and rapidtrain has ALiBi and sliding windows "
+        "for the causal GPT only. Drop it, or use --model-type gpt.",
+    ),
+    Rule(
+        "sliding-window-positive", ("--sliding-window",),
+        "--sliding-window counts the keys a query sees, itself included: at least 1.",
+        lambda a, c: a.sliding_window is not None and a.sliding_window < 1,
+        lambda a, c: f"--sliding-window {a.sliding_window}: each query sees itself and the keys before it, at most "
+        "this many; give 1 or more (leave it out for no window).",
+    ),
+    Rule(
+        "alibi-needs-a-biased-kernel", ("--position-embedding-type", "--attention-backend"),
+        "ALiBi adds a bias to the scores: on CUDA, PyTorch's flash and cuDNN kernels take none.",
+        lambda a, c: a.position_embedding_type == "alibi" and c.device_type == "cuda"
+        and a.attention_backend in ("flash", "flash_attention_2", "fused"),
+        lambda a, c: f"--position-embedding-type alibi with --attention-backend {a.attention_backend}: that CUDA "
+        "kernel takes no additive bias. Choose auto (memory-efficient attention takes ALiBi's bias), unfused, or "
+        "flex_attention.",
+    ),
+    Rule(
         "rotary-percent-range", ("--rotary-percent",),
         "--rotary-percent lies in (0, 1].",
         lambda a, c: a.rotary_percent is not None and not 0 < a.rotary_percent <= 1,
@@ -227,7 +251,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
         "pretrained-folder-initialises-builtin", ("--pretrained-model-name-or-path", "--task"),
         "With --task pretraining, --pretrained-model-name-or-path is a Hugging Face folder (config.json) of a "
-        "GPT-2, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
+        "GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
         lambda a, c: hf_config.unsupported_reason(a) is not None,
         lambda a, c: f"{hf_config.unsupported_reason(a)}.",
     ),
@@ -260,8 +284,8 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "pretrained-sliding-window", ("--pretrained-model-name-or-path", "--seq-length"),
-        "A Hugging Face model with sliding-window attention trains with --seq-length within the window (where the "
-        "window changes nothing).",
+        "A Hugging Face Qwen2 with sliding-window attention in some layers trains with --seq-length within the window "
+        "(where the window changes nothing).",
         lambda a, c: sliding_window_of(a) is not None and a.seq_length > sliding_window_of(a),
         lambda a, c: f"--seq-length {a.seq_length} is longer than the sliding_window {sliding_window_of(a)} of "
         f"{a.pretrained_model_name_or_path}/config.json: the built-in attention sees the whole sequence. Use "

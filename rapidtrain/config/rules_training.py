@@ -30,6 +30,7 @@ from rapidtrain.config.checks import (
     lengths,
     lora_settings_given,
     low_bit_optimizer_refusal,
+    megatron_task_problem,
     min_lr_above_lr,
     mixed_schedule_flags,
     needs_iterations,
@@ -38,6 +39,7 @@ from rapidtrain.config.checks import (
     optimizer_choice,
     options_without_switch,
     outside_range,
+    pad_vocab_problem,
     padding_free_problem,
     partitioning_flags,
     per_split_problem,
@@ -508,6 +510,20 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "at most the layers of a pipeline stage; op granularity is for the built-in models.",
         lambda a, c: recompute_problem(a) is not None,
         lambda a, c: str(recompute_problem(a)),
+    ),
+    Rule(
+        "pad-vocab-size-to-fits", ("--pad-vocab-size-to", "--tokenizer-type"),
+        "BigScience's --pad-vocab-size-to N gives the embedding exactly N rows: at least the tokenizer's ids.",
+        lambda a, c: pad_vocab_problem(a) is not None,
+        lambda a, c: str(pad_vocab_problem(a)),
+    ),
+    Rule(
+        "megatron-task", ("--task", "--train-data", "--valid-data", "--epochs", "--model-type",
+                          "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--data-iterator"),
+        "Megatron's tasks (--task MNLI / RACE) read --train-data and --valid-data files, train for --epochs, fine-tune "
+        "the built-in BERT data-parallel (ZeRO and FSDP allowed) on samples padded to --seq-length.",
+        lambda a, c: megatron_task_problem(a, c) is not None,
+        lambda a, c: str(megatron_task_problem(a, c)),
     ),
     Rule(
         "auto-micro-batch-size", ("--auto-micro-batch-size", "--memory-budget-gb", "--global-batch-size",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rapidtrain.data.tokenizer import TokenizerSettings
+from rapidtrain.data.weighted_splits import WeightedGroup
 from rapidtrain.models.attention_backends import AttentionSettings
 from rapidtrain.models.config import ModelConfig
 
@@ -376,6 +377,8 @@ class TrainingSettings:
     # at once, as in Megatron without --exit-signal-handler).
     on_sigterm: Literal["save", "stop", "default"] = "default"
     train_samples: int | None = None  # sample-based training (--train-samples); train_iters then follows from it
+    # --calculate-per-token-loss: the forward step must return (loss sum, token count); a mean loss stops the run
+    per_token_loss: bool = False
 
 
 ScheduleFrom = Literal["same", "flags", "checkpoint"]
@@ -398,6 +401,9 @@ class CheckpointSettings:
     load_is_pretrained_model: bool = False
     # --pretrained-model-name-or-path: the folder a Hugging Face fine-tune takes its model and tokenizer from.
     pretrained_model: str | None = None
+    # --pretrained-checkpoint of Megatron's tasks (--task MNLI/RACE): the rapidtrain BERT checkpoint whose encoder
+    # and pooler the task's model starts from (its head is new); --load stays the task run's own resume folder.
+    pretrained_checkpoint: str | None = None
     # The flags as JSON values, recorded in each checkpoint beside the plan (Megatron's checkpoints carry their
     # args; Megatron-format loading and generation read the model's shape back from them).
     flags: dict[str, Any] = field(default_factory=dict)
@@ -462,7 +468,9 @@ class DistributedSettings:
     timeout_minutes: float = 10.0
 
 
-DataSource = Literal["demo", "indexed", "finetune", "script"]
+# Megatron-LM's tasks/main.py: the built-in BERT fine-tuned from a rapidtrain BERT checkpoint (tasks_main.py).
+MEGATRON_TASKS = ("MNLI", "RACE")
+DataSource = Literal["demo", "indexed", "finetune", "script", "task"]
 
 
 @dataclass(frozen=True)
@@ -470,7 +478,8 @@ class DataSettings:
     """Where samples come from and how they are batched and shared out.
 
     `source`: "demo" (the built-in corpus: pretraining with no --data-path), "indexed" (Megatron .bin/.idx
-    from --data-path), "finetune" (--data-dir/--data-name) or "script" (a user script brings its own).
+    from --data-path), "finetune" (--data-dir/--data-name), "script" (a user script brings its own) or "task"
+    (Megatron's tasks/main.py: --task MNLI/RACE files in --train-data / --valid-data).
     """
 
     source: DataSource
@@ -492,10 +501,18 @@ class DataSettings:
     data_name: str | None = None
     # Megatron's separate splits (--train-data-path ...): indexed data per split instead of --split of --data-path.
     split_paths: tuple[tuple[str, ...] | None, ...] | None = None
+    # BigScience's --*-weighted-split-paths: (train, valid, test) named groups, each a blend of document ranges.
+    weighted_splits: tuple[tuple[WeightedGroup, ...], ...] | None = None
+    # Pai's raw JSON kinds (--dataset LLama-Pretrain-Raw): split_paths name JSON files, samples max_padding_length
+    raw_json: str | None = None
+    max_padding_length: int | None = None
     keep_last: bool = False  # fine-tuning: keep an epoch's last, incomplete micro-batch
     mmap_warmup: bool = False
     # casual_lm fine-tuning: each micro-batch is one row of its sequences back to back (--padding-free).
     padding_free: bool = False
+    # Megatron's tasks (--task MNLI/RACE): the task's training files, and the validation files each scored apart.
+    train_data: tuple[str, ...] = ()
+    valid_data: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

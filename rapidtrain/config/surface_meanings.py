@@ -18,6 +18,7 @@ from rapidtrain.config.flag_surface import (
     megatron_flags_given,
     refusal_applies,
 )
+from rapidtrain.config.settings import MEGATRON_TASKS
 
 Args = argparse.Namespace
 
@@ -48,6 +49,9 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] |
     _megatron_deepspeed_config(args, given, notes, refusals, defaults)
     _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
+    _weighted_splits(args, given, notes, refusals)
+    if getattr(args, "raw_json_dataset", None) and "split" in given:
+        notes.append(f"--split {args.split}: no effect here; each split reads its own JSON file")
     if refusals:
         raise FlagRefused("these flags ask for what rapidtrain does not do (docs/megatron-compat.md lists every "
                           "flag):\n" + "\n".join(f"  {line}" for line in refusals))
@@ -118,8 +122,15 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
     except ValueError as error:
         refusals.append(str(error))
         return
-    zero = config.get("zero_optimization") or {}
-    stage = int(zero) if isinstance(zero, bool) else int(zero.get("stage", 0) or 0)  # DeepSpeed 0.1's `true`: 1
+    try:
+        zero = config.get("zero_optimization") or {}
+        stage = int(zero) if isinstance(zero, bool) else int(zero.get("stage", 0) or 0)  # DeepSpeed 0.1's `true`: 1
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage {stage}")
+    except (ValueError, TypeError, AttributeError) as error:
+        refusals.append(f"--deepspeed_config {path}: zero_optimization is not DeepSpeed's ({error}): give an "
+                        'object with "stage": 0 to 3')
+        return
     chosen = next((n for n in (1, 2, 3) if getattr(args, f"zero_{n}_memory_optimization")), 0)
     if chosen and stage and chosen != stage:
         refusals.append(f"--deepspeed_config {path}: ZeRO stage {stage}, the flags {chosen} (--zero-stage); make "
@@ -127,7 +138,11 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
     elif stage and not chosen:
         setattr(args, f"zero_{stage}_memory_optimization", True)
         notes.append(f"--deepspeed_config {path}: ZeRO stage {stage} → --zero-{stage}-memory-optimization")
-    read = _deepspeed_keys_as_flags(args, config, given, path, notes)
+    try:
+        read = _deepspeed_keys_as_flags(args, config, given, path, notes)
+    except (ValueError, TypeError) as error:
+        refusals.append(f"--deepspeed_config {path}: a value has the wrong type ({error}); fix the file")
+        return
     if zero_stage(args) and not zero_by_fsdp2(args):
         return  # DeepSpeed runs it: the file is merged with the generated config (a key both set must agree)
     args.deepspeed_config = None
@@ -288,13 +303,16 @@ def _ckpt_format(args: Args, value: str, notes: list[str], refusals: list[str]) 
 
 
 def _no_position_embedding(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
-    if args.position_embedding_type != "rope":
+    if args.position_embedding_type not in ("rope", "alibi"):
         refusals.append("--no-position-embedding: rapidtrain's models need a position encoding; add "
-                        "--position-embedding-type rope (or --use-rotary-position-embeddings)")
+                        "--position-embedding-type rope (or --use-rotary-position-embeddings) or alibi")
 
 
 def _pretrained_checkpoint(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
-    if args.load is None:
+    if args.task in MEGATRON_TASKS:  # Megatron's tasks/main.py: the starting BERT; --load resumes the task run
+        notes.append(f"--pretrained-checkpoint {value}: the {args.task} model starts from this BERT checkpoint's "
+                     "encoder and pooler (its head is new)")
+    elif args.load is None:
         args.load, args.finetune = value, True
         notes.append(f"--pretrained-checkpoint {value}: --load {value} --finetune")
 
@@ -307,16 +325,58 @@ def _patch_tokenizer(args: Args, value: str, notes: list[str], refusals: list[st
 
 
 def _pai_dataset(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    from rapidtrain.data.raw_json import RAW_JSON_KINDS
+
     if "idxmap" in value.lower() or value.upper() == "MMAP":
         notes.append(f"--dataset {value}: Megatron indexed data (--data-path)")
+    elif value in RAW_JSON_KINDS:
+        _raw_json(args, value, notes, refusals)
     else:
-        refusals.append(f"--dataset {value}: JSON and SFT datasets are not read by rapidtrain's pretraining; make "
-                        "indexed data with scripts/preprocess_data.py and pass --dataset ...-Idxmap")
+        kinds = ", ".join(RAW_JSON_KINDS)
+        refusals.append(f"--dataset {value}: not read by rapidtrain's pretraining (it reads {kinds} JSON and Megatron "
+                        "indexed data); make indexed data with scripts/preprocess_data.py and pass --dataset "
+                        "...-Idxmap")
+
+
+def _raw_json(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    """Pai's raw JSON kinds: instruction/output records from --train-data-path, tokenized at start, padded."""
+    length = args.max_padding_length or args.seq_length
+    if not args.train_data_path:
+        refusals.append(f"--dataset {value}: give the JSON file of instruction/output records with --train-data-path")
+    elif length > args.seq_length:
+        refusals.append(f"--max-padding-length {length}: samples longer than --seq-length {args.seq_length}; give "
+                        "at most --seq-length")
+    else:
+        args.raw_json_dataset, args.max_padding_length = value, length
+        source = "the training file (as Pai)" if not args.valid_data_path else "--valid-data-path"
+        notes.append(f"--dataset {value}: Pai's raw JSON records tokenized at start (prompt = instruction + input, "
+                     f"masked out of the loss; answer = output + end of document), {length} tokens a sample (padded, "
+                     f"longer records dropped); validation reads {source}")
+        if args.data_path:
+            notes.append(f"--data-path {' '.join(args.data_path)}: no effect here; --dataset {value} reads "
+                         "--train-data-path")
+            args.data_path = None
+        for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+            if getattr(args, dest):
+                notes.append(f"--{dest.replace('_', '-')}: no effect here; a raw JSON sample is one record, whose "
+                             "answer and end-of-document token carry the loss (Pai's raw datasets mask the prompt "
+                             "only)")
+                setattr(args, dest, False)
+
+
+def _max_padding_length(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    from rapidtrain.data.raw_json import RAW_JSON_KINDS
+
+    if getattr(args, "dataset", None) not in RAW_JSON_KINDS:
+        notes.append(f"--max-padding-length {value}: no effect here; " + note_of("--max-padding-length"))
 
 
 def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
     if value != "pretrain":
-        refusals.append(f"--train-mode {value}: Pai's SFT mode is not in rapidtrain; fine-tune with --task casual_lm")
+        refusals.append(f"--train-mode {value}: Pai's SFT mode (its sequence/label-pair indexed data, chat-template "
+                        "JSON) is not in rapidtrain; train on instruction/output JSON with --dataset LLama-SFT "
+                        "--train-data-path FILE (the prompt masked out of the loss), or fine-tune with --task "
+                        "casual_lm")
 
 
 def _load_balancing(args: Args, value, notes: list[str], refusals: list[str]) -> None:
@@ -359,11 +419,147 @@ def _padded_vocab_size(args: Args, value: int, notes: list[str], refusals: list[
                  f"{value // tp} × tensor-parallel {tp}); a tokenizer of more ids would pad to the next multiple")
 
 
+def _pad_vocab_size_to(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    """BigScience's exact row count; the tokenizer's size is checked against it by the rules (which read it)."""
+    tp = args.tensor_model_parallel_size
+    if value < 1 or value % tp:
+        refusals.append(f"--pad-vocab-size-to {value}: the embedding's rows are split over --tensor-model-parallel-"
+                        f"size {tp} ranks, so give a positive multiple of {tp}")
+        return
+    args.make_vocab_size_divisible_by = value // tp  # padding to a multiple of N/TP × TP gives N rows
+    notes.append(f"--pad-vocab-size-to {value}: the embedding has exactly {value} rows (--make-vocab-size-divisible-"
+                 f"by {value // tp} × tensor-parallel {tp})")
+
+
 def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
     if value == "external":
         refusals.append("--dataloader-type external: a user-supplied iterator is served by a --user-script instead")
     else:
         notes.append(f"--dataloader-type {value}: " + note_of("--dataloader-type"))
+
+
+def _window_size(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    """Megatron-Core's --window-size 'LEFT,RIGHT' (also '(LEFT, RIGHT)' or 'LEFT RIGHT'): keys from LEFT positions back
+    (-1: all of them) to RIGHT ahead; the built-in GPT is causal, so RIGHT can only be 0 (or -1, which causality
+    makes 0)."""
+    parts = str(value).strip("()[] ").replace(",", " ").split()
+    if len(parts) != 2 or not all(part.lstrip("-").isdigit() for part in parts):
+        refusals.append(f"--window-size {value}: give two integers LEFT,RIGHT, e.g. 4096,0 (-1: no limit)")
+        return
+    left, right = int(parts[0]), int(parts[1])
+    if left < -1 or right not in (0, -1):
+        refusals.append(f"--window-size {value}: the built-in GPT is causal, so the window is LEFT,0 with LEFT >= 0 "
+                        "keys back (or -1, no limit)")
+        return
+    window = None if left == -1 else left + 1
+    if args.sliding_window is not None and args.sliding_window != window:
+        refusals.append(f"--window-size {value} and --sliding-window {args.sliding_window} ask for different windows: "
+                        "keep one")
+        return
+    args.sliding_window = window
+    notes.append(f"--window-size {value}: " + (f"--sliding-window {window} (each query and the {left} keys before it)"
+                                               if window else "no sliding window (-1: every earlier key)"))
+
+
+def _window_skip_freq(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        refusals.append(f"--window-attn-skip-freq {value}: rapidtrain takes one integer N >= 1 (every Nth layer "
+                        "attends to the whole sequence), not a per-layer pattern")
+        return
+    args.window_attn_skip_freq = int(text)
+    if args.sliding_window is None:
+        notes.append(f"--window-attn-skip-freq {text}: no effect here; there is no sliding window (--window-size or "
+                     "--sliding-window) to skip")
+    else:
+        notes.append(f"--window-attn-skip-freq {text}: " + note_of("--window-attn-skip-freq"))
+def _decoupled_lr(args: Args, value: float, notes: list[str], refusals: list[str]) -> None:
+    floor = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
+    named = "--decoupled-min-lr" if args.decoupled_min_lr is not None else "--min-lr"
+    bad = [f"{flag} {rate}" for flag, rate in (("--decoupled-lr", value), (named, floor))
+           if not (math.isfinite(rate) and rate >= 0)]
+    if bad:
+        refusals.append(f"{', '.join(bad)}: learning rates are finite numbers ≥ 0")
+    elif floor > value:
+        refusals.append(f"--decoupled-lr {value:g} is below {named} {floor:g}, the floor its groups decay to; give "
+                        "--decoupled-min-lr at most --decoupled-lr")
+    else:
+        notes.append(f"--decoupled-lr {value:g}: the word embedding and output layer follow the schedule from "
+                     f"{value:g} down to {floor:g} ({named}); the other parameters from --lr")
+
+
+def _decoupled_min_lr(args: Args, value: float, notes: list[str], refusals: list[str]) -> None:
+    if args.decoupled_lr is None:
+        notes.append(f"--decoupled-min-lr {value:g}: no effect here; it is the floor of --decoupled-lr, not given "
+                     "(as in Megatron-Core)")
+
+
+def _per_token_loss(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
+    if args.model_type == "bert" and args.bert_binary_head:
+        refusals.append("--calculate-per-token-loss: BERT's sentence-order loss is one value per sample, not per "
+                        "token; add --bert-no-binary-head or drop the flag")
+    else:
+        notes.append("--calculate-per-token-loss: " + note_of("--calculate-per-token-loss"))
+
+
+SPLITS = ("train", "valid", "test")
+
+
+def _weighted_paths_file(split: str):
+    """`--SPLIT-weighted-split-paths-path FILE`: the file's groups, as if given as --SPLIT-weighted-split-paths."""
+    def handle(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+        from rapidtrain.data.weighted_splits import DataPathError, read_groups_file
+
+        flag = f"--{split}-weighted-split-paths"
+        if getattr(args, f"{split}_weighted_split_paths"):
+            refusals.append(f"{flag} and {flag}-path: give the groups one way")
+            return
+        try:
+            setattr(args, f"{split}_weighted_split_paths", read_groups_file(value, f"{flag}-path"))
+        except DataPathError as error:
+            refusals.append(str(error))
+    return handle
+
+
+def _weighted_splits(args: Args, given: set[str], notes: list[str], refusals: list[str]) -> None:
+    """BigScience's weighted split paths, parsed into `args.weighted_split_groups` (train, valid, test groups):
+    each group a blend of document ranges; exclusive with --data-path and the per-split --*-data-path."""
+    from rapidtrain.data.weighted_splits import DataPathError, parse_group
+
+    texts = [getattr(args, f"{split}_weighted_split_paths", None) or [] for split in SPLITS]
+    if not any(texts):
+        return
+    try:
+        groups = tuple(tuple(parse_group(text, f"--{split}-weighted-split-paths") for text in split_texts)
+                       for split, split_texts in zip(SPLITS, texts, strict=True))
+    except DataPathError as error:
+        refusals.append(str(error))
+        return
+    problem = _weighted_splits_problem(args, groups)
+    if problem:
+        refusals.append(problem)
+        return
+    args.weighted_split_groups = groups
+    for split, split_groups in zip(SPLITS, groups, strict=True):
+        if split_groups:
+            evaluated = "" if split == "train" else " (each group evaluated and logged on its own)"
+            notes.append(f"--{split}-weighted-split-paths: {'; '.join(g.describe() for g in split_groups)}{evaluated}")
+    if "split" in given:
+        notes.append(f"--split {args.split}: no effect here; the weighted split paths give each split's documents")
+
+
+def _weighted_splits_problem(args: Args, groups: tuple) -> str | None:
+    train, valid, test = groups
+    if args.data_path or any(getattr(args, f"{split}_data_path", None) for split in SPLITS):
+        return ("--*-weighted-split-paths with --data-path or --*-data-path: BigScience's two ways of naming the "
+                "data exclude each other; give one")
+    if len(train) != 1:
+        return (f"--train-weighted-split-paths: {len(train)} groups; training reads one blend (as BigScience): "
+                "give one group, its components separated by commas")
+    if args.model_type == "bert" or args.data_iterator == "dynamic-shape":
+        return ("--*-weighted-split-paths: the weighted splits feed the GPT's packed samples; drop "
+                "--data-iterator dynamic-shape (or use --data-path for BERT)")
+    return None
 
 
 HANDLERS = {
@@ -387,10 +583,21 @@ HANDLERS = {
     "--moe-router-load-balancing-type": _load_balancing,
     "--moe-ffn-hidden-size": _moe_ffn,
     "--padded-vocab-size": _padded_vocab_size,
+    "--pad-vocab-size-to": _pad_vocab_size_to,
     "--dataloader-type": _dataloader_type,
     "--use-flash-attn": _note("--use-flash-attn"),
     "--use-flash-attn-v1": _note("--use-flash-attn-v1"),
     "--use-flash-attn-triton": _note("--use-flash-attn-triton"),
+    "--window-size": _window_size,
+    "--window-attn-skip-freq": _window_skip_freq,
+    "--decoupled-lr": _decoupled_lr,
+    "--decoupled-min-lr": _decoupled_min_lr,
+    "--calculate-per-token-loss": _per_token_loss,
+    "--max-padding-length": _max_padding_length,
+    **{f"--{split}-weighted-split-paths": (lambda args, value, notes, refusals: None) for split in SPLITS},
+    **{f"--{split}-weighted-split-paths-path": _weighted_paths_file(split) for split in SPLITS},
 }
 # Sizes and iteration counts first, so the schedule in tokens converts with the final global batch.
-HANDLER_ORDER = ["--gas", "--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"]
+# The window before the layers that skip it.
+HANDLER_ORDER = ["--gas", "--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens", "--window-size",
+                 "--window-attn-skip-freq"]

@@ -62,10 +62,12 @@ def last_checkpoint(save: str | None) -> str:
         return "none (no --save)"
     tracker = Path(save) / LATEST_FILE
     try:
-        text = tracker.read_text().strip()
+        text = tracker.read_text(encoding="utf-8").strip()
     except OSError:
         return f"none in {save}"
-    if not text.isdigit():
+    except UnicodeDecodeError:
+        text = ""
+    if not (text.isascii() and text.isdigit()):
         return f"unknown ({tracker} is damaged)"
     return f"{Path(save) / f'iter_{int(text):07d}'} (iteration {int(text)})"
 

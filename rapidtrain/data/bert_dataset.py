@@ -60,6 +60,21 @@ def _target_length(max_tokens: int, short_seq_prob: float, rng: np.random.Random
     return max_tokens
 
 
+def bert_index_problem(mapping: np.ndarray, sentences: int, max_tokens: int) -> str | None:
+    """What is wrong with a samples mapping read from the cache (None: nothing): rows of (first sentence, end
+    sentence, target length) with first < end <= sentences and a target within --seq-length."""
+    if mapping.ndim != 2 or mapping.shape[1] != 3:
+        return "unexpected array shape"
+    if not len(mapping):
+        return None
+    first, end, target = (mapping[:, i].astype(np.int64) for i in range(3))
+    if first.min() < 0 or end.max() > sentences or not (first < end).all():
+        return "its samples name sentences the data does not have"
+    if target.min() < 0 or target.max() > max_tokens:
+        return f"its target lengths lie outside [0, {max_tokens}]"
+    return None
+
+
 def build_samples_mapping(
     doc_bounds: np.ndarray,
     sizes: np.ndarray,
@@ -203,6 +218,7 @@ class BERTDataset(torch.utils.data.Dataset):
                     2 if config.binary_head else 1,
                 )
             },
+            lambda arrays: bert_index_problem(arrays["samples_mapping"], len(sizes), config.max_tokens),
         )
         self.samples_mapping = arrays["samples_mapping"]
 

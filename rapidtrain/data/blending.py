@@ -145,9 +145,23 @@ class BlendedDataset(torch.utils.data.Dataset):
             return dict(zip(names, build_blending_indices(self.weights, self.size), strict=True))
 
         arrays, self.built_indices = load_or_build_cached_indices(
-            cache_dir, description, "BlendedDataset", names, build
+            cache_dir, description, "BlendedDataset", names, build, self._index_problem
         )
         return arrays["dataset_index"], arrays["dataset_sample_index"]
+
+    def _index_problem(self, arrays: dict[str, np.ndarray]) -> str | None:
+        """What is wrong with blending indices read from the cache (None: nothing)."""
+        which, sample = arrays["dataset_index"], arrays["dataset_sample_index"]
+        if which.shape != (self.size,) or sample.shape != (self.size,):
+            return f"they do not hold {self.size} samples"
+        if not self.size:
+            return None
+        if which.min() < 0 or which.max() >= len(self.datasets):
+            return "they name components the blend does not have"
+        sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
+        if sample.min() < 0 or not (sample.astype(np.int64) < sizes[which]).all():
+            return "they name samples past a component's end"
+        return None
 
     def __len__(self) -> int:
         return self.size

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rapidtrain.core.errors import UserError
 from rapidtrain.data.preprocess import PreprocessSettings, preprocess
 from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
 
@@ -81,7 +82,7 @@ def prepare_demo_data(cache_dir: str | None = None, progress: bool = True) -> De
 def _build_in_place(cache_dir: str, progress: bool) -> None:
     """Build into a temporary folder beside `cache_dir`, then rename it; the caller holds the lock."""
     if os.path.isdir(cache_dir) and os.listdir(cache_dir):
-        raise FileExistsError(
+        raise DemoCacheError(
             f"{cache_dir} exists but holds no {_MANIFEST}; it is not a demo cache: remove it, or "
             "point RAPIDTRAIN_CACHE elsewhere"
         )
@@ -99,9 +100,22 @@ def _build_in_place(cache_dir: str, progress: bool) -> None:
         shutil.rmtree(building, ignore_errors=True)
 
 
+class DemoCacheError(UserError, FileExistsError):
+    """The demo corpus cache holds something other than what rapidtrain wrote there."""
+
+
 def _read_manifest(cache_dir: str) -> DemoData:
-    with open(os.path.join(cache_dir, _MANIFEST)) as manifest:
-        saved = json.load(manifest)
+    path = os.path.join(cache_dir, _MANIFEST)
+    fix = f"remove {cache_dir} (the demo corpus is built again) or point RAPIDTRAIN_CACHE elsewhere"
+    try:
+        with open(path) as manifest:
+            saved = json.load(manifest)
+        paths = [saved[key] for key in ("data_prefix", "tokenizer_model", "tokenizer_type", "sentence_prefix")]
+        counts = [saved[key] for key in ("num_documents", "num_tokens")]
+    except (OSError, ValueError, KeyError, TypeError) as error:  # ValueError: not JSON, or not UTF-8
+        raise DemoCacheError(f"{path}: damaged ({type(error).__name__}: {error}); {fix}") from None
+    if not all(isinstance(p, str) for p in paths) or not all(type(n) is int and n >= 0 for n in counts):
+        raise DemoCacheError(f"{path}: damaged (a value of the wrong type); {fix}")
     return DemoData(
         data_prefix=os.path.join(cache_dir, saved["data_prefix"]),
         tokenizer_model=os.path.join(cache_dir, saved["tokenizer_model"]),

@@ -56,22 +56,31 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataFileError(f"{path}, line {line_number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise DataFileError(f"{path}, line {line_number}: a JSON {type(record).__name__}, not an object of "
+                                    "column → value; write one record a line")
+            records.append(record)
     return records
 
 
 def read_split_file(path: str | os.PathLike) -> list[dict[str, Any]]:
     """One split file as a list of records (.tsv and .csv need a header row)."""
     path = Path(path)
-    if path.suffix == ".tsv":
-        return _read_delimited(path, "\t")
-    if path.suffix == ".csv":
-        return _read_delimited(path, ",")
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    raise DataFileError(f"{path}: unsupported file type; use .tsv, .csv or .jsonl")
+    readers = {".tsv": lambda: _read_delimited(path, "\t"), ".csv": lambda: _read_delimited(path, ","),
+               ".jsonl": lambda: _read_jsonl(path)}
+    if path.suffix not in readers:
+        raise DataFileError(f"{path}: unsupported file type; use .tsv, .csv or .jsonl")
+    try:
+        return readers[path.suffix]()
+    except UnicodeDecodeError as error:
+        raise DataFileError(f"{path}: not UTF-8 text (byte {error.start}); save it as UTF-8") from None
+    except csv.Error as error:
+        raise DataFileError(f"{path}: not readable as {path.suffix[1:]} ({error}); fix or re-export it") from None
+    except OSError as error:
+        raise DataFileError(f"{path}: cannot read it ({error.strerror or error})") from None
 
 
 def _split_files(folder: Path) -> dict[str, Path]:

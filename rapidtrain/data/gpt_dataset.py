@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rapidtrain.data.blending import build_blended_splits
+from rapidtrain.data.blending import BlendedDataset, build_blended_splits, component_num_samples, normalize_weights
 from rapidtrain.data.index_cache import (
     DataConfigError,
     check_index_memory,
@@ -20,6 +20,7 @@ from rapidtrain.data.index_cache import (
     load_or_build_cached_indices,
 )
 from rapidtrain.data.indexed import IndexedDataset, check_token_ids
+from rapidtrain.data.weighted_splits import WeightedComponent, WeightedGroup
 
 # Megatron separates the final epoch when it contributes less than this fraction of an epoch's samples.
 SEPARATE_LAST_EPOCH_THRESHOLD = 0.80
@@ -154,6 +155,29 @@ def build_gpt_indices(
     return {"document_index": doc_idx, "sample_index": sample_idx, "shuffle_index": shuffle_idx}
 
 
+def gpt_index_problem(arrays: dict[str, np.ndarray], sizes: np.ndarray, seq_length: int) -> str | None:
+    """What is wrong with index arrays read from the cache (None: nothing). Checks the invariant the builder
+    guarantees: sample k starts k·seq_length tokens into the documents laid end to end in document-index order,
+    at an offset inside its document; and the shuffle index is a permutation of the samples."""
+    documents, samples, shuffle = arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"]
+    if documents.ndim != 1 or samples.ndim != 2 or samples.shape[1] != 2 or shuffle.ndim != 1 or not len(samples):
+        return "unexpected array shapes"
+    if len(documents) and (documents.min() < 0 or documents.max() >= len(sizes)):
+        return "the document index names sequences the data does not have"
+    positions, offsets = samples[:, 0], samples[:, 1]
+    if positions.min() < 0 or positions.max() >= max(len(documents), 1) or offsets.min() < 0:
+        return "the sample index points outside the document index"
+    lengths = np.asarray(sizes, dtype=np.int64)[documents] if len(documents) else np.zeros(1, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    expected = np.arange(len(samples), dtype=np.int64) * seq_length
+    inside = offsets[1:] < lengths[positions[1:]]
+    if not np.array_equal(starts[positions] + offsets, expected) or not inside.all():
+        return f"the sample index does not step by --seq-length {seq_length} tokens"
+    if len(shuffle) != len(samples) - 1 or (len(shuffle) and shuffle.max() >= len(shuffle)):
+        return "the shuffle index is not a permutation of the samples"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # The dataset.
 
@@ -252,6 +276,7 @@ class GPTDataset(torch.utils.data.Dataset):
             f"GPTDataset-{split_name}",
             ["document_index", "sample_index", "shuffle_index"],
             lambda: build_gpt_indices(sizes, documents, num_samples, config.seq_length, config.seed),
+            lambda arrays: gpt_index_problem(arrays, sizes, config.seq_length),
         )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
@@ -332,3 +357,29 @@ def build_gpt_datasets(config: GPTDatasetConfig, train_valid_test_num_samples: S
         lambda prefix, counts: build_gpt_split_datasets(prefix, config, counts),
         config.cache_dir,
     )
+
+
+def build_gpt_range_dataset(component: WeightedComponent, config: GPTDatasetConfig, num_samples: int,
+                            split_name: str) -> GPTDataset:
+    """A GPTDataset over the documents of `component.prefix` between its two fractions (BigScience's START:END)."""
+    indexed = open_indexed_dataset(component.prefix, config.data_impl, config.vocab_size)
+    begin, end = component.document_range(len(indexed))
+    if end <= begin:
+        raise DataConfigError(
+            f"--{split_name}-weighted-split-paths: {component.start:g}:{component.end:g} of {component.prefix}'s "
+            f"{len(indexed)} documents holds none; widen the range or use more documents")
+    documents = np.arange(begin, end, dtype=np.int32)
+    return GPTDataset(indexed, component.prefix, documents, int(num_samples), config, split_name)
+
+
+def build_weighted_group(group: WeightedGroup, config: GPTDatasetConfig, num_samples: int,
+                         split_name: str) -> GPTDataset | BlendedDataset:
+    """One weighted group: its one component, or a blend of `num_samples` drawn by the normalized weights, each
+    component built with its share plus Megatron's margin."""
+    if len(group.components) == 1:
+        return build_gpt_range_dataset(group.components[0], config, num_samples, split_name)
+    weights = normalize_weights(group.weights)
+    parts = [build_gpt_range_dataset(component, config, counts[0], split_name)
+             for component, counts in zip(group.components, component_num_samples(weights, [num_samples]),
+                                          strict=True)]
+    return BlendedDataset(parts, weights, num_samples, index_cache_dir(group.components[0].prefix, config.cache_dir))

@@ -81,12 +81,14 @@ def load_or_build_cached_indices(
     kind: str,
     names: Sequence[str],
     build: Callable[[], dict[str, np.ndarray]],
+    check: Callable[[dict[str, np.ndarray]], str | None] | None = None,
 ) -> tuple[dict[str, np.ndarray], bool]:
     """Memory-mapped index arrays from `cache_dir`, built first by rank 0 when missing.
 
     `build()` returns the arrays called `names`. Returns (arrays, built_here). Files are named by
     the MD5 of `description`, so any change in data, split, sample count, length or seed gives
-    new files.
+    new files. `check(arrays)` says what is wrong with arrays read back (None: nothing): a cache file
+    damaged since an earlier run wrote it is refused, naming it, before training reads past its end.
     """
     try:
         os.makedirs(cache_dir, exist_ok=True)
@@ -100,12 +102,40 @@ def load_or_build_cached_indices(
     complete = lambda: all(os.path.isfile(p) for p in paths.values())  # noqa: E731
     is_rank0 = not _is_distributed() or torch.distributed.get_rank() == 0
     if is_rank0 and not complete():
-        _save_atomically(paths, build(), description)
+        _save_or_refuse(cache_dir, paths, build(), description)
         built_here = True
     if _is_distributed():
         torch.distributed.barrier()
     if not complete():
         # This rank does not share rank 0's file system: the build is deterministic, so redo it.
-        _save_atomically(paths, build(), description)
+        _save_or_refuse(cache_dir, paths, build(), description)
         built_here = True
-    return {name: np.load(paths[name], mmap_mode="r") for name in names}, built_here
+    arrays = {name: _load_cached(paths[name]) for name in names}
+    problem = check(arrays) if check is not None else None
+    if problem:
+        raise DataConfigError(f"the index cache {', '.join(paths[name] for name in names)} is damaged ({problem}); "
+                              f"delete these files (the next run rebuilds them) or point --data-cache-path "
+                              "elsewhere")
+    return arrays, built_here
+
+
+def _save_or_refuse(cache_dir: str, paths: dict[str, str], arrays: dict[str, np.ndarray], description: str) -> None:
+    try:
+        _save_atomically(paths, arrays, description)
+    except OSError as error:  # a folder where a cache file goes, a full or read-only disk
+        raise DataConfigError(f"cannot write the index cache in {cache_dir}: {error.filename or cache_dir}: "
+                              f"{error.strerror or error}; remove what is in the way, or point --data-cache-path "
+                              "to a writable folder") from None
+
+
+def _load_cached(path: str) -> np.ndarray:
+    """One cached index array, memory-mapped; pickled objects are never loaded (allow_pickle stays off)."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:  # truncated, a damaged header, unreadable
+        raise DataConfigError(f"the index cache file {path} is damaged or unreadable ({error}); delete it (the next "
+                              "run rebuilds it) or point --data-cache-path elsewhere") from None
+    if array.dtype.kind not in "iu" or array.ndim not in (1, 2):
+        raise DataConfigError(f"the index cache file {path} holds {array.dtype} of {array.ndim} dimensions, not an "
+                              "index: delete it (the next run rebuilds it) or point --data-cache-path elsewhere")
+    return array

@@ -182,15 +182,25 @@ class IndexedDataset:
         self.prefix = prefix
         self.requested_impl = impl
         idx_path, bin_path = _existing_files(prefix)
+        self._bin_path, self._idx_path = bin_path, idx_path
+        self._fingerprint: str | None = None
+        self._bin: np.ndarray | None = None
+        try:
+            self._open(impl)
+        except OSError as error:  # unreadable (permissions, an I/O error): the file and the reason
+            raise DataFileError(f"{error.filename or prefix}: cannot read it ({error.strerror or error}); "
+                                "check its permissions, or rebuild it with scripts/preprocess_data.py") from None
+
+    def _open(self, impl: str) -> None:
+        idx_path, bin_path = self._idx_path, self._bin_path
         self.impl = _resolve_impl(impl, idx_path)
         read_index = _read_mmap_index if self.impl == "mmap" else _read_legacy_index
         self.dtype, self.sequence_lengths, self._offsets, self.document_indices = read_index(idx_path)
         self._itemsize = self.dtype.itemsize
         bin_size = _check_bin_size(bin_path, self.sequence_lengths, self._offsets, self._itemsize)
-        self._bin_path, self._idx_path = bin_path, idx_path
+        # After the size check, whose message names a wrong dtype code; this one finds damage inside the index.
+        _check_sequence_layout(idx_path, self.sequence_lengths, self._offsets, self._itemsize)
         self._opened_as = _file_states(idx_path, bin_path)  # what a change under the run is measured against
-        self._fingerprint: str | None = None
-        self._bin: np.ndarray | None = None
         if self.impl == "mmap" and bin_size:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r")
         elif self.impl == "cached" or bin_size == 0:
@@ -352,10 +362,30 @@ def _check_index_size(idx_path: str, size: int, needed: int, what: str) -> None:
 
 
 def _check_document_indices(idx_path: str, documents: np.ndarray, sequences: int) -> None:
-    if len(documents) == 0 or documents[0] != 0 or documents[-1] > sequences:
+    if len(documents) == 0 or documents[0] != 0 or documents[-1] > sequences or np.any(np.diff(documents) < 0):
         raise DataFileError(
-            f"{idx_path}: corrupt document index: it must start at 0 and end at most at {sequences}"
+            f"{idx_path}: corrupt document index: it must start at 0, never decrease and end at most at "
+            f"{sequences}; rebuild it with scripts/preprocess_data.py"
         )
+
+
+def _check_sequence_layout(idx_path: str, lengths: np.ndarray, offsets: np.ndarray, itemsize: int) -> None:
+    """Megatron's writer puts each sequence right after the one before it: a negative length, or an offset that
+    leaves a gap or an overlap, is damage (read on, it would return other tokens or fail mid-run). Checked in
+    chunks, so a corpus of many sequences needs no second copy of its index in memory."""
+    chunk, end = 2**22, 0
+    for first in range(0, len(lengths), chunk):
+        sizes = np.asarray(lengths[first : first + chunk], dtype=np.int64)
+        expected = np.empty(len(sizes), dtype=np.int64)
+        expected[0] = end
+        np.cumsum(sizes[:-1] * itemsize, out=expected[1:])
+        expected[1:] += end
+        if sizes.min() < 0 or not np.array_equal(np.asarray(offsets[first : first + chunk]), expected):
+            raise DataFileError(
+                f"{idx_path}: corrupt sequence index (negative lengths, or offsets that do not follow the lengths "
+                f"at the header's {itemsize}-byte dtype): rebuild it with scripts/preprocess_data.py"
+            )
+        end = int(expected[-1]) + int(sizes[-1]) * itemsize
 
 
 def _read_mmap_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
@@ -388,8 +418,12 @@ def _read_legacy_index(idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray,
     documents = values[2 * (items + 1) + size_entries :]
     _check_document_indices(idx_path, documents, items)
     # Data offsets count elements; a sequence spans the elements up to the next one's offset.
-    lengths = np.diff(data_offsets).astype(np.int32)
-    return dtype, lengths, data_offsets[:-1] * element_size, documents
+    lengths = np.diff(data_offsets)
+    if len(lengths) and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
+        raise DataFileError(f"{idx_path}: corrupt data offsets (they must grow, by less than 2**31 tokens a "
+                            "sequence); rebuild it with scripts/preprocess_data.py")
+    offsets = data_offsets[:-1] * element_size
+    return dtype, lengths.astype(np.int32), offsets, documents
 
 
 def _check_bin_size(bin_path: str, lengths: np.ndarray, offsets: np.ndarray, itemsize: int) -> int:

@@ -130,7 +130,7 @@ class ShardSettings:
 
 
 def _data_loader(
-    dataset: Any, batch_sampler: Any, collate_fn: Callable | None, s: ShardSettings
+    dataset: Any, batch_sampler: Any, collate_fn: Callable | None, s: ShardSettings, persistent: bool = False
 ) -> DataLoader:
     # Its own generator: each iter() of a DataLoader draws a worker seed, which must not move the global RNG
     # (dropout), or a run resumed mid-epoch would draw different masks than the run it continues.
@@ -141,7 +141,7 @@ def _data_loader(
         collate_fn=collate_fn,
         num_workers=s.num_workers,
         pin_memory=s.pin_memory,
-        persistent_workers=False,
+        persistent_workers=persistent and s.num_workers > 0,
         generator=generator,
         worker_init_fn=ignore_sigterm_in_worker,  # a SIGTERM to the group is the rank's to answer (it saves)
     )
@@ -209,9 +209,20 @@ def eval_loader(
     s: ShardSettings,
     device: torch.device | None,
     context: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    persistent: bool = False,
 ) -> ShardedLoader:
+    """Every sample of `dataset` once, this rank's share in order; `persistent` keeps the workers between passes (a
+    template that evaluates many times forks them once: see Trainer.evaluation_loader)."""
     sampler = EvalBatchSampler(len(dataset), s.micro_batch_size, s.data_parallel_rank, s.data_parallel_size)
-    return ShardedLoader(_data_loader(dataset, sampler, collate_fn, s), device, context, s.group)
+    return ShardedLoader(_data_loader(dataset, sampler, collate_fn, s, persistent), device, context, s.group)
+
+
+def shutdown_workers(loader: DataLoader) -> None:
+    """Stop a loader's persistent workers now: they ignore SIGTERM (a save request is the rank's), so
+    multiprocessing's exit handler, which terminates them with SIGTERM and then joins them, would wait forever."""
+    iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator, once iterated
+    if iterator is not None:
+        iterator._shutdown_workers()
 
 
 # ---- gathering across data-parallel ranks ----

@@ -228,8 +228,12 @@ class BertWordPieceTokenizer(Tokenizer):
 
 
 def _read_wordpiece_vocab(vocab_file: str) -> dict[str, int]:
-    with open(vocab_file, encoding="utf-8") as lines:
-        vocab = {line.rstrip("\n"): i for i, line in enumerate(lines)}
+    try:
+        with open(vocab_file, encoding="utf-8") as lines:
+            vocab = {line.rstrip("\n"): i for i, line in enumerate(lines)}
+    except (OSError, UnicodeDecodeError) as error:
+        raise TokenizerSettingsError(f"--vocab-file {vocab_file}: cannot read it as UTF-8 text ({error}); give BERT's "
+                                     "vocab.txt, one token a line") from None
     missing = [t for t in ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]") if t not in vocab]
     if missing:
         raise TokenizerSettingsError(
@@ -343,10 +347,13 @@ class HuggingFaceTokenizer(Tokenizer):
 
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        except (OSError, ValueError) as error:
+            self._tokenizer.decode(self._tokenizer("a b")["input_ids"])  # settings that only fail once used
+        except Exception as error:  # noqa: BLE001 - a damaged file fails deep in transformers, as any exception
             raise TokenizerSettingsError(
-                f"--tokenizer-model {folder}: not a loadable tokenizer folder ({error})"
-            ) from error
+                f"--tokenizer-model {folder}: not a loadable tokenizer folder ({type(error).__name__}: "
+                f"{str(error).strip()[:300]}); its tokenizer.json or tokenizer_config.json is damaged or not a "
+                "tokenizer's: save the tokenizer again with save_pretrained"
+            ) from None
         hf = self._tokenizer
         self.pad, self.cls, self.sep, self.mask = (
             hf.pad_token_id,

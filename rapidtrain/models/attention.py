@@ -1,10 +1,13 @@
 """The attention kernels of the built-in models (chosen by --attention-backend, see attention_backends.py):
 torch SDPA (its dispatcher or one backend), an explicit softmax(QKᵀ/√d)V, and FlexAttention, whose mask is a
-block-sparse BlockMask built from the mask's rule (causal, same document, padding) instead of a dense [s, s]."""
+block-sparse BlockMask built from the mask's rule (causal, same document, padding, sliding window) instead of a dense
+[s, s]. ALiBi's per-head linear biases (Press et al. 2022) enter each kernel its own way: an additive float mask
+(SDPA), a term added to the scores (eager), a score_mod (FlexAttention)."""
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,14 +20,34 @@ from rapidtrain.models.attention_backends import Kernel
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
+def alibi_slopes(num_heads: int, device: torch.device | None = None) -> torch.Tensor:
+    """ALiBi's slope of each of `num_heads` heads, fp32: for a power of two n, the geometric sequence
+    2^(-8/n), 2^(-16/n), ..., 2^(-8); otherwise those of the largest power of two p below n, followed by every
+    other slope of 2p heads (the odd exponents), n - p of them. Made on `device` by torch ops (no host copy)."""
+    power = 2 ** math.floor(math.log2(num_heads))
+    exponents = torch.arange(1, power + 1, device=device, dtype=torch.float32) * (8.0 / power)
+    extra = torch.arange(num_heads - power, device=device, dtype=torch.float32).mul(2).add(1) * (4.0 / power)
+    return torch.pow(2.0, -torch.cat([exponents, extra]))
+
+
+def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """ALiBi's additive bias [heads, q_len, kv_len], fp32: -slope × (query position - key position), the queries
+    being the last q_len of kv_len positions (after cached tokens). Causal rows see only distances >= 0."""
+    query = torch.arange(kv_len - q_len, kv_len, device=slopes.device)[:, None]
+    key = torch.arange(kv_len, device=slopes.device)[None, :]
+    return -slopes[:, None, None] * (query - key).abs().float()
+
+
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """softmax(QKᵀ/√d + mask)·V written out (Megatron's unfused/local attention), the softmax in fp32.
+                    is_causal: bool, dropout_p: float, alibi: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(QKᵀ/√d + ALiBi + mask)·V written out (Megatron's unfused/local attention), the softmax in fp32.
     q [b, heads, sq, d]; k, v [b, groups, sk, d] (grouped-query: each group serves heads / groups heads);
-    mask bool, True = may attend."""
+    mask bool, True = may attend; alibi: the slopes of q's heads, or None."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    if alibi is not None:
+        scores = scores + alibi_bias(alibi, q.shape[2], k.shape[2])
     if is_causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
@@ -45,15 +68,19 @@ def _flex_attention(compiled: bool) -> Callable:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_causal: bool, dropout_p: float,
-           kernel: Kernel) -> torch.Tensor:
+           kernel: Kernel, alibi: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [b, heads, sq, d] over k, v [b, groups, sk, d] with `kernel`; `mask` is a bool tensor
-    (True = may attend) or None, or for "flex" the BlockMask that `flex_block_mask` built."""
+    (True = may attend) or None, or for "flex" the BlockMask that `flex_block_mask` built; `alibi` the ALiBi
+    slopes of q's heads (fp32 [heads]) or None."""
     gqa = q.shape[1] != k.shape[1]
     if kernel == "flex":
-        return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=gqa)
+        score_mod = None if alibi is None else _alibi_score_mod(alibi, k.shape[2] - q.shape[2])
+        return _flex_attention(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
     assert mask is None or isinstance(mask, torch.Tensor)  # a BlockMask is flex's alone
     if kernel == "eager":
-        return eager_attention(q, k, v, mask, is_causal, dropout_p)
+        return eager_attention(q, k, v, mask, is_causal, dropout_p, alibi)
+    if alibi is not None:  # SDPA takes the biases as a float mask, into which the causal/boolean mask is folded
+        mask, is_causal = _biased_mask(alibi, q, k.shape[2], mask, is_causal), False
     call = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=dropout_p,
                              is_causal=is_causal, enable_gqa=gqa)
     if kernel in SDPA_BACKENDS:
@@ -62,11 +89,37 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_c
     return call()
 
 
+def _biased_mask(slopes: torch.Tensor, q: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
+                 is_causal: bool) -> torch.Tensor:
+    """ALiBi's bias with -inf where `mask` (bool, True = may attend) or causality forbids, in q's dtype."""
+    q_len = q.shape[2]
+    bias = alibi_bias(slopes, q_len, kv_len).unsqueeze(0)  # SDPA's kernels take a 4-d mask [b or 1, h, sq, sk]
+    if is_causal:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+    if mask is not None:
+        bias = torch.where(mask, bias, float("-inf"))
+    return bias.to(q.dtype)
+
+
+def _alibi_score_mod(slopes: torch.Tensor, cached: int) -> Callable:
+    """FlexAttention's score_mod adding ALiBi's bias; query i is position i + cached (after cached tokens). The
+    count travels as a tensor (a fill, no host copy), so compiled FlexAttention does not recompile per decoded token."""
+    offset = torch.full((), cached, dtype=torch.int64, device=slopes.device)
+
+    def add_bias(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        return score - slopes[h] * (q_idx + offset - kv_idx).abs()
+
+    return add_bias
+
+
 def flex_block_mask(batch: int, q_len: int, kv_len: int, device: torch.device, causal: bool,
-                    document_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> object:
+                    document_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                    window: int | None = None) -> object:
     """The BlockMask of: causal (query i, the last of q_len after kv_len - q_len cached tokens, sees keys up to
     its own position), the same document (document_ids [b, s]: packed samples do not attend across documents),
-    and the batch's own mask (padding [b, s] with 1 = real token, or [b, (1,) s, s] with True = may attend).
+    and the batch's own mask (padding [b, s] with 1 = real token, or [b, (1,) s, s] with True = may attend), and
+    a sliding window (the query sees keys less than `window` positions back).
     Every token may attend to itself, as `sdpa_mask` does, so no row is empty. Only blocks of 128×128 that
     hold an allowed pair are stored and computed: memory O(b · (s/128)²), not b · s²."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -88,6 +141,8 @@ def flex_block_mask(batch: int, q_len: int, kv_len: int, device: torch.device, c
             allowed = allowed & padding[b, kv_idx]
         if dense is not None:
             allowed = allowed & dense[b, q_idx, kv_idx]
+        if window is not None:
+            allowed = allowed & (position - kv_idx < window)
         return allowed | (position == kv_idx)
 
     per_row = document_ids is not None or attention_mask is not None

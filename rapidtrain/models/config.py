@@ -28,7 +28,7 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    position_embedding_type: Literal["learned_absolute", "rope", "alibi"] = "learned_absolute"
     rotary_base: float = 10000
     tie_embeddings: bool = True
     bert_binary_head: bool = False
@@ -65,6 +65,13 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
     rotary_interpolation_factor: float = 1.0  # --rotary-seq-len-interpolation-factor: positions / factor
+    # BLOOM's switches: a LayerNorm on the word embeddings (--embed-layernorm); ALiBi is position_embedding_type.
+    embed_layernorm: bool = False
+    # Sliding-window attention (GPT only): each query sees at most the last `sliding_window` keys, itself included
+    # (Hugging Face's sliding_window; Megatron's --window-size L,0 is L + 1). Every `window_skip_freq`-th layer
+    # (1-based, Megatron's --window-attn-skip-freq) attends to the whole sequence instead; 0: none does.
+    sliding_window: int | None = None
+    window_skip_freq: int = 0
 
     @property
     def ffn_size(self) -> int:
@@ -83,11 +90,38 @@ class ModelConfig:
             kind = "built-in BERT" + (" (post-LN, original BERT order)" if self.post_layernorm else "")
         elif self.normalization == "RMSNorm" and self.swiglu and self.position_embedding_type == "rope":
             kind = "built-in GPT (Llama-family)"
-        elif self.normalization == "LayerNorm" and not self.swiglu and self.position_embedding_type != "rope":
+        elif self.normalization == "LayerNorm" and not self.swiglu and self.position_embedding_type == "alibi" \
+                and self.embed_layernorm:
+            kind = "built-in GPT (BLOOM-style)"
+        elif self.normalization == "LayerNorm" and not self.swiglu \
+                and self.position_embedding_type == "learned_absolute":
             kind = "built-in GPT (GPT-2-style)"
         else:
             kind = "built-in GPT"
         return kind + (" with mixture-of-experts layers" if any(self.num_experts) else "")
+
+    @property
+    def attention_features(self) -> list[str]:
+        """Positions and attention that differ from the family's usual, in words, for the plan's model line."""
+        features = []
+        if self.position_embedding_type == "alibi":
+            features.append("ALiBi position biases (per-head slopes, no position embeddings)")
+        if self.embed_layernorm:
+            features.append("LayerNorm on the word embeddings")
+        if self.sliding_window is not None:
+            window = f"sliding-window attention over the last {self.sliding_window} keys"
+            if self.window_skip_freq:
+                window += f" (every {ordinal(self.window_skip_freq)} layer attends to the whole sequence)"
+            if self.sliding_window >= self.seq_length:
+                window += f"; the window spans --seq-length {self.seq_length}, so training sees no difference"
+            features.append(window)
+        return features
+
+    def window_of_layer(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0-based), None where it attends to every earlier key."""
+        if self.sliding_window is None or (self.window_skip_freq and (layer + 1) % self.window_skip_freq == 0):
+            return None
+        return self.sliding_window
 
     @property
     def query_groups(self) -> int:
@@ -108,3 +142,8 @@ class ModelConfig:
 
     def experts_in_layer(self, layer: int) -> int:
         return self.num_experts[layer] if self.num_experts else 0
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

@@ -41,6 +41,8 @@ def _embedding_and_head_parameters(config: ModelConfig) -> int:
     count = vocab * h + _norm(config)  # word embeddings + final norm (post-norm: the embedding norm instead)
     if config.position_embedding_type == "learned_absolute":
         count += config.max_position_embeddings * h
+    if config.embed_layernorm:
+        count += 2 * h  # BLOOM's LayerNorm on the word embeddings (weight and bias, whatever --normalization)
     count += config.num_tokentypes * h
     if not config.tie_embeddings:
         count += vocab * h  # the output layer's own weight; tied, the embedding counts once
@@ -109,6 +111,7 @@ def model_flops_per_iteration(
       q and o projections, k and v     2 · 2·N·h·a + 2 · 2·N·h·g        = 8·N·h²  (g = a = h)
       scores Q·Kᵀ and probs·V          2 · 2·N·s·a, halved for causal GPT (only the lower triangle
                                        is needed)                        = 2·N·s·h  (GPT), 4·N·s·h (BERT)
+                                       (a sliding window w: 2 · 2·N·a·(w - w²/2s) in its layers)
       dense MLP fc1 + fc2              2 · 2·N·h·f                      = 16·N·h² for f = 4h
                                        (SwiGLU: 3 · 2·N·h·f, the gate is a third matrix)
       MoE layer                        k experts per token: k · that, plus the router 2·N·h·E
@@ -123,20 +126,31 @@ def model_flops_per_iteration(
     tokens = b * s
     inner = config.head_dim * config.num_attention_heads
     groups = config.head_dim * config.query_groups
-    causal = config.model_type == "gpt"
     projections = 2 * 2 * tokens * h * inner + 2 * 2 * tokens * h * groups
-    attention = projections + (2 if causal else 4) * tokens * s * inner
-    forward = 2 * tokens * h * config.vocab_size
+    forward = 2 * tokens * h * config.vocab_size + _score_flops(config, tokens, s, inner)
     for experts, layers in _layers_by_experts(config).items():
         mlp = (3 if config.swiglu else 2) * 2 * tokens * h * f
         if experts:
             mlp = config.moe_router_topk * mlp + 2 * tokens * h * experts
-        forward += layers * (attention + mlp)
+        forward += layers * (projections + mlp)
     if config.model_type == "bert":
         forward += 2 * tokens * h * h
         if config.bert_binary_head:
             forward += 2 * b * h * h + 2 * b * h * 2
     return 3 * forward
+
+
+def _score_flops(config: ModelConfig, tokens: int, s: int, inner: int) -> int:
+    """Q·Kᵀ and probs·V of every layer: 2 · 2 FLOPs per query, key and head dimension, with the keys a query sees
+    on average: s (BERT), s/2 (causal), w - w²/2s with a sliding window w < s (the first w queries see fewer)."""
+    if config.model_type != "gpt":
+        return 4 * tokens * s * inner * config.num_layers
+    window = config.sliding_window
+    full = config.num_layers
+    if window is not None and window < s:
+        full = config.num_layers // config.window_skip_freq if config.window_skip_freq else 0
+    windowed_keys = 0.0 if window is None else window - window * window / (2 * s)
+    return int(4 * tokens * inner * (full * s / 2 + (config.num_layers - full) * windowed_keys))
 
 
 def gpt_flops_per_iteration(config: ModelConfig, global_batch_size: int) -> int:

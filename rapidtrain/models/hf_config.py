@@ -1,5 +1,5 @@
 """What a `--pretrained-model-name-or-path` folder holds, and the built-in model's flags that a Hugging Face
-config.json fixes (GPT-2, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
+config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
 
 Reads config.json as JSON only: nothing from the folder is imported or run. With `--task pretraining` a
 Hugging Face folder initialises the built-in model; the shape flags not given are taken from the config,
@@ -22,6 +22,7 @@ FolderKind = Literal["huggingface", "rapidtrain", "missing", "other"]
 # Hugging Face model_type → what the built-in model becomes.
 SUPPORTED = {
     "gpt2": "GPT (GPT-2)",
+    "bloom": "GPT (BLOOM: ALiBi, embedding LayerNorm)",
     "llama": "GPT (Llama-family)",
     "mistral": "GPT (Llama-family, Mistral)",
     "qwen2": "GPT (Llama-family, Qwen2)",
@@ -101,9 +102,13 @@ def read_config(path: str) -> dict[str, Any]:
     """config.json of a Hugging Face folder, as plain JSON."""
     file = Path(path) / "config.json"
     try:
-        return json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UnsupportedModel(f"--pretrained-model-name-or-path {path}: cannot read {file} ({error})") from error
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as error:  # ValueError: not JSON, or not UTF-8
+        raise UnsupportedModel(f"--pretrained-model-name-or-path {path}: cannot read {file} ({error})") from None
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"--pretrained-model-name-or-path {path}: {file} holds a JSON "
+                               f"{type(config).__name__}, not a model config (an object)")
+    return config
 
 
 def trains_builtin_model(args: argparse.Namespace) -> bool:
@@ -121,7 +126,7 @@ def initialises_builtin(args: argparse.Namespace) -> bool:
 
 def family(config: dict[str, Any]) -> str:
     kind = config.get("model_type")
-    if kind not in SUPPORTED:
+    if not isinstance(kind, str) or kind not in SUPPORTED:
         raise UnsupportedModel(
             f"config.json model_type {kind!r} cannot initialise a built-in model; supported: "
             f"{', '.join(SUPPORTED)}"
@@ -195,6 +200,26 @@ def _gpt2_flags(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _bloom_flags(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("apply_residual_connection_post_layernorm"):
+        raise UnsupportedModel("config.json apply_residual_connection_post_layernorm: the built-in GPT adds the "
+                               "residual before the norm (pre-LN)")
+    hidden = config.get("hidden_size") or config["n_embed"]
+    return {
+        "model_type": "gpt",
+        "num_layers": config["n_layer"],
+        "hidden_size": hidden,
+        "num_attention_heads": config["n_head"],
+        "ffn_hidden_size": 4 * hidden,  # BLOOM's MLP is always 4h
+        "position_embedding_type": "alibi",
+        "embed_layernorm": True,
+        "normalization": "LayerNorm",
+        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+        "openai_gelu": True,  # BLOOM's GELU is the tanh approximation
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
+    }
+
+
 def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
     kind = config["model_type"]
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
@@ -232,6 +257,8 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
         "add_bias_linear": False,
         "add_qkv_bias": kind == "qwen2",  # Qwen2's q/k/v projections always have biases
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        # Mistral's and Mixtral's window covers every layer (Qwen2's only some: the rules refuse what it changes).
+        "sliding_window": config.get("sliding_window") if kind in ("mistral", "mixtral") else None,
     }
     if kind == "mixtral":
         topk = config["num_experts_per_tok"]
@@ -291,18 +318,41 @@ _BASE = {
     "post_layernorm": False,
     "bert_binary_head": False,
     "num_experts": None,
+    "embed_layernorm": False,
+    "sliding_window": None,
 }
 
 
+# Flags taken from config.json that are counts (a positive int; bool is refused, JSON's true is no size).
+_COUNT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                "num_query_groups", "moe_router_topk", "kv_channels", "sliding_window")
+
+
 def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
-    """flag dest → the value the built-in model needs to hold these weights exactly."""
+    """flag dest → the value the built-in model needs to hold these weights exactly. A config.json with keys
+    missing or of the wrong type (damaged, or another library's) raises UnsupportedModel naming the key."""
     kind = family(config)
-    if kind == "gpt2":
-        flags = _gpt2_flags(config)
-    elif kind in LLAMA_FAMILY:
-        flags = _llama_flags(config)
-    else:
-        flags = _bert_flags(config)
+    try:
+        if kind == "gpt2":
+            flags = _gpt2_flags(config)
+        elif kind == "bloom":
+            flags = _bloom_flags(config)
+        elif kind in LLAMA_FAMILY:
+            flags = _llama_flags(config)
+        else:
+            flags = _bert_flags(config)
+    except KeyError as error:
+        raise UnsupportedModel(f"config.json lacks {error} that a {kind} config has") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as error:
+        raise UnsupportedModel(f"config.json holds a value of the wrong type for a {kind} config ({error})") from None
+    wrong = [dest for dest in _COUNT_FLAGS if dest in flags and flags[dest] is not None
+             and (type(flags[dest]) is not int or flags[dest] <= 0)]
+    wrong += [dest for dest in ("layernorm_epsilon", "rotary_base", "rope_scaling_factor",
+                                "rotary_seq_len_interpolation_factor") if flags.get(dest) is not None
+              and (type(flags[dest]) not in (int, float) or not flags[dest] > 0)]
+    if wrong:
+        raise UnsupportedModel(f"config.json gives {', '.join(f'{d} = {flags[d]!r}' for d in wrong)}: "
+                               "not a positive number")
     return _BASE | flags
 
 
@@ -311,9 +361,10 @@ def pretrained_vocab_size(args: argparse.Namespace) -> int | None:
     if not initialises_builtin(args):
         return None
     try:
-        return int(read_config(args.pretrained_model_name_or_path)["vocab_size"])
+        vocab_size = read_config(args.pretrained_model_name_or_path)["vocab_size"]
     except (UnsupportedModel, KeyError):
         return None
+    return vocab_size if type(vocab_size) is int and vocab_size > 0 else None
 
 
 # ---- applying it to the flags ----

@@ -89,6 +89,40 @@ def _gpt2_links(config: ModelConfig) -> list[Link]:
     return links
 
 
+def _bloom_qkv(ours: tuple[str, ...], theirs: str, heads: int) -> Link:
+    """BLOOM's fused query_key_value holds, head after head, that head's q, k and v rows; ours are three matrices
+    (or bias vectors) of all heads' q, all k, all v."""
+
+    def to_ours(t: Tensors) -> Tensors:
+        per_head = t[0].reshape(heads, 3, -1, *t[0].shape[1:])
+        return [part.reshape(-1, *t[0].shape[1:]) for part in per_head.unbind(1)]
+
+    def to_theirs(t: Tensors) -> Tensors:
+        per_head = torch.stack([part.reshape(heads, -1, *part.shape[1:]) for part in t], dim=1)
+        return [per_head.reshape(-1, *t[0].shape[1:])]
+
+    return Link(ours, (theirs,), to_ours, to_theirs)
+
+
+def _bloom_links(config: ModelConfig) -> list[Link]:
+    links = [one("embedding.word_embeddings.weight", "transformer.word_embeddings.weight"),
+             *same_leaves("embedding.word_embeddings_norm", "transformer.word_embeddings_layernorm"),
+             *same_leaves("final_norm", "transformer.ln_f")]
+    if not config.tie_embeddings:
+        links.append(one("output.weight", "lm_head.weight"))
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}", f"transformer.h.{i}"
+        for leaf in ("weight", "bias"):
+            links.append(_bloom_qkv(tuple(f"{ours}.attention.{p}_proj.{leaf}" for p in "qkv"),
+                                    f"{theirs}.self_attention.query_key_value.{leaf}", config.num_attention_heads))
+        links += same_leaves(f"{ours}.attention.o_proj", f"{theirs}.self_attention.dense")
+        links += same_leaves(f"{ours}.ln1", f"{theirs}.input_layernorm")
+        links += same_leaves(f"{ours}.ln2", f"{theirs}.post_attention_layernorm")
+        links += same_leaves(f"{ours}.mlp.fc1", f"{theirs}.mlp.dense_h_to_4h")
+        links += same_leaves(f"{ours}.mlp.fc2", f"{theirs}.mlp.dense_4h_to_h")
+    return links
+
+
 def _stacked_experts(ours: str, theirs: list[str]) -> Link:
     """[E, in, out] built-in ↔ E Hugging Face Linear weights [out, in]."""
     return Link((ours,), tuple(theirs),
@@ -160,6 +194,8 @@ def _bert_links(config: ModelConfig) -> list[Link]:
 def links_for(hf_model_type: str, config: ModelConfig) -> list[Link]:
     if hf_model_type == "gpt2":
         return _gpt2_links(config)
+    if hf_model_type == "bloom":
+        return _bloom_links(config)
     if hf_model_type in LLAMA_FAMILY:
         return _llama_links(config)
     return _bert_links(config)
@@ -199,8 +235,7 @@ class WeightsReader:
                                    ("pytorch_model.bin.index.json", "pytorch_model.bin")):
             index = self.folder / index_name
             if index.exists():
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                return [self.folder / shard for shard in shards]
+                return [self.folder / shard for shard in _shards(index)]
             if (self.folder / single).exists():
                 return [self.folder / single]
         raise UnsupportedModel(
@@ -209,15 +244,20 @@ class WeightsReader:
 
     def _open(self, file: Path) -> Any:
         if file not in self._opened:
-            if file.suffix == ".safetensors":
-                from safetensors import safe_open
+            try:
+                if file.suffix == ".safetensors":
+                    from safetensors import safe_open
 
-                self._opened[file] = safe_open(str(file), framework="pt")
-            else:  # weights_only: plain tensors only, no pickled code runs
-                try:
-                    self._opened[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                except pickle.UnpicklingError as error:
-                    raise refuse_pickled_weights(file, error) from None
+                    self._opened[file] = safe_open(str(file), framework="pt")
+                else:  # weights_only: plain tensors only, no pickled code runs
+                    loaded = _load_state_dict(file)
+                    if not isinstance(loaded, dict):
+                        raise TypeError(f"a {type(loaded).__name__}, not a state dict")
+                    self._opened[file] = loaded
+            except pickle.UnpicklingError as error:
+                raise refuse_pickled_weights(file, error) from None
+            except Exception as error:  # noqa: BLE001 - safetensors and torch say "damaged" in their own types
+                raise _damaged(file, error) from None
         return self._opened[file]
 
     def get(self, name: str) -> torch.Tensor:
@@ -225,7 +265,46 @@ class WeightsReader:
             raise UnsupportedModel(f"{self.folder}: no weight {name!r} in the folder's files")
         file, stored = self.location[_normalized(name)]
         opened = self._open(file)
-        return opened.get_tensor(stored) if file.suffix == ".safetensors" else opened[stored]
+        try:
+            value = opened.get_tensor(stored) if file.suffix == ".safetensors" else opened[stored]
+        except Exception as error:  # noqa: BLE001 - a header that promises bytes the file does not hold
+            raise _damaged(file, error) from None
+        if not isinstance(value, torch.Tensor):
+            raise _damaged(file, TypeError(f"{stored} is a {type(value).__name__}, not a tensor"))
+        return value
+
+
+def _load_state_dict(file: Path) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "mmap can only be used" not in str(error):
+            raise
+        # torch's legacy (pre-zip) format: read whole, memory-mapping needs the zip layout
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _damaged(file: Path, error: BaseException) -> UnsupportedModel:
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return UnsupportedModel(f"{file}: cannot be read ({type(error).__name__}: {reason}); the weights are damaged or "
+                            "truncated: copy or save the model again (save_pretrained)")
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files a .index.json names: file names in its folder (a damaged index is refused, naming it)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+        if not all(isinstance(shard, str) and shard and Path(shard).name == shard for shard in shards):
+            raise TypeError("its shard names are not file names")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UnsupportedModel(f"{index}: damaged ({type(error).__name__}: {error}); save the model again "
+                               "(save_pretrained)") from None
+    missing = [shard for shard in shards if not (index.parent / shard).is_file()]
+    if missing:
+        raise UnsupportedModel(f"{index} names shards that are not in {index.parent}: {', '.join(missing[:3])}; "
+                               "copy the whole folder")
+    return shards
 
 
 # ---- into a built-in model ----
@@ -285,7 +364,17 @@ def export_family(config: ModelConfig) -> str:
         need(gelu_mlp and config.add_bias_linear and config.query_groups == config.num_attention_heads,
              "GELU MLPs with biases and one key/value head per head")
         need(not any(config.num_experts), "dense MLPs (no --num-experts)")
+        need(not config.embed_layernorm, "no --embed-layernorm")
         kind = "bert" if config.post_layernorm else "megatron-bert"
+    elif config.normalization == "LayerNorm" and (config.position_embedding_type == "alibi" or config.embed_layernorm):
+        need(config.position_embedding_type == "alibi" and config.embed_layernorm,
+             "--position-embedding-type alibi with --embed-layernorm (BLOOM has both)")
+        need(gelu_mlp and config.add_bias_linear and config.openai_gelu,
+             "GELU MLPs with biases and --openai-gelu (BLOOM's tanh GELU)")
+        need(config.ffn_size == 4 * config.hidden_size, "--ffn-hidden-size 4 × hidden (BLOOM)")
+        need(config.query_groups == config.num_attention_heads, "one key/value head per head (BLOOM)")
+        need(not any(config.num_experts) and not config.post_layernorm, "dense pre-LN layers (BLOOM)")
+        kind = "bloom"
     elif config.normalization == "LayerNorm":
         need(config.position_embedding_type == "learned_absolute", "learned absolute positions (GPT-2)")
         need(gelu_mlp and config.add_bias_linear, "GELU MLPs with biases (GPT-2)")
@@ -293,25 +382,15 @@ def export_family(config: ModelConfig) -> str:
         need(not any(config.num_experts) and not config.post_layernorm, "dense pre-LN layers (GPT-2)")
         kind = "gpt2"
     else:
-        need(config.position_embedding_type == "rope" and config.swiglu and not config.add_bias_linear,
-             "rope, --swiglu and --disable-bias-linear (Llama)")
-        need(not config.post_layernorm, "pre-norm layers")
-        experts = set(config.num_experts)
-        if any(config.num_experts):
-            need(len(experts) == 1, "the same number of experts in every layer (Mixtral)")
-            need(config.moe_router_topk > 1, "--moe-router-topk 2 (Mixtral renormalises the top-k weights)")
-            need(not config.add_qkv_bias, "no --add-qkv-bias (Mixtral)")
-            need(not config.qk_layernorm, "no --qk-layernorm (Mixtral)")
-            kind = "mixtral"
-        elif config.qk_layernorm:
-            need(not config.add_qkv_bias, "no --add-qkv-bias (Qwen3)")
-            kind = "qwen3"
-        else:
-            kind = "qwen2" if config.add_qkv_bias else "llama"
+        kind = _llama_kind(config, need)
         need(kind != "qwen2" or config.kv_channels in (None, config.hidden_size // config.num_attention_heads),
              "no --kv-channels (Qwen2's config has no head_dim)")
         need(config.rope_scaling == "none" or config.rotary_interpolation_factor == 1,
              "one rope scaling (--use-rope-scaling or --rotary-seq-len-interpolation-factor, not both)")
+    need(config.sliding_window is None or kind in ("mistral", "mixtral"),
+         "no --sliding-window (of the Hugging Face families here only Mistral and Mixtral have one)")
+    need(not (config.sliding_window and config.window_skip_freq),
+         "no --window-attn-skip-freq (Mistral's window covers every layer)")
     if problems:
         raise UnsupportedModel(
             f"no Hugging Face architecture holds this {config.architecture} exactly; exporting it as "
@@ -333,6 +412,26 @@ def hf_rope_parameters(config: ModelConfig) -> dict[str, Any]:
     return parameters
 
 
+def _llama_kind(config: ModelConfig, need: Callable[[bool, str], None]) -> str:
+    """The Llama-family architecture the built-in model's flags describe: Mixtral, Qwen3, Qwen2, Mistral or Llama."""
+    need(config.position_embedding_type == "rope" and config.swiglu and not config.add_bias_linear,
+         "rope, --swiglu and --disable-bias-linear (Llama)")
+    need(not config.post_layernorm and not config.embed_layernorm, "pre-norm layers, no --embed-layernorm")
+    if any(config.num_experts):
+        need(len(set(config.num_experts)) == 1, "the same number of experts in every layer (Mixtral)")
+        need(config.moe_router_topk > 1, "--moe-router-topk 2 (Mixtral renormalises the top-k weights)")
+        need(not config.add_qkv_bias, "no --add-qkv-bias (Mixtral)")
+        need(not config.qk_layernorm, "no --qk-layernorm (Mixtral)")
+        return "mixtral"
+    if config.qk_layernorm:
+        need(not config.add_qkv_bias, "no --add-qkv-bias (Qwen3)")
+        need(not config.sliding_window, "no --sliding-window (Qwen3's window covers some layers only)")
+        return "qwen3"
+    if config.add_qkv_bias:
+        return "qwen2"
+    return "mistral" if config.sliding_window else "llama"
+
+
 def hf_config_for(config: ModelConfig, kind: str) -> Any:
     """The transformers config object (GPT2Config, LlamaConfig, ...) of the exported model."""
     import transformers
@@ -346,6 +445,13 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
             embd_pdrop=config.hidden_dropout, attn_pdrop=dropout, layer_norm_epsilon=config.layernorm_epsilon,
             initializer_range=config.init_method_std, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
             architectures=["GPT2LMHeadModel"])
+    if kind == "bloom":
+        return transformers.BloomConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, n_layer=config.num_layers,
+            n_head=config.num_attention_heads, layer_norm_epsilon=config.layernorm_epsilon,
+            hidden_dropout=config.hidden_dropout, attention_dropout=dropout, initializer_range=config.init_method_std,
+            apply_residual_connection_post_layernorm=False, tie_word_embeddings=tie, bos_token_id=None,
+            eos_token_id=None, architectures=["BloomForCausalLM"])
     if kind in LLAMA_FAMILY:
         # Any: the values are of mixed types, each the one its transformers keyword takes.
         common: dict[str, Any] = dict(
@@ -362,11 +468,15 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
                                             architectures=["Qwen3ForCausalLM"])
         if kind == "mixtral":
             return transformers.MixtralConfig(
-                **common, num_local_experts=max(config.num_experts), num_experts_per_tok=config.moe_router_topk,
+                **common, sliding_window=config.sliding_window, num_local_experts=max(config.num_experts),
+                num_experts_per_tok=config.moe_router_topk,
                 router_aux_loss_coef=config.moe_aux_loss_coeff, router_jitter_noise=config.moe_jitter_eps,
                 architectures=["MixtralForCausalLM"])
         if kind == "qwen2":
             return transformers.Qwen2Config(**common, use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
+        if kind == "mistral":
+            return transformers.MistralConfig(**common, sliding_window=config.sliding_window,
+                                              architectures=["MistralForCausalLM"])
         return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False,
                                         architectures=["LlamaForCausalLM"])
     bert_class = transformers.BertConfig if kind == "bert" else transformers.MegatronBertConfig

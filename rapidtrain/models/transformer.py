@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidtrain.models.attention import attend, flex_block_mask
+from rapidtrain.models.attention import alibi_slopes, attend, flex_block_mask
 from rapidtrain.models.chunked_loss import chunked_head_cross_entropy
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.mlp import MLP
@@ -53,6 +53,7 @@ def check_model_config(config: ModelConfig) -> None:
             f"rotary position embeddings need an even head size, got {config.head_dim} "
             "(--kv-channels, else --hidden-size / --num-attention-heads): change it, or use learned_absolute positions"
         )
+    _check_positions_and_window(config)
     if config.num_experts and len(config.num_experts) != config.num_layers:
         raise ValueError(
             f"--num-experts has {len(config.num_experts)} entries for {config.num_layers} layers "
@@ -64,6 +65,16 @@ def check_model_config(config: ModelConfig) -> None:
                 f"--moe-router-topk {config.moe_router_topk} must be between 1 and the number of "
                 f"experts of an MoE layer ({experts}, --num-experts)"
             )
+
+
+def _check_positions_and_window(config: ModelConfig) -> None:
+    if config.model_type == "bert" and (config.position_embedding_type == "alibi" or config.sliding_window):
+        raise ValueError("ALiBi and sliding-window attention are causal (GPT) features here: drop "
+                         "--position-embedding-type alibi / the window flags for BERT")
+    if config.sliding_window is not None and config.sliding_window < 1:
+        raise ValueError(f"--sliding-window {config.sliding_window}: a query sees at least itself, give 1 or more")
+    if config.window_skip_freq < 0:
+        raise ValueError(f"--window-attn-skip-freq {config.window_skip_freq}: give a positive layer interval")
 
 
 def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
@@ -78,12 +89,14 @@ NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 
 class Embedding(nn.Module):
-    """Word + (learned position) + (token type) embeddings, (a norm in post-norm models,) then dropout."""
+    """Word embeddings (with BLOOM's --embed-layernorm a LayerNorm on them alone, as Megatron-DeepSpeed) + (learned
+    position) + (token type) embeddings, (a norm in post-norm models,) then dropout."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h = config.hidden_size
         self.word_embeddings = nn.Embedding(config.vocab_size, h)
+        self.word_embeddings_norm = nn.LayerNorm(h, eps=config.layernorm_epsilon) if config.embed_layernorm else None
         self.position_embeddings = (
             nn.Embedding(config.max_position_embeddings, h)
             if config.position_embedding_type == "learned_absolute"
@@ -100,6 +113,8 @@ class Embedding(nn.Module):
         tokentype_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids)
+        if self.word_embeddings_norm is not None:
+            hidden = self.word_embeddings_norm(hidden)
         if self.position_embeddings is not None:
             seq_length = input_ids.shape[1]
             if seq_length > self.position_embeddings.num_embeddings:
@@ -228,7 +243,8 @@ class Attention(nn.Module):
     Grouped-query attention: k/v project to `num_query_groups` heads, each shared by
     heads / groups consecutive query heads. Heads and groups are counted from the projections' outputs
     at run time, so after a column split of q/k/v (and row split of o_proj) each rank runs its own
-    heads and groups without knowing the split.
+    heads and groups without knowing the split. ALiBi's slopes depend on a head's place among all heads:
+    `first_head` is the index of this module's first head (a column split sets it per rank).
     """
 
     def __init__(self, config: ModelConfig, causal: bool) -> None:
@@ -238,6 +254,8 @@ class Attention(nn.Module):
         self.causal = causal
         self.dropout = config.attention_dropout
         self.kernel = config.attention_kernel
+        self.alibi_heads = config.num_attention_heads if config.position_embedding_type == "alibi" else 0
+        self.first_head = 0
         self.q_proj = nn.Linear(h, d * config.num_attention_heads, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
@@ -265,6 +283,9 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache[0].extend(cache[1], k, v)
+        slopes = None
+        if self.alibi_heads:
+            slopes = alibi_slopes(self.alibi_heads, q.device)[self.first_head:self.first_head + q.shape[1]]
         out = attend(
             q,
             k,
@@ -274,6 +295,7 @@ class Attention(nn.Module):
             is_causal=self.causal and attention_mask is None and q.shape[2] == k.shape[2],
             dropout_p=self.dropout if self.training else 0.0,
             kernel=self.kernel,
+            alibi=slopes,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -333,6 +355,7 @@ def run_layers(
     With a KV cache and a [b, cached + s] padding mask (batched decoding, left padding), each row sees its own
     real tokens only; the caller gives each row's position_ids.
     `document_ids` [b, s] (FlexAttention only): packed documents attend within their own document.
+    Layers with a sliding window (config.window_of_layer) get the mask narrowed to it; one mask per window.
     """
     seq_length = hidden.shape[1]
     rope = None
@@ -341,32 +364,68 @@ def run_layers(
             position_ids = cached_positions(hidden, cache)
         rope = rotary_cos_sin(position_ids, inverse_frequency(config, hidden.device))
     if isinstance(cache, StaticKVCache) and cache.slots is not None:
-        if attention_mask is None or attention_mask.dim() != 2:
-            raise ValueError("a static KV cache's decoding step needs the [b, max_length] mask of its written slots")
-        return _run(layers, hidden, attention_mask.bool()[:, None, None, :], rope, cache)
+        return _run_static_step(layers, hidden, config, attention_mask, rope, cache)
+    kv_length = seq_length + (cache.length if cache is not None else 0)
+    windows = {name: config.window_of_layer(int(name)) for name in layers}
     if config.attention_kernel == "flex":
-        mask = flex_block_mask(hidden.shape[0], seq_length, seq_length + (cache.length if cache else 0),
-                               hidden.device, causal, document_ids, attention_mask)
-        return _run(layers, hidden, mask, rope, cache)
+        masks = {window: flex_block_mask(hidden.shape[0], seq_length, kv_length, hidden.device, causal, document_ids,
+                                         attention_mask, window) for window in set(windows.values())}
+        return _run(layers, hidden, masks, windows, rope, cache)
     if document_ids is not None:
         raise ValueError("document_ids mask packed documents through FlexAttention's BlockMask: build the model "
                          "with --attention-backend flex_attention, or pass a dense attention_mask")
+    mask = _dense_mask(attention_mask, seq_length, causal, cache, hidden.device)
+    masks = {window: sliding_window_mask(mask, seq_length, kv_length, window, hidden.device)
+             for window in set(windows.values())}
+    return _run(layers, hidden, masks, windows, rope, cache)
+
+
+def _dense_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool,
+                cache: KVCache | StaticKVCache | None, device: torch.device) -> torch.Tensor | None:
+    """The boolean mask of SDPA and eager attention (True = may attend), None where causality alone decides."""
     if cache is not None and attention_mask is not None and attention_mask.dim() == 2:
-        return _run(layers, hidden, decoding_mask(attention_mask, seq_length), rope, cache)
+        return decoding_mask(attention_mask, seq_length)
     mask = sdpa_mask(attention_mask, seq_length, causal)
     if cache is not None and cache.length and seq_length > 1:
         if mask is not None:
             raise ValueError("a KV cache decodes without an attention mask (one unpadded sequence per row)")
         # Several new tokens after cached ones: token i sees the cache and new tokens up to i.
         total = cache.length + seq_length
-        mask = torch.ones(seq_length, total, dtype=torch.bool, device=hidden.device).tril(cache.length)
-    return _run(layers, hidden, mask, rope, cache)
+        mask = torch.ones(seq_length, total, dtype=torch.bool, device=device).tril(cache.length)
+    return mask
 
 
-def _run(layers: nn.ModuleDict, hidden: torch.Tensor, mask: object, rope: tuple[torch.Tensor, torch.Tensor] | None,
-         cache: KVCache | StaticKVCache | None) -> torch.Tensor:
-    for layer in layers.values():
-        hidden = layer(hidden, mask, rope, cache)
+def sliding_window_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, window: int | None,
+                        device: torch.device) -> torch.Tensor | None:
+    """`mask` (causal where None) narrowed so that each of the last q_len of kv_len positions sees only keys less
+    than `window` positions back; unchanged where there is no window or it covers every key."""
+    if window is None or window >= kv_len:
+        return mask
+    query = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    key = torch.arange(kv_len, device=device)[None, :]
+    near = query - key < window
+    return near & (key <= query) if mask is None else mask & near
+
+
+def _run_static_step(layers: nn.ModuleDict, hidden: torch.Tensor, config: ModelConfig,
+                     attention_mask: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                     cache: StaticKVCache) -> torch.Tensor:
+    """A static cache's decoding step: every slot under the loop's [b, max_length] mask of the written ones. Reads
+    no Python length (compiled code would specialise on it). ALiBi and sliding windows measure distances from the
+    last key, which a static cache's step is not: refused."""
+    if config.position_embedding_type == "alibi" or any(config.window_of_layer(int(n)) for n in layers):
+        raise ValueError("a static KV cache (--torch-compile) decodes rope or learned positions with full "
+                         "attention; ALiBi and sliding-window models decode through the growing cache")
+    if attention_mask is None or attention_mask.dim() != 2:
+        raise ValueError("a static KV cache's decoding step needs the [b, max_length] mask of its written slots")
+    mask = attention_mask.bool()[:, None, None, :]
+    return _run(layers, hidden, {None: mask}, dict.fromkeys(layers, None), rope, cache)
+
+
+def _run(layers: nn.ModuleDict, hidden: torch.Tensor, masks: dict, windows: dict[str, int | None],
+         rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | StaticKVCache | None) -> torch.Tensor:
+    for name, layer in layers.items():
+        hidden = layer(hidden, masks[windows[name]], rope, cache)
     if cache is not None:
         cache.advance(hidden.shape[1])
     return hidden

@@ -170,7 +170,9 @@ class LRScheduler:
 
     The caller advances it with `step(increment)` in samples (global batch size per iteration),
     only after an optimizer step that was taken: iterations skipped for an fp16 overflow do not
-    advance the schedule, as in Megatron. A group's optional `lr_mult` scales its rate.
+    advance the schedule, as in Megatron. A group's optional `lr_mult` scales its rate; a group with
+    `max_lr` / `min_lr` (Megatron-Core's keys, set for --decoupled-lr) follows the same warm-up and
+    decay between its own peak and floor.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, settings: LRScheduleSettings) -> None:
@@ -192,7 +194,12 @@ class LRScheduler:
         self.num_steps += increment
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
-            set_group_lr(group, lr * group.get("lr_mult", 1.0))
+            rate = lr if "max_lr" not in group else self.group_lr(group["max_lr"], group["min_lr"])
+            set_group_lr(group, rate * group.get("lr_mult", 1.0))
+
+    def group_lr(self, peak: float, floor: float) -> float:
+        """The rate now of a group with its own peak and floor: the schedule's shape, those values replaced."""
+        return learning_rate_at(replace(self.settings, lr=peak, min_lr=floor), self.num_steps)
 
     def state_dict(self) -> dict[str, Any]:
         """Megatron's scheduler keys (steps in samples), plus the WSD settings."""

@@ -49,32 +49,62 @@ class OptimizerSettings:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
     dtensor_parameters: bool = False
+    # Megatron-Core's --decoupled-lr / --decoupled-min-lr: the word embedding and the output layer follow the same
+    # schedule from their own peak to their own floor (None: they share --lr / --min-lr).
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+
+    @property
+    def decoupled(self) -> tuple[float, float] | None:
+        """(peak, floor) of the embedding and output layer's rate, or None when they have no rate of their own."""
+        if self.decoupled_lr is None:
+            return None
+        return self.decoupled_lr, self.decoupled_min_lr if self.decoupled_min_lr is not None else 0.0
 
 
 # MoE experts keep their biases stacked per expert ([E, f], [E, h]): 2-D, yet biases, so no weight decay.
 STACKED_BIAS_SUFFIXES = ("experts.b1", "experts.b2")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+# Wrappers that prefix parameter names (DDP, torch.compile, activation checkpointing, FairScale).
+WRAPPER_NAMES = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+# The built-in models' word embedding and output layers (GPT's head, BERT's masked-LM decoder; a pipeline stage's
+# copy of a tied embedding is its `output.weight`): Megatron-Core's `is_embedding_or_output_parameter`.
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output.weight", "lm_head.output.weight")
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """Whether `name` (as a wrapped model lists it) is the input embedding or output layer weight."""
+    bare = ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+    return bare in EMBEDDING_OR_OUTPUT
+
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 decoupled: tuple[float, float] | None = None) -> list[dict[str, Any]]:
     """Megatron's grouping: biases and 1-D parameters (norms) get no weight decay.
 
     Parameters keep the model's `named_parameters()` order (tied weights once); frozen ones are
-    left out; empty groups are dropped.
+    left out; empty groups are dropped. With `decoupled` (peak, floor), the word embedding and the
+    output layer form groups of their own whose `max_lr` / `min_lr` the schedule follows instead of
+    its own (Megatron-Core's --decoupled-lr).
     """
-    decayed: list[nn.Parameter] = []
-    not_decayed: list[nn.Parameter] = []
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.ndim <= 1 or name.endswith(".bias") or name.endswith(STACKED_BIAS_SUFFIXES):
-            not_decayed.append(param)
-        else:
-            decayed.append(param)
-    groups = [
-        {"params": decayed, "weight_decay": weight_decay},
-        {"params": not_decayed, "weight_decay": 0.0},
-    ]
-    return [group for group in groups if group["params"]]
+        no_decay = param.ndim <= 1 or name.endswith(".bias") or name.endswith(STACKED_BIAS_SUFFIXES)
+        own_rate = decoupled is not None and is_embedding_or_output(name)
+        groups.setdefault((own_rate, no_decay), []).append(param)
+    ordered = []
+    for own_rate, no_decay in ((False, False), (False, True), (True, False), (True, True)):
+        if groups.get((own_rate, no_decay)):
+            group: dict[str, Any] = {"params": groups[(own_rate, no_decay)],
+                                     "weight_decay": 0.0 if no_decay else weight_decay}
+            if own_rate:
+                assert decoupled is not None
+                group["max_lr"], group["min_lr"] = decoupled
+            ordered.append(group)
+    return ordered
 
 
 @functools.cache
@@ -123,14 +153,15 @@ def build_optimizer(
     settings' weight decay; a list of group dicts is used as given (weight decay filled in where
     a group lacks it).
     """
-    groups = _as_param_groups(model_or_params, settings.weight_decay)
+    groups = _as_param_groups(model_or_params, settings.weight_decay, settings.decoupled)
     resolution = resolve_optimizer(settings, device_type)
     return resolution.factory(groups), resolution.description
 
 
-def _as_param_groups(model_or_params: ParamsLike, weight_decay: float) -> list[dict[str, Any]]:
+def _as_param_groups(model_or_params: ParamsLike, weight_decay: float,
+                     decoupled: tuple[float, float] | None = None) -> list[dict[str, Any]]:
     if isinstance(model_or_params, nn.Module):
-        groups = param_groups(model_or_params, weight_decay)
+        groups = param_groups(model_or_params, weight_decay, decoupled)
     else:
         items: list[Any] = list(model_or_params)  # tensors or param-group dicts, told apart below
         if items and all(isinstance(item, dict) for item in items):

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from rapidtrain.config.settings import Plan
+from rapidtrain.core.errors import UserError
 from rapidtrain.optim.grad_scaler import LossScaler
-from rapidtrain.optim.optimizers import build_optimizer
+from rapidtrain.optim.optimizers import build_optimizer, is_embedding_or_output
 from rapidtrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.meta_init import is_on_meta, materialize
@@ -32,6 +33,8 @@ def parallelize(
     model_factory: Callable[[], nn.Module] | None = None,
 ) -> Runner:
     """Wrap `model` as the plan says and return its runner (TorchRunner or DeepSpeedRunner)."""
+    if plan.optimizer is not None and plan.optimizer.decoupled_lr is not None:
+        check_decoupled_lr(model, optimizer)
     switches = plan.switches
     if switches.partitioning_engine == "deepspeed":
         from rapidtrain.parallel.deepspeed import deepspeed_runner
@@ -54,6 +57,18 @@ def parallelize(
 
         add_expert_parallelism(runner, mesh)
     return runner
+
+
+def check_decoupled_lr(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """--decoupled-lr needs rapidtrain's own optimizer and a model with the built-in models' embedding and output
+    layer names; checked on the whole model, before a pipeline stage (which may hold neither) is cut from it."""
+    if optimizer is not None:
+        raise UserError("--decoupled-lr: the optimizer passed to Engine.compose has its own parameter groups, so the "
+                        "embedding and output layer cannot get their own rate; leave `optimizer` out (rapidtrain "
+                        "builds it from the flags) or drop --decoupled-lr")
+    if not any(is_embedding_or_output(name) for name, _ in model.named_parameters()):
+        raise UserError("--decoupled-lr: this model has no word embedding or output layer named as the built-in "
+                        "models name them (embedding.word_embeddings, output); leave --decoupled-lr out")
 
 
 def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, device: torch.device,

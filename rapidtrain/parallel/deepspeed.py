@@ -293,7 +293,7 @@ def client_optimizer(
                 "Engine.compose cannot be offloaded: leave `optimizer` out, or drop the offload flag."
             )
         return optimizer, [dict(group) for group in optimizer.param_groups]  # before DeepSpeed flattens them
-    groups = param_groups(model, settings.weight_decay)
+    groups = param_groups(model, settings.weight_decay, settings.decoupled)
     if optimizer_offloaded(plan):
         return None, groups
     return build_optimizer(groups, settings, device.type)[0], groups

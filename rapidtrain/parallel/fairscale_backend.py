@@ -59,7 +59,8 @@ def fairscale_oss(
     def local_optimizer(groups: list[dict[str, Any]], **_defaults: Any) -> torch.optim.Optimizer:
         return build_optimizer(groups, settings, device_type)[0]
 
-    return OSS(param_groups(model, settings.weight_decay), optim=local_optimizer, group=group, lr=settings.lr)
+    groups = param_groups(model, settings.weight_decay, settings.decoupled)
+    return OSS(groups, optim=local_optimizer, group=group, lr=settings.lr)
 
 
 def fairscale_runner(

@@ -63,8 +63,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     # The casts: nn.Module's __getattr__ types a submodule Tensor | Module.
     if getattr(model, "embedding", None) is not None:
         _split_embedding(cast(nn.Module, model.embedding), tp_mesh, sequence_parallel)
+    # ALiBi: this rank computes heads [rank × heads / TP, ...), and takes their slopes.
+    first_head = tp_mesh.get_local_rank() * (cast(ModelConfig, model.config).num_attention_heads // tp_mesh.size())
     for layer in cast(Mapping[str, TransformerLayer], model.layers).values():  # a ModuleDict of them
         _split_layer(layer, tp_mesh, residual, sequence_parallel)
+        layer.attention.first_head = first_head
     _split_head(model, tp_mesh, residual, sequence_parallel)
     _tie_output_to_embedding(model)
     parallelize_module(cast(nn.Module, model.loss), tp_mesh, VocabParallelLoss())

@@ -38,7 +38,7 @@ def oss_optimizer(
     from rapidtrain.parallel.experts import expert_parameters
 
     experts = {id(p) for p in expert_parameters(model).values()}
-    groups = param_groups(model, settings.weight_decay)
+    groups = param_groups(model, settings.weight_decay, settings.decoupled)
     partitioned = [{**g, "params": [p for p in g["params"] if id(p) not in experts]} for g in groups]
     own = [[p for p in g["params"] if id(p) in experts] for g in groups]
 

@@ -18,8 +18,9 @@ from rapidtrain.data.dynamic_shape import (
     PretrainingCollator,
     build_unpacked_datasets,
 )
-from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets, build_weighted_group
 from rapidtrain.data.indexed import warm_up
+from rapidtrain.data.raw_json import build_raw_json_datasets
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
@@ -58,6 +59,8 @@ class MegatronPreTrainer(PreTrainer):
 
         paths = [self.plan.data.data_path, *(self.plan.data.split_paths or ())]
         prefixes = {p for path in paths if path for p in parse_data_path(path)[0]}
+        prefixes |= {c.prefix for groups in self.plan.data.weighted_splits or () for group in groups
+                     for c in group.components}
         read = sum(warm_up(prefix) for prefix in sorted(prefixes))
         self.engine.print_rank0(f" --mmap-warmup: read {read / 2**20:,.1f} MiB of indexed data")
 
@@ -80,6 +83,10 @@ class MegatronPreTrainer(PreTrainer):
         data, model = self.plan.data, self.model_config
         if data.dynamic_shape and model.model_type == "gpt":
             return self.unpacked_datasets()
+        if data.weighted_splits is not None:
+            return self.weighted_datasets(data.weighted_splits, train_val_test_num_samples)
+        if data.raw_json is not None:
+            return self.raw_json_datasets(train_val_test_num_samples)
         build = self.bert_datasets if model.model_type == "bert" else self.gpt_datasets
         if data.split_paths is None:
             return build(self.data_prefix, data.split, train_val_test_num_samples)
@@ -96,6 +103,31 @@ class MegatronPreTrainer(PreTrainer):
 
     def gpt_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
         return build_gpt_datasets(self.gpt_config(prefixes, split), counts)
+
+    def weighted_datasets(self, splits: tuple, counts: list[int]) -> tuple[Any, Any, Any]:
+        """BigScience's weighted split paths: the training group's blend, and each validation and test group by
+        its name (each evaluated on its own)."""
+        config = self.gpt_config([], "1,0,0")  # the groups name their prefixes and document ranges themselves
+        train = build_weighted_group(splits[0][0], config, counts[0], "train") if splits[0] else None
+        valid, test = self._named_groups(splits[1:], counts[1:], config)
+        return train, valid, test
+
+    def raw_json_datasets(self, counts: list[int]) -> tuple[Any, Any, Any]:
+        """Pai's raw JSON kinds: the records tokenized now, the prompt masked out of the loss."""
+        data = self.plan.data
+        assert data.raw_json is not None and data.max_padding_length is not None  # the plan sets both together
+        datasets = build_raw_json_datasets(data.split_paths or (None, None, None), data.raw_json,
+                                           data.max_padding_length, self.tokenizer, counts, data.seed)
+        train = datasets[0]
+        self.engine.print_rank0(f" --dataset {data.raw_json}: {len(train.ids):,} records tokenized"
+                                + (f", {train.dropped:,} longer than the padded length dropped" if train.dropped
+                                   else ""))
+        return datasets
+
+    @staticmethod
+    def _named_groups(splits: tuple, counts: list[int], config: Any) -> list[dict[str, Any] | None]:
+        return [{group.name: build_weighted_group(group, config, count, name) for group in groups} or None
+                for groups, count, name in zip(splits, counts, ("valid", "test"), strict=True)]
 
     def gpt_config(self, prefixes: list[str], split: str) -> Any:
         data, model = self.plan.data, self.model_config

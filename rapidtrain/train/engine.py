@@ -122,8 +122,8 @@ def plan_for_built_model(plan: Plan, model: nn.Module) -> Plan:
     """The plan once the model exists: a model that is not a built-in GPT or BERT (a user script's own) replaces
     the built-in model's description and memory estimate, which the flags alone would have implied, so the plan
     and the checkpoints say what is really trained."""
-    if isinstance(model, GPTModel | BertModel):
-        return plan
+    if isinstance(model, GPTModel | BertModel) or isinstance(getattr(model, "encoder", None), BertModel):
+        return plan  # the built-in model itself, or the built-in BERT under a Megatron task's head (the plan says it)
     parameters = sum(p.numel() for p in model.parameters())
     return dataclasses.replace(plan, model=None, memory=None, estimate=None,
                                script_model=f"{type(model).__name__}, {parameters:,} parameters")
@@ -353,7 +353,8 @@ class Engine:
         plan = self.plan
         return StepContext(self.runner, self.device, self.mesh.group("dp"), plan.layout.data_parallel_size,
                            plan.data.micro_batch_size, plan.batches.global_batch_size, self.lr_scheduler,
-                           self.timers if plan.logging.timers_to_tensorboard else None)
+                           self.timers if plan.logging.timers_to_tensorboard else None,
+                           per_token_loss=plan.training.per_token_loss)
 
     def step(self) -> StepOutcome:
         """An own loop's optimizer step: clip, step (skipped on fp16 overflow) and advance the schedule by one

@@ -20,6 +20,7 @@ from rapidtrain.config.describe import describe_plan
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.shutdown import ignore_sigterm_in_worker
 from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
+from rapidtrain.data.loaders import shutdown_workers
 from rapidtrain.data.samplers import MegatronPretrainingSampler
 from rapidtrain.parallel.runner import add_pairs
 from rapidtrain.train.trainer import Trainer
@@ -121,12 +122,22 @@ class PreTrainer(Trainer):
     def after_iteration(self) -> None:
         interval = self.plan.training.eval_interval
         if interval and self.iteration % interval == 0 and self.valid_ds is not None:
-            self.evaluate_and_print("validation", self.valid_ds)
+            self.evaluate_each("validation", self.valid_ds)
 
     def end_of_training(self, stopped: bool) -> dict[str, Any]:
         if not stopped and self.finished() and self.test_ds is not None and self.plan.training.eval_iters:
-            return self.evaluate_and_print("test", self.test_ds)
+            return self.evaluate_each("test", self.test_ds)
         return {}
+
+    def evaluate_each(self, name: str, datasets: Any) -> dict[str, float]:
+        """One evaluation set, or several by name (a dict, as BigScience's validation groups): each evaluated and
+        printed on its own, `name GROUP`."""
+        if not isinstance(datasets, dict):
+            return self.evaluate_and_print(name, datasets)
+        results: dict[str, float] = {}
+        for group, dataset in datasets.items():
+            results.update(self.evaluate_and_print(f"{name} {group}", dataset))
+        return results
 
     def print_log(self, line: str) -> None:
         print(line, flush=True)
@@ -143,10 +154,9 @@ class PreTrainer(Trainer):
         save request is this process's), so multiprocessing's exit handler, which terminates them with SIGTERM
         and then joins them, would wait on them forever."""
         for loader in self._evaluation_loaders.values():
-            iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator, once iterated
-            if iterator is not None:
-                iterator._shutdown_workers()
+            shutdown_workers(loader)
         self._evaluation_loaders.clear()
+        super().close_data()
 
     def evaluation_loader(self, dataset: Any) -> DataLoader:
         """One loader per evaluation set for the whole run: its workers persist, so no evaluation forks new ones

@@ -71,6 +71,7 @@ class StepContext:
     global_batch_size: int
     lr_scheduler: Any = None
     timers: Timers | None = None  # the forward-backward and optimizer timers, read only when asked
+    per_token_loss: bool = False  # --calculate-per-token-loss: a mean loss from the forward step is refused
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -97,6 +98,12 @@ def reduce_loss(total: LossTotal, global_tokens: torch.Tensor | int | None, grou
     if total.per_token and global_tokens is not None:
         return value / global_tokens
     return value / data_parallel_size
+
+
+PER_TOKEN_NEEDS_COUNTS = (
+    "--calculate-per-token-loss: the forward step returned a mean loss (or its batches carry no loss_mask / labels "
+    "to count tokens by), so the loss cannot be averaged over the global batch's tokens. Return Megatron-Core's "
+    "(loss sum, token count, {...}) from the loss function and give each batch a loss_mask, or drop the flag")
 
 
 def advance_schedule(lr_scheduler: Any, samples: int) -> None:
@@ -140,6 +147,9 @@ def train_step(ctx: StepContext, micro_batches: list[Any], forward_step: Callabl
     global_tokens = global_token_count([token_count(b) for b in micro_batches], ctx.data_parallel_group)
     with _timed(ctx, "forward-backward"):
         total = ctx.runner.forward_backward(micro_batches, forward_step, global_tokens)
+        if ctx.per_token_loss and not total.per_token:
+            ctx.runner.zero_grad()
+            raise UserError(PER_TOKEN_NEEDS_COUNTS)
         loss = reduce_loss(total, global_tokens, ctx.data_parallel_group, ctx.data_parallel_size)
     samples = len(micro_batches) * ctx.micro_batch_size * ctx.data_parallel_size
     with _timed(ctx, "optimizer"):

@@ -36,6 +36,7 @@ from rapidtrain.data.loaders import (
     gather_across_ranks,
     move_to_device,
     samples_per_epoch,
+    shutdown_workers,
     train_batch_sampler,
     train_loader,
 )
@@ -101,6 +102,7 @@ class Trainer:
         self.bar: Any = None  # the epoch's progress bar
         self._epoch_ends = False  # the last global batch handed out closes an epoch
         self._eval_loader: ShardedLoader | None = None
+        self._eval_loaders: dict[int, ShardedLoader] = {}  # evaluation_loader(): one per evaluation set
         # What one run() opens and closes (_run()): writers, throughput, log totals, loss records, profiler.
         self.writer = Writers()
         self.meter = ThroughputMeter(self.engine.device)
@@ -244,7 +246,10 @@ class Trainer:
         return results
 
     def close_data(self) -> None:
-        """Stop what the template keeps open for the whole run (PreTrainer: its evaluation loaders' workers)."""
+        """Stop what the template keeps open for the whole run: its evaluation loaders' persistent workers."""
+        for loader in self._eval_loaders.values():
+            shutdown_workers(loader.loader)
+        self._eval_loaders.clear()
 
     def open_writers(self) -> Writers:
         """The logging rank's writers (TensorBoard, W&B, MLflow), handed the plan as the run's config. Every rank
@@ -476,9 +481,7 @@ class Trainer:
     def evaluate(self, dataset: Any) -> dict[str, Any]:
         """`run_compute_metrics` over every sample of `dataset` (each rank its share, autocast as in training)."""
         runner = self.engine.runner
-        loader = eval_loader(dataset, self.collate_fn, self.settings, self.engine.device,
-                             context=lambda _step: autocast(runner.precision, self.engine.device.type))
-        self._eval_loader = loader
+        loader = self._eval_loader = self.persistent_eval_loader(dataset)
         runner.train(False)
         try:
             with torch.no_grad():
@@ -487,6 +490,18 @@ class Trainer:
             runner.train(True)
             self._eval_loader = None
         return {name: _plain(value) for name, value in (metrics or {}).items()}
+
+    def persistent_eval_loader(self, dataset: Any) -> ShardedLoader:
+        """One loader per evaluation set for the whole run: its workers persist, so an evaluation forks none while
+        other threads run (a fork meeting a thread that starts or ends can deadlock the child in CPython 3.11's
+        after-fork handling, as it hung the PreTrainer's 2-rank runs; the training loader forks once per epoch)."""
+        loader = self._eval_loaders.get(id(dataset))
+        if loader is None:
+            runner = self.engine.runner
+            loader = self._eval_loaders[id(dataset)] = eval_loader(
+                dataset, self.collate_fn, self.settings, self.engine.device, persistent=True,
+                context=lambda _step: autocast(runner.precision, self.engine.device.type))
+        return loader
 
     def metrics_model(self) -> Any:
         return self.model

@@ -16,7 +16,7 @@ SCRIPTS: list[dict] = json.loads(Path(__file__).with_name("launch_scripts.json")
 BY_ID = {script["id"]: script for script in SCRIPTS}
 # Megatron's entry programs and what rapidtrain runs for them; other entries are user scripts of their own.
 ENTRIES = {"pretrain_gpt.py": "pretrain_gpt", "pretrain_gpt2.py": "pretrain_gpt", "pretrain_llama.py": "pretrain_gpt",
-           "pretrain_bert.py": "pretrain_bert"}
+           "pretrain_bert.py": "pretrain_bert", "main.py": "tasks_main"}
 
 
 def entry_of(script: dict) -> str | None:
@@ -48,8 +48,9 @@ def world_size(script: dict, argv: list[str]) -> int:
     launcher = script["launcher_argv"] or []
     per_node = _launcher_value(launcher, "--nproc_per_node", "--nproc-per-node", "--num_gpus")
     per_node = DEFAULT_PER_NODE.get(script["launcher"], 8) if per_node is None else per_node
-    if any("{" in token for token in launcher):
-        per_node = 8  # a placeholder: a node of 8 GPUs
+    if _launcher_value(launcher, "--nproc_per_node", "--nproc-per-node", "--num_gpus") is None and any(
+            "{" in token for token in launcher):
+        per_node = 8  # the processes per node are a placeholder: a node of 8 GPUs
     nodes = _launcher_value(launcher, "--nnodes", "--num_nodes") or 1
     model_parallel = 1
     for names in (("--tensor-model-parallel-size", "--model-parallel-size"),
@@ -83,6 +84,7 @@ PATH_FLAGS = {"--vocab-file", "--merge-file", "--tokenizer-model", "--tokenizer-
               "--logging-path", "--data-cache-path", "--wandb-save-dir", "--train-data", "--valid-data",
               "--pretrained-model-name-or-path"}
 DATA_FLAGS = {"--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"}
+WEIGHTED_FLAGS = {"--train-weighted-split-paths", "--valid-weighted-split-paths", "--test-weighted-split-paths"}
 
 
 def localize(script: dict, files: LocalFiles) -> list[str]:
@@ -106,6 +108,14 @@ def localize(script: dict, files: LocalFiles) -> list[str]:
 
 def _local_value(script: dict, flag: str | None, value: str, files: LocalFiles, hf: bool) -> str:
     name = Path(value.strip("'\"")).name
+    if flag in WEIGHTED_FLAGS:  # "NAME: W START:END PREFIX, ...": each prefix becomes the local GPT data
+        return re.sub(r"(?<=\s)/[^\s,]+", lambda _: files.gpt_prefix, value)
+    if flag and flag.removesuffix("-path") in WEIGHTED_FLAGS:  # the groups in a file of the user's: one local group
+        split = flag.removeprefix("--").split("-")[0]
+        groups = files.folder / f"{split}-splits.txt"
+        span = "0:0.9" if split == "train" else "0.9:1"
+        groups.write_text(f'"{split.upper()}_LOCAL: 1 {span} {files.gpt_prefix}"\n')
+        return str(groups)
     if flag in DATA_FLAGS:
         if re.fullmatch(r"[\d.eE+-]+", value):
             return value  # a blend weight

@@ -71,6 +71,35 @@ def test_megatron_2020_bert_script_with_its_2020_flag_names(local_files):
     assert len(log_lines(run.stdout)) == 4
 
 
+def test_bigscience_bloom_1b3_script_trains_with_alibi_and_the_embedding_layernorm(local_files):
+    """BigScience's tr11b-1B3-ml.slurm (2022, BLOOM's architecture): one process, fp16, ALiBi and --embed-layernorm
+    in the model that trains and in its checkpoint. Its --pad-vocab-size-to and weighted split-path files are not
+    in rapidtrain (test_launch_scripts.py): the run pads by --make-vocab-size-divisible-by and reads --data-path."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    changes = {"--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1",
+               "--pad-vocab-size-to": None, "--train-weighted-split-paths-path": None,
+               "--valid-weighted-split-paths-path": None, "--data-path": local_files.gpt_prefix}
+    argv = tiny(BY_ID["bsw-tr11b-1b3-2022"], local_files, changes)
+    run = python(ENTRY["pretrain_gpt"], argv)
+    assert "model: built-in GPT (BLOOM-style)" in run.stdout
+    assert "ALiBi position biases (per-head slopes, no position embeddings)" in run.stdout
+    assert "LayerNorm on the word embeddings" in run.stdout
+    assert len(log_lines(run.stdout)) == 4 and latest(value_of(argv, "--save")) == 4
+    saved = FileSystemReader(str(Path(value_of(argv, "--save")) / "iter_0000004")).read_metadata()
+    names = set(saved.state_dict_metadata)
+    assert any(name.endswith("embedding.word_embeddings_norm.weight") for name in names), sorted(names)[:20]
+    assert not any("position_embeddings" in name for name in names)
+def test_bigscience_multilingual_script_trains_on_its_weighted_split_paths(local_files):
+    """BigScience's examples/pretrain_gpt_multilingual.sh (2021): one training blend of four document ranges (its
+    commas left out, as the script writes it), five validation and five test groups, each evaluated on its own."""
+    run = python(ENTRY["pretrain_gpt"], tiny(BY_ID["bmds-gpt-multilingual-2021"], local_files))
+    assert len(log_lines(run.stdout)) == 4 and "--split 949,50,1: no effect here" in run.stdout
+    for group in ("VALID_EN", "VALID_KR", "VALID_EN-AR-JP-KR_BALANCED"):
+        assert re.search(rf"validation {group} loss at iteration \d+ \| lm loss value: \S+", run.stdout), group
+    assert re.search(r"test TEST_EN-AR-JP-KR_BALANCED loss at iteration 4 \| lm loss value: \S+", run.stdout)
+
+
 def test_easynlp_bert_finetuning_reads_its_application_flags(local_files, tmp_path):
     """EasyNLP's Rapidformer text classification (2022): --app-name and --user-defined-parameters reach the user
     script through get_args(); the shape flags are those of the local model's config.json."""

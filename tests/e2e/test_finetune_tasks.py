@@ -231,6 +231,30 @@ def test_seq2seq_reports_loss_and_token_overlap(tiny, tmp_path):
 # ---- the loop's switches ----
 
 
+def test_evaluations_reuse_one_loader_whose_workers_persist(tiny, tmp_path, monkeypatch):
+    """Three evaluations (two epochs with --eval-interval between them) with two loader workers: one evaluation
+    loader for the run, its workers kept (forked once, not per evaluation while other threads run), and stopped
+    when the run ends."""
+    from rapidtrain.data import loaders
+    from rapidtrain.train import trainer
+
+    made = []
+
+    def counting_eval_loader(*args, **kwargs):
+        made.append(loaders.eval_loader(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(trainer, "eval_loader", counting_eval_loader)
+    model, data = tiny("sequence_classification", train=64, dev=16)
+    finetune(flags(model, data, "--epochs", "2", "--num-workers", "2", "--eval-interval", "3",
+                   "--save", str(tmp_path)))
+    assert len(results_history(tmp_path)) >= 3 and len(made) == 1
+    assert made[0].loader.persistent_workers
+    assert made[0].loader._iterator is None or not made[0].loader._iterator._workers_status[0]  # stopped at the end
+
+
+
+
 def test_gradient_accumulation_gives_the_losses_of_one_large_micro_batch(tiny, tmp_path):
     model, data = tiny("sequence_classification", train=64, dev=16, dropout=0.0)
     one, four = tmp_path / "one.txt", tmp_path / "four.txt"

@@ -32,6 +32,8 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, add_bias_
         {**LLAMA, "add_qkv_bias": True, "num_experts": (0, 4, 0, 4), "moe_router_topk": 2},
         {**LLAMA, "swiglu": False, "tie_embeddings": True},
         {"model_type": "bert", "post_layernorm": True, "bert_binary_head": True, "num_tokentypes": 2},
+        {"position_embedding_type": "alibi", "embed_layernorm": True},
+        {**LLAMA, "embed_layernorm": True, "sliding_window": 8},
     ],
 )
 def test_total_parameters_match_the_built_model(overrides: dict):

@@ -64,6 +64,15 @@ def test_static_cache_decodes_what_the_growing_cache_does(shape):
     assert decode_static(forward, forward, tokens, mask, how).tolist() == batched(forward, KVCache, how)
 
 
+@pytest.mark.parametrize("shape", [dict(position_embedding_type="alibi"), dict(sliding_window=4)])
+def test_static_cache_refuses_distance_dependent_attention(shape):
+    """ALiBi and sliding windows count back from the last cached key; a static step's last slot is not it."""
+    model = build_model(ModelConfig(**SMALL | shape), seed=3).eval()
+    forward = builtin_forward(model)
+    with pytest.raises(ValueError, match="ALiBi and sliding-window models decode through the growing cache"):
+        decode_static(forward, forward, *left_padded(prompts(), 0, "cpu"), GREEDY)
+
+
 @pytest.mark.slow  # compiling the step: 20-60 s on 2 shared cores
 def test_compiled_step_decodes_what_the_uncompiled_loop_does():
     """--torch-compile's path: the one-token step compiled once (static shapes), left-padded batch, rope."""

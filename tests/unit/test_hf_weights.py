@@ -33,7 +33,9 @@ def hf_configs():
         "gpt2": (t.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=96),
                  t.GPT2LMHeadModel),
         "llama": (t.LlamaConfig(**LLAMA), t.LlamaForCausalLM),
-        "mistral": (t.MistralConfig(**LLAMA, sliding_window=64), t.MistralForCausalLM),
+        "mistral": (t.MistralConfig(**LLAMA, sliding_window=6), t.MistralForCausalLM),  # 6 < the 16 tokens
+        # 6 heads: ALiBi's slopes beyond a power of two (the interleaved extension).
+        "bloom": (t.BloomConfig(vocab_size=256, hidden_size=96, n_layer=2, n_head=6), t.BloomForCausalLM),
         "qwen2": (t.Qwen2Config(**LLAMA | {"tie_word_embeddings": True}), t.Qwen2ForCausalLM),
         # Qwen3: q/k norms, and a head size (32) apart from hidden / heads (16)
         "qwen3": (t.Qwen3Config(**LLAMA | {"head_dim": 32}), t.Qwen3ForCausalLM),
@@ -96,7 +98,7 @@ def hf_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     return out.prediction_logits if hasattr(out, "prediction_logits") else out.logits
 
 
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "llama3.1", "mixtral", "bert", "megatron-bert"]
+FAMILIES = ["gpt2", "bloom", "llama", "mistral", "qwen2", "qwen3", "llama3.1", "mixtral", "bert", "megatron-bert"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -123,6 +125,18 @@ def test_bert_binary_head_and_tie_follow_the_config(tmp_path):
         _, binary = ours.eval()(ids, attention_mask=torch.ones_like(ids), tokentype_ids=torch.zeros_like(ids))
         expected = theirs(ids, attention_mask=torch.ones_like(ids)).seq_relationship_logits
     assert (binary - expected).abs().max() < TOLERANCE
+
+
+def test_bloom_and_mistral_folders_set_alibi_the_embedding_norm_and_the_window(tmp_path):
+    args = arguments.parse_args(flags(save_tiny("bloom", tmp_path / "bloom")))
+    assert args.position_embedding_type == "alibi" and args.embed_layernorm and args.openai_gelu
+    assert (args.num_attention_heads, args.ffn_hidden_size, args.sliding_window) == (6, 384, None)
+    described = describe_plan(plan.from_args(args, settings.RunContext(1, "cpu")))
+    assert "model: built-in GPT (BLOOM-style) initialised from Hugging Face weights" in described
+    args = arguments.parse_args(flags(save_tiny("mistral", tmp_path / "mistral")))
+    assert args.sliding_window == 6
+    assert "sliding-window attention over the last 6 keys" in describe_plan(
+        plan.from_args(args, settings.RunContext(1, "cpu")))
 
 
 def test_flags_not_given_come_from_the_config_and_the_plan_says_llama(tmp_path):
@@ -251,7 +265,13 @@ def test_one_training_step_equals_hugging_face(kind, tmp_path):
           bert_binary_head=True), "megatron-bert"),
     (dict(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4, num_tokentypes=2,
           post_layernorm=True), "bert"),
-], ids=["gpt2", "llama", "qwen2", "mixtral", "qwen3", "llama3.1", "linear-rope", "megatron-bert", "bert"])
+    (dict(num_layers=2, hidden_size=96, num_attention_heads=6, position_embedding_type="alibi",
+          embed_layernorm=True, openai_gelu=True), "bloom"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
+          sliding_window=5), "mistral"),
+], ids=["gpt2", "llama", "qwen2", "mixtral", "qwen3", "llama3.1", "linear-rope", "megatron-bert", "bert", "bloom",
+        "mistral"])
 def test_builtin_models_export_to_folders_transformers_loads_with_the_same_logits(shape, kind, tmp_path):
     from rapidtrain.models import ModelConfig
 
@@ -283,6 +303,15 @@ def test_export_refuses_models_without_a_hugging_face_twin():
     with pytest.raises(UnsupportedModel, match="--rotary-percent 1.0"):
         export_family(ModelConfig(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                                   position_embedding_type="rope", rotary_percent=0.5))
+    with pytest.raises(UnsupportedModel, match="alibi with --embed-layernorm"):
+        export_family(ModelConfig(position_embedding_type="alibi", openai_gelu=True))
+    with pytest.raises(UnsupportedModel, match="--openai-gelu"):
+        export_family(ModelConfig(position_embedding_type="alibi", embed_layernorm=True))
+    with pytest.raises(UnsupportedModel, match="no --sliding-window"):
+        export_family(ModelConfig(sliding_window=8))
+    with pytest.raises(UnsupportedModel, match="no --window-attn-skip-freq"):
+        export_family(ModelConfig(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                                  position_embedding_type="rope", sliding_window=8, window_skip_freq=2))
 
 
 def test_unsupported_configs_are_refused_and_checkpoint_folders_load(tmp_path):

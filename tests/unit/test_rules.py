@@ -17,6 +17,14 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "positive-sizes": (["--micro-batch-size", "0"], ["--micro-batch-size", "1"], 1, "cpu"),
     "min-lr-within-lr": (["--lr", "1e-4", "--min-lr", "1e-3"], ["--lr", "1e-4", "--min-lr", "1e-4"], 1, "cpu"),
     "unknown-task": (["--task", "sequence_clasification"], ["--task", "causal_lm"], 1, "cpu"),
+    "pad-vocab-size-to-fits": (["--pad-vocab-size-to", "128"], ["--pad-vocab-size-to", "65536"], 1, "cpu"),
+    "megatron-task": (  # Megatron's tasks/main.py: its files, the built-in BERT, data parallel
+        ["--task", "MNLI", "--model-type", "bert", "--train-data", "t.tsv", "--valid-data", "d.tsv",
+         "--tensor-model-parallel-size", "2"],
+        ["--task", "MNLI", "--model-type", "bert", "--train-data", "t.tsv", "--valid-data", "d.tsv"],
+        2,
+        "cpu",
+    ),
     "one-state-partitioning": (
         ["--zero-2-memory-optimization", "--fsdp-memory-optimization"],
         ["--zero-2-memory-optimization"],
@@ -253,6 +261,19 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         "cpu",
     ),
     "qkv-bias-needs-no-bias-linear": (["--add-qkv-bias"], ["--add-qkv-bias", "--disable-bias-linear"], 1, "cpu"),
+    "alibi-and-window-are-gpt": (
+        ["--model-type", "bert", "--sliding-window", "8"],
+        ["--model-type", "gpt", "--sliding-window", "8", "--position-embedding-type", "alibi"],
+        1,
+        "cpu",
+    ),
+    "sliding-window-positive": (["--sliding-window", "0"], ["--sliding-window", "1"], 1, "cpu"),
+    "alibi-needs-a-biased-kernel": (
+        ["--position-embedding-type", "alibi", "--attention-backend", "flash", "--bf16"],
+        ["--position-embedding-type", "alibi", "--attention-backend", "auto", "--bf16"],
+        1,
+        "cuda",
+    ),
     "rotary-flags-need-rope": (
         ["--rotary-base", "500000"],
         ["--rotary-base", "500000", "--position-embedding-type", "rope"],
@@ -306,8 +327,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         "cpu",
     ),
     "pretrained-sliding-window": (
-        ["--pretrained-model-name-or-path", "HF_MISTRAL", "--data-path", "d", "--seq-length", "64"],
-        ["--pretrained-model-name-or-path", "HF_MISTRAL", "--data-path", "d", "--seq-length", "32"],
+        ["--pretrained-model-name-or-path", "HF_QWEN2_WINDOW", "--data-path", "d", "--seq-length", "64"],
+        ["--pretrained-model-name-or-path", "HF_QWEN2_WINDOW", "--data-path", "d", "--seq-length", "32"],
         1,
         "cpu",
     ),
@@ -429,14 +450,16 @@ def test_every_rule_has_cases():
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
-    """config.json files of a tiny Llama and a Mistral with a 32-token window, and a rapidtrain checkpoint."""
+    """config.json files of a tiny Llama and a Qwen2 with a 32-token window in its upper layers, and a rapidtrain
+    checkpoint."""
     import json
 
     root = tmp_path_factory.mktemp("pretrained")
     llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 512, "vocab_size": 256,
              "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
-    configs = {"HF_LLAMA": llama, "HF_MISTRAL": llama | {"model_type": "mistral", "sliding_window": 32}}
+    configs = {"HF_LLAMA": llama, "HF_QWEN2_WINDOW": llama | {"model_type": "qwen2", "use_sliding_window": True,
+                                                          "sliding_window": 32}}
     for name, config in configs.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))

@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,6 +80,8 @@ def read_prompts(path: str) -> list[str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as error:
         raise GenerateError(f"rapidtrain generate: --input-file {path}: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise GenerateError(f"rapidtrain generate: --input-file {path}: not UTF-8 text (byte {error.start})") from None
     prompts = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -120,6 +123,11 @@ def decoder(loaded: LoadedModel, runtime: Runtime) -> Decoder:
     compiled step (compiled at its first call, then reused by every batch)."""
     if not runtime.compile:
         return lambda tokens, mask, how: decode(loaded.forward, tokens, mask, how, loaded.new_cache)
+    config: Any = loaded.model.config  # the built-in model's ModelConfig
+    if config.position_embedding_type == "alibi" or config.sliding_window is not None:
+        raise GenerateError("rapidtrain generate: --torch-compile: this model's ALiBi or sliding window measures "
+                            "distances from the last cached key, which the static cache's step does not keep: "
+                            "drop --torch-compile")
     step = compiled_step(loaded.model, runtime.device_type)
     return lambda tokens, mask, how: decode_static(loaded.forward, step, tokens, mask, how)
 

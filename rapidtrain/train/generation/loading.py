@@ -172,8 +172,13 @@ def _hf_tokenizer(folder: Path, overrides: list[str]) -> Any:
 
 
 def _adapter_base(folder: Path) -> Path:
-    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not base or not (Path(base) / "config.json").is_file():
+    path = folder / "adapter_config.json"
+    try:
+        base = json.loads(path.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as error:  # ValueError: not JSON or not UTF-8; a list has no .get
+        raise GenerateError(f"rapidtrain generate: {path}: damaged ({type(error).__name__}: {error}); pass the "
+                            "fine-tune's merged last/ or best/ folder instead") from None
+    if not isinstance(base, str) or not base or not (Path(base) / "config.json").is_file():
         raise GenerateError(f"rapidtrain generate: {folder} is a LoRA adapter over {base!r}, which is not a local "
                             "Hugging Face folder here: pass the fine-tune's merged last/ or best/ folder instead")
     return Path(base)

@@ -1,0 +1,140 @@
+"""The README's commands, run in the README's order by a newcomer in a fresh folder that holds the checkout; then
+the runs that save a checkpoint a second time in the same folder, as a user reruns a block: each finds its own
+finished checkpoint and says it has nothing to do (the other commands only read or overwrite their outputs).
+
+What a test may change, and nothing else: training runs get the tiny GPT shape and a few iterations (the
+README's own sizes are what `rapidtrain plan` lines and the demo test check), the files the README takes the
+user to have are written here (docs.jsonl with vocab.json/merges.txt, a local Llama folder for /models/llama,
+prompts.jsonl), and commands that cannot run on this machine are skipped with their reason (printed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import REPO, TINY_GPT_SHAPE, child_env, free_port
+
+SKIPPED = {  # first words of a command → why it does not run here
+    "bash scripts/demo.sh": "the main job itself: tests/e2e/test_pretrain.py::test_demo_main_job_loss_falls_clearly",
+    "bash scripts/test.sh": "the suite that runs this test",
+    "source .venv/bin/activate": "the test puts .venv/bin first on PATH instead",
+    "wandb sync": "uploading needs a W&B login and the network",
+    "mlflow ui": "a server the user opens in a browser",
+    "sbatch": "no Slurm here (tests/e2e/test_slurm_sbatch.py runs the sbatch script with a stand-in srun)",
+    "python -m pytest tests/gpu": "needs a CUDA device",
+    "python bench/gpu_throughput.py": "needs a CUDA device",
+}
+CHECKOUT = ("rapidtrain", "scripts", "templates", "examples", "bench", "setup.py", "pyproject.toml")
+
+
+def readme_commands() -> list[str]:
+    """Every command of the README's ```bash blocks, in order: comments dropped, continuation lines joined."""
+    commands, inside, pending = [], False, ""
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            inside = line.strip() == "```bash" and not inside
+            continue
+        if not inside:
+            continue
+        text = re.sub(r"(^|\s)#.*$", "", line).rstrip()
+        pending += text[:-1] + " " if text.endswith("\\") else text
+        if not text.endswith("\\"):
+            if pending.strip():
+                commands.append(" ".join(pending.split()))
+            pending = ""
+    return commands
+
+
+def skip_reason(command: str) -> str | None:
+    return next((why for start, why in SKIPPED.items() if command.startswith(start)), None)
+
+
+def shrunk(command: str, llama: Path) -> str:
+    """The README's command with a training run's work made tiny (same flags otherwise)."""
+    command = re.sub(r"\s*\[[^]]*\]", "", command)  # optional flags in brackets: left out, as a reader would
+    command = command.replace("/models/llama", str(llama))
+    words = shlex.split(command)
+    trains = any(w.endswith("pretrain.py") for w in words) or (words[0] == "rapidtrain" and "--task" in words)
+    if trains and "--profile" not in words:
+        words = with_value(words, "--train-iters", "3")
+    if trains and "--pretrained-model-name-or-path" not in words and "--num-layers" not in words:
+        words += [*TINY_GPT_SHAPE, "--num-workers", "0", "--eval-iters", "1"]
+    return shlex.join(with_value(words, "--epochs", "1"))
+
+
+def with_value(words: list[str], flag: str, value: str) -> list[str]:
+    return [value if before == flag else word for before, word in zip(["", *words[:-1]], words, strict=True)]
+
+
+def user_inputs(folder: Path) -> Path:
+    """What the README takes the user to have: documents as JSON lines with a GPT-2 BPE vocabulary, prompts, and
+    a Hugging Face Llama folder (with its tokenizer) for the continued-pretraining block."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    texts = [f"The history of {topic} begins with a for statement number {i}." for i, topic in
+             enumerate(["Python", "loops", "classes", "modules", "files", "errors"] * 20)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    (folder / "prompts.jsonl").write_text('{"prompt": "The history of"}\n{"prompt": "A for statement"}\n')
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save_model(str(folder))  # vocab.json, merges.txt
+    llama = folder / "hf-llama"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                        bos_token="<|endoftext|>")
+    tokenizer.save_pretrained(llama)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(llama)
+    return llama
+
+
+def run(command: str, folder: Path) -> subprocess.CompletedProcess:
+    port = str(free_port())
+    env = child_env({"MASTER_PORT": port, "PET_MASTER_PORT": port, "WANDB_SILENT": "true"}, nproc=4)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
+    return subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL)
+
+
+def refused_bf16_here(command: str, result: subprocess.CompletedProcess) -> bool:
+    """--bf16 on a CPU without native bf16 is refused by name (the README says where it runs)."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "--bf16" in command.split() and not native and result.returncode == 2 and "--bf16" in result.stderr
+
+
+@pytest.mark.slow
+def test_readme_commands_run_in_order_and_saving_runs_run_twice(tmp_path):
+    commands = readme_commands()
+    assert len(commands) >= 20 and any("pretrain.py" in c for c in commands)
+    for name in CHECKOUT:
+        (tmp_path / name).symlink_to(REPO / name)
+    llama = user_inputs(tmp_path)
+    ran = []
+    for command in commands:
+        if why := skip_reason(command):
+            print(f"skipped: {command[:60]} ({why})")
+            continue
+        result = run(shrunk(command, llama), tmp_path)
+        assert result.returncode == 0 or refused_bf16_here(command, result), (
+            f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        assert "Traceback" not in result.stderr, f"{command}\n{result.stderr[-3000:]}"
+        ran.append(command)
+    assert (tmp_path / "checkpoints" / "gpt" / "latest_checkpointed_iteration.txt").exists()
+    if (tmp_path / "out.jsonl").exists():  # unless --bf16 was refused on this CPU
+        assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2  # one completion per prompt
+    saving = [command for command in ran if "--save" in command.split()]
+    assert len(saving) >= 4
+    for command in saving:
+        again = run(shrunk(command, llama), tmp_path)
+        assert again.returncode == 0 and "nothing to do" in again.stdout, f"again: {command}\n{again.stdout[-3000:]}"
