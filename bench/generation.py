@@ -3,12 +3,17 @@
 A built-in GPT (Llama-family by default, random weights) is exported with the project's own exporter
 (rapidtrain.models.hf_weights.save_hf_folder) and loaded back by transformers' AutoModelForCausalLM; both then decode
 the same prompts greedily in one process, setting after setting (batch 1 and 4, fp32 and bf16 where the CPU has it
-natively, sdpa and eager attention). Per setting and side: tokens/s over all new tokens of the batch, time to first
-token (prefill + one token), and peak resident memory added while decoding (RSS sampled every millisecond); and
-whether both chose the same tokens (required in fp32; in bf16 the two round differently).
+natively, sdpa and eager attention; then rapidtrain's --torch-compile, its static KV cache and compiled one-token
+step, beside the same uncompiled HF generate; --no-compile skips those rows). The sides take turns run by run, so
+load from other processes on a shared machine falls on both alike. Per setting and side: tokens/s over all new
+tokens of the batch, time to first token (prefill + one token), and peak resident memory added while decoding (RSS
+sampled every millisecond); and whether both chose the same tokens (required in fp32; in bf16 the two round
+differently).
 
     python bench/generation.py                         # the default model (~30M parameters)
     python bench/generation.py --hidden-size 64 --num-layers 2 --vocab-size 256 --new-tokens 4 --repeats 1
+    python bench/generation.py --hidden-size 256 --num-layers 4 --vocab-size 8192 --prompt-length 32 \
+        --new-tokens 32                                # the shape issue 27 was measured at
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +43,11 @@ class Setting:
     batch: int
     dtype: str
     attention: str
+    compiled: bool = False  # rapidtrain's --torch-compile (static KV cache, compiled step); HF runs uncompiled
 
     @property
     def name(self) -> str:
-        return f"batch {self.batch}, {self.dtype}, {self.attention}"
+        return f"batch {self.batch}, {self.dtype}, {self.attention}" + (", torch.compile" if self.compiled else "")
 
 
 class PeakRss:
@@ -82,7 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=16384)
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="Timed runs per side and setting (the best is kept).")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="Timed runs per side and setting, the sides taking turns (the best is kept).")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="Skip the rows of rapidtrain's --torch-compile (each compiles its step first).")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default).")
     parser.add_argument("--json", help="Also write the rows here.")
     return parser.parse_args(argv)
 
@@ -112,12 +123,21 @@ def rapidtrain_side(model: torch.nn.Module, setting: Setting):
     from rapidtrain.models.transformer import KVCache
     from rapidtrain.train.generation import Decoding, SamplingSettings, decode
     from rapidtrain.train.generation.decoding import builtin_forward
+    from rapidtrain.train.generation.static import compiled_step, decode_static
 
     config = dataclasses.replace(model.config, attention_kernel=KERNEL_OF_NAME[setting.attention])
     copy = build_model(config, seed=None)
     copy.load_state_dict(model.state_dict())
     copy = copy.to(torch.bfloat16 if setting.dtype == "bf16" else torch.float32).eval()
     forward = builtin_forward(copy)
+    if setting.compiled:
+        step = compiled_step(copy, "cpu")
+
+        def run_compiled(prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+            how = Decoding(SamplingSettings(new_tokens))
+            return decode_static(forward, step, prompt, torch.ones_like(prompt), how)
+
+        return run_compiled
 
     def run(prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
         return decode(forward, prompt, torch.ones_like(prompt), Decoding(SamplingSettings(new_tokens)), KVCache)
@@ -144,16 +164,23 @@ def hf_side(folder: Path, setting: Setting):
     return run
 
 
-def measure(run, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
-    run(prompt, 2)  # warm-up: first-call allocations and dispatch
-    first = min(_timed(run, prompt, 1)[0] for _ in range(repeats))
-    best, tokens, peak = float("inf"), None, 0.0
+def measure(runs: dict[str, Callable], prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, dict]:
+    """Per side: tokens/s and time to first token (best of `repeats`), peak memory added and the tokens chosen.
+    The sides take turns run by run, so that load from other processes on a shared machine falls on each alike."""
+    for run in runs.values():
+        run(prompt, 2)  # warm-up: first-call allocations and dispatch
+    first = {name: float("inf") for name in runs}
+    best = {name: float("inf") for name in runs}
+    peak = {name: 0.0 for name in runs}
+    tokens: dict[str, torch.Tensor] = {}
     for _ in range(repeats):
-        with PeakRss() as rss:
-            seconds, tokens = _timed(run, prompt, new_tokens)
-        best, peak = min(best, seconds), max(peak, rss.added_mib)
-    return {"tokens_per_s": tokens.numel() / best, "first_token_ms": first * 1000, "peak_mib": peak,
-            "tokens": tokens.tolist()}
+        for name, run in runs.items():
+            first[name] = min(first[name], _timed(run, prompt, 1)[0])
+            with PeakRss() as rss:
+                seconds, tokens[name] = _timed(run, prompt, new_tokens)
+            best[name], peak[name] = min(best[name], seconds), max(peak[name], rss.added_mib)
+    return {name: {"tokens_per_s": tokens[name].numel() / best[name], "first_token_ms": first[name] * 1000,
+                   "peak_mib": peak[name], "tokens": tokens[name].tolist()} for name in runs}
 
 
 def _timed(run, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
@@ -162,10 +189,14 @@ def _timed(run, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Ten
     return time.perf_counter() - start, tokens
 
 
-def settings() -> list[Setting]:
+def settings(compiled: bool) -> list[Setting]:
     chosen = [Setting(1, "fp32", "sdpa"), Setting(4, "fp32", "sdpa"), Setting(1, "fp32", "eager")]
+    dtypes = ["fp32"]
     if torch.cpu._is_avx512_bf16_supported():
         chosen += [Setting(1, "bf16", "sdpa"), Setting(4, "bf16", "sdpa")]
+        dtypes.append("bf16")
+    if compiled:
+        chosen += [Setting(batch, dtype, "sdpa", compiled=True) for dtype in dtypes for batch in (1, 4)]
     return chosen
 
 
@@ -174,10 +205,11 @@ def bench(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model, folder = build(args, Path(tmp) / "hf")
         generator = torch.Generator().manual_seed(0)
-        for setting in settings():
+        for setting in settings(args.compile):
             prompt = torch.randint(0, args.vocab_size, (setting.batch, args.prompt_length), generator=generator)
-            ours = measure(rapidtrain_side(model, setting), prompt, args.new_tokens, args.repeats)
-            theirs = measure(hf_side(folder, setting), prompt, args.new_tokens, args.repeats)
+            runs = {"rapidtrain": rapidtrain_side(model, setting), "hf": hf_side(folder, setting)}
+            measured = measure(runs, prompt, args.new_tokens, args.repeats)
+            ours, theirs = measured["rapidtrain"], measured["hf"]
             rows.append({"setting": setting.name, "rapidtrain": ours, "hf": theirs,
                          "same_tokens": ours.pop("tokens") == theirs.pop("tokens")})
     return rows
@@ -197,6 +229,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = bench(args)
     print(f"generation: {args.family}, hidden {args.hidden_size}, {args.num_layers} layers, vocab {args.vocab_size}, "

@@ -18,6 +18,7 @@ from rapidtrain.models.transformer import (
     Embedding,
     KVCache,
     OutputLayer,
+    StaticKVCache,
     TokenCrossEntropy,
     TransformerLayer,
     cached_positions,
@@ -52,8 +53,9 @@ class GPTModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         tokentype_ids: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | StaticKVCache | None = None,
         document_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Token ids [b, s] (hidden states [b, s, h] on a stage without embedding) → per-token loss
         [b, s] fp32 when `labels` are given, else logits [b, s, V] (hidden states without a head).
@@ -62,6 +64,8 @@ class GPTModel(nn.Module):
         attend, e.g. Megatron's reset-attention-mask inverted; it is combined with the causal mask.
         `kv_cache` (decoding): the tokens continue the cached ones, whose keys and values are reused.
         `document_ids` [b, s] (with the flex kernel): tokens attend only within their own packed document.
+        `logits_to_keep` n > 0: logits of the last n positions only (decoding needs the last; the head of a
+        whole prompt would cost s times that of one token).
         """
         if kv_cache is not None and position_ids is None:
             position_ids = cached_positions(input_ids, kv_cache)
@@ -79,6 +83,8 @@ class GPTModel(nn.Module):
             return hidden
         if labels is not None and self.loss.can_fuse_head(self.output):
             return self.loss.from_hidden(hidden, self.output, labels)
+        if logits_to_keep and labels is None:
+            hidden = hidden[:, -logits_to_keep:]
         logits = self.output(hidden)
         return logits if labels is None else self.loss(logits, labels)
 

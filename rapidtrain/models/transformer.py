@@ -141,10 +141,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     (Megatron's non-interleaved rotary; r < d with --rotary-percent), in fp32."""
     rotary_dim = cos.shape[-1]
     x32 = x.float()
-    part, rest = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    whole = rotary_dim == x.shape[-1]  # the usual case: no untouched rest to slice off and join again
+    part = x32 if whole else x32[..., :rotary_dim]
     first, second = part.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return torch.cat([part * cos + rotated * sin, rest], dim=-1).to(x.dtype)
+    rotated = part * cos + torch.cat([-second, first], dim=-1) * sin
+    return (rotated if whole else torch.cat([rotated, x32[..., rotary_dim:]], dim=-1)).to(x.dtype)
 
 
 def sdpa_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool) -> torch.Tensor | None:
@@ -199,6 +200,42 @@ class KVCache:
         self.keys[layer], self.values[layer] = keys, values
         return keys, values
 
+    def advance(self, tokens: int) -> None:
+        """Count this step's tokens as cached (after every layer extended the cache with them)."""
+        self.length += tokens
+
+
+class StaticKVCache:
+    """Keys and values in buffers preallocated for `max_length` tokens per layer, so that every decoding step after
+    the prompt has the same shapes (what lets torch.compile compile the step once). The prompt fills slots [0, s)
+    and attends over them alone; each later step writes its tokens at `slots` (a tensor set by the decoding loop,
+    not a Python int, which compiled code would specialise on) and attends over all max_length slots under the
+    loop's [b, max_length] mask, which hides the slots not written yet and the padding."""
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length = max_length
+        self.keys: dict[str, torch.Tensor] = {}
+        self.values: dict[str, torch.Tensor] = {}
+        self.length = 0  # tokens of the prompt; the loop counts the decoded ones by its slots
+        self.slots: torch.Tensor | None = None
+
+    def extend(self, layer: str, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values [b, groups, s, d] of `layer`; what the step attends over."""
+        if self.slots is None:  # the prompt
+            b, groups, s, d = keys.shape
+            self.keys[layer] = keys.new_zeros(b, groups, self.max_length, d)
+            self.values[layer] = values.new_zeros(b, groups, self.max_length, d)
+            self.keys[layer][:, :, :s] = keys
+            self.values[layer][:, :, :s] = values
+            return keys, values
+        self.keys[layer].index_copy_(2, self.slots, keys)
+        self.values[layer].index_copy_(2, self.slots, values)
+        return self.keys[layer], self.values[layer]
+
+    def advance(self, tokens: int) -> None:
+        if self.slots is None:
+            self.length += tokens
+
 
 class Attention(nn.Module):
     """Self-attention with separate q/k/v projections (column-split friendly) and o_proj.
@@ -233,7 +270,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: tuple[KVCache, str] | None = None,
+        cache: tuple[KVCache | StaticKVCache, str] | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (
@@ -286,7 +323,7 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
     ) -> torch.Tensor:
         layer_cache = None if cache is None else (cache, self.name)
         if self.post_layernorm:
@@ -296,7 +333,7 @@ class TransformerLayer(nn.Module):
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 
-def cached_positions(hidden: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+def cached_positions(hidden: torch.Tensor, cache: KVCache | StaticKVCache | None) -> torch.Tensor:
     """Positions [1, s] of this step's tokens: after the cached ones."""
     start = cache.length if cache is not None else 0
     return torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -309,7 +346,7 @@ def run_layers(
     position_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     causal: bool,
-    cache: KVCache | None = None,
+    cache: KVCache | StaticKVCache | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run every layer this model (or pipeline stage) holds, with rotary angles and mask made once.
@@ -321,12 +358,14 @@ def run_layers(
     Layers with a sliding window (config.window_of_layer) get the mask narrowed to it; one mask per window.
     """
     seq_length = hidden.shape[1]
-    kv_length = seq_length + (cache.length if cache is not None else 0)
     rope = None
     if config.position_embedding_type == "rope":
         if position_ids is None:
             position_ids = cached_positions(hidden, cache)
         rope = rotary_cos_sin(position_ids, inverse_frequency(config, hidden.device))
+    if isinstance(cache, StaticKVCache) and cache.slots is not None:
+        return _run_static_step(layers, hidden, config, attention_mask, rope, cache)
+    kv_length = seq_length + (cache.length if cache is not None else 0)
     windows = {name: config.window_of_layer(int(name)) for name in layers}
     if config.attention_kernel == "flex":
         masks = {window: flex_block_mask(hidden.shape[0], seq_length, kv_length, hidden.device, causal, document_ids,
@@ -341,8 +380,8 @@ def run_layers(
     return _run(layers, hidden, masks, windows, rope, cache)
 
 
-def _dense_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool, cache: KVCache | None,
-                device: torch.device) -> torch.Tensor | None:
+def _dense_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool,
+                cache: KVCache | StaticKVCache | None, device: torch.device) -> torch.Tensor | None:
     """The boolean mask of SDPA and eager attention (True = may attend), None where causality alone decides."""
     if cache is not None and attention_mask is not None and attention_mask.dim() == 2:
         return decoding_mask(attention_mask, seq_length)
@@ -368,12 +407,27 @@ def sliding_window_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, wind
     return near & (key <= query) if mask is None else mask & near
 
 
+def _run_static_step(layers: nn.ModuleDict, hidden: torch.Tensor, config: ModelConfig,
+                     attention_mask: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                     cache: StaticKVCache) -> torch.Tensor:
+    """A static cache's decoding step: every slot under the loop's [b, max_length] mask of the written ones. Reads
+    no Python length (compiled code would specialise on it). ALiBi and sliding windows measure distances from the
+    last key, which a static cache's step is not: refused."""
+    if config.position_embedding_type == "alibi" or any(config.window_of_layer(int(n)) for n in layers):
+        raise ValueError("a static KV cache (--torch-compile) decodes rope or learned positions with full "
+                         "attention; ALiBi and sliding-window models decode through the growing cache")
+    if attention_mask is None or attention_mask.dim() != 2:
+        raise ValueError("a static KV cache's decoding step needs the [b, max_length] mask of its written slots")
+    mask = attention_mask.bool()[:, None, None, :]
+    return _run(layers, hidden, {None: mask}, dict.fromkeys(layers, None), rope, cache)
+
+
 def _run(layers: nn.ModuleDict, hidden: torch.Tensor, masks: dict, windows: dict[str, int | None],
-         rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None) -> torch.Tensor:
+         rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | StaticKVCache | None) -> torch.Tensor:
     for name, layer in layers.items():
         hidden = layer(hidden, masks[windows[name]], rope, cache)
     if cache is not None:
-        cache.length += hidden.shape[1]
+        cache.advance(hidden.shape[1])
     return hidden
 
 

@@ -15,7 +15,7 @@ def test_generation_bench_smoke(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "generation.py"), "--hidden-size", "32", "--num-layers", "2",
          "--num-attention-heads", "4", "--vocab-size", "128", "--prompt-length", "4", "--new-tokens", "3",
-         "--repeats", "1", "--json", str(rows_file)],
+         "--repeats", "1", "--no-compile", "--json", str(rows_file)],
         capture_output=True, text=True, env=child_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(rows_file.read_text())

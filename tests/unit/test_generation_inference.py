@@ -18,6 +18,7 @@ from rapidtrain.train.generation import Decoding, SamplingSettings, decode, left
 from rapidtrain.train.generation.decoding import builtin_forward
 from rapidtrain.train.generation.loading import hf_forward, load_hf_model
 from rapidtrain.train.generation.runtime import Runtime
+from rapidtrain.train.generation.static import compiled_step, decode_static
 from tests.launch import TINY_GPT_SHAPE
 
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
@@ -51,6 +52,41 @@ def test_batched_left_padded_greedy_equals_one_prompt_at_a_time(shape, kernel):
     assert len({tuple(row) for row in alone}) == 4  # the prompts lead to different continuations
     assert batched(forward, KVCache) == alone
     assert batched(forward, KVCache, Decoding(GREEDY.settings, use_cache=False)) == alone
+
+
+@pytest.mark.parametrize("shape", ["gpt2", "llama", "mixtral"])
+def test_static_cache_decodes_what_the_growing_cache_does(shape):
+    """The static cache's steps attend over every preallocated slot under the mask of the written ones."""
+    model = build_model(ModelConfig(**SMALL | SHAPES[shape]), seed=3).eval()
+    forward = builtin_forward(model)
+    how = Decoding(SamplingSettings(max_new_tokens=12, min_new_tokens=3), eos_id=5)
+    tokens, mask = left_padded(prompts(), 0, "cpu")
+    assert decode_static(forward, forward, tokens, mask, how).tolist() == batched(forward, KVCache, how)
+
+
+@pytest.mark.parametrize("shape", [dict(position_embedding_type="alibi"), dict(sliding_window=4)])
+def test_static_cache_refuses_distance_dependent_attention(shape):
+    """ALiBi and sliding windows count back from the last cached key; a static step's last slot is not it."""
+    model = build_model(ModelConfig(**SMALL | shape), seed=3).eval()
+    forward = builtin_forward(model)
+    with pytest.raises(ValueError, match="ALiBi and sliding-window models decode through the growing cache"):
+        decode_static(forward, forward, *left_padded(prompts(), 0, "cpu"), GREEDY)
+
+
+@pytest.mark.slow  # compiling the step: 20-60 s on 2 shared cores
+def test_compiled_step_decodes_what_the_uncompiled_loop_does():
+    """--torch-compile's path: the one-token step compiled once (static shapes), left-padded batch, rope."""
+    model = build_model(ModelConfig(**SMALL | LLAMA), seed=3).eval()
+    forward = builtin_forward(model)
+    tokens, mask = left_padded(prompts(), 0, "cpu")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = compiled_step(model, "cpu")
+    assert decode_static(forward, step, tokens, mask, GREEDY).tolist() == batched(forward, KVCache)
+    # Another prompt length in the same cache bucket reuses the compiled step.
+    shorter = decode_static(forward, step, tokens[:, 1:], mask[:, 1:], GREEDY)
+    assert shorter.tolist() == decode(forward, tokens[:, 1:], mask[:, 1:], GREEDY, KVCache).tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -211,7 +247,8 @@ def test_the_first_line_names_what_runs(trained, capsys, flags, words):
     (["--bf16", "--fp16"], "--bf16 and --fp16 both choose the dtype"),
     (["--device", "cuda"], "--device cuda: no CUDA device here"),
     (["--split-layers"], "--split-layers spreads the model's layers over several GPUs"),
-    (["--torch-compile"], "--torch-compile: the KV cache grows by one token per step"),
+    (["--torch-compile", "--no-kv-cache"], "--no-kv-cache recomputes a growing sequence"),
+    (["--torch-compile", "--attention-backend", "flex_attention"], "which only sdpa (auto) and eager take"),
     (["--load-in-4bit", "--load-in-8bit"], "give one"),
     (["--attention-backend", "fused"], "cuDNN's fused attention, a CUDA kernel"),
     (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
@@ -221,6 +258,26 @@ def test_flags_that_cannot_take_effect_here_are_refused(trained, capsys, flags, 
         pytest.skip("this machine has CUDA")
     code, _, err = run(["--load", str(trained[0]), "--prompt", "x", *flags], capsys)
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow  # compiling the step: ~20 s on 2 shared cores
+def test_torch_compile_names_itself_and_decodes_what_the_uncompiled_command_does(trained, tmp_path, capsys):
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    outputs = []
+    for flags in ([], ["--torch-compile"]):
+        code, out, err = run(["--load", str(trained[0]), "--input-file", str(prompts_file), "--batch-size", "4",
+                              "--max-new-tokens", "8", *flags], capsys)
+        assert code == 0, err
+        outputs.append(out)
+    assert "compile torch.compile (mode default) of the one-token step, static KV cache" in err.splitlines()[0]
+    assert outputs[1] == outputs[0] and len(outputs[0].splitlines()) == len(PROMPTS)
+
+
+def test_torch_compile_is_refused_for_a_hugging_face_folder(trained, capsys):
+    _, hf_folder, tokenizer = trained
+    code, _, err = run(["--load", str(hf_folder), *tokenizer, "--prompt", "x", "--torch-compile"], capsys)
+    assert code == 2 and "a Hugging Face folder decodes through transformers' own cache" in err
 
 
 def test_bf16_is_refused_on_a_cpu_without_native_bf16(trained, capsys, monkeypatch):

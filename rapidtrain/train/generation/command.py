@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from rapidtrain.train.generation.decoding import (
 )
 from rapidtrain.train.generation.loading import LoadedModel, load_model
 from rapidtrain.train.generation.runtime import GenerateError, GenerateOptions, Runtime, resolve_runtime
+from rapidtrain.train.generation.static import compile_mode, compiled_step, decode_static
 
 
 def generation_parser() -> argparse.ArgumentParser:
@@ -68,7 +70,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes LLM.int8() weights.")
     g.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 4-bit weights.")
     g.add_argument("--torch-compile", action="store_true",
-                   help="Refused: the growing KV cache changes shapes every step (no static cache yet).")
+                   help="Decode through a static KV cache (prompt + --max-new-tokens slots) and compile the one-token "
+                        "step with torch.compile (CUDA: mode reduce-overhead); built-in GPT, sdpa or eager attention.")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -112,22 +115,43 @@ def batches(items: list[list[int]], size: int) -> Iterator[list[list[int]]]:
         yield items[start:start + size]
 
 
+Decoder = Callable[[torch.Tensor, torch.Tensor, Decoding], torch.Tensor]
+
+
+def decoder(loaded: LoadedModel, runtime: Runtime) -> Decoder:
+    """(tokens, mask, how) → new tokens: the growing KV cache, or with --torch-compile the static cache and the
+    compiled step (compiled at its first call, then reused by every batch)."""
+    if not runtime.compile:
+        return lambda tokens, mask, how: decode(loaded.forward, tokens, mask, how, loaded.new_cache)
+    config: Any = loaded.model.config  # the built-in model's ModelConfig
+    if config.position_embedding_type == "alibi" or config.sliding_window is not None:
+        raise GenerateError("rapidtrain generate: --torch-compile: this model's ALiBi or sliding window measures "
+                            "distances from the last cached key, which the static cache's step does not keep: "
+                            "drop --torch-compile")
+    step = compiled_step(loaded.model, runtime.device_type)
+    return lambda tokens, mask, how: decode_static(loaded.forward, step, tokens, mask, how)
+
+
 def completions(loaded: LoadedModel, prompts: list[list[int]], runtime: Runtime, how: Decoding) -> Iterator[str]:
     """Each prompt's continuation as text, in order, decoded runtime.batch_size at a time."""
     device = runtime.device if not runtime.split_layers else "cuda:0"
+    run_batch = decoder(loaded, runtime)
     for batch in batches(prompts, runtime.batch_size):
         tokens, mask = left_padded(batch, loaded.pad_id, device)
         if loaded.builtin:
             check_length(loaded.model, tokens.shape[1], how.settings.max_new_tokens)
-        new = decode(loaded.forward, tokens, mask, how, loaded.new_cache).tolist()
+        new = run_batch(tokens, mask, how).tolist()
         for prompt, added in zip(batch, new, strict=True):
             yield continuation(loaded.tokenizer, prompt + added, len(prompt))
 
 
 def first_line(loaded: LoadedModel, runtime: Runtime) -> str:
     placement = f"{torch.cuda.device_count()} GPUs, layers split" if runtime.split_layers else runtime.device
+    compiled = (f"torch.compile (mode {compile_mode(runtime.device_type)}) of the one-token step, static KV cache"
+                if runtime.compile else "none")
     return (f"rapidtrain generate: {loaded.name} | device {placement} | dtype {runtime.dtype} | attention "
-            f"{loaded.attention} | batch size {runtime.batch_size} | quantization {loaded.quantization}")
+            f"{loaded.attention} | batch size {runtime.batch_size} | quantization {loaded.quantization} | "
+            f"compile {compiled}")
 
 
 def write_rows(path: str, prompts: list[str], texts: list[str]) -> None:

@@ -91,7 +91,8 @@ def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.dev
     return tokens.to(device), mask.to(device)
 
 
-def _choose(logits: torch.Tensor, step: int, finished: torch.Tensor, how: Decoding) -> torch.Tensor:
+def choose(logits: torch.Tensor, step: int, finished: torch.Tensor, how: Decoding) -> torch.Tensor:
+    """Each row's next token from its last logits [b, V]; a finished row keeps ending the document."""
     logits = logits.float()
     if how.vocab_size is not None and how.vocab_size < logits.shape[-1]:
         logits[:, how.vocab_size:] = float("-inf")
@@ -120,7 +121,7 @@ def decode(forward: Forward, tokens: torch.Tensor, mask: torch.Tensor, how: Deco
     chosen_so_far: list[torch.Tensor] = []
     for step in range(how.settings.max_new_tokens):
         logits = forward(step_tokens, step_positions, mask if padded else None, cache)
-        chosen = _choose(logits[:, -1], step, finished, how)[:, None]
+        chosen = choose(logits[:, -1], step, finished, how)[:, None]
         chosen_so_far.append(chosen)
         next_position = positions[:, -1:] + 1
         if cache is None:
@@ -136,11 +137,17 @@ def decode(forward: Forward, tokens: torch.Tensor, mask: torch.Tensor, how: Deco
 
 
 def builtin_forward(model: nn.Module) -> Forward:
-    """The built-in GPT as the loop calls it (a tensor-parallel model gathers its vocabulary-split logits)."""
+    """The built-in GPT as the loop calls it: the last position's logits only (the head over a whole prompt is
+    wasted work), except that a tensor-parallel model computes and gathers its vocabulary-split logits whole
+    (under sequence parallelism each rank holds part of the positions, so "the last" is not local)."""
+    from torch.distributed.tensor import DTensor
+
+    output = getattr(model, "output", None)
+    keep = 0 if output is None or isinstance(output.weight, DTensor) else 1
 
     def forward(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 cache: Any) -> torch.Tensor:
-        logits = model(tokens, position_ids=positions, attention_mask=mask, kv_cache=cache)
+        logits = model(tokens, position_ids=positions, attention_mask=mask, kv_cache=cache, logits_to_keep=keep)
         return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
     return forward

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from rapidtrain.core.errors import UserError
-from rapidtrain.models.attention_backends import attention_problem
+from rapidtrain.models.attention_backends import KERNEL_OF_NAME, attention_problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,7 +49,8 @@ class GenerateOptions:
 class Runtime:
     """Where and how the model runs: `device` ("cpu", "cuda", "cuda:1"), `dtype` of the weights and activations,
     the --attention-backend name, 4/8-bit bitsandbytes weights (None: the dtype's), prompts per batch,
-    and `split_layers` (the layers spread over every visible GPU)."""
+    `split_layers` (the layers spread over every visible GPU) and `compile` (the decoding step compiled, through a
+    static KV cache)."""
 
     device: str = "cpu"
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -57,6 +58,7 @@ class Runtime:
     load_in_bits: Literal[4, 8] | None = None
     batch_size: int = 1
     split_layers: bool = False
+    compile: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -113,6 +115,27 @@ def _device_problems(options: GenerateOptions, device: str) -> list[str]:
     return found
 
 
+def _compile_problems(options: GenerateOptions, builtin: bool) -> list[str]:
+    """--torch-compile compiles the built-in GPT's one-token step over a static KV cache, attending under a mask."""
+    if not options.torch_compile:
+        return []
+    found = []
+    if not builtin:
+        found.append("--torch-compile compiles the built-in GPT's decoding step over rapidtrain's static KV cache; "
+                     "a Hugging Face folder decodes through transformers' own cache: drop --torch-compile")
+    if not options.kv_cache:
+        found.append("--torch-compile compiles the cached one-token decoding step; --no-kv-cache recomputes a "
+                     "growing sequence (new shapes every step): drop one of them")
+    if builtin and KERNEL_OF_NAME[options.attention_backend] not in ("sdpa", "eager"):
+        found.append(f"--torch-compile with --attention-backend {options.attention_backend}: the compiled step "
+                     "attends over the whole static cache under a mask of its written slots, which only sdpa "
+                     "(auto) and eager take: use one of them")
+    if options.split_layers:
+        found.append("--torch-compile with --split-layers: the compiled step's CUDA graphs (reduce-overhead) "
+                     "capture one device, and the split model's step runs on several: drop one of them")
+    return found
+
+
 def resolve_runtime(options: GenerateOptions, builtin: bool) -> Runtime:
     """The Runtime the flags ask for, or GenerateError naming every flag that cannot take effect here."""
     device = _device(options)
@@ -125,13 +148,10 @@ def resolve_runtime(options: GenerateOptions, builtin: bool) -> Runtime:
     attention = attention_problem(options.attention_backend, device_type, builtin, 0.0, half, training=False)
     if attention:
         found.append(attention)
-    if options.torch_compile:
-        found.append("--torch-compile: the KV cache grows by one token per step, so each decoding step has new shapes "
-                     "and torch.compile would recompile at every one; generate has no static (preallocated) cache "
-                     "yet: drop --torch-compile")
+    found += _compile_problems(options, builtin)
     if found:
         raise GenerateError("rapidtrain generate: " + "; ".join(found))
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16" if options.bf16 else "fp16" if options.fp16 else "fp32"
     bits: Literal[4, 8] | None = 4 if options.load_in_4bit else 8 if options.load_in_8bit else None
     return Runtime(device, dtype, options.attention_backend, bits, options.batch_size,
-                   options.split_layers)
+                   options.split_layers, options.torch_compile)
