@@ -488,7 +488,16 @@ def zero_settings(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> 
         # Page-locked host buffers let CUDA copy asynchronously; a CPU-only run has nothing to pin for.
         pin_memory=offloads and ctx.device_type == "cuda",
         cpu_adam_threads=cpu_adam_threads(ctx) if offload_optimizer != "none" else None,
+        defaulted=zero_keys_defaulted(args),
     )
+
+
+def zero_keys_defaulted(args: argparse.Namespace) -> tuple[str, ...]:
+    """DeepSpeed's names of the ZeRO sizes and switches whose --zero-* flags the user left at their defaults."""
+    from rapidtrain.config.checks import ZERO_DEFAULTS
+
+    return tuple(dest.removeprefix("zero_") for dest, default in ZERO_DEFAULTS.items()
+                 if getattr(args, dest) == default)
 
 
 def load_in_bits(args: argparse.Namespace) -> Literal[4, 8] | None:
