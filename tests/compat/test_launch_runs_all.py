@@ -33,16 +33,16 @@ DROPPED = {
     "--num-layers-per-virtual-pipeline-stage": None, "--virtual-pipeline-model-parallel-size": None,
 }
 # DeepSpeed's CPU accelerator has no fp16: ZeRO runs of fp16 scripts train in bf16 here (their config's fp16 section
-# switched to bf16), as rapidtrain's own message for --fp16 with ZeRO on the CPU asks.
-FP16_ZERO = {"bsw-tr10-13b-2022", "bsw-tr13f-6b3-mtf-2022", "dse-zero3-2021", "mds-ds-example-2022",
+# switched to bf16; fp32 on a CPU without native bf16), as rapidtrain's own message for --fp16 with ZeRO on the CPU
+# asks.
+FP16_ZERO = {"bsw-tr10-13b-2022", "bsw-tr13f-6b3-mtf-2022", "mds-ds-example-2022",
              "mds-azure-175b-2022", "mds-rope-1.3b-2023", "mds-uc-fp16-2024"}
-# --data-path of alpaca JSON with no --dataset: rapidtrain reads --data-path as Megatron indexed data (the plan says
-# so), so here it is the local indexed data.
+# --data-path of alpaca JSON with no --dataset (the JSON reader of Pai's 2023 script, Megatron-DeepSpeed's
+# finetune_llama.py): rapidtrain reads --data-path as a Megatron indexed prefix (its plan says "Megatron indexed data
+# X.json"), so these runs get the local indexed data: a data kind the fold changes.
 JSON_AS_INDEXED = {"pai-llama-pretrain-2023", "mds-finetune-llama-2024"}
 # Pai's raw JSON kinds read instruction/output records: the local file is alpaca-style.
 RAW_JSON_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
-# Scripts that plan but do not run yet, and the rapidtrain gap that stops them (a product fix, not a fold).
-NOT_YET: dict[str, str] = {}
 # 2 iterations of the tiny global batch (4 samples of 64 tokens): in iterations, samples or tokens.
 TWO_ITERATIONS = {"--train-iters": "2", "--train-samples": "8", "--train-tokens": "512"}
 # EasyNLP's Rapidformer examples run as user scripts of their own in test_launch_runs.py.
@@ -53,8 +53,7 @@ PRETRAINED_BERT = "mlm-bert-2020"  # the tasks fine-tune what this script saved 
 
 
 def runnable() -> list[str]:
-    ids = [s["id"] for s in SCRIPTS if s["id"] not in REFUSED and s["id"] not in NOT_YET
-           and s["origin"] not in USER_SCRIPT_ORIGINS]
+    ids = [s["id"] for s in SCRIPTS if s["id"] not in REFUSED and s["origin"] not in USER_SCRIPT_ORIGINS]
     return sorted(ids, key=lambda i: (entry_of(BY_ID[i]) == "tasks_main", i != PRETRAINED_BERT))
 
 
@@ -65,7 +64,7 @@ def folded_changes(script_id: str, local_files) -> dict[str, object]:
     if "--bf16" in present and not _native_bf16():
         changes["--bf16"] = None  # bf16 emulated in fp32 on this CPU is many times slower: fp32 instead
     if script_id in FP16_ZERO:
-        changes.update({"--fp16": None, "--bf16": []})
+        changes.update({"--fp16": None, **({"--bf16": []} if _native_bf16() else {})})
     if script_id in JSON_AS_INDEXED:
         changes["--data-path"] = local_files.gpt_prefix
     if _value(BY_ID[script_id]["argv"], "--dataset") in ("LLama-Pretrain-Raw", "LLama-SFT"):
@@ -98,7 +97,9 @@ def fold_deepspeed_config(script_id: str, argv: list[str]) -> None:
     if "gradient_accumulation_steps" in values:
         values["gradient_accumulation_steps"] = 2
     if script_id in FP16_ZERO:
-        values.update(fp16={"enabled": False}, bf16={"enabled": True})
+        values.update(fp16={"enabled": False}, bf16={"enabled": True})  # turned off below without native bf16
+    if not _native_bf16() and (values.get("bf16") or {}).get("enabled"):
+        values["bf16"] = {"enabled": False}  # as --bf16 is dropped: fp32 on a CPU without native bf16
     config.write_text(json.dumps(values))
 
 
@@ -167,6 +168,8 @@ def test_every_script_that_plans_trains_two_iterations_on_one_process(local_file
     run = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "runs.json")], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO, timeout=900)
     done = results(run.stdout)
+    seconds = sum(float(s) for s in re.findall(r"^@@ end \S+ status=-?\d+ seconds=([0-9.]+)", run.stdout, re.M))
+    print(f"{len(done)} runs in one process, {seconds:.0f} s inside main()")
     trained = [i for i in planned if i in done and done[i][0] == 0 and len(log_lines(done[i][1])) == 2]
     for origin, count in sorted(Counter(BY_ID[i]["origin"] for i in trained).items()):
         print(f"{origin}: {count} scripts trained 2 iterations on one process")
