@@ -1,11 +1,13 @@
-"""Every launch script of tests/compat/launch_scripts.json that plans (all but test_launch_scripts.py's REFUSED) run
-for real: its flags with sizes shrunk (launch_data.tiny) and its layout folded onto one process (tensor, pipeline,
-expert and sequence-parallel sizes 1), for 2 training iterations; precision, schedules, MoE, tokenizers, data kinds
-and DeepSpeed config keys stay the script's. The runs share one Python process (run_launch_scripts.py), one after
-another, each in a fresh single-rank process group."""
+"""Every launch script of tests/compat/launch_scripts.json that plans (all but test_launch_scripts.py's REFUSED;
+EasyNLP's user scripts run in test_launch_runs.py) run for real: its flags with sizes shrunk (launch_data.tiny) and
+its layout folded onto one process (tensor, pipeline, expert and sequence-parallel sizes 1), for 2 training
+iterations; precision, schedules, MoE, tokenizers, data kinds and DeepSpeed config keys stay the script's but for
+the tables below. The runs share one Python process (run_launch_scripts.py), one after another, each in a fresh
+single-rank process group."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.compat.launch_data import BY_ID, SCRIPTS, entry_of, groups, tiny
+from tests.compat.launch_data import BY_ID, SCRIPTS, LocalFiles, entry_of, groups, tiny
 from tests.compat.test_launch_runs import log_lines
 from tests.compat.test_launch_scripts import REFUSED
 from tests.compat.test_megatron_tasks import write_mnli
@@ -57,7 +59,7 @@ def runnable() -> list[str]:
     return sorted(ids, key=lambda i: (entry_of(BY_ID[i]) == "tasks_main", i != PRETRAINED_BERT))
 
 
-def folded_changes(script_id: str, local_files) -> dict[str, object]:
+def folded_changes(script_id: str, local_files: LocalFiles) -> dict[str, object]:
     """What shrinks the script to one process and 2 iterations: only flags the script has change."""
     present = {flag for flag, _ in groups(tiny(BY_ID[script_id], local_files))}
     changes = {flag: value for flag, value in {**FOLDED, **DROPPED, **TWO_ITERATIONS}.items() if flag in present}
@@ -78,7 +80,7 @@ def _value(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
-def alpaca_records(local_files) -> str:
+def alpaca_records(local_files: LocalFiles) -> str:
     path = Path(local_files.folder) / "alpaca.json"
     lines = Path(local_files.json_data).read_text().splitlines()
     records = [{"instruction": json.loads(a)["text"], "input": "", "output": json.loads(b)["text"]}
@@ -129,7 +131,8 @@ def task_files(script_id: str, folder: Path, pretrained: str) -> dict[str, objec
             "--pretrained-checkpoint": pretrained}
 
 
-def runs(local_files, folder: Path) -> list[dict]:
+def runs(local_files: LocalFiles, folder: Path) -> list[dict]:
+    """The runner's list: each runnable script's folded flags, a task's files, a fine-tune's checkpoint run first."""
     out = []
     pretrained = ""
     for script_id in runnable():
@@ -163,15 +166,17 @@ def results(output: str) -> dict[str, tuple[int, str]]:
 @pytest.mark.slow
 def test_every_script_that_plans_trains_two_iterations_on_one_process(local_files, tmp_path):
     planned = runnable()
-    (tmp_path / "runs.json").write_text(json.dumps(runs(local_files, tmp_path)))
-    print(f"runs: {tmp_path / 'runs.json'}")
+    own = dataclasses.replace(local_files, folder=tmp_path)  # checkpoints apart from test_launch_runs.py's runs
+    (tmp_path / "runs.json").write_text(json.dumps(runs(own, tmp_path)))
     run = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "runs.json")], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO, timeout=900)
     done = results(run.stdout)
-    seconds = sum(float(s) for s in re.findall(r"^@@ end \S+ status=-?\d+ seconds=([0-9.]+)", run.stdout, re.M))
-    print(f"{len(done)} runs in one process, {seconds:.0f} s inside main()")
+    seconds = {i: float(s) for i, s in re.findall(r"^@@ end (\S+) status=-?\d+ seconds=([0-9.]+)", run.stdout, re.M)}
+    slowest = ", ".join(f"{i} {seconds[i]:.1f} s" for i in sorted(seconds, key=seconds.get, reverse=True)[:4])
+    print(f"{len(done)} runs in one process, {sum(seconds.values()):.0f} s inside main(); slowest: {slowest}")
     trained = [i for i in planned if i in done and done[i][0] == 0 and len(log_lines(done[i][1])) == 2]
     for origin, count in sorted(Counter(BY_ID[i]["origin"] for i in trained).items()):
         print(f"{origin}: {count} scripts trained 2 iterations on one process")
     failed = {i: (done[i][0], done[i][1][-3000:]) if i in done else None for i in planned if i not in trained}
     assert not failed, "\n".join(f"== {i}: {failed[i]}" for i in failed)
+    assert len(planned) >= 45  # all that plan but EasyNLP's 3 (test_launch_runs.py) and none left out
