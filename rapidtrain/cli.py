@@ -178,8 +178,17 @@ def plan_command(argv: list[str]) -> int:
     ctx = settings.RunContext(world_size, device_type, detected.script, capability)
     rules.exit_on_conflicts(args, ctx)
     resolved = plan.from_args(args, ctx)
+    deepspeed_config_problems(resolved)
     print(resolved.to_json() if options.json else describe_plan(resolved))
     return 0
+
+
+def deepspeed_config_problems(resolved: settings.Plan) -> None:
+    """A --deepspeed_config that contradicts the flags stops the run as DeepSpeed starts: the plan stops on it too."""
+    if resolved.switches.partitioning_engine == "deepspeed" and resolved.switches.deepspeed_config_file:
+        from rapidtrain.parallel.deepspeed import run_config
+
+        run_config(resolved)  # raises DeepSpeedConfigConflict (a UserError) naming each contradiction
 
 
 def entry_of(argv: list[str]) -> str | None:

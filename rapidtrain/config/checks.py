@@ -18,6 +18,7 @@ from rapidtrain.config.resolve import (
     switches_of,
     tokenizer_settings_of,
     zero_by_fsdp2,
+    zero_flag_defaults,
 )
 from rapidtrain.config.settings import Batches, RunContext, data_parallel_size, expand_num_experts
 from rapidtrain.data.tokenizer import TokenizerSettingsError, tokenizer_vocab_size
@@ -274,9 +275,7 @@ def compile_backends() -> list[str]:
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
 
 
-ZERO_DEFAULTS = {dest: arguments.build_parser().get_default(dest) for dest in (
-    "zero_overlap_comm", "zero_contiguous_gradients", "zero_reduce_bucket_size", "zero_allgather_bucket_size",
-    "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold", "zero_stage3_max_live_parameters")}
+ZERO_DEFAULTS = zero_flag_defaults()
 
 
 def zero_settings_given(args: Args, stage3_only: bool = False) -> list[str]:

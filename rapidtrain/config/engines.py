@@ -164,7 +164,9 @@ def _data_parallel_choices(args: argparse.Namespace, ctx: RunContext, layout: La
         engines.append(partitioning)
     zero = zero_settings(args, layout, ctx)
     if zero is not None:
-        engines.append(EngineChoice("ZeRO communication", describe_zero(zero)))
+        file_values = ("where no --zero-* flag sets them, --deepspeed_config's values replace these"
+                       if args.deepspeed_config and zero.defaulted else "")
+        engines.append(EngineChoice("ZeRO communication", describe_zero(zero), file_values))
     pinned = "pinned host buffers" if zero is not None and zero.pin_memory else "no pinned buffers (CPU run)"
     if args.cpu_offload:
         threads = f", {_threads(zero.cpu_adam_threads)} per rank" if zero and zero.cpu_adam_threads else ""

@@ -5,6 +5,7 @@ these once; nothing after the plan does."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from typing import TYPE_CHECKING, Any, Literal
@@ -488,7 +489,28 @@ def zero_settings(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> 
         # Page-locked host buffers let CUDA copy asynchronously; a CPU-only run has nothing to pin for.
         pin_memory=offloads and ctx.device_type == "cuda",
         cpu_adam_threads=cpu_adam_threads(ctx) if offload_optimizer != "none" else None,
+        defaulted=zero_keys_defaulted(args),
     )
+
+
+# The --zero-* flags of DeepSpeed's zero_optimization keys (the key is the name without "zero_").
+ZERO_FLAG_DESTS = ("zero_overlap_comm", "zero_contiguous_gradients", "zero_reduce_bucket_size",
+                   "zero_allgather_bucket_size", "zero_stage3_prefetch_bucket_size",
+                   "zero_stage3_param_persistence_threshold", "zero_stage3_max_live_parameters")
+
+
+@functools.cache
+def zero_flag_defaults() -> dict[str, Any]:
+    from rapidtrain.config.arguments import build_parser
+
+    parser = build_parser()
+    return {dest: parser.get_default(dest) for dest in ZERO_FLAG_DESTS}
+
+
+def zero_keys_defaulted(args: argparse.Namespace) -> tuple[str, ...]:
+    """DeepSpeed's names of the ZeRO sizes and switches whose --zero-* flags the user left at their defaults."""
+    return tuple(dest.removeprefix("zero_") for dest, default in zero_flag_defaults().items()
+                 if getattr(args, dest) == default)
 
 
 def load_in_bits(args: argparse.Namespace) -> Literal[4, 8] | None:

@@ -311,6 +311,8 @@ class ZeroSettings:
     nvme_path: str | None = None
     pin_memory: bool = False
     cpu_adam_threads: int | None = None
+    # The zero_optimization keys above whose flags were left at their defaults: a --deepspeed_config value wins.
+    defaulted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,34 @@ def ensure_process_group() -> None:
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
 
 
+# DeepSpeed's module-level caches of the groups it made (deepspeed.utils.groups) and its communication backend.
+_DEEPSPEED_GROUP_CACHES = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                           "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP")
+_DEEPSPEED_GROUPS = ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mesh_device", "_TENSOR_MODEL_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+                     "_MPU_TENSOR_MODEL_PARALLEL_RANK")
+
+
+def forget_process_groups() -> None:
+    """After the default group is destroyed, DeepSpeed still holds the groups it cloned from it; a second run in
+    this process (a script that trains twice, the launch-script tests) would hand those dead groups to ZeRO
+    ("Group ... is not registered"). Back to their import-time values, as in a fresh process."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return  # DeepSpeed never ran here
+    for name in _DEEPSPEED_GROUP_CACHES:
+        if hasattr(groups, name):
+            setattr(groups, name, {})
+    for name in _DEEPSPEED_GROUPS:
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None
+
+
 def build_partitioned(
     model: nn.Module,
     model_factory: Callable[[], nn.Module],
@@ -497,8 +525,11 @@ class DeepSpeedRunner:
 
 # ---- --deepspeed_config FILE (Megatron-DeepSpeed's habit): the user's JSON merged with the generated config ----
 
-# Keys rapidtrain sets only for quiet, permissive defaults: a user's value replaces them.
-_OVERRIDABLE = ("wall_clock_breakdown", "zero_allow_untested_optimizer")
+# Keys rapidtrain sets only for quiet, permissive defaults, or from the device rather than a flag (pinned offload
+# buffers on CUDA only: a config written for GPUs pins them, and DeepSpeed's CPU accelerator leaves tensors as they
+# are): a user's value replaces them.
+_OVERRIDABLE = ("wall_clock_breakdown", "zero_allow_untested_optimizer",
+                "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory")
 # Where each generated key comes from, for the conflict message.
 _FLAG_OF_KEY = {
     "train_batch_size": "--global-batch-size", "train_micro_batch_size_per_gpu": "--micro-batch-size",
@@ -506,6 +537,11 @@ _FLAG_OF_KEY = {
     "zero_optimization.stage": "--zero-N-memory-optimization", "bf16": "--bf16 / --mixed-precision",
     "fp16": "--fp16 / --loss-scale flags", "optimizer": "--cpu-offload / --optimizers",
     "zero_optimization.offload_optimizer": "--cpu-offload",
+    **{f"zero_optimization.{key}": "--zero-" + key.replace("_", "-") for key in (
+        "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_max_live_parameters")},
+    "zero_optimization.overlap_comm": "--no-zero-overlap-comm",
+    "zero_optimization.contiguous_gradients": "--no-zero-contiguous-gradients",
 }
 
 
@@ -513,9 +549,11 @@ class DeepSpeedConfigConflict(UserError, ValueError):
     """--deepspeed_config sets something the flags set otherwise."""
 
 
-def merge_user_config(user: dict[str, Any], generated: dict[str, Any], path: str) -> dict[str, Any]:
+def merge_user_config(user: dict[str, Any], generated: dict[str, Any], path: str,
+                      defaulted: tuple[str, ...] = ()) -> dict[str, Any]:
     """The generated config with the keys only the user's JSON sets added (nested objects merged); a key both
-    set must agree. The schedule and a client optimizer are rapidtrain's: the JSON may not configure them."""
+    set must agree, but for `defaulted` ones (dotted names no flag set: the JSON's value wins). The schedule and a
+    client optimizer are rapidtrain's: the JSON may not configure them."""
     conflicts: list[str] = []
     owners = {"scheduler": "the learning-rate schedule from --lr / --lr-decay-style",
               "optimizer": "the optimizer from --optimizers"}
@@ -528,7 +566,7 @@ def merge_user_config(user: dict[str, Any], generated: dict[str, Any], path: str
         if precision in user and wanted != have:
             conflicts.append(f"{precision}.enabled: --deepspeed_config {str(wanted).lower()}, the flags "
                              f"{str(have).lower()} ({_FLAG_OF_KEY[precision]})")
-    merged = _merge(user, generated, "", conflicts)
+    merged = _merge(user, generated, "", conflicts, frozenset(defaulted))
     if conflicts:
         raise DeepSpeedConfigConflict(
             f"--deepspeed_config {path} contradicts the flags: " + "; ".join(conflicts)
@@ -536,14 +574,16 @@ def merge_user_config(user: dict[str, Any], generated: dict[str, Any], path: str
     return merged
 
 
-def _merge(user: dict[str, Any], generated: dict[str, Any], prefix: str, conflicts: list[str]) -> dict[str, Any]:
+def _merge(user: dict[str, Any], generated: dict[str, Any], prefix: str, conflicts: list[str],
+           defaulted: frozenset[str] = frozenset()) -> dict[str, Any]:
     merged = dict(generated)
     for key, value in user.items():
         name = f"{prefix}{key}"
-        if key not in generated or name in _OVERRIDABLE or key in ("fp16", "bf16") and not generated.get(key):
+        if (key not in generated or name in _OVERRIDABLE or name in defaulted
+                or key in ("fp16", "bf16") and not generated.get(key)):
             merged[key] = value
         elif isinstance(value, dict) and isinstance(generated[key], dict):
-            merged[key] = _merge(value, generated[key], f"{name}.", conflicts)
+            merged[key] = _merge(value, generated[key], f"{name}.", conflicts, defaulted)
         elif value != generated[key]:
             flag = _FLAG_OF_KEY.get(name, "the flags")
             conflicts.append(f"{name}: --deepspeed_config {value!r}, the flags {generated[key]!r} ({flag})")
@@ -560,5 +600,6 @@ def run_config(plan: Plan) -> dict[str, Any]:
             user = read_user_config(path)
         except ValueError as error:
             raise DeepSpeedConfigConflict(str(error)) from None
-        config = merge_user_config(user, config, path)
+        defaulted = tuple(f"zero_optimization.{key}" for key in (plan.zero.defaulted if plan.zero else ()))
+        config = merge_user_config(user, config, path, defaulted)
     return config

@@ -35,7 +35,7 @@ from rapidtrain.models.bert import BertModel
 from rapidtrain.models.gpt import GPTModel
 from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
 from rapidtrain.parallel.apply import parallelize
-from rapidtrain.parallel.deepspeed import ensure_process_group, run_config
+from rapidtrain.parallel.deepspeed import ensure_process_group, forget_process_groups, run_config
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.runner import Runner, StepOutcome
 from rapidtrain.train.own_loop import compose_own_loop, rebind_optimizer
@@ -170,6 +170,7 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        forget_process_groups()
 
 
 def seed_everything(seed: int) -> None:

@@ -109,7 +109,8 @@ def write_model(
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         model.save_pretrained(tmp)
-    if tokenizer is not None:
+    # A Hugging Face tokenizer goes beside the model; Megatron's (tasks_main.py) are the user's own --vocab-file.
+    if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(tmp)
     for name, content in (files or {}).items():
         with open(tmp / name, "w", encoding="utf-8") as f:

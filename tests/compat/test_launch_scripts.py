@@ -33,6 +33,9 @@ REFUSED = {
     "dse-gpt2-mp-2020": ["--global-batch-size 16 is not divisible"],  # its DeepSpeed config's 16 vs 8 × DP 8
     "dse-zero-offload-10b-2020": ["needs --vocab-file"],
     "dse-zero2-2020": ["--global-batch-size 16 is not divisible"],  # its DeepSpeed config's 16 vs 8 × DP 4
+    # its --zero-reduce-bucket-size 5e7 against its DeepSpeed config's 1e7 (the run stops on it; the plan now too)
+    "dse-zero3-2021": ["zero_optimization.reduce_bucket_size: --deepspeed_config 10000000.0, the flags 50000000 "
+                       "(--zero-reduce-bucket-size)"],
     "mds-prmoe-2022": ["is not divisible by --expert-model-parallel-size 64"],
     "mds-bert-pile-2022": ["--micro-batch-size must be at least 1"],  # its shell arithmetic gives -512
     "mds-seqpar-32k-2024": ["--ds-sequence-parallel-size 4"],

@@ -146,3 +146,17 @@ def test_a_warm_up_past_a_short_fine_tune_is_shortened_with_a_warning(capsys):
     scheduler = engine.build_scheduler(optimizer, None, steps_per_epoch=5)
     assert scheduler.settings.warmup_samples == 9 * engine.plan.batches.global_batch_size
     assert "--lr-warmup-iters 100 is not shorter than this run's 10 iterations" in capsys.readouterr().out
+
+
+def test_deepspeed_config_zero_sizes_win_over_defaults_but_not_over_flags():
+    """A config's ZeRO bucket sizes (DeepSpeedExamples' 1e7) replace rapidtrain's defaults when no --zero-* flag set
+    them, and its pinned offload buffers replace the device's choice (none on a CPU run); a size a flag set must
+    agree."""
+    generated = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 500_000_000,
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+    user = {"zero_optimization": {"reduce_bucket_size": 1e7, "offload_optimizer": {"pin_memory": True}}}
+    merged = merge_user_config(user, generated, "ds.json", ("zero_optimization.reduce_bucket_size",))
+    assert merged["zero_optimization"]["reduce_bucket_size"] == 1e7
+    assert merged["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    with pytest.raises(DeepSpeedConfigConflict, match="reduce_bucket_size: --deepspeed_config 10000000.0"):
+        merge_user_config(user, generated, "ds.json")

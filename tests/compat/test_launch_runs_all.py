@@ -1,0 +1,182 @@
+"""Every launch script of tests/compat/launch_scripts.json that plans (all but test_launch_scripts.py's REFUSED;
+EasyNLP's user scripts run in test_launch_runs.py) run for real: its flags with sizes shrunk (launch_data.tiny) and
+its layout folded onto one process (tensor, pipeline, expert and sequence-parallel sizes 1), for 2 training
+iterations; precision, schedules, MoE, tokenizers, data kinds and DeepSpeed config keys stay the script's but for
+the tables below. The runs share one Python process (run_launch_scripts.py), one after another, each in a fresh
+single-rank process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.compat.launch_data import BY_ID, SCRIPTS, LocalFiles, entry_of, groups, tiny
+from tests.compat.test_launch_runs import log_lines
+from tests.compat.test_launch_scripts import REFUSED
+from tests.compat.test_megatron_tasks import write_mnli
+from tests.launch import REPO, child_env
+
+RUNNER = Path(__file__).with_name("run_launch_scripts.py")
+
+# The layout's sizes, all 1 on one process; the rest of each script's flags stay.
+FOLDED = {"--tensor-model-parallel-size": "1", "--model-parallel-size": "1", "--intra-layer-model-parallel-size": "1",
+          "--pipeline-model-parallel-size": "1", "--pipe-parallel-size": "1", "--expert-model-parallel-size": "1",
+          "--moe-expert-parallel-size": "1", "--ds-sequence-parallel-size": "1", "--context-parallel-size": "1"}
+# Flags the one-process fold cannot keep, and why.
+DROPPED = {
+    # Virtual pipeline stages split a rank's pipeline stage further: with no pipeline there is no stage to split.
+    "--num-layers-per-virtual-pipeline-stage": None, "--virtual-pipeline-model-parallel-size": None,
+}
+# DeepSpeed's CPU accelerator has no fp16: ZeRO runs of fp16 scripts train in bf16 here (their config's fp16 section
+# switched to bf16; fp32 on a CPU without native bf16), as rapidtrain's own message for --fp16 with ZeRO on the CPU
+# asks.
+FP16_ZERO = {"bsw-tr10-13b-2022", "bsw-tr13f-6b3-mtf-2022", "mds-ds-example-2022",
+             "mds-azure-175b-2022", "mds-rope-1.3b-2023", "mds-uc-fp16-2024"}
+# --data-path of alpaca JSON with no --dataset (the JSON reader of Pai's 2023 script, Megatron-DeepSpeed's
+# finetune_llama.py): rapidtrain reads --data-path as a Megatron indexed prefix (its plan says "Megatron indexed data
+# X.json"), so these runs get the local indexed data: a data kind the fold changes.
+JSON_AS_INDEXED = {"pai-llama-pretrain-2023", "mds-finetune-llama-2024"}
+# Pai's raw JSON kinds read instruction/output records: the local file is alpaca-style.
+RAW_JSON_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+# 2 iterations of the tiny global batch (4 samples of 64 tokens): in iterations, samples or tokens.
+TWO_ITERATIONS = {"--train-iters": "2", "--train-samples": "8", "--train-tokens": "512"}
+# EasyNLP's Rapidformer examples run as user scripts of their own in test_launch_runs.py.
+USER_SCRIPT_ORIGINS = {"alibaba/EasyNLP"}
+# Megatron's tasks/main.py: rows in the training file that make 2 iterations of the script's global batch.
+TASK_ROWS = {"mlm-mnli-ft-2020": 4, "mlm-race-ft-2021": 4, "mds-bert-mnli-2022": 8}
+PRETRAINED_BERT = "mlm-bert-2020"  # the tasks fine-tune what this script saved (it runs first)
+
+
+def runnable() -> list[str]:
+    ids = [s["id"] for s in SCRIPTS if s["id"] not in REFUSED and s["origin"] not in USER_SCRIPT_ORIGINS]
+    return sorted(ids, key=lambda i: (entry_of(BY_ID[i]) == "tasks_main", i != PRETRAINED_BERT))
+
+
+def folded_changes(script_id: str, local_files: LocalFiles) -> dict[str, object]:
+    """What shrinks the script to one process and 2 iterations: only flags the script has change."""
+    present = {flag for flag, _ in groups(tiny(BY_ID[script_id], local_files))}
+    changes = {flag: value for flag, value in {**FOLDED, **DROPPED, **TWO_ITERATIONS}.items() if flag in present}
+    if "--bf16" in present and not _native_bf16():
+        changes["--bf16"] = None  # bf16 emulated in fp32 on this CPU is many times slower: fp32 instead
+    if script_id in FP16_ZERO:
+        changes.update({"--fp16": None, **({"--bf16": []} if _native_bf16() else {})})
+    if script_id in JSON_AS_INDEXED:
+        changes["--data-path"] = local_files.gpt_prefix
+    if _value(BY_ID[script_id]["argv"], "--dataset") in ("LLama-Pretrain-Raw", "LLama-SFT"):
+        changes.update({flag: alpaca_records(local_files) for flag in RAW_JSON_FLAGS if flag in present})
+    if "--moe-layer-freq" in present:  # a per-layer pattern of the script's layer count: the tiny model's 4
+        changes["--moe-layer-freq"] = "([1]*4)"
+    return changes
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def alpaca_records(local_files: LocalFiles) -> str:
+    path = Path(local_files.folder) / "alpaca.json"
+    lines = Path(local_files.json_data).read_text().splitlines()
+    records = [{"instruction": json.loads(a)["text"], "input": "", "output": json.loads(b)["text"]}
+               for a, b in zip(lines[::2], lines[1::2], strict=False)]
+    path.write_text(json.dumps(records))
+    return str(path)
+
+
+def fold_deepspeed_config(script_id: str, argv: list[str]) -> None:
+    """The script's DeepSpeed config on one process: 2 accumulation steps make the tiny global batch of 4 from
+    micro batches of 2; an FP16_ZERO script's fp16 section off, bf16 on."""
+    config = next((Path(v[0]) for f, v in groups(argv) if f in ("--deepspeed_config", "--deepspeed-config")), None)
+    if config is None:
+        return
+    values = json.loads(config.read_text())
+    if "gradient_accumulation_steps" in values:
+        values["gradient_accumulation_steps"] = 2
+    if script_id in FP16_ZERO:
+        values.update(fp16={"enabled": False}, bf16={"enabled": True})  # turned off below without native bf16
+    if not _native_bf16() and (values.get("bf16") or {}).get("enabled"):
+        values["bf16"] = {"enabled": False}  # as --bf16 is dropped: fp32 on a CPU without native bf16
+    config.write_text(json.dumps(values))
+
+
+def _native_bf16() -> bool:
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported()
+
+
+def task_files(script_id: str, folder: Path, pretrained: str) -> dict[str, object]:
+    """Megatron's task files for 2 iterations, and the BERT checkpoint to start from."""
+    rows = TASK_ROWS[script_id]
+    folder.mkdir(parents=True, exist_ok=True)
+    if BY_ID[script_id]["argv"][BY_ID[script_id]["argv"].index("--task") + 1] == "RACE":
+        train, valid = [folder / "RACE" / "train" / "middle"], [folder / "RACE" / "dev" / n for n in ("middle", "high")]
+        for path, count in ((train[0], rows), (valid[0], 2), (valid[1], 2)):
+            path.mkdir(parents=True, exist_ok=True)
+            questions = {"article": "the cat sat on the mat .", "questions": ["the _ sat"] * count,
+                         "options": [["cat", "dog", "mat", "a"]] * count, "answers": ["A"] * count}
+            (path / "1.txt").write_text(json.dumps(questions) + "\n")
+    else:
+        train, valid = [folder / "train.tsv"], [folder / "dev_matched.tsv", folder / "dev_mismatched.tsv"]
+        write_mnli(train[0], rows)
+        for offset, path in enumerate(valid):
+            write_mnli(path, 3, offset=100 * (offset + 1))
+    return {"--train-data": str(train[0]), "--valid-data": [str(p) for p in valid], "--epochs": "1",
+            "--pretrained-checkpoint": pretrained}
+
+
+def runs(local_files: LocalFiles, folder: Path) -> list[dict]:
+    """The runner's list: each runnable script's folded flags, a task's files, a fine-tune's checkpoint run first."""
+    out = []
+    pretrained = ""
+    for script_id in runnable():
+        changes = folded_changes(script_id, local_files)
+        entry = entry_of(BY_ID[script_id]) or "pretrain_gpt"
+        if entry == "tasks_main":
+            changes.update(task_files(script_id, folder / script_id, pretrained))
+        argv = tiny(BY_ID[script_id], local_files, changes)
+        fold_deepspeed_config(script_id, argv)
+        if "--finetune" in argv and "--load" in argv:  # it fine-tunes its --load: the same script saves one first
+            out.append(checkpoint_first(script_id, entry, argv))
+        if script_id == PRETRAINED_BERT:
+            pretrained = next(values[0] for flag, values in groups(argv) if flag == "--save")
+        out.append({"id": script_id, "entry": entry, "argv": argv})
+    return out
+
+
+def checkpoint_first(script_id: str, entry: str, argv: list[str]) -> dict:
+    load = next(values[0] for flag, values in groups(argv) if flag == "--load")
+    flags = [(f, v) for f, v in groups(argv) if f not in ("--finetune", "--save", "--load", "--save-interval")]
+    return {"id": f"{script_id}:checkpoint", "entry": entry,
+            "argv": [t for f, v in flags for t in (f, *v)] + ["--save", load, "--save-interval", "2"]}
+
+
+def results(output: str) -> dict[str, tuple[int, str]]:
+    """Each run's exit status and its output, from the runner's markers."""
+    found = re.finditer(r"^@@ start (\S+)\n(.*?)^@@ end \1 status=(-?\d+)", output, flags=re.S | re.M)
+    return {match.group(1): (int(match.group(3)), match.group(2)) for match in found}
+
+
+@pytest.mark.slow
+def test_every_script_that_plans_trains_two_iterations_on_one_process(local_files, tmp_path):
+    planned = runnable()
+    own = dataclasses.replace(local_files, folder=tmp_path)  # checkpoints apart from test_launch_runs.py's runs
+    (tmp_path / "runs.json").write_text(json.dumps(runs(own, tmp_path)))
+    run = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "runs.json")], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO, timeout=900)
+    done = results(run.stdout)
+    seconds = {i: float(s) for i, s in re.findall(r"^@@ end (\S+) status=-?\d+ seconds=([0-9.]+)", run.stdout, re.M)}
+    slowest = ", ".join(f"{i} {seconds[i]:.1f} s" for i in sorted(seconds, key=seconds.get, reverse=True)[:4])
+    print(f"{len(done)} runs in one process, {sum(seconds.values()):.0f} s inside main(); slowest: {slowest}")
+    trained = [i for i in planned if i in done and done[i][0] == 0 and len(log_lines(done[i][1])) == 2]
+    for origin, count in sorted(Counter(BY_ID[i]["origin"] for i in trained).items()):
+        print(f"{origin}: {count} scripts trained 2 iterations on one process")
+    failed = {i: (done[i][0], done[i][1][-3000:]) if i in done else None for i in planned if i not in trained}
+    assert not failed, "\n".join(f"== {i}: {failed[i]}" for i in failed)
+    assert len(planned) >= 45  # all that plan but EasyNLP's 3 (test_launch_runs.py) and none left out
