@@ -224,7 +224,7 @@ def forget_process_groups() -> None:
             setattr(groups, name, None)
     comm = sys.modules.get("deepspeed.comm.comm")
     if comm is not None:
-        comm.cdb = None
+        setattr(comm, "cdb", None)  # its communication backend, bound to the destroyed group  # noqa: B010
 
 
 def build_partitioned(
