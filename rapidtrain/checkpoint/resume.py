@@ -33,8 +33,8 @@ def changed_schedule_flags(saved: dict[str, Any], current: dict[str, Any]) -> li
 
 # The saved state of rapidtrain's LRScheduler: each entry's type (a damaged common.json is refused before use).
 _SAVED_SCHEDULE_TYPES: dict[str, type | tuple[type, ...]] = {
-    "num_steps": int, "max_lr": (int, float), "min_lr": (int, float), "lr_warmup_steps": int,
-    "lr_decay_steps": (int, type(None)), "lr_decay_style": str}
+    "num_steps": int, "max_lr": (int, float), "min_lr": (int, float), "lr_warmup_steps": (int, float),
+    "lr_decay_steps": (int, float, type(None)), "lr_decay_style": str}  # warm-up/decay: fractions of a horizon
 
 
 def _damaged_schedule(saved: Any) -> list[str]:
@@ -42,7 +42,7 @@ def _damaged_schedule(saved: Any) -> list[str]:
         return ["lr_scheduler"]
     return [name for name, kinds in _SAVED_SCHEDULE_TYPES.items() if name in saved and (
         not isinstance(saved[name], kinds) or isinstance(saved[name], bool)
-        or (isinstance(saved[name], int) and name.endswith("steps") and saved[name] < 0))
+        or (isinstance(saved[name], int | float) and name.endswith("steps") and saved[name] < 0))
         ] + ([] if "num_steps" in saved else ["num_steps"])
 
 

@@ -255,3 +255,17 @@ def test_damaged_hugging_face_weights_load_or_are_refused_naming_them(weight_fol
         works_or_names(build, folder)
     finally:
         restore(path, original)
+
+
+def test_a_saved_schedule_with_a_fractional_warm_up_is_not_called_damaged():
+    """--lr-warmup-fraction keeps the warm-up in samples as a float (Megatron's product): a resume reads it back."""
+    import torch
+
+    from rapidtrain.checkpoint.resume import _damaged_schedule
+    from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_from_iters
+
+    settings = lr_schedule_from_iters(lr=1e-3, min_lr=1e-4, style="cosine", train_iters=20, lr_decay_iters=None,
+                                      lr_warmup_iters=0, lr_warmup_fraction=0.03, global_batch_size=8)
+    state = LRScheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), settings).state_dict()
+    assert isinstance(state["lr_warmup_steps"], float) and _damaged_schedule(state) == []
+    assert _damaged_schedule(state | {"lr_warmup_steps": -1.5}) == ["lr_warmup_steps"]
