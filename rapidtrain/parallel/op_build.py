@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-DEEPSPEED_CPU_OPS = ("cpu_adam", "deepspeed_shm_comm")
+DEEPSPEED_CPU_OPS = ("cpu_adam", "deepspeed_shm_comm", "async_io")
 NETWORK_FILE_SYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "fuse.sshfs", "glusterfs",
                         "9p", "afs")
 
@@ -115,8 +115,9 @@ def clear_stale_op_build_locks(names: Sequence[str] = DEEPSPEED_CPU_OPS, idle_se
 
 # What each op serves, for the line a run prints when it has to build one (a silent minute looks like a hang).
 OP_PURPOSES = {"cpu_adam": "the CPU Adam of --cpu-offload",
-               "deepspeed_shm_comm": "DeepSpeed's shared-memory CPU collectives"}
-OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
+               "deepspeed_shm_comm": "DeepSpeed's shared-memory CPU collectives",
+               "async_io": "ZeRO-Infinity's NVMe offload (libaio)"}
+OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder", "async_io": "AsyncIOBuilder"}
 
 
 def is_built(name: str) -> bool:
