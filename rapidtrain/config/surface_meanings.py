@@ -407,28 +407,28 @@ def _moe_ffn(args: Args, value: int, notes: list[str], refusals: list[str]) -> N
                         f"{args.ffn_hidden_size}); give one size")
 
 
-def _padded_vocab_size(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+def _exact_vocab_rows(flag: str, args: Args, value: int, notes: list[str], refusals: list[str]) -> bool:
+    """Pai's --padded-vocab-size and BigScience's --pad-vocab-size-to: N embedding rows, as padding to a multiple of
+    N/TP × TP = N gives for any tokenizer of at most N ids. False (and a refusal) when N does not split over TP."""
     tp = args.tensor_model_parallel_size
     if value < 1 or value % tp:
-        refusals.append(f"--padded-vocab-size {value}: the embedding's rows are split over --tensor-model-parallel-"
-                        f"size {tp} ranks, so give a positive multiple of {tp}")
-        return
-    # Padding to a multiple of N/TP × TP = N gives exactly N rows for any tokenizer of at most N ids.
+        refusals.append(f"{flag} {value}: the embedding's rows are split over --tensor-model-parallel-size {tp} "
+                        f"ranks, so give a positive multiple of {tp}")
+        return False
     args.make_vocab_size_divisible_by = value // tp
-    notes.append(f"--padded-vocab-size {value}: the embedding has {value} rows (--make-vocab-size-divisible-by "
-                 f"{value // tp} × tensor-parallel {tp}); a tokenizer of more ids would pad to the next multiple")
+    notes.append(f"{flag} {value}: the embedding has exactly {value} rows (--make-vocab-size-divisible-by "
+                 f"{value // tp} × tensor-parallel {tp})")
+    return True
+
+
+def _padded_vocab_size(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    if _exact_vocab_rows("--padded-vocab-size", args, value, notes, refusals):
+        notes[-1] += "; a tokenizer of more ids would pad to the next multiple"
 
 
 def _pad_vocab_size_to(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
     """BigScience's exact row count; the tokenizer's size is checked against it by the rules (which read it)."""
-    tp = args.tensor_model_parallel_size
-    if value < 1 or value % tp:
-        refusals.append(f"--pad-vocab-size-to {value}: the embedding's rows are split over --tensor-model-parallel-"
-                        f"size {tp} ranks, so give a positive multiple of {tp}")
-        return
-    args.make_vocab_size_divisible_by = value // tp  # padding to a multiple of N/TP × TP gives N rows
-    notes.append(f"--pad-vocab-size-to {value}: the embedding has exactly {value} rows (--make-vocab-size-divisible-"
-                 f"by {value // tp} × tensor-parallel {tp})")
+    _exact_vocab_rows("--pad-vocab-size-to", args, value, notes, refusals)
 
 
 def _dataloader_type(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
