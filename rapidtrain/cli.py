@@ -179,6 +179,7 @@ def plan_command(argv: list[str]) -> int:
     rules.exit_on_conflicts(args, ctx)
     resolved = plan.from_args(args, ctx)
     deepspeed_config_problems(resolved)
+    data_file_problems(resolved)
     print(resolved.to_json() if options.json else describe_plan(resolved))
     return 0
 
@@ -189,6 +190,17 @@ def deepspeed_config_problems(resolved: settings.Plan) -> None:
         from rapidtrain.parallel.deepspeed import run_config
 
         run_config(resolved)  # raises DeepSpeedConfigConflict (a UserError) naming each contradiction
+
+
+def data_file_problems(resolved: settings.Plan) -> None:
+    """The launcher opens every --data-path prefix before torchrun starts (check_inputs_before_launch): the plan
+    stops on a missing or unusable one too, with the same message."""
+    data = resolved.data
+    if data.source == "indexed" and data.data_path and not data.raw_json:
+        from rapidtrain.data.inputs import check_data_files
+
+        padded_vocab = resolved.model.vocab_size if resolved.model is not None else None
+        check_data_files(data.data_path, data.data_impl, padded_vocab)
 
 
 def entry_of(argv: list[str]) -> str | None:

@@ -301,9 +301,27 @@ def _file_states(*paths: str) -> tuple[tuple[int, int], ...]:
     return tuple(states)
 
 
+def _looks_like_json(path: str) -> bool:
+    """A file of JSON (an array or JSON lines) rather than a prefix: by its name or its first character."""
+    if path.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")):
+        return True
+    try:
+        with open(path, "rb") as file:
+            head = file.read(256).lstrip()
+    except OSError:
+        return False
+    return head[:1] in (b"{", b"[")
+
+
 def _existing_files(prefix: str) -> tuple[str, str]:
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     missing = [path for path in (idx_path, bin_path) if not os.path.isfile(path)]
+    if missing and os.path.isfile(prefix) and _looks_like_json(prefix):
+        raise MissingDataFileError(
+            f"--data-path {prefix}: a JSON file, not Megatron indexed data (no {' or '.join(missing)}). Make "
+            f"indexed data from it with scripts/preprocess_data.py --input {prefix} --output-prefix PREFIX "
+            "(tokenizer flags as for training) and pass --data-path PREFIX_text_document; or, for JSON "
+            f"instruction/output records, pass --dataset LLama-Pretrain-Raw --train-data-path {prefix}")
     if missing:
         hint = _PREFIX_HINT
         if prefix.endswith((".bin", ".idx")):

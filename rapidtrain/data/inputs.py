@@ -34,6 +34,12 @@ def check_pretraining_inputs(data_path: Sequence[str] | None, data_impl: str,
     padded_vocab = None
     if tokenizer is not None and tokenizer.tokenizer_type is not None:
         padded_vocab = tokenizer.padded_vocab_size_of(build_tokenizer(tokenizer))
+    return check_data_files(data_path, data_impl, padded_vocab)
+
+
+def check_data_files(data_path: Sequence[str] | None, data_impl: str, padded_vocab: int | None) -> list[DataSummary]:
+    """Each --data-path prefix opens as indexed data with tokens (ids below `padded_vocab` when given); a UserError
+    names the file and the fix otherwise. `rapidtrain plan` asks this with the plan's vocabulary."""
     if not data_path:
         return []
     summaries = []

@@ -1,9 +1,9 @@
-"""Every launch script of tests/compat/launch_scripts.json that plans (all but test_launch_scripts.py's REFUSED;
-EasyNLP's user scripts run in test_launch_runs.py) run for real: its flags with sizes shrunk (launch_data.tiny) and
-its layout folded onto one process (tensor, pipeline, expert and sequence-parallel sizes 1), for 2 training
-iterations; precision, schedules, MoE, tokenizers, data kinds and DeepSpeed config keys stay the script's but for
-the tables below. The runs share one Python process (run_launch_scripts.py), one after another, each in a fresh
-single-rank process group."""
+"""Every launch script of tests/compat/launch_scripts.json that plans (all but test_launch_scripts.py's REFUSED, save
+JSON_AS_INDEXED; EasyNLP's user scripts run in test_launch_runs.py) run for real: its flags with sizes shrunk
+(launch_data.tiny) and its layout folded onto one process (tensor, pipeline, expert and sequence-parallel sizes 1),
+for 2 training iterations; precision, schedules, MoE, tokenizers, data kinds and DeepSpeed config keys stay the
+script's but for the tables below. The runs share one Python process (run_launch_scripts.py), one after another,
+each in a fresh single-rank process group."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ DROPPED = {
 FP16_ZERO = {"bsw-tr10-13b-2022", "bsw-tr13f-6b3-mtf-2022", "mds-ds-example-2022",
              "mds-azure-175b-2022", "mds-rope-1.3b-2023", "mds-uc-fp16-2024"}
 # --data-path of alpaca JSON with no --dataset (the JSON reader of Pai's 2023 script, Megatron-DeepSpeed's
-# finetune_llama.py): rapidtrain reads --data-path as a Megatron indexed prefix (its plan says "Megatron indexed data
-# X.json"), so these runs get the local indexed data: a data kind the fold changes.
+# finetune_llama.py): rapidtrain reads --data-path as a Megatron indexed prefix (its plan refuses a JSON file there,
+# test_launch_scripts.py's REFUSED), so these runs get the local indexed data: a data kind the fold changes.
 JSON_AS_INDEXED = {"pai-llama-pretrain-2023", "mds-finetune-llama-2024"}
 # Pai's raw JSON kinds read instruction/output records: the local file is alpaca-style.
 RAW_JSON_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
@@ -55,7 +55,8 @@ PRETRAINED_BERT = "mlm-bert-2020"  # the tasks fine-tune what this script saved 
 
 
 def runnable() -> list[str]:
-    ids = [s["id"] for s in SCRIPTS if s["id"] not in REFUSED and s["origin"] not in USER_SCRIPT_ORIGINS]
+    ids = [s["id"] for s in SCRIPTS if (s["id"] not in REFUSED or s["id"] in JSON_AS_INDEXED)
+           and s["origin"] not in USER_SCRIPT_ORIGINS]
     return sorted(ids, key=lambda i: (entry_of(BY_ID[i]) == "tasks_main", i != PRETRAINED_BERT))
 
 

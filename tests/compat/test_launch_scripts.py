@@ -39,6 +39,10 @@ REFUSED = {
     "mds-prmoe-2022": ["is not divisible by --expert-model-parallel-size 64"],
     "mds-bert-pile-2022": ["--micro-batch-size must be at least 1"],  # its shell arithmetic gives -512
     "mds-seqpar-32k-2024": ["--ds-sequence-parallel-size 4"],
+    # --data-path of alpaca JSON with no --dataset (Pai's 2023 JSON reader, Megatron-DeepSpeed's finetune_llama.py):
+    # indexed data is what --data-path names here, so the plan says how to make it or read the JSON raw
+    "pai-llama-pretrain-2023": ["a JSON file, not Megatron indexed data", "--dataset LLama-Pretrain-Raw"],
+    "mds-finetune-llama-2024": ["a JSON file, not Megatron indexed data", "--dataset LLama-Pretrain-Raw"],
 }
 
 # Flags these scripts pass that rapidtrain now serves: their refusal messages must no longer name them.

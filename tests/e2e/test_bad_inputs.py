@@ -254,6 +254,19 @@ CASES = [
          r"--vocab-file /no/vocab\.json: no such file"),
     Case("plan: --num-layers 100000000 answers", plan("--num-layers", "100000000"), r"100000000 layers",
          status=0),
+    Case("plan: missing --data-path files, as the launch refuses them", lambda ws: run_cli(
+        ["plan", "--train-iters", "10", *TINY, *ws.data_flags(str(ws.root / "nope"))]),
+        r"nope\.idx and .*nope\.bin not found; --data-path is a prefix"),
+    Case("plan: --data-path of a JSON file", lambda ws: run_cli(
+        ["plan", "--train-iters", "10", *TINY, *ws.data_flags(str(ws.root / "docs.jsonl"))]),
+        r"--data-path .*docs\.jsonl: a JSON file, not Megatron indexed data .*scripts/preprocess_data\.py .*"
+        r"--dataset LLama-Pretrain-Raw"),
+    Case("plan: token ids beyond the vocabulary, as the launch refuses them", lambda ws: run_cli(
+        ["plan", "--train-iters", "10", *TINY, *ws.data_flags(str(ws.root / "data" / "wide"))]),
+        r"wide: token id \d+ in sequence \d+ is outside the vocabulary \[0, 128\)"),
+    Case("pretrain: --data-path of a JSON file", lambda ws: run_pretrain(
+        TINY + ws.data_flags(str(ws.root / "docs.jsonl")) + ["--train-iters", "4"]),
+        r"--data-path .*docs\.jsonl: a JSON file, not Megatron indexed data"),
     Case("pretrain: misspelled flag", pretrain("--save-intervall", "2"),
          r"unknown flag --save-intervall \(did you mean --save-interval\?\)"),
     Case("pretrain: missing --data-path files", lambda ws: run_pretrain(

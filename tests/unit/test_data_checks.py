@@ -108,3 +108,12 @@ def test_pretraining_inputs_are_checked_together(tmp_path):
     with pytest.raises(Exception, match=r"--vocab-file .*vocab\.json: no such file"):
         check_pretraining_inputs([prefix], "mmap", TokenizerSettings("GPT2BPETokenizer", str(tmp_path / "vocab.json"),
                                                                      str(tmp_path / "merges.txt")))
+
+
+@pytest.mark.parametrize("name, text", [("alpaca.json", '[{"instruction": "a", "output": "b"}]'),
+                                        ("records", '{"text": "one"}\n{"text": "two"}\n')])
+def test_a_json_file_given_as_data_path_is_refused_naming_both_ways_to_read_it(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataFileError, match=rf"--data-path .*{name}: a JSON file, not Megatron indexed data "
+                                            r".*scripts/preprocess_data\.py --input .*--dataset LLama-Pretrain-Raw"):
+        check_pretraining_inputs([str(tmp_path / name)], "mmap", None)
