@@ -139,9 +139,21 @@ def load_finetune_dataset(data_dir: str | None, data_name: str | None = None):
 
 
 def _load_saved(folder: Path):
+    """The folder's splits, each Arrow table checked whole: `datasets` memory-maps the .arrow files and trusts their
+    offsets, so a damaged one would fail (or read out of bounds) only when a row is read, deep in training."""
     import datasets
+    import pyarrow
 
-    loaded = datasets.load_from_disk(str(folder))
-    if isinstance(loaded, datasets.Dataset):
-        return datasets.DatasetDict({"train": loaded})
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+        if isinstance(loaded, datasets.Dataset):
+            loaded = datasets.DatasetDict({"train": loaded})
+        for split in loaded.values():
+            split.data.table.validate(full=True)  # offsets in bounds, strings UTF-8: O(size), once
+    # Damage meets load_from_disk as whatever its JSON, path and Arrow code raise on it.
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, pyarrow.ArrowException) as error:
+        reason = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+        raise DataFileError(
+            f"--data-dir {folder}: a damaged datasets save_to_disk folder ({reason}); save it again with "
+            "save_to_disk, or give the splits as .tsv, .csv or .jsonl files") from None
     return loaded

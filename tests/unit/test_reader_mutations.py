@@ -225,6 +225,56 @@ def test_damaged_finetuning_files_load_or_are_refused_naming_the_file(tmp_path_f
         assert all(isinstance(record, dict) for records in splits.values() for record in records)
 
 
+# ---- a Hugging Face datasets folder written by save_to_disk ----
+
+SAVED_FILES = {"dataset_dict.json": json_mutations, "train/state.json": json_mutations,
+               "train/dataset_info.json": json_mutations, "train/data-00000-of-00001.arrow": byte_mutations}
+
+
+def every_row(folder: Path) -> dict[str, list[dict]]:
+    """What fine-tuning does with --data-dir: load the folder, then read every row of every split."""
+    from rapidtrain.data.finetune import load_finetune_dataset
+
+    return {name: list(split) for name, split in load_finetune_dataset(str(folder)).items()}
+
+
+@pytest.fixture(scope="module")
+def saved_dataset(tmp_path_factory) -> Path:
+    import datasets
+
+    folder = tmp_path_factory.mktemp("saved") / "glue"
+    splits = {"train": RECORDS, "validation": RECORDS[:1]}
+    datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}).save_to_disk(
+        str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("name", sorted(SAVED_FILES))
+@BOUNDED
+@given(data=st.data())
+def test_damaged_saved_dataset_loads_or_is_refused_naming_the_folder(saved_dataset, name, data):
+    path = saved_dataset / name
+    original = path.read_bytes()
+    mutate(path, data.draw(SAVED_FILES[name]))
+    try:
+        rows = works_or_names(lambda: every_row(saved_dataset), saved_dataset)
+        if rows is not None:
+            assert all(isinstance(row, dict) for split in rows.values() for row in split)
+    finally:
+        restore(path, original)
+
+
+@pytest.mark.parametrize("name", sorted(SAVED_FILES))
+def test_saved_dataset_missing_a_file_is_refused_naming_the_folder(saved_dataset, name):
+    path = saved_dataset / name
+    original = path.read_bytes()
+    path.unlink()
+    try:
+        assert works_or_names(lambda: every_row(saved_dataset), saved_dataset) is None
+    finally:
+        restore(path, original)
+
+
 # ---- preprocessing's --input JSON lines ----
 
 @BOUNDED
