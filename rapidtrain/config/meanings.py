@@ -30,6 +30,12 @@ CHECKPOINT_SHAPE_FLAGS = (
     "window_attn_skip_freq",
 )
 
+# Megatron-family flags that set a shape flag under another name (surface_meanings.py's handlers): given, they keep
+# the checkpoint's saved value from replacing theirs, as the shape flag itself would.
+SHAPE_SET_BY = {"sliding_window": ("window_size",), "num_query_groups": ("num_key_value_heads",),
+                "group_query_attention": ("num_key_value_heads",), "ffn_hidden_size": ("moe_ffn_hidden_size",),
+                "make_vocab_size_divisible_by": ("pad_vocab_size_to", "padded_vocab_size")}
+
 
 def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = None,
                             earlier_notes: list[str] | None = None) -> None:
@@ -98,7 +104,8 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
         saved["model_type"] = saved_model["model_type"]
     taken = []
     for dest in CHECKPOINT_SHAPE_FLAGS:
-        if dest in saved and dest not in given and getattr(args, dest, None) != saved[dest]:
+        typed = dest in given or any(flag in given for flag in SHAPE_SET_BY.get(dest, ()))
+        if dest in saved and not typed and getattr(args, dest, None) != saved[dest]:
             expected = [] if dest == "num_experts" else getattr(args, dest, None)  # a list, even when unset
             if not _fits(saved[dest], expected):
                 raise CheckpointError(f"{directory / 'common.json'}: damaged: its saved {dest} is {saved[dest]!r}; "

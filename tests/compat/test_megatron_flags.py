@@ -73,6 +73,22 @@ def test_megatron_checkpoint_folder_loads_as_load_and_gives_the_shape(tmp_path):
     assert "pretrained-checkpoint-or-load" in {r.name for r in rules.RULES if r.violated(args, RunContext())}
 
 
+def test_megatron_checkpoint_shape_yields_to_flags_that_set_it_under_another_name(tmp_path):
+    """--window-size and --num-key-value-heads set --sliding-window and --num-query-groups: given, the checkpoint's
+    saved values do not replace theirs (the window alone changes no weight, so the load takes it)."""
+    folder = tmp_path / "ckpt"
+    (folder / "iter_0000003").mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text("3\n")
+    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "sliding_window": 4096,
+             "num_query_groups": 1, "group_query_attention": True}
+    (folder / "iter_0000003" / "common.json").write_text(json.dumps({"args": saved}))
+    p = resolve(["--pretrained-model-name-or-path", str(folder), "--data-path", "d", "--window-size", "63,0",
+                 "--num-key-value-heads", "2"])
+    assert (p.model.sliding_window, p.model.num_query_groups) == (64, 2)
+    assert "--sliding-window" not in notes(p).split("model shape taken from the checkpoint")[-1]
+    assert resolve(["--pretrained-model-name-or-path", str(folder), "--data-path", "d"]).model.sliding_window == 4096
+
+
 def test_rapidformers_own_save_folder_as_pretrained_path_starts_fresh(tmp_path):
     save = str(tmp_path / "run")
     p = resolve(["--pretrained-model-name-or-path", save, "--save", save, "--data-path", "d"])
