@@ -161,6 +161,15 @@ def test_flags_that_contradict_the_config_are_refused_naming_both_values(tmp_pat
     assert "--normalization LayerNorm (config.json needs --normalization RMSNorm)" in message
 
 
+def test_kv_channels_of_hidden_over_heads_agrees_with_a_config_without_head_dim(tmp_path):
+    folder = save_tiny("llama", tmp_path / "llama")  # hidden 64, 4 heads: head size 16
+    args = arguments.parse_args(flags(folder, "--kv-channels", "16"))
+    assert rules.violations(args, settings.RunContext(1, "cpu")) == []
+    args = arguments.parse_args(flags(folder, "--kv-channels", "32"))
+    assert any("--kv-channels 32 (config.json needs no --kv-channels)" in v
+               for v in rules.violations(args, settings.RunContext(1, "cpu")))
+
+
 def test_fine_tuning_tasks_keep_the_hugging_face_model(tmp_path):
     folder = save_tiny("llama", tmp_path / "llama")
     args = arguments.parse_args(["--pretrained-model-name-or-path", str(folder), "--task", "casual_lm",
