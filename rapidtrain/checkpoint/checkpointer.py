@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from rapidtrain.checkpoint.resume import changed_schedule_flags, load_schedule
+from rapidtrain.checkpoint.resume import changed_schedule_flags, check_optimizer_groups, load_schedule
 from rapidtrain.checkpoint.save_folder import SaveLock, acquire_save_lock, check_resume_safety, write_file_exclusively
 from rapidtrain.core.errors import UserError
 
@@ -791,6 +791,8 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     check_format_version(common.get("format", 1), directory / COMMON_FILE)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
     load_optimizer = load_optimizer and not finetune
+    if load_optimizer and flags is not None:
+        check_optimizer_groups(common.get("args") or {}, flags, directory)
     state = runner.state_dict_for_loading(load_optimizer)
     safe_dcp_load(state, directory)
     runner.load_state_dict(state, load_optimizer=load_optimizer)

@@ -31,6 +31,21 @@ def changed_schedule_flags(saved: dict[str, Any], current: dict[str, Any]) -> li
             for name in names if name in saved and name in current and saved[name] != current[name]]
 
 
+def check_optimizer_groups(saved: dict[str, Any], current: dict[str, Any], directory: Path) -> None:
+    """--decoupled-lr gives the embedding and output layer optimizer groups of their own: a saved optimizer state
+    with the other grouping cannot load (torch names a missing group key, which reads as damage)."""
+    before, now = saved.get("decoupled_lr"), current.get("decoupled_lr")
+    if (before is None) == (now is None):
+        return
+    had = f"with --decoupled-lr {before}" if before is not None else "without --decoupled-lr"
+    has = f"with --decoupled-lr {now}" if now is not None else "without it"
+    raise ResumeError(f"--load {directory}: its optimizer state was saved {had}, and this run is {has}, which changes "
+                      "the optimizer's parameter groups (the embedding and output layer have their own with it). Give "
+                      "--no-load-optim (or --finetune) to start a fresh optimizer from the saved weights, or "
+                      f"{'drop --decoupled-lr' if now is not None else 'give the saved --decoupled-lr'} to continue "
+                      "the saved run.")
+
+
 # The saved state of rapidtrain's LRScheduler: each entry's type (a damaged common.json is refused before use).
 _SAVED_SCHEDULE_TYPES: dict[str, type | tuple[type, ...]] = {
     "num_steps": int, "max_lr": (int, float), "min_lr": (int, float), "lr_warmup_steps": (int, float),

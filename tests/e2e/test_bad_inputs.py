@@ -297,6 +297,13 @@ CASES = [
     Case("pretrain: resumed with another --global-batch-size names that flag alone", lambda ws: run_pretrain(
         TINY + ws.data_flags() + ["--train-iters", "6", "--global-batch-size", "8", "--load", str(ws.checkpoint)]),
         r"the learning-rate schedule would change, since --global-batch-size \(checkpoint 4, now 8\): give the"),
+    Case("pretrain: resumed with a --decoupled-lr the checkpoint was saved without", lambda ws: run_pretrain(
+        TINY + ws.data_flags() + ["--train-iters", "6", "--decoupled-lr", "1e-4", "--load", str(ws.checkpoint)]),
+        r"saved without --decoupled-lr, and this run is with --decoupled-lr 0\.0001, which changes the optimizer's "
+        r"parameter groups .* --no-load-optim \(or --finetune\) .* or drop --decoupled-lr"),
+    Case("pretrain: --decoupled-lr with --no-load-optim loads the saved weights", lambda ws: run_pretrain(
+        TINY + ws.data_flags() + ["--train-iters", "5", "--decoupled-lr", "1e-4", "--no-load-optim", "--load",
+                                  str(ws.checkpoint)]), r"loaded checkpoint from .* at iteration 3", status=0),
     Case("launch: token ids beyond the vocabulary", lambda ws: run_cli(
         ["--task", "pretraining", "--train-iters", "4", *TINY, *ws.data_flags(str(ws.root / "data" / "wide"))]),
         r"wide: token id \d+ in sequence \d+ is outside the vocabulary \[0, 128\)"),
