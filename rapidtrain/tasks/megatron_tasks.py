@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidtrain.checkpoint.checkpointer import CheckpointError, check_same_model, read_common
+from rapidtrain.checkpoint.checkpointer import CheckpointError, read_common
+from rapidtrain.checkpoint.compatibility import check_same_model
 from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state
 from rapidtrain.data.tokenizer import build_tokenizer
 from rapidtrain.models.bert import BertModel, Pooler

@@ -109,7 +109,8 @@ def load_for_generation(options: GenerateOptions | argparse.Namespace, overrides
     """The checkpoint's built-in GPT, whole, fp32, on the CPU in this process, and its tokenizer (as the run's
     plan saved them; tokenizer flags given override the saved files' paths, shape flags must agree with the
     checkpoint)."""
-    from rapidtrain.checkpoint.checkpointer import CheckpointError, check_same_model, read_common
+    from rapidtrain.checkpoint.checkpointer import CheckpointError, read_common
+    from rapidtrain.checkpoint.compatibility import check_same_model
     from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state
     from rapidtrain.config.resolve import model_config_from_args
     from rapidtrain.config.saved_checkpoint import saved_model_config
