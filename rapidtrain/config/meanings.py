@@ -14,6 +14,7 @@ from typing import Any
 
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.config.settings import MEGATRON_TASKS
+from rapidtrain.models.config import shape_past_bounds
 from rapidtrain.models.hf_config import is_megatron_checkpoint
 
 Args = argparse.Namespace
@@ -107,7 +108,7 @@ def _shape_from_checkpoint(args: Args, given: set[str], folder: str, notes: list
         typed = dest in given or any(flag in given for flag in SHAPE_SET_BY.get(dest, ()))
         if dest in saved and not typed and getattr(args, dest, None) != saved[dest]:
             expected = [] if dest == "num_experts" else getattr(args, dest, None)  # a list, even when unset
-            if not _fits(saved[dest], expected):
+            if not _fits(saved[dest], expected) or shape_past_bounds({dest: saved[dest]}):
                 raise CheckpointError(f"{directory / 'common.json'}: damaged: its saved {dest} is {saved[dest]!r}; "
                                       "resume from another iteration, or give the shape flags yourself.")
             setattr(args, dest, saved[dest])

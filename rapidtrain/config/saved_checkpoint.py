@@ -13,7 +13,7 @@ from typing import Any
 from rapidtrain.checkpoint.checkpointer import COMMON_FILE, CheckpointError, read_common
 from rapidtrain.config.arguments import build_parser
 from rapidtrain.config.resolve import model_config_from_args
-from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.config import ModelConfig, shape_past_bounds
 from rapidtrain.models.hf_config import trains_builtin_model
 
 
@@ -61,6 +61,10 @@ def saved_model_config(directory: Path) -> ModelConfig | None:
                                               for k, v in model.items() if k in hints):
             raise CheckpointError(f"{directory / COMMON_FILE}: damaged: its plan's model settings are not a built-in "
                                   "model's (a value of the wrong type); use another iteration or --load folder.")
+        if shape_past_bounds(model):
+            raise CheckpointError(f"{directory / COMMON_FILE}: damaged: its plan's model settings give "
+                                  f"{', '.join(shape_past_bounds(model))}, past any real model's size; use another "
+                                  "iteration or --load folder.")
         values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items() if k in hints}
         return ModelConfig(**{**values, "hf_weights": None})
     # older checkpoints: the model is rebuilt from the saved flags
@@ -69,6 +73,10 @@ def saved_model_config(directory: Path) -> ModelConfig | None:
         if not trains_builtin_model(args) or not getattr(args, "padded_vocab_size", None):
             return None
         args.pretrained_model_name_or_path, args.builtin_from_pretrained = None, False
+        if shape_past_bounds(vars(args)):
+            raise CheckpointError(f"{directory / COMMON_FILE}: damaged: its saved flags give "
+                                  f"{', '.join(shape_past_bounds(vars(args)))}, past any real model's size; use "
+                                  "another iteration or --load folder.")
         return model_config_from_args(args, args.padded_vocab_size)
     except (TypeError, ValueError, AttributeError) as error:  # saved flags of the wrong type
         raise CheckpointError(f"{directory / COMMON_FILE}: damaged: its saved flags do not describe a model "

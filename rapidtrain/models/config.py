@@ -147,3 +147,33 @@ class ModelConfig:
 def ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
+
+
+# A shape read from a file (a checkpoint's saved settings, a Hugging Face config.json) is refused past these bounds:
+# valid JSON that damage or a crafted file made huge would otherwise fail only when the model is built (an overflow,
+# or memory no machine has). Each bound is 64x or more the largest published model's value (Megatron's 1T GPT: 128
+# layers, hidden 25,600; vocabularies of 256k ids; Llama 4 Scout's 10M positions), so no real model meets one.
+SHAPE_SANITY_BOUNDS = {"num_layers": 2**13, "hidden_size": 2**21, "ffn_hidden_size": 2**23,
+                       "num_attention_heads": 2**16, "num_query_groups": 2**16, "kv_channels": 2**16,
+                       "vocab_size": 2**26, "padded_vocab_size": 2**26, "seq_length": 2**30,
+                       "max_position_embeddings": 2**30, "sliding_window": 2**30, "num_experts": 2**16,
+                       "moe_router_topk": 2**16}
+# The layers' weights (12 × hidden² each) past 10**15 parameters: 1000x the largest model trained so far.
+MAX_LAYER_PARAMETERS = 10**15
+
+
+def shape_past_bounds(values: dict) -> list[str]:
+    """'name = value (at most BOUND)' for each count in `values` past its sanity bound, and the layers' size when
+    their weights alone are past MAX_LAYER_PARAMETERS; [] for a sane shape. Values of other types are not judged
+    here (each reader checks types)."""
+    past = []
+    for name, bound in SHAPE_SANITY_BOUNDS.items():
+        value = values.get(name)
+        largest = max((v for v in value if type(v) is int), default=0) if isinstance(value, (list, tuple)) else value
+        if type(largest) is int and largest > bound:
+            past.append(f"{name} = {largest} (at most {bound:,})")
+    layers, hidden = values.get("num_layers"), values.get("hidden_size")
+    if not past and type(layers) is int and type(hidden) is int and 12 * layers * hidden**2 > MAX_LAYER_PARAMETERS:
+        past.append(f"num_layers = {layers} with hidden_size = {hidden} (~{12 * layers * hidden**2:.1e} parameters; "
+                    f"at most {MAX_LAYER_PARAMETERS:.0e})")
+    return past

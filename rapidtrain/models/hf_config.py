@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rapidtrain.core.errors import UserError
+from rapidtrain.models.config import shape_past_bounds
 
 FolderKind = Literal["huggingface", "rapidtrain", "missing", "other"]
 
@@ -353,6 +354,10 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
     if wrong:
         raise UnsupportedModel(f"config.json gives {', '.join(f'{d} = {flags[d]!r}' for d in wrong)}: "
                                "not a positive number")
+    past = shape_past_bounds(flags | {"vocab_size": config.get("vocab_size")})
+    if past:
+        raise UnsupportedModel(f"config.json gives {', '.join(past)}: past any real model's size, so the file is "
+                               "damaged or not a model's config; use the folder save_pretrained wrote")
     return _BASE | flags
 
 

@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rapidtrain.checkpoint.checkpointer import LATEST_FILE, MANIFEST_FILE, iteration_dir, save_checkpoint
+from rapidtrain.core.errors import UserError
 from tests.unit.mutations import BOUNDED, byte_mutations, json_mutations, mutate, restore, works_or_names
 from tests.unit.test_checkpoint_safety import ARGS, MODEL, ModelAndOptimizer, rewrite_manifest, schedule
 
@@ -138,6 +139,51 @@ def test_plan_refuses_a_saved_shape_of_the_wrong_kind_naming_common_json(checkpo
         works_or_names(lambda: plan([*TINY, "--pretrained-model-name-or-path", str(root)]), common)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+HUGE = [("hidden_size", 10**9), ("num_layers", 10**6), ("num_attention_heads", 2**40)]
+
+
+@pytest.mark.parametrize("key, value", HUGE)
+def test_plan_refuses_a_huge_saved_shape_naming_common_json_and_the_value(checkpoint, key, value):
+    """Valid JSON, a count past any real model's: refused where it is read, not when the model is built."""
+    root = checkpoint.parent / f"huge-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(checkpoint, root)
+    common = iteration_dir(root, 3) / "common.json"
+    common.write_text(json.dumps(json.loads(common.read_text()) | {"args": {key: value}}))
+    try:
+        flag = "--" + key.replace("_", "-")
+        argv = [a for i, a in enumerate(TINY) if flag not in (a, TINY[i - 1])]  # not given: taken from common.json
+        with pytest.raises(UserError, match=rf"common\.json: damaged: its saved {key} is {value}"):
+            plan([*argv, "--pretrained-model-name-or-path", str(root)])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("key, value", HUGE)
+def test_a_huge_saved_model_shape_is_refused_before_generate_builds_it(checkpoint, key, value):
+    from rapidtrain.config.saved_checkpoint import saved_model_config
+
+    root = checkpoint.parent / f"huge-model-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(checkpoint, root)
+    common = iteration_dir(root, 3) / "common.json"
+    saved = json.loads(common.read_text())
+    saved["plan"]["model"][key] = value
+    common.write_text(json.dumps(saved))
+    try:
+        with pytest.raises(UserError, match=rf"common\.json: damaged: .*{key} = {value} \(at most"):
+            saved_model_config(iteration_dir(root, 3))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("key, value", [("n_embd", 10**9), ("n_layer", 10**6), ("vocab_size", 10**12)])
+def test_plan_refuses_a_huge_hugging_face_config_naming_the_folder_and_the_value(tmp_path, key, value):
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG | {key: value}))
+    argv = ["--pretrained-model-name-or-path", str(tmp_path), "--micro-batch-size", "1", "--train-iters", "2",
+            "--seq-length", "8"]
+    with pytest.raises(UserError, match=rf"{tmp_path}: config\.json gives \w+ = {value} \(at most"):
+        plan(argv)
 
 
 DEEPSPEED = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
