@@ -428,16 +428,16 @@ def pretrained_conflicts(args: argparse.Namespace) -> list[str]:
     return [
         f"{_flag_text(dest, getattr(args, dest, None))} (config.json needs {_flag_text(dest, value)})"
         for dest, value in wanted.items()
-        if not _same(getattr(args, dest, None), value) and not _default_head_size(args, dest, value)
+        if not _same(getattr(args, dest, None), value) and not (
+            dest == "kv_channels" and value is None and _default_head_size(args.kv_channels, args.hidden_size,
+                                                                           args.num_attention_heads))
     ]
 
 
-def _default_head_size(args: argparse.Namespace, dest: str, wanted: Any) -> bool:
+def _default_head_size(kv_channels: Any, hidden: Any, heads: Any) -> bool:
     """--kv-channels hidden / heads is the head size the built-in model takes without it (_head_dim maps that
     config.json to no --kv-channels): the same model, not a contradiction."""
-    hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
-    return (dest == "kv_channels" and wanted is None and bool(hidden) and bool(heads) and hidden % heads == 0
-            and args.kv_channels == hidden // heads)
+    return bool(hidden) and bool(heads) and hidden % heads == 0 and kv_channels == hidden // heads
 
 
 def unsupported_reason(args: argparse.Namespace) -> str | None:
