@@ -5,7 +5,8 @@ RUNS.json a {name: argument list} object.
 What is measured, per rank:
 - model states: before the second optimizer step, the bytes of every distinct tensor storage reachable from the
   runner (its module's parameters and gradients, the optimizer's state, DeepSpeed's flat partitions: a walk of
-  the objects' attributes), buffers excluded; C++-only buffers (DDP's gradient buckets) are not visible;
+  the objects' attributes), buffers excluded; DDP's gradient buckets (C++ only) are counted through the
+  gradients, which are views into them;
 - activations: during the second iteration's forward and backward (not its optimizer step), after every
   operator that runs outside backward, the bytes of the storages created in this iteration that are still
   alive, parameters and gradients excluded; the largest such sum (for a pipeline stage, with its micro-batches
