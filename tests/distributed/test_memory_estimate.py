@@ -5,8 +5,8 @@ DeepSpeed ZeRO-1/2/3, FSDP, TP, TP + sequence parallelism, PP and EP; within ±1
 Measured (tests/distributed/memory_runs.py): the model states are the distinct tensor storages reachable from
 the runner after the first optimizer step (parameters, gradients, optimizer state, DeepSpeed's partitions;
 buffers left out), the activations the largest sum of live storages the second iteration's forward passes
-created (checked after every operator outside backward; parameters and gradients left out). All layouts run in
-one torchrun launch.
+created (checked after every operator outside backward; parameters and gradients left out; a DTensor's local
+tensor). All layouts run in one torchrun launch.
 """
 
 from __future__ import annotations
@@ -50,20 +50,7 @@ def measured(tmp_path_factory) -> dict:
     return json.loads((out / "out.json").read_text())
 
 
-# Measured gaps the estimate does not yet model (strict: the test fails once they are closed, to drop the mark).
-NOT_YET = {
-    "zero2": "DeepSpeed ZeRO-2 on a CPU in fp32 holds 8.7 MB of model states, not 6.2 MB (gradients not partitioned)",
-    "zero3": "DeepSpeed ZeRO-3 holds 7.0 MB of model states (estimate 5.0) and 11.4 MB of activations (9.4)",
-    "ddp": "DDP's gradient buckets are a second gradient copy the estimate leaves out (17.7 MB measured, 15.2 MB "
-           "estimated once the chunked loss dropped the fp32 log-softmax)",
-    "ep2": "DDP's gradient buckets, as ddp (17.6 MB measured, 15.2 MB estimated)",
-    "tp2": "DTensor TP keeps 12.2 MB of activations per rank, the estimate splits them to 4.9 MB",
-    "tp2_sp": "DTensor TP + SP keeps 12.2 MB of activations per rank, the estimate splits them to 4.8 MB",
-}
-
-
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.xfail(reason=NOT_YET[name], strict=True))
-                                    if name in NOT_YET else name for name in LAYOUTS])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_peak_memory_per_rank_is_estimated_within_15_percent(measured, layout):
     ctx = RunContext(world_size=2)
     args = parse_args(SHAPE + LAYOUTS[layout])
