@@ -197,40 +197,44 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     def per_rank(nbytes: float, sharded: bool) -> float:
         return shared * nbytes / (n if sharded else 1) + own_experts * nbytes / (expert_ranks if sharded else 1)
 
-    param_bytes, grad_bytes = per_rank(weight, shard_params), per_rank(grad, shard_grads)
-    if deepspeed and stage >= 2 and n > 1:
-        extra_params, extra_grads = deepspeed_extra_elements(args, model, stage, n)
-        param_bytes += extra_params * weight
-        grad_bytes += extra_grads * grad
     return MemoryEstimate(
         parameters=int(shared + own_experts), total_params=total, active_params=active,
-        param_bytes=param_bytes, grad_bytes=grad_bytes,
+        param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
+        engine_bytes=deepspeed_engine_bytes(args, model, stage, n, weight, grad) if deepspeed else 0.0,
         optimizer_bytes=per_rank(optimizer, shard_optimizer),
         optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
         params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
     )
 
 
-def deepspeed_extra_elements(args: argparse.Namespace, model: ModelConfig, stage: int,
-                             data_parallel: int) -> tuple[float, float]:
-    """Elements of weights and of gradients a DeepSpeed ZeRO-2/3 rank holds beyond its 1/N share (TP = PP = 1,
-    so the model is whole here), by DeepSpeed's design, on a GPU as on a CPU:
+def deepspeed_engine_bytes(args: argparse.Namespace, model: ModelConfig, stage: int, data_parallel: int,
+                           weight: int, grad: int) -> float:
+    """Bytes of weights (`weight` each) and gradients (`grad` each) a DeepSpeed ZeRO rank keeps beyond the ZeRO
+    paper's share (TP = PP = 1, so the model is whole here), by DeepSpeed's design, on a GPU as on a CPU:
+    - ZeRO-1/2 with contiguous gradients stage the gradients in reduce buckets of --zero-reduce-bucket-size
+      elements, two with --zero-overlap-comm (double buffering), from the first gradient of backward (when nearly
+      all activations are still kept) to its end: 2 × 500 million elements by default, 2 GB in 16-bit;
     - ZeRO-2 keeps the whole gradient of every parameter its partition of the flattened model touches: the
       partition (total / N) plus the two tensors straddling its ends, at most the two largest (the word
       embedding when it spans partitions: then the ranks it spans each hold all of its gradient), capped at the
       whole model;
     - ZeRO-3 keeps parameters of at most --zero-stage3-param-persistence-threshold elements whole on every rank
-      (besides their partition), keeps a reduce bucket of --zero-reduce-bucket-size gradient elements
-      (500 million by default: 2 GB in fp32, 1 GB in 16-bit), and at the peak (the loss) holds the gathered head,
-      the largest tensor (its prefetch of the next modules is left out: at most --zero-stage3-prefetch-bucket-size
-      elements, not in flight at the loss)."""
+      (besides their partition), keeps one reduce bucket for the whole run, and at the peak (the loss) holds
+      the gathered head, the largest tensor (its prefetch of the next modules is left out: at most
+      --zero-stage3-prefetch-bucket-size elements, not in flight at the loss)."""
     sizes = [(math.prod(shape), count) for shape, count in parameter_shape_counts(model).items()]
     total = sum(size * count for size, count in sizes)
     largest = sorted((size for size, count in sizes for _ in range(min(count, 2))), reverse=True)
-    if stage == 2:
-        return 0.0, min(total, total / data_parallel + sum(largest[:2])) - total / data_parallel
-    persistent = sum(size * count for size, count in sizes if size <= args.zero_stage3_param_persistence_threshold)
-    return persistent + largest[0], float(args.zero_reduce_bucket_size)
+    if stage == 3:
+        persistent = sum(size * count for size, count in sizes
+                         if size <= args.zero_stage3_param_persistence_threshold)
+        gathered = persistent + largest[0] if data_parallel > 1 else 0
+        return gathered * weight + args.zero_reduce_bucket_size * grad
+    buckets = (2 if args.zero_overlap_comm else 1) * args.zero_reduce_bucket_size if args.zero_contiguous_gradients \
+        else 0
+    partition = total / data_parallel
+    touched = min(total, partition + sum(largest[:2])) - partition if stage == 2 else 0.0
+    return (buckets + touched) * grad
 
 
 def experts_sharded_by_fsdp2(layout: Layout, second_dims: tuple[int, ...]) -> bool:
