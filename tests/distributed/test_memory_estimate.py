@@ -1,6 +1,7 @@
-"""The plan's memory per rank (model states by the ZeRO paper's accounting + activations by Korthikanti et al.
-2022, per pipeline stage) against what each rank of a real 2-rank CPU run holds, for every layout: DDP,
-DeepSpeed ZeRO-1/2/3, FSDP, TP, TP + sequence parallelism, PP and EP; within ±15% per rank.
+"""The plan's memory per rank (model states by the ZeRO paper's accounting and the engine's own buffers +
+activations by Korthikanti et al. 2022, per pipeline stage) against what each rank of a real 2-rank CPU run
+holds, for every layout: DDP, DeepSpeed ZeRO-1/2/3, FSDP, TP, TP + sequence parallelism, PP and EP; within ±15%
+per rank.
 
 Measured (tests/distributed/memory_runs.py): the model states are the distinct tensor storages reachable from
 the runner after the first optimizer step (parameters, gradients, optimizer state, DeepSpeed's partitions;
@@ -24,8 +25,8 @@ from tests.launch import REPO, torchrun
 SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
          "--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --eval-iters 0 --lr 1e-3 --train-iters 2 "
          "--log-interval 1").split()
-# DeepSpeed's bucket buffers are sized by elements, not by the model (reduce and all-gather buckets of 5·10⁸
-# elements by default: 2 GB per buffer in fp32, which the estimate does not count): small buckets here.
+# DeepSpeed's bucket buffers are sized by elements, not by the model (reduce buckets of 5·10⁸ elements by default:
+# 2 GB per buffer in fp32, which the estimate counts): small buckets here, so that the model's states dominate.
 SMALL_BUCKETS = ["--zero-reduce-bucket-size", "100000", "--zero-allgather-bucket-size", "100000"]
 LAYOUTS = {
     "ddp": [],
