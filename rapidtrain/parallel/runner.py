@@ -25,6 +25,7 @@ from torch import nn
 
 from rapidtrain.config.settings import Precision
 from rapidtrain.optim.grad_scaler import LossScaler
+from rapidtrain.parallel.data_parallel import bucket_views_kept
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -412,6 +413,10 @@ class TorchRunner:
         return self.grad_norm(lambda p: p.detach())
 
     def zero_grad(self) -> None:
+        with bucket_views_kept(self.module):
+            self.clear_gradients()
+
+    def clear_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def train(self, mode: bool = True) -> None:

@@ -9,10 +9,11 @@ What is measured, per rank:
   gradients, which are views into them;
 - activations: during the second iteration's forward and backward (not its optimizer step), after every
   operator that runs outside backward, the bytes of the storages created in this iteration that are still
-  alive, parameters and gradients excluded; the largest such sum (for a pipeline stage, with its micro-batches
-  in flight). A DTensor counts its local tensor (its wrapper's storage has the global size and no memory).
-  Storages that end the iteration as gradients are gradient memory, counted with the model states: DDP
-  rebuilds its buckets (which the gradients are views into) in the second iteration's forward.
+  alive, parameters excluded; the largest such sum (for a pipeline stage, with its micro-batches in flight).
+  A DTensor counts its local tensor (its wrapper's storage has the global size and no memory). Storages that
+  end the iteration as gradients are left out (gradient memory, counted with the model states; DDP rebuilds
+  its buckets, which the gradients are views into, in the second iteration's forward); gradients made on one
+  micro-batch and replaced later (DDP's gradients beside its buckets during accumulation) are counted.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def storages_reachable(root: object, skip: set[int], depth: int = 8) -> dict[int
 
 class PeakActivations(TorchDispatchMode):
     """The largest sum of live storages created under the mode, checked after each operator outside backward;
-    `peak` leaves out the storages that are gradients when it is read."""
+    `peak` leaves out the storages that are gradients when it is read (after backward)."""
 
     def __init__(self, parameters: list[torch.Tensor]) -> None:
         super().__init__()
@@ -91,8 +92,7 @@ class PeakActivations(TorchDispatchMode):
                 if ref not in self.excluded:
                     self.created.setdefault(ref, storage.nbytes())
         if torch._C._current_graph_task_id() == -1:  # not inside backward
-            grads = self.gradient_storages()
-            alive = [ref for ref in self.created if not ref.expired() and ref not in grads]
+            alive = [ref for ref in self.created if not ref.expired()]
             self.checks.append((sum(self.created[ref] for ref in alive), alive))
         return out
 

@@ -30,6 +30,8 @@ SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 6
 SMALL_BUCKETS = ["--zero-reduce-bucket-size", "100000", "--zero-allgather-bucket-size", "100000"]
 LAYOUTS = {
     "ddp": [],
+    # 2 micro-batches per rank: DDP's gradients must stay views into its buckets across accumulation
+    "ddp_accumulation": ["--global-batch-size", "8"],
     "zero1": ["--zero-1-memory-optimization", *SMALL_BUCKETS],
     "zero2": ["--zero-2-memory-optimization", *SMALL_BUCKETS],
     "zero3": ["--zero-3-memory-optimization", "--zero-reduce-bucket-size", "100000",
