@@ -4,8 +4,6 @@ inside whatever wrapped it."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,23 +31,6 @@ def unwrap(module: Any) -> nn.Module:
         else:
             break
     return module
-
-
-@contextlib.contextmanager
-def bucket_views_kept(module: nn.Module) -> Iterator[None]:
-    """Around clearing the gradients (set to None): DDP's gradients, views into its buckets, are zeroed in place
-    and kept instead. Set to None, the next backward would make new gradients, and on accumulation micro-batches
-    (no_sync) they would live beside the buckets until the last one: a second copy of the gradients again. DDP
-    gives every parameter it reduces a gradient in each step, so zeros and None step alike; the parameters it
-    ignores (expert slices reduced over their own group) are left to be cleared."""
-    kept = []
-    if isinstance(module, DistributedDataParallel) and module.gradient_as_bucket_view:
-        ignored = module.parameters_to_ignore
-        kept = [(p, p.grad) for name, p in module.module.named_parameters()
-                if name not in ignored and p.grad is not None]
-    yield
-    for param, grad in kept:
-        param.grad = grad.zero_()
 
 
 def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
