@@ -138,7 +138,9 @@ def _model_lines(plan: Plan) -> list[str]:
             f"  model-state memory per rank (estimate, ZeRO accounting): parameters {mib_text(mem.param_bytes)}"
             + (f" (offloaded to {mem.params_offloaded})" if mem.params_offloaded != "none" else "") + ", "
             f"gradients {mib_text(mem.grad_bytes)}, optimizer {mib_text(mem.optimizer_bytes)}"
-            + (" (on CPU)" if mem.optimizer_on_cpu else "") + f"; total {mib_text(mem.total_bytes)}",
+            + (" (on CPU)" if mem.optimizer_on_cpu else "")
+            + (f", DeepSpeed's buffers {mib_text(mem.engine_bytes)}" if mem.engine_bytes else "")
+            + f"; total {mib_text(mem.total_bytes)}",
             *_peak_memory_lines(mem, plan),
         ]
     return lines + (_estimate_lines(plan.estimate) if plan.estimate else [])

@@ -54,7 +54,8 @@ def inputs_of(plan: Plan) -> StepInputs | None:
     return StepInputs(plan.model, plan.layout, plan.batches.micro_batch_size, plan.batches.accumulation_steps,
                       plan.batches.global_batch_size, plan.precision.dtype, plan.switches.recompute,
                       plan.switches.partitioning, memory.parameters,
-                      memory.grad_bytes / max(memory.parameters, 1), memory.total_bytes)
+                      memory.grad_bytes / max(memory.parameters, 1),
+                      memory.total_bytes - memory.engine_bytes)  # the step touches no reduce bucket
 
 
 def plan_estimate(plan: Plan, device_type: str, device_name: str) -> StepEstimate | None:

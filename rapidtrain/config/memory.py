@@ -179,7 +179,8 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     else:
         settings = optimizer_settings(args, layout, switches or switches_of(args, layout, ctx))
         state = optimizer_state_bytes_per_parameter(model, settings, ctx.device_type)
-    optimizer = state + (4 if deepspeed and half else 0)
+    # DeepSpeed's optimizer steps an fp32 copy of this rank's partition, beside the model's weights even in fp32.
+    optimizer = state + (4 if deepspeed else 0)
     n = layout.data_parallel_size
     shard_optimizer = stage > 0 or args.oss_memory_optimization or args.oss_sdp_memory_optimization \
         or args.fsdp_memory_optimization
@@ -199,10 +200,41 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     return MemoryEstimate(
         parameters=int(shared + own_experts), total_params=total, active_params=active,
         param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
+        engine_bytes=deepspeed_engine_bytes(args, model, stage, n, weight, grad) if deepspeed else 0.0,
         optimizer_bytes=per_rank(optimizer, shard_optimizer),
         optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
         params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
     )
+
+
+def deepspeed_engine_bytes(args: argparse.Namespace, model: ModelConfig, stage: int, data_parallel: int,
+                           weight: int, grad: int) -> float:
+    """Bytes of weights (`weight` each) and gradients (`grad` each) a DeepSpeed ZeRO rank keeps beyond the ZeRO
+    paper's share (TP = PP = 1, so the model is whole here), by DeepSpeed's design, on a GPU as on a CPU:
+    - ZeRO-1/2 with contiguous gradients stage the gradients in reduce buckets of --zero-reduce-bucket-size
+      elements, two with --zero-overlap-comm (double buffering), from the first gradient of backward (when nearly
+      all activations are still kept) to its end: 2 × 500 million elements by default, 2 GB in 16-bit;
+    - ZeRO-2 keeps the whole gradient of every parameter its partition of the flattened model touches: the
+      partition (total / N) plus the two tensors straddling its ends, at most the two largest (the word
+      embedding when it spans partitions: then the ranks it spans each hold all of its gradient), capped at the
+      whole model;
+    - ZeRO-3 keeps parameters of at most --zero-stage3-param-persistence-threshold elements whole on every rank
+      (besides their partition), keeps one reduce bucket for the whole run, and at the peak (the loss) holds
+      the gathered head, the largest tensor (its prefetch of the next modules is left out: at most
+      --zero-stage3-prefetch-bucket-size elements, not in flight at the loss)."""
+    sizes = [(math.prod(shape), count) for shape, count in parameter_shape_counts(model).items()]
+    total = sum(size * count for size, count in sizes)
+    largest = sorted((size for size, count in sizes for _ in range(min(count, 2))), reverse=True)
+    if stage == 3:
+        persistent = sum(size * count for size, count in sizes
+                         if size <= args.zero_stage3_param_persistence_threshold)
+        gathered = persistent + largest[0] if data_parallel > 1 else 0
+        return gathered * weight + args.zero_reduce_bucket_size * grad
+    buckets = (2 if args.zero_overlap_comm else 1) * args.zero_reduce_bucket_size if args.zero_contiguous_gradients \
+        else 0
+    partition = total / data_parallel
+    touched = min(total, partition + sum(largest[:2])) - partition if stage == 2 else 0.0
+    return (buckets + touched) * grad
 
 
 def experts_sharded_by_fsdp2(layout: Layout, second_dims: tuple[int, ...]) -> bool:

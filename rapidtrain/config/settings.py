@@ -335,6 +335,10 @@ class MemoryEstimate:
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
+    # Beyond the ZeRO accounting, what the engine keeps on the device by its design (DeepSpeed's reduce buckets,
+    # ZeRO-2's whole gradients of the parameters a partition touches, ZeRO-3's persistent and gathered
+    # parameters: config/memory.py's deepspeed_engine_bytes)
+    engine_bytes: float = 0.0
     optimizer_on_cpu: bool = False
     params_offloaded: OffloadTarget = "none"  # ZeRO-3 parameter partitions in host memory or on NVMe
     stage_state_bytes: tuple[float, ...] = ()  # model states on one rank of each pipeline stage (on the device)
@@ -344,7 +348,7 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> float:
         params = 0 if self.params_offloaded != "none" else self.param_bytes
-        return params + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes)
+        return params + self.grad_bytes + (0 if self.optimizer_on_cpu else self.optimizer_bytes) + self.engine_bytes
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.
     from rapidtrain.parallel.experts import exclude_experts_from_ddp
 
     exclude_experts_from_ddp(model)  # sharded experts are reduced over their own group (parallel/experts.py)
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+    # Gradients as views into DDP's reduction buckets: otherwise the buckets are a second copy of every gradient
+    # (one more fp32 copy of the model per rank, which the plan's memory estimate does not count).
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True)
 
 
 def apply_replicate(model: nn.Module, mesh: ParallelMesh) -> nn.Module:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.config.settings import Precision
 from rapidtrain.optim.grad_scaler import LossScaler
@@ -302,6 +303,23 @@ def evaluate_micro_batches(runner: Any, micro_batches: list[Any], forward_step: 
     return EvalTotals(loss_sum, weight, reported)
 
 
+@contextlib.contextmanager
+def bucket_views_kept(module: nn.Module) -> Iterator[None]:
+    """Around clearing the gradients (set to None): DDP's gradients, views into its buckets, are zeroed in place
+    and kept instead. Set to None, the next backward would make new gradients, and on accumulation micro-batches
+    (no_sync) they would live beside the buckets until the last one: a second copy of the gradients again. DDP
+    gives every parameter it reduces a gradient in each step, so zeros and None step alike; the parameters it
+    ignores (expert slices reduced over their own group) are left to be cleared."""
+    kept = []
+    if isinstance(module, DistributedDataParallel) and module.gradient_as_bucket_view:
+        ignored = module.parameters_to_ignore
+        kept = [(p, p.grad) for name, p in module.module.named_parameters()
+                if name not in ignored and p.grad is not None]
+    yield
+    for param, grad in kept:
+        param.grad = grad.zero_()
+
+
 # ---- the runner ----
 
 @dataclass
@@ -412,6 +430,10 @@ class TorchRunner:
         return self.grad_norm(lambda p: p.detach())
 
     def zero_grad(self) -> None:
+        with bucket_views_kept(self.module):
+            self.clear_gradients()
+
+    def clear_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def train(self, mode: bool = True) -> None:

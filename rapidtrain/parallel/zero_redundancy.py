@@ -108,8 +108,8 @@ class OSSRunner(TorchRunner):
         """The model inside DDP: checkpoints name parameters without the wrapper's prefix."""
         return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
 
-    def zero_grad(self) -> None:
-        super().zero_grad()
+    def clear_gradients(self) -> None:
+        super().clear_gradients()
         self.local_optimizer.zero_grad(set_to_none=True)  # also the expert slices, which only it holds
 
     def optimizer_state(self) -> dict[str, Any]:

@@ -5,11 +5,15 @@ RUNS.json a {name: argument list} object.
 What is measured, per rank:
 - model states: before the second optimizer step, the bytes of every distinct tensor storage reachable from the
   runner (its module's parameters and gradients, the optimizer's state, DeepSpeed's flat partitions: a walk of
-  the objects' attributes), buffers excluded; C++-only buffers (DDP's gradient buckets) are not visible;
+  the objects' attributes), buffers excluded; DDP's gradient buckets (C++ only) are counted through the
+  gradients, which are views into them;
 - activations: during the second iteration's forward and backward (not its optimizer step), after every
   operator that runs outside backward, the bytes of the storages created in this iteration that are still
-  alive, parameters and gradients excluded; the largest such sum (for a pipeline stage, with its micro-batches
-  in flight).
+  alive, parameters excluded; the largest such sum (for a pipeline stage, with its micro-batches in flight).
+  A DTensor counts its local tensor (its wrapper's storage has the global size and no memory). Storages that
+  end the iteration as gradients are left out (gradient memory, counted with the model states; DDP rebuilds
+  its buckets, which the gradients are views into, in the second iteration's forward); gradients made on one
+  micro-batch and replaced later (DDP's gradients beside its buckets during accumulation) are counted.
 """
 
 from __future__ import annotations
@@ -69,27 +73,37 @@ def storages_reachable(root: object, skip: set[int], depth: int = 8) -> dict[int
 
 
 class PeakActivations(TorchDispatchMode):
-    """The largest sum of live storages created under the mode, checked after each operator outside backward."""
+    """The largest sum of live storages created under the mode, checked after each operator outside backward;
+    `peak` leaves out the storages that are gradients when it is read (after backward)."""
 
     def __init__(self, parameters: list[torch.Tensor]) -> None:
         super().__init__()
         self.parameters = parameters
         self.excluded = {StorageWeakRef(local(p).untyped_storage()) for p in parameters}
         self.created: dict[StorageWeakRef, int] = {}
-        self.peak = 0
+        self.checks: list[tuple[int, list[StorageWeakRef]]] = []  # (bytes alive, the storages alive)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                ref = StorageWeakRef(t.untyped_storage())
+                storage = local(t).untyped_storage()
+                ref = StorageWeakRef(storage)
                 if ref not in self.excluded:
-                    self.created.setdefault(ref, t.untyped_storage().nbytes())
+                    self.created.setdefault(ref, storage.nbytes())
         if torch._C._current_graph_task_id() == -1:  # not inside backward
-            grads = {StorageWeakRef(local(p.grad).untyped_storage()) for p in self.parameters if p.grad is not None}
-            alive = sum(n for ref, n in self.created.items() if not ref.expired() and ref not in grads)
-            self.peak = max(self.peak, alive)
+            alive = [ref for ref in self.created if not ref.expired()]
+            self.checks.append((sum(self.created[ref] for ref in alive), alive))
         return out
+
+    def gradient_storages(self) -> set[StorageWeakRef]:
+        return {StorageWeakRef(local(p.grad).untyped_storage()) for p in self.parameters if p.grad is not None}
+
+    @property
+    def peak(self) -> int:
+        grads = self.gradient_storages()
+        return max((total - sum(self.created[ref] for ref in alive if ref in grads) for total, alive in self.checks),
+                   default=0)
 
 
 class MeasuredTrainer(MegatronPreTrainer):

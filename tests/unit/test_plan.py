@@ -131,8 +131,34 @@ def test_memory_follows_zero_paper():
     assert zero2.param_bytes + zero2.grad_bytes + zero2.optimizer_bytes == pytest.approx(2 * n + 14 * n / 2, rel=1e-4)
     zero3 = resolve(["--zero-3-memory-optimization", "--bf16"], world=2).memory  # 16/N
     assert zero3.param_bytes + zero3.grad_bytes + zero3.optimizer_bytes == pytest.approx(16 * n / 2, rel=1e-4)
+    fp32 = resolve(["--zero-1-memory-optimization"], world=2).memory  # DeepSpeed's fp32 partition copy: 4 + 4 + 12/N
+    assert fp32.optimizer_bytes == pytest.approx(6 * n, rel=1e-4)
     tp2 = resolve(["--tensor-model-parallel-size", "2"], world=2).memory
     assert tp2.param_bytes == pytest.approx(2 * n)  # parameters split over tensor-parallel ranks
+
+
+def test_deepspeed_buffers_beyond_the_zero_accounting():
+    # Reduce buckets of --zero-reduce-bucket-size 16-bit elements: two with --zero-overlap-comm (the default), one
+    # without; none without contiguous gradients.
+    buckets = ["--zero-reduce-bucket-size", "1000000", "--bf16"]
+    zero1 = resolve(["--zero-1-memory-optimization", *buckets], world=2).memory
+    assert zero1.engine_bytes == 2 * 2 * 1_000_000
+    single = resolve(["--zero-1-memory-optimization", "--no-zero-overlap-comm", *buckets], world=2).memory
+    assert single.engine_bytes == 2 * 1_000_000
+    none = resolve(["--zero-1-memory-optimization", "--no-zero-contiguous-gradients", *buckets], world=2).memory
+    assert none.engine_bytes == 0
+    assert zero1.total_bytes == pytest.approx(zero1.param_bytes + zero1.grad_bytes + zero1.optimizer_bytes
+                                              + zero1.engine_bytes)
+    # ZeRO-2 on 8 ranks: beside its partition (n / 8) a rank holds whole the gradients of the tensors straddling
+    # its ends, at most the two largest: the word embedding (1024 × 64, spanning several partitions: the ranks it
+    # spans hold all of its gradient) and an MLP matrix (64 × 256).
+    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+    zero2 = resolve(["--zero-2-memory-optimization", *shape, *buckets], world=8).memory
+    assert zero2.total_params == 169_728
+    assert zero2.engine_bytes == 2 * (2 * 1_000_000 + 1024 * 64 + 64 * 256)
+    # ZeRO-3: one reduce bucket, plus small parameters kept whole and the gathered head.
+    zero3 = resolve(["--zero-3-memory-optimization", *buckets], world=2).memory
+    assert zero3.engine_bytes > 2 * 1_000_000
 
 
 def test_rapidtrain_plan_prints_accumulation_and_engines_for_8_ranks():
