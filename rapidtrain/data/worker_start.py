@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import mmap
 import multiprocessing
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -32,9 +33,10 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-# Imported by the forkserver before it forks any worker: torch (each worker would import it otherwise) and the
-# module that makes the server ignore SIGTERM (a signal to the rank's process group is the rank's to answer).
-PRELOAD = ["torch", "rapidtrain.data.forkserver_preload"]
+# Imported by the forkserver before it forks any worker: the module that ties the server's life to its rank's and
+# makes it ignore SIGTERM (first, at once), and torch (each worker would import it otherwise).
+RANK_PID_ENV = "RAPIDTRAIN_RANK_PID"  # read by forkserver_preload
+PRELOAD = ["rapidtrain.data.forkserver_preload", "torch"]
 
 
 def worker_context(dataset: Any, collate_fn: Any, num_workers: int) -> BaseContext | None:
@@ -49,6 +51,7 @@ def worker_context(dataset: Any, collate_fn: Any, num_workers: int) -> BaseConte
         _note_fork(reason)
         return None
     context = multiprocessing.get_context("forkserver")
+    os.environ[RANK_PID_ENV] = str(os.getpid())  # the server's parent, for its parent-death check (inherited)
     # Read when the server starts (the first worker), ignored after: the dataset's module too, imported once there
     # rather than in every worker.
     context.set_forkserver_preload([*PRELOAD, type(dataset).__module__])
