@@ -63,7 +63,7 @@ _told: list[str] = []
 
 def _note_fork(reason: str) -> None:
     """Once per process, on rank 0: the workers are forked from the rank after all, and why."""
-    if not _told and dist.get_rank() == 0 and sys.version_info < (3, 12):  # 3.12 takes the lock across a fork
+    if not _told and dist.get_rank() == 0 and sys.version_info < (3, 12):  # 3.12 resets the lock first
         print(f"rapidtrain: note: DataLoader workers are forked from the rank: its dataset or collate function cannot "
               f"be sent to a forkserver ({reason}); on CPython 3.11.7 and older such a fork now and then deadlocks the "
               "worker. Define them at the top level of an importable module to avoid it.", file=sys.stderr,
