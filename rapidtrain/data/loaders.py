@@ -22,6 +22,7 @@ from rapidtrain.data.samplers import (
     MegatronRandomSampler,
     check_data_parallel_layout,
 )
+from rapidtrain.data.worker_start import WorkerLoader, worker_context
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -135,7 +136,7 @@ def _data_loader(
     # Its own generator: each iter() of a DataLoader draws a worker seed, which must not move the global RNG
     # (dropout), or a run resumed mid-epoch would draw different masks than the run it continues.
     generator = torch.Generator().manual_seed(s.seed)
-    return DataLoader(
+    return WorkerLoader(
         dataset,
         batch_sampler=batch_sampler,
         collate_fn=collate_fn,
@@ -144,6 +145,7 @@ def _data_loader(
         persistent_workers=persistent and s.num_workers > 0,
         generator=generator,
         worker_init_fn=ignore_sigterm_in_worker,  # a SIGTERM to the group is the rank's to answer (it saves)
+        multiprocessing_context=worker_context(dataset, collate_fn, s.num_workers),  # never a fork of a rank
     )
 
 

@@ -22,6 +22,7 @@ from rapidtrain.core.shutdown import ignore_sigterm_in_worker
 from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
 from rapidtrain.data.loaders import shutdown_workers
 from rapidtrain.data.samplers import MegatronPretrainingSampler
+from rapidtrain.data.worker_start import WorkerLoader, worker_context
 from rapidtrain.parallel.runner import add_pairs
 from rapidtrain.train.trainer import Trainer
 
@@ -98,11 +99,13 @@ class PreTrainer(Trainer):
                                                  self.plan.layout.data_parallel_size)
         # Its own generator: each iter() of a DataLoader draws a worker seed, which must not move the global
         # RNG (dropout), or a run resumed would draw different masks than the run it continues. Workers leave
-        # SIGTERM to this process, which saves before it stops them.
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
-                          collate_fn=self.collate_fn(), pin_memory=self.engine.device.type == "cuda",
-                          persistent_workers=data.num_workers > 0,
-                          generator=torch.Generator().manual_seed(data.seed), worker_init_fn=ignore_sigterm_in_worker)
+        # SIGTERM to this process, which saves before it stops them. They are not forked from this process once
+        # its process group's threads run (data/worker_start.py).
+        collate_fn = self.collate_fn()
+        return WorkerLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers, collate_fn=collate_fn,
+                            pin_memory=self.engine.device.type == "cuda", persistent_workers=data.num_workers > 0,
+                            generator=torch.Generator().manual_seed(data.seed), worker_init_fn=ignore_sigterm_in_worker,
+                            multiprocessing_context=worker_context(dataset, collate_fn, data.num_workers))
 
     def micro_batches(self, iterator: Iterator[Any]) -> list[Any]:
         """The next global batch's micro-batches: its accumulation steps follow a batch-size ramp-up."""
