@@ -30,7 +30,7 @@ setup(
         # --wandb-project and --mlflow-experiment. mlflow-skinny is MLflow's client without its server and UI
         # dependencies; SQLAlchemy and Alembic let it write its default store, a local SQLite file.
         "tracking": ["wandb", "mlflow-skinny", "sqlalchemy", "alembic"],
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "mypy>=1.10", "hypothesis"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist>=3.6", "ruff", "mypy>=1.10", "hypothesis"],
     },
     entry_points={"console_scripts": ["rapidtrain=rapidtrain.cli:main"]},
 )

@@ -9,4 +9,4 @@ bash scripts/setup.sh
 .venv/bin/python -m mypy rapidtrain
 # Two pytest workers (TEST_WORKERS): a test file stays on one worker (its module fixtures are built once), and each
 # worker's processes share the cores (tests/conftest.py); TEST_WORKERS=0 runs in one process.
-exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

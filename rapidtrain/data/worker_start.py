@@ -1,11 +1,11 @@
 """How a rank starts its DataLoader workers: never by forking itself once its process group's threads run.
 
-CPython 3.11 up to 3.11.7 (gh-112275, the interpreter this project runs on) resets the lock of its thread-state
-list in a forked child only after taking it: a child forked while another thread held that lock waits on it
-forever, before running a line of Python. A rank's gloo threads take it each time they release a tensor that
-Python also holds (they create a thread state to drop the Python reference), so a DataLoader worker forked from
-a rank now and then never starts and the rank waits on it for ever (a 2-rank run hung before iteration 1; gdb on
-the worker: PyOS_AfterFork_Child → _PyEval_ReInitThreads → _PyThreadState_DeleteExcept, in a lock wait).
+CPython up to 3.11.9 (gh-112275; fixed in 3.11.10 and 3.12; this project's interpreter has it) resets the lock of
+its thread-state list in a forked child only after taking it: a child forked while another thread held that lock
+waits on it forever, before running a line of Python. A rank's gloo threads take it each time they release a tensor
+that Python also holds (they create a thread state to drop the Python reference), so a DataLoader worker forked
+from a rank now and then never starts and the rank waits on it for ever (a 2-rank run hung before iteration 1; gdb
+on the worker: PyOS_AfterFork_Child → _PyEval_ReInitThreads → _PyThreadState_DeleteExcept, in a lock wait).
 
 So once a process group exists, workers are forked from multiprocessing's forkserver instead: a process started
 fresh (torch preloaded), with no thread but its own, which forks each worker on request. Its workers get the
@@ -35,6 +35,8 @@ from torch.utils.data import DataLoader
 
 # Imported by the forkserver before it forks any worker: the module that ties the server's life to its rank's and
 # makes it ignore SIGTERM (first, at once), and torch (each worker would import it otherwise).
+# The interpreters with the after-fork deadlock: 3.12 resets the lock first, 3.11.10 got the fix (gh-112275).
+FORK_DEADLOCKS = sys.version_info < (3, 11, 10)
 RANK_PID_ENV = "RAPIDTRAIN_RANK_PID"  # read by forkserver_preload
 PRELOAD = ["rapidtrain.data.forkserver_preload", "torch"]
 
@@ -42,7 +44,7 @@ PRELOAD = ["rapidtrain.data.forkserver_preload", "torch"]
 def worker_context(dataset: Any, collate_fn: Any, num_workers: int) -> BaseContext | None:
     """The multiprocessing context a DataLoader's workers start from: the forkserver when this rank's process
     group runs (its threads make a fork unsafe) and the workers' inputs can be sent there; None (fork) else."""
-    if num_workers == 0 or not dist.is_available() or not dist.is_initialized():
+    if num_workers == 0 or not FORK_DEADLOCKS or not dist.is_available() or not dist.is_initialized():
         return None
     if sys.platform != "linux":
         return None
@@ -63,11 +65,11 @@ _told: list[str] = []
 
 def _note_fork(reason: str) -> None:
     """Once per process, on rank 0: the workers are forked from the rank after all, and why."""
-    if not _told and dist.get_rank() == 0 and sys.version_info < (3, 12):  # 3.12 resets the lock first
-        print(f"rapidtrain: note: DataLoader workers are forked from the rank: its dataset or collate function cannot "
-              f"be sent to a forkserver ({reason}); on CPython 3.11.7 and older such a fork now and then deadlocks the "
-              "worker. Define them at the top level of an importable module to avoid it.", file=sys.stderr,
-              flush=True)
+    if not _told and dist.get_rank() == 0:
+        print(f"rapidtrain: note: DataLoader workers are forked from the rank: its dataset or collate function "
+              f"cannot be sent to a forkserver ({reason}); on this interpreter (CPython before 3.11.10) such a fork "
+              "now and then deadlocks the worker. Define them at the top level of an importable module to avoid it.",
+              file=sys.stderr, flush=True)
     _told.append(reason)
 
 
