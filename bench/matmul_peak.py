@@ -3,7 +3,9 @@
     python bench/matmul_peak.py                       # fp32 and bf16, 2048², the best device here
     python bench/matmul_peak.py --device cpu --size 4096 --dtypes fp32 bf16 fp16
 
-Other benchmarks call `measure_peak_tflops(dtype, device)`.
+Other benchmarks call `measure_peak_tflops(dtype, device)`, and `measure_gemm_tflops(shapes, ...)` for the rate
+of a model's own matrix products (its linear layers' forward and backward at the batch's token count): how
+far small GEMMs fall below the square peak, the ceiling of any implementation's MFU at that shape.
 """
 
 from __future__ import annotations
@@ -54,6 +56,37 @@ def measure_peak_tflops(
     count = max(1, int(min_seconds / seconds_one))
     best = min(_timed_matmuls(a, b, out, count) / count for _ in range(repeats))
     return 2.0 * size**3 / best / 1e12
+
+
+def linear_gemm_shapes(hidden: int, ffn: int, vocab: int, layers: int, tokens: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of every matrix product a GPT's linear layers run in one training step (QKV, projection, fc1,
+    fc2 per layer, the head once): each as forward x·Wᵀ, input gradient dy·W and weight gradient dyᵀ·x."""
+    shapes = []
+    for fan_in, fan_out, count in ((hidden, 3 * hidden, layers), (hidden, hidden, layers), (hidden, ffn, layers),
+                                   (ffn, hidden, layers), (hidden, vocab, 1)):
+        shapes += [(tokens, fan_in, fan_out), (tokens, fan_out, fan_in), (fan_out, tokens, fan_in)] * count
+    return shapes
+
+
+def measure_gemm_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device | str,
+                        repeats: int = 5) -> float:
+    """TFLOP/s of running each (m, k, n) product of `shapes` once, best of `repeats` passes after a warm-up."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    operands = [(torch.randn(m, k, device=device, generator=generator).to(dtype),
+                 torch.randn(k, n, device=device, generator=generator).to(dtype)) for m, k, n in shapes]
+    flops = sum(2.0 * m * k * n for m, k, n in shapes)
+
+    def one_pass() -> float:
+        _synchronize(device)
+        start = time.perf_counter()
+        for a, b in operands:
+            torch.matmul(a, b)
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    one_pass()
+    return flops / min(one_pass() for _ in range(repeats)) / 1e12
 
 
 def main() -> None:
