@@ -75,18 +75,19 @@ def test_non_finite_loss_stops_with_the_iteration_and_saves_nothing(tmp_path, de
 
 @pytest.mark.slow
 def test_demo_main_job_loss_falls_clearly(tmp_path, demo_data):
-    """The README's main job: from about ln(vocab) to clearly below within 150 iterations."""
+    """The README's main job (the demo's defaults; its 200 iterations cut to 80): from about ln(vocab) to clearly
+    below. On the 2-core Xeon the loss is 9.03 at iteration 1 and 6.68 at 50 (6.43 at 100): the threshold below
+    leaves a margin of about 0.4."""
     losses_file = tmp_path / "losses.txt"
     started = time.time()
-    result = pretrain(1, ["--train-iters", "150", "--num-workers", "0", "--loss-log-file", str(losses_file),
-                          "--eval-interval", "150", "--log-interval", "50"], timeout=1500)
+    result = pretrain(1, ["--train-iters", "80", "--num-workers", "0", "--loss-log-file", str(losses_file),
+                          "--eval-interval", "80", "--log-interval", "40"], timeout=1500)
     losses = read_losses(losses_file)
-    print(f"demo run: {time.time() - started:.0f}s, losses at 1/50/100/150:",
-          [round(losses[i], 3) for i in (1, 50, 100, 150)])
+    print(f"demo run: {time.time() - started:.0f}s, losses at 1/40/80:", [round(losses[i], 3) for i in (1, 40, 80)])
     assert abs(losses[1] - math.log(8000)) < 1.0  # starts near ln(vocab)
-    last_ten = sum(losses[i] for i in range(141, 151)) / 10
+    last_ten = sum(losses[i] for i in range(71, 81)) / 10
     assert last_ten < losses[1] - 2.0  # and clearly learns (one iteration's loss is noisy: average ten)
-    assert "validation loss at iteration 150" in result.stdout and "lm loss PPL" in result.stdout
+    assert "validation loss at iteration 80" in result.stdout and "lm loss PPL" in result.stdout
 
 
 def test_rapidtrain_command_starts_torchrun_itself(tmp_path, demo_data):

@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,9 @@ def test_readme_commands_run_in_order_and_saving_runs_run_twice(tmp_path):
         if why := skip_reason(command):
             print(f"skipped: {command[:60]} ({why})")
             continue
+        started = time.perf_counter()
         result = run(shrunk(command, llama), tmp_path)
+        print(f"{time.perf_counter() - started:5.1f} s  {command[:100]}")
         assert result.returncode == 0 or refused_bf16_here(command, result), (
             f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         assert "Traceback" not in result.stderr, f"{command}\n{result.stderr[-3000:]}"

@@ -212,8 +212,9 @@ def uninterrupted(tmp_path_factory, demo_data) -> dict[int, float]:
     return losses
 
 
-@pytest.mark.parametrize("target, count", [("launcher", 1), ("torchrun", 1), ("group", 1), ("launcher", 2),
-                                           ("group", 0)])
+# Two SIGTERMs to the launcher: test_resume_after_sigterm_gives_the_uninterrupted_losses (a complete checkpoint,
+# then the resume).
+@pytest.mark.parametrize("target, count", [("launcher", 1), ("torchrun", 1), ("group", 1), ("group", 0)])
 def test_sigterm_to_the_launch_saves_and_exits_0(target, count, tmp_path, launches, demo_data):
     save = tmp_path / "ck"
     launch = rapidtrain(PRETRAIN_FLAGS + ["--save", str(save)], tmp_path / "log.txt", launches)
