@@ -117,6 +117,22 @@ def size_multiple_warnings(model: ModelConfig | None, batches: Batches, precisio
             f"these sizes are multiples of {multiple} (--make-vocab-size-divisible-by pads the vocabulary)"]
 
 
+def bucket_warnings(args: argparse.Namespace, memory: MemoryEstimate | None) -> list[str]:
+    """DeepSpeed ZeRO-1/2 allocates its reduce buckets at --zero-reduce-bucket-size elements whatever the model
+    (500 million by default, two with --zero-overlap-comm): a bucket larger than the model's whole gradient never
+    fills, and its memory is spent for nothing."""
+    stage = zero_stage(args)
+    if memory is None or stage not in (1, 2) or zero_by_fsdp2(args) or not args.zero_contiguous_gradients:
+        return []
+    if args.zero_reduce_bucket_size <= memory.parameters:
+        return []
+    buckets = 2 if args.zero_overlap_comm else 1
+    return [f"--zero-reduce-bucket-size {args.zero_reduce_bucket_size:,}: DeepSpeed's reduce bucket holds more "
+            f"gradient elements than the model has parameters ({memory.parameters:,}), so it never fills, yet each "
+            f"rank allocates {buckets} × {args.zero_reduce_bucket_size:,} elements for it "
+            f"(overlap_comm {args.zero_overlap_comm}); --zero-reduce-bucket-size {memory.parameters} is enough"]
+
+
 def optimizer_state_bytes_per_parameter(model: ModelConfig, settings: OptimizerSettings, device_type: str) -> float:
     """The chosen implementation's state per parameter, from the model's real tensor shapes (Adafactor's
     factored rows and columns, 8-bit blocks and the small tensors they leave in fp32)."""

@@ -15,6 +15,7 @@ from rapidtrain.config.engines import engines_for
 from rapidtrain.config.estimate import plan_estimate
 from rapidtrain.config.memory import (
     auto_micro_batch_size,
+    bucket_warnings,
     loss_is_chunked,
     memory_estimate,
     size_multiple_warnings,
@@ -96,7 +97,8 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
         notes.append("--padding-free: rapidtrain's casual_lm task packs its own micro-batches; a user script's "
                      "collate_fn decides how its batches are built (rapidtrain.tasks.base.FlattenCollator packs "
                      "them the same way)")
-    warnings = precision_warnings(args, ctx, precision) + size_multiple_warnings(model, batches, precision, ctx)
+    warnings = precision_warnings(args, ctx, precision) + size_multiple_warnings(model, batches, precision, ctx) \
+        + bucket_warnings(args, memory)
     resolved = Plan(template_of(args, ctx), args.task, layout, batches, precision, tuple(engines), memory, model,
                     switches, training_settings(args, batches),
                     dataclasses.replace(data_settings(args, ctx), micro_batch_size=batches.micro_batch_size),

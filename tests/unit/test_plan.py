@@ -197,3 +197,23 @@ def test_the_plan_records_the_flags_a_checkpoint_stores():
     assert flags["padded_vocab_size"] == 1024  # 1000 padded to a multiple of 128
     assert "given_flags" not in flags
     assert json.loads(json.dumps(flags)) == flags
+
+
+def from_parsed(argv: list[str], ctx: RunContext) -> settings.Plan:
+    return plan.from_args(arguments.parse_args(argv), ctx)
+
+
+def test_a_deepspeed_bucket_larger_than_the_model_is_named_with_the_size_that_suffices():
+    """DeepSpeed allocates --zero-reduce-bucket-size elements (two with overlap_comm) whatever the model: the plan
+    warns when the bucket could never fill, and not once it is the model's size."""
+    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--micro-batch-size", "2", "--zero-2-memory-optimization"]
+    ctx = RunContext(world_size=2)
+    plan = from_parsed(shape, ctx)
+    parameters = plan.memory.parameters
+    [warning] = [w for w in plan.warnings if "--zero-reduce-bucket-size" in w]
+    assert "2 × 500,000,000 elements" in warning and f"--zero-reduce-bucket-size {parameters} is enough" in warning
+    fitted = from_parsed([*shape, "--zero-reduce-bucket-size", str(parameters)], ctx)
+    assert not [w for w in fitted.warnings if "bucket" in w]
+    stage3 = from_parsed([*shape[:-1], "--zero-3-memory-optimization"], ctx)
+    assert not [w for w in stage3.warnings if "bucket" in w]
