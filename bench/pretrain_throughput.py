@@ -22,6 +22,7 @@ Each row also shows the child process's peak resident memory (ru_maxrss: model, 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int,
     loader = torch.utils.data.DataLoader(dataset, batch_size=o.batch, shuffle=False)
     stamps = []
     # --iters steps, as the other rows run: the dataset holds at least a whole epoch of the corpus.
-    for _, batch in zip(range(o.iters), loader):
+    for batch in itertools.islice(loader, o.iters):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             per_token = model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
         mask = batch["loss_mask"]
