@@ -207,7 +207,7 @@ def generate_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_token
     device = next(model.parameters()).device
     ids = torch.tensor([tokenizer.tokenize(prompt)], device=device)
     config = getattr(model, "config", None)
-    if getattr(config, "position_embedding_type", None) == "learned_absolute":
+    if config is not None and getattr(config, "position_embedding_type", None) == "learned_absolute":
         # Nobody asked for this length: a model of few learned positions (--seq-length 16) shows a shorter sample
         # rather than failing at the end of its training.
         max_new_tokens = min(max_new_tokens, config.max_position_embeddings - ids.shape[1])
