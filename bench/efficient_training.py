@@ -411,12 +411,13 @@ def run_child(o: argparse.Namespace, row: Row) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=300, help="pretraining iterations (the demo's 300)")
     parser.add_argument("--epochs", type=int, default=3, help="fine-tuning epochs")
     parser.add_argument("--offload-iters", type=int, default=20, help="iterations of the ZeRO-3 placement rows")
-    parser.add_argument("--only", nargs="+", default=None, help="row keys to run (default: all)")
+    parser.add_argument("--only", nargs="+", default=None, choices=[row.key for row in ROWS], metavar="ROW",
+                        help="row keys to run (default: all): " + ", ".join(row.key for row in ROWS))
     parser.add_argument("--row", help=argparse.SUPPRESS)  # child process: one measurement
     o = parser.parse_args()
     by_key = {row.key: row for row in ROWS}
@@ -424,7 +425,7 @@ def main() -> None:
         row = by_key[o.row]
         torch.manual_seed(1234)
         print(json.dumps(row.run(o, list(row.flags))))
-        return
+        return 0
     rows = [by_key[k] for k in (o.only or by_key)]
     if "zero-infinity" in {r.key for r in rows} and not async_io_builds():
         rows = [r for r in rows if r.key != "zero-infinity"]
@@ -438,21 +439,22 @@ def main() -> None:
         start = time.perf_counter()
         results.append((row, run_child(o, row)))
         print(f"  {row.key}: {time.perf_counter() - start:.0f} s", flush=True)
-    header = (f"{'technique':<34} {'system':<11} {'HF Trainer option':<26} {'tokens/s':>9} {'peak RSS':>9} "
+    header = (f"{'technique':<36} {'system':<11} {'HF Trainer option':<26} {'tokens/s':>9} {'peak RSS':>9} "
               f"{'state MiB':>9} {'opt B/param':>11} {'trainable':>10}  result")
     print("\n" + header + "\n" + "-" * len(header))
     for row, r in results:
         if "error" in r:
-            print(f"{row.technique:<34} {row.system:<11} {row.hf_option:<26} failed: {r['error']}")
+            print(f"{row.technique:<36} {row.system:<11} {row.hf_option:<26} failed: {r['error']}")
             continue
-        print(f"{row.technique:<34} {row.system:<11} {row.hf_option:<26} {r['tokens/s']:9.0f} "
+        print(f"{row.technique:<36} {row.system:<11} {row.hf_option:<26} {r['tokens/s']:9.0f} "
               f"{r['peak RSS MiB']:8.0f}M {r['model state MiB']:9.2f} {r['state B/param']:11.2f} "
               f"{r['trainable']:10,}  {r['result']}")
     print("\nengines: " + "; ".join(f"{row.key} = {r.get('engine', '?')}" for row, r in results))
     print("state MiB: parameters as stored + fp32 gradients of trainable parameters + optimizer state, measured on "
           "the live objects; opt B/param: optimizer state per trained parameter. Peak RSS includes the interpreter "
           "and libraries (~0.5 GB).")
+    return 1 if any("error" in r for _, r in results) else 0  # the table is printed; a failed row fails the run
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,6 +19,7 @@ system runs in a process of its own, so allocator state and compiled kernels do 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -148,7 +149,8 @@ def run_plain_loop(o: argparse.Namespace, data_prefix: str) -> dict:
                                          pin_memory=o.device == "cuda")
     dtype = torch.bfloat16 if o.device == "cuda" else torch.float32
     stamps: list[float] = []
-    for data in loader:
+    # --iters steps, as the other rows run: the dataset holds at least a whole epoch of the corpus.
+    for data in itertools.islice(loader, o.iters):
         data = {k: v.to(o.device, non_blocking=True) for k, v in data.items()}
         with torch.autocast(o.device, dtype=dtype, enabled=o.device == "cuda"):
             per_token = model(data["tokens"], position_ids=data["position_ids"], labels=data["labels"])

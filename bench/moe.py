@@ -86,7 +86,8 @@ def train_one(o: argparse.Namespace, name: str, model_flags: list[str]) -> Row:
     engine = Engine(argv=argv)
     trainer = Timed(engine)
     trainer.train()
-    validation = trainer.evaluate(trainer.valid_ds)  # the same --eval-iters batches for every model
+    # The same --eval-iters batches for every model; evaluate returns each reported loss by name.
+    validation = trainer.evaluate(trainer.valid_ds)[trainer.loss_name]
     load = collect_expert_load(engine.runner.module)  # every training forward since the start
     steady = step_seconds[o.warmup :] or step_seconds
     tokens_per_step = engine.plan.batches.global_batch_size * o.seq

@@ -8,6 +8,7 @@ published TP × PP table does (reference/rapidformer-flags.md) so the memory div
 
     python bench/parallel_layouts.py                # the default layouts, 4 ranks
     python bench/parallel_layouts.py --steps 6 --json rows.json
+    python bench/parallel_layouts.py --layouts 1,1 2,2       # a subset (1,1 is the column's base)
 """
 
 from __future__ import annotations
@@ -45,8 +46,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=4, help="optimizer steps per layout; the first is not timed"
     )
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--layouts", nargs="+", type=layout, default=LAYOUTS, metavar="TP,PP",
+                        help="layouts to measure (default: all of the table's); must include 1,1")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (1, 1) not in args.layouts:
+        parser.error("--layouts must include 1,1: the 'vs (1,1)' column divides by it")
+    return args
+
+
+def layout(text: str) -> tuple[int, int]:
+    tensor, _, pipeline = text.partition(",")
+    ranks = int(tensor) * int(pipeline) if tensor.isdigit() and pipeline.isdigit() else 0
+    if ranks == 0 or WORLD % ranks:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TP,PP with TP × PP dividing {WORLD} (e.g. 2,2)")
+    return int(tensor), int(pipeline)
 
 
 # ---- the worker: every layout, every rank ----
@@ -137,10 +151,10 @@ def measure_layout(tensor_parallel: int, pipeline_parallel: int, steps: int) -> 
     }
 
 
-def worker(out: str, steps: int) -> None:
+def worker(out: str, steps: int, layouts: list[tuple[int, int]]) -> None:
     import torch.distributed as dist
 
-    rows = [measure_layout(tp, pp, steps) for tp, pp in LAYOUTS]
+    rows = [measure_layout(tp, pp, steps) for tp, pp in layouts]
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
@@ -156,7 +170,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(steps: int) -> list[dict]:
+def run(steps: int, layouts: list[tuple[int, int]]) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
         command = [
@@ -170,6 +184,8 @@ def run(steps: int) -> list[dict]:
             str(out),
             "--steps",
             str(steps),
+            "--layouts",
+            *(f"{tp},{pp}" for tp, pp in layouts),
         ]
         env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         subprocess.run(command, check=True, env={**__import__("os").environ, **env}, cwd=REPO)
@@ -196,9 +212,9 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        worker(args.worker, args.steps)
+        worker(args.worker, args.steps, args.layouts)
         return
-    rows = run(args.steps)
+    rows = run(args.steps, args.layouts)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

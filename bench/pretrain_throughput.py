@@ -16,11 +16,13 @@ Rows:
 Each row also shows the child process's peak resident memory (ru_maxrss: model, optimizer, activations, logits).
 
     python bench/pretrain_throughput.py [--iters 20] [--warmup 3] [--repeats 1] [--layers 6 --hidden 384 ...]
+        [--systems "plain loop" rapidtrain ...] [--precisions fp32]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -88,7 +90,8 @@ def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int,
                                   lr=3e-4, fused=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=o.batch, shuffle=False)
     stamps = []
-    for batch in loader:
+    # --iters steps, as the other rows run: the dataset holds at least a whole epoch of the corpus.
+    for batch in itertools.islice(loader, o.iters):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             per_token = model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
         mask = batch["loss_mask"]
@@ -176,6 +179,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                        help="rows to run (default: all); 'time vs plain' needs plain loop, 'vs fastest HF' an HF row")
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # child process: one measurement
     parser.add_argument("--precision", choices=("fp32", "bf16"), help=argparse.SUPPRESS)
     o = parser.parse_args()
@@ -196,7 +202,8 @@ def main() -> None:
           flush=True)
     rows = []
     ceilings: dict[str, float] = {}
-    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for precision in o.precisions:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
         peak = measure_peak_tflops(dtype, torch.device("cpu"))
         # The same products at this model's shapes (its linear layers, forward and backward): no implementation
         # of this model's step runs its GEMMs faster than this: MFU stays near or below ceiling / peak.
@@ -205,18 +212,19 @@ def main() -> None:
         ceilings[precision] = ceiling
         print(f"  {precision}: matmul peak {peak * 1000:.0f} GFLOP/s (2048² products); this model's linear-layer "
               f"GEMMs alone run at {ceiling * 1000:.0f} GFLOP/s ({ceiling / peak:.0%} of the peak)", flush=True)
-        runs: dict[str, list[tuple[float, float]]] = {system: [] for system in SYSTEMS}
+        runs: dict[str, list[tuple[float, float]]] = {system: [] for system in o.systems}
         for repeat in range(o.repeats):
-            order = SYSTEMS[repeat % len(SYSTEMS):] + SYSTEMS[:repeat % len(SYSTEMS)]
+            order = o.systems[repeat % len(o.systems):] + o.systems[:repeat % len(o.systems)]
             for system in order:
                 runs[system].append(child_seconds(o, system, precision))
                 print(f"    {system}: {runs[system][-1][0] * 1000:.1f} ms/step, peak {runs[system][-1][1]:.0f} MiB",
                       flush=True)
         best = {system: min(results) for system, results in runs.items()}
-        fastest_hf = min(best[system][0] for system in HF_ROWS)
+        fastest_hf = min((best[system][0] for system in HF_ROWS if system in best), default=float("nan"))
+        plain = best["plain loop"][0] if "plain loop" in best else float("nan")
         for system, (s, mib) in best.items():
             rows.append((precision, system, tokens / s, flops / s / 1e12 / peak * 100,
-                         flops / s / 1e12 / ceilings[precision] * 100, s / best["plain loop"][0], fastest_hf / s, mib))
+                         flops / s / 1e12 / ceilings[precision] * 100, s / plain, fastest_hf / s, mib))
     print(f"\n{'precision':<9} {'system':<25} {'tokens/s':>9} {'MFU %':>6} {'of GEMM ceiling %':>17} "
           f"{'time vs plain':>14} {'vs fastest HF':>13} {'peak MiB':>9}")
     for precision, system, tokens_per_s, mfu, of_ceiling, vs_plain, vs_hf, mib in rows:

@@ -123,6 +123,17 @@ def test_generate_sample_continues_a_prompt_as_text(demo_data):
     assert model.training  # left as it was
 
 
+def test_generate_sample_stops_where_the_learned_positions_end(demo_data):
+    from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
+
+    tokenizer = build_tokenizer(TokenizerSettings(demo_data.tokenizer_type, tokenizer_model=demo_data.tokenizer_model))
+    model = build_model(ModelConfig(**SMALL | {"vocab_size": 8192, "max_position_embeddings": 8}), seed=3)
+    prompt_length = len(tokenizer.tokenize("The history of"))
+    text = generate_sample(model, tokenizer, "The history of", max_new_tokens=24)  # the demo's 24 do not fit in 8
+    assert len(tokenizer.tokenize(text)) >= prompt_length + 1 and text.startswith("The history of")
+    assert generate_sample(model, tokenizer, "The history of " * 4, max_new_tokens=24) == "The history of " * 4
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, demo_data):
     from rapidtrain.pretrain import main

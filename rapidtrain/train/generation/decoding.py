@@ -206,6 +206,13 @@ def generate_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_token
     model = unwrap(model)
     device = next(model.parameters()).device
     ids = torch.tensor([tokenizer.tokenize(prompt)], device=device)
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "position_embedding_type", None) == "learned_absolute":
+        # Nobody asked for this length: a model of few learned positions (--seq-length 16) shows a shorter sample
+        # rather than failing at the end of its training.
+        max_new_tokens = min(max_new_tokens, config.max_position_embeddings - ids.shape[1])
+        if max_new_tokens < 1:
+            return prompt
     # The whole length: a briefly trained model often ends the document at once, which would print the prompt alone.
     settings = SamplingSettings(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
     tokens = generate(model, ids, settings, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eod)

@@ -1,0 +1,164 @@
+"""Every bench under bench/ keeps running: each is run as a user runs it (`python bench/X.py`, cwd the repository) at
+the smallest sizes its flags allow, and must exit 0 and print its table with numbers that parse. The values are
+not checked (they are timings on a shared machine); generation.py and startup.py have smoke tests of their own,
+machine.py is the module the others import. About 85 s on 2 cores, so the slowest benches run one part each:
+memory.py its state section (ddp and zero-2; not --section startup / save, ~100M-parameter models),
+parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without its memory modes,
+pretrain_throughput.py three of its six rows in fp32 (not the tuned-malloc and torch.compile HF rows, nor bf16),
+efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+from tests.launch import REPO, child_env
+
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+
+
+def run_bench(script: str, *flags: str, timeout: int = 300) -> str:
+    """The bench's stdout; its exit status must be 0."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / script), *flags], capture_output=True, text=True,
+                            cwd=REPO, env=child_env(), timeout=timeout)
+    assert result.returncode == 0, (f"bench/{script} {' '.join(flags)} exited {result.returncode}:\n"
+                                    f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result.stdout
+
+
+def number(text: str) -> float:
+    """A printed number ("1,234", "0.52", "12.5%", "1.02×", "nan" is not one) as a finite float."""
+    match = re.fullmatch(rf"\s*({NUMBER})\s*(?:%|×|x|ms|s|MiB|GiB|M)?\s*", text)
+    assert match, f"not a number: {text!r}"
+    value = float(match.group(1).replace(",", ""))
+    assert math.isfinite(value), text
+    return value
+
+
+def lines_after(stdout: str, header: str) -> list[str]:
+    """The lines after the one that starts with `header` (stripped), up to the next blank line."""
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith(header)), None)
+    assert start is not None, f"no line starting {header!r} in:\n{stdout}"
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        rows.append(line)
+    return rows
+
+
+def markdown_rows(stdout: str, header: str) -> list[list[str]]:
+    """The cells of a markdown table's body whose header row starts with `header`."""
+    body = [line for line in lines_after(stdout, header) if not line.startswith("|---")]
+    assert body and all(line.startswith("|") for line in body), stdout
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in body]
+
+
+def test_async_save_bench_prints_time_lost_for_blocking_and_async():
+    stdout = run_bench("async_save.py", "--params-millions", "1", "--steps", "6", "--save-at", "2", "--repeats", "1")
+    assert stdout.startswith("CPU: ") and "M parameters; checkpoint" in stdout
+    rows = {line.split()[0]: line.split()[1:] for line in lines_after(stdout, "save ")}
+    assert set(rows) == {"blocking", "async"}, stdout
+    for cells in rows.values():
+        assert len(cells) == 6 and [number(cell) for cell in cells], stdout
+
+
+def test_checkpoint_checksum_bench_prints_crc32_beside_sha256():
+    stdout = run_bench("checkpoint_checksum.py", "--params-millions", "1")
+    assert re.search(rf"^checkpoint: {NUMBER} MiB in \d+ files; save_checkpoint \(with manifest\) {NUMBER} s$",
+                     stdout, flags=re.M), stdout
+    for name in ("crc32", "sha256"):
+        assert re.search(rf"^  {name}\s+over all files: {NUMBER} s \({NUMBER} MiB/s, {NUMBER}% of the save\)$",
+                         stdout, flags=re.M), stdout
+    assert re.search(rf"verify_checkpoint .*: {NUMBER} s$", stdout, flags=re.M), stdout
+
+
+def test_dynamic_shape_bench_prints_fixed_beside_dynamic():
+    stdout = run_bench("dynamic_shape.py", "--seq-length", "64", "--num-samples", "16", "--micro-batch-size", "4",
+                       "--log-mean", "3", "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2",
+                       "--vocab-size", "64", "--window-steps", "4", "--warmup-steps", "1", "--device", "cpu")
+    rows = {line[:24].strip(): line[24:].split() for line in lines_after(stdout, "fixed")}
+    assert list(rows) == ["padded-token fraction", "step time (ms)", "epoch time (s)", "steps", "mean batch width"]
+    for label, cells in rows.items():
+        assert len(cells) == (2 if label in ("padded-token fraction", "steps") else 3), stdout
+        assert [number(cell) for cell in cells]
+    assert number(rows["steps"][0]) == number(rows["steps"][1]) == 4  # both sides saw the same 16 samples
+
+
+def test_matmul_peak_bench_prints_each_dtype():
+    stdout = run_bench("matmul_peak.py", "--device", "cpu", "--size", "64", "--dtypes", "fp32", "bf16",
+                       "--min-seconds", "0.01", "--repeats", "1")
+    assert stdout.startswith("matmul peak, 64x64 @ 64x64 on cpu"), stdout
+    rows = dict(line.split(":") for line in lines_after(stdout, "matmul peak"))
+    assert set(map(str.strip, rows)) == {"fp32", "bf16"}, stdout
+    assert all(number(value.removesuffix("GFLOP/s")) > 0 for value in rows.values())
+
+
+def test_preprocess_bench_prints_throughput_per_worker_count():
+    stdout = run_bench("preprocess.py", "--documents", "300", "--workers", "1", "2")
+    assert re.search(r"^corpus: 300 documents, .* tokenizer GPT2BPETokenizer", stdout, flags=re.M), stdout
+    rows = [line.split("|") for line in lines_after(stdout, "workers |") if "|" in line]
+    assert [int(cells[0]) for cells in rows] == [1, 2], stdout
+    assert all(len(cells) == 6 and [number(cell) for cell in cells] for cells in rows), stdout
+    assert ".bin/.idx byte-identical across worker counts: True" in stdout
+
+
+def test_moe_bench_prints_dense_beside_moe_rows(demo_data):
+    stdout = run_bench("moe.py", "--iters", "11", "--warmup", "1", "--layers", "1", "--hidden", "32", "--heads", "2",
+                       "--seq", "16", "--micro-batch", "2", "--experts", "2", "--eval-iters", "1")
+    rows = markdown_rows(stdout, "| model | total params | active params | tokens/s |")
+    assert [row[0] for row in rows] == ["dense", "MoE top-1 of 2", "MoE top-2 of 2, ffn 64"], stdout
+    for row in rows:
+        assert len(row) == 7 and [number(cell) for cell in row[1:6]], stdout
+        assert row[6] == "–" if row[0] == "dense" else number(row[6]) >= 0
+    assert stdout.count("expert load over training") == 2 and "expert  1 " in stdout  # one MoE layer per MoE row
+
+
+def test_memory_bench_state_section_prints_measured_beside_formula():
+    stdout = run_bench("memory.py", "--modes", "ddp", "zero-2", "--world-sizes", "2", "--precision", "fp32",
+                       "--steps", "2")
+    rows = markdown_rows(stdout, "| mode | ranks | parameters | gradients | optimizer state |")
+    assert [(row[0], row[1]) for row in rows] == [("ddp", "2"), ("zero-2", "2")], stdout  # torch and DeepSpeed
+    for row in rows:
+        for cell in row[2:5]:
+            assert re.fullmatch(rf"\s*{NUMBER} /\s+{NUMBER} \({NUMBER}\)( \(CPU\))?", cell), stdout
+        assert number(row[5]) > 0 and number(row[6]) > 0, stdout
+
+
+def test_parallel_layouts_bench_prints_each_layout_it_ran():
+    stdout = run_bench("parallel_layouts.py", "--steps", "1", "--layouts", "1,1", "2,2")
+    rows = markdown_rows(stdout, "| TP × PP (DP) |")
+    assert [row[0] for row in rows] == ["(1,1) (4)", "(2,2) (1)"], stdout
+    assert all(len(row) == 6 and [number(cell) for cell in row[1:]] for row in rows), stdout
+
+
+def test_gpu_throughput_bench_smoke_cpu_runs_every_system():
+    stdout = run_bench("gpu_throughput.py", "--smoke-cpu", "--no-memory")
+    rows = markdown_rows(stdout, "| model | system | torch.compile |")
+    assert [row[1] for row in rows] == ["rapidtrain", "plain loop", "HF Trainer"], stdout
+    assert all(len(row) == 9 and [number(row[i]) for i in (3, 4, 5, 7, 8)] for row in rows), stdout
+
+
+def test_pretrain_throughput_bench_prints_systems_side_by_side(demo_data):
+    systems = ["rapidtrain", "plain loop", "HF Trainer"]
+    stdout = run_bench("pretrain_throughput.py", "--iters", "3", "--warmup", "1", "--layers", "1", "--hidden", "32",
+                       "--heads", "2", "--seq", "16", "--batch", "1", "--precisions", "fp32", "--systems", *systems)
+    rows = lines_after(stdout, "precision system")
+    assert [(row[:9].strip(), row[10:35].strip()) for row in rows] == [("fp32", system) for system in systems], stdout
+    assert all(len(row[35:].split()) == 6 and [number(cell) for cell in row[35:].split()] for row in rows), stdout
+    assert re.search(r"fp32: matmul peak \d+ GFLOP/s .* GEMMs alone run at \d+ GFLOP/s", stdout), stdout
+
+
+def test_efficient_training_bench_prints_each_row_it_ran(demo_data):
+    rows = ["recompute-selective", "clm-packed"]
+    stdout = run_bench("efficient_training.py", "--only", *rows, "--iters", "7", "--epochs", "1")
+    body = [line for line in lines_after(stdout, "technique") if not line.startswith("---")]
+    assert [line[:36].strip() for line in body] == ["recompute selective (attention core)",
+                                                    "causal LM, padding-free packing"], stdout
+    for line in body:
+        cells = re.fullmatch(rf".{{75}}\s*({NUMBER})\s+({NUMBER})M\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})  (.+)", line)
+        assert cells and [number(cell) for cell in cells.groups()[:5]], line
+        assert re.match(r"(loss|dev loss) \d", cells.group(6)), line
