@@ -43,6 +43,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_plan_matches_run.py",
     "tests/distributed/test_per_token_loss.py",
     "tests/e2e/test_examples.py",
+    "tests/e2e/test_benches.py",
     "tests/distributed/test_memory_estimate.py",
     "tests/distributed/test_pipeline_parallel.py",
 )
