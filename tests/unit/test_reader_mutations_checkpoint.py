@@ -16,6 +16,7 @@ import io
 import json
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -127,18 +128,25 @@ def test_plan_of_a_damaged_megatron_folder_works_or_names_it(checkpoint, name, d
         shutil.rmtree(root, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def saved_args_changed(checkpoint: Path, args: dict) -> Iterator[tuple[Path, Path]]:
+    """A copy of `checkpoint` whose iteration-3 common.json saved `args` (root, common.json), removed afterwards."""
+    root = checkpoint.parent / f"args-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(checkpoint, root)
+    common = iteration_dir(root, 3) / "common.json"
+    common.write_text(json.dumps(json.loads(common.read_text()) | {"args": args}))
+    try:
+        yield root, common
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.parametrize("value", ["x", [1], True, -3, {"a": 1}, 3.5, None])
 @pytest.mark.parametrize("key", ["num_layers", "num_experts"])
 def test_plan_refuses_a_saved_shape_of_the_wrong_kind_naming_common_json(checkpoint, key, value):
     """Valid JSON with a wrong value where the shape is read: named, not a TypeError deep in the plan."""
-    root = checkpoint.parent / f"shape-{uuid.uuid4().hex[:8]}"
-    shutil.copytree(checkpoint, root)
-    common = iteration_dir(root, 3) / "common.json"
-    common.write_text(json.dumps(json.loads(common.read_text()) | {"args": {key: value}}))
-    try:
+    with saved_args_changed(checkpoint, {key: value}) as (root, common):
         works_or_names(lambda: plan([*TINY, "--pretrained-model-name-or-path", str(root)]), common)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 HUGE = [("hidden_size", 10**9), ("num_layers", 10**6), ("num_attention_heads", 2**40)]
@@ -147,17 +155,11 @@ HUGE = [("hidden_size", 10**9), ("num_layers", 10**6), ("num_attention_heads", 2
 @pytest.mark.parametrize("key, value", HUGE)
 def test_plan_refuses_a_huge_saved_shape_naming_common_json_and_the_value(checkpoint, key, value):
     """Valid JSON, a count past any real model's: refused where it is read, not when the model is built."""
-    root = checkpoint.parent / f"huge-{uuid.uuid4().hex[:8]}"
-    shutil.copytree(checkpoint, root)
-    common = iteration_dir(root, 3) / "common.json"
-    common.write_text(json.dumps(json.loads(common.read_text()) | {"args": {key: value}}))
-    try:
+    with saved_args_changed(checkpoint, {key: value}) as (root, _):
         flag = "--" + key.replace("_", "-")
         argv = [a for i, a in enumerate(TINY) if flag not in (a, TINY[i - 1])]  # not given: taken from common.json
         with pytest.raises(UserError, match=rf"common\.json: damaged: its saved {key} is {value}"):
             plan([*argv, "--pretrained-model-name-or-path", str(root)])
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("key, value", HUGE)
