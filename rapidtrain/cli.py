@@ -19,6 +19,7 @@ from rapidtrain.config import arguments, plan, resolve, rules, settings
 from rapidtrain.config.describe import describe_plan
 from rapidtrain.config.flag_parser import FlagParser
 from rapidtrain.core.errors import UserError, user_errors
+from rapidtrain.core.process_exit import exit_after
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 USAGE = """usage:
@@ -314,4 +315,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_after(main, returns_status=True)  # a rank ends without finalization (core/process_exit.py)

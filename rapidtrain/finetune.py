@@ -20,6 +20,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from rapidtrain.core.errors import user_errors  # noqa: E402
+from rapidtrain.core.process_exit import exit_after  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 from rapidtrain.train.finetuner import Finetuner  # noqa: E402
 
@@ -115,4 +116,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)  # a rank ends without finalization (rapidtrain/core/process_exit.py)

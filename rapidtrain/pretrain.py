@@ -14,6 +14,7 @@ if __package__ in (None, ""):  # run as a file: make the package importable, not
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from rapidtrain.core.errors import user_errors  # noqa: E402
+from rapidtrain.core.process_exit import exit_after  # noqa: E402
 from rapidtrain.train.builtin_pretrainer import MegatronPreTrainer  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 
@@ -30,4 +31,4 @@ def main(argv: list[str] | None = None, entry: str = ENTRY) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)  # a rank ends without finalization (rapidtrain/core/process_exit.py)

@@ -11,9 +11,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the package importable, not its folder's modules
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from rapidtrain.core.process_exit import exit_after  # noqa: E402
 from rapidtrain.pretrain import main  # noqa: E402
 
 ENTRY = "pretrain_bert"  # its declared defaults: arguments.ENTRY_DEFAULTS
 
 if __name__ == "__main__":
-    main(entry=ENTRY)
+    exit_after(lambda: main(entry=ENTRY))  # a rank ends without finalization (core/process_exit.py)

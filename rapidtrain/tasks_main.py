@@ -16,6 +16,7 @@ if __package__ in (None, ""):  # run as a file: make the package importable, not
 from typing import Any  # noqa: E402
 
 from rapidtrain.core.errors import user_errors  # noqa: E402
+from rapidtrain.core.process_exit import exit_after  # noqa: E402
 from rapidtrain.tasks.megatron_tasks import MegatronTaskFinetuner  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 
@@ -31,4 +32,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)  # a rank ends without finalization (rapidtrain/core/process_exit.py)

@@ -1,0 +1,89 @@
+"""How a rank's process ends: its entry point's status, with everything Python would have done at exit done, and
+without the interpreter's finalization, which races with native threads that are still running.
+
+Why. A gloo process group's worker threads ("pt_gloo_runloop") outlive `destroy_process_group` whenever Python
+still holds the group (DistributedDataParallel, an optimizer, a device mesh do): destroying it only unregisters
+it. Such a thread drops each finished collective after the rank has seen it complete, and dropping one whose
+tensor Python let go of takes the GIL. If the interpreter has begun finalizing by then, CPython ends that
+thread with `pthread_exit`, whose unwinding reaches a C++ destructor and calls `std::terminate`: the rank dies
+of SIGABRT ("terminate called without an active exception") after a run that finished. Arrow's thread pools
+(Hugging Face `datasets`) fail the same way at exit. A process that never finalizes cannot hit it.
+
+What is kept of a normal exit: non-daemon threads are waited for (with the callbacks that tell executors'
+workers to stop), atexit handlers run (logging, multiprocessing's children, trackers), and every open file
+is flushed (the standard streams, and files a user's script left open, which finalization would have
+flushed). Only the finalization itself is skipped: freeing the modules' objects, which the OS does faster.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import NoReturn
+
+from rapidtrain.core.launch_env import launched_rank
+
+
+def exit_after(main: Callable[[], object], returns_status: bool = False) -> NoReturn:
+    """Run an entry point's `main()` as this process's program and exit with its status (`main`'s return value
+    when `returns_status`, else 0; a SystemExit's code). A rank of a launch ends without finalization
+    (`end_process`); any other process exits as Python does. An exception other than SystemExit propagates."""
+    try:
+        result = main()
+        code: object = result if returns_status else 0
+    except SystemExit as stop:
+        code = stop.code
+    if not launched_rank(os.environ):
+        raise SystemExit(code)
+    end_process(exit_code(code))
+
+
+def exit_code(code: object) -> int:
+    """A SystemExit code as the interpreter turns it into a status: None is 0, an int is itself, anything else
+    is printed to stderr and gives 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def end_process(status: int) -> NoReturn:
+    """Do what Python does at exit up to its finalization, then end the process with `status`."""
+    shutdown_threads = getattr(threading, "_shutdown", None)  # CPython: executors' stop callbacks, then joins
+    if shutdown_threads is not None:
+        shutdown_threads()
+    else:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+    atexit._run_exitfuncs()
+    flush_open_files()
+    os._exit(status)
+
+
+FILE_TYPES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
+
+
+def flush_open_files() -> None:
+    """Flush the standard streams, then every buffered file still open (finalization would have closed them)."""
+    for stream in (sys.stdout, sys.stderr):
+        _flush(stream)
+    for obj in gc.get_objects():
+        # type(), not isinstance: some objects answer `__class__` with a warning (torch's deprecated aliases)
+        if issubclass(type(obj), FILE_TYPES):
+            _flush(obj)
+
+
+def _flush(stream: object) -> None:
+    try:
+        if stream is not None and not stream.closed:  # type: ignore[attr-defined]
+            stream.flush()  # type: ignore[attr-defined]
+    except (OSError, ValueError, AttributeError):
+        pass  # a closed pipe or a detached stream: nothing left to write there
