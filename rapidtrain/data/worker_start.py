@@ -7,8 +7,12 @@ that Python also holds (they create a thread state to drop the Python reference)
 from a rank now and then never starts and the rank waits on it for ever (a 2-rank run hung before iteration 1; gdb
 on the worker: PyOS_AfterFork_Child → _PyEval_ReInitThreads → _PyThreadState_DeleteExcept, in a lock wait).
 
-So once a process group exists, workers are forked from multiprocessing's forkserver instead: a process started
-fresh (torch preloaded), with no thread but its own, which forks each worker on request. Its workers get the
+So once a process group exists, workers are forked from multiprocessing's forkserver instead: a process with no
+thread but its own, which forks each worker on request. The Engine forks that server from the rank itself just
+before the process group starts (`start_worker_server`: no gloo thread yet, so the fork is safe), so the server
+already holds torch and rapidtrain and costs a fork, not a second interpreter importing torch (about 2.5 s of CPU
+per rank); where it did not (no Engine, other threads running), multiprocessing starts its own server, torch
+preloaded. Its workers get the
 dataset and collate function pickled; a read-only memory map (the index cache, the .bin files) travels as its
 path and is mapped again in the worker, not copied. Where something cannot travel that way (a class defined in
 a user's script, a lambda), or where no process group runs (one process: no threads), workers are forked from
@@ -21,7 +25,10 @@ import io
 import mmap
 import multiprocessing
 import os
+import signal
+import socket
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,6 +65,48 @@ def worker_context(dataset: Any, collate_fn: Any, num_workers: int) -> BaseConte
     # rather than in every worker.
     context.set_forkserver_preload([*PRELOAD, type(dataset).__module__])
     return context
+
+
+def start_worker_server() -> bool:
+    """Fork the forkserver that will start this rank's DataLoader workers from the rank itself, now: before its
+    process group exists and while no other thread runs (both make the fork safe). True when started here; False
+    where it is not needed (an interpreter that forks safely, not Linux) or not safe (other threads), or already
+    running. The server ignores SIGTERM and dies with the rank (data/forkserver_preload.py's rules, applied here)."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server: Any = forkserver._forkserver  # the module's server, which multiprocessing's "forkserver" context uses
+    if not FORK_DEADLOCKS or sys.platform != "linux" or server._forkserver_pid is not None:
+        return False
+    if threading.active_count() > 1 or (dist.is_available() and dist.is_initialized()):
+        return False
+    resource_tracker.ensure_running()  # its descriptor goes to every worker, as with multiprocessing's own server
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # the rank keeps the write end: end of file tells the server to stop
+    rank = os.getpid()
+    for stream in (sys.stdout, sys.stderr):  # or the server would print what the rank had buffered a second time
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:  # the server: it serves until the rank closes its pipe, and never returns into the rank's code
+        try:
+            os.close(alive_w)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            from rapidtrain.core.shutdown import stop_with_parent
+
+            stop_with_parent(rank, signal.SIGKILL)
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return True
 
 
 _told: list[str] = []

@@ -31,6 +31,7 @@ from rapidtrain.core.launch_env import environment_problems
 from rapidtrain.core.metrics import Timers, tee_output
 from rapidtrain.core.shutdown import stop_rank_with_torchrun
 from rapidtrain.data.loaders import ShardSettings
+from rapidtrain.data.worker_start import start_worker_server
 from rapidtrain.models.bert import BertModel
 from rapidtrain.models.gpt import GPTModel
 from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
@@ -197,6 +198,8 @@ class Engine:
         self.plan: Plan = from_args(self.args, self.context)
         stop_rank_with_torchrun()  # torchrun gone (even SIGKILLed): SIGTERM, so this rank saves and exits
         self.warn_rank0(self.plan.warnings)
+        if self.plan.layout.world_size > 1 and self.plan.data.num_workers > 0:
+            start_worker_server()  # before the process group's threads exist (data/worker_start.py)
         init_distributed(self.plan.distributed, self.context.device_type)
         apply_tf32(self.plan.switches.tf32)
         self.device = self._device()

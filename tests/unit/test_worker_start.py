@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from rapidtrain.core.shutdown import ignore_sigterm_in_worker
 from rapidtrain.data.loaders import shutdown_workers
 from rapidtrain.data.worker_start import FORK_DEADLOCKS, WorkerLoader, sends_to_forkserver, worker_context
+from tests.launch import REPO, child_env
 
 # Only interpreters with the after-fork deadlock (gh-112275) start a rank's workers from the forkserver.
 FORKSERVER = pytest.mark.skipif(not FORK_DEADLOCKS, reason="this interpreter forks safely: workers are forked")
@@ -101,3 +104,42 @@ def test_a_file_map_travels_by_path_and_a_view_as_a_copy(rows):
     assert np.array_equal(received, mapped)
     view = pickle.loads(bytes(ForkingPickler.dumps(mapped[3:7, 2:5])))
     assert np.array_equal(view, mapped[3:7, 2:5])
+
+
+FORKED_SERVER = """
+import os, sys
+from pathlib import Path
+import numpy as np, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+from rapidtrain.data.loaders import shutdown_workers
+from rapidtrain.data.worker_start import WorkerLoader, start_worker_server, worker_context
+from tests.unit.test_worker_start import MappedRows, _parent
+
+assert start_worker_server()
+assert not start_worker_server()  # one per rank
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
+dataset = MappedRows(Path(sys.argv[1]))
+loader = WorkerLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context=worker_context(dataset, None, 2))
+iterator = iter(loader)
+batches = [next(iterator) for _ in range(3)]
+servers = {_parent(worker.pid) for worker in iterator._workers}
+shutdown_workers(loader)
+assert torch.equal(torch.cat(batches), torch.from_numpy(np.array(dataset.rows[:12])))
+(server,) = servers
+assert server != os.getpid() and _parent(server) == os.getpid()  # forked by a server this rank forked
+print("server command:", Path(f"/proc/{server}/cmdline").read_bytes().replace(b"\\0", b" ").decode())
+dist.destroy_process_group()
+"""
+
+
+@FORKSERVER
+def test_the_engines_server_is_forked_from_the_rank_before_its_process_group(rows, tmp_path):
+    """start_worker_server (called by the Engine before init_distributed): the workers' server is a fork of the
+    rank (the rank's own command line, torch already imported), not a second interpreter importing torch."""
+    script = tmp_path / "forked_server.py"
+    script.write_text(FORKED_SERVER)
+    run = subprocess.run([sys.executable, str(script), str(rows), str(REPO)], capture_output=True, text=True,
+                         timeout=120, env=child_env())
+    assert run.returncode == 0, run.stdout + run.stderr
+    command = run.stdout.split("server command:", 1)[1].strip()
+    assert command.endswith(f"forked_server.py {rows} {REPO}") and "multiprocessing.forkserver" not in command
