@@ -15,11 +15,14 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from rapidtrain.config import arguments, plan, resolve, rules, settings
-from rapidtrain.config.describe import describe_plan
-from rapidtrain.config.flag_parser import FlagParser
-from rapidtrain.core.errors import UserError, user_errors
-from rapidtrain.core.process_exit import exit_after
+from rapidtrain.core.process import exit_after, pause_collection
+
+pause_collection(__name__ == "__main__")  # until main starts (rapidtrain/core/process.py)
+
+from rapidtrain.config import arguments, plan, resolve, rules, settings  # noqa: E402
+from rapidtrain.config.describe import describe_plan  # noqa: E402
+from rapidtrain.config.flag_parser import FlagParser  # noqa: E402
+from rapidtrain.core.errors import UserError, user_errors  # noqa: E402
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 USAGE = """usage:
@@ -315,4 +318,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_after(main, returns_status=True)  # a rank ends without finalization (core/process_exit.py)
+    exit_after(main, returns_status=True)  # a rank ends without finalization (core/process.py)

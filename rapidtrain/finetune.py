@@ -15,12 +15,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the package importable, not its folder's modules
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from rapidtrain.core.process import exit_after, pause_collection  # noqa: E402
+
+pause_collection(__name__ == "__main__")  # until main starts (rapidtrain/core/process.py)
+
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
 from rapidtrain.core.errors import user_errors  # noqa: E402
-from rapidtrain.core.process_exit import exit_after  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 from rapidtrain.train.finetuner import Finetuner  # noqa: E402
 
@@ -116,4 +119,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    exit_after(main)  # a rank ends without finalization (rapidtrain/core/process_exit.py)
+    exit_after(main)  # a rank ends without finalization (rapidtrain/core/process.py)

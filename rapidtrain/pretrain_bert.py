@@ -11,10 +11,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the package importable, not its folder's modules
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from rapidtrain.core.process_exit import exit_after  # noqa: E402
+from rapidtrain.core.process import exit_after, pause_collection  # noqa: E402
+
+pause_collection(__name__ == "__main__")  # until main starts (rapidtrain/core/process.py)
+
 from rapidtrain.pretrain import main  # noqa: E402
 
 ENTRY = "pretrain_bert"  # its declared defaults: arguments.ENTRY_DEFAULTS
 
 if __name__ == "__main__":
-    exit_after(lambda: main(entry=ENTRY))  # a rank ends without finalization (core/process_exit.py)
+    exit_after(lambda: main(entry=ENTRY))  # a rank ends without finalization (core/process.py)

@@ -1,4 +1,4 @@
-"""A rank that finished its run ends with its status, whatever native threads are still doing (core/process_exit.py).
+"""A rank that finished its run ends with its status, whatever native threads are still doing (core/process.py).
 
 The failure it prevents: gloo's worker threads outlive `destroy_process_group` while Python holds the group, and
 a thread that drops a finished collective whose tensor Python let go of takes the GIL; once the interpreter
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from rapidtrain.core.process_exit import exit_after, exit_code
+from rapidtrain.core.process import exit_after, exit_code
 from tests.launch import torchrun
 
 IN_FLIGHT_AT_EXIT = textwrap.dedent("""
     import atexit, os, sys
     import torch
     import torch.distributed as dist
-    from rapidtrain.core.process_exit import exit_after
+    from rapidtrain.core.process import exit_after
 
     def main():
         dist.init_process_group("gloo")
