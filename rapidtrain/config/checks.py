@@ -275,13 +275,11 @@ def compile_backends() -> list[str]:
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
 
 
-ZERO_DEFAULTS = zero_flag_defaults()
-
-
 def zero_settings_given(args: Args, stage3_only: bool = False) -> list[str]:
     """The DeepSpeed ZeRO flags given other values than their defaults (stage-3 ones only, if asked)."""
-    dests = [d for d in ZERO_DEFAULTS if not stage3_only or "stage3" in d]
-    flags = [flag_name(d) for d in dests if getattr(args, d) != ZERO_DEFAULTS[d]]
+    defaults = zero_flag_defaults()
+    dests = [d for d in defaults if not stage3_only or "stage3" in d]
+    flags = [flag_name(d) for d in dests if getattr(args, d) != defaults[d]]
     return [f.replace("--zero-overlap-comm", "--no-zero-overlap-comm").replace(
         "--zero-contiguous-gradients", "--no-zero-contiguous-gradients") for f in flags]
 

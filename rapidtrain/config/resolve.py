@@ -501,9 +501,10 @@ ZERO_FLAG_DESTS = ("zero_overlap_comm", "zero_contiguous_gradients", "zero_reduc
 
 @functools.cache
 def zero_flag_defaults() -> dict[str, Any]:
-    from rapidtrain.config.arguments import build_parser
+    from rapidtrain.config.arguments import _add_memory
 
-    parser = build_parser()
+    parser = argparse.ArgumentParser(add_help=False)  # the group that declares them, not every flag
+    _add_memory(parser)
     return {dest: parser.get_default(dest) for dest in ZERO_FLAG_DESTS}
 
 

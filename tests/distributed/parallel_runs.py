@@ -9,6 +9,7 @@ the test process. Parity runs keep dropout off and the padded vocabulary equal i
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,10 +175,26 @@ _DONE: dict[str, LayoutRuns] = {}
 
 
 def layout_runs(tmp_path_factory, demo_data) -> LayoutRuns:
-    """Run everything once per session (each test module asks; the first one pays)."""
+    """Run everything once per session (each test module asks; the first one pays). Under xdist the session's
+    workers share one build: the modules that ask may land on both workers, and the second waits for the first
+    (idle, so the build has the cores) instead of training every layout again beside it."""
     if "runs" in _DONE:
         return _DONE["runs"]
-    out = tmp_path_factory.mktemp("parallel_layouts")
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common folder
+    out = shared / "parallel_layouts"
+    with FileLock(str(shared / "parallel_layouts.lock")):
+        if not (out / "complete").exists():
+            out.mkdir(exist_ok=True)
+            _build(out, demo_data)
+            (out / "complete").touch()
+    _DONE["runs"] = LayoutRuns(out)
+    return _DONE["runs"]
+
+
+def _build(out: Path, demo_data) -> None:
     gpt = gpt_flags(demo_data)
     bert_data = prepare_bert_data(out / "bert_data")
     train_here(gpt + EVALUATION + ["--loss-log-file", str(out / "single.txt")], out / "single.log")
@@ -192,5 +209,3 @@ def layout_runs(tmp_path_factory, demo_data) -> LayoutRuns:
             gpt
             + ["--load", str(out / f"{name}_at5"), "--loss-log-file", str(out / f"single_from_{name}.txt")]
         )
-    _DONE["runs"] = LayoutRuns(out)
-    return _DONE["runs"]
