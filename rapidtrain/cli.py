@@ -131,7 +131,9 @@ def launch(argv: list[str]) -> int:
     # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/core/shutdown.py). The
     # command line goes with it, for the resume line of a stopped run.
     env = dict(os.environ, **{COMMAND_ENV: shlex.join(["rapidtrain", *argv])})
-    return run_forwarding_signals(torchrun_command(args, script, argv, ctx.device_type), env)
+    command = torchrun_command(args, script, argv, ctx.device_type)
+    # The same torchrun as a fork of this process, which has imported torch already (core/shutdown.py).
+    return run_forwarding_signals(command, env, fork_main=lambda: main(command[command.index(TORCHRUN):]))
 
 
 def check_inputs_before_launch(args: argparse.Namespace) -> None:

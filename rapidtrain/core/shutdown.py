@@ -25,9 +25,11 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 # The process that started this one, exported by the launcher (for torchrun) and by the launcher's torchrun
 # (for the ranks), so a child can tell whether its parent died before it asked to be told.
@@ -78,9 +80,14 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = None) -> int:
+def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = None,
+                           fork_main: Callable[[], int] | None = None) -> int:
     """Run `command` in its own session, forward every stop signal this process receives to it, and wait for
     it however long it takes; its exit status. The child learns this process's pid (PARENT_PID_ENV).
+
+    `fork_main`, when given, is what `command` would run, as a call in this process: the child is then a fork
+    of this one running it, not a new interpreter (the launcher's torchrun skips importing torch again, about
+    2 s per launch), provided this process runs no other thread (a fork copies only the calling one).
 
     Each signal is forwarded once: the child was told, and a repeat (a scheduler's SIGTERM loop, an impatient
     `kill`) reaching it while its interpreter finalizes, when Python handlers no longer run, would turn the
@@ -88,7 +95,7 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     afterwards too: this process is about to exit with the child's status, and a repeat arriving in between
     must not replace that status with its own death. SIGKILL remains the way to end a run at once."""
     env = dict(os.environ if env is None else env, **{PARENT_PID_ENV: str(os.getpid())})
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | ForkedChild | None = None
     received: list[int] = []
     aborted: list[bool] = []
 
@@ -106,7 +113,10 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
     try:
-        process = subprocess.Popen(list(command), env=env, start_new_session=True)
+        if fork_main is not None and single_threaded():
+            process = ForkedChild(fork_main, env)
+        else:
+            process = subprocess.Popen(list(command), env=env, start_new_session=True)
         for signum in list(received):  # arrived while it was being started
             process.send_signal(signum)
         status = exit_status(process.wait())
@@ -114,6 +124,55 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_IGN if signum in received else handler)
+
+
+def single_threaded() -> bool:
+    """This process runs one thread, native ones included (/proc); False where that cannot be told."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+class ForkedChild:
+    """A child that is a fork of this process calling `main` in a session of its own, with `env` as its
+    environment; its status is main's return value (or its SystemExit's). Offers what run_forwarding_signals uses
+    of a Popen. The child gets the signal dispositions a new interpreter would: handlers back to the defaults
+    (Ctrl-C raising KeyboardInterrupt), ignored signals still ignored."""
+
+    def __init__(self, main: Callable[[], int], env: dict[str, str]) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # or the child would print what this process had buffered a second time
+        self.pid = os.fork()
+        if self.pid == 0:
+            self._run_child(main, env)
+
+    @staticmethod
+    def _run_child(main: Callable[[], int], env: dict[str, str]) -> NoReturn:
+        from rapidtrain.core.process import end_process, exit_code
+
+        status = 1
+        try:
+            os.setsid()
+            for signum in FORWARDED_SIGNALS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+            os.environ.clear()
+            os.environ.update(env)
+            status = main()
+        except SystemExit as stop:
+            status = exit_code(stop.code)
+        except BaseException:  # noqa: BLE001 - reported as a new interpreter would, then the status it would give
+            traceback.print_exc()
+        finally:
+            end_process(status)
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.pid, 0)  # retried after a signal's handler has run (PEP 475)
+        return os.waitstatus_to_exitcode(status)
 
 
 def abort_tree(pid: int) -> None:

@@ -20,7 +20,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from rapidtrain.config.describe import ON_SIGTERM, describe_plan
 from rapidtrain.config.settings import TrainingSettings
-from rapidtrain.core.shutdown import child_pids, exit_status, ignore_sigterm_in_worker, run_forwarding_signals
+from rapidtrain.core.shutdown import (
+    child_pids,
+    exit_status,
+    ignore_sigterm_in_worker,
+    run_forwarding_signals,
+    single_threaded,
+)
 from rapidtrain.train.control import StopConditions, StopSignal
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl are Linux's")
@@ -156,8 +162,10 @@ def test_exit_status_reports_signals_as_a_shell_does():
     assert exit_status(0) == 0 and exit_status(2) == 2 and exit_status(-15) == 143
 
 
-def start_launcher(tmp_path: Path) -> subprocess.Popen:
-    """A launcher (run_forwarding_signals) whose child exits 0 once it got SIGTERM, after writing how many."""
+def start_launcher(tmp_path: Path, forked: bool = False) -> subprocess.Popen:
+    """A launcher (run_forwarding_signals) whose child exits 0 once it got SIGTERM, after writing how many; the
+    child is a new interpreter, or (`forked`) a fork of the launcher running the same code, as the launcher's
+    torchrun is."""
     marker = tmp_path / "got"
     child = textwrap.dedent(f"""
         import os, signal, sys, time
@@ -174,7 +182,9 @@ def start_launcher(tmp_path: Path) -> subprocess.Popen:
     launcher = textwrap.dedent(f"""
         import sys
         from rapidtrain.core.shutdown import run_forwarding_signals
-        sys.exit(run_forwarding_signals([sys.executable, "-c", {child!r}]))
+        child = {child!r}
+        fork_main = (lambda: exec(child, {{"__name__": "__main__"}})) if {forked!r} else None
+        sys.exit(run_forwarding_signals([sys.executable, "-c", child], fork_main=fork_main))
     """)
     process = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True,
                                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
@@ -187,20 +197,22 @@ def start_launcher(tmp_path: Path) -> subprocess.Popen:
 
 
 @linux_only
-def test_launcher_forwards_sigterm_once_and_waits(tmp_path):
+@pytest.mark.parametrize("forked", [False, True], ids=["exec", "fork"])
+def test_launcher_forwards_sigterm_once_and_waits(tmp_path, forked):
     """The child (in its own session) gets the launcher's SIGTERM, finishes its work, and its status is the
     launcher's: a child that handles SIGTERM and exits 0 makes the launch exit 0."""
-    process = start_launcher(tmp_path)
+    process = start_launcher(tmp_path, forked)
     os.killpg(process.pid, signal.SIGTERM)  # the launcher's group: the child is not in it
     assert process.wait(WAIT) == 0
     assert (tmp_path / "got").read_text() == "1"  # forwarded exactly once
 
 
 @linux_only
-def test_launcher_keeps_its_childs_status_under_repeated_sigterm(tmp_path):
+@pytest.mark.parametrize("forked", [False, True], ids=["exec", "fork"])
+def test_launcher_keeps_its_childs_status_under_repeated_sigterm(tmp_path, forked):
     """SIGTERM after SIGTERM until the launcher is gone: the repeats after its child ended must not turn the
     child's 0 into the launcher's own death by signal."""
-    process = start_launcher(tmp_path)
+    process = start_launcher(tmp_path, forked)
     deadline = time.monotonic() + WAIT
     while process.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(ProcessLookupError):
@@ -249,3 +261,30 @@ def test_run_forwarding_signals_returns_the_childs_status():
     assert run_forwarding_signals([sys.executable, "-c", "raise SystemExit(5)"]) == 5
     assert run_forwarding_signals([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]) \
         == 128 + signal.SIGTERM
+
+
+def _kill_self() -> int:
+    os.kill(os.getpid(), signal.SIGTERM)
+    return 0
+
+
+def _fails() -> int:
+    raise ValueError("a bug in the child")
+
+
+@linux_only
+def test_a_forked_child_gives_its_status_as_a_new_interpreter_would(capfd):
+    """ForkedChild: main's return value, its SystemExit's code, death by a signal, an exception's traceback and 1;
+    the child's own session and environment."""
+    command = [sys.executable, "-c", "unused: the child is a fork"]
+    if not single_threaded():
+        pytest.skip("this test process runs other threads: the fork path is not taken")
+    assert run_forwarding_signals(command, fork_main=lambda: 6) == 6
+    assert run_forwarding_signals(command, fork_main=lambda: sys.exit(4)) == 4
+    assert run_forwarding_signals(command, fork_main=_kill_self) == 128 + signal.SIGTERM
+    assert run_forwarding_signals(command, fork_main=_fails) == 1
+    assert "ValueError: a bug in the child" in capfd.readouterr().err
+    session = os.getsid(0)
+    status = run_forwarding_signals(command, env={"ONLY": "this"}, fork_main=lambda: int(
+        os.getsid(0) != session and os.environ.get("ONLY") == "this" and "RAPIDTRAIN_PARENT_PID" in os.environ))
+    assert status == 1
