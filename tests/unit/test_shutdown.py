@@ -25,7 +25,6 @@ from rapidtrain.core.shutdown import (
     exit_status,
     ignore_sigterm_in_worker,
     run_forwarding_signals,
-    single_threaded,
 )
 from rapidtrain.train.control import StopConditions, StopSignal
 
@@ -263,28 +262,37 @@ def test_run_forwarding_signals_returns_the_childs_status():
         == 128 + signal.SIGTERM
 
 
-def _kill_self() -> int:
-    os.kill(os.getpid(), signal.SIGTERM)
-    return 0
+FORKED_CHILDREN = textwrap.dedent("""
+    import os, signal, sys
+    from rapidtrain.core.shutdown import run_forwarding_signals, single_threaded
 
+    def kill_self():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
 
-def _fails() -> int:
-    raise ValueError("a bug in the child")
+    def fails():
+        raise ValueError("a bug in the child")
+
+    assert single_threaded()  # a fresh interpreter: the fork path is taken
+    command = [sys.executable, "-c", "unused: the child is a fork"]
+    session = os.getsid(0)
+    env = os.environ
+    own = lambda: 9 if os.getsid(0) != session and env.get("ONLY") == "this" and "RAPIDTRAIN_PARENT_PID" in env else 0
+    print("statuses", run_forwarding_signals(command, fork_main=lambda: 6),
+          run_forwarding_signals(command, fork_main=lambda: sys.exit(4)),
+          run_forwarding_signals(command, fork_main=kill_self),
+          run_forwarding_signals(command, fork_main=fails),
+          run_forwarding_signals(command, env={"ONLY": "this"}, fork_main=own), flush=True)
+""")
 
 
 @linux_only
-def test_a_forked_child_gives_its_status_as_a_new_interpreter_would(capfd):
-    """ForkedChild: main's return value, its SystemExit's code, death by a signal, an exception's traceback and 1;
-    the child's own session and environment."""
-    command = [sys.executable, "-c", "unused: the child is a fork"]
-    if not single_threaded():
-        pytest.skip("this test process runs other threads: the fork path is not taken")
-    assert run_forwarding_signals(command, fork_main=lambda: 6) == 6
-    assert run_forwarding_signals(command, fork_main=lambda: sys.exit(4)) == 4
-    assert run_forwarding_signals(command, fork_main=_kill_self) == 128 + signal.SIGTERM
-    assert run_forwarding_signals(command, fork_main=_fails) == 1
-    assert "ValueError: a bug in the child" in capfd.readouterr().err
-    session = os.getsid(0)
-    status = run_forwarding_signals(command, env={"ONLY": "this"}, fork_main=lambda: int(
-        os.getsid(0) != session and os.environ.get("ONLY") == "this" and "RAPIDTRAIN_PARENT_PID" in os.environ))
-    assert status == 1
+def test_a_forked_child_gives_its_status_as_a_new_interpreter_would():
+    """ForkedChild (run in a fresh interpreter: pytest's workers run threads, which rule the fork out): main's
+    return value, its SystemExit's code, death by a signal (128 + N), an exception's traceback and 1; the child in
+    its own session with the environment it was given."""
+    run = subprocess.run([sys.executable, "-c", FORKED_CHILDREN], capture_output=True, text=True, timeout=WAIT,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    assert run.returncode == 0, run.stderr
+    assert f"statuses 6 4 {128 + signal.SIGTERM} 1 9" in run.stdout
+    assert "ValueError: a bug in the child" in run.stderr
