@@ -95,10 +95,15 @@ def end_process(status: int) -> NoReturn:
 FILE_TYPES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
 
 
-def flush_open_files() -> None:
-    """Flush the standard streams, then every buffered file still open (finalization would have closed them)."""
+def flush_standard_streams() -> None:
+    """Before a fork too: or the child would print again what this process had buffered."""
     for stream in (sys.stdout, sys.stderr):
         _flush(stream)
+
+
+def flush_open_files() -> None:
+    """Flush the standard streams, then every buffered file still open (finalization would have closed them)."""
+    flush_standard_streams()
     for obj in gc.get_objects():
         # type(), not isinstance: some objects answer `__class__` with a warning (torch's deprecated aliases)
         if issubclass(type(obj), FILE_TYPES):

@@ -141,8 +141,9 @@ class ForkedChild:
     (Ctrl-C raising KeyboardInterrupt), ignored signals still ignored."""
 
     def __init__(self, main: Callable[[], int], env: dict[str, str]) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()  # or the child would print what this process had buffered a second time
+        from rapidtrain.core.process import flush_standard_streams
+
+        flush_standard_streams()
         self.pid = os.fork()
         if self.pid == 0:
             self._run_child(main, env)

@@ -12,11 +12,10 @@ thread but its own, which forks each worker on request. The Engine forks that se
 before the process group starts (`start_worker_server`: no gloo thread yet, so the fork is safe), so the server
 already holds torch and rapidtrain and costs a fork, not a second interpreter importing torch (about 2.5 s of CPU
 per rank); where it did not (no Engine, other threads running), multiprocessing starts its own server, torch
-preloaded. Its workers get the
-dataset and collate function pickled; a read-only memory map (the index cache, the .bin files) travels as its
-path and is mapped again in the worker, not copied. Where something cannot travel that way (a class defined in
-a user's script, a lambda), or where no process group runs (one process: no threads), workers are forked from
-the rank as before.
+preloaded. Its workers get the dataset and collate function pickled; a read-only memory map (the index cache, the
+.bin files) travels as its path and is mapped again in the worker, not copied. Where something cannot travel that
+way (a class defined in a user's script, a lambda), or where no process group runs (one process: no threads),
+workers are forked from the rank as before.
 """
 
 from __future__ import annotations
@@ -39,6 +38,9 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+
+from rapidtrain.core.process import flush_standard_streams
+from rapidtrain.core.shutdown import stop_with_parent
 
 # Imported by the forkserver before it forks any worker: the module that ties the server's life to its rank's and
 # makes it ignore SIGTERM (first, at once), and torch (each worker would import it otherwise).
@@ -88,15 +90,12 @@ def start_worker_server() -> bool:
     listener.listen()
     alive_r, alive_w = os.pipe()  # the rank keeps the write end: end of file tells the server to stop
     rank = os.getpid()
-    for stream in (sys.stdout, sys.stderr):  # or the server would print what the rank had buffered a second time
-        stream.flush()
+    flush_standard_streams()
     pid = os.fork()
     if pid == 0:  # the server: it serves until the rank closes its pipe, and never returns into the rank's code
         try:
             os.close(alive_w)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            from rapidtrain.core.shutdown import stop_with_parent
-
             stop_with_parent(rank, signal.SIGKILL)
             forkserver.main(listener.fileno(), alive_r, [])
         finally:
