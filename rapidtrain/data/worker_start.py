@@ -10,12 +10,12 @@ on the worker: PyOS_AfterFork_Child → _PyEval_ReInitThreads → _PyThreadState
 So once a process group exists, workers are forked from multiprocessing's forkserver instead: a process with no
 thread but its own, which forks each worker on request. The Engine forks that server from the rank itself just
 before the process group starts (`start_worker_server`: no gloo thread yet, so the fork is safe), so the server
-already holds torch and rapidtrain and costs a fork, not a second interpreter importing torch (about 2.5 s of CPU
-per rank); where it did not (no Engine, other threads running), multiprocessing starts its own server, torch
-preloaded. Its workers get the dataset and collate function pickled; a read-only memory map (the index cache, the
-.bin files) travels as its path and is mapped again in the worker, not copied. Where something cannot travel that
-way (a class defined in a user's script, a lambda), or where no process group runs (one process: no threads),
-workers are forked from the rank as before.
+already holds torch and rapidtrain and costs a fork, not a second interpreter importing torch (1–2 s of CPU per rank
+on a 2-core test machine); where it did not (no Engine, other threads running), multiprocessing starts its own
+server, torch preloaded. Its workers get the dataset and collate function pickled; a read-only memory map (the index
+cache, the .bin files) travels as its path and is mapped again in the worker, not copied. Where something cannot
+travel that way (a class defined in a user's script, a lambda), or where no process group runs (one process: no
+threads), workers are forked from the rank as before.
 """
 
 from __future__ import annotations
