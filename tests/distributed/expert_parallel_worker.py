@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from rapidtrain.config.settings import Precision
+from rapidtrain.core.process import exit_after
 from rapidtrain.models import build_model
 from rapidtrain.parallel.experts import ExpertParallelExperts
 from rapidtrain.parallel.runner import TorchRunner
@@ -126,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)  # no interpreter finalization racing gloo's threads (rapidtrain/core/process.py)

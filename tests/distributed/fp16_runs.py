@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from rapidtrain.core.process import exit_after  # noqa: E402
 from rapidtrain.pretrain import ENTRY  # noqa: E402
 from rapidtrain.train.builtin_pretrainer import MegatronPreTrainer  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
@@ -101,4 +102,4 @@ def run_all(runs: list[dict[str, Any]]) -> None:
 
 
 if __name__ == "__main__":
-    run_all(json.loads(Path(sys.argv[1]).read_text()))
+    exit_after(lambda: run_all(json.loads(Path(sys.argv[1]).read_text())))  # rapidtrain/core/process.py

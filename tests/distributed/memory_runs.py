@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from rapidtrain.core.process import exit_after  # noqa: E402
 from rapidtrain.pretrain import ENTRY, MegatronPreTrainer  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 
@@ -159,4 +160,4 @@ def run_all(runs: dict[str, list[str]], out: Path) -> None:
 
 
 if __name__ == "__main__":
-    run_all(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    exit_after(lambda: run_all(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])))  # core/process.py

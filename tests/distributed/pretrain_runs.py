@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rapidtrain.core.process import exit_after  # noqa: E402
 from rapidtrain.pretrain import ENTRY, MegatronPreTrainer  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 
@@ -35,4 +36,4 @@ def run_all(runs: list[list[str]]) -> None:
 
 
 if __name__ == "__main__":
-    run_all(json.loads(Path(sys.argv[1]).read_text()))
+    exit_after(lambda: run_all(json.loads(Path(sys.argv[1]).read_text())))  # rapidtrain/core/process.py

@@ -250,10 +250,15 @@ def probe_gradient_sync(flags: list[str]) -> dict[str, list]:
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from rapidtrain.core.process import exit_after
 
-    reports = {mode: probe_gradient_sync(flags) for mode, flags in TORCH_MODES.items()}
-    if dist.get_rank() == 0:
-        (Path(sys.argv[1]) / "probe.json").write_text(json.dumps(reports))
-    dist.barrier()
-    dist.destroy_process_group()
+    def _main() -> None:
+        import torch.distributed as dist
+
+        reports = {mode: probe_gradient_sync(flags) for mode, flags in TORCH_MODES.items()}
+        if dist.get_rank() == 0:
+            (Path(sys.argv[1]) / "probe.json").write_text(json.dumps(reports))
+        dist.barrier()
+        dist.destroy_process_group()
+
+    exit_after(_main)  # no interpreter finalization racing gloo's threads

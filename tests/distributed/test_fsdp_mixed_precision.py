@@ -140,4 +140,6 @@ def test_bf16_fsdp_losses_match_one_process_within_bf16_rounding(wire):
 
 
 if __name__ == "__main__":
-    probe_main(Path(sys.argv[1]))
+    from rapidtrain.core.process import exit_after
+
+    exit_after(lambda: probe_main(Path(sys.argv[1])))  # no interpreter finalization racing gloo's threads

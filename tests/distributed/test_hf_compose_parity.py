@@ -144,10 +144,15 @@ def test_hf_model_in_own_loop_matches_single_process_losses(runs, mode):
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from rapidtrain.core.process import exit_after
 
-    results = {mode: own_loop(flags) for mode, flags in MODES.items()}
-    if dist.get_rank() == 0:
-        Path(sys.argv[1]).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    def _main() -> None:
+        import torch.distributed as dist
+
+        results = {mode: own_loop(flags) for mode, flags in MODES.items()}
+        if dist.get_rank() == 0:
+            Path(sys.argv[1]).write_text(json.dumps(results))
+        dist.barrier()
+        dist.destroy_process_group()
+
+    exit_after(_main)  # no interpreter finalization racing gloo's threads

@@ -154,4 +154,6 @@ def test_at_most_one_host_read_per_steady_iteration(counted, world, name):
 
 
 if __name__ == "__main__":
-    probe(Path(sys.argv[1]))
+    from rapidtrain.core.process import exit_after
+
+    exit_after(lambda: probe(Path(sys.argv[1])))  # no interpreter finalization racing gloo's threads

@@ -116,4 +116,6 @@ def test_sharded_layout_builds_on_meta_and_initialises_bitwise_the_one_process_w
 
 
 if __name__ == "__main__":
-    probe(Path(sys.argv[1]))
+    from rapidtrain.core.process import exit_after
+
+    exit_after(lambda: probe(Path(sys.argv[1])))  # no interpreter finalization racing gloo's threads

@@ -147,4 +147,6 @@ def test_both_groups_rates_follow_the_schedule(ranks, mode):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    from rapidtrain.core.process import exit_after
+
+    exit_after(lambda: worker(Path(sys.argv[1])))  # no interpreter finalization racing gloo's threads

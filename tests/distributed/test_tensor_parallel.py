@@ -259,4 +259,6 @@ def run_probe(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    run_probe(Path(sys.argv[1]))
+    from rapidtrain.core.process import exit_after
+
+    exit_after(lambda: run_probe(Path(sys.argv[1])))  # no interpreter finalization racing gloo's threads

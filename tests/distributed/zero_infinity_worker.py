@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from rapidtrain.core.process import exit_after  # noqa: E402
 from rapidtrain.models import build_model  # noqa: E402
 from rapidtrain.parallel.deepspeed import parameter_residency  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
@@ -48,4 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)  # no interpreter finalization racing gloo's threads (rapidtrain/core/process.py)
