@@ -29,7 +29,9 @@ import io
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from rapidtrain.core.launch_env import launched_rank
@@ -78,8 +80,28 @@ def exit_code(code: object) -> int:
     return 1
 
 
+_ending: list[bool] = []  # end_process runs the atexit handlers itself, then skips finalization
+
+
+def settle_collective_threads(seconds: float = 0.05) -> None:
+    """An atexit handler (the Engine registers it) for a process that ends with Python's normal exit, such as a
+    script run with a bare `torchrun my_script.py`: atexit runs before finalization begins, so a gloo worker thread
+    that has yet to drop a finished collective can still take the GIL. Sleeping `seconds` with the GIL free gives
+    it that moment: this narrows the window (the thread must now be held off the CPU that long), where
+    `exit_after` closes it."""
+    if _ending or sys.platform != "linux":
+        return
+    try:
+        names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    if "pt_gloo_runloop" in names:
+        time.sleep(seconds)
+
+
 def end_process(status: int) -> NoReturn:
     """Do what Python does at exit up to its finalization, then end the process with `status`."""
+    _ending.append(True)
     shutdown_threads = getattr(threading, "_shutdown", None)  # CPython: executors' stop callbacks, then joins
     if shutdown_threads is not None:
         shutdown_threads()

@@ -9,6 +9,7 @@ applies it to a model and returns the runner that the templates, or a user's own
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ from rapidtrain.config.settings import DistributedSettings, Plan, RunContext
 from rapidtrain.core.cpu_allocator import keep_freed_memory
 from rapidtrain.core.launch_env import environment_problems
 from rapidtrain.core.metrics import Timers, tee_output
+from rapidtrain.core.process import settle_collective_threads
 from rapidtrain.core.shutdown import stop_rank_with_torchrun
 from rapidtrain.data.loaders import ShardSettings
 from rapidtrain.data.worker_start import start_worker_server
@@ -201,6 +203,8 @@ class Engine:
         if self.plan.layout.world_size > 1 and self.plan.data.num_workers > 0:
             start_worker_server()  # before the process group's threads exist (data/worker_start.py)
         init_distributed(self.plan.distributed, self.context.device_type)
+        atexit.unregister(settle_collective_threads)  # once per process, however many Engines it creates
+        atexit.register(settle_collective_threads)  # for a script's normal exit (core/process.py)
         apply_tf32(self.plan.switches.tf32)
         self.device = self._device()
         if self.device.type == "cpu" and self.plan.switches.cpu_allocator_tuning:
