@@ -110,9 +110,11 @@ def autocast(precision: Precision, device_type: str) -> contextlib.AbstractConte
 
 def agree(flags: Sequence[torch.Tensor | bool], device: torch.device) -> list[bool]:
     """Each flag true on any rank → true everywhere: one all-reduce (MAX over the world) and one
-    device-to-host copy, the only wait on the host a training iteration makes."""
+    device-to-host copy, the only wait on the host a training iteration makes. A host flag becomes a device value
+    by a fill (`torch.full`), not by copying a host tensor: on CUDA such a copy from pageable memory waits for the
+    device (found by tests/gpu's sync probe: two more waits an iteration)."""
     values = torch.stack([f.to(device=device, dtype=torch.float32).reshape(()) if torch.is_tensor(f)
-                          else torch.tensor(float(f), device=device) for f in flags])
+                          else torch.full((), float(f), device=device) for f in flags])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [v > 0 for v in values.tolist()]

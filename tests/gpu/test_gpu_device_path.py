@@ -50,7 +50,7 @@ def probe(out: Path) -> None:
     syncs: list[dict[str, Any]] = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if "called a synchronizing CUDA operation" in str(message):  # not set_sync_debug_mode's own notice
             stack = [f"{os.path.relpath(f.filename)}:{f.lineno}" for f in traceback.extract_stack()[:-1]
                      if "site-packages" not in f.filename and "warnings" not in f.filename]
             syncs.append({"message": str(message)[:200], "stack": stack[-6:]})
