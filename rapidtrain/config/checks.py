@@ -541,7 +541,8 @@ def attention_backend_problem(args: Args, ctx: RunContext) -> str | None:
     from rapidtrain.models.attention_backends import attention_problem
 
     return attention_problem(args.attention_backend, ctx.device_type, hf_config.trains_builtin_model(args),
-                             args.attention_dropout, half_precision=precision_of(args, ctx).dtype != "fp32")
+                             args.attention_dropout, half_precision=precision_of(args, ctx).dtype != "fp32",
+                             masked_by="--reset-attention-mask" if args.reset_attention_mask else None)
 
 
 def megatron_task_problem(args: Args, ctx: RunContext) -> str | None:

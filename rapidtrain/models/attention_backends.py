@@ -96,8 +96,9 @@ def flash_attn_installed() -> bool:
 
 
 def attention_problem(name: str, device_type: str, builtin: bool, attention_dropout: float,
-                      half_precision: bool, training: bool = True) -> str | None:
-    """Why `--attention-backend name` cannot run here, with the fix; None where it can."""
+                      half_precision: bool, training: bool = True, masked_by: str | None = None) -> str | None:
+    """Why `--attention-backend name` cannot run here, with the fix; None where it can. `masked_by`: the flag that
+    makes the built-in model attend under a dense mask (CUDA's flash kernel takes none), or None."""
     flag = f"--attention-backend {name}"
     if not builtin:
         implementation = HF_IMPLEMENTATION_OF_NAME.get(name, "missing")
@@ -119,6 +120,9 @@ def attention_problem(name: str, device_type: str, builtin: bool, attention_drop
     if kernel in ("sdpa_flash", "sdpa_cudnn") and device_type == "cuda" and not half_precision:
         return (f"{flag}: the CUDA {'flash' if kernel == 'sdpa_flash' else 'cuDNN'} attention kernel computes in "
                 "fp16/bf16 only: add --bf16 or --fp16, or choose auto (memory-efficient attention takes fp32)")
+    if kernel == "sdpa_flash" and device_type == "cuda" and masked_by:
+        return (f"{flag} with {masked_by}: CUDA's flash attention kernel takes no attention mask, and "
+                f"{masked_by} attends under one; choose auto (PyTorch picks a kernel that takes the mask)")
     if kernel == "sdpa_flash" and device_type == "cpu" and attention_dropout > 0 and training:
         return (f"{flag}: PyTorch's CPU flash-attention kernel has no dropout, and --attention-dropout is "
                 f"{attention_dropout:g}: pass --attention-dropout 0, or choose auto (the math kernel with dropout)")

@@ -80,6 +80,7 @@ def test_plan_is_silent_about_the_default_backend():
     (("--attention-backend", "flex_attention", "--attention-dropout", "0"), "cpu", "no backward pass on CPU"),
     (("--attention-backend", "flex_attention", "--attention-dropout", "0.1"), "cuda", "no attention dropout"),
     (("--attention-backend", "flash"), "cuda", "add --bf16 or --fp16"),
+    (("--attention-backend", "flash", "--bf16", "--reset-attention-mask"), "cuda", "takes no attention mask"),
 ])
 def test_backend_the_device_cannot_run_is_refused_with_the_fix(flags, device, says):
     message = refusal(*flags, device=device)
@@ -227,3 +228,15 @@ def test_flex_kernel_decodes_with_a_kv_cache_as_sdpa():
 def test_resolve_marks_document_ids_only_for_flex():
     assert resolve("flex_attention", reset_attention_mask=True).document_ids
     assert not resolve("auto", reset_attention_mask=True).document_ids
+
+
+def test_flash_generation_of_a_padded_batch_is_refused_on_cuda_only():
+    """A padded batch attends under a mask, which CUDA's flash kernel does not take (seen on an H100); one prompt
+    at a time has no mask, and PyTorch's CPU flash kernel takes masks."""
+    from rapidtrain.models.attention_backends import attention_problem
+
+    padded = "--batch-size 4 (prompts of different lengths padded under a mask)"
+    message = attention_problem("flash", "cuda", True, 0.0, True, training=False, masked_by=padded)
+    assert message and "--attention-backend flash with --batch-size 4" in message and "choose auto" in message
+    assert attention_problem("flash", "cuda", True, 0.0, True, training=False) is None
+    assert attention_problem("flash", "cpu", True, 0.0, True, training=False, masked_by=padded) is None

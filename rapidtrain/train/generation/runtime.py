@@ -145,7 +145,9 @@ def resolve_runtime(options: GenerateOptions, builtin: bool) -> Runtime:
     if options.batch_size < 1:
         found.append(f"--batch-size {options.batch_size} must be at least 1")
     half = options.bf16 or options.fp16
-    attention = attention_problem(options.attention_backend, device_type, builtin, 0.0, half, training=False)
+    padded = f"--batch-size {options.batch_size} (prompts of different lengths padded under a mask)"
+    attention = attention_problem(options.attention_backend, device_type, builtin, 0.0, half, training=False,
+                                  masked_by=padded if options.batch_size > 1 else None)
     if attention:
         found.append(attention)
     found += _compile_problems(options, builtin)
