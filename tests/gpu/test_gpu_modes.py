@@ -40,7 +40,7 @@ MODES = {
     "zero2_bf16": (["--zero-2-memory-optimization", "--bf16"], ["DeepSpeed bf16 engine"]),
     "zero3_fp16": (["--zero-3-memory-optimization", "--fp16", "--initial-loss-scale", "65536"],
                    ["DeepSpeed fp16 engine"]),
-    "compile": (["--torch-compile", "--bf16"], ["torch.compile (inductor)"]),
+    "compile": (["--torch-compile", "--bf16"], ["torch.compile(backend='inductor'"]),
     "activation_checkpointing": (["--checkpoint-activations", "--bf16"], ["torch.utils.checkpoint"]),
 }
 
@@ -83,14 +83,20 @@ def test_mode_trains_on_one_gpu_with_nccl(mode, demo_data, tmp_path):
     assert_trained(run, read_losses(losses_file), 30)
     for word in words:
         assert word in run.stdout, f"{word!r} not in the plan/log of {mode}"
+    # torch.compile's notice that a frame was compiled again and again (each time costs a compilation)
+    recompiles = [line for line in run.stderr.splitlines() if "recompil" in line.lower()]
+    assert not recompiles, "\n".join(recompiles)[:3000] + "\n" + run.stderr[-3000:]
 
 
 def test_fp16_skips_overflowing_steps_then_trains(demo_data, tmp_path):
-    """At the default 2^32 scale the first steps overflow in fp16: skipped (counted in the log), then trained."""
+    """At the default 2^32 scale the first steps overflow in fp16: skipped (counted in the log) while the scale
+    halves, then trained; a later overflow is skipped too (seen on an H100: one at iteration 38 of 40), as
+    Megatron's dynamic scaler does, but stays rare."""
     losses_file = tmp_path / "losses.txt"
     run = torchrun_pretrain(GPT + ["--fp16", "--train-iters", "40", "--loss-log-file", str(losses_file)])
     skipped = [int(line.split()[0]) for line in losses_file.read_text().splitlines() if line.split()[2] == "1"]
-    assert skipped and skipped == list(range(1, len(skipped) + 1)) and len(skipped) < 30
+    leading = [i for n, i in enumerate(skipped, start=1) if i == n]
+    assert leading and len(leading) < 30 and len(skipped) - len(leading) <= 3, skipped
     assert "number of skipped iterations" in run.stdout
 
 

@@ -123,6 +123,26 @@ def test_generate_sample_continues_a_prompt_as_text(demo_data):
     assert model.training  # left as it was
 
 
+def test_generate_sample_runs_compiled_layers_eagerly(demo_data):
+    """--torch-compile's layers are not traced by the end-of-training sample: its KV-cache decoding recompiled them
+    at every token on an H100 (eight times, until dynamo's limit). The eager backend traces without inductor."""
+    from torch._dynamo.utils import counters
+
+    from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
+    from rapidtrain.parallel.transforms import apply_compile
+
+    tokenizer = build_tokenizer(TokenizerSettings(demo_data.tokenizer_type, tokenizer_model=demo_data.tokenizer_model))
+    model = build_model(ModelConfig(**SMALL | {"vocab_size": 8192, "max_position_embeddings": 64}), seed=3)
+    expected = generate_sample(model, tokenizer, "The history of", max_new_tokens=6)
+    apply_compile(model, backend="eager")
+    torch._dynamo.reset()
+    frames = counters["stats"]["calls_captured"]
+    assert generate_sample(model, tokenizer, "The history of", max_new_tokens=6) == expected
+    assert counters["stats"]["calls_captured"] == frames
+    model(torch.zeros((1, 4), dtype=torch.long))  # outside the sample the layers are compiled
+    assert counters["stats"]["calls_captured"] > frames
+
+
 def test_generate_sample_stops_where_the_learned_positions_end(demo_data):
     from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
 

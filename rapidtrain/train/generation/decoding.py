@@ -215,7 +215,11 @@ def generate_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_token
             return prompt
     # The whole length: a briefly trained model often ends the document at once, which would print the prompt alone.
     settings = SamplingSettings(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
-    tokens = generate(model, ids, settings, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eod)
+    # Layers compiled for training (--torch-compile) run eagerly here: decoding with a growing KV cache gives
+    # the compiled frames new shapes and strides each token, and every one was a compilation (on an H100, eight
+    # of them until dynamo's recompile limit, for a 24-token sample).
+    with torch.compiler.set_stance("force_eager"):
+        tokens = generate(model, ids, settings, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eod)
     return prompt + continuation(tokenizer, tokens[0].tolist(), ids.shape[1])
 
 
