@@ -159,3 +159,18 @@ def test_torch_compile_trains_like_eager():
         a = eager.train_step(make_batches(1, 1, seed))
         b = compiled.train_step(make_batches(1, 1, seed))
         assert float(b.loss) == pytest.approx(float(a.loss), rel=1e-4)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-gradient sums (CPU)", "multi-tensor norms (CUDA)"])
+def test_squared_gradient_norm_is_within_fp64_rounding_on_both_paths(foreach):
+    """The two ways of adding up the gradients' squares (CPU: fp32 sums per gradient; CUDA's default: one foreach
+    norm per dtype) give the fp64 value; bf16 gradients are accumulated in fp32."""
+    from rapidtrain.parallel.runner import squared_norm
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=generator) * scale
+             for shape, scale in [((1000, 300), 1e-3), ((300,), 2.0), ((50_000,), 1e-5), ((7, 11, 13), 0.3)]]
+    grads.append(torch.randn(4096, generator=generator).to(torch.bfloat16))
+    exact = sum(float(g.double().square().sum()) for g in grads)
+    got = squared_norm(grads, foreach=foreach)
+    assert got.dtype == torch.float64 and float(got) == pytest.approx(exact, rel=1e-6)
