@@ -5,6 +5,7 @@ peak GPU memory of rapidtrain's modes (DDP, FSDP, ZeRO-2, ZeRO-3) at world size 
     python bench/gpu_throughput.py                        # everything (about 15-25 minutes on an H100)
     python bench/gpu_throughput.py --sizes 350m --iters 20 --no-memory
     python bench/gpu_throughput.py --smoke-cpu            # every code path on a tiny model on the CPU (no numbers)
+    python bench/gpu_throughput.py --sizes 1.3b --compile-modes off --systems rapidtrain "plain loop" --profile DIR
 
 Model shapes are GPT-2 medium and GPT-3 XL's (24 layers, hidden 1024 / 2048, 16 heads, GELU MLP 4h, learned
 positions, tied embeddings) over a 50,257-token vocabulary (padded to 50,304): 355M and 1.31B parameters.
@@ -100,6 +101,39 @@ def stamp(stamps: list[float], o: argparse.Namespace) -> None:
     if o.device == "cuda" and len(stamps) in (o.warmup, o.iters - 1):
         torch.cuda.synchronize()
     stamps.append(time.perf_counter())
+    if o.profile:
+        profile_steps(len(stamps), o)
+
+
+PROFILED_STEPS = 3
+_profiler: list = []
+
+
+def profile_steps(done: int, o: argparse.Namespace) -> None:
+    """--profile: record the PROFILED_STEPS steps after the warm-up with torch.profiler and write, per system,
+    the device time by kernel and how busy the device was (kernel time over wall time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if done == o.warmup:
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (o.device == "cuda")
+        _profiler.append((profile(activities=activities), time.perf_counter()))
+        _profiler[0][0].__enter__()
+    elif done == o.warmup + PROFILED_STEPS and _profiler:
+        if o.device == "cuda":
+            torch.cuda.synchronize()
+        prof, started = _profiler.pop()
+        wall = time.perf_counter() - started
+        prof.__exit__(None, None, None)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+        name = o.system.replace(" ", "_") + ("_compile" if o.compile else "")
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if o.device == "cuda"
+                                          else "self_cpu_time_total", row_limit=40, max_name_column_width=70)
+        summary = (f"{o.system}{' + compile' if o.compile else ''}: {PROFILED_STEPS} steps in {wall * 1e3:.1f} ms "
+                   f"wall, kernels {busy * 1e3:.1f} ms ({100 * busy / wall:.1f}% busy), {len(kernels)} kernels")
+        Path(o.profile, f"profile_{name}.txt").write_text(summary + "\n\n" + table)
+        print(summary, file=sys.stderr, flush=True)
 
 
 # ---- the three systems (each in its own process) ----
@@ -226,12 +260,15 @@ def child(o: argparse.Namespace, system: str, size: str, compile_: bool, data_pr
     """One measurement in a fresh process; memory modes under torchrun (world size 1, NCCL as in real runs)."""
     args = [__file__, "--child", "--system", system, "--size", size, "--seq", str(o.seq), "--iters", str(o.iters),
             "--warmup", str(o.warmup), "--device", o.device, "--data-prefix", data_prefix,
-            *(["--compile"] if compile_ else [])]
+            *(["--compile"] if compile_ else []), *(["--profile", o.profile] if o.profile else [])]
     launcher = [sys.executable]
     if system.startswith("memory:") or system == "rapidtrain":
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}"]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run(launcher + args, capture_output=True, text=True, env=env, cwd=REPO)
+    for line in result.stderr.splitlines():
+        if " steps in " in line and "% busy" in line:  # --profile's summary
+            print("  " + line, file=sys.stderr, flush=True)
     if result.returncode != 0:
         return {"error": (result.stdout[-1500:] + result.stderr[-2500:]).strip()}
     return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
@@ -248,7 +285,7 @@ def measure_throughput(o: argparse.Namespace, data_prefix: str, peak: float | No
         flops = model_flops_per_iteration(config, batch)
         parameters = count_parameters(config)[0]
         for compile_ in (False, True) if o.compile_modes == "both" else (o.compile_modes == "on",):
-            for system in SYSTEMS:
+            for system in o.systems:
                 result = child(o, system, size, compile_, data_prefix)
                 row = {"size": size, "parameters": parameters, "system": system, "compile": compile_,
                        "batch": batch, **result}
@@ -318,6 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile-modes", choices=("both", "on", "off"), default="both")
     parser.add_argument("--memory-size", choices=[s for s in SIZES if s != "tiny"], default="1.3b")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory-per-mode table")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help=f"write each system's torch.profiler table of {PROFILED_STEPS} steady steps to DIR")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--smoke-cpu", action="store_true",

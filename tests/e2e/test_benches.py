@@ -3,7 +3,8 @@ the smallest sizes its flags allow, and must exit 0 and print its table with num
 not checked (they are timings on a shared machine); generation.py and startup.py have smoke tests of their own,
 machine.py is the module the others import. About 85 s on 2 cores, so the slowest benches run one part each:
 memory.py its state section (ddp and zero-2; not --section startup / save, ~100M-parameter models),
-parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without its memory modes,
+parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without its memory modes (and its --profile
+with one system), head_loss.py at a tiny shape,
 pretrain_throughput.py three of its six rows in fp32 (not the tuned-malloc and torch.compile HF rows, nor bf16),
 efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one)."""
 
@@ -140,6 +141,20 @@ def test_gpu_throughput_bench_smoke_cpu_runs_every_system():
     rows = markdown_rows(stdout, "| model | system | torch.compile |")
     assert [row[1] for row in rows] == ["rapidtrain", "plain loop", "HF Trainer"], stdout
     assert all(len(row) == 9 and [number(row[i]) for i in (3, 4, 5, 7, 8)] for row in rows), stdout
+
+
+def test_gpu_throughput_bench_profile_writes_each_system_table(tmp_path):
+    run_bench("gpu_throughput.py", "--smoke-cpu", "--no-memory", "--systems", "plain loop", "--profile", str(tmp_path))
+    table = (tmp_path / "profile_plain_loop.txt").read_text()
+    assert table.startswith("plain loop: 3 steps in ") and "aten::mm" in table, table[:2000]
+
+
+def test_head_loss_bench_prints_plain_beside_chunked():
+    stdout = run_bench("head_loss.py", "--tokens", "256", "--hidden", "64", "--vocab", "1024", "--device", "cpu",
+                       "--dtype", "fp32", "--blocks", "128", "--repeats", "2")
+    rows = markdown_rows(stdout, "| path |")
+    assert [row[0] for row in rows] == ["plain (fp32 logits)", "chunked, block 1024 (default)", "chunked, block 128"]
+    assert all(number(row[1]) > 0 and number(row[3]) > 0 for row in rows), stdout
 
 
 def test_pretrain_throughput_bench_prints_systems_side_by_side(demo_data):
