@@ -11,8 +11,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "scripts/gpu_check.sh checks a CUDA GPU and none is visible here: nothing was run"
+    exit 0
+fi
+mkdir -p "$OUT"
 if [ -d .gpu ]; then
     rm -rf /tmp/site && mkdir -p /tmp/site
     if ls .gpu/whl/*.whl >/dev/null 2>&1; then
