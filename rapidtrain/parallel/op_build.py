@@ -17,12 +17,31 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 DEEPSPEED_CPU_OPS = ("cpu_adam", "deepspeed_shm_comm", "async_io")
 NETWORK_FILE_SYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "fuse.sshfs", "glusterfs",
                         "9p", "afs")
+
+
+def use_interpreter_ninja(env: MutableMapping[str, str] = os.environ) -> str | None:
+    """Put the ninja installed beside this interpreter (the pip package DeepSpeed requires) first on PATH, so that
+    every process of this environment builds and checks the ops with one ninja; returns the folder put first.
+
+    torch.utils.cpp_extension runs whichever `ninja` PATH finds, and ninja versions log their commands under
+    different hashes (1.11 writes log v5, 1.13 log v7): a build checked by the other version counts as changed and
+    is compiled again. Here that happened whenever a process with .venv/bin on PATH (an activated environment)
+    met ops built by one without (scripts/setup.sh, a bare `.venv/bin/python`): cpu_adam, deepspeed_shm_comm and
+    async_io rebuilt back and forth during one test run (20-140 s each, the other ranks waiting on the lock).
+    """
+    folder = os.path.dirname(sys.executable)
+    if not os.access(os.path.join(folder, "ninja"), os.X_OK):
+        return None
+    path = env.get("PATH", "")
+    if path.split(os.pathsep)[0] != folder:
+        env["PATH"] = folder + (os.pathsep + path if path else "")
+    return folder
 
 
 def build_directory(name: str) -> Path:
@@ -142,6 +161,7 @@ def build_deepspeed_cpu_ops(names: Sequence[str] = DEEPSPEED_CPU_OPS) -> list[st
     """Build the ops `names` that this machine's DeepSpeed accelerator can build; returns those built."""
     from deepspeed.accelerator import get_accelerator
 
+    use_interpreter_ninja()
     built = []
     for name in names:
         builder = get_accelerator().create_op_builder(OP_BUILDERS[name])
