@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rapidtrain.config.settings import Layout, RecomputeSettings
-from rapidtrain.models.chunked_loss import block_size
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.loss_blocks import block_size
 
 
 @dataclass(frozen=True)
