@@ -68,11 +68,21 @@ class RunContext:
 
     @staticmethod
     def detect(args: argparse.Namespace | None = None, script: str | None = None) -> RunContext:
-        import torch
+        """The machine's answer: from the operating system where that is certain (core/device_probe.py: no torch
+        import, which a `rapidtrain plan` would otherwise spend most of its time on), else from torch."""
+        from rapidtrain.core.device_probe import probe
 
-        device_type: DeviceType = "cuda" if torch.cuda.is_available() else "cpu"
+        found = probe()
+        device_type: DeviceType
+        if found is not None:
+            device_type = "cuda" if found.device_type == "cuda" else "cpu"
+            capability = DeviceCapability(found.name, found.native_bf16)
+        else:
+            import torch
+
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            capability = detect_capability(device_type)
         script = getattr(args, "user_script", None) or script
-        capability = detect_capability(device_type)
         if "WORLD_SIZE" in os.environ:
             return RunContext(int(os.environ["WORLD_SIZE"]), device_type, script, capability)
         from rapidtrain.core.slurm import node_layout
@@ -83,6 +93,11 @@ class RunContext:
 
 def default_nproc_per_node(device_type: str) -> int:
     if device_type == "cuda":
+        from rapidtrain.core.device_probe import probe
+
+        found = probe()
+        if found is not None:
+            return found.device_count
         import torch
 
         return torch.cuda.device_count()

@@ -123,3 +123,18 @@ def test_bf16_attention_runs_the_flash_kernel():
 
 if __name__ == "__main__":
     probe(Path(sys.argv[1]))
+
+
+def test_device_probe_reads_the_gpus_torch_sees():
+    """core/device_probe.py answers the launcher and the plan without initialising CUDA: here it must name the
+    GPUs torch names (or leave the machine to torch: a model it does not know, a MIG instance)."""
+    import torch
+
+    from rapidtrain.core.device_probe import probe
+
+    found = probe()
+    print(f"probe: {found}; torch: {torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
+    if found is not None:
+        assert (found.device_type, found.device_count, found.name) == (
+            "cuda", torch.cuda.device_count(), torch.cuda.get_device_name())
+        assert found.native_bf16 == torch.cuda.is_bf16_supported(including_emulation=False)
