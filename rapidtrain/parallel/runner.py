@@ -197,8 +197,8 @@ def squared_norm(grads: list[torch.Tensor], foreach: bool | None = None) -> torc
             norm = norm.full_tensor()
         return norm.square()
     if foreach if foreach is not None else grads[0].device.type == "cuda":
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        return torch.stack(norms).double().square().sum()
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # each on its gradient's device
+        return torch.stack([norm.to(grads[0].device) for norm in norms]).double().square().sum()
     return torch.stack([grad.float().square().sum() for grad in grads]).double().sum()
 
 
