@@ -27,6 +27,9 @@ IN_FLIGHT_AT_EXIT = textwrap.dedent("""
     def main():
         dist.init_process_group("gloo")
         group = dist.new_group([0, 1])  # held by Python, as DistributedDataParallel or an optimizer holds one
+        # Both ranks connected: else one rank could end (its collectives are async) while the other still builds
+        # the group's mesh, which then fails with "Connection closed by peer" (seen once in a full run).
+        dist.barrier(group=group)
         log = open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.txt"), "w")  # left open, as scripts do
         log.write("written, never closed\\n")
         atexit.register(lambda: print(f"atexit ran on rank {dist.get_rank()}", flush=True))
