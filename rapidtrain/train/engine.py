@@ -40,6 +40,7 @@ from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
 from rapidtrain.parallel.apply import parallelize
 from rapidtrain.parallel.deepspeed import ensure_process_group, forget_process_groups, run_config
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
+from rapidtrain.parallel.op_build import use_interpreter_ninja
 from rapidtrain.parallel.runner import Runner, StepOutcome
 from rapidtrain.train.own_loop import compose_own_loop, rebind_optimizer
 from rapidtrain.train.step import StepContext, finish_step
@@ -202,6 +203,7 @@ class Engine:
         self.warn_rank0(self.plan.warnings)
         if self.plan.layout.world_size > 1 and self.plan.data.num_workers > 0:
             start_worker_server()  # before the process group's threads exist (data/worker_start.py)
+        use_interpreter_ninja()  # before anything loads a DeepSpeed op (parallel/op_build.py)
         init_distributed(self.plan.distributed, self.context.device_type)
         atexit.unregister(settle_collective_threads)  # once per process, however many Engines it creates
         atexit.register(settle_collective_threads)  # for a script's normal exit (core/process.py)
