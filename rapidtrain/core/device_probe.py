@@ -70,9 +70,10 @@ def torch_built_with_cuda() -> bool | None:
 
 
 def nvidia_gpus(root: Path) -> dict[int, str] | None:
-    """Device minor → model of the NVIDIA GPUs this process has a device node for ({} without the driver)."""
+    """Device minor → model of the NVIDIA GPUs this process has a device node for, one it may open ({} without the
+    driver)."""
     nodes = {int(match.group(1)) for path in (root / "dev").glob("nvidia*")
-             if (match := re.fullmatch(r"nvidia(\d+)", path.name))}
+             if (match := re.fullmatch(r"nvidia(\d+)", path.name)) and os.access(path, os.R_OK | os.W_OK)}
     information = sorted((root / "proc" / "driver" / "nvidia" / "gpus").glob("*/information"))
     if not nodes:
         return {}
