@@ -36,13 +36,11 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
         for start in range(0, weight.shape[0], block):
             raw = _logits(hidden, weight[start:start + block], None if bias is None else bias[start:start + block])
             kept += [raw] if keep else []
-            # The block's log-sum-exp from one fused log-softmax in fp32 (its largest logit minus that logit's
-            # log-probability, both exact to fp32) instead of logsumexp's max, subtract, exp and sum passes.
-            log_probs = torch.log_softmax(raw, dim=-1, dtype=torch.float32)
-            block_lse.append(raw.amax(dim=-1).float() - log_probs.amax(dim=-1))
-            inside = (targets >= start) & (targets < start + raw.shape[1])
-            index = (targets - start).clamp(0, raw.shape[1] - 1)
-            picked += raw.gather(1, index[:, None]).squeeze(1).float().masked_fill_(~inside, 0.0)
+            logits = raw.float()
+            block_lse.append(torch.logsumexp(logits, dim=-1))
+            inside = (targets >= start) & (targets < start + logits.shape[1])
+            index = (targets - start).clamp(0, logits.shape[1] - 1)
+            picked += logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~inside, 0.0)
         log_sum_exp = torch.logsumexp(torch.stack(block_lse), dim=0)
         ignored = targets < 0
         ctx.save_for_backward(hidden, weight, bias, targets, log_sum_exp, ignored, *kept)
