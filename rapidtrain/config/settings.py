@@ -16,6 +16,7 @@ from rapidtrain.models.attention_backends import AttentionSettings
 from rapidtrain.models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from rapidtrain.core.device_probe import Probe
     from rapidtrain.optim.grad_scaler import LossScaleSettings
     from rapidtrain.optim.optimizers import OptimizerSettings
 
@@ -68,8 +69,8 @@ class RunContext:
 
     @staticmethod
     def detect(args: argparse.Namespace | None = None, script: str | None = None) -> RunContext:
-        """The machine's answer: from the operating system where that is certain (core/device_probe.py: no torch
-        import, which a `rapidtrain plan` would otherwise spend most of its time on), else from torch."""
+        """The machine's answer: from the operating system where that is certain (core/device_probe.py: a process
+        that plans but does not train never initialises CUDA), else from torch."""
         from rapidtrain.core.device_probe import probe
 
         found = probe()
@@ -87,15 +88,16 @@ class RunContext:
             return RunContext(int(os.environ["WORLD_SIZE"]), device_type, script, capability)
         from rapidtrain.core.slurm import node_layout
 
-        per_node = getattr(args, "nproc_per_node", None) or default_nproc_per_node(device_type)
+        per_node = getattr(args, "nproc_per_node", None) or default_nproc_per_node(device_type, found)
         return RunContext(per_node * node_layout(os.environ).nnodes, device_type, script, capability)
 
 
-def default_nproc_per_node(device_type: str) -> int:
+def default_nproc_per_node(device_type: str, found: Probe | None = None) -> int:
+    """One process per visible GPU, else one; `found`: the device probe's answer when the caller has it."""
     if device_type == "cuda":
         from rapidtrain.core.device_probe import probe
 
-        found = probe()
+        found = found or probe()
         if found is not None:
             return found.device_count
         import torch

@@ -74,11 +74,10 @@ def nvidia_gpus(root: Path) -> dict[int, str] | None:
     driver)."""
     nodes = {int(match.group(1)) for path in (root / "dev").glob("nvidia*")
              if (match := re.fullmatch(r"nvidia(\d+)", path.name)) and os.access(path, os.R_OK | os.W_OK)}
-    information = sorted((root / "proc" / "driver" / "nvidia" / "gpus").glob("*/information"))
     if not nodes:
         return {}
     models: dict[int, str] = {}
-    for path in information:
+    for path in sorted((root / "proc" / "driver" / "nvidia" / "gpus").glob("*/information")):
         try:
             fields = dict(line.split(":", 1) for line in path.read_text().splitlines() if ":" in line)
         except OSError:
