@@ -3,54 +3,65 @@ for the plan's memory estimate and the log line's TFLOP/s."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from rapidtrain.models.config import ModelConfig
 
-
-def _linear(fan_in: int, fan_out: int, bias: bool = True) -> int:
-    return fan_in * fan_out + (fan_out if bias else 0)
+Shape = tuple[int, ...]
 
 
-def _norm(config: ModelConfig, size: int | None = None) -> int:
-    """A LayerNorm has a weight and a bias, an RMSNorm a weight only."""
-    return (size or config.hidden_size) * (1 if config.normalization == "RMSNorm" else 2)
+def _linear(fan_in: int, fan_out: int, bias: bool = True) -> list[Shape]:
+    """nn.Linear's weight [out, in] and bias [out]."""
+    return [(fan_out, fan_in)] + ([(fan_out,)] if bias else [])
 
 
-def _expert_parameters(config: ModelConfig) -> int:
-    """One expert (or the dense MLP): fc1 and fc2 (and the SwiGLU gate), with biases unless disabled."""
+def _norm(config: ModelConfig, size: int | None = None, layer_norm: bool = False) -> list[Shape]:
+    """A LayerNorm has a weight and a bias, an RMSNorm a weight only (`layer_norm`: a LayerNorm whatever
+    --normalization, as BLOOM's embedding norm)."""
+    size = size or config.hidden_size
+    return [(size,)] * (1 if config.normalization == "RMSNorm" and not layer_norm else 2)
+
+
+def _mlp(config: ModelConfig) -> list[Shape]:
+    """The dense MLP: fc1 (and the SwiGLU gate) h → f, fc2 f → h, with biases unless disabled."""
     h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
-    matrices = 3 if config.swiglu else 2
-    return matrices * h * f + ((2 if config.swiglu else 1) * f + h if bias else 0)
+    return _linear(h, f, bias) * (2 if config.swiglu else 1) + _linear(f, h, bias)
 
 
-def _attention_parameters(config: ModelConfig) -> int:
+def _experts(config: ModelConfig, experts: int) -> list[Shape]:
+    """The experts of one MoE layer as stacked tensors, expert first: w1 (and w_gate) [E, h, f], w2 [E, f, h],
+    biases [E, f] and [E, h] unless disabled."""
+    h, f, e = config.hidden_size, config.ffn_size, experts
+    shapes = [(e, h, f)] * (2 if config.swiglu else 1) + [(e, f, h)]
+    return shapes + ([(e, f), (e, h)] if config.add_bias_linear else [])
+
+
+def _attention(config: ModelConfig) -> list[Shape]:
     h, d = config.hidden_size, config.head_dim
     queries, keys = d * config.num_attention_heads, d * config.query_groups
-    qk_norms = 2 * _norm(config, d) if config.qk_layernorm else 0  # shared by the heads: head_dim-sized
-    return (
-        _linear(h, queries, config.qkv_bias)
-        + 2 * _linear(h, keys, config.qkv_bias)
-        + _linear(queries, h, config.add_bias_linear)
-        + qk_norms
-    )
+    shapes = _linear(h, queries, config.qkv_bias) + 2 * _linear(h, keys, config.qkv_bias)
+    shapes += _linear(queries, h, config.add_bias_linear)
+    return shapes + (2 * _norm(config, d) if config.qk_layernorm else [])  # shared by the heads: head_dim-sized
 
 
-def _embedding_and_head_parameters(config: ModelConfig) -> int:
+def _outside_layers(config: ModelConfig) -> list[Shape]:
+    """The embedding, the final norm and the head."""
     h, vocab = config.hidden_size, config.vocab_size
-    count = vocab * h + _norm(config)  # word embeddings + final norm (post-norm: the embedding norm instead)
-    if config.position_embedding_type == "learned_absolute":
-        count += config.max_position_embeddings * h
+    shapes = [(vocab, h)] + _norm(config)  # word embeddings + final norm (post-norm: the embedding norm instead)
     if config.embed_layernorm:
-        count += 2 * h  # BLOOM's LayerNorm on the word embeddings (weight and bias, whatever --normalization)
-    count += config.num_tokentypes * h
+        shapes += _norm(config, layer_norm=True)  # BLOOM's LayerNorm on the word embeddings
+    if config.position_embedding_type == "learned_absolute":
+        shapes.append((config.max_position_embeddings, h))
+    if config.num_tokentypes:
+        shapes.append((config.num_tokentypes, h))
     if not config.tie_embeddings:
-        count += vocab * h  # the output layer's own weight; tied, the embedding counts once
+        shapes.append((vocab, h))  # the output layer's own weight; tied, the embedding counts once
     if config.model_type == "bert":
-        count += _linear(h, h) + _norm(config) + vocab  # MLM head: dense, norm, decoder bias
+        shapes += _linear(h, h) + _norm(config) + [(vocab,)]  # MLM head: dense, norm, decoder bias
         if config.bert_binary_head:
-            count += _linear(h, h) + _linear(h, 2)  # pooler, binary head
-    return count
+            shapes += _linear(h, h) + _linear(h, 2)  # pooler, binary head
+    return shapes
 
 
 def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
@@ -61,22 +72,36 @@ def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
     return dict(Counter(config.num_experts))
 
 
-def _layer_parameters_of_kind(config: ModelConfig, experts: int) -> tuple[int, int]:
-    """(total, active) parameters of one layer with `experts` experts (0: dense MLP)."""
-    shared = 2 * _norm(config) + _attention_parameters(config)
+def _layer(config: ModelConfig, experts: int) -> tuple[list[Shape], list[Shape]]:
+    """(shared, expert) parameter shapes of one layer with `experts` experts (0: a dense MLP, no expert shapes)."""
+    shared = 2 * _norm(config) + _attention(config)
     if not experts:
-        mlp = _expert_parameters(config)
-        return shared + mlp, shared + mlp
-    router = config.hidden_size * experts
-    total = shared + router + experts * _expert_parameters(config)
-    active = shared + router + config.moe_router_topk * _expert_parameters(config)
-    return total, active
+        return shared + _mlp(config), []
+    shared.append((experts, config.hidden_size))  # the router
+    if config.moe_residual:  # PR-MoE: a dense MLP beside the experts and its two mixing coefficients
+        shared += _mlp(config) + _linear(config.hidden_size, 2)
+    return shared, _experts(config, experts)
+
+
+def parameter_shapes(config: ModelConfig) -> dict[Shape, int]:
+    """How many parameter tensors of each shape the built-in model has, from its settings alone (no model is
+    built; a test compares it with the built model's parameters over the space of settings)."""
+    counts: Counter[Shape] = Counter(_outside_layers(config))
+    for experts, layers in _layers_by_experts(config).items():
+        shared, stacked = _layer(config, experts)
+        for shape in shared + stacked:
+            counts[shape] += layers
+    return dict(counts)
+
+
+def _elements(shapes: list[Shape]) -> int:
+    return sum(math.prod(shape) for shape in shapes)
 
 
 def expert_parameter_count(config: ModelConfig) -> int:
     """Parameters of all MoE layers' experts (not routers): what expert parallelism shards."""
-    experts = sum(kind * layers for kind, layers in _layers_by_experts(config).items())
-    return experts * _expert_parameters(config)
+    return sum(layers * _elements(_layer(config, experts)[1])
+               for experts, layers in _layers_by_experts(config).items())
 
 
 def count_parameters(config: ModelConfig) -> tuple[int, int]:
@@ -84,11 +109,12 @@ def count_parameters(config: ModelConfig) -> tuple[int, int]:
 
     Equals `sum(p.numel() for p in build_model(config).parameters())` for the total.
     """
-    shared = _embedding_and_head_parameters(config)
-    total = active = shared
-    for kind, layers in _layers_by_experts(config).items():
-        layer_total, layer_active = _layer_parameters_of_kind(config, kind)
-        total, active = total + layers * layer_total, active + layers * layer_active
+    total = active = _elements(_outside_layers(config))
+    for experts, layers in _layers_by_experts(config).items():
+        shared, stacked = _layer(config, experts)
+        one_expert = _elements(stacked) // experts if experts else 0
+        total += layers * (_elements(shared) + _elements(stacked))
+        active += layers * (_elements(shared) + config.moe_router_topk * one_expert)
     return total, active
 
 

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rapidtrain.models import ModelConfig, build_model
 from rapidtrain.models.counting import (
     count_parameters,
+    expert_parameter_count,
     gpt_flops_per_iteration,
     megatron_gpt_flops,
     model_flops_per_iteration,
+    parameter_shapes,
 )
 
 SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=16)
@@ -43,6 +50,55 @@ def test_total_parameters_match_the_built_model(overrides: dict):
     assert total == sum(p.numel() for p in model.parameters())
     if not config.num_experts:
         assert active == total
+
+
+@st.composite
+def model_configs(draw) -> ModelConfig:
+    """Any valid built-in model: every switch that adds, removes or reshapes a parameter, drawn together."""
+    model_type = draw(st.sampled_from(["gpt", "bert"]))
+    heads = draw(st.integers(1, 4))
+    groups = draw(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0] + [None]))
+    kv_channels = draw(st.sampled_from([None, 2, 6]))
+    hidden = heads * draw(st.integers(1, 3)) * 2
+    layers = draw(st.integers(1, 3))
+    swiglu = draw(st.booleans())
+    experts = draw(st.one_of(st.just(()), st.lists(st.sampled_from([0, 1, 2, 3]), min_size=layers,
+                                                   max_size=layers).map(tuple)))
+    smallest = min([e for e in experts if e] or [1])
+    positions = ["learned_absolute", "rope"] + (["alibi"] if model_type == "gpt" else [])
+    binary_head = model_type == "bert" and draw(st.booleans())
+    return ModelConfig(
+        model_type=model_type, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=groups, kv_channels=kv_channels, vocab_size=draw(st.integers(3, 40)),
+        max_position_embeddings=draw(st.integers(1, 9)), seq_length=8,
+        ffn_hidden_size=draw(st.sampled_from([None, 5])) if not swiglu else 7, swiglu=swiglu,
+        normalization=draw(st.sampled_from(["LayerNorm", "RMSNorm"])),
+        position_embedding_type=draw(st.sampled_from(positions)),
+        add_bias_linear=draw(st.booleans()), add_qkv_bias=draw(st.booleans()),
+        qk_layernorm=draw(st.booleans()), embed_layernorm=draw(st.booleans()),
+        post_layernorm=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
+        num_tokentypes=draw(st.integers(0, 2)), bert_binary_head=binary_head,
+        num_experts=experts, moe_router_topk=draw(st.integers(1, smallest)), moe_residual=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_configs())
+def test_parameter_shapes_and_counts_equal_the_built_model(config: ModelConfig):
+    """The plan sizes memory and optimizer state from settings alone: each shape, count, expert share and
+    active count must be what the model really builds."""
+    with torch.device("meta"):
+        model = build_model(config, seed=None)
+    built = Counter(tuple(p.shape) for p in model.parameters())
+    assert parameter_shapes(config) == dict(built)
+    total, active = count_parameters(config)
+    assert total == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert expert_parameter_count(config) == experts
+    # Active: everything but the experts a token does not reach (top-k of each layer's experts).
+    unused = sum(p.numel() * (1 - config.moe_router_topk / p.shape[0])
+                 for name, p in model.named_parameters() if ".experts." in name)
+    assert active == pytest.approx(total - unused)
 
 
 def test_parameters_by_hand():
