@@ -364,8 +364,8 @@ SEED_LIMIT = 2**32  # numpy's RandomState, which orders the data, takes seeds in
 
 def split_problem(args: Args, ctx: RunContext) -> str | None:
     """Why --split cannot be used, or None: unparseable, all zero, or no training share in pretraining."""
-    from rapidtrain.data.gpt_dataset import parse_split
     from rapidtrain.data.index_cache import DataConfigError
+    from rapidtrain.data.splits import parse_split
 
     try:
         weights = parse_split(args.split)

@@ -145,34 +145,17 @@ def optimizer_state_bytes_per_parameter(model: ModelConfig, settings: OptimizerS
 
 
 def parameter_shape_counts(model: ModelConfig) -> dict[tuple[int, ...], int]:
-    """How many parameter tensors of each shape the built-in model has, from a one-layer model of each layer kind
-    built on the meta device (shapes only, nothing allocated; layers of one kind count alike, so a plan of
-    10^8 layers answers at once)."""
-    from collections import Counter
+    """How many parameter tensors of each shape the built-in model has (from its settings: nothing is built, so a
+    plan of 10^8 layers answers at once and the plan needs no torch)."""
+    from rapidtrain.models.counting import parameter_shapes
 
-    import torch
-
-    from rapidtrain.models import build_model
-
-    kinds = Counter(model.num_experts) if model.num_experts else Counter({0: model.num_layers})
-    counts: Counter[tuple[int, ...]] = Counter()
-    for index, (experts, layers) in enumerate(kinds.items()):
-        one_layer = dataclasses.replace(model, num_layers=1, num_experts=(experts,) if model.num_experts else ())
-        try:
-            with torch.device("meta"):
-                built = build_model(one_layer, seed=None)
-        except RuntimeError as error:
-            if "overflow" not in str(error).lower():
-                raise
-            raise UserError(f"--hidden-size {model.hidden_size} (vocabulary "
-                            f"{model.vocab_size}): a weight matrix of this model has more elements than a tensor can "
-                            "address (2^63 bytes). Give sizes a device can hold (GPT-3 175B uses --hidden-size "
-                            "12288).") from None
-        for name, param in built.named_parameters():
-            in_layer = name.startswith("layers.")
-            if in_layer or index == 0:  # the embedding, head and norms once
-                counts[tuple(param.shape)] += layers if in_layer else 1
-    return dict(counts)
+    shapes = parameter_shapes(model)
+    if any(math.prod(shape) * 4 >= 2**63 for shape in shapes):
+        raise UserError(f"--hidden-size {model.hidden_size} (vocabulary "
+                        f"{model.vocab_size}): a weight matrix of this model has more elements than a tensor can "
+                        "address (2^63 bytes). Give sizes a device can hold (GPT-3 175B uses --hidden-size "
+                        "12288).")
+    return shapes
 
 
 def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout,

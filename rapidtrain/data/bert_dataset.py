@@ -12,13 +12,14 @@ import numpy as np
 import torch
 
 from rapidtrain.data.blending import build_blended_splits
-from rapidtrain.data.gpt_dataset import SPLIT_NAMES, open_indexed_dataset, split_document_ranges
+from rapidtrain.data.gpt_dataset import SPLIT_NAMES, open_indexed_dataset
 from rapidtrain.data.index_cache import (
     DataConfigError,
     check_index_memory,
     index_cache_dir,
     load_or_build_cached_indices,
 )
+from rapidtrain.data.splits import split_document_ranges
 
 # Megatron skips multi-sentence documents holding a sentence longer than this.
 LONG_SENTENCE_LEN = 512

@@ -9,7 +9,6 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch
 
 from rapidtrain.core.errors import UserError
 
@@ -53,7 +52,9 @@ def _available_memory() -> int | None:
 
 
 def _is_distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    import torch.distributed as dist  # here, not above: the plan reads DataConfigError without torch
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _cache_paths(cache_dir: str, description: str, kind: str, names: Sequence[str]) -> dict[str, str]:
@@ -100,12 +101,14 @@ def load_or_build_cached_indices(
     built_here = False
     paths = _cache_paths(cache_dir, description, kind, names)
     complete = lambda: all(os.path.isfile(p) for p in paths.values())  # noqa: E731
-    is_rank0 = not _is_distributed() or torch.distributed.get_rank() == 0
+    import torch.distributed as dist
+
+    is_rank0 = not _is_distributed() or dist.get_rank() == 0
     if is_rank0 and not complete():
         _save_or_refuse(cache_dir, paths, build(), description)
         built_here = True
     if _is_distributed():
-        torch.distributed.barrier()
+        dist.barrier()
     if not complete():
         # This rank does not share rank 0's file system: the build is deterministic, so redo it.
         _save_or_refuse(cache_dir, paths, build(), description)

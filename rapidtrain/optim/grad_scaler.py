@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from rapidtrain.core.errors import UserError
+
+if TYPE_CHECKING:  # the scaler's methods import torch: the plan checks LossScaleSettings without it
+    import torch
+    import torch.distributed as dist
 
 
 class LossScalingError(UserError, ValueError):
@@ -98,6 +99,8 @@ class LossScaler:
         shard of a DTensor one) is inf or NaN. Ranks holding different shards must agree on it before the
         step is taken or skipped (the loop reduces it over every rank).
         """
+        import torch
+
         grads = [_local(p.grad) for p in _parameters(optimizer_or_params) if p.grad is not None]
         if any(grad.dtype == torch.float16 for grad in grads):
             # Dividing fp16 gradients by a scale such as 2^32 flushes them to zero: keep fp32 master
@@ -125,6 +128,9 @@ class LossScaler:
         process_group: dist.ProcessGroup | None = None,
     ) -> bool:
         """`unscale`, then the flag agreed over `process_group` (MAX) and read on the host."""
+        import torch
+        import torch.distributed as dist
+
         found_inf = self.unscale(optimizer_or_params)
         if process_group is not None:
             if dist.get_backend(process_group) == "nccl":
@@ -164,7 +170,7 @@ class LossScaler:
         if not self.dynamic or not state_dict:
             return
         scale = state_dict["scale"]
-        self._scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        self._scale = float(scale.item() if hasattr(scale, "item") else scale)  # a tensor or a number
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
 
@@ -175,6 +181,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _parameters(optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    import torch
+
     if isinstance(optimizer_or_params, torch.optim.Optimizer):
         return [p for group in optimizer_or_params.param_groups for p in group["params"]]
     return list(optimizer_or_params)

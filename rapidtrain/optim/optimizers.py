@@ -13,13 +13,16 @@ import importlib.metadata
 import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from torch import nn
-
-from rapidtrain.optim.lamb import LAMB
 from rapidtrain.optim.state_bytes import StateKind
+
+if TYPE_CHECKING:  # torch is imported where an optimizer is built: the plan resolves one without it
+    import torch
+    from torch import nn
+
+    ParamsLike = nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+    Factory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 OptimizerName = Literal[
     "apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit"
@@ -28,8 +31,6 @@ OPTIMIZER_NAMES: tuple[str, ...] = (
     "apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit"
 )
 LOW_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "adamw_4bit")
-
-ParamsLike = nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,8 @@ def build_optimizer(
 
 def _as_param_groups(model_or_params: ParamsLike, weight_decay: float,
                      decoupled: tuple[float, float] | None = None) -> list[dict[str, Any]]:
+    from torch import nn
+
     if isinstance(model_or_params, nn.Module):
         groups = param_groups(model_or_params, weight_decay, decoupled)
     else:
@@ -178,8 +181,6 @@ def _as_param_groups(model_or_params: ParamsLike, weight_decay: float,
 
 # Devices where torch's Adam/AdamW `fused=True` kernels exist (torch ≥ 2.4 has them on CPU).
 FUSED_DEVICES = ("cuda", "cpu")
-
-Factory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -206,14 +207,14 @@ def resolve_optimizer(settings: OptimizerSettings, device_type: str) -> Resoluti
         return _resolve_low_bit(s, device_type)
     adam = {"betas": (s.adam_beta1, s.adam_beta2), "eps": s.adam_eps}
     if s.name == "adamw":
-        return _torch_optimizer(torch.optim.AdamW, s.lr, device_type, adam, state="adam")
+        return _torch_optimizer("AdamW", s.lr, device_type, adam, state="adam")
     if s.name == "adam":
         return _torch_optimizer(
-            torch.optim.Adam, s.lr, device_type, adam, state="adam", note=" (L2 weight decay; adamw decouples it)"
+            "Adam", s.lr, device_type, adam, state="adam", note=" (L2 weight decay; adamw decouples it)"
         )
     if s.name == "sgd":
         return _torch_optimizer(
-            torch.optim.SGD,
+            "SGD",
             s.lr,
             device_type,
             {"momentum": s.sgd_momentum},
@@ -224,7 +225,7 @@ def resolve_optimizer(settings: OptimizerSettings, device_type: str) -> Resoluti
         )
     # torch's Adafactor has no fused kernel; foreach is its fast path on every device.
     return _torch_optimizer(
-        torch.optim.Adafactor, s.lr, device_type, {}, state="adafactor", has_fused_kernel=False
+        "Adafactor", s.lr, device_type, {}, state="adafactor", has_fused_kernel=False
     )
 
 
@@ -249,9 +250,15 @@ def _resolve_apex(s: OptimizerSettings, device_type: str) -> Resolution:
     if s.name == "apex_adam":
         # FusedAdam's default adam_w_mode=True is decoupled weight decay: torch's AdamW.
         adam = {"betas": betas, "eps": s.adam_eps}
-        return _torch_optimizer(torch.optim.AdamW, s.lr, device_type, adam, state="adam", note=f" ({why})")
+        return _torch_optimizer("AdamW", s.lr, device_type, adam, state="adam", note=f" ({why})")
+
+    def lamb(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        from rapidtrain.optim.lamb import LAMB
+
+        return LAMB(groups, lr=s.lr, betas=betas, eps=s.adam_eps, weight_decay=s.weight_decay)
+
     return Resolution(
-        lambda groups: LAMB(groups, lr=s.lr, betas=betas, eps=s.adam_eps, weight_decay=s.weight_decay),
+        lamb,
         f"rapidtrain LAMB with apex FusedLAMB's update rule ({why})",
         "adam",
     )
@@ -347,7 +354,7 @@ def _resolve_low_bit(s: OptimizerSettings, device_type: str) -> Resolution:
 
 
 def _torch_optimizer(
-    kind: type[torch.optim.Optimizer],
+    kind: str,
     lr: float,
     device_type: str,
     options: dict[str, Any],
@@ -356,7 +363,8 @@ def _torch_optimizer(
     note: str = "",
     has_fused_kernel: bool = True,
 ) -> Resolution:
-    """A torch optimizer on its fastest path: torch's fused kernels on CUDA and CPU, foreach elsewhere.
+    """A torch optimizer on its fastest path: torch's fused kernels on CUDA and CPU, foreach elsewhere (`kind`: its
+    class's name in torch.optim, looked up when the optimizer is built).
 
     On CPU the fused AdamW step is ~6× faster than foreach (14M parameters: 6 ms against 37 ms on 2
     cores; foreach is even slower than the per-tensor loop there), which is most of what a plain
@@ -365,7 +373,11 @@ def _torch_optimizer(
     fused = has_fused_kernel and device_type in FUSED_DEVICES
     speed = {"fused": True} if fused else {"foreach": True}
     (speed_name,) = speed
-    description = f"torch.optim.{kind.__name__}({shown}{speed_name}=True){note}"
-    # A concrete torch optimizer class: it takes lr and its options, which the base Optimizer's __init__ does not.
-    make = cast(Callable[..., torch.optim.Optimizer], kind)
-    return Resolution(lambda groups: make(groups, lr=lr, **options, **speed), description, state)
+    description = f"torch.optim.{kind}({shown}{speed_name}=True){note}"
+
+    def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        import torch
+
+        return getattr(torch.optim, kind)(groups, lr=lr, **options, **speed)
+
+    return Resolution(make, description, state)

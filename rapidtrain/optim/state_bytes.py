@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # the plan sizes optimizer state without torch; measuring a built optimizer imports it
+    import torch
 
 StateKind = Literal[
     "adam", "sgd_momentum", "none", "adafactor", "bitsandbytes_8bit", "torchao_8bit", "torchao_4bit"
@@ -66,6 +67,8 @@ def optimizer_state_bytes(kind: StateKind, shapes: Iterable[tuple[int, ...]] | M
 def _storages(value: object) -> Iterable[torch.Tensor]:
     """The plain tensors behind a state value: DTensor shards and tensor subclasses (torchao's quantised
     state) are opened up to the tensors that own memory."""
+    import torch
+
     if not isinstance(value, torch.Tensor):
         return
     local = getattr(value, "_local_tensor", None)  # DTensor

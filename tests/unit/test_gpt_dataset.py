@@ -26,13 +26,12 @@ from rapidtrain.data.gpt_dataset import (
     build_shuffle_index,
     ltor_masks_and_position_ids,
     num_epochs,
-    parse_split,
     separate_last_epoch,
-    split_document_ranges,
     train_valid_test_num_samples,
 )
 from rapidtrain.data.index_cache import DataConfigError
 from rapidtrain.data.indexed import IndexedDatasetBuilder, MissingDataFileError
+from rapidtrain.data.splits import parse_split, split_document_ranges
 
 EOD = 0
 
