@@ -12,8 +12,13 @@ keeps its scores. Under tensor parallelism of size t the Q/K/V, scores and MLP p
 norms' inputs, the masks and the two blocks' inputs (10 of them) are split only with sequence parallelism.
 Selective recompute drops the scores; full recompute keeps the layer's input alone (2·s·b·h, split by t under
 sequence parallelism). The last stage keeps the final norm's and head's inputs and the fp32 log-softmax of the
-loss (4·s·b·V/t with a vocab-parallel loss), with the logits beside it at the peak; the first keeps the embedding
-dropout's mask.
+loss (4·s·b·V/t with a vocab-parallel loss), with the logits beside it at the peak (and their fp32 copy in 16-bit
+runs; the chunked loss keeps less: head_bytes); the first keeps the embedding dropout's mask.
+
+Beyond the paper, which assumes 16-bit weights (Megatron's): a 16-bit run over fp32 weights (torch autocast) holds a
+16-bit copy of every matrix its stage multiplies by, from the forward that casts it until backward — WeightCopies.
+Measured on CPU runs of every layout, fp32 and bf16 (tests/distributed/test_memory_estimate.py): without the copies
+the bf16 estimates were 35-55% under.
 
 Pipelining: under 1F1B stage i keeps min(p - i, m) micro-batches in flight (stage 0 holds p: the pipeline depth);
 the interleaved schedule keeps 2·(p - i - 1) + (v - 1)·p + 1 model chunks of L/(p·v) layers, which for stage 0 is
@@ -22,11 +27,20 @@ p micro-batches × (1 + (p - 1)/(p·v)).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 from rapidtrain.config.settings import Layout, RecomputeSettings
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.counting import layer_shapes
 from rapidtrain.models.loss_blocks import block_size
+
+# Which fp32 weights a 16-bit run copies to 16 bits for its matmuls, each copy kept from the forward that makes it
+# to its backward (autocast saves it for the weight's gradient): "all" under torch autocast over fp32 parameters
+# (one process, DDP, OSS, FairScale), "head" under FSDP2 (its MixedPrecisionPolicy gathers the blocks in 16 bits;
+# the root keeps fp32, so the head's weight is copied), "none" in fp32 or when DeepSpeed holds 16-bit weights.
+WeightCopies = Literal["none", "head", "all"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,7 @@ class ActivationContext:
     scores_kept: bool  # eager attention, or SDPA's math path (a CPU with attention dropout); flash kernels keep none
     chunked_loss: bool = False  # head and loss computed together in chunks (models/chunked_loss.py)
     device_type: str = "cpu"  # the chunks' size depends on it
+    weight_copies: WeightCopies = "none"
 
     @staticmethod
     def of(model: ModelConfig, dtype: str, device_type: str) -> ActivationContext:
@@ -78,19 +93,40 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     return s * b * per_token + scores
 
 
+def weight_copy_bytes(model: ModelConfig, layout: Layout, act: ActivationContext, experts: int = 0) -> float:
+    """The 16-bit copies of one layer's fp32 matrices (`act.weight_copies` "all"), on one rank: tensor parallelism
+    splits the shared ones, expert parallelism the experts. One copy per step whatever the micro-batches in flight
+    or the recompute: autocast caches each cast weight until its context ends, and the pipeline runs its whole
+    schedule in one context (a data-parallel micro-batch ends its forward before the next begins)."""
+    if act.weight_copies != "all":
+        return 0.0
+    shared, stacked = layer_shapes(model, experts)
+    matrices = sum(math.prod(shape) for shape in shared if len(shape) >= 2) / layout.tensor_parallel_size
+    return act.element_bytes * (matrices + sum(math.prod(shape) for shape in stacked) / layout.expert_parallel_size)
+
+
 def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
-    """The last stage's: final norm's and head's inputs, the loss's fp32 log-softmax (vocab-parallel under TP), and
-    the logits themselves, alive beside it while the loss is computed (measured: the peak is there)."""
+    """The last stage's at the loss, where its peak is (measured): the final norm's and head's inputs, the head's
+    weight copied to 16 bits (`act.weight_copies`), and the loss's tensors:
+    - plain path: the logits in the matmul's dtype, their fp32 copy when 16-bit, and the fp32 log-softmax saved for
+      backward, each split by the vocabulary under tensor parallelism;
+    - chunked (models/chunked_loss.py): the logits kept in the matmul's dtype (16-bit, or fp32 when one block holds
+      the vocabulary), and the block being reduced in fp32 (its copy when 16-bit; itself when fp32 and not kept).
+      On CUDA also the two block-sized temporaries inside logsumexp (x - max, then its exp): bench/head_loss.py's
+      H100 peak at block 16,384 (bf16, 8,192 tokens, vocabulary 50,304) was 2,491 MiB against 786 kept + 512 copy
+      + 1,024 of them. A CPU has them too, briefly; the memory test sees tensors only between operators."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
-    norms = 2 * s * b * h * act.element_bytes / (t if layout.sequence_parallel else 1)
-    if act.chunked_loss:  # no fp32 log-softmax: the logits alone, kept when 16-bit or when one chunk holds them all
-        block = block_size(model.vocab_size, s * b, act.device_type)
-        kept = act.element_bytes <= 2 or block >= model.vocab_size
-        # CUDA's blocks are large (models/chunked_loss.py): one block's fp32 logits are alive beside the kept ones
-        # (estimated from the code, not yet measured on a GPU); a CPU's 32 MiB block is within the estimate's error.
-        transient = 4 * s * b * block if act.device_type == "cuda" else 0
-        return norms + (act.element_bytes * s * b * model.vocab_size if kept else 0) + transient
-    return norms + (4 + act.element_bytes) * s * b * model.vocab_size / t
+    e, tokens, vocab = act.element_bytes, model.seq_length * micro, model.vocab_size
+    norms = 2 * s * b * h * e / (t if layout.sequence_parallel else 1)
+    weight = e * vocab * h / t if act.weight_copies != "none" else 0.0
+    if act.chunked_loss:
+        block = min(block_size(vocab, tokens, act.device_type), vocab)
+        kept = e <= 2 or block >= vocab
+        current = 0 if e == 4 and kept else 4 * tokens * block
+        inside = 8 * tokens * block if act.device_type == "cuda" else 0
+        return norms + weight + (e * tokens * vocab if kept else 0) + current + inside
+    fp32_copy = 4 if e < 4 else 0
+    return norms + weight + (e + fp32_copy + 4) * tokens * vocab / t
 
 
 def embedding_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
@@ -123,10 +159,12 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             kinds = model.num_experts[stage * per_stage:(stage + 1) * per_stage]
             layers = sum(layer_bytes(model, micro, layout, act, recompute.granularity if i < recomputed else "none",
                                      experts) for i, experts in enumerate(kinds))
+            copies = sum(weight_copy_bytes(model, layout, act, experts) for experts in kinds)
         else:  # dense: two kinds at most, counted by arithmetic (a plan of 10^8 layers answers at once)
             layers = recomputed * layer_bytes(model, micro, layout, act, recompute.granularity) \
                 + (per_stage - recomputed) * layer_bytes(model, micro, layout, act)
-        total = chunks_in_flight(stage, layout, micro_batches) * layers
+            copies = per_stage * weight_copy_bytes(model, layout, act)
+        total = chunks_in_flight(stage, layout, micro_batches) * layers + copies
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)
         if stage == p - 1:

@@ -470,12 +470,11 @@ def auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
                 "yourself.")
     if not layout_divides(args, ctx):
         return None  # the layout rule reports it
-    from rapidtrain.config.memory import loss_is_chunked, memory_estimate, with_peak
+    from rapidtrain.config.memory import activation_context, memory_estimate, with_peak
     from rapidtrain.config.resolve import (
         builtin_vocab_size,
         model_config_from_args,
         precision_of,
-        recompute_of,
         tokenizer_settings_of,
     )
 
@@ -485,8 +484,9 @@ def auto_micro_batch_problem(args: Args, ctx: RunContext) -> str | None:
     model, precision, layout = model_config_from_args(args, vocab), precision_of(args, ctx), layout_of(args, ctx)
     per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
         // layout.data_parallel_size
-    memory = with_peak(memory_estimate(args, model, layout, precision, ctx), model, 1, per_rank, layout, precision,
-                       recompute_of(args), ctx.device_type, loss_is_chunked(layout, switches_of(args, layout, ctx)))
+    switches = switches_of(args, layout, ctx)
+    memory = with_peak(memory_estimate(args, model, layout, precision, ctx, switches), model, 1, per_rank, layout,
+                       switches.recompute, activation_context(model, precision, layout, switches, ctx.device_type))
     if memory.peak_bytes_per_rank <= args.memory_budget_gb * 2**30:
         return None
     stage = max(range(len(memory.stage_state_bytes)),

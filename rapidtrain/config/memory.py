@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from rapidtrain.config.activations import ActivationContext, stage_activation_bytes
+from rapidtrain.config.activations import ActivationContext, WeightCopies, stage_activation_bytes
 from rapidtrain.config.partitioning import zero_stage
 from rapidtrain.config.resolve import optimizer_settings, switches_of, zero_by_fsdp2
 from rapidtrain.config.settings import (
@@ -50,16 +50,30 @@ def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int) -> list[f
 
 def loss_is_chunked(layout: Layout, switches: Switches) -> bool:
     """Whether the built-in model computes head and loss in chunks (models/chunked_loss.py): not when tensor
-    parallelism, FSDP2's DTensor weights or ZeRO-3's gathering hooks transform the head."""
-    return (layout.tensor_parallel_size == 1 and switches.partitioning_engine != "fsdp2"
-            and switches.partitioning != "zero-3")
+    parallelism (a DTensor weight and the vocab-parallel loss) or ZeRO-3's gathering hooks transform the head.
+    FSDP2 gathers the head's weight into a plain Parameter before the forward that uses it, so it runs chunked
+    (the memory test checks this claim against what ran, per layout)."""
+    return layout.tensor_parallel_size == 1 and switches.partitioning != "zero-3"
+
+
+def weight_copies(precision: Precision, switches: Switches) -> WeightCopies:
+    """Which fp32 weights the run copies to 16 bits for its matmuls (config/activations.py's WeightCopies)."""
+    if precision.dtype == "fp32" or switches.partitioning_engine == "deepspeed":
+        return "none"
+    return "head" if switches.partitioning_engine == "fsdp2" else "all"
+
+
+def activation_context(model: ModelConfig, precision: Precision, layout: Layout, switches: Switches,
+                       device_type: str) -> ActivationContext:
+    """What the activation bytes depend on besides the shapes, for this model, precision, layout and engine."""
+    return dataclasses.replace(ActivationContext.of(model, precision.dtype, device_type),
+                               chunked_loss=loss_is_chunked(layout, switches),
+                               weight_copies=weight_copies(precision, switches))
 
 
 def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batches: int, layout: Layout,
-              precision: Precision, recompute: RecomputeSettings, device_type: str,
-              chunked_loss: bool = False) -> MemoryEstimate:
+              recompute: RecomputeSettings, act: ActivationContext) -> MemoryEstimate:
     """`memory` with each pipeline stage's model states and activations, and the largest rank's peak."""
-    act = dataclasses.replace(ActivationContext.of(model, precision.dtype, device_type), chunked_loss=chunked_loss)
     activations = stage_activation_bytes(model, micro, micro_batches, layout, act, recompute)
     states = [memory.total_bytes * share for share in stage_parameter_shares(model, layout.pipeline_parallel_size)]
     peak = max(state + kept for state, kept in zip(states, activations, strict=True))
@@ -67,9 +81,8 @@ def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batc
                                peak_bytes_per_rank=peak)
 
 
-def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: ModelConfig, precision: Precision,
-                          memory: MemoryEstimate, recompute: RecomputeSettings, device_type: str,
-                          chunked_loss: bool = False) -> tuple[int, str]:
+def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: ModelConfig, memory: MemoryEstimate,
+                          recompute: RecomputeSettings, act: ActivationContext) -> tuple[int, str]:
     """The largest micro batch (at most --micro-batch-size) dividing global / data-parallel whose largest rank
     (model states + activations of the micro-batches its pipeline stage keeps in flight, under the layout's tensor
     and sequence parallelism and recompute) fits --memory-budget-gb; 1 when none fits (the rules refuse that
@@ -79,8 +92,7 @@ def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: Model
     budget = args.memory_budget_gb * 2**30
 
     def peak(micro: int) -> MemoryEstimate:
-        return with_peak(memory, model, micro, per_rank // micro, layout, precision, recompute, device_type,
-                         chunked_loss)
+        return with_peak(memory, model, micro, per_rank // micro, layout, recompute, act)
 
     fitting = [m for m in range(min(args.micro_batch_size, per_rank), 0, -1)
                if per_rank % m == 0 and peak(m).peak_bytes_per_rank <= budget]
@@ -186,12 +198,20 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     # In 3D mode ZeRO-1/2 is FSDP2 over the data-parallel dimension, which reduce-scatters gradients (ZeRO-2 memory).
     shard_grads = stage >= 2 or (stage == 1 and not deepspeed) or args.oss_sdp_memory_optimization \
         or args.fsdp_memory_optimization
-    shard_params = stage == 3 or args.fsdp_memory_optimization
     # Under expert parallelism FSDP2 shards the expert slices over the ranks holding the same experts, if at all;
     # OSS leaves them whole on each rank (see _expert_partitioning_note).
     fsdp2 = args.oss_sdp_memory_optimization or args.fsdp_memory_optimization or (stage in (1, 2) and not deepspeed)
+    # FSDP2 stores every unit's parameters sharded, whether or not it reshards them after forward (its gathered
+    # copies are counted apart: fsdp2_gathered_bytes).
+    shard_params = stage == 3 or fsdp2
     sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
     expert_ranks = n // layout.expert_parallel_size if sharded else 1
+    if deepspeed:
+        engine = deepspeed_engine_bytes(args, model, stage, n, weight, grad)
+    elif fsdp2 and n > 1:
+        engine = fsdp2_gathered_bytes(model, layout, precision, args.fsdp_memory_optimization, sharded)
+    else:
+        engine = 0.0
 
     def per_rank(nbytes: float, sharded: bool) -> float:
         return shared * nbytes / (n if sharded else 1) + own_experts * nbytes / (expert_ranks if sharded else 1)
@@ -199,11 +219,31 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     return MemoryEstimate(
         parameters=int(shared + own_experts), total_params=total, active_params=active,
         param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
-        engine_bytes=deepspeed_engine_bytes(args, model, stage, n, weight, grad) if deepspeed else 0.0,
+        engine_bytes=engine,
         optimizer_bytes=per_rank(optimizer, shard_optimizer),
         optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
         params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
     )
+
+
+def fsdp2_gathered_bytes(model: ModelConfig, layout: Layout, precision: Precision, resharded: bool,
+                         experts_sharded: bool) -> float:
+    """The whole parameters FSDP2 all-gathers beside its shards, at the peak (the loss): the root unit's
+    (embeddings, final norm, head) in fp32 from the first forward to the end of backward; the blocks' in their
+    MixedPrecisionPolicy dtype (parallel/data_parallel.py), under --fsdp-memory-optimization only the block being
+    computed (each is resharded after its forward), otherwise (SDP, ZeRO-1/2 through FSDP2) every block of the
+    stage, kept from its forward to its backward. Expert slices count when FSDP2 shards them; tensor parallelism
+    gathers only its own slices."""
+    from rapidtrain.models.counting import count_parameters, expert_parameter_count
+
+    total = count_parameters(model)[0]
+    root = count_parameters(dataclasses.replace(model, num_layers=0, num_experts=()))[0]
+    experts = expert_parameter_count(model)
+    per_layer = (total - root - experts + (experts / layout.expert_parallel_size if experts_sharded else 0)) \
+        / max(model.num_layers, 1)
+    block_bytes = 4 if precision.dtype == "fp32" else 2
+    layers = 1 if resharded else model.num_layers / layout.pipeline_parallel_size
+    return (root * 4 + layers * per_layer * block_bytes) / layout.tensor_parallel_size
 
 
 def deepspeed_engine_bytes(args: argparse.Namespace, model: ModelConfig, stage: int, data_parallel: int,

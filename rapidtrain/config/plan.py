@@ -14,9 +14,9 @@ from rapidtrain.config.arguments import MEGATRON_TASKS
 from rapidtrain.config.engines import engines_for
 from rapidtrain.config.estimate import plan_estimate
 from rapidtrain.config.memory import (
+    activation_context,
     auto_micro_batch_size,
     bucket_warnings,
-    loss_is_chunked,
     memory_estimate,
     size_multiple_warnings,
     with_peak,
@@ -78,15 +78,15 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     # The micro batch is chosen before the batch arithmetic, which every later setting follows.
     micro, choice, global_batch = args.micro_batch_size, None, args.global_batch_size
     if args.auto_micro_batch_size and model and memory and args.memory_budget_gb:
-        micro, choice = auto_micro_batch_size(args, layout, model, precision, memory, switches.recompute,
-                                              ctx.device_type, loss_is_chunked(layout, switches))
+        micro, choice = auto_micro_batch_size(args, layout, model, memory, switches.recompute,
+                                              activation_context(model, precision, layout, switches, ctx.device_type))
         # Without --global-batch-size the flags mean --micro-batch-size × data parallel: keep that batch.
         global_batch = global_batch or args.micro_batch_size * layout.data_parallel_size
     batches = dataclasses.replace(Batches.resolve(micro, global_batch, layout.data_parallel_size,
                                                   batch_schedule_of(args)), micro_batch_choice=choice)
     if model and memory:
-        memory = with_peak(memory, model, batches.micro_batch_size, batches.accumulation_steps, layout, precision,
-                           switches.recompute, ctx.device_type, loss_is_chunked(layout, switches))
+        memory = with_peak(memory, model, batches.micro_batch_size, batches.accumulation_steps, layout,
+                           switches.recompute, activation_context(model, precision, layout, switches, ctx.device_type))
     engines, notes = engines_for(args, ctx, layout, precision, switches, model,
                                  batches.accumulation_steps)
     notes += getattr(args, "compat_notes", [])  # Megatron's and Rapidformer's meanings applied to these flags

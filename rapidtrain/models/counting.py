@@ -72,7 +72,7 @@ def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
     return dict(Counter(config.num_experts))
 
 
-def _layer(config: ModelConfig, experts: int) -> tuple[list[Shape], list[Shape]]:
+def layer_shapes(config: ModelConfig, experts: int) -> tuple[list[Shape], list[Shape]]:
     """(shared, expert) parameter shapes of one layer with `experts` experts (0: a dense MLP, no expert shapes)."""
     shared = 2 * _norm(config) + _attention(config)
     if not experts:
@@ -88,7 +88,7 @@ def parameter_shapes(config: ModelConfig) -> dict[Shape, int]:
     built; a test compares it with the built model's parameters over the space of settings)."""
     counts: Counter[Shape] = Counter(_outside_layers(config))
     for experts, layers in _layers_by_experts(config).items():
-        shared, stacked = _layer(config, experts)
+        shared, stacked = layer_shapes(config, experts)
         for shape in shared + stacked:
             counts[shape] += layers
     return dict(counts)
@@ -100,7 +100,7 @@ def _elements(shapes: list[Shape]) -> int:
 
 def expert_parameter_count(config: ModelConfig) -> int:
     """Parameters of all MoE layers' experts (not routers): what expert parallelism shards."""
-    return sum(layers * _elements(_layer(config, experts)[1])
+    return sum(layers * _elements(layer_shapes(config, experts)[1])
                for experts, layers in _layers_by_experts(config).items())
 
 
@@ -111,7 +111,7 @@ def count_parameters(config: ModelConfig) -> tuple[int, int]:
     """
     total = active = _elements(_outside_layers(config))
     for experts, layers in _layers_by_experts(config).items():
-        shared, stacked = _layer(config, experts)
+        shared, stacked = layer_shapes(config, experts)
         one_expert = _elements(stacked) // experts if experts else 0
         total += layers * (_elements(shared) + _elements(stacked))
         active += layers * (_elements(shared) + config.moe_router_topk * one_expert)

@@ -7,13 +7,15 @@ What is measured, per rank:
   runner (its module's parameters and gradients, the optimizer's state, DeepSpeed's flat partitions: a walk of
   the objects' attributes), buffers excluded; DDP's gradient buckets (C++ only) are counted through the
   gradients, which are views into them;
-- activations: during the second iteration's forward and backward (not its optimizer step), after every
-  operator that runs outside backward, the bytes of the storages created in this iteration that are still
-  alive, parameters excluded; the largest such sum (for a pipeline stage, with its micro-batches in flight).
-  A DTensor counts its local tensor (its wrapper's storage has the global size and no memory). Storages that
-  end the iteration as gradients are left out (gradient memory, counted with the model states; DDP rebuilds
-  its buckets, which the gradients are views into, in the second iteration's forward); gradients made on one
-  micro-batch and replaced later (DDP's gradients beside its buckets during accumulation) are counted.
+- activations: during the second iteration's forward and backward (not its optimizer step), after every operator
+  that runs outside backward, the bytes the storages created in this iteration hold then (a storage resized to
+  nothing, as FSDP2 frees a resharded parameter, holds none), parameters excluded; the largest such sum (for a
+  pipeline stage, with its micro-batches in flight). A DTensor counts its local tensor (its wrapper's storage has
+  the global size and no memory). Storages that end the iteration as gradients are left out (gradient memory,
+  counted with the model states; DDP rebuilds its buckets, which the gradients are views into, in the second
+  iteration's forward); gradients made on one micro-batch and replaced later (DDP's gradients beside its buckets
+  during accumulation) are counted;
+- whether the head and loss ran chunked (models/chunked_loss.py) in that iteration, which the plan predicts.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from rapidtrain.core.process import exit_after  # noqa: E402
+from rapidtrain.models.transformer import TokenCrossEntropy  # noqa: E402
 from rapidtrain.pretrain import ENTRY, MegatronPreTrainer  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 
@@ -81,8 +84,8 @@ class PeakActivations(TorchDispatchMode):
         super().__init__()
         self.parameters = parameters
         self.excluded = {StorageWeakRef(local(p).untyped_storage()) for p in parameters}
-        self.created: dict[StorageWeakRef, int] = {}
-        self.checks: list[tuple[int, list[StorageWeakRef]]] = []  # (bytes alive, the storages alive)
+        self.created: set[StorageWeakRef] = set()
+        self.checks: list[dict[StorageWeakRef, int]] = []  # the storages alive at each check, with their bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -91,10 +94,12 @@ class PeakActivations(TorchDispatchMode):
                 storage = local(t).untyped_storage()
                 ref = StorageWeakRef(storage)
                 if ref not in self.excluded:
-                    self.created.setdefault(ref, storage.nbytes())
+                    self.created.add(ref)
         if torch._C._current_graph_task_id() == -1:  # not inside backward
-            alive = [ref for ref in self.created if not ref.expired()]
-            self.checks.append((sum(self.created[ref] for ref in alive), alive))
+            # Bytes as they are now: FSDP2 frees a resharded parameter by resizing its storage to 0, not dropping it.
+            alive = {ref: torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                     for ref in self.created if not ref.expired()}
+            self.checks.append(alive)
         return out
 
     def gradient_storages(self) -> set[StorageWeakRef]:
@@ -103,8 +108,7 @@ class PeakActivations(TorchDispatchMode):
     @property
     def peak(self) -> int:
         grads = self.gradient_storages()
-        return max((total - sum(self.created[ref] for ref in alive if ref in grads) for total, alive in self.checks),
-                   default=0)
+        return max((sum(size for ref, size in alive.items() if ref not in grads) for alive in self.checks), default=0)
 
 
 class MeasuredTrainer(MegatronPreTrainer):
@@ -119,10 +123,22 @@ class MeasuredTrainer(MegatronPreTrainer):
         forward_backward, optimizer_step = runner.forward_backward, runner.step
         measured: dict = {}
 
+        chunked_calls = []
+        from_hidden = TokenCrossEntropy.from_hidden
+
+        def counted_from_hidden(loss, *args, **kwargs):
+            chunked_calls.append(1)
+            return from_hidden(loss, *args, **kwargs)
+
         def measured_forward_backward(*args, **kwargs):
-            with PeakActivations(parameters) as mode:
-                total = forward_backward(*args, **kwargs)
+            TokenCrossEntropy.from_hidden = counted_from_hidden
+            try:
+                with PeakActivations(parameters) as mode:
+                    total = forward_backward(*args, **kwargs)
+            finally:
+                TokenCrossEntropy.from_hidden = from_hidden
             measured["activation_bytes"] = mode.peak
+            measured["chunked_loss"] = bool(chunked_calls)
             return total
 
         def measured_optimizer_step(*args, **kwargs):

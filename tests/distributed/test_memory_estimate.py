@@ -1,7 +1,7 @@
 """The plan's memory per rank (model states by the ZeRO paper's accounting and the engine's own buffers +
 activations by Korthikanti et al. 2022, per pipeline stage) against what each rank of a real 2-rank CPU run
-holds, for every layout: DDP, DeepSpeed ZeRO-1/2/3, FSDP, TP, TP + sequence parallelism, PP and EP; within ±15%
-per rank.
+holds, for every layout: DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP, TP + sequence parallelism, PP and EP;
+within ±15% per rank. And whether the loss ran chunked where the plan says it does.
 
 Measured (tests/distributed/memory_runs.py): the model states are the distinct tensor storages reachable from
 the runner after the first optimizer step (parameters, gradients, optimizer state, DeepSpeed's partitions;
@@ -18,6 +18,7 @@ import pytest
 
 from rapidtrain.config import rules
 from rapidtrain.config.arguments import parse_args
+from rapidtrain.config.memory import loss_is_chunked
 from rapidtrain.config.plan import from_args
 from rapidtrain.config.settings import RunContext
 from tests.launch import REPO, torchrun
@@ -37,10 +38,19 @@ LAYOUTS = {
     "zero3": ["--zero-3-memory-optimization", "--zero-reduce-bucket-size", "100000",
               "--zero-stage3-prefetch-bucket-size", "100000"],
     "fsdp": ["--fsdp-memory-optimization"],
+    "sdp": ["--oss-sdp-memory-optimization"],
+    "oss": ["--oss-memory-optimization"],
     "tp2": ["--tensor-model-parallel-size", "2"],
     "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],  # 2 micro-batches in flight
     "ep2": ["--num-experts", "2", "--expert-model-parallel-size", "2"],
+    # bf16 (tiny, so that a CPU without native bf16 runs them too): autocast's 16-bit weight copies and the loss's
+    # fp32 copies, under each way of holding the weights (fp32 + autocast, FSDP2's 16-bit blocks, DeepSpeed's
+    # 16-bit weights) and both losses (chunked; vocab-parallel under TP)
+    "ddp_bf16": ["--bf16"],
+    "fsdp_bf16": ["--bf16", "--fsdp-memory-optimization"],
+    "zero2_bf16": ["--bf16", "--zero-2-memory-optimization", *SMALL_BUCKETS],
+    "tp2_bf16": ["--bf16", "--tensor-model-parallel-size", "2"],
 }
 
 
@@ -58,9 +68,13 @@ def test_peak_memory_per_rank_is_estimated_within_15_percent(measured, layout):
     ctx = RunContext(world_size=2)
     args = parse_args(SHAPE + LAYOUTS[layout])
     rules.validate(args, ctx)
-    memory = from_args(args, ctx).memory
+    plan = from_args(args, ctx)
+    memory = plan.memory
     stages = len(memory.stage_state_bytes)
+    chunked = loss_is_chunked(plan.layout, plan.switches)
     for rank, got in enumerate(measured[layout]):
+        if rank * stages // 2 == stages - 1:  # a rank that computes the loss: the plan knows how
+            assert got["chunked_loss"] == chunked, (layout, rank, got)
         stage = rank * stages // 2
         estimate = memory.stage_state_bytes[stage] + memory.stage_activation_bytes[stage]
         real = got["state_bytes"] + got["activation_bytes"]
