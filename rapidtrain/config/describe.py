@@ -139,7 +139,11 @@ def _model_lines(plan: Plan) -> list[str]:
             + (f" (offloaded to {mem.params_offloaded})" if mem.params_offloaded != "none" else "") + ", "
             f"gradients {mib_text(mem.grad_bytes)}, optimizer {mib_text(mem.optimizer_bytes)}"
             + (" (on CPU)" if mem.optimizer_on_cpu else "")
-            + (f", DeepSpeed's buffers {mib_text(mem.engine_bytes)}" if mem.engine_bytes else "")
+            + (f" on average ({mib_text(min(mem.optimizer_bytes_by_rank))} to "
+               f"{mib_text(max(mem.optimizer_bytes_by_rank))} by rank: OSS gives each rank whole tensors)"
+               if mem.optimizer_bytes_by_rank else "")
+            + (f", {ENGINE_BUFFERS.get(plan.switches.partitioning_engine, 'engine buffers')} "
+               f"{mib_text(mem.engine_bytes)}" if mem.engine_bytes else "")
             + f"; total {mib_text(mem.total_bytes)}",
             *_peak_memory_lines(mem, plan),
         ]
@@ -215,6 +219,10 @@ def _ranks(group: list[int]) -> str:
         return str(group)
     stride = group[1] - group[0]
     return f"[{group[0]}, {group[1]}, …, {group[-1]}] (stride {stride})"
+
+
+# What MemoryEstimate.engine_bytes holds, by engine (config/memory.py).
+ENGINE_BUFFERS = {"deepspeed": "DeepSpeed's buffers", "fsdp2": "FSDP2's gathered parameters"}
 
 
 def _peak_memory_lines(mem: MemoryEstimate, plan: Plan) -> list[str]:

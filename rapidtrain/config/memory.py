@@ -25,6 +25,7 @@ from rapidtrain.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from rapidtrain.optim.optimizers import OptimizerSettings
+    from rapidtrain.optim.state_bytes import StateKind
 
 
 def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int) -> list[float]:
@@ -76,7 +77,10 @@ def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batc
     """`memory` with each pipeline stage's model states and activations, and the largest rank's peak."""
     activations = stage_activation_bytes(model, micro, micro_batches, layout, act, recompute)
     states = [memory.total_bytes * share for share in stage_parameter_shares(model, layout.pipeline_parallel_size)]
-    peak = max(state + kept for state, kept in zip(states, activations, strict=True))
+    # OSS's ranks hold different optimizer shares: the peak is the largest's.
+    uneven = max(memory.optimizer_bytes_by_rank) - memory.optimizer_bytes \
+        if memory.optimizer_bytes_by_rank and not memory.optimizer_on_cpu else 0.0
+    peak = max(state + kept for state, kept in zip(states, activations, strict=True)) + uneven
     return dataclasses.replace(memory, stage_state_bytes=tuple(states), stage_activation_bytes=tuple(activations),
                                peak_bytes_per_rank=peak)
 
@@ -156,6 +160,36 @@ def optimizer_state_bytes_per_parameter(model: ModelConfig, settings: OptimizerS
     return optimizer_state_bytes(resolve_optimizer(settings, device_type).state, shapes) / max(total, 1)
 
 
+# Beyond this many parameter tensors OSS's partition is not simulated: its ranks are then even to well under 1%.
+OSS_SIMULATED_TENSORS = 1_000_000
+
+
+def oss_optimizer_bytes_by_rank(model: ModelConfig, kind: StateKind, data_parallel: int) -> tuple[float, ...]:
+    """Each data-parallel rank's optimizer state under --oss-memory-optimization, or () when not simulated.
+
+    ZeroRedundancyOptimizer gives whole tensors to ranks by torch's own rule: each parameter group's tensors,
+    largest first, each to the rank holding the fewest elements so far (the lowest rank on a tie); a rank keeps
+    the state of its own tensors. A large word embedding makes one rank's share far above the average (GPT-2
+    small on 8 ranks: the embedding alone is 2.5 times an even share)."""
+    import heapq
+
+    from rapidtrain.models.counting import parameter_groups
+    from rapidtrain.optim.state_bytes import shared_state_bytes, tensor_state_bytes
+
+    groups = parameter_groups(model)
+    if sum(count for group in groups for count in group.values()) > OSS_SIMULATED_TENSORS:
+        return ()
+    filled = [(0, rank) for rank in range(data_parallel)]  # (elements so far, rank): a heap
+    state = [float(shared_state_bytes(kind))] * data_parallel
+    for group in groups:
+        for shape, count in sorted(group.items(), key=lambda item: -math.prod(item[0])):
+            for _ in range(count):
+                elements, rank = heapq.heappop(filled)
+                state[rank] += tensor_state_bytes(kind, shape)
+                heapq.heappush(filled, (elements + math.prod(shape), rank))
+    return tuple(state)
+
+
 def parameter_shape_counts(model: ModelConfig) -> dict[tuple[int, ...], int]:
     """How many parameter tensors of each shape the built-in model has (from its settings: nothing is built, so a
     plan of 10^8 layers answers at once and the plan needs no torch)."""
@@ -190,6 +224,13 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     else:
         settings = optimizer_settings(args, layout, switches or switches_of(args, layout, ctx))
         state = optimizer_state_bytes_per_parameter(model, settings, ctx.device_type)
+    by_rank: tuple[float, ...] = ()
+    one_model_per_rank = layout.data_parallel_size == layout.world_size and layout.expert_parallel_size == 1
+    if args.oss_memory_optimization and one_model_per_rank and layout.data_parallel_size > 1:
+        from rapidtrain.optim.optimizers import resolve_optimizer
+
+        kind = resolve_optimizer(settings, ctx.device_type).state
+        by_rank = oss_optimizer_bytes_by_rank(model, kind, layout.data_parallel_size)
     # DeepSpeed's optimizer steps an fp32 copy of this rank's partition, beside the model's weights even in fp32.
     optimizer = state + (4 if deepspeed else 0)
     n = layout.data_parallel_size
@@ -220,7 +261,7 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
         parameters=int(shared + own_experts), total_params=total, active_params=active,
         param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
         engine_bytes=engine,
-        optimizer_bytes=per_rank(optimizer, shard_optimizer),
+        optimizer_bytes=per_rank(optimizer, shard_optimizer), optimizer_bytes_by_rank=by_rank,
         optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
         params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
     )

@@ -344,7 +344,8 @@ class MemoryEstimate:
     """Bytes per rank before anything is built: model states by the ZeRO paper's accounting (`param_bytes`,
     `grad_bytes`, `optimizer_bytes`: the average rank's), and per pipeline stage the model states (the first stage
     holds the embedding, the last the head) and the activations at its peak (Korthikanti et al. 2022, see
-    config/activations.py); `peak_bytes_per_rank` is the largest stage's sum."""
+    config/activations.py); `peak_bytes_per_rank` is the largest rank's sum (its stage's, plus its optimizer share
+    beyond the average where ranks differ)."""
 
     parameters: int
     total_params: int
@@ -352,6 +353,9 @@ class MemoryEstimate:
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
+    # Each data-parallel rank's optimizer state where they differ (OSS gives ranks whole tensors: memory.py's
+    # oss_optimizer_bytes_by_rank); () when every rank holds the average
+    optimizer_bytes_by_rank: tuple[float, ...] = ()
     # Beyond the ZeRO accounting, what the engine keeps on the device by its design (DeepSpeed's reduce buckets,
     # ZeRO-2's whole gradients of the parameters a partition touches, ZeRO-3's persistent and gathered
     # parameters: config/memory.py's deepspeed_engine_bytes)

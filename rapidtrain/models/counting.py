@@ -94,6 +94,25 @@ def parameter_shapes(config: ModelConfig) -> dict[Shape, int]:
     return dict(counts)
 
 
+def parameter_groups(config: ModelConfig) -> tuple[dict[Shape, int], dict[Shape, int]]:
+    """parameter_shapes split as the optimizer groups them (optim/optimizers.py's param_groups): the matrices that
+    take weight decay, and the vectors and biases (the experts' stacked [E, f] / [E, h] ones included) that do not."""
+    decay: Counter[Shape] = Counter()
+    no_decay: Counter[Shape] = Counter()
+
+    def add(shapes: list[Shape], layers: int, stacked: bool = False) -> None:
+        for shape in shapes:
+            is_bias = len(shape) <= 1 or (stacked and len(shape) == 2)
+            (no_decay if is_bias else decay)[shape] += layers
+
+    add(_outside_layers(config), 1)
+    for experts, layers in _layers_by_experts(config).items():
+        shared, stacked = layer_shapes(config, experts)
+        add(shared, layers)
+        add(stacked, layers, stacked=True)
+    return dict(decay), dict(no_decay)
+
+
 def _elements(shapes: list[Shape]) -> int:
     return sum(math.prod(shape) for shape in shapes)
 
