@@ -173,20 +173,22 @@ def oss_optimizer_bytes_by_rank(model: ModelConfig, kind: StateKind, data_parall
     small on 8 ranks: the embedding alone is 2.5 times an even share)."""
     import heapq
 
-    from rapidtrain.models.counting import parameter_groups
+    from rapidtrain.models.counting import parameter_order, parameter_shapes
     from rapidtrain.optim.state_bytes import shared_state_bytes, tensor_state_bytes
 
-    groups = parameter_groups(model)
-    if sum(count for group in groups for count in group.values()) > OSS_SIMULATED_TENSORS:
+    if sum(parameter_shapes(model).values()) > OSS_SIMULATED_TENSORS:
         return ()
+    decay: list[tuple[int, ...]] = []
+    no_decay: list[tuple[int, ...]] = []  # optim/optimizers.py's param_groups: norms and biases
+    for shape, role in parameter_order(model):
+        (no_decay if role in ("vector", "expert_bias") else decay).append(shape)
     filled = [(0, rank) for rank in range(data_parallel)]  # (elements so far, rank): a heap
     state = [float(shared_state_bytes(kind))] * data_parallel
-    for group in groups:
-        for shape, count in sorted(group.items(), key=lambda item: -math.prod(item[0])):
-            for _ in range(count):
-                elements, rank = heapq.heappop(filled)
-                state[rank] += tensor_state_bytes(kind, shape)
-                heapq.heappush(filled, (elements + math.prod(shape), rank))
+    for group in (decay, no_decay):
+        for shape in sorted(group, key=lambda shape: -math.prod(shape)):  # stable, as torch's sort
+            elements, rank = heapq.heappop(filled)
+            state[rank] += tensor_state_bytes(kind, shape)
+            heapq.heappush(filled, (elements + math.prod(shape), rank))
     return tuple(state)
 
 
@@ -226,7 +228,9 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
         state = optimizer_state_bytes_per_parameter(model, settings, ctx.device_type)
     by_rank: tuple[float, ...] = ()
     one_model_per_rank = layout.data_parallel_size == layout.world_size and layout.expert_parallel_size == 1
-    if args.oss_memory_optimization and one_model_per_rank and layout.data_parallel_size > 1:
+    # (--decoupled-lr splits the embedding and output into groups of their own: not simulated, the average stands)
+    if args.oss_memory_optimization and one_model_per_rank and layout.data_parallel_size > 1 \
+            and settings.decoupled is None:
         from rapidtrain.optim.optimizers import resolve_optimizer
 
         kind = resolve_optimizer(settings, ctx.device_type).state

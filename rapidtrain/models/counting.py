@@ -5,63 +5,77 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterator
+from typing import Literal
 
 from rapidtrain.models.config import ModelConfig
 
 Shape = tuple[int, ...]
+# A parameter tensor's role: a matrix (weight decay), a vector (a norm's or a bias: no weight decay), or one of the
+# experts' stacked tensors (sharded by expert parallelism): "expert" matrices, "expert_bias" vectors.
+Role = Literal["matrix", "vector", "expert", "expert_bias"]
+Tensors = list[tuple[Shape, Role]]
 
 
-def _linear(fan_in: int, fan_out: int, bias: bool = True) -> list[Shape]:
+def _linear(fan_in: int, fan_out: int, bias: bool = True) -> Tensors:
     """nn.Linear's weight [out, in] and bias [out]."""
-    return [(fan_out, fan_in)] + ([(fan_out,)] if bias else [])
+    weight: Tensors = [((fan_out, fan_in), "matrix")]
+    return weight + ([((fan_out,), "vector")] if bias else [])
 
 
-def _norm(config: ModelConfig, size: int | None = None, layer_norm: bool = False) -> list[Shape]:
+def _norm(config: ModelConfig, size: int | None = None, layer_norm: bool = False) -> Tensors:
     """A LayerNorm has a weight and a bias, an RMSNorm a weight only (`layer_norm`: a LayerNorm whatever
     --normalization, as BLOOM's embedding norm)."""
     size = size or config.hidden_size
-    return [(size,)] * (1 if config.normalization == "RMSNorm" and not layer_norm else 2)
+    return [((size,), "vector")] * (1 if config.normalization == "RMSNorm" and not layer_norm else 2)
 
 
-def _mlp(config: ModelConfig) -> list[Shape]:
+def _mlp(config: ModelConfig) -> Tensors:
     """The dense MLP: fc1 (and the SwiGLU gate) h → f, fc2 f → h, with biases unless disabled."""
     h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
     return _linear(h, f, bias) * (2 if config.swiglu else 1) + _linear(f, h, bias)
 
 
-def _experts(config: ModelConfig, experts: int) -> list[Shape]:
-    """The experts of one MoE layer as stacked tensors, expert first: w1 (and w_gate) [E, h, f], w2 [E, f, h],
-    biases [E, f] and [E, h] unless disabled."""
-    h, f, e = config.hidden_size, config.ffn_size, experts
-    shapes = [(e, h, f)] * (2 if config.swiglu else 1) + [(e, f, h)]
-    return shapes + ([(e, f), (e, h)] if config.add_bias_linear else [])
+def _experts(config: ModelConfig, experts: int) -> Tensors:
+    """The experts of one MoE layer as stacked tensors, expert first: w1 (and w_gate) [E, h, f], b1 [E, f],
+    w2 [E, f, h], b2 [E, h] (no biases with --disable-bias-linear)."""
+    h, f, e, bias = config.hidden_size, config.ffn_size, experts, config.add_bias_linear
+    tensors: Tensors = [((e, h, f), "expert")] * (2 if config.swiglu else 1)
+    tensors += [((e, f), "expert_bias")] if bias else []
+    return tensors + [((e, f, h), "expert")] + ([((e, h), "expert_bias")] if bias else [])
 
 
-def _attention(config: ModelConfig) -> list[Shape]:
+def _attention(config: ModelConfig) -> Tensors:
     h, d = config.hidden_size, config.head_dim
     queries, keys = d * config.num_attention_heads, d * config.query_groups
-    shapes = _linear(h, queries, config.qkv_bias) + 2 * _linear(h, keys, config.qkv_bias)
-    shapes += _linear(queries, h, config.add_bias_linear)
-    return shapes + (2 * _norm(config, d) if config.qk_layernorm else [])  # shared by the heads: head_dim-sized
+    tensors = _linear(h, queries, config.qkv_bias) + 2 * _linear(h, keys, config.qkv_bias)
+    tensors += _linear(queries, h, config.add_bias_linear)
+    return tensors + (2 * _norm(config, d) if config.qk_layernorm else [])  # shared by the heads: head_dim-sized
 
 
-def _outside_layers(config: ModelConfig) -> list[Shape]:
-    """The embedding, the final norm and the head."""
-    h, vocab = config.hidden_size, config.vocab_size
-    shapes = [(vocab, h)] + _norm(config)  # word embeddings + final norm (post-norm: the embedding norm instead)
+def _embedding(config: ModelConfig) -> Tensors:
+    """The embedding module's: words, BLOOM's LayerNorm on them, positions, token types, post-norm's norm."""
+    h = config.hidden_size
+    tensors: Tensors = [((config.vocab_size, h), "matrix")]
     if config.embed_layernorm:
-        shapes += _norm(config, layer_norm=True)  # BLOOM's LayerNorm on the word embeddings
+        tensors += _norm(config, layer_norm=True)
     if config.position_embedding_type == "learned_absolute":
-        shapes.append((config.max_position_embeddings, h))
+        tensors.append(((config.max_position_embeddings, h), "matrix"))
     if config.num_tokentypes:
-        shapes.append((config.num_tokentypes, h))
-    if not config.tie_embeddings:
-        shapes.append((vocab, h))  # the output layer's own weight; tied, the embedding counts once
-    if config.model_type == "bert":
-        shapes += _linear(h, h) + _norm(config) + [(vocab,)]  # MLM head: dense, norm, decoder bias
-        if config.bert_binary_head:
-            shapes += _linear(h, h) + _linear(h, 2)  # pooler, binary head
-    return shapes
+        tensors.append(((config.num_tokentypes, h), "matrix"))
+    return tensors + (_norm(config) if config.post_layernorm else [])
+
+
+def _head(config: ModelConfig) -> Tensors:
+    """After the layers: the final norm (pre-norm models), the output weight when untied (tied, the embedding counts
+    once), BERT's masked-LM head (dense, norm, decoder) and its pooler and binary head."""
+    h, vocab = config.hidden_size, config.vocab_size
+    tensors: Tensors = [] if config.post_layernorm else _norm(config)
+    output: Tensors = [] if config.tie_embeddings else [((vocab, h), "matrix")]
+    if config.model_type != "bert":
+        return tensors + output
+    tensors += _linear(h, h) + _norm(config) + output + [((vocab,), "vector")]
+    return tensors + (_linear(h, h) + _linear(h, 2) if config.bert_binary_head else [])
 
 
 def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
@@ -72,15 +86,36 @@ def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
     return dict(Counter(config.num_experts))
 
 
+def _layer(config: ModelConfig, experts: int) -> Tensors:
+    """One transformer layer's, in its modules' order: ln1, attention, ln2, then the dense MLP, or the router, the
+    experts and (PR-MoE) the residual MLP and its two mixing coefficients."""
+    tensors = _norm(config) + _attention(config) + _norm(config)
+    if not experts:
+        return tensors + _mlp(config)
+    router: Tensors = [((experts, config.hidden_size), "matrix")]
+    tensors += router + _experts(config, experts)
+    return tensors + (_mlp(config) + _linear(config.hidden_size, 2) if config.moe_residual else [])
+
+
 def layer_shapes(config: ModelConfig, experts: int) -> tuple[list[Shape], list[Shape]]:
     """(shared, expert) parameter shapes of one layer with `experts` experts (0: a dense MLP, no expert shapes)."""
-    shared = 2 * _norm(config) + _attention(config)
-    if not experts:
-        return shared + _mlp(config), []
-    shared.append((experts, config.hidden_size))  # the router
-    if config.moe_residual:  # PR-MoE: a dense MLP beside the experts and its two mixing coefficients
-        shared += _mlp(config) + _linear(config.hidden_size, 2)
-    return shared, _experts(config, experts)
+    tensors = _layer(config, experts)
+    return ([shape for shape, role in tensors if not role.startswith("expert")],
+            [shape for shape, role in tensors if role.startswith("expert")])
+
+
+def parameter_order(config: ModelConfig) -> Iterator[tuple[Shape, Role]]:
+    """Every parameter tensor of the built-in model in `model.parameters()` order (tied weights once), with its role:
+    what an optimizer's parameter groups and ZeroRedundancyOptimizer's partition see. One entry per tensor: for a
+    model of 10^8 layers use parameter_shapes."""
+    yield from _embedding(config)
+    for layer in range(config.num_layers):
+        yield from _layer(config, config.experts_in_layer(layer))
+    yield from _head(config)
+
+
+def _outside_layers(config: ModelConfig) -> list[Shape]:
+    return [shape for shape, _ in _embedding(config) + _head(config)]
 
 
 def parameter_shapes(config: ModelConfig) -> dict[Shape, int]:
@@ -88,29 +123,9 @@ def parameter_shapes(config: ModelConfig) -> dict[Shape, int]:
     built; a test compares it with the built model's parameters over the space of settings)."""
     counts: Counter[Shape] = Counter(_outside_layers(config))
     for experts, layers in _layers_by_experts(config).items():
-        shared, stacked = layer_shapes(config, experts)
-        for shape in shared + stacked:
+        for shape, _ in _layer(config, experts):
             counts[shape] += layers
     return dict(counts)
-
-
-def parameter_groups(config: ModelConfig) -> tuple[dict[Shape, int], dict[Shape, int]]:
-    """parameter_shapes split as the optimizer groups them (optim/optimizers.py's param_groups): the matrices that
-    take weight decay, and the vectors and biases (the experts' stacked [E, f] / [E, h] ones included) that do not."""
-    decay: Counter[Shape] = Counter()
-    no_decay: Counter[Shape] = Counter()
-
-    def add(shapes: list[Shape], layers: int, stacked: bool = False) -> None:
-        for shape in shapes:
-            is_bias = len(shape) <= 1 or (stacked and len(shape) == 2)
-            (no_decay if is_bias else decay)[shape] += layers
-
-    add(_outside_layers(config), 1)
-    for experts, layers in _layers_by_experts(config).items():
-        shared, stacked = layer_shapes(config, experts)
-        add(shared, layers)
-        add(stacked, layers, stacked=True)
-    return dict(decay), dict(no_decay)
 
 
 def _elements(shapes: list[Shape]) -> int:

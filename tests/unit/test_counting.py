@@ -16,8 +16,10 @@ from rapidtrain.models.counting import (
     gpt_flops_per_iteration,
     megatron_gpt_flops,
     model_flops_per_iteration,
+    parameter_order,
     parameter_shapes,
 )
+from rapidtrain.optim.optimizers import param_groups
 
 SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=16)
 # RMSNorm, SwiGLU, grouped-query attention (2 key/value heads), rope, no biases, untied output.
@@ -91,6 +93,11 @@ def test_parameter_shapes_and_counts_equal_the_built_model(config: ModelConfig):
         model = build_model(config, seed=None)
     built = Counter(tuple(p.shape) for p in model.parameters())
     assert parameter_shapes(config) == dict(built)
+    # In order, each with the role the optimizer's groups give it (what OSS's partition follows)
+    order = list(parameter_order(config))
+    assert [shape for shape, _ in order] == [tuple(p.shape) for p in model.parameters()]
+    no_decay = {id(p) for group in param_groups(model, 0.01) if group["weight_decay"] == 0.0 for p in group["params"]}
+    assert [role in ("vector", "expert_bias") for _, role in order] == [id(p) in no_decay for p in model.parameters()]
     total, active = count_parameters(config)
     assert total == sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
