@@ -9,6 +9,7 @@ one into the next); with `--repeats N` each runs N times, in rotated order, and 
 Rows:
   rapidtrain                 the product as shipped (on CPU it tunes glibc malloc: rapidtrain/core/cpu_allocator.py)
   rapidtrain, glibc default  the same with --no-cpu-allocator-tuning: the loop and model alone
+  rapidtrain, compiled       the product with --torch-compile (its fastest equivalent of HF's best row)
   plain loop                 a hand-written loop on the same model, glibc default
   HF Trainer                 GPT2LMHeadModel of the same shape, Trainer defaults (adamw_torch_fused)
   HF Trainer, tuned malloc   the same with rapidtrain's allocator setting, to show what that setting is worth
@@ -132,8 +133,8 @@ def run_hf_trainer(o: argparse.Namespace, bf16: bool, vocab: int, dataset, workd
     return steady_seconds(stamps, o.warmup)
 
 
-SYSTEMS = ("rapidtrain", "rapidtrain, glibc default", "plain loop", "HF Trainer", "HF Trainer, tuned malloc",
-           "HF Trainer, best")
+SYSTEMS = ("rapidtrain", "rapidtrain, glibc default", "rapidtrain, compiled", "plain loop", "HF Trainer",
+           "HF Trainer, tuned malloc", "HF Trainer, best")
 HF_ROWS = tuple(system for system in SYSTEMS if system.startswith("HF"))
 
 
@@ -148,6 +149,8 @@ def run_one(o: argparse.Namespace) -> float:
         return run_rapidtrain(o, ["--bf16"] if bf16 else [])
     if o.system == "rapidtrain, glibc default":
         return run_rapidtrain(o, ["--no-cpu-allocator-tuning", *(["--bf16"] if bf16 else [])])
+    if o.system == "rapidtrain, compiled":
+        return run_rapidtrain(o, ["--torch-compile", *(["--bf16"] if bf16 else [])])
     dataset, vocab = demo_samples(o)
     if o.system == "plain loop":
         return run_plain_loop(o, torch.bfloat16 if bf16 else None, vocab, dataset)

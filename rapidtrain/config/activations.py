@@ -111,10 +111,8 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
     - plain path: the logits in the matmul's dtype, their fp32 copy when 16-bit, and the fp32 log-softmax saved for
       backward, each split by the vocabulary under tensor parallelism;
     - chunked (models/chunked_loss.py): the logits kept in the matmul's dtype (16-bit, or fp32 when one block holds
-      the vocabulary), and the block being reduced in fp32 (its copy when 16-bit; itself when fp32 and not kept).
-      On CUDA also the two block-sized temporaries inside logsumexp (x - max, then its exp): bench/head_loss.py's
-      H100 peak at block 16,384 (bf16, 8,192 tokens, vocabulary 50,304) was 2,491 MiB against 786 kept + 512 copy
-      + 1,024 of them. A CPU has them too, briefly; the memory test sees tensors only between operators."""
+      the vocabulary), and the one fp32 block being reduced (a 16-bit or kept block's fp32 copy, or the block
+      itself), which the log-sum-exp overwrites in place: no other block-sized tensor."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     e, tokens, vocab = act.element_bytes, model.seq_length * micro, model.vocab_size
     norms = 2 * s * b * h * e / (t if layout.sequence_parallel else 1)
@@ -122,9 +120,7 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
     if act.chunked_loss:
         block = min(block_size(vocab, tokens, act.device_type), vocab)
         kept = e <= 2 or block >= vocab
-        current = 0 if e == 4 and kept else 4 * tokens * block
-        inside = 8 * tokens * block if act.device_type == "cuda" else 0
-        return norms + weight + (e * tokens * vocab if kept else 0) + current + inside
+        return norms + weight + (e * tokens * vocab if kept else 0) + 4 * tokens * block
     fp32_copy = 4 if e < 4 else 0
     return norms + weight + (e + fp32_copy + 4) * tokens * vocab / t
 

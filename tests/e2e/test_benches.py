@@ -5,7 +5,8 @@ machine.py is the module the others import. About 85 s on 2 cores, so the slowes
 memory.py its state section (ddp and zero-2; not --section startup / save, ~100M-parameter models),
 parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without its memory modes (and its --profile
 with one system), head_loss.py at a tiny shape,
-pretrain_throughput.py three of its six rows in fp32 (not the tuned-malloc and torch.compile HF rows, nor bf16),
+pretrain_throughput.py three of its seven rows in fp32 (not the tuned-malloc row nor the two torch.compile rows, nor
+bf16),
 efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one)."""
 
 from __future__ import annotations
