@@ -38,9 +38,10 @@ from rapidtrain.models.loss_blocks import block_size
 
 # Which fp32 weights a 16-bit run copies to 16 bits for its matmuls, each copy kept from the forward that makes it
 # to its backward (autocast saves it for the weight's gradient): "all" under torch autocast over fp32 parameters
-# (one process, DDP, OSS, FairScale), "head" under FSDP2 (its MixedPrecisionPolicy gathers the blocks in 16 bits;
-# the root keeps fp32, so the head's weight is copied), "none" in fp32 or when DeepSpeed holds 16-bit weights.
-WeightCopies = Literal["none", "head", "all"]
+# (one process, DDP, OSS, FairScale), "head_and_experts" under FSDP2 (its MixedPrecisionPolicy gathers the blocks in
+# 16 bits; the root and the experts' units keep fp32, so the head's weight and the experts are copied), "none" in
+# fp32 or when DeepSpeed holds 16-bit weights.
+WeightCopies = Literal["none", "head_and_experts", "all"]
 
 
 @dataclass(frozen=True)
@@ -94,15 +95,17 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
 
 
 def weight_copy_bytes(model: ModelConfig, layout: Layout, act: ActivationContext, experts: int = 0) -> float:
-    """The 16-bit copies of one layer's fp32 matrices (`act.weight_copies` "all"), on one rank: tensor parallelism
-    splits the shared ones, expert parallelism the experts. One copy per step whatever the micro-batches in flight
-    or the recompute: autocast caches each cast weight until its context ends, and the pipeline runs its whole
-    schedule in one context (a data-parallel micro-batch ends its forward before the next begins)."""
-    if act.weight_copies != "all":
+    """The 16-bit copies of one layer's fp32 matrices (`act.weight_copies`: all of them, or the experts' alone), on
+    one rank: tensor parallelism splits the shared ones, expert parallelism the experts. One copy per step whatever
+    the micro-batches in flight or the recompute: autocast caches each cast weight until its context ends, and the
+    pipeline runs its whole schedule in one context (a data-parallel micro-batch ends its forward before the next
+    begins). The router's counts too, though it runs in fp32 (a small overestimate)."""
+    if act.weight_copies == "none":
         return 0.0
     shared, stacked = layer_shapes(model, experts)
     matrices = sum(math.prod(shape) for shape in shared if len(shape) >= 2) / layout.tensor_parallel_size
-    return act.element_bytes * (matrices + sum(math.prod(shape) for shape in stacked) / layout.expert_parallel_size)
+    copied = sum(math.prod(shape) for shape in stacked) / layout.expert_parallel_size
+    return act.element_bytes * (copied + (matrices if act.weight_copies == "all" else 0.0))
 
 
 def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:

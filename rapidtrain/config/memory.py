@@ -37,11 +37,9 @@ def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int) -> list[f
     if pipeline_parallel == 1:
         return [1.0]
     total = count_parameters(model)[0]
-    edges = count_parameters(dataclasses.replace(model, num_layers=0, num_experts=()))[0]
-    h, vocab = model.hidden_size, model.vocab_size
-    head = h + vocab * h  # the final norm (its weight) and an output matrix, tied copy or its own
-    embedding = edges - (0 if model.tie_embeddings else vocab * h) - h
-    layers = (total - edges) / pipeline_parallel
+    embedding, head = edge_parameters(model)
+    layers = (total - embedding - head + (model.vocab_size * model.hidden_size if model.tie_embeddings else 0)) \
+        / pipeline_parallel
     average = total / pipeline_parallel
     shares = [layers / average] * pipeline_parallel
     shares[0] += embedding / average
@@ -49,34 +47,51 @@ def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int) -> list[f
     return shares
 
 
-def loss_is_chunked(layout: Layout, switches: Switches) -> bool:
-    """Whether the built-in model computes head and loss in chunks (models/chunked_loss.py): not when tensor
-    parallelism (a DTensor weight and the vocab-parallel loss) or ZeRO-3's gathering hooks transform the head.
-    FSDP2 gathers the head's weight into a plain Parameter before the forward that uses it, so it runs chunked
-    (the memory test checks this claim against what ran, per layout)."""
-    return layout.tensor_parallel_size == 1 and switches.partitioning != "zero-3"
+def edge_parameters(model: ModelConfig) -> tuple[int, int]:
+    """(first stage's, last stage's) parameters outside the layers when pipelined: the embeddings; the final norm
+    (its weight) and an output matrix, a tied embedding's own copy or the untied head."""
+    from rapidtrain.models.counting import count_parameters
+
+    edges = count_parameters(dataclasses.replace(model, num_layers=0, num_experts=()))[0]
+    h, vocab = model.hidden_size, model.vocab_size
+    return edges - (0 if model.tie_embeddings else vocab * h) - h, h + vocab * h
 
 
-def weight_copies(precision: Precision, switches: Switches) -> WeightCopies:
-    """Which fp32 weights the run copies to 16 bits for its matmuls (config/activations.py's WeightCopies)."""
+def loss_is_chunked(model: ModelConfig, layout: Layout, switches: Switches) -> bool:
+    """Whether the built-in model computes head and loss in chunks (models/chunked_loss.py): GPT only (BERT's
+    masked-LM head has its dense layer and norm before the decoder), and not when tensor parallelism (a DTensor
+    weight and the vocab-parallel loss) or ZeRO-3's gathering hooks transform the head. FSDP2 gathers the head's
+    weight into a plain Parameter before the forward that uses it, so it runs chunked (the memory test checks this
+    claim against what ran, per layout)."""
+    return model.model_type == "gpt" and layout.tensor_parallel_size == 1 and switches.partitioning != "zero-3"
+
+
+def weight_copies(precision: Precision, layout: Layout, switches: Switches) -> WeightCopies:
+    """Which fp32 weights the run copies to 16 bits for its matmuls (config/activations.py's WeightCopies). FSDP2
+    applies only over more than one data-parallel rank; with one, the weights stay fp32 under autocast."""
     if precision.dtype == "fp32" or switches.partitioning_engine == "deepspeed":
         return "none"
-    return "head" if switches.partitioning_engine == "fsdp2" else "all"
+    fsdp2 = switches.partitioning_engine == "fsdp2" and layout.data_parallel_size > 1
+    return "head_and_experts" if fsdp2 else "all"
 
 
 def activation_context(model: ModelConfig, precision: Precision, layout: Layout, switches: Switches,
                        device_type: str) -> ActivationContext:
     """What the activation bytes depend on besides the shapes, for this model, precision, layout and engine."""
     return dataclasses.replace(ActivationContext.of(model, precision.dtype, device_type),
-                               chunked_loss=loss_is_chunked(layout, switches),
-                               weight_copies=weight_copies(precision, switches))
+                               chunked_loss=loss_is_chunked(model, layout, switches),
+                               weight_copies=weight_copies(precision, layout, switches))
 
 
 def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batches: int, layout: Layout,
               recompute: RecomputeSettings, act: ActivationContext) -> MemoryEstimate:
     """`memory` with each pipeline stage's model states and activations, and the largest rank's peak."""
     activations = stage_activation_bytes(model, micro, micro_batches, layout, act, recompute)
-    states = [memory.total_bytes * share for share in stage_parameter_shares(model, layout.pipeline_parallel_size)]
+    shares = stage_parameter_shares(model, layout.pipeline_parallel_size)
+    # What the engine holds per stage where it is known (FSDP2's gathered parameters), else in proportion.
+    engine = memory.engine_bytes_by_stage or tuple(memory.engine_bytes * share for share in shares)
+    states = [(memory.total_bytes - memory.engine_bytes) * share + held
+              for share, held in zip(shares, engine, strict=True)]
     # OSS's ranks hold different optimizer shares: the peak is the largest's.
     uneven = max(memory.optimizer_bytes_by_rank) - memory.optimizer_bytes \
         if memory.optimizer_bytes_by_rank and not memory.optimizer_on_cpu else 0.0
@@ -229,8 +244,9 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     by_rank: tuple[float, ...] = ()
     one_model_per_rank = layout.data_parallel_size == layout.world_size and layout.expert_parallel_size == 1
     # (--decoupled-lr splits the embedding and output into groups of their own: not simulated, the average stands)
-    if args.oss_memory_optimization and one_model_per_rank and layout.data_parallel_size > 1 \
-            and settings.decoupled is None:
+    # (FairScale's OSS assigns tensors in order, not largest first: not simulated either)
+    oss = (switches or switches_of(args, layout, ctx)).partitioning_engine == "zero-redundancy"
+    if oss and one_model_per_rank and layout.data_parallel_size > 1 and settings.decoupled is None:
         from rapidtrain.optim.optimizers import resolve_optimizer
 
         kind = resolve_optimizer(settings, ctx.device_type).state
@@ -251,10 +267,12 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     shard_params = stage == 3 or fsdp2
     sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
     expert_ranks = n // layout.expert_parallel_size if sharded else 1
+    engine_by_stage: tuple[float, ...] = ()
     if deepspeed:
         engine = deepspeed_engine_bytes(args, model, stage, n, weight, grad)
     elif fsdp2 and n > 1:
-        engine = fsdp2_gathered_bytes(model, layout, precision, args.fsdp_memory_optimization, sharded)
+        engine_by_stage = fsdp2_gathered_bytes(model, layout, precision, args.fsdp_memory_optimization, sharded)
+        engine = sum(engine_by_stage) / len(engine_by_stage)
     else:
         engine = 0.0
 
@@ -264,7 +282,7 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     return MemoryEstimate(
         parameters=int(shared + own_experts), total_params=total, active_params=active,
         param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
-        engine_bytes=engine,
+        engine_bytes=engine, engine_bytes_by_stage=engine_by_stage,
         optimizer_bytes=per_rank(optimizer, shard_optimizer), optimizer_bytes_by_rank=by_rank,
         optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
         params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",
@@ -272,23 +290,28 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
 
 
 def fsdp2_gathered_bytes(model: ModelConfig, layout: Layout, precision: Precision, resharded: bool,
-                         experts_sharded: bool) -> float:
-    """The whole parameters FSDP2 all-gathers beside its shards, at the peak (the loss): the root unit's
-    (embeddings, final norm, head) in fp32 from the first forward to the end of backward; the blocks' in their
-    MixedPrecisionPolicy dtype (parallel/data_parallel.py), under --fsdp-memory-optimization only the block being
-    computed (each is resharded after its forward), otherwise (SDP, ZeRO-1/2 through FSDP2) every block of the
-    stage, kept from its forward to its backward. Expert slices count when FSDP2 shards them; tensor parallelism
-    gathers only its own slices."""
+                         experts_sharded: bool) -> tuple[float, ...]:
+    """The whole parameters FSDP2 all-gathers beside its shards at the peak (the loss), per pipeline stage: the root
+    unit's (embeddings on the first stage; final norm and head on the last) in fp32 from the first forward to the
+    end of backward; the blocks' in their MixedPrecisionPolicy dtype (parallel/data_parallel.py), under
+    --fsdp-memory-optimization only the block being computed (each is resharded after its forward), otherwise (SDP,
+    ZeRO-1/2 through FSDP2) every block of the stage, kept from its forward to its backward. Expert slices count
+    when FSDP2 shards them, in fp32 (their units have no MixedPrecisionPolicy); tensor parallelism gathers only its
+    own slices."""
     from rapidtrain.models.counting import count_parameters, expert_parameter_count
 
     total = count_parameters(model)[0]
     root = count_parameters(dataclasses.replace(model, num_layers=0, num_experts=()))[0]
     experts = expert_parameter_count(model)
-    per_layer = (total - root - experts + (experts / layout.expert_parallel_size if experts_sharded else 0)) \
-        / max(model.num_layers, 1)
+    layers = max(model.num_layers, 1)
     block_bytes = 4 if precision.dtype == "fp32" else 2
-    layers = 1 if resharded else model.num_layers / layout.pipeline_parallel_size
-    return (root * 4 + layers * per_layer * block_bytes) / layout.tensor_parallel_size
+    block = (total - root - experts) / layers * block_bytes
+    block += experts / layout.expert_parallel_size / layers * 4 if experts_sharded else 0.0
+    held = block * (1 if resharded else model.num_layers / layout.pipeline_parallel_size)
+    p = layout.pipeline_parallel_size
+    edges = [float(root)] if p == 1 else [float(edge_parameters(model)[0])] + [0.0] * (p - 2) + \
+        [float(edge_parameters(model)[1])]
+    return tuple((edge * 4 + held) / layout.tensor_parallel_size for edge in edges)
 
 
 def deepspeed_engine_bytes(args: argparse.Namespace, model: ModelConfig, stage: int, data_parallel: int,

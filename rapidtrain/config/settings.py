@@ -358,13 +358,15 @@ class MemoryEstimate:
     optimizer_bytes_by_rank: tuple[float, ...] = ()
     # Beyond the ZeRO accounting, what the engine keeps on the device by its design (DeepSpeed's reduce buckets,
     # ZeRO-2's whole gradients of the parameters a partition touches, ZeRO-3's persistent and gathered
-    # parameters: config/memory.py's deepspeed_engine_bytes)
+    # parameters: config/memory.py's deepspeed_engine_bytes; FSDP2's gathered parameters: fsdp2_gathered_bytes),
+    # on the average stage, and per pipeline stage where that is known (else in proportion to its parameters)
     engine_bytes: float = 0.0
+    engine_bytes_by_stage: tuple[float, ...] = ()
     optimizer_on_cpu: bool = False
     params_offloaded: OffloadTarget = "none"  # ZeRO-3 parameter partitions in host memory or on NVMe
     stage_state_bytes: tuple[float, ...] = ()  # model states on one rank of each pipeline stage (on the device)
     stage_activation_bytes: tuple[float, ...] = ()  # activations kept at each stage's peak, on one rank of it
-    peak_bytes_per_rank: float = 0.0  # the largest stage's model states + activations (0: not estimated)
+    peak_bytes_per_rank: float = 0.0  # the largest rank's model states + activations (0: not estimated)
 
     @property
     def total_bytes(self) -> float:

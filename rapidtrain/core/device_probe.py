@@ -2,7 +2,8 @@
 be certain, and the caller asks torch. The processes that plan but do not train (`rapidtrain plan`, the launcher
 before torchrun) then never initialise CUDA: on a GPU node that costs time and starts the driver's threads, and a
 launcher with threads cannot fork its torchrun (core/shutdown.py: it execs a new interpreter instead, about 1 s).
-Where the probe answers, `rapidtrain plan` imports no torch at all (parameter shapes come from models/counting.py).
+Where the probe answers, `rapidtrain plan` imports no torch at all (parameter shapes come from models/counting.py),
+unless NVIDIA apex is installed: checking that its fused optimizers load imports it, and it imports torch.
 
 - CUDA: torch built with CUDA (its version file, read as text), NVIDIA device nodes (/dev/nvidiaN: a container sees
   only its own), each GPU's model from the driver (/proc/driver/nvidia/gpus/*/information), CUDA_VISIBLE_DEVICES

@@ -3,11 +3,12 @@ log line's "peak memory"), in the modes a GPU user trains in, at a size where th
 allocator's own (GPT-2 small's shape, 124M parameters at vocabulary 50k; here the demo corpus's vocabulary):
 within ±15%, as the CPU test (tests/distributed/test_memory_estimate.py) holds every layout to.
 
-On the GPU this also checks what the CPU cannot see: the temporaries inside an operator (the chunked loss's
-logsumexp over a block of CUDA's size) and the allocator's rounding."""
+On the GPU this also checks what the CPU test cannot see: the temporaries inside an operator and the allocator's
+rounding, with CUDA's large blocks of the chunked loss."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -27,7 +28,8 @@ MODES = {
     "bf16_recompute": ["--bf16", "--recompute-activations"],
     "bf16_full_recompute": ["--bf16", "--recompute-granularity", "full", "--recompute-method", "uniform"],
     "zero2_bf16": ["--bf16", "--zero-2-memory-optimization"],  # DeepSpeed's 16-bit weights: no copies
-    "fp16": ["--fp16"],
+    # The default 2^32 scale overflows the first steps, which are skipped before the optimizer allocates its state.
+    "fp16": ["--fp16", "--initial-loss-scale", "65536"],
 }
 
 
@@ -41,7 +43,7 @@ def measured_peak_bytes(stdout: str) -> float:
 def test_peak_memory_on_one_gpu_is_estimated_within_15_percent(mode, demo_data):
     flags = GPT2_SMALL + MODES[mode]
     run = torchrun_pretrain(flags)
-    ctx = RunContext.detect()
+    ctx = dataclasses.replace(RunContext.detect(), world_size=1)  # the run is one process, whatever the GPUs
     args = parse_args(flags)
     rules.validate(args, ctx)
     memory = from_args(args, ctx).memory
