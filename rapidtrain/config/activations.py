@@ -20,7 +20,8 @@ Beyond the paper, which assumes 16-bit weights (Megatron's): a 16-bit run over f
 Measured on CPU runs of every layout, fp32 and bf16 (tests/distributed/test_memory_estimate.py): without the copies
 the bf16 estimates were 35-55% under.
 
-Pipelining: under 1F1B stage i keeps min(p - i, m) micro-batches in flight (stage 0 holds p: the pipeline depth);
+Pipelining: under 1F1B stage i keeps min(p - i, m) micro-batches in flight (stage 0 holds p: the pipeline depth;
+with m < p the schedule is GPipe and every stage keeps all m);
 the interleaved schedule keeps 2·(p - i - 1) + (v - 1)·p + 1 model chunks of L/(p·v) layers, which for stage 0 is
 p micro-batches × (1 + (p - 1)/(p·v)).
 """
@@ -141,7 +142,9 @@ def chunks_in_flight(stage: int, layout: Layout, micro_batches: int) -> float:
     (one micro-batch through all of them = 1)."""
     p, v = layout.pipeline_parallel_size, layout.virtual_pipeline_stages
     if v <= 1:
-        return min(p - stage, micro_batches)
+        # 1F1B: stage i warms up with p - i forwards; with fewer micro-batches than stages the schedule is GPipe
+        # (parallel/pipeline.py), whose every stage runs all its forwards before any backward.
+        return min(p - stage, micro_batches) if micro_batches >= p else micro_batches
     chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, micro_batches * v)
     return chunks / v
 

@@ -43,3 +43,15 @@ def test_fsdp2_gathered_root_sits_on_the_first_and_last_pipeline_stages():
     assert second == third < min(first, last)
     vocab, h = plan.model.vocab_size, plan.model.hidden_size
     assert first - second >= 4 * vocab * h and last - second >= 4 * vocab * h
+
+
+def test_with_fewer_micro_batches_than_stages_every_stage_keeps_them_all():
+    """GPipe (fewer micro-batches than stages) runs every forward before any backward: the last stage keeps both
+    micro-batches, where 1F1B's last stage keeps one."""
+    from rapidtrain.config.activations import chunks_in_flight
+
+    flags = ["--pipeline-model-parallel-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    gpipe, _ = plan_of([*flags, "--global-batch-size", "4"], 4)  # 2 micro-batches over 4 stages
+    assert "GPipe" in " ".join(engine.engine for engine in gpipe.engines)
+    assert [chunks_in_flight(stage, gpipe.layout, 2) for stage in range(4)] == [2, 2, 2, 2]
+    assert [chunks_in_flight(stage, gpipe.layout, 4) for stage in range(4)] == [4, 3, 2, 1]  # 1F1B
