@@ -175,7 +175,8 @@ def optimizer_state_bytes_per_parameter(model: ModelConfig, settings: OptimizerS
     return optimizer_state_bytes(resolve_optimizer(settings, device_type).state, shapes) / max(total, 1)
 
 
-# Beyond this many parameter tensors OSS's partition is not simulated: its ranks are then even to well under 1%.
+# Beyond this many parameter tensors OSS's partition is not simulated (the average stands): a model of that many
+# tensors has layers enough that any one tensor is a sliver of a rank's share.
 OSS_SIMULATED_TENSORS = 1_000_000
 
 
