@@ -310,8 +310,8 @@ def fsdp2_gathered_bytes(model: ModelConfig, layout: Layout, precision: Precisio
     block += experts / layout.expert_parallel_size / layers * 4 if experts_sharded else 0.0
     held = block * (1 if resharded else model.num_layers / layout.pipeline_parallel_size)
     p = layout.pipeline_parallel_size
-    edges = [float(root)] if p == 1 else [float(edge_parameters(model)[0])] + [0.0] * (p - 2) + \
-        [float(edge_parameters(model)[1])]
+    embedding, head = edge_parameters(model)
+    edges = [float(root)] if p == 1 else [float(embedding)] + [0.0] * (p - 2) + [float(head)]
     return tuple((edge * 4 + held) / layout.tensor_parallel_size for edge in edges)
 
 

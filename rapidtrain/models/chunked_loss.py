@@ -39,9 +39,7 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             inside = (targets >= start) & (targets < start + raw.shape[1])
             index = (targets - start).clamp(0, raw.shape[1] - 1)
             picked += raw.gather(1, index[:, None]).squeeze(1).float().masked_fill_(~inside, 0.0)
-            # An fp32 block nobody keeps is reduced in place; a kept or 16-bit one through an fp32 copy.
-            block_lse.append(_log_sum_exp(raw.to(torch.float32, copy=True) if keep or raw.dtype != torch.float32
-                                          else raw))
+            block_lse.append(_log_sum_exp(_writable_fp32(raw, kept=keep)))
             del raw  # before the next block's matmul: one fp32 block at a time
         log_sum_exp = torch.logsumexp(torch.stack(block_lse), dim=0)
         ignored = targets < 0
@@ -64,8 +62,7 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             # block: a copy of kept or 16-bit logits (the kept ones stay intact for a backward with retain_graph),
             # else the recomputed block itself. Several times faster on a CPU than one type-promoting subtraction,
             # in the same memory.
-            fresh = not kept and logits.dtype == torch.float32
-            grad_logits = (logits if fresh else logits.to(torch.float32, copy=True)).sub_(log_sum_exp[:, None]).exp_()
+            grad_logits = _writable_fp32(logits, kept=bool(kept)).sub_(log_sum_exp[:, None]).exp_()
             inside = (targets >= start) & (targets < start + grad_logits.shape[1])
             grad_logits.scatter_add_(1, (targets - start).clamp(0, grad_logits.shape[1] - 1)[:, None],
                                      -inside.float()[:, None])
@@ -75,6 +72,11 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             grad_hidden += grad_logits @ weight[start:end]
             grad_weight[start:end] = grad_logits.t() @ hidden
         return grad_hidden.to(hidden.dtype), grad_weight, grad_bias, None, None
+
+
+def _writable_fp32(block: torch.Tensor, kept: bool) -> torch.Tensor:
+    """The block as fp32 that may be overwritten: itself when it is fp32 and nobody keeps it, else an fp32 copy."""
+    return block if block.dtype == torch.float32 and not kept else block.to(torch.float32, copy=True)
 
 
 def _log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
