@@ -286,6 +286,8 @@ class ZeroState:
             if params and self.counts_steps():
                 self.set_group_step(index, float(saved["state"][self.names[id(params[0])]][STEP]))
             self.load_hyperparameters(group, saved["param_groups"][index])
+        if hasattr(self.base, "ds_opt_adam") and self.counts_steps():
+            replay_cpu_adam_steps(self.base, int(self.group_step(0)))
         if self.dynamic_loss_scaling and "loss_scaler" in state:
             load_loss_scaler_state(self.zero.loss_scaler, state["loss_scaler"])
 
@@ -295,6 +297,25 @@ class ZeroState:
         for key in group:
             if key != "params" and key in saved:
                 group[key] = saved[key]
+
+
+def replay_cpu_adam_steps(optimizer: Any, steps: int) -> None:
+    """Bring DeepSpeedCPUAdam's C++ bias-correction powers to where an uninterrupted run has them after `steps`.
+
+    The C++ optimizer keeps beta1^t and beta2^t in float32 and multiplies them by the betas once per step; when a
+    step number arrives that does not follow the last one (the first step after a resume, into a fresh optimizer)
+    it computes std::pow(beta, t) instead, which can differ in the last bit, and so the resumed run's updates, and
+    within a few steps its losses, stop being bitwise the uninterrupted run's. Stepping a one-element stand-in
+    through steps 1..`steps` at rate 0 takes the multiplying path every time (step 1 gives beta exactly whatever
+    came before): the real parameters and their state are not touched."""
+    if steps <= 0:
+        return
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    param, grad, exp_avg, exp_avg_sq = (torch.zeros(1) for _ in range(4))
+    for step in range(1, steps + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, 0.0, beta1, beta2, group["eps"], 0.0,
+                                          group["bias_correction"], param, grad, exp_avg, exp_avg_sq)
 
 
 def loss_scaler_state(scaler: Any) -> dict[str, Any]:
