@@ -311,7 +311,7 @@ def tiny_task(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """A tiny classification model (dropout 0.1) and its data: .jsonl for the black-box command, and the GLUE
     .tsv that the Finetuner template reads in a folder of its own."""
     root = tmp_path_factory.mktemp("task")
-    model, data = toy.make_task("sequence_classification", root, train=400, dev=16)
+    model, data = toy.make_task("sequence_classification", root, train=200, dev=16)
     tsv = root / "tsv" / data.name
     tsv.mkdir(parents=True)
     for split in ("train", "dev"):
