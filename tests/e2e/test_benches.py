@@ -137,17 +137,17 @@ def test_parallel_layouts_bench_prints_each_layout_it_ran():
     assert all(len(row) == 6 and [number(cell) for cell in row[1:]] for row in rows), stdout
 
 
-def test_gpu_throughput_bench_smoke_cpu_runs_every_system():
-    stdout = run_bench("gpu_throughput.py", "--smoke-cpu", "--no-memory")
+def test_gpu_throughput_bench_smoke_cpu_runs_every_system_and_writes_its_profiles(tmp_path):
+    """One launch (each system is a child process that imports torch and Transformers): the table, and with
+    --profile each system's profiler table."""
+    stdout = run_bench("gpu_throughput.py", "--smoke-cpu", "--no-memory", "--profile", str(tmp_path))
     rows = markdown_rows(stdout, "| model | system | torch.compile |")
     assert [row[1] for row in rows] == ["rapidtrain", "plain loop", "HF Trainer"], stdout
     assert all(len(row) == 9 and [number(row[i]) for i in (3, 4, 5, 7, 8)] for row in rows), stdout
-
-
-def test_gpu_throughput_bench_profile_writes_each_system_table(tmp_path):
-    run_bench("gpu_throughput.py", "--smoke-cpu", "--no-memory", "--systems", "plain loop", "--profile", str(tmp_path))
     table = (tmp_path / "profile_plain_loop.txt").read_text()
     assert table.startswith("plain loop: 3 steps in ") and "aten::mm" in table, table[:2000]
+    assert sorted(path.name for path in tmp_path.glob("profile_*.txt")) == [
+        "profile_HF_Trainer.txt", "profile_plain_loop.txt", "profile_rapidtrain.txt"]
 
 
 def test_head_loss_bench_prints_plain_beside_chunked():
