@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,6 +19,20 @@ TINY_GPT_PARITY = [*TINY_GPT_SHAPE, "--hidden-dropout", "0", "--attention-dropou
 
 
 def free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range, so that no outgoing connection (gloo opens many between
+    the ranks of the tests running beside this one) takes it between this check and torchrun's bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(100 if low > 20_000 else 0):
+        port = random.randrange(15_000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -37,10 +52,13 @@ def torchrun(nproc: int, script: str | Path, args: list[str], *, timeout: int = 
              env: dict[str, str] | None = None, extra_torchrun: list[str] | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --nproc-per-node N script args`; output captured as text."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", *(extra_torchrun or []), str(script), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env(env, nproc),
-                            cwd=REPO)
+    for _ in range(3):  # a port taken between the check and the bind (EADDRINUSE) fails before any work: retried
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                   f"--master-port={free_port()}", *(extra_torchrun or []), str(script), *args]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                env=child_env(env, nproc), cwd=REPO)
+        if result.returncode == 0 or "EADDRINUSE" not in result.stdout + result.stderr:
+            break
     if check and result.returncode != 0:
         raise AssertionError(f"torchrun failed "
                              f"({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
