@@ -187,11 +187,14 @@ def _try_json(value: Any) -> Any:
 
 
 def common_state(iteration: int, consumed_samples: int, config: dict[str, Any], lr_scheduler: Any,
-                 extra: dict[str, Any] | None) -> str:
-    """The checkpoint's common state as JSON: position, the run's `config` (flags and plan), schedule, extras."""
+                 extra: dict[str, Any] | None, runner: RunnerState | None = None) -> str:
+    """The checkpoint's common state as JSON: position, the run's `config` (flags and plan), schedule, extras, and
+    whether the optimizer has stepped yet (asked before the runner's state is taken, which may create it)."""
     schedule = lr_scheduler.state_dict() if hasattr(lr_scheduler, "state_dict") else None
+    stepped = getattr(runner, "optimizer_stepped", None)
     state = {"format": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
-             **_plain(config), "lr_scheduler": schedule, "extra": extra or {}}
+             **_plain(config), "lr_scheduler": schedule, "extra": extra or {},
+             "optimizer_stepped": stepped() if callable(stepped) else True}
     try:
         return json.dumps(state, default=_json_default, indent=1)
     except TypeError as error:  # a template's extras or a user's scheduler holding an object
@@ -231,6 +234,8 @@ def _checked_common(state: Any, path: Path) -> dict[str, Any]:
                               "resume from another iteration or --load folder.")
     wrong = [name for name, kinds in _COMMON_TYPES.items() if name in state and
               (not isinstance(state[name], kinds) or isinstance(state[name], bool))]
+    if not isinstance(state.get("optimizer_stepped", True), bool):  # absent in older checkpoints: True
+        wrong.append("optimizer_stepped")
     if any(isinstance(state.get(name), int) and state[name] < 0 for name in _POSITION):
         wrong.append("a negative position")
     if wrong:
@@ -559,7 +564,7 @@ def save_checkpoint(root: str | Path, iteration: int, runner: RunnerState, lr_sc
     """Write iteration `iteration` (every rank calls this); `config` is the run's flags and plan as JSON values
     (the plan's model settings are checked at load)."""
     root = Path(root)
-    common = common_state(iteration, consumed_samples, config, lr_scheduler, extra) if _rank() == 0 else ""
+    common = common_state(iteration, consumed_samples, config, lr_scheduler, extra, runner) if _rank() == 0 else ""
     final, tmp = _prepare_save(root, iteration)
     try:
         dcp.save(runner.state_dict(), checkpoint_id=str(tmp))
@@ -611,7 +616,7 @@ def start_async_save(root: str | Path, iteration: int, runner: RunnerState, lr_s
     this); returns as soon as the copy is made. `process_group` must be a gloo group of every rank used by
     nothing else: the background thread runs the save's collectives on it while training uses the default one."""
     root = Path(root)
-    common = common_state(iteration, consumed_samples, config, lr_scheduler, extra) if _rank() == 0 else ""
+    common = common_state(iteration, consumed_samples, config, lr_scheduler, extra, runner) if _rank() == 0 else ""
     final, tmp = _prepare_save(root, iteration)
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -748,6 +753,8 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     state = runner.state_dict_for_loading(load_optimizer)
     safe_dcp_load(state, directory)
     runner.load_state_dict(state, load_optimizer=load_optimizer)
+    if load_optimizer and common.get("optimizer_stepped") is False and hasattr(runner, "forget_optimizer_state"):
+        runner.forget_optimizer_state()  # saved before any step (fp16 skipped them all): resume with none taken
     if load_optimizer and common.get("lr_scheduler") and hasattr(lr_scheduler, "load_state_dict"):
         changed = changed_schedule_flags(common.get("args") or {}, flags or {})
         load_schedule(lr_scheduler, common["lr_scheduler"], schedule_from, directory, changed)

@@ -453,10 +453,28 @@ class TorchRunner:
 
     # ---- checkpoint state (torch.distributed.checkpoint, reshardable) ----
     def state_dict(self) -> dict[str, Any]:
+        stepped = self.optimizer_stepped()
         state = self._own_state_dict()
+        if not stepped:  # get_state_dict made the state with a step at rate 0: a run that saves must not keep it
+            self.forget_optimizer_state()
         for to_saved, _ in self.state_transforms:
             state = to_saved(state)
         return state
+
+    @property
+    def stepping_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose state a step creates (torch optimizers make it at their first step)."""
+        return self.optimizer
+
+    def optimizer_stepped(self) -> bool:
+        """Whether a step has run: not yet while fp16's first iterations overflow and are skipped."""
+        return bool(self.stepping_optimizer.state)
+
+    def forget_optimizer_state(self) -> None:
+        """Back to a fresh optimizer's empty state (its groups and rates kept), so the next step is its first:
+        a checkpoint saved before any step holds the state torch makes for saving (a step at rate 0, which counts
+        a step and, under L2 weight decay, fills momentum), and loading it must not keep that either."""
+        self.stepping_optimizer.state.clear()
 
     def _own_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -104,6 +104,10 @@ class OSSRunner(TorchRunner):
         return cast(ZeroRedundancyOptimizer, self.optimizer).optim
 
     @property
+    def stepping_optimizer(self) -> torch.optim.Optimizer:
+        return self.local_optimizer
+
+    @property
     def state_module(self) -> nn.Module:
         """The model inside DDP: checkpoints name parameters without the wrapper's prefix."""
         return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
