@@ -278,16 +278,19 @@ class ZeroState:
         self.ensure_optimizer_state()
         saved = state["optimizer"]
         keys = self.optimizer_keys()
+        steps = 0
         for index, (params, group) in enumerate(zip(self.groups, self.base.param_groups, strict=True)):
             for param in params:
                 entry = saved["state"][self.names[id(param)]]
                 for key in keys:
                     safe_set_full_optimizer_state(param, whole(entry[key]).to(self.device_of(param)).float(), key)
             if params and self.counts_steps():
-                self.set_group_step(index, float(saved["state"][self.names[id(params[0])]][STEP]))
+                step = float(saved["state"][self.names[id(params[0])]][STEP])
+                self.set_group_step(index, step)
+                steps = max(steps, int(step))
             self.load_hyperparameters(group, saved["param_groups"][index])
-        if hasattr(self.base, "ds_opt_adam") and self.counts_steps():
-            replay_cpu_adam_steps(self.base, int(self.group_step(0)))
+        if hasattr(self.base, "ds_opt_adam"):
+            replay_cpu_adam_steps(self.base, steps)
         if self.dynamic_loss_scaling and "loss_scaler" in state:
             load_loss_scaler_state(self.zero.loss_scaler, state["loss_scaler"])
 
