@@ -223,6 +223,14 @@ def low_bit_optimizer_refusal(args: Args, ctx: RunContext) -> str | None:
     return low_bit_optimizer_problem(optimizer_settings(args, layout, switches_of(args, layout, ctx)), ctx.device_type)
 
 
+def adafactor_on_dtensors(args: Args, ctx: RunContext) -> bool:
+    """--optimizer adafactor on a layout whose parameters are DTensors (torch's Adafactor fails on them)."""
+    if optimizer_choice(args)[0] != "adafactor" or not layout_divides(args, ctx):
+        return False
+    layout = layout_of(args, ctx)
+    return optimizer_settings(args, layout, switches_of(args, layout, ctx)).dtensor_parameters
+
+
 def lora_settings_given(args: Args) -> list[str]:
     given = [("--lora-alpha", args.lora_alpha is not None), ("--lora-dropout", args.lora_dropout != 0.0),
              ("--lora-target-modules", bool(args.lora_target_modules))]

@@ -10,6 +10,7 @@ from rapidtrain.config.checks import (
     OFFLOADABLE_OPTIMIZERS,
     SEED_LIMIT,
     Rule,
+    adafactor_on_dtensors,
     async_io_problem,
     attention_backend_problem,
     auto_micro_batch_problem,
@@ -341,6 +342,19 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: f"{optimizer_choice(a)[1]} {optimizer_choice(a)[0]}: {low_bit_optimizer_refusal(a, c)}. "
         "Install the library, choose --optimizer adamw_8bit (bitsandbytes or torchao, every layout), or use "
         "--optimizer adamw.",
+    ),
+    Rule(
+        "adafactor-plain-tensors", ("--optimizer", "--tensor-model-parallel-size", "--fsdp-memory-optimization",
+                                    "--oss-sdp-memory-optimization"),
+        "--optimizer adafactor runs where parameters are plain tensors (one process, DDP, OSS, pipeline or expert "
+        "parallelism alone): torch's Adafactor fails on the DTensors of tensor parallelism and FSDP2.",
+        adafactor_on_dtensors,
+        lambda a, c: f"{optimizer_choice(a)[1]} adafactor: torch's Adafactor factors its second moment with "
+        "in-place operations on each gradient's row and column norms, which DTensor cannot keep sharded, and this "
+        "layout's parameters are DTensors (tensor parallelism, --fsdp-memory-optimization, "
+        "--oss-sdp-memory-optimization, ZeRO under tensor parallelism): its first step would fail. Use "
+        "--optimizer adamw with this layout, or Adafactor with DDP, --oss-memory-optimization, or pipeline or "
+        "expert parallelism alone.",
     ),
     Rule(
         "lora-values", ("--lora-rank", "--lora-alpha", "--lora-dropout"),

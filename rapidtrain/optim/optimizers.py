@@ -223,6 +223,15 @@ def resolve_optimizer(settings: OptimizerSettings, device_type: str) -> Resoluti
             # DTensor (tensor/fully sharded parameters) has no sharding rule for the fused SGD kernel.
             has_fused_kernel=False,
         )
+    if s.dtensor_parameters:
+        # Measured with torch 2.13 under TP 2 and FSDP2 on 2 ranks: the first step raises ("in-place operations that
+        # require placement changes are not supported ... _NormPartial"), foreach or not.
+        raise OptimizerUnavailable(
+            "--optimizer adafactor: torch's Adafactor factors its second moment with in-place operations on the "
+            "row and column norms of each gradient, which DTensor cannot keep sharded, and this layout's parameters "
+            "are DTensors (tensor parallelism, --fsdp-memory-optimization, --oss-sdp-memory-optimization, ZeRO under "
+            "tensor parallelism): its first step would fail. Use --optimizer adamw with this layout, or Adafactor "
+            "with DDP, --oss-memory-optimization, or pipeline or expert parallelism alone")
     # torch's Adafactor has no fused kernel; foreach is its fast path on every device.
     return _torch_optimizer(
         "Adafactor", s.lr, device_type, {}, state="adafactor", has_fused_kernel=False

@@ -392,6 +392,12 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
+    "adafactor-plain-tensors": (  # measured: torch's Adafactor raises on FSDP2's and TP's DTensors
+        ["--optimizer", "adafactor", "--fsdp-memory-optimization"],
+        ["--optimizer", "adafactor", "--oss-memory-optimization"],
+        2,
+        "cpu",
+    ),
     "option-needs-its-switch": (
         ["--wandb-exp-name", "run1", "--mlflow-run-name", "r", "--profile-ranks", "1", "--async-save"],
         ["--wandb-project", "p", "--wandb-exp-name", "run1", "--mlflow-experiment", "e", "--mlflow-run-name", "r",
