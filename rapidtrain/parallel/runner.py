@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.config.settings import Precision
 from rapidtrain.optim.grad_scaler import LossScaler
+from rapidtrain.optim.lr_schedule import set_group_lr
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -106,6 +107,27 @@ def autocast(precision: Precision, device_type: str) -> contextlib.AbstractConte
     if precision.dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPES[precision.dtype])
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create missing state as torch's get_state_dict does: one step with zero gradients at rate 0 (whatever
+    gradients the parameters hold: get_state_dict skips it when any has one, and saves no state at all)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    rates = [float(group["lr"]) for group in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    for group in optimizer.param_groups:
+        set_group_lr(group, 0.0)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            set_group_lr(group, rate)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
 
 
 def agree(flags: Sequence[torch.Tensor | bool], device: torch.device) -> list[bool]:
@@ -479,6 +501,8 @@ class TorchRunner:
     def _own_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if not self.optimizer.state:
+            ensure_optimizer_state(self.optimizer)
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
         state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
         if self.scaler is not None:

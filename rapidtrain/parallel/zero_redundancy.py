@@ -24,10 +24,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.models.transformer import parameter_names
-from rapidtrain.optim.lr_schedule import set_group_lr
 from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
 from rapidtrain.parallel.mesh import ParallelMesh
-from rapidtrain.parallel.runner import TorchRunner
+from rapidtrain.parallel.runner import TorchRunner, ensure_optimizer_state
 
 
 def oss_optimizer(
@@ -74,26 +73,6 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     `defaults` but refuses it as an argument)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {key: value for key, value in optimizer.defaults.items() if key in accepted}
-
-
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create missing state as torch's get_state_dict does: one step with zero gradients at rate 0."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(optimizer.state.get(p) for p in params):
-        return
-    rates = [float(group["lr"]) for group in optimizer.param_groups]
-    grads = [p.grad for p in params]
-    for group in optimizer.param_groups:
-        set_group_lr(group, 0.0)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    try:
-        optimizer.step()
-    finally:
-        for group, rate in zip(optimizer.param_groups, rates, strict=True):
-            set_group_lr(group, rate)
-        for p, grad in zip(params, grads, strict=True):
-            p.grad = grad
 
 
 class OSSRunner(TorchRunner):
