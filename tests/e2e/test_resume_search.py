@@ -6,7 +6,7 @@ workers, accumulation, batch ramp-up, MoE with its router's jitter and capacity,
 iteration; the stopped run saves there (--exit-interval), a second run loads it, and every later iteration's loss
 and gradient norm must equal the uninterrupted run's bit for bit (which may itself save at every iteration: saving
 must change nothing either). One process, in this process (each run ~0.5 s).
-The examples are derandomized so CI sees the same ones; RESUME_SEARCH_EXAMPLES=200 searches wider."""
+The 8 examples are derandomized so CI sees the same ones; RESUME_SEARCH_EXAMPLES=200 searches wider."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def train_here(args: list[str]) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=int(os.environ.get("RESUME_SEARCH_EXAMPLES", "12")), deadline=None,
+@settings(max_examples=int(os.environ.get("RESUME_SEARCH_EXAMPLES", "8")), deadline=None,
           derandomize="RESUME_SEARCH_EXAMPLES" not in os.environ, database=None,
           phases=[Phase.explicit, Phase.generate],  # no shrinking: each example trains three runs; it prints its draw
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
