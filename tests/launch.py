@@ -18,6 +18,16 @@ TINY_GPT_PARITY = [*TINY_GPT_SHAPE, "--hidden-dropout", "0", "--attention-dropou
                    "--eval-iters", "0"]
 
 
+def bindable(port: int) -> bool:
+    """Whether this host can bind `port` on the loopback interface right now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A free TCP port below the kernel's ephemeral range, so that no outgoing connection (gloo opens many between
     the ranks of the tests running beside this one) takes it between this check and torchrun's bind."""
@@ -27,11 +37,7 @@ def free_port() -> int:
         low = 0
     for _ in range(100 if low > 20_000 else 0):
         port = random.randrange(15_000, low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if bindable(port):
             return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

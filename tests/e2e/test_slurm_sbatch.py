@@ -5,24 +5,19 @@ one-task-per-node step); everything after it is real (the launcher, torchrun's r
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.launch import REPO, child_env
+from tests.launch import REPO, bindable, child_env
 
 
 def free_port_in(low: int, high: int) -> int:
-    for port in range(low + os.getpid() % 1000, high):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
+    port = next((port for port in range(low + os.getpid() % 1000, high) if bindable(port)), None)
+    if port is None:
+        raise RuntimeError("no free port")
+    return port
 
 
 @pytest.mark.slow
