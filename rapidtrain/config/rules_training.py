@@ -57,6 +57,7 @@ from rapidtrain.config.checks import (
 from rapidtrain.config.partitioning import zero_stage
 from rapidtrain.config.resolve import zero_by_fsdp2
 from rapidtrain.models import hf_config
+from rapidtrain.optim.optimizers import ADAFACTOR_ON_DTENSORS
 
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
@@ -349,12 +350,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "--optimizer adafactor runs where parameters are plain tensors (one process, DDP, OSS, pipeline or expert "
         "parallelism alone): torch's Adafactor fails on the DTensors of tensor parallelism and FSDP2.",
         adafactor_on_dtensors,
-        lambda a, c: f"{optimizer_choice(a)[1]} adafactor: torch's Adafactor factors its second moment with "
-        "in-place operations on each gradient's row and column norms, which DTensor cannot keep sharded, and this "
-        "layout's parameters are DTensors (tensor parallelism, --fsdp-memory-optimization, "
-        "--oss-sdp-memory-optimization, ZeRO under tensor parallelism): its first step would fail. Use "
-        "--optimizer adamw with this layout, or Adafactor with DDP, --oss-memory-optimization, or pipeline or "
-        "expert parallelism alone.",
+        lambda a, c: f"{optimizer_choice(a)[1]} adafactor: {ADAFACTOR_ON_DTENSORS}.",
     ),
     Rule(
         "lora-values", ("--lora-rank", "--lora-alpha", "--lora-dropout"),

@@ -192,6 +192,17 @@ class Resolution:
     state: StateKind
 
 
+# Measured with torch 2.13 (foreach, the path rapidtrain builds) under TP 2, FSDP and SDP on 2 ranks: the first step
+# raises "in-place operations that require placement changes are not supported ... _NormPartial". The single-tensor
+# path squares the norms in place too (read, not run).
+ADAFACTOR_ON_DTENSORS = (
+    "torch's Adafactor factors its second moment with in-place operations on each gradient's row and column norms, "
+    "which DTensor cannot keep sharded, and this layout's parameters are DTensors (tensor parallelism, "
+    "--fsdp-memory-optimization, --oss-sdp-memory-optimization, ZeRO under tensor parallelism): its first step "
+    "would fail. Use --optimizer adamw with this layout, or Adafactor with DDP, --oss-memory-optimization, or "
+    "pipeline or expert parallelism alone")
+
+
 class OptimizerUnavailable(ValueError):
     """The chosen optimizer has no implementation for this layout and device; the message says why."""
 
@@ -223,15 +234,8 @@ def resolve_optimizer(settings: OptimizerSettings, device_type: str) -> Resoluti
             # DTensor (tensor/fully sharded parameters) has no sharding rule for the fused SGD kernel.
             has_fused_kernel=False,
         )
-    if s.dtensor_parameters:
-        # Measured with torch 2.13 under TP 2 and FSDP2 on 2 ranks: the first step raises ("in-place operations that
-        # require placement changes are not supported ... _NormPartial"), foreach or not.
-        raise OptimizerUnavailable(
-            "--optimizer adafactor: torch's Adafactor factors its second moment with in-place operations on the "
-            "row and column norms of each gradient, which DTensor cannot keep sharded, and this layout's parameters "
-            "are DTensors (tensor parallelism, --fsdp-memory-optimization, --oss-sdp-memory-optimization, ZeRO under "
-            "tensor parallelism): its first step would fail. Use --optimizer adamw with this layout, or Adafactor "
-            "with DDP, --oss-memory-optimization, or pipeline or expert parallelism alone")
+    if s.dtensor_parameters:  # the rule adafactor-plain-tensors refuses this before a run; a safety net
+        raise OptimizerUnavailable(f"--optimizer adafactor: {ADAFACTOR_ON_DTENSORS}")
     # torch's Adafactor has no fused kernel; foreach is its fast path on every device.
     return _torch_optimizer(
         "Adafactor", s.lr, device_type, {}, state="adafactor", has_fused_kernel=False
