@@ -501,7 +501,7 @@ class TorchRunner:
     def _own_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        if not self.optimizer.state:
+        if not self.optimizer_stepped():  # only then: a rate-0 step would count one for parameters that stepped
             ensure_optimizer_state(self.optimizer)
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
         state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
