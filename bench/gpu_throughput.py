@@ -23,6 +23,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -240,7 +241,8 @@ def peak_memory(device: str) -> int:
 def run_child(o: argparse.Namespace) -> dict:
     data_prefix = o.data_prefix
     if o.system == "rapidtrain":
-        return run_rapidtrain(o, data_prefix, ["--torch-compile"] if o.compile else [])
+        return run_rapidtrain(o, data_prefix, (["--torch-compile"] if o.compile else [])
+                              + shlex.split(o.rapidtrain_flags))
     if o.system.startswith("memory:"):
         return run_rapidtrain(o, data_prefix, MEMORY_MODES[o.system.removeprefix("memory:")])
     if o.system == "plain loop":
@@ -260,7 +262,8 @@ def child(o: argparse.Namespace, system: str, size: str, compile_: bool, data_pr
     """One measurement in a fresh process; memory modes under torchrun (world size 1, NCCL as in real runs)."""
     args = [__file__, "--child", "--system", system, "--size", size, "--seq", str(o.seq), "--iters", str(o.iters),
             "--warmup", str(o.warmup), "--device", o.device, "--data-prefix", data_prefix,
-            *(["--compile"] if compile_ else []), *(["--profile", o.profile] if o.profile else [])]
+            *(["--compile"] if compile_ else []), *(["--profile", o.profile] if o.profile else []),
+            f"--rapidtrain-flags={o.rapidtrain_flags}"]
     launcher = [sys.executable]
     if system.startswith("memory:") or system == "rapidtrain":
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}"]
@@ -287,14 +290,15 @@ def measure_throughput(o: argparse.Namespace, data_prefix: str, peak: float | No
         for compile_ in (False, True) if o.compile_modes == "both" else (o.compile_modes == "on",):
             for system in o.systems:
                 result = child(o, system, size, compile_, data_prefix)
-                row = {"size": size, "parameters": parameters, "system": system, "compile": compile_,
+                label = f"{system} {o.rapidtrain_flags}" if system == "rapidtrain" and o.rapidtrain_flags else system
+                row = {"size": size, "parameters": parameters, "system": label, "compile": compile_,
                        "batch": batch, **result}
                 if "seconds" in result:
                     row["tokens_per_second"] = batch * o.seq / result["seconds"]
                     row["tflops"] = flops / result["seconds"] / 1e12
                     row["mfu"] = row["tflops"] / peak if peak else None
                 rows.append(row)
-                print(f"  {size} {system}{' + compile' if compile_ else ''}: "
+                print(f"  {size} {label}{' + compile' if compile_ else ''}: "
                       + (f"{row['tokens_per_second']:,.0f} tokens/s" if "seconds" in result
                          else "failed: " + result["error"].splitlines()[-1]), file=sys.stderr, flush=True)
     return rows
@@ -359,6 +363,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help=f"write each system's torch.profiler table of {PROFILED_STEPS} steady steps to DIR")
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--rapidtrain-flags", default="", metavar="FLAGS",
+                        help="more flags for the rapidtrain rows, one string after '=' (e.g. "
+                             "--rapidtrain-flags='--zero-1-memory-optimization': DeepSpeed's bf16 weights instead "
+                             "of autocast over fp32 ones); the row is named by them")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="run every system and mode for a few steps of a tiny model on the CPU: checks the "

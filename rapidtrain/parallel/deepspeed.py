@@ -520,6 +520,12 @@ class DeepSpeedRunner:
     def state_dict_for_loading(self, load_optimizer: bool) -> dict[str, Any]:
         return self.checkpoint_state.template(load_optimizer)
 
+    def optimizer_stepped(self) -> bool:
+        return self.checkpoint_state.optimizer_stepped()
+
+    def forget_optimizer_state(self) -> None:
+        self.checkpoint_state.forget_optimizer_state()
+
     def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
         self.checkpoint_state.load(state, load_optimizer)
 

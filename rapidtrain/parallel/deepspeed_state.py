@@ -92,6 +92,18 @@ class ZeroState:
             ]
         return [self.zero.single_partition_of_fp32_groups[index]]
 
+    def optimizer_stepped(self) -> bool:
+        """Whether the real optimizer has stepped: not yet while fp16's first iterations overflow and are skipped."""
+        return all(len(self.base.state.get(flat, {})) > 0 for flat in self.flat_partitions())
+
+    def forget_optimizer_state(self) -> None:
+        """Back to no state, so the next real step is the first (as the torch runners do): a save before any step
+        makes the state with a step at rate 0 (`ensure_optimizer_state`), which counts a step Adam never took."""
+        for flat in self.flat_partitions():
+            self.base.state.pop(flat, None)
+        if not self.stage3:  # the fragments point at the state just dropped: link again after the next step
+            self.zero._hp_optimizer_states_linked = False
+
     def ensure_optimizer_state(self) -> None:
         """Create the optimizer's state if no step ran yet, and link each parameter to its state fragment."""
         flats = self.flat_partitions()
@@ -220,7 +232,10 @@ class ZeroState:
         return saved
 
     def state_dict(self) -> dict[str, Any]:
+        stepped = self.optimizer_stepped()
         state = {"model": self.model_state(sharded=True), "optimizer": self.optimizer_state()}
+        if not stepped:  # the state was made for this save: the run that saves goes on without it
+            self.forget_optimizer_state()
         if self.dynamic_loss_scaling:
             state["loss_scaler"] = loss_scaler_state(self.zero.loss_scaler)
         return state
