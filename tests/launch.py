@@ -28,6 +28,11 @@ def bindable(port: int) -> bool:
     return True
 
 
+# Not the module-level generator: a training run in a test's own process seeds it (random.seed(1234)), and then
+# every xdist worker draws the same ports in the same order (seen on a GPU host: 7 of 8 workers' launches failed).
+_PORTS = random.SystemRandom()
+
+
 def free_port() -> int:
     """A free TCP port below the kernel's ephemeral range, so that no outgoing connection (gloo opens many between
     the ranks of the tests running beside this one) takes it between this check and torchrun's bind."""
@@ -36,7 +41,7 @@ def free_port() -> int:
     except (OSError, ValueError, IndexError):
         low = 0
     for _ in range(100 if low > 20_000 else 0):
-        port = random.randrange(15_000, low)
+        port = _PORTS.randrange(15_000, low)
         if bindable(port):
             return port
     with socket.socket() as sock:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import PRETRAIN, REPO, child_env, free_port, read_losses
+from tests.launch import PRETRAIN, REPO, child_env, read_losses, torchrun
 
 GPT = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
        "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters", "30", "--lr", "1e-3",
@@ -52,11 +52,7 @@ def known_gpu() -> bool:
 
 
 def torchrun_pretrain(flags: list[str], timeout: int = 1200) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}",
-               str(PRETRAIN), *flags]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=child_env())
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-6000:]
-    return run
+    return torchrun(1, PRETRAIN, flags, timeout=timeout)  # retried on EADDRINUSE, as the CPU suite's launches
 
 
 def log_lines(stdout: str) -> list[str]:
