@@ -1,5 +1,6 @@
 """The output head + cross-entropy, forward and backward, alone: the chunked path (models/chunked_loss.py) at several
-vocabulary block sizes against the plain path (logits, their fp32 copy, `cross_entropy`), time and peak memory.
+vocabulary block sizes against the plain path (logits, their fp32 copy, `cross_entropy`), time and peak memory; on
+CUDA also the blocks' elementwise work compiled (what --torch-compile runs there), at the default and largest block.
 
     python bench/head_loss.py                      # GPU: GPT-3 XL's head (hidden 2048, vocabulary 50,304), 8k tokens
     python bench/head_loss.py --tokens 2048 --hidden 384 --device cpu --dtype fp32
@@ -40,17 +41,20 @@ def run(o: argparse.Namespace) -> list[tuple[str, float, float | None]]:
             logits = F.linear(hidden, weight)
         return F.cross_entropy(logits.float(), labels, reduction="none")
 
-    def chunked(block: int):
+    def chunked(block: int, compiled: tuple[str, None] | None = None):
         def loss() -> torch.Tensor:
             with autocast:
-                return chunked_head_cross_entropy(hidden, weight, None, labels, block)
+                return chunked_head_cross_entropy(hidden, weight, None, labels, block, compiled=compiled)
         return loss
 
-    default = block_size(o.vocab, o.tokens)
+    default = block_size(o.vocab, o.tokens, device.type)
     variants = {"plain (fp32 logits)": plain, f"chunked, block {default} (default)": chunked(default)}
     for block in o.blocks:
         if block != default:
             variants[f"chunked, block {block}"] = chunked(block)
+    if device.type == "cuda":  # the compiled blocks (the first two steps below compile them)
+        for block in sorted({default, max([default, *o.blocks])}):
+            variants[f"chunked + compiled blocks, block {block}"] = chunked(block, ("inductor", None))
     reference = None
     rows = []
     for name, loss_fn in variants.items():

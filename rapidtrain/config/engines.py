@@ -241,7 +241,9 @@ def _kernel_choices(args: argparse.Namespace, precision: Precision) -> list[Engi
     if "attention_backend" in getattr(args, "given_flags", ()) or attention.document_ids:
         engines.append(EngineChoice("--attention-backend", *attention.describe(trains_builtin_model(args))))
     if args.torch_compile:
-        engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer"))
+        engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer",
+                                    "it compiles what repeats: each layer, and on CUDA the built-in loss's "
+                                    "vocabulary blocks (their elementwise work; models/chunked_loss.py)"))
     return engines
 
 

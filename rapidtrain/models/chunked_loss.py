@@ -7,6 +7,10 @@ output saved for backward) and a fourth in backward (their gradient); at vocabul
 is 1.6 GB. Here bf16/fp16 logits are kept as the matmul wrote them (exactly what the fp32 copy would hold, at half
 its size) and fp32 logits are kept only when one chunk holds them all; otherwise backward recomputes each chunk's
 logits, one more head matmul.
+
+Under --torch-compile on CUDA, each block's elementwise work (the fp32 view of the logits, log-sum-exp and the
+label's logit in forward; softmax minus one-hot, times the incoming gradient, in backward) runs as one compiled
+kernel per pass instead of several eager ones, each a full pass over a [tokens, block] fp32 tensor (`fused_blocks`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import torch
 
 from rapidtrain.models.loss_blocks import block_size
+
+# (backend, mode) → the compiled block functions; made at first use, shared by every model of the process.
+_FUSED: dict[tuple[str, str | None], tuple] = {}
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -29,13 +36,19 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                block: int) -> torch.Tensor:
+                block: int, fused: tuple | None = None) -> torch.Tensor:
         keep = hidden.element_size() <= 2 or block >= weight.shape[0]
         kept, block_lse = [], []
         picked = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, weight.shape[0], block):
             raw = _logits(hidden, weight[start:start + block], None if bias is None else bias[start:start + block])
             kept += [raw] if keep else []
+            if fused is not None:
+                block_picked, lse = fused[0](raw, targets - start)
+                picked += block_picked
+                block_lse.append(lse)
+                del raw
+                continue
             inside = (targets >= start) & (targets < start + raw.shape[1])
             index = (targets - start).clamp(0, raw.shape[1] - 1)
             picked += raw.gather(1, index[:, None]).squeeze(1).float().masked_fill_(~inside, 0.0)
@@ -44,7 +57,7 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
         log_sum_exp = torch.logsumexp(torch.stack(block_lse), dim=0)
         ignored = targets < 0
         ctx.save_for_backward(hidden, weight, bias, targets, log_sum_exp, ignored, *kept)
-        ctx.block = block
+        ctx.block, ctx.fused = block, fused
         return (log_sum_exp - picked).masked_fill_(ignored, 0.0)
 
     @staticmethod
@@ -58,6 +71,13 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             end = start + ctx.block
             logits = kept[index] if kept else _logits(hidden, weight[start:end],
                                                       None if bias is None else bias[start:end])
+            if ctx.fused is not None:  # the same, as one compiled kernel: logits in, gradient in their dtype out
+                grad_logits = ctx.fused[1](logits, log_sum_exp, targets - start, scale)
+                if grad_bias is not None:
+                    grad_bias[start:end] = grad_logits.float().sum(0)
+                grad_hidden += grad_logits @ weight[start:end]
+                grad_weight[start:end] = grad_logits.t() @ hidden
+                continue
             # d loss / d logits = softmax - one_hot(label), times each token's incoming gradient, in place on an fp32
             # block: a copy of kept or 16-bit logits (the kept ones stay intact for a backward with retain_graph),
             # else the recomputed block itself. Several times faster on a CPU than one type-promoting subtraction,
@@ -71,7 +91,7 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
                 grad_bias[start:end] = grad_logits.float().sum(0)
             grad_hidden += grad_logits @ weight[start:end]
             grad_weight[start:end] = grad_logits.t() @ hidden
-        return grad_hidden.to(hidden.dtype), grad_weight, grad_bias, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, grad_bias, None, None, None
 
 
 def _writable_fp32(block: torch.Tensor, kept: bool) -> torch.Tensor:
@@ -89,16 +109,46 @@ def _log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
     return logits.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)
 
 
+def _block_forward(raw: torch.Tensor, shifted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's (label logit or 0 where the label is elsewhere, log-sum-exp), fp32; `shifted`: label - start."""
+    width = raw.shape[1]
+    logits = raw.float()
+    picked = logits.gather(1, shifted.clamp(0, width - 1)[:, None]).squeeze(1)
+    picked = torch.where((shifted >= 0) & (shifted < width), picked, 0.0)
+    top = logits.amax(dim=-1)
+    top = torch.where(top.isinf(), 0.0, top)
+    return picked, (logits - top[:, None]).exp().sum(dim=-1).log() + top
+
+
+def _block_gradient(raw: torch.Tensor, log_sum_exp: torch.Tensor, shifted: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+    """(softmax - one_hot(label)) × each token's incoming gradient, in the logits' dtype."""
+    columns = torch.arange(raw.shape[1], device=raw.device)
+    hit = (columns[None, :] == shifted[:, None]).float()
+    return (((raw.float() - log_sum_exp[:, None]).exp() - hit) * scale).to(raw.dtype)
+
+
+def fused_blocks(backend: str = "inductor", mode: str | None = None) -> tuple:
+    """The two block functions compiled with the run's backend and mode (shapes: static first, dynamic after)."""
+    if (backend, mode) not in _FUSED:
+        _FUSED[backend, mode] = (torch.compile(_block_forward, backend=backend, mode=mode),
+                                 torch.compile(_block_gradient, backend=backend, mode=mode))
+    return _FUSED[backend, mode]
+
+
 def chunked_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               labels: torch.Tensor, block: int | None = None) -> torch.Tensor:
+                               labels: torch.Tensor, block: int | None = None,
+                               compiled: tuple[str, str | None] | None = None) -> torch.Tensor:
     """Per-token loss [*labels.shape] of the head (weight, bias) on hidden [..., h], as autocast would compute
-    `cross_entropy(linear(hidden).float())`: the matmuls in autocast's dtype where it is on, the loss in fp32."""
+    `cross_entropy(linear(hidden).float())`: the matmuls in autocast's dtype where it is on, the loss in fp32.
+    `compiled` (backend, mode): on CUDA, each block's elementwise work as compiled kernels (`fused_blocks`)."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
     targets = labels.reshape(-1).long()
     block = block or block_size(weight.shape[0], flat.shape[0], device)
     with torch.autocast(device, enabled=False):
+        fused = fused_blocks(*compiled) if compiled is not None and hidden.is_cuda else None
         losses = ChunkedHeadCrossEntropy.apply(flat, weight.to(dtype), None if bias is None else bias.to(dtype),
-                                               targets, block)
+                                               targets, block, fused)
     return losses.view(labels.shape)

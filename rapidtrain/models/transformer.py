@@ -468,6 +468,8 @@ class TokenCrossEntropy(nn.Module):
     def __init__(self, chunked: bool = True) -> None:
         super().__init__()
         self.chunked = chunked
+        # (backend, mode) under --torch-compile: on CUDA the chunked loss's per-block elementwise work is compiled
+        self.compiled: tuple[str, str | None] | None = None
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         targets = labels.masked_fill(labels < 0, -100).flatten()
@@ -485,7 +487,7 @@ class TokenCrossEntropy(nn.Module):
 
     def from_hidden(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
         """The same per-token loss as `self(head(hidden), labels)`, without the whole fp32 logits at once."""
-        return chunked_head_cross_entropy(hidden, head.weight, head.bias, labels)
+        return chunked_head_cross_entropy(hidden, head.weight, head.bias, labels, compiled=self.compiled)
 
 
 def tie_weights(model: nn.Module) -> None:

@@ -50,7 +50,13 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def apply_compile(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> None:
     """torch.compile each block in place (module.compile keeps parameter names for checkpoints), with the
-    plan's backend and mode (--torch-compile-backend, --torch-compile-mode)."""
+    plan's backend and mode (--torch-compile-backend, --torch-compile-mode); the built-in loss's chunked blocks
+    too, on CUDA (models/chunked_loss.py: on the CPU they stay eager, bit for bit the uncompiled run's)."""
+    from rapidtrain.models.transformer import TokenCrossEntropy
+
+    for module in model.modules():
+        if isinstance(module, TokenCrossEntropy):
+            module.compiled = (backend, mode)
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(backend=backend, mode=mode)

@@ -62,6 +62,44 @@ def test_chunked_loss_under_bf16_autocast_matches_autocast_linear_then_fp32_loss
         torch.testing.assert_close(grad, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
 
 
+def fused_eager(h, w, b, y, block):
+    """The fused path's block functions, uncompiled (the CPU never takes the fused path by itself)."""
+    from rapidtrain.models.chunked_loss import ChunkedHeadCrossEntropy, _block_forward, _block_gradient
+
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else h.dtype
+    with torch.autocast("cpu", enabled=False):
+        losses = ChunkedHeadCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(dtype), w.to(dtype),
+                                               None if b is None else b.to(dtype), y.reshape(-1).long(), block,
+                                               (_block_forward, _block_gradient))
+    return losses.view(y.shape)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("block", [64, 1000])
+def test_the_fused_block_functions_compute_what_the_eager_blocks_compute(autocast, block):
+    """--torch-compile on CUDA runs each block's elementwise work as compiled functions: the same loss and gradients
+    as the eager blocks (fp32: to rounding; bf16: the gradient rounds to bf16 once, as the eager block does)."""
+    expected, expected_grads = losses_and_grads(
+        lambda h, w, b, y: chunked_head_cross_entropy(h, w, b, y, block=block), True, autocast)
+    losses, grads = losses_and_grads(lambda h, w, b, y: fused_eager(h, w, b, y, block), True, autocast)
+    assert losses[0, :7].eq(0).all() and losses[1, 3] == 0
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-5)
+    for grad, reference in zip(grads, expected_grads, strict=True):
+        tolerance = 1e-5 if not autocast else 1e-2
+        torch.testing.assert_close(grad, reference, rtol=tolerance, atol=tolerance * reference.abs().max().item())
+
+
+def test_compiled_blocks_are_taken_on_cuda_only():
+    """`compiled` asks for the fused blocks; a CPU tensor keeps the eager blocks, bit for bit (the layouts' parity
+    tests run --torch-compile on the CPU)."""
+    expected, expected_grads = losses_and_grads(
+        lambda h, w, b, y: chunked_head_cross_entropy(h, w, b, y, block=64), False, False)
+    losses, grads = losses_and_grads(
+        lambda h, w, b, y: chunked_head_cross_entropy(h, w, b, y, block=64, compiled=("inductor", None)), False, False)
+    assert torch.equal(losses, expected)
+    assert all(torch.equal(g, r) for g, r in zip(grads, expected_grads, strict=True))
+
+
 def saved_bytes(model, tokens, labels, autocast: bool) -> int:
     """Bytes autograd keeps for backward in the model's forward."""
     total = 0
