@@ -16,6 +16,13 @@ TINY_GPT_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-h
 # ... with what parity runs need: no dropout (masks differ by layout), data in-process, no evaluation.
 TINY_GPT_PARITY = [*TINY_GPT_SHAPE, "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
                    "--eval-iters", "0"]
+# The model's own shape: GPT-2's (learned positions, LayerNorm, GELU, biases, tied head) or Llama's (rotary positions,
+# RMSNorm, SwiGLU, no biases, an untied head, grouped-query attention): parameters and state that differ in kind.
+ARCHITECTURES = {
+    "gpt2": [],
+    "llama": ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+              "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2"],
+}
 
 
 def bindable(port: int) -> bool:

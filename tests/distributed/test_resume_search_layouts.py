@@ -2,7 +2,8 @@
 
 tests/e2e/test_resume_search.py searches the switches of one process; this draws the layout too (DDP, FSDP, SDP,
 OSS, ZeRO-1/2/3, ZeRO-2 with CPU offload, TP 2, PP 2, EP 2 with MoE) with the optimizer, fp16 loss scaling (not
-under DeepSpeed, which refuses fp16 on the CPU), dropout, DataLoader workers, accumulation and the stop iteration.
+under DeepSpeed, which refuses fp16 on the CPU), dropout, DataLoader workers, accumulation, the stop iteration and
+the architecture (GPT-2's or Llama's).
 Every draw trains three runs (uninterrupted; stopped there with a checkpoint; resumed with --load) in one torchrun
 launch. The draws come from a fixed seed, so CI sees the same ones; RESUME_SEARCH_LAYOUTS_SEED and
 RESUME_SEARCH_LAYOUTS_EXAMPLES search elsewhere and wider."""
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import TINY_GPT_SHAPE, read_grad_norms, read_losses, torchrun
+from tests.launch import ARCHITECTURES, TINY_GPT_SHAPE, read_grad_norms, read_losses, torchrun
 
 RUNS = Path(__file__).with_name("pretrain_runs.py")
 ITERATIONS = 6
@@ -56,13 +57,14 @@ def draw(rng: random.Random) -> dict:
         "workers": rng.choice(["0", "2"]),
         "global_batch": rng.choice(["4", "8"]),
         "stop": rng.randint(1, ITERATIONS - 1),
+        "architecture": rng.choice(sorted(ARCHITECTURES)),  # drawn last: the earlier draws stay CI's
     }
 
 
 def flags_of(c: dict) -> list[str]:
     return [*BASE, *LAYOUTS[c["layout"]], *OPTIMIZERS[c["optimizer"]], *(FP16 if c["fp16"] else []),
             "--hidden-dropout", c["dropout"], "--attention-dropout", c["dropout"], "--num-workers", c["workers"],
-            "--global-batch-size", c["global_batch"]]
+            "--global-batch-size", c["global_batch"], *ARCHITECTURES[c["architecture"]]]
 
 
 def draws() -> list[dict]:

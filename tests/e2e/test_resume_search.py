@@ -2,7 +2,8 @@
 over the switches that carry state across a checkpoint, not replayed at one stop point.
 
 Each example draws a configuration (optimizer, fp16 loss scaling with skipped steps and growth, dropout, DataLoader
-workers, accumulation, batch ramp-up, MoE with its router's jitter and capacity, learning-rate schedule) and a stop
+workers, accumulation, batch ramp-up, MoE with its router's jitter and capacity, learning-rate schedule, GPT-2's or
+Llama's architecture) and a stop
 iteration; the stopped run saves there (--exit-interval), a second run loads it, and every later iteration's loss
 and gradient norm must equal the uninterrupted run's bit for bit (which may itself save at every iteration: saving
 must change nothing either). One process, in this process (each run ~0.5 s).
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.launch import TINY_GPT_SHAPE, read_grad_norms, read_losses
+from tests.launch import ARCHITECTURES, TINY_GPT_SHAPE, read_grad_norms, read_losses
 
 ITERATIONS = 6
 BASE = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "100", "--lr", "1e-3",
@@ -48,6 +49,7 @@ configurations = st.fixed_dictionaries({
     "global_batch": st.sampled_from(["2", "4"]),
     "ramp_up": st.booleans(),
     "moe": st.booleans(),
+    "architecture": st.sampled_from(sorted(ARCHITECTURES)),
     "stop": st.integers(1, ITERATIONS - 1),
     "straight_saves": st.booleans(),  # the uninterrupted run saves every iteration: saving must not change a run
 })
@@ -59,7 +61,7 @@ def flags_of(c: dict) -> list[str]:
              "--global-batch-size", c["global_batch"]]
     if c["ramp_up"]:  # 2 → 4 samples per iteration over the first 6 samples: the batch grows mid-run
         flags += ["--global-batch-size", "4", "--rampup-batch-size", "2", "2", "6"]
-    return flags + (MOE if c["moe"] else [])
+    return flags + ARCHITECTURES[c["architecture"]] + (MOE if c["moe"] else [])
 
 
 def train_here(args: list[str]) -> None:
