@@ -128,8 +128,15 @@ def _block_gradient(raw: torch.Tensor, log_sum_exp: torch.Tensor, shifted: torch
     return (((raw.float() - log_sum_exp[:, None]).exp() - hit) * scale).to(raw.dtype)
 
 
+# Modes without CUDA graphs: a graph's replay writes its outputs into the same memory every time, and each step
+# calls these functions once per block while the earlier blocks' outputs are still in use.
+_WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
 def fused_blocks(backend: str = "inductor", mode: str | None = None) -> tuple:
-    """The two block functions compiled with the run's backend and mode (shapes: static first, dynamic after)."""
+    """The two block functions compiled with the run's backend and mode, less CUDA graphs (shapes: static first,
+    dynamic after)."""
+    mode = _WITHOUT_CUDA_GRAPHS.get(mode or "default", mode or "default")
     if (backend, mode) not in _FUSED:
         _FUSED[backend, mode] = (torch.compile(_block_forward, backend=backend, mode=mode),
                                  torch.compile(_block_gradient, backend=backend, mode=mode))
