@@ -150,3 +150,12 @@ def test_a_hooked_head_keeps_the_plain_path():
     tokens = torch.randint(0, 1000, (2, 32))
     model(tokens, labels=tokens)
     assert calls == [1] and not model.loss.can_fuse_head(model.output)
+
+
+def test_compiled_blocks_never_use_cuda_graphs():
+    """Each step calls the block functions once per block while earlier outputs are in use: a CUDA-graph replay
+    would rewrite them, so the graph modes compile as their graph-free siblings."""
+    from rapidtrain.models.chunked_loss import fused_blocks
+
+    assert fused_blocks("inductor", "reduce-overhead") is fused_blocks("inductor", None)
+    assert fused_blocks("inductor", "max-autotune") is fused_blocks("inductor", "max-autotune-no-cudagraphs")
