@@ -158,8 +158,10 @@ def _data_parallel_choices(args: argparse.Namespace, ctx: RunContext, layout: La
     three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
     if layout.data_parallel_size > 1 and (partitioning is None or "DistributedDataParallel" in partitioning.engine):
         how = "composable replicate() over the data-parallel mesh dimension" if three_d else "DistributedDataParallel"
+        unused = ("" if three_d else "; DistributedDataParallel looks for weights a step leaves without a gradient "
+                  "(find_unused_parameters) unless the model is the built-in GPT or BERT, which use every weight")
         engines.append(EngineChoice("data parallel", f"torch {how} ({backend})",
-                                    "no all-reduce on accumulation micro-batches (no_sync)"))
+                                    "no all-reduce on accumulation micro-batches (no_sync)" + unused))
     if partitioning:
         engines.append(partitioning)
     zero = zero_settings(args, layout, ctx)

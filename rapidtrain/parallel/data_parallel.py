@@ -45,7 +45,21 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.
     exclude_experts_from_ddp(model)  # sharded experts are reduced over their own group (parallel/experts.py)
     # Gradients as views into DDP's reduction buckets: otherwise the buckets are a second copy of every gradient
     # (one more fp32 copy of the model per rank, which the plan's memory estimate does not count).
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True)
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True,
+                                   find_unused_parameters=may_leave_weights_unused(model))
+
+
+def may_leave_weights_unused(model: nn.Module) -> bool:
+    """Whether a step's loss may leave some trainable weights without a gradient, so DDP must look for them each
+    iteration (find_unused_parameters): any model but the built-in GPT and BERT, whose loss reads every weight. A
+    fine-tuned model may hold a head its task does not use, or experts no token reached (Hugging Face MoE models
+    run only the experts that receive tokens); DDP would otherwise stop at the next iteration ("Expected to have
+    finished reduction"). Hugging Face Trainer assumes the same by default."""
+    from rapidtrain.models.bert import BertModel
+    from rapidtrain.models.gpt import GPTModel
+
+    inner = getattr(model, "_orig_mod", model)
+    return not isinstance(inner, (GPTModel, BertModel))
 
 
 def apply_replicate(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
