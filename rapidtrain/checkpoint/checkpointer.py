@@ -459,6 +459,25 @@ def safe_dcp_load(state: dict[str, Any], directory: str | Path, *, no_dist: bool
                               "folder.") from None
 
 
+def drop_state_never_saved(state: dict[str, Any], directory: Path) -> list[str]:
+    """Leave out of the load template the optimizer state of parameters the checkpoint holds none for: a parameter
+    that never had a gradient has none (torch makes a parameter's state at the first step that has a gradient for
+    it), so the run that saved had none, and the resumed run goes on without it too (the optimizer's load keeps
+    only what it is given). Returns the parameters left out. A checkpoint with no optimizer state at all keeps the
+    template whole, so that its load fails and says so."""
+    entries = (state.get("optimizer") or {}).get("state")
+    if not isinstance(entries, dict) or not entries:
+        return []
+    saved = set(read_metadata_file(directory / METADATA_FILE).state_dict_metadata)
+    if not any(key.startswith("optimizer.state.") for key in saved):
+        return []
+    missing = [name for name, entry in entries.items() if isinstance(entry, dict) and entry
+               and not any(f"optimizer.state.{name}.{key}" in saved for key in entry)]
+    for name in missing:
+        del entries[name]
+    return missing
+
+
 # ---- save ----
 
 def publish_folder(tmp: Path, final: Path) -> None:
@@ -751,6 +770,8 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     if load_optimizer and flags is not None:
         check_optimizer_groups(common.get("args") or {}, flags, directory)
     state = runner.state_dict_for_loading(load_optimizer)
+    if load_optimizer:
+        drop_state_never_saved(state, directory)
     safe_dcp_load(state, directory)
     runner.load_state_dict(state, load_optimizer=load_optimizer)
     if load_optimizer and common.get("optimizer_stepped") is False and hasattr(runner, "forget_optimizer_state"):

@@ -523,11 +523,18 @@ class TorchRunner:
         self._load_own_state_dict(state, load_optimizer)
 
     def _load_own_state_dict(self, state: dict[str, Any], load_optimizer: bool) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         if load_optimizer:
-            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
+            set_model_state_dict(self.module, state["model"])
+            # Not strict about parameters without optimizer state: the checkpoint has none for a parameter that
+            # never had a gradient (checkpointer.drop_state_never_saved), and then neither has the resumed run.
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(strict=False))
             if self.scaler is not None and "loss_scaler" in state:
                 self.scaler.load_state_dict(state["loss_scaler"])
         else:

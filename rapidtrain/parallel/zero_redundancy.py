@@ -97,9 +97,13 @@ class OSSRunner(TorchRunner):
 
     def optimizer_state(self) -> dict[str, Any]:
         local = self.local_optimizer
-        ensure_optimizer_state(local)
+        if not self.optimizer_stepped():  # before any step: made for this save (state_dict() forgets it again)
+            ensure_optimizer_state(local)
         names = parameter_names(self.state_module)
-        state = {names[id(p)]: dict(local.state[p]) for group in local.param_groups for p in group["params"]}
+        # A parameter that never had a gradient has no state, and none is saved (a step at rate 0 to make it would
+        # count a step and decay the moments of every other parameter).
+        state = {names[id(p)]: dict(local.state[p]) for group in local.param_groups for p in group["params"]
+                 if local.state.get(p)}
         partitioned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         groups = [
             {
@@ -119,6 +123,9 @@ class OSSRunner(TorchRunner):
         with torch.no_grad():
             for group in local.param_groups:
                 for p in group["params"]:
+                    if names[id(p)] not in saved["state"]:  # never had a gradient in the saved run: no state
+                        local.state.pop(p, None)
+                        continue
                     for key, value in saved["state"][names[id(p)]].items():
                         current = local.state[p].get(key)
                         if torch.is_tensor(current) and torch.is_tensor(value):
