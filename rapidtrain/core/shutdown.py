@@ -28,7 +28,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import NoReturn
 
 # The process that started this one, exported by the launcher (for torchrun) and by the launcher's torchrun
@@ -70,9 +70,31 @@ def stop_rank_with_torchrun() -> bool:
 
 def ignore_sigterm_in_worker(worker_id: int) -> None:
     """DataLoader `worker_init_fn`: SIGTERM and Ctrl-C are the rank's to handle (save, then stop its workers
-    itself); a worker that died of them would stop the rank with "DataLoader worker is killed by signal"."""
+    itself); a worker that died of them would stop the rank with "DataLoader worker is killed by signal". And a
+    rank that ends at once (SIGTERM without --save, SIGKILL) while fetching a batch's shared memory from a worker
+    leaves that worker's descriptor-sharing thread with a broken handshake: it would print a traceback on its way
+    out; now it stays quiet (`quiet_descriptor_sharing_errors`)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    quiet_descriptor_sharing_errors()
+
+
+_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
+
+
+def quiet_descriptor_sharing_errors() -> None:
+    """In a DataLoader worker: an error of multiprocessing's descriptor-sharing thread that reaches
+    `sys.excepthook` (a peer gone mid-handshake: EOFError, a connection or OS error) prints nothing. The process
+    that asked for the descriptor reports its own failure if it lives on; every other error prints as before."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        if issubclass(kind, (EOFError, OSError)) and frames and frames[0].filename.endswith(_SHARER):
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def exit_status(returncode: int) -> int:

@@ -296,3 +296,22 @@ def test_a_forked_child_gives_its_status_as_a_new_interpreter_would():
     assert run.returncode == 0, run.stderr
     assert f"statuses 6 4 {128 + signal.SIGTERM} 1 9" in run.stdout
     assert "ValueError: a bug in the child" in run.stderr
+
+
+def test_a_workers_descriptor_sharing_errors_print_nothing_and_other_errors_still_do(capsys, monkeypatch):
+    """A rank that ends at once mid-handshake breaks its worker's descriptor-sharing thread: the worker prints no
+    traceback for that (the run's log stays the rank's). Raised from code compiled as multiprocessing's
+    resource_sharer.py, as that thread raises it; any other error reaches the previous hook."""
+    from rapidtrain.core.shutdown import quiet_descriptor_sharing_errors
+
+    printed: list[type] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(kind))
+    quiet_descriptor_sharing_errors()
+    sharer = os.path.join(os.path.dirname(os.__file__), "multiprocessing", "resource_sharer.py")
+    for error, path in ((EOFError, sharer), (ConnectionResetError, sharer), (EOFError, "elsewhere.py"),
+                        (ValueError, sharer)):
+        try:
+            exec(compile(f"raise {error.__name__}()", path, "exec"))
+        except BaseException as raised:  # noqa: BLE001 - handed to the hook as an uncaught one would be
+            sys.excepthook(type(raised), raised, raised.__traceback__.tb_next)
+    assert printed == [EOFError, ValueError]
