@@ -43,16 +43,15 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
         for start in range(0, weight.shape[0], block):
             raw = _logits(hidden, weight[start:start + block], None if bias is None else bias[start:start + block])
             kept += [raw] if keep else []
-            if fused is not None:
+            if fused is not None:  # the same, as one compiled kernel
                 block_picked, lse = fused[0](raw, targets - start)
-                picked += block_picked
-                block_lse.append(lse)
-                del raw
-                continue
-            inside = (targets >= start) & (targets < start + raw.shape[1])
-            index = (targets - start).clamp(0, raw.shape[1] - 1)
-            picked += raw.gather(1, index[:, None]).squeeze(1).float().masked_fill_(~inside, 0.0)
-            block_lse.append(_log_sum_exp(_writable_fp32(raw, kept=keep)))
+            else:
+                inside = (targets >= start) & (targets < start + raw.shape[1])
+                index = (targets - start).clamp(0, raw.shape[1] - 1)
+                block_picked = raw.gather(1, index[:, None]).squeeze(1).float().masked_fill_(~inside, 0.0)
+                lse = _log_sum_exp(_writable_fp32(raw, kept=keep))
+            picked += block_picked
+            block_lse.append(lse)
             del raw  # before the next block's matmul: one fp32 block at a time
         log_sum_exp = torch.logsumexp(torch.stack(block_lse), dim=0)
         ignored = targets < 0
@@ -73,20 +72,16 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
                                                       None if bias is None else bias[start:end])
             if ctx.fused is not None:  # the same, as one compiled kernel: logits in, gradient in their dtype out
                 grad_logits = ctx.fused[1](logits, log_sum_exp, targets - start, scale)
-                if grad_bias is not None:
-                    grad_bias[start:end] = grad_logits.float().sum(0)
-                grad_hidden += grad_logits @ weight[start:end]
-                grad_weight[start:end] = grad_logits.t() @ hidden
-                continue
-            # d loss / d logits = softmax - one_hot(label), times each token's incoming gradient, in place on an fp32
-            # block: a copy of kept or 16-bit logits (the kept ones stay intact for a backward with retain_graph),
-            # else the recomputed block itself. Several times faster on a CPU than one type-promoting subtraction,
-            # in the same memory.
-            grad_logits = _writable_fp32(logits, kept=bool(kept)).sub_(log_sum_exp[:, None]).exp_()
-            inside = (targets >= start) & (targets < start + grad_logits.shape[1])
-            grad_logits.scatter_add_(1, (targets - start).clamp(0, grad_logits.shape[1] - 1)[:, None],
-                                     -inside.float()[:, None])
-            grad_logits = grad_logits.mul_(scale).to(hidden.dtype)
+            else:
+                # d loss / d logits = softmax - one_hot(label), times each token's incoming gradient, in place on
+                # an fp32 block: a copy of kept or 16-bit logits (the kept ones stay intact for a backward with
+                # retain_graph), else the recomputed block itself. Several times faster on a CPU than one
+                # type-promoting subtraction, in the same memory.
+                grad_logits = _writable_fp32(logits, kept=bool(kept)).sub_(log_sum_exp[:, None]).exp_()
+                inside = (targets >= start) & (targets < start + grad_logits.shape[1])
+                grad_logits.scatter_add_(1, (targets - start).clamp(0, grad_logits.shape[1] - 1)[:, None],
+                                         -inside.float()[:, None])
+                grad_logits = grad_logits.mul_(scale).to(hidden.dtype)
             if grad_bias is not None:
                 grad_bias[start:end] = grad_logits.float().sum(0)
             grad_hidden += grad_logits @ weight[start:end]
