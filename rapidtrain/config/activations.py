@@ -15,6 +15,13 @@ sequence parallelism). The last stage keeps the final norm's and head's inputs a
 loss (4·s·b·V/t with a vocab-parallel loss), with the logits beside it at the peak (and their fp32 copy in 16-bit
 runs; the chunked loss keeps less: head_bytes); the first keeps the embedding dropout's mask.
 
+Beyond the paper's table, which counts what is kept: backward recomputes one layer of one micro-batch at a time,
+which then holds again what recompute dropped (the whole layer under full recompute, the scores under selective)
+beside everything still kept, and the forward's working set inside a layer is of the same kind. So a stage's peak
+is what it keeps plus that one layer's dropped part, or plus the head's tensors at the loss on the last stage,
+whichever is larger (measured on CPU runs where the layers dominate: without it, the first of two stages held 6.5
+times the estimate of its activations under full recompute, 1.5 times under selective).
+
 Beyond the paper, which assumes 16-bit weights (Megatron's): a 16-bit run over fp32 weights (torch autocast) holds a
 16-bit copy of every matrix its stage multiplies by, from the forward that casts it until backward — WeightCopies.
 Measured on CPU runs of every layout, fp32 and bf16 (tests/distributed/test_memory_estimate.py): without the copies
@@ -149,9 +156,20 @@ def chunks_in_flight(stage: int, layout: Layout, micro_batches: int) -> float:
     return chunks / v
 
 
+def recomputed_again(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext, granularity: str,
+                     experts: int = 0) -> float:
+    """What one recomputed layer of one micro-batch holds again while backward recomputes it: what recompute
+    dropped from it (0 without recompute)."""
+    if granularity == "none":
+        return 0.0
+    return layer_bytes(model, micro, layout, act, "none", experts) \
+        - layer_bytes(model, micro, layout, act, granularity, experts)
+
+
 def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, layout: Layout,
                            act: ActivationContext, recompute: RecomputeSettings) -> list[float]:
-    """Activation bytes at each pipeline stage's peak, on one rank of it."""
+    """Activation bytes at each pipeline stage's peak, on one rank of it: what it keeps, plus the larger of the
+    layer being recomputed and (last stage) the head's tensors at the loss."""
     p = layout.pipeline_parallel_size
     per_stage = model.num_layers // p
     recomputed = len(recompute.layers_of(per_stage)) if recompute.enabled else 0
@@ -162,14 +180,16 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             layers = sum(layer_bytes(model, micro, layout, act, recompute.granularity if i < recomputed else "none",
                                      experts) for i, experts in enumerate(kinds))
             copies = sum(weight_copy_bytes(model, layout, act, experts) for experts in kinds)
+            again = max((recomputed_again(model, micro, layout, act, recompute.granularity, experts)
+                         for experts in kinds[:recomputed]), default=0.0)
         else:  # dense: two kinds at most, counted by arithmetic (a plan of 10^8 layers answers at once)
             layers = recomputed * layer_bytes(model, micro, layout, act, recompute.granularity) \
                 + (per_stage - recomputed) * layer_bytes(model, micro, layout, act)
             copies = per_stage * weight_copy_bytes(model, layout, act)
+            again = recomputed_again(model, micro, layout, act, recompute.granularity) if recomputed else 0.0
         total = chunks_in_flight(stage, layout, micro_batches) * layers + copies
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)
-        if stage == p - 1:
-            total += head_bytes(model, micro, layout, act)
+        total += max(again, head_bytes(model, micro, layout, act) if stage == p - 1 else 0.0)
         stages.append(total)
     return stages

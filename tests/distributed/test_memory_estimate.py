@@ -1,7 +1,7 @@
 """The plan's memory per rank (model states by the ZeRO paper's accounting and the engine's own buffers +
 activations by Korthikanti et al. 2022, per pipeline stage) against what each rank of a real 2-rank CPU run
-holds, for every layout: DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP, TP + sequence parallelism, PP and EP;
-within ±15% per rank. And whether the loss ran chunked where the plan says it does.
+holds, for every layout: DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP, TP + sequence parallelism, PP and EP,
+and every recompute granularity; within ±15% per rank. And whether the loss ran chunked where the plan says it does.
 
 Measured (tests/distributed/memory_runs.py): the model states are the distinct tensor storages reachable from
 the runner after the first optimizer step (parameters, gradients, optimizer state, DeepSpeed's partitions;
@@ -29,6 +29,8 @@ SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 6
 # DeepSpeed's bucket buffers are sized by elements, not by the model (reduce buckets of 5·10⁸ elements by default:
 # 2 GB per buffer in fp32, which the estimate counts): small buckets here, so that the model's states dominate.
 SMALL_BUCKETS = ["--zero-reduce-bucket-size", "100000", "--zero-allgather-bucket-size", "100000"]
+LAYERS_DOMINATE = ["--seq-length", "256", "--hidden-size", "128", "--pipeline-model-parallel-size", "2",
+                   "--global-batch-size", "4"]
 LAYOUTS = {
     "ddp": [],
     # 2 micro-batches per rank: DDP's gradients must stay views into its buckets across accumulation
@@ -55,6 +57,12 @@ LAYOUTS = {
     # copied by autocast beside the 16-bit blocks
     "ep2_fsdp_bf16": ["--bf16", "--num-experts", "2", "--expert-model-parallel-size", "2",
                       "--fsdp-memory-optimization"],
+    # Recompute, where the layers' activations are most of a rank's memory (the first of two pipeline stages, no
+    # head; seq 256 × hidden 128): what each granularity keeps, and the one layer backward recomputes beside it
+    "pp2_recompute_full": [*LAYERS_DOMINATE, "--recompute-granularity", "full"],
+    "pp2_recompute_op": [*LAYERS_DOMINATE, "--recompute-granularity", "op"],
+    # attention dropout keeps the s × s scores on the CPU (SDPA's math path): selective recompute drops them
+    "pp2_selective_attention_dropout": [*LAYERS_DOMINATE, "--attention-dropout", "0.1", "--recompute-activations"],
 }
 
 
