@@ -1,7 +1,8 @@
 """The plan's memory per rank (model states by the ZeRO paper's accounting and the engine's own buffers +
 activations by Korthikanti et al. 2022, per pipeline stage) against what each rank of a real 2-rank CPU run
 holds, for every layout: DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP, TP + sequence parallelism, PP and EP,
-and every recompute granularity; within ±15% per rank. And whether the loss ran chunked where the plan says it does.
+every recompute granularity, and BERT; within ±15% per rank.
+And whether the loss ran chunked where the plan says it does.
 
 Measured (tests/distributed/memory_runs.py): the model states are the distinct tensor storages reachable from
 the runner after the first optimizer step (parameters, gradients, optimizer state, DeepSpeed's partitions;
@@ -63,6 +64,10 @@ LAYOUTS = {
     "pp2_recompute_op": [*LAYERS_DOMINATE, "--recompute-granularity", "op"],
     # attention dropout keeps the s × s scores on the CPU (SDPA's math path): selective recompute drops them
     "pp2_selective_attention_dropout": [*LAYERS_DOMINATE, "--attention-dropout", "0.1", "--recompute-activations"],
+    # BERT: the masked-LM head over every position (a dense + norm transform, then the tied decoder and the plain
+    # loss), the sentence-order head, and its two pipeline stages (the sentence-order loss is refused under PP)
+    "bert": ["--model-type", "bert"],
+    "bert_pp2": ["--model-type", "bert", "--bert-no-binary-head", *LAYERS_DOMINATE],
 }
 
 
