@@ -144,7 +144,11 @@ def _model_lines(plan: Plan) -> list[str]:
                if mem.optimizer_bytes_by_rank else "")
             + (f", {ENGINE_BUFFERS.get(plan.switches.partitioning_engine, 'engine buffers')} "
                f"{mib_text(mem.engine_bytes)}" if mem.engine_bytes else "")
-            + f"; total {mib_text(mem.total_bytes)}",
+            + f"; total {mib_text(mem.total_bytes)}"
+            + (f"; and FSDP2's whole gradients between the micro-batches of an iteration (gradient sync off until "
+               f"the last) {mib_text(mem.accumulated_grad_bytes)}"
+               + (" on the average stage" if plan.layout.pipeline_parallel_size > 1 else "") + ", in the peak below"
+               if mem.accumulated_grad_bytes and plan.batches.accumulation_steps > 1 else ""),
             *_peak_memory_lines(mem, plan),
         ]
     return lines + (_estimate_lines(plan.estimate) if plan.estimate else [])

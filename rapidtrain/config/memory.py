@@ -90,7 +90,10 @@ def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batc
     shares = stage_parameter_shares(model, layout.pipeline_parallel_size)
     # What the engine holds per stage where it is known (FSDP2's gathered parameters), else in proportion.
     engine = memory.engine_bytes_by_stage or tuple(memory.engine_bytes * share for share in shares)
-    states = [(memory.total_bytes - memory.engine_bytes) * share + held
+    # FSDP2 accumulates whole gradients until the last micro-batch's backward reduce-scatters them (measured: the
+    # last of two pipeline stages held them beside its second micro-batch's activations).
+    accumulated = memory.accumulated_grad_bytes if micro_batches > 1 else 0.0
+    states = [(memory.total_bytes - memory.engine_bytes + accumulated) * share + held
               for share, held in zip(shares, engine, strict=True)]
     # OSS's ranks hold different optimizer shares: the peak is the largest's.
     uneven = max(memory.optimizer_bytes_by_rank) - memory.optimizer_bytes \
@@ -284,6 +287,7 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
         parameters=int(shared + own_experts), total_params=total, active_params=active,
         param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
         engine_bytes=engine, engine_bytes_by_stage=engine_by_stage,
+        accumulated_grad_bytes=4 * (shared + own_experts) if fsdp2 and n > 1 else 0.0,
         optimizer_bytes=per_rank(optimizer, shard_optimizer), optimizer_bytes_by_rank=by_rank,
         optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
         params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",

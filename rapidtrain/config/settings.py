@@ -362,6 +362,10 @@ class MemoryEstimate:
     # on the average stage, and per pipeline stage where that is known (else in proportion to its parameters)
     engine_bytes: float = 0.0
     engine_bytes_by_stage: tuple[float, ...] = ()
+    # FSDP2's whole (unsharded) fp32 gradients of this rank's model-parallel share, accumulated while gradient sync
+    # is off between the micro-batches of one iteration (accumulation, pipelining), on the average stage; held only
+    # when an iteration has more than one micro-batch per rank (with_peak adds them then)
+    accumulated_grad_bytes: float = 0.0
     optimizer_on_cpu: bool = False
     params_offloaded: OffloadTarget = "none"  # ZeRO-3 parameter partitions in host memory or on NVMe
     stage_state_bytes: tuple[float, ...] = ()  # model states on one rank of each pipeline stage (on the device)

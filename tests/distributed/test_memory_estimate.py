@@ -41,6 +41,8 @@ LAYOUTS = {
     "zero3": ["--zero-3-memory-optimization", "--zero-reduce-bucket-size", "100000",
               "--zero-stage3-prefetch-bucket-size", "100000"],
     "fsdp": ["--fsdp-memory-optimization"],
+    # 2 micro-batches per rank: FSDP2 keeps whole gradients from the first backward to the last, unsharded
+    "fsdp_accumulation": ["--fsdp-memory-optimization", "--global-batch-size", "8"],
     "sdp": ["--oss-sdp-memory-optimization"],
     "oss": ["--oss-memory-optimization"],
     "tp2": ["--tensor-model-parallel-size", "2"],
@@ -71,31 +73,58 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
+# On 4 ranks: pipeline stages with data parallelism over each. ZeRO-1/2 there is FSDP2 (DeepSpeed cannot wrap the
+# pipelined model), which keeps whole gradients between the micro-batches; TP 2 × PP 2 splits the head by vocabulary.
+FOUR_RANK_LAYOUTS = {
+    "pp2_zero1": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-1-memory-optimization"],
+    "tp2_pp2": ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "4"],
+}
+
+
+def measure(tmp_path_factory, world: int, layouts: dict[str, list[str]]) -> dict:
     out = tmp_path_factory.mktemp("memory")
-    runs = {name: SHAPE + flags for name, flags in LAYOUTS.items()}
+    runs = {name: SHAPE + flags for name, flags in layouts.items()}
     (out / "runs.json").write_text(json.dumps(runs))
-    torchrun(2, REPO / "tests" / "distributed" / "memory_runs.py", [str(out / "runs.json"), str(out / "out.json")])
+    torchrun(world, REPO / "tests" / "distributed" / "memory_runs.py",
+             [str(out / "runs.json"), str(out / "out.json")])
     return json.loads((out / "out.json").read_text())
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_peak_memory_per_rank_is_estimated_within_15_percent(measured, layout):
-    ctx = RunContext(world_size=2)
-    args = parse_args(SHAPE + LAYOUTS[layout])
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    return measure(tmp_path_factory, 2, LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def measured_on_four_ranks(tmp_path_factory) -> dict:
+    return measure(tmp_path_factory, 4, FOUR_RANK_LAYOUTS)
+
+
+def check_every_rank(flags: list[str], world: int, name: str, measured: list[dict]) -> None:
+    ctx = RunContext(world_size=world)
+    args = parse_args(SHAPE + flags)
     rules.validate(args, ctx)
     plan = from_args(args, ctx)
     memory = plan.memory
     stages = len(memory.stage_state_bytes)
     chunked = loss_is_chunked(plan.model, plan.layout, plan.switches)
-    for rank, got in enumerate(measured[layout]):
-        if rank * stages // 2 == stages - 1:  # a rank that computes the loss: the plan knows how
-            assert got["chunked_loss"] == chunked, (layout, rank, got)
-        stage = rank * stages // 2
+    for rank, got in enumerate(measured):
+        stage = rank * stages // world  # ranks are ordered tensor, data, then pipeline (Megatron's order)
+        if stage == stages - 1:  # a rank that computes the loss: the plan knows how
+            assert got["chunked_loss"] == chunked, (name, rank, got)
         estimate = memory.stage_state_bytes[stage] + memory.stage_activation_bytes[stage]
         if memory.optimizer_bytes_by_rank:  # OSS: this rank's own share of the optimizer state
             estimate += memory.optimizer_bytes_by_rank[rank] - memory.optimizer_bytes
         real = got["state_bytes"] + got["activation_bytes"]
-        detail = (layout, rank, got, memory.stage_state_bytes[stage], memory.stage_activation_bytes[stage])
+        detail = (name, rank, got, memory.stage_state_bytes[stage], memory.stage_activation_bytes[stage])
         assert real == pytest.approx(estimate, rel=0.15), detail
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_peak_memory_per_rank_is_estimated_within_15_percent(measured, layout):
+    check_every_rank(LAYOUTS[layout], 2, layout, measured[layout])
+
+
+@pytest.mark.parametrize("layout", list(FOUR_RANK_LAYOUTS))
+def test_peak_memory_per_rank_on_four_ranks_is_estimated_within_15_percent(measured_on_four_ranks, layout):
+    check_every_rank(FOUR_RANK_LAYOUTS[layout], 4, layout, measured_on_four_ranks[layout])
