@@ -1,14 +1,15 @@
 """The plan's memory per rank (model states by the ZeRO paper's accounting and the engine's own buffers +
-activations by Korthikanti et al. 2022, per pipeline stage) against what each rank of a real 2-rank CPU run
-holds, for every layout: DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP, TP + sequence parallelism, PP and EP,
-every recompute granularity, and BERT; within ±15% per rank.
+activations by Korthikanti et al. 2022, per pipeline stage) against what each rank of a real CPU run holds, for
+every layout: on 2 ranks DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP, TP + sequence parallelism, PP and EP,
+every recompute granularity, and BERT; on 4, pipeline stages with data or tensor parallelism over each; within
+±15% per rank.
 And whether the loss ran chunked where the plan says it does.
 
 Measured (tests/distributed/memory_runs.py): the model states are the distinct tensor storages reachable from
 the runner after the first optimizer step (parameters, gradients, optimizer state, DeepSpeed's partitions;
 buffers left out), the activations the largest sum of live storages the second iteration's forward passes
 created (checked after every operator outside backward; parameters and gradients left out; a DTensor's local
-tensor). All layouts run in one torchrun launch.
+tensor). The layouts of each world size run in one torchrun launch.
 """
 
 from __future__ import annotations
