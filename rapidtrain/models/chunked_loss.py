@@ -85,7 +85,7 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias[start:end] = grad_logits.float().sum(0)
             grad_hidden += grad_logits @ weight[start:end]
-            grad_weight[start:end] = grad_logits.t() @ hidden
+            torch.mm(grad_logits.t(), hidden, out=grad_weight[start:end])  # into its rows: no [block, h] temporary
         return grad_hidden.to(hidden.dtype), grad_weight, grad_bias, None, None, None
 
 
