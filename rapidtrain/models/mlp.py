@@ -28,5 +28,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
+            if torch.is_autocast_enabled(x.device.type):  # one 16-bit copy of x kept for both projections, not two
+                x = x.to(torch.get_autocast_dtype(x.device.type))
             return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
         return self.fc2(gelu(self.fc1(x), self.openai_gelu))

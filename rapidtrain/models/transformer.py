@@ -273,6 +273,10 @@ class Attention(nn.Module):
         cache: tuple[KVCache | StaticKVCache, str] | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
+        if torch.is_autocast_enabled(x.device.type):
+            # Once for the three projections: autocast would cast x per projection, and each would keep its own
+            # 16-bit copy for backward (two more [b, s, h] tensors per layer).
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         q, k, v = (
             proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
