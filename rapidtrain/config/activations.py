@@ -17,10 +17,19 @@ runs; the chunked loss keeps less: head_bytes); the first keeps the embedding dr
 
 Beyond the paper's table, which counts what is kept: backward recomputes one layer of one micro-batch at a time,
 which then holds again what recompute dropped (the whole layer under full recompute, the scores under selective)
-beside everything still kept, and the forward's working set inside a layer is of the same kind. So a stage's peak
-is what it keeps plus that one layer's dropped part, or plus the head's tensors at the loss on the last stage,
-whichever is larger (measured on CPU runs where the layers dominate: without it, the first of two stages held 6.5
-times the estimate of its activations under full recompute, 1.5 times under selective).
+beside everything still kept, and the forward's working set inside a layer is of the same kind; and backward makes
+its own tensors beside them (backward_working_bytes: the gradients of one layer's widest tensors; at the loss, the
+logits' gradient block and the head weight's gradient; the word embedding's gradient, last). So a stage's peak is
+what it keeps plus the larger of that one layer's dropped part with backward's working set and (last stage) the
+head's tensors at the loss's backward; on the first stage at least the embedding's gradient. Measured on CPU runs
+of every layout, checked after every operator of forward and backward (tests/distributed/test_memory_estimate.py):
+without the backward terms the plan was 15-35% under the true peak of most layouts; without the recomputed layer,
+the first of two stages held 6.5 times the estimate of its activations under full recompute.
+
+Beyond the paper, which assumes Megatron's 16-bit residual stream: under autocast over fp32 weights the residual
+additions and norms run in fp32, so each layer's input and its norms' inputs are fp32 (ActivationContext.
+residual_bytes); the built-in attention and SwiGLU cast their input to 16 bits once for their projections (autocast
+alone would keep one 16-bit copy per projection).
 
 Beyond the paper, which assumes 16-bit weights (Megatron's): a 16-bit run over fp32 weights (torch autocast) holds a
 16-bit copy of every matrix its stage multiplies by, from the forward that casts it until backward — WeightCopies.
@@ -65,6 +74,12 @@ class ActivationContext:
     device_type: str = "cpu"  # the chunks' size depends on it
     weight_copies: WeightCopies = "none"
 
+    @property
+    def residual_bytes(self) -> int:
+        """An element of the residual stream (each layer's input and its norms' inputs): fp32 under autocast over fp32
+        weights, whose residual additions and norms run in fp32; the activations' own size otherwise."""
+        return 4 if self.weight_copies == "all" else self.element_bytes
+
     @staticmethod
     def of(model: ModelConfig, dtype: str, device_type: str) -> ActivationContext:
         element = 4 if dtype == "fp32" else 2
@@ -79,9 +94,9 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     s, h, b = model.seq_length, model.hidden_size, micro
     t = layout.tensor_parallel_size
     split_all = t if layout.sequence_parallel else 1
-    e = act.element_bytes
+    e, r = act.element_bytes, act.residual_bytes
     if granularity == "full":
-        return s * b * h * e / split_all
+        return s * b * h * r / split_all
     kv = model.head_dim * model.query_groups
     inner = model.head_dim * model.num_attention_heads
     # fc1 and activation outputs (SwiGLU: + gate, product)
@@ -89,11 +104,11 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     if experts:  # top-k routed copies of each token fill capacity buffers
         mlp_width *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
     masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
-    replicated = (4 * h) * e + masks  # two norms' inputs, attention and MLP inputs, two dropout masks
+    replicated = 2 * h * r + 2 * h * e + masks  # two norms' inputs, attention and MLP inputs, two dropout masks
     split: float = (2 * inner + 2 * kv + mlp_width) * e  # Q, K, V, attention output, the MLP's wide tensors
     if granularity == "op":  # rapidtrain's op-level policy keeps matmul, attention and collective outputs
         split = (2 * inner + 2 * kv + mlp_width / 2 + 2 * h) * e
-        replicated = h * e
+        replicated = h * r  # the layer's input
     per_token = replicated / split_all + split / t
     scores = 0.0
     if act.scores_kept and granularity not in ("selective", "op"):
@@ -116,24 +131,42 @@ def weight_copy_bytes(model: ModelConfig, layout: Layout, act: ActivationContext
     return act.element_bytes * (copied + (matrices if act.weight_copies == "all" else 0.0))
 
 
-def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
-    """The last stage's at the loss, where its peak is (measured): the final norm's and head's inputs, the head's
-    weight copied to 16 bits (`act.weight_copies`), and the loss's tensors:
+def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext, backward: bool = False) -> float:
+    """The last stage's at the loss (measured): the final norm's input (the residual stream) and the head's, the
+    head's weight copied to 16 bits (`act.weight_copies`), and the loss's tensors:
     - plain path: the logits in the matmul's dtype, their fp32 copy when 16-bit, and the fp32 log-softmax saved for
       backward, each split by the vocabulary under tensor parallelism;
     - chunked (models/chunked_loss.py): the logits kept in the matmul's dtype (16-bit, or fp32 when one block holds
       the vocabulary), and the one fp32 block being reduced (a 16-bit or kept block's fp32 copy, or the block
-      itself), which the log-sum-exp overwrites in place: no other block-sized tensor."""
+      itself), which the log-sum-exp overwrites in place: no other block-sized tensor; `backward`: at the loss's
+      backward, where the chunked path peaks, also the block's gradient cast to 16 bits and the head weight's
+      gradient in the matmul's dtype; the plain path's backward (without tensor parallelism; the vocab-parallel
+      loss keeps to its forward's) holds three fp32 [tokens, vocabulary] tensors."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     e, tokens, vocab = act.element_bytes, model.seq_length * micro, model.vocab_size
-    norms = 2 * s * b * h * e / (t if layout.sequence_parallel else 1)
+    norms = s * b * h * (act.residual_bytes + e) / (t if layout.sequence_parallel else 1)
     weight = e * vocab * h / t if act.weight_copies != "none" else 0.0
     if act.chunked_loss:
         block = min(block_size(vocab, tokens, act.device_type), vocab)
         kept = e <= 2 or block >= vocab
-        return norms + weight + (e * tokens * vocab if kept else 0) + 4 * tokens * block
+        gradients = (e * tokens * block if e < 4 else 0) + e * vocab * h if backward else 0.0
+        return norms + weight + (e * tokens * vocab if kept else 0) + 4 * tokens * block + gradients
     fp32_copy = 4 if e < 4 else 0
-    return norms + weight + (e + fp32_copy + 4) * tokens * vocab / t
+    per_logit = e + fp32_copy + 4
+    if backward and t == 1:  # F.cross_entropy's backward: the saved log-softmax, its gradient and the logits'
+        per_logit = max(per_logit, 12)
+    return norms + weight + per_logit * tokens * vocab / t
+
+
+def embedding_gradient_bytes(model: ModelConfig, layout: Layout, act: ActivationContext) -> float:
+    """The first stage's word-embedding gradient as backward makes it, before it is added to the gradient already
+    there (the micro-batches after the first), copied into the engine's buckets or partitions, or reduced: a
+    [vocabulary, h] tensor in the parameters' dtype (fp32 under autocast). Whole under tensor parallelism too:
+    DTensor's embedding backward makes the replicated gradient, which a hook then slices to the rank's rows
+    (parallel/tensor_parallel.py; measured). It is the last thing backward makes, when the layers' activations are
+    freed: a peak of its own where they are small (full recompute, tensor parallelism)."""
+    element = 4 if act.weight_copies == "all" else act.element_bytes
+    return element * model.vocab_size * model.hidden_size
 
 
 def embedding_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
@@ -166,10 +199,28 @@ def recomputed_again(model: ModelConfig, micro: int, layout: Layout, act: Activa
         - layer_bytes(model, micro, layout, act, granularity, experts)
 
 
+def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext,
+                           experts: int = 0) -> float:
+    """What backward makes while it runs through one layer of one micro-batch, beside what the layers keep
+    (measured on CPU runs): the gradients of the MLP's wide tensors (GELU: one [s, b, ffn]; SwiGLU: three, its two
+    branches and their product), split by tensor parallelism, and of the layer's input before any reduction (whole),
+    and in a 16-bit run that copies fp32 weights, the 16-bit gradient of its widest matrix before it is cast to
+    fp32. Attention's own (its inputs' gradients, or two fp32 score-sized gradients where the scores are kept)
+    comes after the MLP's wide tensors are freed, and is no larger where measured."""
+    s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
+    e = act.element_bytes
+    wide: float = (3 if model.swiglu else 1) * model.ffn_size
+    if experts:
+        wide *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+    weight_gradient = e * h * model.ffn_size / t if act.weight_copies != "none" and e < 4 else 0.0
+    return e * s * b * (wide / t + h) + weight_gradient
+
+
 def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, layout: Layout,
                            act: ActivationContext, recompute: RecomputeSettings) -> list[float]:
     """Activation bytes at each pipeline stage's peak, on one rank of it: what it keeps, plus the larger of the
-    layer being recomputed and (last stage) the head's tensors at the loss."""
+    layer being recomputed with backward's working set in it and (last stage) the head's tensors at the loss's
+    backward; on the first stage at least the word embedding's gradient."""
     p = layout.pipeline_parallel_size
     per_stage = model.num_layers // p
     recomputed = len(recompute.layers_of(per_stage)) if recompute.enabled else 0
@@ -182,14 +233,18 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             copies = sum(weight_copy_bytes(model, layout, act, experts) for experts in kinds)
             again = max((recomputed_again(model, micro, layout, act, recompute.granularity, experts)
                          for experts in kinds[:recomputed]), default=0.0)
+            working = max(backward_working_bytes(model, micro, layout, act, experts) for experts in kinds)
         else:  # dense: two kinds at most, counted by arithmetic (a plan of 10^8 layers answers at once)
             layers = recomputed * layer_bytes(model, micro, layout, act, recompute.granularity) \
                 + (per_stage - recomputed) * layer_bytes(model, micro, layout, act)
             copies = per_stage * weight_copy_bytes(model, layout, act)
             again = recomputed_again(model, micro, layout, act, recompute.granularity) if recomputed else 0.0
+            working = backward_working_bytes(model, micro, layout, act)
         total = chunks_in_flight(stage, layout, micro_batches) * layers + copies
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)
-        total += max(again, head_bytes(model, micro, layout, act) if stage == p - 1 else 0.0)
+        total += max(again + working, head_bytes(model, micro, layout, act, backward=True) if stage == p - 1 else 0.0)
+        if stage == 0:
+            total = max(total, embedding_gradient_bytes(model, layout, act))
         stages.append(total)
     return stages

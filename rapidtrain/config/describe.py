@@ -145,7 +145,8 @@ def _model_lines(plan: Plan) -> list[str]:
             + (f", {ENGINE_BUFFERS.get(plan.switches.partitioning_engine, 'engine buffers')} "
                f"{mib_text(mem.engine_bytes)}" if mem.engine_bytes else "")
             + f"; total {mib_text(mem.total_bytes)}"
-            + (f"; and FSDP2's whole gradients between the micro-batches of an iteration (gradient sync off until "
+            + (f"; and FSDP2's (or replicate()'s) whole gradients between the micro-batches of an iteration "
+               f"(gradient sync off until "
                f"the last) {mib_text(mem.accumulated_grad_bytes)}"
                + (" on the average stage" if plan.layout.pipeline_parallel_size > 1 else "") + ", in the peak below"
                if mem.accumulated_grad_bytes and plan.batches.accumulation_steps > 1 else ""),
@@ -226,7 +227,8 @@ def _ranks(group: list[int]) -> str:
 
 
 # What MemoryEstimate.engine_bytes holds, by engine (config/memory.py).
-ENGINE_BUFFERS = {"deepspeed": "DeepSpeed's buffers", "fsdp2": "FSDP2's gathered parameters"}
+ENGINE_BUFFERS = {"deepspeed": "DeepSpeed's buffers", "fsdp2": "FSDP2's gathered parameters",
+                  "ddp": "replicate()'s copy of the parameters"}  # "ddp" has engine bytes only under TP or PP
 
 
 def _peak_memory_lines(mem: MemoryEstimate, plan: Plan) -> list[str]:

@@ -249,7 +249,8 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     one_model_per_rank = layout.data_parallel_size == layout.world_size and layout.expert_parallel_size == 1
     # (--decoupled-lr splits the embedding and output into groups of their own: not simulated, the average stands)
     # (FairScale's OSS assigns tensors in order, not largest first: not simulated either)
-    oss = (switches or switches_of(args, layout, ctx)).partitioning_engine == "zero-redundancy"
+    engine_name = (switches or switches_of(args, layout, ctx)).partitioning_engine
+    oss = engine_name == "zero-redundancy"
     if oss and one_model_per_rank and layout.data_parallel_size > 1 and settings.decoupled is None:
         from rapidtrain.optim.optimizers import resolve_optimizer
 
@@ -269,6 +270,10 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     # FSDP2 stores every unit's parameters sharded, whether or not it reshards them after forward (its gathered
     # copies are counted apart: fsdp2_gathered_bytes).
     shard_params = stage == 3 or fsdp2
+    # Data parallelism beside tensor or pipeline parallelism is composable replicate() (parallel/data_parallel.py):
+    # FSDP2's machinery, which accumulates whole gradients apart from .grad as FSDP2 does (measured under PP 2).
+    replicated = not deepspeed and not fsdp2 and engine_name != "fairscale" \
+        and (layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1)
     sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
     expert_ranks = n // layout.expert_parallel_size if sharded else 1
     engine_by_stage: tuple[float, ...] = ()
@@ -277,6 +282,11 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     elif fsdp2 and n > 1:
         engine_by_stage = fsdp2_gathered_bytes(model, layout, precision, args.fsdp_memory_optimization, sharded)
         engine = sum(engine_by_stage) / len(engine_by_stage)
+    elif replicated and n > 1:
+        # replicate() wraps the whole model (or stage) as one root unit: its "unsharded" fp32 parameters are a copy
+        # of the replicated ones, made at the first forward and kept to the end of backward (measured). Experts
+        # stay out of it.
+        engine = 4.0 * shared
     else:
         engine = 0.0
 
@@ -287,7 +297,7 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
         parameters=int(shared + own_experts), total_params=total, active_params=active,
         param_bytes=per_rank(weight, shard_params), grad_bytes=per_rank(grad, shard_grads),
         engine_bytes=engine, engine_bytes_by_stage=engine_by_stage,
-        accumulated_grad_bytes=4 * (shared + own_experts) if fsdp2 and n > 1 else 0.0,
+        accumulated_grad_bytes=4 * (shared + own_experts) if (fsdp2 or replicated) and n > 1 else 0.0,
         optimizer_bytes=per_rank(optimizer, shard_optimizer), optimizer_bytes_by_rank=by_rank,
         optimizer_on_cpu=bool(args.cpu_offload or args.nvme_offload_dir),
         params_offloaded="nvme" if args.nvme_offload_dir else "cpu" if args.cpu_offload_params else "none",

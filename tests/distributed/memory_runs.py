@@ -7,14 +7,15 @@ What is measured, per rank:
   runner (its module's parameters and gradients, the optimizer's state, DeepSpeed's flat partitions: a walk of
   the objects' attributes), buffers excluded; DDP's gradient buckets (C++ only) are counted through the
   gradients, which are views into them;
-- activations: during the second iteration's forward and backward (not its optimizer step), after every operator
-  that runs outside backward, the bytes the storages created in this iteration hold then (a storage resized to
-  nothing, as FSDP2 frees a resharded parameter, holds none), parameters excluded; the largest such sum (for a
-  pipeline stage, with its micro-batches in flight). A DTensor counts its local tensor (its wrapper's storage has
-  the global size and no memory). Storages that end the iteration as gradients are left out (gradient memory,
-  counted with the model states; DDP rebuilds its buckets, which the gradients are views into, in the second
-  iteration's forward); gradients made on one micro-batch and replaced later (DDP's gradients beside its buckets
-  during accumulation) are counted;
+- activations: during the second iteration's forward and backward (not its optimizer step), after every operator,
+  backward's included, the bytes the storages created in this iteration hold then (a storage resized to nothing,
+  as FSDP2 frees a resharded parameter, holds none), parameters excluded; the largest such sum (for a pipeline
+  stage, with its micro-batches in flight): the rank's true peak, wherever it falls (the loss's backward, a
+  layer's backward beside the layer being recomputed, the embedding's gradient). A DTensor counts its local tensor
+  (its wrapper's storage has the global size and no memory). Storages that end the iteration as gradients are
+  left out (gradient memory, counted with the model states; DDP rebuilds its buckets, which the gradients are
+  views into, in the second iteration's forward); gradients made on one micro-batch and replaced later (DDP's
+  gradients beside its buckets during accumulation, FSDP2's and replicate()'s accumulated ones) are counted;
 - whether the head and loss ran chunked (models/chunked_loss.py) in that iteration, which the plan predicts.
 """
 
@@ -77,7 +78,7 @@ def storages_reachable(root: object, skip: set[int], depth: int = 8) -> dict[int
 
 
 class PeakActivations(TorchDispatchMode):
-    """The largest sum of live storages created under the mode, checked after each operator outside backward;
+    """The largest sum of live storages created under the mode, checked after each operator (forward and backward);
     `peak` leaves out the storages that are gradients when it is read (after backward)."""
 
     def __init__(self, parameters: list[torch.Tensor]) -> None:
@@ -95,11 +96,10 @@ class PeakActivations(TorchDispatchMode):
                 ref = StorageWeakRef(storage)
                 if ref not in self.excluded:
                     self.created.add(ref)
-        if torch._C._current_graph_task_id() == -1:  # not inside backward
-            # Bytes as they are now: FSDP2 frees a resharded parameter by resizing its storage to 0, not dropping it.
-            alive = {ref: torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-                     for ref in self.created if not ref.expired()}
-            self.checks.append(alive)
+        # Bytes as they are now: FSDP2 frees a resharded parameter by resizing its storage to 0, not dropping it.
+        alive = {ref: torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                 for ref in self.created if not ref.expired()}
+        self.checks.append(alive)
         return out
 
     def gradient_storages(self) -> set[StorageWeakRef]:

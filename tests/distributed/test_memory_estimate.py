@@ -1,14 +1,15 @@
 """The plan's memory per rank (model states by the ZeRO paper's accounting and the engine's own buffers +
-activations by Korthikanti et al. 2022, per pipeline stage) against what each rank of a real CPU run holds, for
-every layout: on 2 ranks DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP, TP + sequence parallelism, PP and EP,
-every recompute granularity, and BERT; on 4, pipeline stages with data or tensor parallelism over each; within
-±15% per rank.
+activations by Korthikanti et al. 2022, per pipeline stage, and what backward makes beside them) against the peak
+each rank of a real CPU run reaches, for every layout: on 2 ranks DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP,
+TP + sequence parallelism, PP and EP, every recompute granularity, bf16 (autocast's fp32 residual stream), and
+BERT; on 4, pipeline stages with ZeRO-1, tensor or plain data parallelism beside them, and data parallelism beside
+tensor parallelism; within ±15% per rank.
 And whether the loss ran chunked where the plan says it does.
 
 Measured (tests/distributed/memory_runs.py): the model states are the distinct tensor storages reachable from
 the runner after the first optimizer step (parameters, gradients, optimizer state, DeepSpeed's partitions;
-buffers left out), the activations the largest sum of live storages the second iteration's forward passes
-created (checked after every operator outside backward; parameters and gradients left out; a DTensor's local
+buffers left out), the activations the largest sum of live storages the second iteration's forward and backward
+created (checked after every operator, backward's included; parameters and gradients left out; a DTensor's local
 tensor). The layouts of each world size run in one torchrun launch.
 """
 
@@ -71,14 +72,23 @@ LAYOUTS = {
     # loss), the sentence-order head, and its two pipeline stages (the sentence-order loss is refused under PP)
     "bert": ["--model-type", "bert"],
     "bert_pp2": ["--model-type", "bert", "--bert-no-binary-head", *LAYERS_DOMINATE],
+    # bf16 under autocast where the layers dominate: the residual stream and the norms' inputs stay fp32; under
+    # full recompute the first stage's peak is the word embedding's gradient, made after the layers are freed
+    "pp2_bf16": [*LAYERS_DOMINATE, "--bf16"],
+    "pp2_bf16_recompute_full": [*LAYERS_DOMINATE, "--bf16", "--recompute-granularity", "full"],
 }
 
 
 # On 4 ranks: pipeline stages with data parallelism over each. ZeRO-1/2 there is FSDP2 (DeepSpeed cannot wrap the
-# pipelined model), which keeps whole gradients between the micro-batches; TP 2 × PP 2 splits the head by vocabulary.
+# pipelined model), which keeps whole gradients between the micro-batches; TP 2 × PP 2 splits the head by vocabulary
+# (and makes the word embedding's gradient whole before slicing it).
 FOUR_RANK_LAYOUTS = {
     "pp2_zero1": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-1-memory-optimization"],
     "tp2_pp2": ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "4"],
+    # plain data parallelism beside pipeline or tensor parallelism is composable replicate(): a copy of the
+    # parameters from forward to backward, and whole gradients accumulated apart from .grad (2 micro-batches)
+    "pp2_dp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
+    "tp2_dp2": ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"],
 }
 
 
