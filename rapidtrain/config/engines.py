@@ -157,7 +157,12 @@ def _data_parallel_choices(args: argparse.Namespace, ctx: RunContext, layout: La
     backend = args.distributed_backend or ("nccl" if ctx.device_type == "cuda" else "gloo")
     three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
     if layout.data_parallel_size > 1 and (partitioning is None or "DistributedDataParallel" in partitioning.engine):
-        how = "composable replicate() over the data-parallel mesh dimension" if three_d else "DistributedDataParallel"
+        # replicate() under TP only (DDP cannot reduce DTensor parameters): it keeps a second copy of the parameters
+        # and accumulates gradients apart from them, which DDP with bucket-view gradients does not
+        how = ("composable replicate() over the data-parallel mesh dimension (DDP cannot reduce tensor-parallel "
+               "DTensors)" if layout.tensor_parallel_size > 1
+               else "DistributedDataParallel around each pipeline stage" if layout.pipeline_parallel_size > 1
+               else "DistributedDataParallel")
         unused = ("" if three_d else "; DistributedDataParallel looks for weights a step leaves without a gradient "
                   "(find_unused_parameters) unless the model is the built-in GPT or BERT, which use every weight")
         engines.append(EngineChoice("data parallel", f"torch {how} ({backend})",

@@ -270,10 +270,10 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
     # FSDP2 stores every unit's parameters sharded, whether or not it reshards them after forward (its gathered
     # copies are counted apart: fsdp2_gathered_bytes).
     shard_params = stage == 3 or fsdp2
-    # Data parallelism beside tensor or pipeline parallelism is composable replicate() (parallel/data_parallel.py):
-    # FSDP2's machinery, which accumulates whole gradients apart from .grad as FSDP2 does (measured under PP 2).
-    replicated = not deepspeed and not fsdp2 and engine_name != "fairscale" \
-        and (layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1)
+    # Data parallelism beside tensor parallelism is composable replicate() (parallel/data_parallel.py): FSDP2's
+    # machinery, which accumulates whole gradients apart from .grad as FSDP2 does (measured under TP 2 and, before
+    # pipeline stages took DDP, PP 2).
+    replicated = not deepspeed and not fsdp2 and engine_name != "fairscale" and layout.tensor_parallel_size > 1
     sharded = fsdp2 and experts_sharded_by_fsdp2(layout, expert_second_dims(model))
     expert_ranks = n // layout.expert_parallel_size if sharded else 1
     engine_by_stage: tuple[float, ...] = ()

@@ -422,13 +422,12 @@ def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout
 
 
 def parameters_are_dtensors(layout: Layout, switches: Switches) -> bool:
-    """Whether the optimizer receives DTensor parameters: tensor parallelism, FSDP2 (FSDP, SDP, ZeRO-1/2 with
-    TP/PP) and composable `replicate` (data parallel beside pipeline stages) make them; one process, DDP,
-    ZeroRedundancyOptimizer, FairScale and DeepSpeed hand over plain tensors."""
+    """Whether the optimizer receives DTensor parameters: tensor parallelism (and composable `replicate`, data
+    parallel beside it) and FSDP2 (FSDP, SDP, ZeRO-1/2 with TP/PP) make them; one process, DDP (pipeline stages'
+    too), ZeroRedundancyOptimizer, FairScale and DeepSpeed hand over plain tensors."""
     if layout.tensor_parallel_size > 1:
         return True
-    sharded_or_replicated = switches.partitioning_engine == "fsdp2" or layout.pipeline_parallel_size > 1
-    return layout.data_parallel_size > 1 and sharded_or_replicated
+    return layout.data_parallel_size > 1 and switches.partitioning_engine == "fsdp2"
 
 
 def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, switches: Switches | None = None):

@@ -20,6 +20,7 @@ shards them before the split); the ranks of a group run the same schedule, so th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -44,6 +45,7 @@ from rapidtrain.parallel.runner import (
     add_pairs,
     as_loss,
     autocast,
+    bucket_views_kept,
     per_token_scale,
     scaled,
 )
@@ -143,14 +145,17 @@ def _sequence_parallel_boundaries(view: nn.Module, tp_mesh: Any, first: bool, la
 
 
 class Stage(PipelineStage):
-    """A PipelineStage whose shape inference leaves the MoE routing statistics alone: torch runs the stage once
-    on placeholder inputs before the first step (and after each switch between training and evaluation),
-    which is no training forward and must not enter the logged balancing loss."""
+    """A PipelineStage whose shape inference leaves the MoE routing statistics and DDP's reducer alone: torch runs
+    the stage once on placeholder inputs before the first step (and after each switch between training and
+    evaluation), which is no training forward and must not enter the logged balancing loss."""
 
     def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
         from rapidtrain.models.moe import routing_stats_paused
 
-        with routing_stats_paused(self.submod):
+        # A DDP stage runs it under no_sync: otherwise DDP readies its reducer for a backward that never comes,
+        # and the next micro-batch's backward is taken for the reducing one (its gradients recorded twice).
+        ddp = self.submod if isinstance(self.submod, nn.parallel.DistributedDataParallel) else None
+        with routing_stats_paused(self.submod), ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             return super()._compute_outputs(*args, **kwargs)
 
 
@@ -169,7 +174,7 @@ def pipeline_runner(
     stages = local_stage_indices(
         mesh.pipeline_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_stages
     )
-    model, views = parallelize_stages(
+    model, views, stage_modules = parallelize_stages(
         keep_stages(model, stages, num_stages), stages, num_stages, plan, mesh, device
     )
     if optimizer is None:
@@ -186,6 +191,7 @@ def pipeline_runner(
         pipeline_group=pipeline_group,
         scaler=LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None,
         views=views,
+        stage_modules=stage_modules,
         is_first=0 in stages,
         is_last=num_stages - 1 in stages,
         last_stage_rank=mesh.pipeline_global_rank(layout.pipeline_parallel_size - 1),
@@ -194,8 +200,8 @@ def pipeline_runner(
 
     def make_schedule(micro_batches: int) -> Any:
         pipeline_stages = [
-            Stage(view, stage, num_stages, device, group=pipeline_group)
-            for view, stage in zip(views, stages, strict=True)
+            Stage(module, stage, num_stages, device, group=pipeline_group)
+            for module, stage in zip(stage_modules, stages, strict=True)
         ]
         return build_schedule(pipeline_stages, micro_batches, runner.microbatch_loss)
 
@@ -206,10 +212,17 @@ def pipeline_runner(
 
 def parallelize_stages(
     model: nn.Module, stages: list[int], num_stages: int, plan: Plan, mesh: ParallelMesh, device: torch.device
-) -> tuple[nn.Module, list[nn.Module]]:
+) -> tuple[nn.Module, list[nn.Module], list[nn.Module]]:
     """apply.py's order on the rank's model: tensor parallel → activation checkpointing → compile → data
-    parallel; the last wraps each stage's view (with several virtual stages, one view per stage)."""
-    from rapidtrain.parallel.data_parallel import apply_fsdp, apply_replicate
+    parallel; the last wraps each stage's view (with several virtual stages, one view per stage). Returns the
+    model, its stage views, and what each pipeline stage runs: the view, or its DistributedDataParallel wrapper.
+
+    Plain data parallelism is DistributedDataParallel around each view, with gradients as views into its buckets
+    (the schedule's no_sync and last-backward reduction are torch's own for DDP); composable replicate() only
+    under tensor parallelism, whose DTensor parameters DDP cannot reduce. replicate() is FSDP2's machinery: it
+    keeps a second, "unsharded" copy of the parameters from forward to the end of backward, and accumulates
+    gradients apart from them between micro-batches (measured on CPU: 8 bytes per parameter more than DDP)."""
+    from rapidtrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
     from rapidtrain.parallel.meta_init import is_on_meta, materialize
     from rapidtrain.parallel.transforms import apply_transforms
 
@@ -227,11 +240,14 @@ def parallelize_stages(
         if switches.partitioning_engine == "fsdp2":  # ZeRO-1/2 in 3D: unsharded between forward and backward
             apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp",
                        precision=plan.precision.dtype)
-        else:
+        elif layout.tensor_parallel_size > 1:
             apply_replicate(view, mesh)
     if on_meta:
         materialize(model, device, plan, parts=views)
-    return model, views
+    ddp = mesh.group("dp") is not None and switches.partitioning_engine != "fsdp2" and layout.tensor_parallel_size == 1
+    # DDP after the parameters exist (it broadcasts them); each view its own reducer
+    stage_modules = [apply_ddp(view, mesh, device) for view in views] if ddp else list(views)
+    return model, views, stage_modules
 
 
 def build_schedule(stages: Sequence[PipelineStage], micro_batches: int, loss_fn: Callable) -> Any:
@@ -312,6 +328,7 @@ class PipelineRunner(TorchRunner):
     of one global batch through the schedule; the norm sums the stages' parts (TorchRunner's step)."""
 
     views: list[nn.Module] = field(default_factory=list)
+    stage_modules: list[nn.Module] = field(default_factory=list)  # the views, or their DDP wrappers
     is_first: bool = False
     is_last: bool = False
     last_stage_rank: int = 0
@@ -457,6 +474,14 @@ class PipelineRunner(TorchRunner):
     def train(self, mode: bool = True) -> None:
         for view in [self.module, *self.views]:
             view.train(mode)
+
+    def zero_grad(self) -> None:
+        """As TorchRunner's, for each stage's DDP: its gradients stay views into its buckets (zeroed), so the
+        micro-batches accumulate into the buckets instead of into new tensors beside them."""
+        with contextlib.ExitStack() as kept:
+            for module in self.stage_modules:
+                kept.enter_context(bucket_views_kept(module))
+            self.clear_gradients()
 
     # ---- checkpoints ----
     # Parameter names are the full model's; the head's embedding copy is saved under the embedding's name

@@ -85,8 +85,9 @@ LAYOUTS = {
 FOUR_RANK_LAYOUTS = {
     "pp2_zero1": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--zero-1-memory-optimization"],
     "tp2_pp2": ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "4"],
-    # plain data parallelism beside pipeline or tensor parallelism is composable replicate(): a copy of the
-    # parameters from forward to backward, and whole gradients accumulated apart from .grad (2 micro-batches)
+    # plain data parallelism: beside pipeline stages DDP around each stage (gradients accumulate in its buckets);
+    # beside tensor parallelism composable replicate(), which keeps a copy of the parameters from forward to
+    # backward and accumulates whole gradients apart from .grad (2 micro-batches each)
     "pp2_dp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
     "tp2_dp2": ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"],
 }

@@ -80,7 +80,8 @@ LAYOUTS = [  # (flags, world size, parameters are plain tensors)
     (["--fsdp-memory-optimization"], 2, False),
     (["--oss-sdp-memory-optimization"], 2, False),
     (["--zero-2-memory-optimization", "--tensor-model-parallel-size", "2"], 4, False),  # FSDP2 in 3D
-    (PP2, 4, False),  # composable replicate over the data-parallel dimension
+    (PP2, 4, True),  # DDP around each pipeline stage
+    (PP2 + ["--tensor-model-parallel-size", "2"], 8, False),  # composable replicate beside tensor parallelism
     (["--num-experts", "2", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 4, False),
 ]
 

@@ -95,7 +95,9 @@ def plan_for(flags: list[str], world: int = 1, device: str = "cpu"):
         (["--fsdp-memory-optimization"], 2, "torchao AdamW8bit"),
         (["--oss-sdp-memory-optimization"], 2, "torchao AdamW8bit"),
         (["--tensor-model-parallel-size", "2"], 2, "torchao AdamW8bit"),
-        (["--pipeline-model-parallel-size", "2", "--num-layers", "2"], 4, "torchao AdamW8bit"),  # replicate
+        (["--pipeline-model-parallel-size", "2", "--num-layers", "2"], 4, "bitsandbytes AdamW8bit"),  # DDP per stage
+        (["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--tensor-model-parallel-size", "2"], 8,
+         "torchao AdamW8bit"),  # replicate beside TP
         (["--pipeline-model-parallel-size", "2", "--num-layers", "2"], 2, "bitsandbytes AdamW8bit"),  # no DP
     ],
 )
