@@ -228,7 +228,7 @@ def _ranks(group: list[int]) -> str:
 
 # What MemoryEstimate.engine_bytes holds, by engine (config/memory.py).
 ENGINE_BUFFERS = {"deepspeed": "DeepSpeed's buffers", "fsdp2": "FSDP2's gathered parameters",
-                  "ddp": "replicate()'s copy of the parameters"}  # "ddp" has engine bytes only under TP or PP
+                  "ddp": "replicate()'s copy of the parameters"}  # "ddp" has engine bytes only beside TP
 
 
 def _peak_memory_lines(mem: MemoryEstimate, plan: Plan) -> list[str]:

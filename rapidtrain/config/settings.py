@@ -362,7 +362,7 @@ class MemoryEstimate:
     # on the average stage, and per pipeline stage where that is known (else in proportion to its parameters)
     engine_bytes: float = 0.0
     engine_bytes_by_stage: tuple[float, ...] = ()
-    # FSDP2's (and composable replicate()'s, data parallelism beside TP or PP) whole (unsharded) fp32 gradients of
+    # FSDP2's (and composable replicate()'s, data parallelism beside TP) whole (unsharded) fp32 gradients of
     # this rank's model-parallel share, accumulated apart from .grad while gradient sync
     # is off between the micro-batches of one iteration (accumulation, pipelining), on the average stage; held only
     # when an iteration has more than one micro-batch per rank (with_peak adds them then)
