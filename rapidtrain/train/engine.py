@@ -145,17 +145,19 @@ def built_summary(runner: Runner, mesh: ParallelMesh) -> dict[str, Any]:
     """What compose really built, in the Plan's words: the runner and the wrapper around the model, the optimizer
     class, the parameters' dtype and whether they are DTensors, and the mesh. Printed after compose, so a run's
     output shows that it did what its plan said (a test compares the two)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.distributed.tensor import DTensor
-
     parameters = list(runner.module.parameters())
     optimizer = getattr(runner.optimizer, "optimizer", runner.optimizer)  # DeepSpeed's ZeRO wraps the real one
-    if isinstance(optimizer, ZeroRedundancyOptimizer):  # OSS: the local optimizer over this rank's shard
+    # Looked up, not imported: a run that built neither has not imported their modules, and importing
+    # torch.distributed.optim only to ask would TorchScript-compile its functional optimizers (~0.7 s a process).
+    oss = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
+    if oss is not None and isinstance(optimizer, oss):  # OSS: the local optimizer over this rank's shard
         optimizer = optimizer.optim
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in parameters})
     return {"runner": type(runner).__name__, "wrapper": type(runner.module).__name__,
             "optimizer": type(optimizer).__name__, "dtypes": dtypes,
-            "dtensor": any(isinstance(p, DTensor) for p in parameters), "mesh": _mesh_sizes(mesh)}
+            "dtensor": dtensor is not None and any(isinstance(p, dtensor) for p in parameters),
+            "mesh": _mesh_sizes(mesh)}
 
 
 def _mesh_sizes(mesh: ParallelMesh) -> dict[str, int]:
