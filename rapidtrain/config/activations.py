@@ -161,12 +161,13 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
 def embedding_gradient_bytes(model: ModelConfig, layout: Layout, act: ActivationContext) -> float:
     """The first stage's word-embedding gradient as backward makes it, before it is added to the gradient already
     there (the micro-batches after the first), copied into the engine's buckets or partitions, or reduced: a
-    [vocabulary, h] tensor in the parameters' dtype (fp32 under autocast). Whole under tensor parallelism too:
-    DTensor's embedding backward makes the replicated gradient, which a hook then slices to the rank's rows
-    (parallel/tensor_parallel.py; measured). It is the last thing backward makes, when the layers' activations are
-    freed: a peak of its own where they are small (full recompute, tensor parallelism)."""
+    [vocabulary / t, h] tensor in the parameters' dtype (fp32 under autocast): under tensor parallelism the
+    vocabulary-parallel embedding's backward makes only the rank's rows (parallel/tensor_parallel.py). It is the
+    last thing backward makes, when the layers' activations are freed: a peak of its own where they are small
+    (full recompute, tensor parallelism)."""
     element = 4 if act.weight_copies == "all" else act.element_bytes
-    return element * model.vocab_size * model.hidden_size
+    rows = -(-model.vocab_size // layout.tensor_parallel_size)  # torch.chunk's split: the first ranks' share
+    return element * rows * model.hidden_size
 
 
 def embedding_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:

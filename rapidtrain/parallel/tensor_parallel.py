@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -93,16 +95,7 @@ def check_tensor_parallel_shape(config, tp_size: int) -> None:
 
 def _split_embedding(embedding: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     # Vocabulary rows split; each rank looks up its rows and the partial results are summed.
-    word_embeddings = cast(nn.Module, embedding.word_embeddings)  # a submodule, not a Tensor
-    parallelize_module(word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
-    weight: Any = word_embeddings.weight  # a DTensor Parameter since the line above
-    # DTensor's embedding backward returns a replicated gradient; keep it split like the weight (a local
-    # slice), so optimizer state, gradient reductions and the pipeline's tied-copy sum see one layout.
-    weight.register_hook(
-        lambda grad: (
-            grad if grad.placements == weight.placements else grad.redistribute(placements=weight.placements)
-        )
-    )
+    embedding.word_embeddings = VocabParallelEmbedding(cast(nn.Embedding, embedding.word_embeddings), tp_mesh)
     if sequence_parallel:  # dropout ran on the replicated sum; from here on each rank keeps its slice
         parallelize_module(
             embedding,
@@ -111,6 +104,50 @@ def _split_embedding(embedding: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
             ),
         )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Megatron's vocabulary-parallel embedding: the weight is a DTensor with its rows split over the
+    tensor-parallel ranks (Shard(0), torch.chunk's split, as DTensor's RowwiseParallel splits it, so checkpoints
+    and the tied head see the same tensor); each rank looks up the tokens whose rows it holds, zeroes the rest,
+    and the ranks' partial lookups are summed. Its backward makes the gradient of the rank's rows only: DTensor's
+    own embedding (RowwiseParallel) made the whole [vocabulary, h] gradient on every rank and sliced it after,
+    (t - 1) / t of a vocabulary-sized tensor more at the end of backward (measured by the memory test)."""
+
+    def __init__(self, embedding: nn.Embedding, tp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("tensor parallelism splits a plain nn.Embedding (no padding_idx, max_norm or sparse)")
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.weight = nn.Parameter(distribute_tensor(embedding.weight, tp_mesh, [Shard(0)]))
+        self.group = tp_mesh.get_group()
+        rows = -(-self.num_embeddings // tp_mesh.size())  # torch.chunk's: every rank but the last holds this many
+        self.first_row = min(tp_mesh.get_local_rank() * rows, self.num_embeddings)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = cast(DTensor, self.weight).to_local()  # its gradient comes back as the same Shard(0) DTensor
+        local_ids = input_ids - self.first_row
+        elsewhere = (local_ids < 0) | (local_ids >= weight.shape[0])
+        partial = F.embedding(local_ids.masked_fill(elsewhere, 0), weight)
+        return _SumOverRanks.apply(partial.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows split over {dist.get_world_size(self.group)} ranks"
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum of the ranks' partial lookups (an all-reduce, in place). Backward: the output's gradient
+    as it is, since every rank holds the whole of it (Megatron's reduce-from-tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        ctx.mark_dirty(partial)
+        dist.all_reduce(partial, group=group)
+        return partial
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequence_parallel: bool) -> None:
