@@ -23,7 +23,7 @@ fi
 echo "setup: building DeepSpeed's CPU ops (cpu_adam, deepspeed_shm_comm) so the first run does not wait on them"
 .venv/bin/python -m rapidtrain.parallel.op_build || echo "setup: DeepSpeed's CPU ops were not built now; the first run that needs one builds it (and says so)"
 # Byte-code for the checkout, written once: an editable install has none, and where PYTHONDONTWRITEBYTECODE is set
-# (CI machines often set it) every process would otherwise compile rapidtrain's ~100 modules again (~0.5 s each start;
+# (this machine's environment sets it) every process would otherwise compile rapidtrain's ~100 modules again (~0.5 s a start;
 # a stale file after an edit is only ignored, never used).
 .venv/bin/python -m compileall -q -j 0 rapidtrain tests bench examples templates scripts >/dev/null || echo "setup: byte-code not written"
 .venv/bin/python -c "import torch, rapidtrain; print('rapidtrain', rapidtrain.__version__, 'on torch', torch.__version__)"
