@@ -4,11 +4,16 @@ the same under every layout, --mmap-warmup reads the data, per-split data paths 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from rapidtrain.train.builtin_pretrainer import MegatronPreTrainer
 from rapidtrain.train.engine import Engine
 from tests.launch import TINY_GPT_PARITY, pretrain, read_losses, relative_difference
+
+RUNS = Path(__file__).resolve().parents[1] / "distributed" / "pretrain_runs.py"
 
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",
          "--micro-batch-size", "4", "--num-workers", "0", "--log-interval", "3", "--eval-iters", "1",
@@ -66,18 +71,34 @@ def test_per_split_data_paths_are_read_split_by_split(demo_data, capsys):
     assert "validation loss at iteration 6" in capsys.readouterr().out
 
 
+RAMP_UP = [*TINY_GPT_PARITY, "--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2", "2",
+           "16", "--train-iters", "8", "--lr", "1e-3", "--log-interval", "1"]
+RAMP_UP_LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "zero2": ["--zero-2-memory-optimization"],
+                   "dp2": []}
+
+
+@pytest.fixture(scope="module")
+def ramp_up_runs(tmp_path_factory, demo_data):
+    """The one-process reference, then the three 2-rank layouts one after another in one torchrun launch
+    (tests/distributed/pretrain_runs.py): the launch's output, one section per run, each starting with its plan."""
+    out = tmp_path_factory.mktemp("ramp_up")
+    pretrain(1, RAMP_UP + ["--loss-log-file", str(out / "single.txt")])
+    runs = [RAMP_UP + flags + ["--loss-log-file", str(out / f"{name}.txt")] for name, flags in RAMP_UP_LAYOUTS.items()]
+    (out / "runs.json").write_text(json.dumps(runs))
+    launch = pretrain(2, [str(out / "runs.json")], script=RUNS)
+    sections = launch.stdout.split("rapidtrain plan —")[1:]
+    assert len(sections) == len(RAMP_UP_LAYOUTS), launch.stdout[-3000:]
+    return out, dict(zip(RAMP_UP_LAYOUTS, sections, strict=True))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], ["--zero-2-memory-optimization"],
-                                    []], ids=["pp2", "zero2", "dp2"])
-def test_batch_ramp_up_trains_the_same_under_every_layout(demo_data, tmp_path, layout):
+@pytest.mark.parametrize("layout", list(RAMP_UP_LAYOUTS))
+def test_batch_ramp_up_trains_the_same_under_every_layout(ramp_up_runs, layout):
     """--rampup-batch-size 2 2 16 to 8 over 8 iterations: one process (micro 1, accumulation 2 → 8) and two
     ranks (data parallel, pipeline 2, ZeRO-2) reach the same losses; the pipeline builds a schedule for each
     number of micro-batches."""
-    flags = [*TINY_GPT_PARITY, "--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2",
-             "2", "16", "--train-iters", "8", "--lr", "1e-3", "--log-interval", "1"]
-    single, parallel = tmp_path / "single.txt", tmp_path / "parallel.txt"
-    pretrain(1, flags + ["--loss-log-file", str(single)])
-    run = pretrain(2, flags + layout + ["--loss-log-file", str(parallel)])
-    assert sorted(read_losses(parallel)) == list(range(1, 9))
-    assert relative_difference(read_losses(parallel), read_losses(single)) < 1e-5
-    assert "global batch size:     2 |" in run.stdout and "global batch size:     8 |" in run.stdout
+    out, printed = ramp_up_runs
+    parallel = read_losses(out / f"{layout}.txt")
+    assert sorted(parallel) == list(range(1, 9))
+    assert relative_difference(parallel, read_losses(out / "single.txt")) < 1e-5
+    assert "global batch size:     2 |" in printed[layout] and "global batch size:     8 |" in printed[layout]

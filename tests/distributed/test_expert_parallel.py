@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import pretrain, read_extra, read_grad_norms, read_losses, relative_difference, torchrun
+from tests.launch import read_extra, read_grad_norms, read_losses, relative_difference, torchrun
 
 WORKER = Path(__file__).with_name("expert_parallel_worker.py")
 RUNS = Path(__file__).with_name("pretrain_runs.py")
@@ -22,12 +22,6 @@ TINY = (
     "--train-iters 6 --moe-loss-coeff 0.1"
 ).split()
 NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0".split()
-
-
-def run_losses(tmp_path: Path, name: str, nproc: int, args: list[str]) -> tuple[dict, dict, str]:
-    log = tmp_path / f"{name}.txt"
-    result = pretrain(nproc, args + ["--loss-log-file", str(log)])
-    return read_losses(log), read_grad_norms(log), result.stdout
 
 
 def worker_reports(tmp_path: Path, nproc: int, ep: int, extra: list[str]) -> list[dict]:
@@ -59,31 +53,31 @@ def test_expert_parallel_gradients_match_one_process_reference(tmp_path, demo_da
 
 @pytest.mark.slow
 def test_ep2_matches_ep1_resumes_exactly_and_loads_at_ep1(tmp_path, demo_data):
-    """2 ranks, top-2 of 4 experts in both layers, dropout on."""
+    """2 ranks, top-2 of 4 experts in both layers, dropout on; the five runs one after another in one torchrun
+    launch (pretrain_runs.py): EP 1, EP 2 (saving every 3 iterations), EP 2 stopped at iteration 3, that
+    checkpoint resumed at EP 2 and loaded at EP 1."""
     moe = TINY + ["--num-experts", "4", "--moe-router-topk", "2"]
-    ep1, ep1_norms, _ = run_losses(tmp_path, "ep1", 2, moe)
-    ep2, ep2_norms, out = run_losses(
-        tmp_path,
-        "ep2",
-        2,
-        moe + ["--expert-model-parallel-size", "2", "--save", str(tmp_path / "ck"), "--save-interval", "3"],
-    )
-    assert "expert parallel 2" in out and "load balancing loss:" in out
-    assert sorted(ep2) == list(range(1, 7))
-    assert relative_difference(ep2, ep1) < 1e-5
-    assert relative_difference(ep2_norms, ep1_norms) < 1e-5
-    # The iteration-3 checkpoint alone, as if the run had stopped there.
-    (tmp_path / "ck3").mkdir()
-    shutil.copytree(tmp_path / "ck" / "iter_0000003", tmp_path / "ck3" / "iter_0000003")
-    (tmp_path / "ck3" / "latest_checkpointed_iteration.txt").write_text("3\n")
-    resumed, _, out = run_losses(
-        tmp_path, "resumed", 2, moe + ["--expert-model-parallel-size", "2", "--load", str(tmp_path / "ck3")]
-    )
-    assert "loaded checkpoint" in out
-    assert [resumed[i] for i in (4, 5, 6)] == [ep2[i] for i in (4, 5, 6)]  # bitwise
-    at_ep1, _, out = run_losses(tmp_path, "at_ep1", 2, moe + ["--load", str(tmp_path / "ck3")])
-    assert "loaded checkpoint" in out
-    assert relative_difference({i: at_ep1[i] for i in (4, 5, 6)}, {i: ep2[i] for i in (4, 5, 6)}) < 1e-5
+    ep2 = moe + ["--expert-model-parallel-size", "2"]
+    runs = {"ep1": moe, "ep2": ep2 + ["--save", str(tmp_path / "ck"), "--save-interval", "3"],
+            "ep2_at3": ep2 + ["--save", str(tmp_path / "ck3"), "--exit-interval", "3"],
+            "resumed": ep2 + ["--load", str(tmp_path / "ck3")], "at_ep1": moe + ["--load", str(tmp_path / "ck3")]}
+    (tmp_path / "runs.json").write_text(json.dumps(
+        [flags + ["--loss-log-file", str(tmp_path / f"{name}.txt")] for name, flags in runs.items()]))
+    launch = torchrun(2, RUNS, [str(tmp_path / "runs.json")])
+    out = dict(zip(runs, launch.stdout.split("rapidtrain plan —")[1:], strict=True))  # each run prints its plan
+    losses = {name: read_losses(tmp_path / f"{name}.txt") for name in runs}
+    norms = {name: read_grad_norms(tmp_path / f"{name}.txt") for name in ("ep1", "ep2")}
+    assert "expert parallel 2" in out["ep2"] and "load balancing loss:" in out["ep2"]
+    assert sorted(losses["ep2"]) == list(range(1, 7))
+    assert relative_difference(losses["ep2"], losses["ep1"]) < 1e-5
+    assert relative_difference(norms["ep2"], norms["ep1"]) < 1e-5
+    assert (tmp_path / "ck" / "iter_0000003").is_dir()  # the periodic save, beside the stopped run's
+    assert [losses["ep2_at3"][i] for i in (1, 2, 3)] == [losses["ep2"][i] for i in (1, 2, 3)]
+    # Both loads say so (loaded at EP 1, the checkpoint's layout is read before the run prints its plan).
+    assert launch.stdout.count(f"loaded checkpoint from {tmp_path / 'ck3'} at iteration 3") == 2
+    assert [losses["resumed"][i] for i in (4, 5, 6)] == [losses["ep2"][i] for i in (4, 5, 6)]  # bitwise
+    at_ep1 = {i: losses["at_ep1"][i] for i in (4, 5, 6)}
+    assert relative_difference(at_ep1, {i: losses["ep2"][i] for i in (4, 5, 6)}) < 1e-5
 
 
 # ---- expert parallelism composed with pipeline parallelism and state partitioning (one torchrun launch) ----
