@@ -161,6 +161,14 @@ def test_exit_status_reports_signals_as_a_shell_does():
     assert exit_status(0) == 0 and exit_status(2) == 2 and exit_status(-15) == 143
 
 
+def written(path: Path, deadline: float) -> str:
+    """The text another process writes to `path`, once there is some: write_text creates the file before it
+    writes, so a file that exists may still be empty."""
+    while not (path.exists() and path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.read_text()
+
+
 def start_launcher(tmp_path: Path, forked: bool = False) -> subprocess.Popen:
     """A launcher (run_forwarding_signals) whose child exits 0 once it got SIGTERM, after writing how many; the
     child is a new interpreter, or (`forked`) a fork of the launcher running the same code, as the launcher's
@@ -188,9 +196,7 @@ def start_launcher(tmp_path: Path, forked: bool = False) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True,
                                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
     deadline = time.monotonic() + WAIT
-    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    session, parent = (tmp_path / "ready").read_text().split()
+    session, parent = written(tmp_path / "ready", deadline).split()
     assert int(parent) == process.pid and int(session) != os.getsid(process.pid)  # its own session
     return process
 
@@ -251,9 +257,7 @@ def test_child_of_a_sigkilled_parent_gets_sigterm(tmp_path):
     assert child_pids(process.pid)
     process.kill()
     process.wait(WAIT)
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.read_text() == f"[{int(signal.SIGTERM)}]"
+    assert written(marker, deadline) == f"[{int(signal.SIGTERM)}]"
 
 
 def test_run_forwarding_signals_returns_the_childs_status():
