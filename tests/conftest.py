@@ -31,23 +31,23 @@ def demo_data():
 # one worker from running a long file alone at the end (longest-first list scheduling). scripts/test.sh passes
 # --no-loadscope-reorder so that xdist keeps this order instead of sorting files by their number of tests.
 LONGEST_FIRST = (
-    "tests/e2e/test_benches.py",
-    "tests/e2e/test_signals.py",
-    "tests/compat/test_launch_runs.py",
     "tests/e2e/test_pretrain.py",
     "tests/e2e/test_readme.py",
+    "tests/distributed/test_zero.py",
+    "tests/compat/test_launch_runs.py",
+    "tests/e2e/test_signals.py",
     "tests/e2e/test_finetune_tasks.py",
     "tests/distributed/test_expert_parallel.py",
-    "tests/distributed/test_memory_estimate.py",
-    "tests/e2e/test_user_scripts.py",
-    "tests/e2e/test_examples.py",
-    "tests/distributed/test_pipeline_parallel.py",
     "tests/distributed/test_data_parallel.py",
     "tests/distributed/test_zero_infinity.py",
     "tests/e2e/test_plan_matches_run.py",
-    "tests/distributed/test_zero.py",
-    "tests/compat/test_launch_runs_all.py",
-    "tests/distributed/test_exact_resume.py",
+    "tests/distributed/test_per_token_loss.py",
+    "tests/e2e/test_examples.py",
+    "tests/e2e/test_benches.py",
+    "tests/distributed/test_memory_estimate.py",
+    "tests/distributed/test_pipeline_parallel.py",
+    "tests/distributed/test_resume_search_layouts.py",
+    "tests/e2e/test_resume_search.py",
 )
 
 
