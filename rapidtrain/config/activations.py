@@ -131,7 +131,8 @@ def weight_copy_bytes(model: ModelConfig, layout: Layout, act: ActivationContext
     return act.element_bytes * (copied + (matrices if act.weight_copies == "all" else 0.0))
 
 
-def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext, backward: bool = False) -> float:
+def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext, backward: bool = False,
+               weight_gradient_is_a_temporary: bool = True) -> float:
     """The last stage's at the loss (measured): the final norm's input (the residual stream) and the head's, the
     head's weight copied to 16 bits (`act.weight_copies`), and the loss's tensors:
     - plain path: the logits in the matmul's dtype, their fp32 copy when 16-bit, and the fp32 log-softmax saved for
@@ -140,8 +141,9 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
       the vocabulary), and the one fp32 block being reduced (a 16-bit or kept block's fp32 copy, or the block
       itself), which the log-sum-exp overwrites in place: no other block-sized tensor; `backward`: at the loss's
       backward, where the chunked path peaks, also the block's gradient cast to 16 bits and the head weight's
-      gradient in the matmul's dtype; the plain path's backward (without tensor parallelism; the vocab-parallel
-      loss keeps to its forward's) holds three fp32 [tokens, vocabulary] tensors."""
+      gradient in the matmul's dtype unless it becomes the weight's .grad itself
+      (`weight_gradient_is_a_temporary`, head_gradient_is_a_temporary); the plain path's backward (without tensor
+      parallelism; the vocab-parallel loss keeps to its forward's) holds three fp32 [tokens, vocabulary] tensors."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     e, tokens, vocab = act.element_bytes, model.seq_length * micro, model.vocab_size
     norms = s * b * h * (act.residual_bytes + e) / (t if layout.sequence_parallel else 1)
@@ -149,13 +151,28 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
     if act.chunked_loss:
         block = min(block_size(vocab, tokens, act.device_type), vocab)
         kept = e <= 2 or block >= vocab
-        gradients = ((e * tokens * block if e < 4 else 0) + e * vocab * h) if backward else 0.0
+        weight_gradient = e * vocab * h if weight_gradient_is_a_temporary else 0.0
+        gradients = ((e * tokens * block if e < 4 else 0) + weight_gradient) if backward else 0.0
         return norms + weight + (e * tokens * vocab if kept else 0) + 4 * tokens * block + gradients
     fp32_copy = 4 if e < 4 else 0
     per_logit = e + fp32_copy + 4
     if backward and t == 1:  # F.cross_entropy's backward: the saved log-softmax, its gradient and the logits'
         per_logit = max(per_logit, 12)
     return norms + weight + per_logit * tokens * vocab / t
+
+
+def head_gradient_is_a_temporary(model: ModelConfig, micro_batches: int, layout: Layout,
+                                 act: ActivationContext) -> bool:
+    """Whether the chunked loss's head-weight gradient (the [vocabulary, h] tensor its backward fills; the chunked
+    path runs without tensor parallelism) lives beside the gradient the weight holds: it does when it is made in 16
+    bits and cast into the fp32 .grad, when a micro-batch before it left a gradient to add it to, or when an engine
+    copies or reduces it (any data parallelism), or when the head is tied to the word embedding on the same stage
+    (autograd holds the head's gradient until the embedding's arrives at the end of backward, and adds the two).
+    Otherwise (fp32, one micro-batch, no data parallelism, an untied head or a pipeline's last stage with its own
+    copy) autograd makes it the weight's .grad itself, which the model states already count (measured, one process,
+    fp32: untied 1.008 of the plan; tied it stays beside, 1.007 with it counted, 1.23 without)."""
+    tied_here = model.tie_embeddings and layout.pipeline_parallel_size == 1
+    return act.element_bytes < 4 or micro_batches > 1 or layout.data_parallel_size > 1 or tied_here
 
 
 def embedding_gradient_bytes(model: ModelConfig, layout: Layout, act: ActivationContext) -> float:
@@ -254,7 +271,9 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
         total = chunks_in_flight(stage, layout, micro_batches) * layers + copies
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)
-        total += max(again + working, head_bytes(model, micro, layout, act, backward=True) if stage == p - 1 else 0.0)
+        temporary = head_gradient_is_a_temporary(model, micro_batches, layout, act)
+        at_loss = head_bytes(model, micro, layout, act, backward=True, weight_gradient_is_a_temporary=temporary)
+        total += max(again + working, at_loss if stage == p - 1 else 0.0)
         if stage == 0 and embedding_gradient_is_a_temporary(model, micro_batches, layout):
             total = max(total, embedding_gradient_bytes(model, layout, act))
         stages.append(total)

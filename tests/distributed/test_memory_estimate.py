@@ -53,6 +53,8 @@ LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],  # 2 micro-batches in flight
+    # one micro-batch and no data parallelism: the last stage's head-weight gradient becomes its .grad (fp32)
+    "pp2_one_micro_batch": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2"],
     "ep2": ["--num-experts", "2", "--expert-model-parallel-size", "2"],
     # bf16 (tiny, so that a CPU without native bf16 runs them too): autocast's 16-bit weight copies and the loss's
     # fp32 copies, under each way of holding the weights (fp32 + autocast, FSDP2's 16-bit blocks, DeepSpeed's
