@@ -169,8 +169,8 @@ def head_gradient_is_a_temporary(model: ModelConfig, micro_batches: int, layout:
     copies or reduces it (any data parallelism), or when the head is tied to the word embedding on the same stage
     (autograd holds the head's gradient until the embedding's arrives at the end of backward, and adds the two).
     Otherwise (fp32, one micro-batch, no data parallelism, an untied head or a pipeline's last stage with its own
-    copy) autograd makes it the weight's .grad itself, which the model states already count (measured, one process,
-    fp32: untied 1.008 of the plan; tied it stays beside, 1.007 with it counted, 1.23 without)."""
+    copy) autograd makes it the weight's .grad itself, which the model states already count (activations measured
+    over planned, one process, fp32: untied 1.008; tied 1.007 with it counted, 1.23 without)."""
     tied_here = model.tie_embeddings and layout.pipeline_parallel_size == 1
     return act.element_bytes < 4 or micro_batches > 1 or layout.data_parallel_size > 1 or tied_here
 
