@@ -170,9 +170,9 @@ def head_gradient_is_a_temporary(model: ModelConfig, micro_batches: int, layout:
     (autograd holds the head's gradient until the embedding's arrives at the end of backward, and adds the two).
     Otherwise (fp32, one micro-batch, no data parallelism, an untied head or a pipeline's last stage with its own
     copy) autograd makes it the weight's .grad itself, which the model states already count (activations measured
-    over planned, one process, fp32: untied 1.008; tied 1.007 with it counted, 1.23 without)."""
-    tied_here = model.tie_embeddings and layout.pipeline_parallel_size == 1
-    return act.element_bytes < 4 or micro_batches > 1 or layout.data_parallel_size > 1 or tied_here
+    over planned, one process, fp32: untied 1.008; tied 1.007 with it counted, 1.23 without). The same rule as the
+    word embedding's gradient, and 16 bits."""
+    return act.element_bytes < 4 or embedding_gradient_is_a_temporary(model, micro_batches, layout)
 
 
 def embedding_gradient_bytes(model: ModelConfig, layout: Layout, act: ActivationContext) -> float:
@@ -271,9 +271,11 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
         total = chunks_in_flight(stage, layout, micro_batches) * layers + copies
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)
-        temporary = head_gradient_is_a_temporary(model, micro_batches, layout, act)
-        at_loss = head_bytes(model, micro, layout, act, backward=True, weight_gradient_is_a_temporary=temporary)
-        total += max(again + working, at_loss if stage == p - 1 else 0.0)
+        at_loss = 0.0
+        if stage == p - 1:
+            temporary = head_gradient_is_a_temporary(model, micro_batches, layout, act)
+            at_loss = head_bytes(model, micro, layout, act, backward=True, weight_gradient_is_a_temporary=temporary)
+        total += max(again + working, at_loss)
         if stage == 0 and embedding_gradient_is_a_temporary(model, micro_batches, layout):
             total = max(total, embedding_gradient_bytes(model, layout, act))
         stages.append(total)
