@@ -19,6 +19,7 @@ What is kept of a normal exit: non-daemon threads are waited for (with the callb
 workers to stop), atexit handlers run (logging, multiprocessing's children, trackers), and every open file
 is flushed (the standard streams, and files a user's script left open, which finalization would have
 flushed). Only the finalization itself is skipped: freeing the modules' objects, which the OS does faster.
+A rank that `torchrun --run-path` runs as a function returns to torchrun instead (`return_to_launcher`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import atexit
 import gc
 import io
+import multiprocessing
 import os
 import sys
 import threading
@@ -66,6 +68,8 @@ def exit_after(main: Callable[[], object], returns_status: bool = False) -> NoRe
         code = stop.code
     if not launched_rank(os.environ):
         raise SystemExit(code)
+    if multiprocessing.parent_process() is not None:
+        return_to_launcher(exit_code(code))
     end_process(exit_code(code))
 
 
@@ -101,6 +105,22 @@ def settle_collective_threads(seconds: float = 0.05) -> None:
 
 def end_process(status: int) -> NoReturn:
     """Do what Python does at exit up to its finalization, then end the process with `status`."""
+    exit_steps()
+    os._exit(status)
+
+
+def return_to_launcher(status: int) -> NoReturn:
+    """End a rank that `torchrun --run-path` started as a function in a forked or spawned process: its agent waits
+    for the function to return (a rank that ends itself hangs the agent), then multiprocessing ends the process,
+    with `os._exit` after a fork and with a normal exit after a spawn. The exit steps run here; an atexit handler
+    registered after them ends a spawned process before its finalization, as `end_process` does."""
+    exit_steps()
+    atexit.register(os._exit, status)
+    raise SystemExit(status)  # torchrun's `record` turns 0 into the function's return; another status fails the rank
+
+
+def exit_steps() -> None:
+    """What Python does at exit before finalization: wait for non-daemon threads, run atexit, flush open files."""
     _ending.append(True)
     shutdown_threads = getattr(threading, "_shutdown", None)  # CPython: executors' stop callbacks, then joins
     if shutdown_threads is not None:
@@ -111,7 +131,6 @@ def end_process(status: int) -> NoReturn:
                 thread.join()
     atexit._run_exitfuncs()
     flush_open_files()
-    os._exit(status)
 
 
 FILE_TYPES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)

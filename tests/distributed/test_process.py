@@ -41,17 +41,34 @@ IN_FLIGHT_AT_EXIT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("attempt", [1, 2])
-def test_a_rank_ends_with_its_status_while_collectives_are_in_flight(tmp_path: Path, attempt: int):
+# How torchrun starts a rank: a new Python (`python -u script`, its default, twice: the failure was a race), or the
+# script run as a function in a process forked or spawned from the agent (`--run-path`), where the agent waits for
+# the function to return: a rank that ended itself there left the agent waiting forever after a finished run.
+STARTS = {"python": [], "python again": [], "run-path fork": ["--run-path", "--start-method", "fork"],
+          "run-path spawn": ["--run-path", "--start-method", "spawn"]}
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_a_rank_ends_with_its_status_while_collectives_are_in_flight(tmp_path: Path, start: str):
     script = tmp_path / "in_flight.py"
     script.write_text(IN_FLIGHT_AT_EXIT)
-    run = torchrun(2, script, [str(tmp_path)], check=False, timeout=300)
+    run = torchrun(2, script, [str(tmp_path)], check=False, timeout=300, extra_torchrun=STARTS[start])
     output = run.stdout + run.stderr
     assert "terminate called" not in output, output[-3000:]
     assert run.returncode == 0, output[-3000:]
     assert sorted(re.findall(r"atexit ran on rank \d", run.stdout)) == ["atexit ran on rank 0", "atexit ran on rank 1"]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "written, never closed\n"
+
+
+@pytest.mark.parametrize("start", ["python", "run-path fork", "run-path spawn"])
+def test_a_rank_that_fails_fails_the_launch(tmp_path: Path, start: str):
+    """A status other than 0 reaches torchrun however the rank was started, and the launch ends."""
+    script = tmp_path / "fails.py"
+    script.write_text("from rapidtrain.core.process import exit_after\nexit_after(lambda: 3, returns_status=True)\n")
+    run = torchrun(2, script, [], check=False, timeout=120, extra_torchrun=STARTS[start])
+    assert run.returncode != 0
+    assert "exitcode  : 3" in run.stderr, run.stderr[-3000:]
 
 
 def test_outside_a_launch_it_exits_as_python_does(monkeypatch):
