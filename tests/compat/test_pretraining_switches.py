@@ -85,7 +85,7 @@ def ramp_up_runs(tmp_path_factory, demo_data):
     pretrain(1, RAMP_UP + ["--loss-log-file", str(out / "single.txt")])
     runs = [RAMP_UP + flags + ["--loss-log-file", str(out / f"{name}.txt")] for name, flags in RAMP_UP_LAYOUTS.items()]
     (out / "runs.json").write_text(json.dumps(runs))
-    launch = pretrain(2, [str(out / "runs.json")], script=RUNS)
+    launch = pretrain(2, [str(out / "runs.json")], script=RUNS, warm=True)
     sections = launch.stdout.split("rapidtrain plan —")[1:]
     assert len(sections) == len(RAMP_UP_LAYOUTS), launch.stdout[-3000:]
     return out, dict(zip(RAMP_UP_LAYOUTS, sections, strict=True))

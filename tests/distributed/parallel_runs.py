@@ -202,7 +202,7 @@ def _build(out: Path, demo_data) -> None:
     runs = four_rank_runs(out, gpt, bert_data)
     (out / "runs.json").write_text(json.dumps([args for _, args in runs]))
     (out / "run_names.json").write_text(json.dumps([name for name, _ in runs]))
-    result = torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800)
+    result = torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800, warm=True)
     (out / "four_ranks.log").write_text(result.stdout)
     for name in ("tp2_dp2", "pp2_dp2"):  # resharded to one process: TP 2 → TP 1, PP 2 → PP 1
         train_here(

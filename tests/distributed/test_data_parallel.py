@@ -77,7 +77,7 @@ def runs(tmp_path_factory, demo_data) -> Path:
     for precision, (precision_flags, _) in PRECISIONS.items():
         train_here(TINY + precision_flags + ["--loss-log-file", str(out / f"single_{precision}.txt")])
     (out / "runs.json").write_text(json.dumps(two_rank_runs(out)))
-    torchrun(2, RUNS, [str(out / "runs.json")], timeout=900)
+    torchrun(2, RUNS, [str(out / "runs.json")], timeout=900, warm=True)
     return out
 
 
@@ -120,7 +120,7 @@ def test_two_rank_checkpoint_continues_in_one_process(runs, mode, tmp_path):
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("probe")
-    torchrun(2, __file__, [str(out)], timeout=600)
+    torchrun(2, __file__, [str(out)], timeout=600, warm=True)
     return json.loads((out / "probe.json").read_text())
 
 

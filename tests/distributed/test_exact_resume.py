@@ -50,7 +50,7 @@ def layout_runs(out: Path) -> list[list[str]]:
 def runs(tmp_path_factory, demo_data) -> Path:
     out = tmp_path_factory.mktemp("exact_resume")
     (out / "runs.json").write_text(json.dumps(layout_runs(out)))
-    torchrun(2, RUNS, [str(out / "runs.json")], timeout=1500)
+    torchrun(2, RUNS, [str(out / "runs.json")], timeout=1500, warm=True)
     return out
 
 

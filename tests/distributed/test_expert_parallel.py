@@ -25,7 +25,7 @@ NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0".split()
 
 
 def worker_reports(tmp_path: Path, nproc: int, ep: int, extra: list[str]) -> list[dict]:
-    torchrun(nproc, WORKER, [str(tmp_path), str(ep), *extra])
+    torchrun(nproc, WORKER, [str(tmp_path), str(ep), *extra], warm=True)
     return [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -63,7 +63,7 @@ def test_ep2_matches_ep1_resumes_exactly_and_loads_at_ep1(tmp_path, demo_data):
             "resumed": ep2 + ["--load", str(tmp_path / "ck3")], "at_ep1": moe + ["--load", str(tmp_path / "ck3")]}
     (tmp_path / "runs.json").write_text(json.dumps(
         [flags + ["--loss-log-file", str(tmp_path / f"{name}.txt")] for name, flags in runs.items()]))
-    launch = torchrun(2, RUNS, [str(tmp_path / "runs.json")])
+    launch = torchrun(2, RUNS, [str(tmp_path / "runs.json")], warm=True)
     out = dict(zip(runs, launch.stdout.split("rapidtrain plan —")[1:], strict=True))  # each run prints its plan
     losses = {name: read_losses(tmp_path / f"{name}.txt") for name in runs}
     norms = {name: read_grad_norms(tmp_path / f"{name}.txt") for name in ("ep1", "ep2")}
@@ -145,7 +145,7 @@ def composed(tmp_path_factory, demo_data) -> Path:
     (out / "single_at3" / "latest_checkpointed_iteration.txt").write_text("3\n")
     train_here(COMPOSED_FLAGS + DENSE_FIRST + ["--loss-log-file", str(out / "single_dense_first.txt")])
     (out / "runs.json").write_text(json.dumps(composed_runs(out)))
-    torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800)
+    torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800, warm=True)
     for name in LOADED_AT_EP1:
         train_here(COMPOSED_FLAGS + ["--load", str(out / f"{name}_at3"),
                                      "--loss-log-file", str(out / f"ep1_from_{name}.txt")])
@@ -214,7 +214,7 @@ def test_ep2_with_oss_resumes_bitwise_on_two_ranks(tmp_path, demo_data):
             flags + resumed + ["--exit-interval", "3", "--save", str(tmp_path / "at3")],
             flags + resumed + ["--load", str(tmp_path / "at3")]]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
-    torchrun(2, RUNS, [str(tmp_path / "runs.json")])
+    torchrun(2, RUNS, [str(tmp_path / "runs.json")], warm=True)
     assert_resumed_bitwise(tmp_path / "resumed.txt", tmp_path / "uninterrupted.txt")
 
 

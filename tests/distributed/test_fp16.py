@@ -51,7 +51,7 @@ def runs(tmp_path_factory, demo_data) -> Path:
         specs.append({"name": name, "argv": argv + ["--loss-log-file", str(out / f"{name}.txt")], "out": str(out)})
         specs.append({"name": f"{name}_inject", "argv": argv[:], "out": str(out), "inject": INJECT})
     (out / "runs.json").write_text(json.dumps(specs))
-    torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800)
+    torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800, warm=True)
     return out
 
 

@@ -99,7 +99,7 @@ def probe_main(out: Path) -> None:
 @pytest.fixture(scope="module")
 def wire(tmp_path_factory, demo_data) -> Path:
     out = tmp_path_factory.mktemp("fsdp_mixed_precision")
-    torchrun(2, __file__, [str(out)], timeout=900)
+    torchrun(2, __file__, [str(out)], timeout=900, warm=True)
     train_here(PARITY + ["--loss-log-file", str(out / "single_bf16.txt")])
     return out
 

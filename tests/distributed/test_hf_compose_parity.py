@@ -124,7 +124,7 @@ def own_loop(flags: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict, dict[str, dict]]:
     out = tmp_path_factory.mktemp("hf_compose") / "runs.json"
-    torchrun(2, Path(__file__), [str(out)], timeout=1200)
+    torchrun(2, Path(__file__), [str(out)], timeout=1200, warm=True)
     two_ranks = json.loads(out.read_text())
     for run in two_ranks.values():
         run["losses"] = {int(k): v for k, v in run["losses"].items()}

@@ -138,7 +138,7 @@ def probe(out: Path) -> None:
 def counted(tmp_path_factory, demo_data) -> Path:
     out = tmp_path_factory.mktemp("host_syncs")
     for world in RUNS:
-        torchrun(world, __file__, [str(out)], timeout=900)
+        torchrun(world, __file__, [str(out)], timeout=900, warm=True)
     return out
 
 

@@ -86,7 +86,7 @@ def runs(tmp_path_factory, demo_data) -> Runs:
                    "--lr-warmup-iters", "0", "--save", str(out / "hf_tp2_lr0")],
     ]
     (out / "runs.json").write_text(json.dumps(two_ranks))
-    result = torchrun(2, RUNS, [str(out / "runs.json")], timeout=1200)
+    result = torchrun(2, RUNS, [str(out / "runs.json")], timeout=1200, warm=True)
     train_here(llama + log("single"))
     train_here(moe + log("moe_single"))
     train_here(from_hf + ["--train-iters", "3", *log("hf_single")])

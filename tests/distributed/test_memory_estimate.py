@@ -104,7 +104,7 @@ def measure(tmp_path_factory, world: int, layouts: dict[str, list[str]]) -> dict
     runs = {name: SHAPE + flags for name, flags in layouts.items()}
     (out / "runs.json").write_text(json.dumps(runs))
     torchrun(world, REPO / "tests" / "distributed" / "memory_runs.py",
-             [str(out / "runs.json"), str(out / "out.json")])
+             [str(out / "runs.json"), str(out / "out.json")], warm=True)
     return json.loads((out / "out.json").read_text())
 
 

@@ -96,7 +96,7 @@ def probe(out: Path) -> None:
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory, demo_data) -> Path:
     out = tmp_path_factory.mktemp("meta_init")
-    torchrun(4, __file__, [str(out)], timeout=900)
+    torchrun(4, __file__, [str(out)], timeout=900, warm=True)
     return out
 
 

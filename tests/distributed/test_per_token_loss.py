@@ -102,7 +102,7 @@ def worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("per_token")
-    torchrun(2, Path(__file__), [str(out)], timeout=900)
+    torchrun(2, Path(__file__), [str(out)], timeout=900, warm=True)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

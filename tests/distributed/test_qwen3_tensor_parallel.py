@@ -23,7 +23,7 @@ def test_qwen3_shape_under_tensor_parallelism_matches_one_process(tmp_path, demo
     flags = QWEN3_SHAPE + TRAINING + data_flags(demo_data)
     runs = [flags + ["--tensor-model-parallel-size", "2", "--loss-log-file", str(tmp_path / "tp2.txt")]]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
-    result = torchrun(2, RUNS, [str(tmp_path / "runs.json")], timeout=600)
+    result = torchrun(2, RUNS, [str(tmp_path / "runs.json")], timeout=600, warm=True)
     assert '"tp": 2' in result.stdout or "TP 2" in result.stdout, result.stdout[:3000]
     train_here(flags + ["--loss-log-file", str(tmp_path / "single.txt")])
     losses = read_losses(tmp_path / "tp2.txt")

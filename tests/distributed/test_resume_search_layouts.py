@@ -90,7 +90,7 @@ def searched(tmp_path_factory, demo_data) -> tuple[Path, list[dict]]:
         runs.append(flags + resumed + ["--exit-interval", str(c["stop"])])
         runs.append(flags + resumed + ["--load", str(save)])
     (out / "runs.json").write_text(json.dumps(runs))
-    torchrun(2, RUNS, [str(out / "runs.json")], timeout=1500)
+    torchrun(2, RUNS, [str(out / "runs.json")], timeout=1500, warm=True)
     return out, examples
 
 

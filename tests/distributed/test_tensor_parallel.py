@@ -52,7 +52,7 @@ def test_bert_tensor_parallel_matches_one_process(runs):
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tensor_parallel_probe")
-    torchrun(2, __file__, [str(out)], timeout=600)
+    torchrun(2, __file__, [str(out)], timeout=600, warm=True)
     return json.loads((out / "probe.json").read_text())
 
 

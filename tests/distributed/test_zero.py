@@ -68,7 +68,7 @@ def runs(tmp_path_factory, demo_data) -> Path:
         train_here(TINY + precision_flags + ["--loss-log-file", str(out / f"single_{precision}.txt")])
     train_here(TINY + ["--exit-interval", "5", "--save", str(out / "single_at5")])
     (out / "runs.json").write_text(json.dumps(two_rank_runs(out)))
-    torchrun(2, RUNS, [str(out / "runs.json")], timeout=1200)
+    torchrun(2, RUNS, [str(out / "runs.json")], timeout=1200, warm=True)
     return out
 
 
