@@ -101,7 +101,7 @@ def test_plan_command_prints_the_plan_the_pretraining_run_prints(name, demo_data
     data = {"DATA": indexed_data(demo_data), "SENTENCES": indexed_data(demo_data, sentences=True)}
     flags = [f for flag in flags for f in data.get(flag, [flag])]
     flags = SHAPE + flags + (["--train-iters", "2"] if "--train-iters" not in flags else [])
-    run = torchrun(ranks, PRETRAIN, flags, timeout=600)
+    run = torchrun(ranks, PRETRAIN, flags, timeout=600, warm=True)
     assert printed_plan(run.stdout) == plan_command(flags, ranks)
     check_built_as_planned(built(run.stdout), json.loads(plan_command(flags, ranks, "--json")))
 
