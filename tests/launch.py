@@ -77,7 +77,7 @@ WARM_IMPORTS = ("torch._dynamo", "rapidtrain.pretrain")
 DEEPSPEED_IMPORTS = ("deepspeed", "rapidtrain.parallel.deepspeed")
 
 
-def warm_agent(script: str | Path, args: list[str]) -> list[str]:
+def warm_agent(args: list[str]) -> list[str]:
     """`python -c` that imports what the ranks will, then runs torchrun's main on the arguments that follow."""
     # DeepSpeed (5 s to import) only for launches that name it: in a flag, or in a runs file's argument lists.
     mentioned = " ".join(args) + "".join(Path(arg).read_text() for arg in args
@@ -94,7 +94,7 @@ def torchrun(nproc: int, script: str | Path, args: list[str], *, timeout: int = 
              check: bool = True, warm: bool = False) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --nproc-per-node N script args`; output captured as text. `warm`: the ranks
     are forked from an agent that has imported the training stack (WARM_IMPORTS above)."""
-    agent = warm_agent(script, args) if warm else [sys.executable, "-m", "torch.distributed.run"]
+    agent = warm_agent(args) if warm else [sys.executable, "-m", "torch.distributed.run"]
     mode = ["--run-path", "--start-method", "fork"] if warm else []
     # Unbuffered as `python -u` leaves a plain launch's ranks: forked ranks share the agent's stdout.
     unbuffered = {"PYTHONUNBUFFERED": "1"} if warm else {}
