@@ -101,8 +101,10 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     inner = model.head_dim * model.num_attention_heads
     # fc1 and activation outputs (SwiGLU: + gate, product)
     mlp_width: float = (4 if model.swiglu else 2) * model.ffn_size
-    if experts:  # top-k routed copies of each token fill capacity buffers
-        mlp_width *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+    if experts:  # top-k routed copies of each token fill capacity buffers; shared experts are a dense MLP beside
+        mlp_width = (4 if model.swiglu else 2) * (
+            model.expert_ffn_size * model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+            + (model.moe_shared_expert_intermediate_size or 0))
     masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
     replicated = 2 * h * r + 2 * h * e + masks  # two norms' inputs, attention and MLP inputs, two dropout masks
     split: float = (2 * inner + 2 * kv + mlp_width) * e  # Q, K, V, attention output, the MLP's wide tensors
@@ -239,7 +241,8 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
     e = act.element_bytes
     wide: float = (3 if model.swiglu else 1) * model.ffn_size
     if experts:
-        wide *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+        wide = (3 if model.swiglu else 1) * model.expert_ffn_size * model.moe_router_topk \
+            * max(model.moe_capacity_factor, 1.0)
     weight_gradient = e * h * model.ffn_size / t if act.weight_copies != "none" and e < 4 else 0.0
     return e * s * b * (wide / t + h) + weight_gradient
 

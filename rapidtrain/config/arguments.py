@@ -513,6 +513,40 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
                    help="Weight of the load-balancing loss (1.0 under even routing).")
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="Weight of the router z-loss.")
     g.add_argument("--moe-jitter-eps", type=float, default=0.0, help="Multiplicative jitter noise on router input.")
+    # Fine-grained MoE (DeepSeek-V2/V3, Qwen-MoE): Megatron-Core's router and shared experts, Pai's spellings.
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid", "sqrtsoftplus"), default="softmax",
+                   help="Expert scores: softmax over the experts, or each expert's own sigmoid / sqrt(softplus) "
+                        "(DeepSeek-V3), the k chosen normalised to sum 1 when k > 1.")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Softmax over all experts and the k chosen keep their probabilities (no renormalisation "
+                        "over the k; DeepSeek-V2, Qwen1.5/2-MoE).")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="Multiply the routed experts' combine weights by this (DeepSeek's routed_scaling_factor).")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Group-limited routing: the experts form this many equal groups (DeepSeek's n_group).")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Group-limited routing: each token chooses among the experts of its best this many groups "
+                        "(a group scores the sum of its two best experts).")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free load balancing: a per-expert bias added to the scores for the choice only, "
+                        "moved after each step towards the mean load (saved in checkpoints).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="How far each expert bias moves per step (--moe-router-enable-expert-bias).")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Each routed expert's hidden size (default: --ffn-hidden-size, the dense layers' size).")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="Shared experts: a dense MLP of this hidden size (all shared experts together) beside the "
+                        "routed experts of every MoE layer, which every token passes through.")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Qwen-MoE: the shared experts' output times sigmoid(Linear(hidden, 1)(x)).")
+    g.add_argument("--enable-shared-expert", action="store_true",
+                   help="Pai-Megatron-Patch: shared experts, sized by --shared-moe-ffn-hidden-size or "
+                        "--num-shared-experts × the routed experts' size.")
+    g.add_argument("--num-shared-experts", type=int, default=None,
+                   help="Pai-Megatron-Patch (DeepSeek): this many shared experts of the routed experts' size "
+                        "(--moe-ffn-hidden-size), one MLP of their summed size.")
+    g.add_argument("--shared-moe-ffn-hidden-size", type=int, default=None,
+                   help="Pai-Megatron-Patch (Qwen-MoE): the shared experts' hidden size, with --enable-shared-expert.")
     # Rapidformer's GPT-MoE options.
     g.add_argument("--router-type", type=router_type, default=0,
                    help="Rapidformer's router: 0 (Pai-Megatron-Patch: topk) = top-k gating with the load-balancing "

@@ -111,11 +111,9 @@ HANDLED: dict[str, str] = {
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "
                               "--pipeline-model-parallel-size > 1",
-    "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss) is rapidtrain's router; "
-                                        "none turns the loss off; other types are refused",
-    "--moe-ffn-hidden-size": "the experts' size: accepted when it equals the dense MLP size (--ffn-hidden-size), or "
-                             "when every layer is MoE (no layer is dense, so it becomes --ffn-hidden-size); other "
-                             "sizes refused",
+    "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss over the micro-batch) and "
+                                        "seq_aux_loss (DeepSeek-V3's, per sequence) are the built-in router's; none "
+                                        "turns the loss off; other types are refused",
     "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
                            "the vocabulary pads to exactly N",
     "--pad-vocab-size-to": "BigScience's embedding rows: exactly N (--make-vocab-size-divisible-by N / TP); refused "
@@ -236,19 +234,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--head-lr-mult": (REFUSED, "per-layer learning-rate multipliers are not in rapidtrain"),
     "--lr-mult-router": (REFUSED, "per-layer learning-rate multipliers are not in rapidtrain"),
     "--num-virtual-stages-per-pipeline-rank": (REFUSED, "give --num-layers-per-virtual-pipeline-stage instead"),
-    "--moe-shared-expert-intermediate-size": (REFUSED, "shared experts are not in rapidtrain's MoE layer"),
-    "--num-shared-experts": (REFUSED, "shared experts are not in rapidtrain's MoE layer"),
-    "--enable-shared-expert": (REFUSED, "shared experts are not in rapidtrain's MoE layer"),
-    "--shared-moe-ffn-hidden-size": (REFUSED, "shared experts are not in rapidtrain's MoE layer"),
-    "--moe-router-score-function": (REFUSED, "the router scores experts by softmax only"),
-    "--moe-router-pre-softmax": (REFUSED, "the router takes softmax over the top-k scores' experts as built in; "
-                                          "leave this out"),
-    "--moe-router-topk-scaling-factor": (REFUSED, "the router's weights are not rescaled; leave this out"),
-    "--moe-router-enable-expert-bias": (REFUSED, "aux-loss-free balancing (expert bias) is not in rapidtrain; use "
-                                                 "--moe-aux-loss-coeff"),
-    "--moe-router-bias-update-rate": (REFUSED, "aux-loss-free balancing (expert bias) is not in rapidtrain"),
-    "--moe-router-num-groups": (REFUSED, "group-limited routing is not in rapidtrain"),
-    "--moe-router-group-topk": (REFUSED, "group-limited routing is not in rapidtrain"),
     "--moe-router-dtype": (NO_EFFECT, "the router computes its scores in fp32"),
     "--moe-shared-expert-overlap": (NO_EFFECT, _OVERLAP),
     "--moe-permute-fusion": (NO_EFFECT, _FUSION),

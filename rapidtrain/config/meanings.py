@@ -28,13 +28,15 @@ CHECKPOINT_SHAPE_FLAGS = (
     "post_layernorm", "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
     "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by", "kv_channels", "qk_layernorm", "use_rope_scaling",
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "embed_layernorm", "sliding_window",
-    "window_attn_skip_freq",
+    "window_attn_skip_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_enable_expert_bias",
 )
 
 # Megatron-family flags that set a shape flag under another name (surface_meanings.py's handlers): given, they keep
 # the checkpoint's saved value from replacing theirs, as the shape flag itself would.
 SHAPE_SET_BY = {"sliding_window": ("window_size",), "num_query_groups": ("num_key_value_heads",),
-                "group_query_attention": ("num_key_value_heads",), "ffn_hidden_size": ("moe_ffn_hidden_size",),
+                "group_query_attention": ("num_key_value_heads",),
                 "make_vocab_size_divisible_by": ("pad_vocab_size_to", "padded_vocab_size")}
 
 

@@ -120,6 +120,17 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         moe_aux_loss_coeff=args.moe_loss_coeff,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_jitter_eps=args.moe_jitter_eps,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_aux_loss_type=getattr(args, "moe_aux_loss_type", "aux_loss"),
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=shared_expert_size(args),
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         normalization=args.normalization,
         swiglu=args.swiglu,
         num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
@@ -141,6 +152,20 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         sliding_window=args.sliding_window,
         window_skip_freq=int(getattr(args, "window_attn_skip_freq", None) or 0),
     )
+
+
+def shared_expert_size(args: argparse.Namespace) -> int | None:
+    """The shared experts' hidden size (all of them together): Megatron-Core's --moe-shared-expert-intermediate-size,
+    else Pai's --shared-moe-ffn-hidden-size (Qwen) or --num-shared-experts × the routed experts' size (DeepSeek),
+    each with or without Pai's --enable-shared-expert (a size asks for them); None: no shared experts."""
+    if args.moe_shared_expert_intermediate_size:
+        return args.moe_shared_expert_intermediate_size
+    if not (args.enable_shared_expert or args.num_shared_experts or args.shared_moe_ffn_hidden_size):
+        return None
+    if args.shared_moe_ffn_hidden_size:
+        return args.shared_moe_ffn_hidden_size
+    expert_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    return args.num_shared_experts * expert_size if args.num_shared_experts and expert_size else None
 
 
 def attention_settings(args: argparse.Namespace) -> AttentionSettings:

@@ -3,6 +3,7 @@ the conflict table; rules.py joins the parts)."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 
 from rapidtrain.config.arguments import TASKS
@@ -365,4 +366,77 @@ LAYOUT_RULES: tuple[Rule, ...] = (
            "torch backend")
         + ", or --expert-model-parallel-size 1.",
     ),
+    Rule(
+        "router-groups", ("--moe-router-num-groups", "--moe-router-group-topk", "--num-experts", "--moe-router-topk"),
+        "Group-limited routing needs both group flags, groups that divide every MoE layer's experts, at most as many "
+        "chosen groups as groups, and enough experts in the chosen groups for --moe-router-topk.",
+        lambda a, c: router_group_problem(a) is not None,
+        lambda a, c: f"{router_group_problem(a)}.",
+    ),
+    Rule(
+        "router-pre-softmax-scores", ("--moe-router-pre-softmax", "--moe-router-score-function"),
+        "--moe-router-pre-softmax chooses how softmax scores are normalised; other score functions have no softmax.",
+        lambda a, c: a.moe_router_pre_softmax and a.moe_router_score_function != "softmax",
+        lambda a, c: f"--moe-router-pre-softmax with --moe-router-score-function {a.moe_router_score_function}: "
+        "there is no softmax to take first. Drop --moe-router-pre-softmax (the k chosen scores are normalised to sum "
+        "1 when --moe-router-topk > 1).",
+    ),
+    Rule(
+        "shared-expert-size", ("--enable-shared-expert", "--num-shared-experts", "--shared-moe-ffn-hidden-size",
+                               "--moe-shared-expert-gate", "--num-experts"),
+        "Shared experts need a size and MoE layers.",
+        lambda a, c: shared_expert_problem(a) is not None,
+        lambda a, c: f"{shared_expert_problem(a)}.",
+    ),
+    Rule(
+        "router-values-positive", ("--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate",
+                                   "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"),
+        "Router factors and expert sizes are positive.",
+        lambda a, c: any(value is not None and value <= 0 for value in (
+            a.moe_router_topk_scaling_factor, a.moe_ffn_hidden_size, a.moe_shared_expert_intermediate_size,
+            a.num_shared_experts, a.shared_moe_ffn_hidden_size)) or a.moe_router_bias_update_rate < 0,
+        lambda a, c: "--moe-router-topk-scaling-factor, --moe-ffn-hidden-size, the shared experts' sizes and "
+        "--moe-router-bias-update-rate take positive values (the rate may be 0: the bias stays put); got "
+        f"{a.moe_router_topk_scaling_factor}, {a.moe_ffn_hidden_size}, {a.moe_shared_expert_intermediate_size}, "
+        f"{a.num_shared_experts}, {a.shared_moe_ffn_hidden_size}, {a.moe_router_bias_update_rate}.",
+    ),
 )
+
+
+def router_group_problem(a: argparse.Namespace) -> str | None:
+    """What is wrong with the group-limited routing flags, None when nothing (or they are not given)."""
+    groups, chosen = a.moe_router_num_groups, a.moe_router_group_topk
+    if groups is None and chosen is None:
+        return None
+    if groups is None or chosen is None:
+        return ("group-limited routing needs --moe-router-num-groups and --moe-router-group-topk together (got "
+                f"{groups} and {chosen}): give both, or neither")
+    if not num_experts_length_ok(a) or not experts_of(a):
+        return "--moe-router-num-groups / --moe-router-group-topk route MoE layers: give --num-experts"
+    if groups < 1 or not 1 <= chosen <= groups:
+        return (f"--moe-router-group-topk {chosen} of --moe-router-num-groups {groups}: choose between 1 and the "
+                "number of groups")
+    for experts in experts_of(a):
+        if experts % groups:
+            return (f"--moe-router-num-groups {groups} does not divide the {experts} experts of an MoE layer "
+                    "(--num-experts): the groups are equal")
+        if a.moe_router_topk > chosen * (experts // groups):
+            return (f"--moe-router-topk {a.moe_router_topk} is more than the {chosen * (experts // groups)} experts "
+                    f"of the {chosen} groups a token may use (--moe-router-group-topk)")
+    return None
+
+
+def shared_expert_problem(a: argparse.Namespace) -> str | None:
+    """What is wrong with the shared-expert flags (a switch without a size, shared experts without MoE), or None."""
+    from rapidtrain.config.resolve import shared_expert_size
+
+    size = shared_expert_size(a)
+    if (a.enable_shared_expert or a.num_shared_experts) and size is None:
+        return ("--enable-shared-expert / --num-shared-experts give shared experts no size: add "
+                "--shared-moe-ffn-hidden-size N, or --num-shared-experts with --moe-ffn-hidden-size (each shared "
+                "expert has the routed experts' size), or --moe-shared-expert-intermediate-size N")
+    if a.moe_shared_expert_gate and size is None:
+        return "--moe-shared-expert-gate gates shared experts, but none are asked for: give their size too"
+    if size is not None and not (num_experts_length_ok(a) and experts_of(a)):
+        return "shared experts sit beside the routed experts of MoE layers: give --num-experts"
+    return None

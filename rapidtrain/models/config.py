@@ -41,6 +41,19 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.01
     moe_z_loss_coeff: float = 0.0
     moe_jitter_eps: float = 0.0
+    # Fine-grained MoE (DeepSeek, Qwen-MoE; Megatron-Core's flag names). Scores: softmax (renormalised over the k
+    # chosen when k > 1, unless `moe_router_pre_softmax`) or sigmoid (normalised over the k chosen when k > 1).
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_pre_softmax: bool = False  # softmax over all experts, the k chosen keep their probabilities as they are
+    moe_router_topk_scaling_factor: float | None = None  # the combine weights times this (DeepSeek's routed scaling)
+    moe_router_num_groups: int | None = None  # group-limited routing: experts in this many equal groups ...
+    moe_router_group_topk: int | None = None  # ... of which each token may use the best this many
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias added for selection only
+    moe_router_bias_update_rate: float = 1e-3  # ... moved by this much per step towards the mean load
+    moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss"] = "aux_loss"  # over the micro-batch, or per sequence
+    moe_ffn_hidden_size: int | None = None  # each routed expert's hidden size; None: ffn_size
+    moe_shared_expert_intermediate_size: int | None = None  # all shared experts together (one MLP); None: none
+    moe_shared_expert_gate: bool = False  # Qwen-MoE: the shared experts' output times sigmoid(Linear(h, 1)(x))
 
     # Llama-family switches (Megatron's flag names); the defaults keep GPT-2's architecture.
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
@@ -122,6 +135,41 @@ class ModelConfig:
         if self.sliding_window is None or (self.window_skip_freq and (layer + 1) % self.window_skip_freq == 0):
             return None
         return self.sliding_window
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each routed expert's hidden size: --moe-ffn-hidden-size, else the dense MLP's."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def moe_router_features(self) -> list[str]:
+        """The router as it runs, in words, for the plan (empty for a dense model)."""
+        if not any(self.num_experts):
+            return []
+        k = self.moe_router_topk
+        if self.moe_router_score_function == "sigmoid":
+            scores = "sigmoid scores" + (f", the top {k} normalised to sum 1" if k > 1 else "")
+        elif self.moe_router_pre_softmax or k == 1:
+            scores = "softmax over all experts, the chosen keep their probabilities"
+        else:
+            scores = f"softmax, the top {k} renormalised to sum 1"
+        words = [f"router: top-{k} of {scores}"]
+        if self.moe_router_topk_scaling_factor:
+            words.append(f"combine weights × {self.moe_router_topk_scaling_factor:g}")
+        if self.moe_router_num_groups:
+            words.append(f"group-limited: {self.moe_router_num_groups} groups, the best "
+                         f"{self.moe_router_group_topk} per token (by the sum of each group's top 2 scores)")
+        if self.moe_router_enable_expert_bias:
+            words.append(f"aux-loss-free expert bias (selection only, moved ±{self.moe_router_bias_update_rate:g} "
+                         "per step towards the mean load, all-reduced over data-parallel ranks; saved in checkpoints)")
+        if self.moe_aux_loss_type == "seq_aux_loss":
+            words.append("load-balancing loss per sequence (DeepSeek-V3's sequence-wise loss)")
+        if self.moe_shared_expert_intermediate_size:
+            words.append(f"shared experts of hidden {self.moe_shared_expert_intermediate_size} beside the routed ones"
+                         + (", gated by sigmoid(Linear(h, 1))" if self.moe_shared_expert_gate else ""))
+        if self.moe_ffn_hidden_size and self.moe_ffn_hidden_size != self.ffn_size:
+            words.append(f"routed experts of hidden {self.moe_ffn_hidden_size}")
+        return words
 
     @property
     def query_groups(self) -> int:

@@ -30,16 +30,17 @@ def _norm(config: ModelConfig, size: int | None = None, layer_norm: bool = False
     return [((size,), "vector")] * (1 if config.normalization == "RMSNorm" and not layer_norm else 2)
 
 
-def _mlp(config: ModelConfig) -> Tensors:
-    """The dense MLP: fc1 (and the SwiGLU gate) h → f, fc2 f → h, with biases unless disabled."""
-    h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
+def _mlp(config: ModelConfig, ffn_size: int | None = None) -> Tensors:
+    """The dense MLP: fc1 (and the SwiGLU gate) h → f, fc2 f → h, with biases unless disabled (`ffn_size`: another f,
+    as the shared experts')."""
+    h, f, bias = config.hidden_size, ffn_size or config.ffn_size, config.add_bias_linear
     return _linear(h, f, bias) * (2 if config.swiglu else 1) + _linear(f, h, bias)
 
 
 def _experts(config: ModelConfig, experts: int) -> Tensors:
     """The experts of one MoE layer as stacked tensors, expert first: w1 (and w_gate) [E, h, f], b1 [E, f],
     w2 [E, f, h], b2 [E, h] (no biases with --disable-bias-linear)."""
-    h, f, e, bias = config.hidden_size, config.ffn_size, experts, config.add_bias_linear
+    h, f, e, bias = config.hidden_size, config.expert_ffn_size, experts, config.add_bias_linear
     tensors: Tensors = [((e, h, f), "expert")] * (2 if config.swiglu else 1)
     tensors += [((e, f), "expert_bias")] if bias else []
     return tensors + [((e, f, h), "expert")] + ([((e, h), "expert_bias")] if bias else [])
@@ -88,13 +89,18 @@ def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
 
 def _layer(config: ModelConfig, experts: int) -> Tensors:
     """One transformer layer's, in its modules' order: ln1, attention, ln2, then the dense MLP, or the router, the
-    experts and (PR-MoE) the residual MLP and its two mixing coefficients."""
+    experts, (PR-MoE) the residual MLP and its two mixing coefficients, and the shared experts (and their gate)."""
     tensors = _norm(config) + _attention(config) + _norm(config)
     if not experts:
         return tensors + _mlp(config)
     router: Tensors = [((experts, config.hidden_size), "matrix")]
     tensors += router + _experts(config, experts)
-    return tensors + (_mlp(config) + _linear(config.hidden_size, 2) if config.moe_residual else [])
+    tensors += _mlp(config) + _linear(config.hidden_size, 2) if config.moe_residual else []
+    shared = config.moe_shared_expert_intermediate_size
+    if shared:
+        tensors += _mlp(config, shared) + (_linear(config.hidden_size, 1, bias=False)
+                                           if config.moe_shared_expert_gate else [])
+    return tensors
 
 
 def layer_shapes(config: ModelConfig, experts: int) -> tuple[list[Shape], list[Shape]]:
@@ -174,7 +180,9 @@ def model_flops_per_iteration(
                                        (a sliding window w: 2 · 2·N·a·(w - w²/2s) in its layers)
       dense MLP fc1 + fc2              2 · 2·N·h·f                      = 16·N·h² for f = 4h
                                        (SwiGLU: 3 · 2·N·h·f, the gate is a third matrix)
-      MoE layer                        k experts per token: k · that, plus the router 2·N·h·E
+      MoE layer                        k experts per token: k · that (with the experts' f), plus the router
+                                       2·N·h·E, the shared experts (a dense MLP of their f) and their gate 2·N·h,
+                                       PR-MoE's dense MLP and coefficients 2·N·h·2
       logits                           2·N·h·V
       BERT heads                       MLM dense 2·N·h², pooler 2·B·h², binary head 2·B·h·2
     Dense GPT with f = 4h: forward = 24·N·L·h² + 2·N·L·s·h + 2·N·h·V
@@ -188,10 +196,15 @@ def model_flops_per_iteration(
     groups = config.head_dim * config.query_groups
     projections = 2 * 2 * tokens * h * inner + 2 * 2 * tokens * h * groups
     forward = 2 * tokens * h * config.vocab_size + _score_flops(config, tokens, s, inner)
+    matrices = 3 if config.swiglu else 2
     for experts, layers in _layers_by_experts(config).items():
-        mlp = (3 if config.swiglu else 2) * 2 * tokens * h * f
+        mlp = matrices * 2 * tokens * h * f
         if experts:
-            mlp = config.moe_router_topk * mlp + 2 * tokens * h * experts
+            shared = config.moe_shared_expert_intermediate_size or 0
+            mlp = (config.moe_router_topk * matrices * 2 * tokens * h * config.expert_ffn_size
+                   + 2 * tokens * h * experts + matrices * 2 * tokens * h * shared
+                   + (2 * tokens * h if shared and config.moe_shared_expert_gate else 0)
+                   + (mlp + 2 * tokens * h * 2 if config.moe_residual else 0))
         forward += layers * (projections + mlp)
     if config.model_type == "bert":
         forward += 2 * tokens * h * h

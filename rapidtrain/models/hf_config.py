@@ -29,10 +29,13 @@ SUPPORTED = {
     "qwen2": "GPT (Llama-family, Qwen2)",
     "qwen3": "GPT (Llama-family, Qwen3: q/k norms)",
     "mixtral": "GPT (Llama-family MoE, Mixtral)",
+    "qwen2_moe": "GPT (Llama-family MoE, Qwen1.5/2-MoE: gated shared experts)",
+    "qwen3_moe": "GPT (Llama-family MoE, Qwen3-MoE: q/k norms)",
     "bert": "BERT",
     "megatron-bert": "BERT (Megatron pre-LN)",
 }
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
@@ -224,10 +227,10 @@ def _bloom_flags(config: dict[str, Any]) -> dict[str, Any]:
 def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
     kind = config["model_type"]
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    if kind == "qwen3" and (config.get("use_sliding_window") or any(
+    if kind in ("qwen3", *QWEN_MOE) and (config.get("use_sliding_window") or any(
             layer != "full_attention" for layer in config.get("layer_types") or [])):
-        raise UnsupportedModel("config.json's Qwen3 uses sliding-window attention; the built-in attention sees the "
-                               "whole sequence")
+        raise UnsupportedModel(f"config.json's {kind} uses sliding-window attention in some layers; the built-in "
+                               "attention sees the whole sequence there")
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"config.json hidden_act {config['hidden_act']!r}: Llama-family MLPs use SwiGLU (silu)")
     if config.get("mlp_bias"):
@@ -249,14 +252,15 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
         **_rope_flags(config),
         "rotary_percent": 1.0,
         "kv_channels": _head_dim(config, hidden, heads),
-        "qk_layernorm": kind == "qwen3",  # Qwen3's q_norm / k_norm: RMSNorm over head_dim
+        "qk_layernorm": kind in ("qwen3", "qwen3_moe"),  # Qwen3's q_norm / k_norm: RMSNorm over head_dim
         "normalization": "RMSNorm",
         "layernorm_epsilon": config.get("rms_norm_eps", 1e-6),
         "swiglu": True,
         "group_query_attention": groups != heads,
         "num_query_groups": groups if groups != heads else None,
         "add_bias_linear": False,
-        "add_qkv_bias": kind == "qwen2",  # Qwen2's q/k/v projections always have biases
+        # Qwen2's q/k/v projections always have biases, Qwen2-MoE's unless its qkv_bias is off
+        "add_qkv_bias": kind == "qwen2" or (kind == "qwen2_moe" and bool(config.get("qkv_bias", True))),
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
         # Mistral's and Mixtral's window covers every layer (Qwen2's only some: the rules refuse what it changes).
         "sliding_window": config.get("sliding_window") if kind in ("mistral", "mixtral") else None,
@@ -272,6 +276,35 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
             "moe_router_topk": topk,
             "disable_moe_token_dropping": True,  # Mixtral has no expert capacity
         }
+    if kind in QWEN_MOE:
+        flags |= _qwen_moe_flags(config)
+    return flags
+
+
+def _qwen_moe_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen1.5/2/3-MoE's experts: a layer is MoE unless listed in mlp_only_layers or off the decoder_sparse_step;
+    softmax over all experts, the top k renormalised only with norm_topk_prob; Qwen2-MoE's shared expert with its
+    sigmoid gate; no expert capacity (dropless)."""
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map); 4 wrote num_experts
+    experts = int(config["num_experts"] if "num_experts" in config else config["num_local_experts"])
+    topk = int(config["num_experts_per_tok"])
+    step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or [])
+    if config.get("norm_topk_prob") and topk == 1:
+        raise UnsupportedModel("config.json's norm_topk_prob with num_experts_per_tok 1 gives every token weight 1; "
+                               "the built-in top-1 router (Switch) keeps the router probability")
+    per_layer = [experts if experts > 0 and i not in dense and (i + 1) % step == 0 else 0
+                 for i in range(int(config["num_hidden_layers"]))]
+    flags: dict[str, Any] = {
+        "num_experts": per_layer if any(per_layer) else None,
+        "moe_layer_freq": 1,
+        "moe_router_topk": topk,
+        "moe_router_pre_softmax": not config.get("norm_topk_prob", False),
+        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+        "disable_moe_token_dropping": True,  # Qwen-MoE has no expert capacity
+    }
+    shared = config.get("shared_expert_intermediate_size") if config["model_type"] == "qwen2_moe" else None
+    if shared:
+        flags |= {"moe_shared_expert_intermediate_size": int(shared), "moe_shared_expert_gate": True}
     return flags
 
 
@@ -321,12 +354,17 @@ _BASE = {
     "num_experts": None,
     "embed_layernorm": False,
     "sliding_window": None,
+    "moe_router_pre_softmax": False,
+    "moe_ffn_hidden_size": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False,
 }
 
 
 # Flags taken from config.json that are counts (a positive int; bool is refused, JSON's true is no size).
 _COUNT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                "num_query_groups", "moe_router_topk", "kv_channels", "sliding_window")
+                "num_query_groups", "moe_router_topk", "kv_channels", "sliding_window", "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size")
 
 
 def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from torch import nn
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.hf_config import (
     LLAMA_FAMILY,
+    QWEN_MOE,
     TOKENIZER_FILES,
     UnsupportedModel,
     family,
@@ -130,7 +131,23 @@ def _stacked_experts(ours: str, theirs: list[str]) -> Link:
                 to_theirs=lambda t: [m.t() for m in t[0].unbind(0)])
 
 
-def _llama_links(config: ModelConfig) -> list[Link]:
+def _qwen_moe_links(config: ModelConfig, ours: str, theirs: str, experts: int) -> list[Link]:
+    """One Qwen-MoE layer's MLP: the router (`gate`), the experts' gate/up/down projections, Qwen2-MoE's shared
+    expert and its gate."""
+    links = [one(f"{ours}.mlp.router.weight", f"{theirs}.gate.weight")]
+    for our_name, their_name in (("w_gate", "gate_proj"), ("w1", "up_proj"), ("w2", "down_proj")):
+        links.append(_stacked_experts(f"{ours}.mlp.experts.{our_name}",
+                                      [f"{theirs}.experts.{e}.{their_name}.weight" for e in range(experts)]))
+    if config.moe_shared_expert_intermediate_size:
+        links += [one(f"{ours}.mlp.shared_experts.fc1.weight", f"{theirs}.shared_expert.up_proj.weight"),
+                  one(f"{ours}.mlp.shared_experts.gate.weight", f"{theirs}.shared_expert.gate_proj.weight"),
+                  one(f"{ours}.mlp.shared_experts.fc2.weight", f"{theirs}.shared_expert.down_proj.weight")]
+        if config.moe_shared_expert_gate:
+            links.append(one(f"{ours}.mlp.shared_expert_gate.weight", f"{theirs}.shared_expert_gate.weight"))
+    return links
+
+
+def _llama_links(config: ModelConfig, hf_model_type: str = "llama") -> list[Link]:
     links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
              one("final_norm.weight", "model.norm.weight")]
     if not config.tie_embeddings:
@@ -150,6 +167,9 @@ def _llama_links(config: ModelConfig) -> list[Link]:
             links += [one(f"{ours}.mlp.fc1.weight", f"{theirs}.mlp.up_proj.weight"),
                       one(f"{ours}.mlp.gate.weight", f"{theirs}.mlp.gate_proj.weight"),
                       one(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight")]
+            continue
+        if hf_model_type in QWEN_MOE:
+            links += _qwen_moe_links(config, ours, f"{theirs}.mlp", experts)
             continue
         moe = f"{theirs}.block_sparse_moe"
         links.append(one(f"{ours}.mlp.router.weight", f"{moe}.gate.weight"))
@@ -197,7 +217,7 @@ def links_for(hf_model_type: str, config: ModelConfig) -> list[Link]:
     if hf_model_type == "bloom":
         return _bloom_links(config)
     if hf_model_type in LLAMA_FAMILY:
-        return _llama_links(config)
+        return _llama_links(config, hf_model_type)
     return _bert_links(config)
 
 
@@ -383,7 +403,8 @@ def export_family(config: ModelConfig) -> str:
         kind = "gpt2"
     else:
         kind = _llama_kind(config, need)
-        need(kind != "qwen2" or config.kv_channels in (None, config.hidden_size // config.num_attention_heads),
+        need(kind not in ("qwen2", "qwen2_moe")
+             or config.kv_channels in (None, config.hidden_size // config.num_attention_heads),
              "no --kv-channels (Qwen2's config has no head_dim)")
         need(config.rope_scaling == "none" or config.rotary_interpolation_factor == 1,
              "one rope scaling (--use-rope-scaling or --rotary-seq-len-interpolation-factor, not both)")
@@ -418,10 +439,29 @@ def _llama_kind(config: ModelConfig, need: Callable[[bool, str], None]) -> str:
          "rope, --swiglu and --disable-bias-linear (Llama)")
     need(not config.post_layernorm and not config.embed_layernorm, "pre-norm layers, no --embed-layernorm")
     if any(config.num_experts):
-        need(len(set(config.num_experts)) == 1, "the same number of experts in every layer (Mixtral)")
-        need(config.moe_router_topk > 1, "--moe-router-topk 2 (Mixtral renormalises the top-k weights)")
+        need(config.moe_router_score_function == "softmax" and not config.moe_router_enable_expert_bias
+             and not config.moe_router_num_groups and not config.moe_router_topk_scaling_factor
+             and not config.moe_residual,
+             "a softmax router without expert bias, groups or scaling, and no PR-MoE (Mixtral, Qwen-MoE)")
+        routed = {experts for experts in config.num_experts if experts}
+        need(len(routed) == 1, "the same number of experts in every MoE layer")
+        if config.moe_shared_expert_intermediate_size or config.qk_layernorm:
+            kind = "qwen3_moe" if config.qk_layernorm else "qwen2_moe"
+            need(not (config.moe_shared_expert_intermediate_size and config.qk_layernorm),
+                 "shared experts (Qwen2-MoE) or --qk-layernorm (Qwen3-MoE), not both")
+            need(kind == "qwen3_moe" or config.moe_shared_expert_gate,
+                 "--moe-shared-expert-gate with shared experts (Qwen2-MoE gates its shared expert)")
+            need(kind == "qwen2_moe" or not config.add_qkv_bias, "no --add-qkv-bias (Qwen3-MoE)")
+            need(config.moe_router_topk > 1 or config.moe_router_pre_softmax,
+                 "--moe-router-pre-softmax with top-1 (Qwen-MoE renormalises a single weight to 1 otherwise)")
+            return kind
+        need(all(config.num_experts), "every layer MoE (Mixtral; dense layers export as Qwen-MoE's mlp_only_layers "
+             "with --qk-layernorm or shared experts)")
+        need(config.expert_ffn_size == config.ffn_size, "no --moe-ffn-hidden-size other than --ffn-hidden-size "
+             "(Mixtral)")
+        need(config.moe_router_topk > 1 and not config.moe_router_pre_softmax,
+             "--moe-router-topk 2 or more without --moe-router-pre-softmax (Mixtral renormalises the top-k weights)")
         need(not config.add_qkv_bias, "no --add-qkv-bias (Mixtral)")
-        need(not config.qk_layernorm, "no --qk-layernorm (Mixtral)")
         return "mixtral"
     if config.qk_layernorm:
         need(not config.add_qkv_bias, "no --add-qkv-bias (Qwen3)")
@@ -461,8 +501,22 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
             rms_norm_eps=config.layernorm_epsilon, rope_parameters=hf_rope_parameters(config),
             tie_word_embeddings=tie, attention_dropout=dropout, initializer_range=config.init_method_std,
             hidden_act="silu", bos_token_id=None, eos_token_id=None)
-        if kind != "qwen2":  # Qwen2's config has no head_dim (export_family refuses --kv-channels there)
+        if kind not in ("qwen2", "qwen2_moe"):  # Qwen2's config has no head_dim (export_family refuses --kv-channels)
             common["head_dim"] = config.head_dim
+        if kind in QWEN_MOE:
+            experts = max(config.num_experts)
+            moe: dict[str, Any] = dict(
+                moe_intermediate_size=config.expert_ffn_size, num_experts=experts,
+                num_experts_per_tok=config.moe_router_topk, norm_topk_prob=not config.moe_router_pre_softmax,
+                decoder_sparse_step=1, mlp_only_layers=[i for i, e in enumerate(config.num_experts) if not e],
+                router_aux_loss_coef=config.moe_aux_loss_coeff, use_sliding_window=False)
+            if kind == "qwen2_moe":
+                return transformers.Qwen2MoeConfig(
+                    **common, **moe, qkv_bias=config.add_qkv_bias,
+                    shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                    architectures=["Qwen2MoeForCausalLM"])
+            return transformers.Qwen3MoeConfig(**common, **moe, attention_bias=False,
+                                               architectures=["Qwen3MoeForCausalLM"])
         if kind == "qwen3":
             return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False,
                                             architectures=["Qwen3ForCausalLM"])

@@ -18,9 +18,10 @@ def gelu(x: torch.Tensor, tanh_approximation: bool) -> torch.Tensor:
 class MLP(nn.Module):
     """fc1 (h → ffn), GELU, fc2 (ffn → h); with SwiGLU fc2(silu(gate(x)) · fc1(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ffn_size: int | None = None) -> None:
+        """`ffn_size`: the hidden size when not the config's (an MoE layer's shared experts)."""
         super().__init__()
-        h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
+        h, f, bias = config.hidden_size, ffn_size or config.ffn_size, config.add_bias_linear
         self.openai_gelu = config.openai_gelu
         self.fc1 = nn.Linear(h, f, bias=bias)
         self.gate = nn.Linear(h, f, bias=bias) if config.swiglu else None

@@ -587,3 +587,6 @@ def init_weights(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, module, param in canonical_parameters(model):
             set_parameter(param, initial_value(name, module, param.shape, config, seed))
+        for module in model.modules():  # buffers that start at zero (materialized from meta they hold garbage)
+            if isinstance(module, MoELayer) and module.expert_bias is not None:
+                module.expert_bias.zero_()

@@ -41,6 +41,13 @@ def hf_configs():
         "qwen3": (t.Qwen3Config(**LLAMA | {"head_dim": 32}), t.Qwen3ForCausalLM),
         "llama3.1": (t.LlamaConfig(**LLAMA | {"rope_parameters": LLAMA31_ROPE}), t.LlamaForCausalLM),
         "mixtral": (t.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2), t.MixtralForCausalLM),
+        # Qwen-MoE: routed experts of their own size, a dense first layer (mlp_only_layers), Qwen2-MoE's gated
+        # shared expert and q/k/v biases, probabilities kept as they are (norm_topk_prob off) or renormalised
+        "qwen2_moe": (t.Qwen2MoeConfig(**LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                                       shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+                      t.Qwen2MoeForCausalLM),
+        "qwen3_moe": (t.Qwen3MoeConfig(**LLAMA | {"head_dim": 32}, num_experts=6, num_experts_per_tok=2,
+                                       moe_intermediate_size=40, norm_topk_prob=True), t.Qwen3MoeForCausalLM),
         "bert": (t.BertConfig(**SHAPE), t.BertForPreTraining),
         "megatron-bert": (t.MegatronBertConfig(**SHAPE), t.MegatronBertForMaskedLM),
     }
@@ -98,7 +105,8 @@ def hf_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     return out.prediction_logits if hasattr(out, "prediction_logits") else out.logits
 
 
-FAMILIES = ["gpt2", "bloom", "llama", "mistral", "qwen2", "qwen3", "llama3.1", "mixtral", "bert", "megatron-bert"]
+FAMILIES = ["gpt2", "bloom", "llama", "mistral", "qwen2", "qwen3", "llama3.1", "mixtral", "qwen2_moe", "qwen3_moe",
+            "bert", "megatron-bert"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -279,8 +287,17 @@ def test_one_training_step_equals_hugging_face(kind, tmp_path):
     (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
           swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
           sliding_window=5), "mistral"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, num_query_groups=2, add_bias_linear=False, add_qkv_bias=True, position_embedding_type="rope",
+          tie_embeddings=False, num_experts=(0, 4), moe_router_topk=2, moe_token_dropping=False,
+          moe_ffn_hidden_size=40, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
+          moe_router_pre_softmax=True), "qwen2_moe"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
+          qk_layernorm=True, num_experts=(4, 4), moe_router_topk=2, moe_token_dropping=False,
+          moe_ffn_hidden_size=40), "qwen3_moe"),
 ], ids=["gpt2", "llama", "qwen2", "mixtral", "qwen3", "llama3.1", "linear-rope", "megatron-bert", "bert", "bloom",
-        "mistral"])
+        "mistral", "qwen2_moe", "qwen3_moe"])
 def test_builtin_models_export_to_folders_transformers_loads_with_the_same_logits(shape, kind, tmp_path):
     from rapidtrain.models import ModelConfig
 
@@ -294,8 +311,9 @@ def test_builtin_models_export_to_folders_transformers_loads_with_the_same_logit
     assert (logits_of(ours, ids) - hf_logits_of(theirs, ids)).abs().max() < TOLERANCE
 
 
-def test_hugging_face_round_trip_keeps_every_tensor(tmp_path):
-    folder = save_tiny("mixtral", tmp_path / "in")
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_hugging_face_round_trip_keeps_every_tensor(kind, tmp_path):
+    folder = save_tiny(kind, tmp_path / "in")
     ours, _ = builtin_from(folder)
     save_hf_folder(ours.state_dict(), ours.config, tmp_path / "out")
     source, again = WeightsReader(folder), WeightsReader(tmp_path / "out")

@@ -126,6 +126,30 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "router-groups": (
+        ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1"],
+        ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+        1,
+        "cpu",
+    ),
+    "router-pre-softmax-scores": (
+        ["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"],
+        ["--num-experts", "4", "--moe-router-score-function", "softmax", "--moe-router-pre-softmax"],
+        1,
+        "cpu",
+    ),
+    "shared-expert-size": (
+        ["--num-experts", "4", "--enable-shared-expert"],
+        ["--num-experts", "4", "--enable-shared-expert", "--shared-moe-ffn-hidden-size", "64"],
+        1,
+        "cpu",
+    ),
+    "router-values-positive": (
+        ["--num-experts", "4", "--moe-router-topk-scaling-factor", "0"],
+        ["--num-experts", "4", "--moe-router-topk-scaling-factor", "2.5"],
+        1,
+        "cpu",
+    ),
     "experts-divisible-by-ep": (
         ["--num-experts", "3", "--expert-model-parallel-size", "2"],
         ["--num-experts", "4", "--expert-model-parallel-size", "2"],
