@@ -160,7 +160,12 @@ def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequenc
         "attention.v_proj": ColwiseParallel(),
         "attention.o_proj": RowwiseParallel(output_layouts=residual, use_local_output=keep_dtensor),
     }
-    if isinstance(layer.mlp, MoELayer):  # experts are not split; each rank routes the full sequence
+    if isinstance(layer.mlp, MoELayer):  # routed experts are not split; each rank routes the full sequence
+        if layer.mlp.shared_experts is not None:  # shared experts: a dense MLP, split as one (Megatron-Core)
+            plan["mlp.shared_experts.fc1"] = ColwiseParallel()
+            if layer.mlp.shared_experts.gate is not None:
+                plan["mlp.shared_experts.gate"] = ColwiseParallel()
+            plan["mlp.shared_experts.fc2"] = RowwiseParallel()
         if sequence_parallel:
             plan["mlp"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),),
@@ -237,6 +242,9 @@ def _unsplit_subtrees(model: nn.Module) -> Iterator[nn.Module]:
         if params and len(plain(module)) == len(params):
             yield module
             return
+        if isinstance(module, MoELayer):  # split shared experts: the router and experts replicated as one, since
+            yield module  # the layer reads their weights outside their own forwards (ReplicatedParameters: plain only)
+            return
         for child in module.children():
             yield from visit(child)
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
@@ -266,8 +274,10 @@ class ReplicatedParameters(ParallelStyle):
         self.sum_gradients = sum_gradients
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # The module's plain parameters; those already split (an MoE layer's shared experts) keep their own style.
         owners = [
-            (owner, name) for owner in module.modules() for name, _ in owner.named_parameters(recurse=False)
+            (owner, name) for owner in module.modules() for name, param in owner.named_parameters(recurse=False)
+            if not isinstance(param, DTensor)
         ]
         for owner, name in owners:
             param = owner._parameters[name]
