@@ -545,6 +545,12 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-shared-experts", type=int, default=None,
                    help="Pai-Megatron-Patch (DeepSeek): this many shared experts of the routed experts' size "
                         "(--moe-ffn-hidden-size), one MLP of their summed size.")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Multi-token prediction (DeepSeek-V3): this many extra depths after the layers, depth k "
+                        "predicting the token k + 1 ahead through the shared embedding and head; their loss is "
+                        "logged apart and added to the gradient.")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="The multi-token prediction loss's weight: factor / depths × the sum of the depths' losses.")
     g.add_argument("--shared-moe-ffn-hidden-size", type=int, default=None,
                    help="Pai-Megatron-Patch (Qwen-MoE): the shared experts' hidden size, with --enable-shared-expert.")
     # Rapidformer's GPT-MoE options.

@@ -333,7 +333,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--skip-mmap-warmup": (NO_EFFECT, "rapidtrain does not warm the memory map unless --mmap-warmup"),
     "--z-loss-weight": (REFUSED, "a z-loss on the output logits is not in rapidtrain (the router's is "
                                  "--moe-z-loss-coeff)"),
-    "--mtp-num-layers": (REFUSED, "multi-token prediction is not in rapidtrain's models"),
 }
 
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
@@ -433,7 +432,8 @@ PATTERNS: list[tuple[str, str, str]] = [
      "Mamba, hybrid, linear-attention and sparse-attention layers are not in rapidtrain's models"),
     (r"--q-lora-rank|--kv-lora-rank|--qk-(head-dim|nope-head-dim|rope-head-dim|pos-emb-head-dim)|--v-head-dim|"
      r"--cache-mla-latents", REFUSED, "Multi-head Latent Attention (DeepSeek) is not in rapidtrain's models"),
-    (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "multi-token prediction is not in rapidtrain's models"),
+    (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "that multi-token prediction option is not in rapidtrain "
+     "(--mtp-num-layers and --mtp-loss-scaling-factor are)"),
     (r"--yarn-.*|--no-yarn-.*", REFUSED, "YaRN RoPE scaling is not in rapidtrain's models"),
     (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--apply-wd-to-qk-layernorm|--mup-.*|--use-mup|--muon-.*|"
      r"--lion-.*|--soap-.*|--use-bnb-optimizer|--no-weight-decay-cond-type", REFUSED,

@@ -131,6 +131,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=shared_expert_size(args),
         moe_shared_expert_gate=args.moe_shared_expert_gate,
+        mtp_num_layers=args.mtp_num_layers or 0,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         normalization=args.normalization,
         swiglu=args.swiglu,
         num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,

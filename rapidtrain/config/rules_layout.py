@@ -389,6 +389,20 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         lambda a, c: f"{shared_expert_problem(a)}.",
     ),
     Rule(
+        "mtp-layout", ("--mtp-num-layers", "--pipeline-model-parallel-size", "--sequence-parallel", "--model-type"),
+        "Multi-token prediction runs in the built-in GPT without pipeline parallelism and without sequence "
+        "parallelism, with at least one depth.",
+        lambda a, c: bool(a.mtp_num_layers is not None and (
+            a.mtp_num_layers < 1 or a.model_type != "gpt" or pp_size(a) > 1 or a.sequence_parallel)),
+        lambda a, c: f"--mtp-num-layers {a.mtp_num_layers}: "
+        + ("give 1 or more depths (or leave the flag out)" if a.mtp_num_layers < 1 else
+           "multi-token prediction is a GPT feature here; drop it for BERT" if a.model_type != "gpt" else
+           "under --pipeline-model-parallel-size the last stage receives hidden states only, not the labels its "
+           "depths predict from; train it with tensor, expert or data parallelism and ZeRO/FSDP instead"
+           if pp_size(a) > 1 else
+           "with --sequence-parallel the depths' inputs would be sequence-sharded; drop --sequence-parallel") + ".",
+    ),
+    Rule(
         "router-values-positive", ("--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate",
                                    "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"),
         "Router factors and expert sizes are positive.",

@@ -54,6 +54,9 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None  # each routed expert's hidden size; None: ffn_size
     moe_shared_expert_intermediate_size: int | None = None  # all shared experts together (one MLP); None: none
     moe_shared_expert_gate: bool = False  # Qwen-MoE: the shared experts' output times sigmoid(Linear(h, 1)(x))
+    # Multi-token prediction (DeepSeek-V3, --mtp-num-layers): depths predicting 2, 3, ... tokens ahead (mtp.py).
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     # Llama-family switches (Megatron's flag names); the defaults keep GPT-2's architecture.
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"

@@ -103,6 +103,18 @@ def _layer(config: ModelConfig, experts: int) -> Tensors:
     return tensors
 
 
+def _mtp_depth(config: ModelConfig) -> Tensors:
+    """One multi-token prediction depth's (models/mtp.py): its two input norms, the [h, 2h] projection, a layer of
+    the last layer's kind and its final norm."""
+    h = config.hidden_size
+    return (_norm(config) * 2 + _linear(2 * h, h, bias=False)
+            + _layer(config, config.experts_in_layer(config.num_layers - 1)) + _norm(config))
+
+
+def _mtp(config: ModelConfig) -> Tensors:
+    return _mtp_depth(config) * config.mtp_num_layers if config.model_type == "gpt" else []
+
+
 def layer_shapes(config: ModelConfig, experts: int) -> tuple[list[Shape], list[Shape]]:
     """(shared, expert) parameter shapes of one layer with `experts` experts (0: a dense MLP, no expert shapes)."""
     tensors = _layer(config, experts)
@@ -118,10 +130,13 @@ def parameter_order(config: ModelConfig) -> Iterator[tuple[Shape, Role]]:
     for layer in range(config.num_layers):
         yield from _layer(config, config.experts_in_layer(layer))
     yield from _head(config)
+    yield from _mtp(config)
 
 
 def _outside_layers(config: ModelConfig) -> list[Shape]:
-    return [shape for shape, _ in _embedding(config) + _head(config)]
+    """Outside the transformer layers: embedding, head and multi-token prediction's depths (their experts'
+    share is added to expert_parameter_count apart)."""
+    return [shape for shape, _ in _embedding(config) + _head(config) + _mtp(config)]
 
 
 def parameter_shapes(config: ModelConfig) -> dict[Shape, int]:
@@ -140,8 +155,9 @@ def _elements(shapes: list[Shape]) -> int:
 
 def expert_parameter_count(config: ModelConfig) -> int:
     """Parameters of all MoE layers' experts (not routers): what expert parallelism shards."""
-    return sum(layers * _elements(layer_shapes(config, experts)[1])
-               for experts, layers in _layers_by_experts(config).items())
+    mtp_experts = [shape for shape, role in _mtp(config) if role.startswith("expert")]
+    return _elements(mtp_experts) + sum(layers * _elements(layer_shapes(config, experts)[1])
+                                        for experts, layers in _layers_by_experts(config).items())
 
 
 def count_parameters(config: ModelConfig) -> tuple[int, int]:
@@ -150,6 +166,10 @@ def count_parameters(config: ModelConfig) -> tuple[int, int]:
     Equals `sum(p.numel() for p in build_model(config).parameters())` for the total.
     """
     total = active = _elements(_outside_layers(config))
+    last = config.experts_in_layer(config.num_layers - 1) if config.mtp_num_layers and config.num_layers else 0
+    if last and config.model_type == "gpt":  # the depths' MoE layers: only the top k of their experts are active
+        stacked = _elements(layer_shapes(config, last)[1])
+        active -= config.mtp_num_layers * (stacked - config.moe_router_topk * stacked // last)
     for experts, layers in _layers_by_experts(config).items():
         shared, stacked = layer_shapes(config, experts)
         one_expert = _elements(stacked) // experts if experts else 0
@@ -184,6 +204,8 @@ def model_flops_per_iteration(
                                        2·N·h·E, the shared experts (a dense MLP of their f) and their gate 2·N·h,
                                        PR-MoE's dense MLP and coefficients 2·N·h·2
       logits                           2·N·h·V
+      multi-token prediction           per depth: the [h, 2h] projection 2·N·2h·h, a layer of the last layer's
+                                       kind (scores as one layer's), the logits again
       BERT heads                       MLM dense 2·N·h², pooler 2·B·h², binary head 2·B·h·2
     Dense GPT with f = 4h: forward = 24·N·L·h² + 2·N·L·s·h + 2·N·h·V
       = 24·B·s·L·h²·(1 + s/(12h) + V/(12·L·h)); times 3 for forward + backward is Megatron's 72·(...).
@@ -197,7 +219,8 @@ def model_flops_per_iteration(
     projections = 2 * 2 * tokens * h * inner + 2 * 2 * tokens * h * groups
     forward = 2 * tokens * h * config.vocab_size + _score_flops(config, tokens, s, inner)
     matrices = 3 if config.swiglu else 2
-    for experts, layers in _layers_by_experts(config).items():
+
+    def layer(experts: int) -> int:
         mlp = matrices * 2 * tokens * h * f
         if experts:
             shared = config.moe_shared_expert_intermediate_size or 0
@@ -205,7 +228,15 @@ def model_flops_per_iteration(
                    + 2 * tokens * h * experts + matrices * 2 * tokens * h * shared
                    + (2 * tokens * h if shared and config.moe_shared_expert_gate else 0)
                    + (mlp + 2 * tokens * h * 2 if config.moe_residual else 0))
-        forward += layers * (projections + mlp)
+        return projections + mlp
+
+    for experts, layers in _layers_by_experts(config).items():
+        forward += layers * layer(experts)
+    if config.mtp_num_layers and config.model_type == "gpt":  # each depth: [h, 2h] projection, a layer, the head
+        one_layer_scores = _score_flops(config, tokens, s, inner) // max(config.num_layers, 1)
+        depth = (2 * tokens * 2 * h * h + layer(config.experts_in_layer(config.num_layers - 1)) + one_layer_scores
+                 + 2 * tokens * h * config.vocab_size)
+        forward += config.mtp_num_layers * depth
     if config.model_type == "bert":
         forward += 2 * tokens * h * h
         if config.bert_binary_head:

@@ -112,13 +112,17 @@ class Routing(NamedTuple):
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Multiply the router losses' gradient by `scale` in every MoE layer of `model` (default 1.0).
+    """Multiply the router losses' (and multi-token prediction's) gradient by `scale` in `model` (default 1.0).
 
     Set it to what the main loss is multiplied by before backward, e.g. 1 / accumulation steps
     (times the fp16 loss scale), so both gradients carry the same factor. Read at forward time; a plain
     float attribute, so torch.compile guards on its value."""
     for layer in moe_layers(model).values():
         layer.aux_loss_scale = float(scale)
+    from rapidtrain.models.mtp import mtp_modules  # mtp.py builds on this module
+
+    for module in mtp_modules(model):  # multi-token prediction's loss takes the same factor
+        module.loss_scale = float(scale)
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -271,6 +275,7 @@ class MoELayer(nn.Module):
         self.returns_aux_loss = False
         self.last_aux_loss: torch.Tensor | None = None
         self.aux_collected_from: torch.Tensor | None = None  # routing_stats when collect_aux_losses last read it
+        self.load_collected_from: torch.Tensor | None = None  # ... and when collect_expert_load did
         self.aux_loss_scale = 1.0  # set_aux_loss_scale: the factor the main loss carries into backward
         self.stats_paused = False  # routing_stats_paused: forwards that are no training step
 
@@ -449,11 +454,13 @@ def collect_aux_losses(model: nn.Module) -> torch.Tensor | None:
 
 
 def collect_expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Per MoE layer, assignments each expert received (before dropping) since the last call; resets."""
+    """Per MoE layer that has run, assignments each expert received (before dropping) since the last call, fp64
+    (exact counts); resets. No host read (the log line reads them all at once)."""
     loads = {}
     for name, layer in moe_layers(model).items():
         stats = layer.routing_stats
-        if stats is not None and stats[2:].sum() > 0:
-            loads[name] = stats[2:].long()
+        if stats is not None and stats is not layer.load_collected_from:  # a forward replaced it since
+            loads[name] = stats[2:].clone()
             stats[2:].zero_()
+            layer.load_collected_from = stats
     return loads

@@ -1,7 +1,8 @@
 """Fine-grained MoE under every layout (issue 41): a DeepSeek-V3-style model (sigmoid router with aux-loss-free expert
 bias, group-limited routing, routed scaling, routed experts of their own size, a shared expert, the sequence-wise
-balancing loss, a dense first layer) and a Qwen2-MoE-style one (softmax kept as it is, a gated shared expert) train
-under TP 2, PP 2, EP 2, ZeRO-2 and FSDP on 4 ranks at loss parity with one process, in one torchrun launch; PP 2 ×
+balancing loss, a dense first layer; with two multi-token prediction depths too) and a Qwen2-MoE-style one (softmax
+kept as it is, a gated shared expert) train under TP 2, PP 2 (not MTP), EP 2, ZeRO-2 and FSDP on 4 ranks at loss
+parity with one process, in one torchrun launch; PP 2 ×
 EP 2 stopped at iteration 3 resumes bitwise (the expert biases come back from the checkpoint), and the one-process
 checkpoint continues at EP 2."""
 
@@ -41,7 +42,10 @@ LAYOUTS = {
     "zero2": ["--zero-2-memory-optimization"],
     "fsdp": ["--fsdp-memory-optimization"],
 }
-RUNS_OF = {"deepseek": (DEEPSEEK, list(LAYOUTS)), "qwen": (QWEN, ["tp2", "ep2"])}
+# Multi-token prediction (two depths, the second layer's MoE kind) under every layout it runs in (not PP).
+MTP = DEEPSEEK + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+RUNS_OF = {"deepseek": (DEEPSEEK, list(LAYOUTS)), "qwen": (QWEN, ["tp2", "ep2"]),
+           "mtp": (MTP, ["tp2", "ep2", "zero2", "fsdp"])}
 PARITY = 1e-5  # relative, fp32
 
 
@@ -86,12 +90,15 @@ def differences(out: Path, name: str, reference: str) -> dict[str, float]:
     def only(values: dict[int, float]) -> dict[int, float]:
         return {i: values[i] for i in iterations}
 
-    return {
+    found = {
         "lm loss": relative_difference(losses, only(read_losses(ref))),
         "grad norm": relative_difference(read_grad_norms(run), only(read_grad_norms(ref))),
         "load balancing loss": relative_difference(read_extra(run, "load_balancing_loss"),
                                                    only(read_extra(ref, "load_balancing_loss"))),
     }
+    if name.startswith("mtp"):
+        found["mtp loss"] = relative_difference(read_extra(run, "mtp_loss"), only(read_extra(ref, "mtp_loss")))
+    return found
 
 
 @pytest.mark.slow
@@ -115,6 +122,17 @@ def test_expert_biases_resume_bitwise_and_load_across_layouts(trained):
     found = differences(trained, "deepseek_ep2_from_single", "deepseek_single")
     assert sorted(read_losses(trained / "deepseek_ep2_from_single.txt")) == [4, 5, 6]
     assert all(value < PARITY for value in found.values()), found
+
+
+@pytest.mark.slow
+def test_mtp_loss_is_logged_and_trains(trained):
+    """The depths' loss is logged apart from the lm loss, and their gradient changes training: the MTP model's lm
+    losses leave the plain model's after the first step (same data, same initial main weights)."""
+    mtp, plain = read_losses(trained / "mtp_single.txt"), read_losses(trained / "deepseek_single.txt")
+    mtp_loss = read_extra(trained / "mtp_single.txt", "mtp_loss")
+    assert sorted(mtp_loss) == list(range(1, 7)) and all(8.0 < value < 10.0 for value in mtp_loss.values())
+    assert mtp[1] == pytest.approx(plain[1], rel=1e-6)  # the depths do not change the main model's forward
+    assert relative_difference(mtp, plain) > 1e-6
 
 
 @pytest.mark.slow

@@ -43,6 +43,10 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, add_bias_
         {"model_type": "bert", "post_layernorm": True, "bert_binary_head": True, "num_tokentypes": 2},
         {"position_embedding_type": "alibi", "embed_layernorm": True},
         {**LLAMA, "embed_layernorm": True, "sliding_window": 8},
+        # fine-grained MoE: experts of their own size, gated shared experts, multi-token prediction's depths
+        {**LLAMA, "num_experts": (0, 4, 4, 8), "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
+         "moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True, "mtp_num_layers": 2},
+        {"mtp_num_layers": 1},
     ],
 )
 def test_total_parameters_match_the_built_model(overrides: dict):
@@ -81,6 +85,10 @@ def model_configs(draw) -> ModelConfig:
         post_layernorm=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
         num_tokentypes=draw(st.integers(0, 2)), bert_binary_head=binary_head,
         num_experts=experts, moe_router_topk=draw(st.integers(1, smallest)), moe_residual=draw(st.booleans()),
+        moe_ffn_hidden_size=draw(st.sampled_from([None, 3])),
+        moe_shared_expert_intermediate_size=draw(st.sampled_from([None, 4])) if any(experts) else None,
+        moe_shared_expert_gate=draw(st.booleans()),
+        mtp_num_layers=draw(st.integers(0, 2)) if model_type == "gpt" else 0,
     )
 
 

@@ -126,6 +126,12 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "mtp-layout": (
+        ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
+        ["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--num-layers", "2"],
+        2,
+        "cpu",
+    ),
     "router-groups": (
         ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1"],
         ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
