@@ -232,7 +232,7 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
                    help="Linear position interpolation: rope sees positions / this factor (default 1: none).")
     g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
-                   help="Rotary kind: plain rope, or YaRN (Peng et al. 2023; DeepSeek-V2/V3, Qwen): pairs turning "
+                   help="Rotary kind: plain rope, or YaRN (arXiv 2309.00071; DeepSeek-V2/V3, Qwen): pairs turning "
                         "between --yarn-beta-slow and --yarn-beta-fast times over the original context blended from "
                         "their frequency to it / --rotary-scaling-factor, cos/sin scaled by mscale. Default rope; "
                         "with --multi-latent-attention YaRN (Megatron-Core's MLA default; a factor of 1 is plain "
