@@ -261,14 +261,6 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         lambda a, c: "; ".join(mla_problems(a)) + ".",
     ),
     Rule(
-        "mla-tensor-parallel", ("--multi-latent-attention", "--tensor-model-parallel-size"),
-        "Multi-head latent attention runs without tensor parallelism here.",
-        lambda a, c: a.multi_latent_attention and tp_size(a) > 1,
-        lambda a, c: f"--multi-latent-attention with --tensor-model-parallel-size {tp_size(a)}: the latent "
-        "attention's split over tensor-parallel ranks is not in rapidtrain yet. Use --tensor-model-parallel-size 1 "
-        "(and ZeRO/FSDP or pipeline parallelism for memory).",
-    ),
-    Rule(
         "rope-scaling-factors-positive", ("--rope-scaling-factor", "--rotary-seq-len-interpolation-factor"),
         "Rope scaling factors are positive.",
         lambda a, c: a.rope_scaling_factor <= 0 or (a.rotary_seq_len_interpolation_factor is not None

@@ -205,9 +205,9 @@ def model_flops_per_iteration(
     s = seq_length or config.seq_length
     b, h, f = global_batch_size, config.hidden_size, config.ffn_size
     tokens = b * s
-    inner = config.head_dim * config.num_attention_heads
+    inner: float = config.head_dim * config.num_attention_heads
     groups = config.head_dim * config.query_groups
-    projections = 2 * 2 * tokens * h * inner + 2 * 2 * tokens * h * groups
+    projections = 2 * 2 * tokens * h * int(inner) + 2 * 2 * tokens * h * groups
     if config.multi_latent_attention:
         projections, inner = _latent_attention_flops(config, tokens)
     forward = 2 * tokens * h * config.vocab_size + _score_flops(config, tokens, s, inner)
@@ -238,7 +238,7 @@ def _score_flops(config: ModelConfig, tokens: int, s: int, inner: float) -> int:
     """Q·Kᵀ and probs·V of every layer: 2 · 2 FLOPs per query, key and head dimension, with the keys a query sees
     on average: s (BERT), s/2 (causal), w - w²/2s with a sliding window w < s (the first w queries see fewer)."""
     if config.model_type != "gpt":
-        return 4 * tokens * s * inner * config.num_layers
+        return int(4 * tokens * s * inner * config.num_layers)
     window = config.sliding_window
     full = config.num_layers
     if window is not None and window < s:

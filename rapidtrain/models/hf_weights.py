@@ -7,7 +7,7 @@ state dict as a folder transformers loads (config.json + safetensors, in the hub
 
 Each family's map is a list of Links: built-in tensors on one side, Hugging Face tensors on the other, and a
 function each way (GPT-2 fuses q/k/v and stores Conv1D weights transposed; Mixtral keeps one matrix per
-expert, the built-in MoE stacks them input-major).
+expert, the built-in MoE stacks them input-major; DeepSeek's rotary rows are interleaved pairs).
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ from torch import nn
 
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.hf_config import (
+    DEEPSEEK_FAMILY,
     LLAMA_FAMILY,
     TOKENIZER_FILES,
     UnsupportedModel,
     family,
     read_config,
     refuse_pickled_weights,
+    rope_interleaved,
 )
+from rapidtrain.models.rope import rope_attention_factor
 from rapidtrain.models.transformer import canonical_parameters, set_parameter
 
 Tensors = list[torch.Tensor]
@@ -160,6 +163,69 @@ def _llama_links(config: ModelConfig) -> list[Link]:
     return links
 
 
+def _halves_of_pairs(rows: torch.Tensor) -> torch.Tensor:
+    """Rotary rows in interleaved pairs (x0, x1), (x2, x3), ... → halves (x0, x2, ...), (x1, x3, ...): rotating the
+    halves (the built-in rope) gives the same dot products as rotating the pairs (DeepSeek's)."""
+    return torch.cat([rows[0::2], rows[1::2]])
+
+
+def _pairs_of_halves(rows: torch.Tensor) -> torch.Tensor:
+    """The inverse of _halves_of_pairs."""
+    pairs = torch.empty_like(rows)
+    half = rows.shape[0] // 2
+    pairs[0::2], pairs[1::2] = rows[:half], rows[half:]
+    return pairs
+
+
+def _rotary_rows(ours: str, theirs: str, heads: int, rows: int, rotary: int, interleaved: bool) -> Link:
+    """A projection whose output is `heads` blocks of `rows` rows, the last `rotary` of each rotated by rope; with
+    `interleaved` those rows are reordered between DeepSeek's pairs and the built-in halves."""
+    if not interleaved:
+        return one(ours, theirs)
+
+    def reorder(how: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Tensors], Tensors]:
+        def apply(t: Tensors) -> Tensors:
+            blocks = t[0].reshape(heads, rows, *t[0].shape[1:])
+            rotated = torch.stack([how(block[rows - rotary:]) for block in blocks])
+            return [torch.cat([blocks[:, :rows - rotary], rotated], dim=1).reshape(t[0].shape)]
+        return apply
+
+    return Link((ours,), (theirs,), reorder(_halves_of_pairs), reorder(_pairs_of_halves))
+
+
+def _deepseek_links(config: ModelConfig, interleaved: bool) -> list[Link]:
+    """DeepSeek-V2/V3 with dense layers: Llama's names outside attention, MLA's q_a/q_b/kv_a/kv_b inside."""
+    links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+             one("final_norm.weight", "model.norm.weight")]
+    if not config.tie_embeddings:
+        links.append(one("output.weight", "lm_head.weight"))
+    heads, rotary = config.num_attention_heads, config.qk_pos_emb_head_dim
+    query_rows = config.qk_head_dim + rotary
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}", f"model.layers.{i}"
+        attention, attn = f"{ours}.attention", f"{theirs}.self_attn"
+        links += [one(f"{ours}.ln1.weight", f"{theirs}.input_layernorm.weight"),
+                  one(f"{ours}.ln2.weight", f"{theirs}.post_attention_layernorm.weight"),
+                  one(f"{ours}.mlp.fc1.weight", f"{theirs}.mlp.up_proj.weight"),
+                  one(f"{ours}.mlp.gate.weight", f"{theirs}.mlp.gate_proj.weight"),
+                  one(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight"),
+                  one(f"{attention}.kv_down_norm.weight", f"{attn}.kv_a_layernorm.weight"),
+                  one(f"{attention}.kv_up_proj.weight", f"{attn}.kv_b_proj.weight"),
+                  one(f"{attention}.o_proj.weight", f"{attn}.o_proj.weight"),
+                  # kv_a's rows: the latent, then the one rotary key (a single "head" of latent + rotary rows)
+                  _rotary_rows(f"{attention}.kv_down_proj.weight", f"{attn}.kv_a_proj_with_mqa.weight", 1,
+                               config.kv_lora_rank + rotary, rotary, interleaved)]
+        if config.q_lora_rank is None:
+            links.append(_rotary_rows(f"{attention}.q_proj.weight", f"{attn}.q_proj.weight", heads, query_rows,
+                                      rotary, interleaved))
+        else:
+            links += [one(f"{attention}.q_down_proj.weight", f"{attn}.q_a_proj.weight"),
+                      one(f"{attention}.q_down_norm.weight", f"{attn}.q_a_layernorm.weight"),
+                      _rotary_rows(f"{attention}.q_up_proj.weight", f"{attn}.q_b_proj.weight", heads, query_rows,
+                                   rotary, interleaved)]
+    return links
+
+
 def _bert_links(config: ModelConfig) -> list[Link]:
     """HF BERT (post-LN) or Megatron-BERT (pre-LN, as the built-in BERT's default)."""
     links = [one("embedding.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
@@ -191,7 +257,10 @@ def _bert_links(config: ModelConfig) -> list[Link]:
     return links
 
 
-def links_for(hf_model_type: str, config: ModelConfig) -> list[Link]:
+def links_for(hf_model_type: str, config: ModelConfig, interleaved: bool = True) -> list[Link]:
+    """The family's map; `interleaved`: DeepSeek's rotary rows are in pairs (what the export writes)."""
+    if hf_model_type in DEEPSEEK_FAMILY:
+        return _deepseek_links(config, interleaved)
     if hf_model_type == "gpt2":
         return _gpt2_links(config)
     if hf_model_type == "bloom":
@@ -327,7 +396,8 @@ def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
     """Give every parameter of a built-in model (whole, a pipeline stage, or DTensor-sharded) its value from
     the Hugging Face folder; the model's shape must be the folder's (hf_config.builtin_flags)."""
     config: ModelConfig = model.config  # type: ignore[assignment]
-    links = links_for(family(read_config(str(folder))), config)
+    hf_config = read_config(str(folder))
+    links = links_for(family(hf_config), config, rope_interleaved(hf_config))
     by_name = {name: link for link in links for name in link.ours}
     reader = WeightsReader(folder)
     ready: dict[str, torch.Tensor] = {}
@@ -347,6 +417,8 @@ def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
 
 def export_family(config: ModelConfig) -> str:
     """The Hugging Face model_type that holds this built-in model exactly, or UnsupportedModel saying why not."""
+    if config.multi_latent_attention:
+        return _deepseek_export(config)
     problems: list[str] = []
 
     def need(condition: bool, text: str) -> None:
@@ -399,6 +471,28 @@ def export_family(config: ModelConfig) -> str:
     return kind
 
 
+def _deepseek_export(config: ModelConfig) -> str:
+    """DeepSeek-V3 holds a dense GPT with multi-head latent attention (V3's config also reads every V2)."""
+    problems = [text for holds, text in (
+        (config.model_type == "gpt", "a GPT (DeepSeek is a causal LM)"),
+        (config.normalization == "RMSNorm" and config.swiglu and not config.add_bias_linear,
+         "--normalization RMSNorm, --swiglu and --disable-bias-linear"),
+        (config.qk_layernorm, "--qk-layernorm (DeepSeek's RMSNorms on the latents)"),
+        (config.layernorm_epsilon == 1e-6, "--norm-epsilon 1e-6 (transformers' DeepSeek normalises the latents "
+                                           "with it whatever rms_norm_eps says)"),
+        (not any(config.num_experts), "dense layers (the export of DeepSeek's mixture-of-experts layers is not "
+                                      "here yet)"),
+        (not config.post_layernorm and not config.embed_layernorm, "pre-norm layers, no --embed-layernorm"),
+        (config.sliding_window is None, "no --sliding-window"),
+        (config.rotary_interpolation_factor == 1 and config.rope_scaling in ("none", "yarn"),
+         "plain rope or YaRN (no --use-rope-scaling or --rotary-seq-len-interpolation-factor)"),
+    ) if not holds]
+    if problems:
+        raise UnsupportedModel(f"no Hugging Face architecture holds this {config.architecture} exactly; exporting it "
+                               "as deepseek_v3 needs " + "; ".join(problems))
+    return "deepseek_v3"
+
+
 def hf_rope_parameters(config: ModelConfig) -> dict[str, Any]:
     """Hugging Face's rope_parameters of the built-in rope: default, llama3 (Megatron's fixed factors) or linear."""
     parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
@@ -407,6 +501,12 @@ def hf_rope_parameters(config: ModelConfig) -> dict[str, Any]:
                        "low_freq_factor": config.rope_low_freq_factor,
                        "high_freq_factor": config.rope_high_freq_factor,
                        "original_max_position_embeddings": config.rope_original_max_positions}
+    elif config.rope_scaling == "yarn":  # attention_factor written out: transformers ignores a lone mscale
+        parameters |= {"rope_type": "yarn", "factor": config.rope_scaling_factor,
+                       "original_max_position_embeddings": config.rope_original_max_positions,
+                       "beta_fast": config.yarn_beta_fast, "beta_slow": config.yarn_beta_slow,
+                       "mscale": config.yarn_mscale, "mscale_all_dim": config.yarn_mscale_all_dim,
+                       "truncate": config.yarn_round_range, "attention_factor": rope_attention_factor(config)}
     elif config.rotary_interpolation_factor != 1:
         parameters |= {"rope_type": "linear", "factor": config.rotary_interpolation_factor}
     return parameters
@@ -452,6 +552,18 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
             hidden_dropout=config.hidden_dropout, attention_dropout=dropout, initializer_range=config.init_method_std,
             apply_residual_connection_post_layernorm=False, tie_word_embeddings=tie, bos_token_id=None,
             eos_token_id=None, architectures=["BloomForCausalLM"])
+    if kind == "deepseek_v3":
+        layers = config.num_layers
+        return transformers.DeepseekV3Config(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+            num_hidden_layers=layers, first_k_dense_replace=layers,  # every layer dense
+            num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
+            q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_head_dim,
+            qk_rope_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim, rope_interleave=True,
+            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
+            rope_parameters=hf_rope_parameters(config), tie_word_embeddings=tie, attention_bias=False,
+            attention_dropout=dropout, initializer_range=config.init_method_std, hidden_act="silu",
+            bos_token_id=None, eos_token_id=None, architectures=["DeepseekV3ForCausalLM"])
     if kind in LLAMA_FAMILY:
         # Any: the values are of mixed types, each the one its transformers keyword takes.
         common: dict[str, Any] = dict(

@@ -149,12 +149,16 @@ def test_yarn_flags_work_for_a_llama_model_too():
     (["--kv-lora-rank", "0"], "--kv-lora-rank 0: give at least 1"),
     (["--rope-type", "yarn", "--use-rope-scaling"], "drop --use-rope-scaling"),
     (["--yarn-beta-fast", "1", "--yarn-beta-slow", "2"], "beta-slow below beta-fast"),
-    (["--tensor-model-parallel-size", "2"], "not in rapidtrain yet"),
 ])
 def test_rules_refuse_what_mla_and_yarn_cannot_be(extra, says):
     args = arguments.parse_args([*FLAGS, *extra])
     with pytest.raises(rules.FlagConflict, match=says):
-        rules.validate(args, settings.RunContext(2, "cpu"))
+        rules.validate(args, settings.RunContext(1, "cpu"))
+
+
+def test_mla_under_tensor_parallelism_passes_the_rules():
+    args = arguments.parse_args([*FLAGS, "--tensor-model-parallel-size", "2"])
+    assert rules.violations(args, settings.RunContext(2, "cpu")) == []
 
 
 def test_mla_and_yarn_values_without_their_switch_are_said_to_do_nothing():
@@ -162,3 +166,47 @@ def test_mla_and_yarn_values_without_their_switch_are_said_to_do_nothing():
     notes = "\n".join(plan.from_args(args, settings.RunContext(1, "cpu")).notes)
     assert "--kv-lora-rank: no effect without --multi-latent-attention" in notes
     assert "--mscale: no effect without YaRN" in notes
+
+
+def _tensor_parallel_worker(rank: int, store: str) -> None:
+    """Both ranks: MLA with a query bottleneck (and YaRN, sequence parallelism) and with a plain q_proj, split over
+    2 ranks, against the whole model: logits, loss and every parameter's gradient."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from rapidtrain.models.gpt import GPTModel
+    from rapidtrain.models.transformer import init_weights
+    from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        for shape, sequence_parallel in ((MLA | YARN, True), (MLA | {"q_lora_rank": None}, False)):
+            config = ModelConfig(**SMALL, **shape)
+            whole = build_model(config, seed=8)
+            with torch.device("meta"):
+                model = GPTModel(config)
+            apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+            model.to_empty(device="cpu")
+            init_weights(model, 8)
+            up = model.layers["0"].attention.kv_up_proj.weight
+            assert isinstance(up, DTensor) and up.to_local().shape[0] == up.shape[0] // 2  # 2 of 4 heads per rank
+            ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(4))
+            loss = model(ids[:, :-1], labels=ids[:, 1:]).sum()
+            expected = whole(ids[:, :-1], labels=ids[:, 1:]).sum()
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+            loss.backward()
+            expected.backward()
+            grads = dict(whole.named_parameters())
+            for name, param in model.named_parameters():
+                grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+                torch.testing.assert_close(grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_mla_matches_one_process_loss_and_gradients(tmp_path):
+    """TP 2 (one launch, two models): heads split in q_up/q_proj and kv_up, o_proj by rows, the latents whole; the
+    shared rotary key's gradient summed over the ranks, so kv_down_proj's gradient equals one process's."""
+    torch.multiprocessing.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
