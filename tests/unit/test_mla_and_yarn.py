@@ -210,3 +210,32 @@ def test_tensor_parallel_mla_matches_one_process_loss_and_gradients(tmp_path):
     """TP 2 (one launch, two models): heads split in q_up/q_proj and kv_up, o_proj by rows, the latents whole; the
     shared rotary key's gradient summed over the ranks, so kv_down_proj's gradient equals one process's."""
     torch.multiprocessing.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_the_activation_model_counts_what_mla_saves_for_backward(q_lora_rank):
+    """The memory estimate's per-token attention widths (config/activations.py) against the bytes MLA's forward
+    really saves for backward (fp32, the layer input and the weights excluded): within 10%."""
+    from rapidtrain.config.activations import _attention_widths
+    from rapidtrain.models.rope import rotary_cos_sin
+
+    config = ModelConfig(**SMALL, **MLA | {"q_lora_rank": q_lora_rank})
+    attention = MultiLatentAttention(config, causal=True)
+    weights = {p.untyped_storage().data_ptr() for p in attention.parameters()}
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    rope = rotary_cos_sin(torch.arange(16)[None], inverse_frequency(config))
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights | {x.untyped_storage().data_ptr()}:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        attention(x, None, rope)
+    measured = sum(saved.values()) / 4 / 32  # fp32 elements per token
+    split, whole = _attention_widths(config)
+    assert measured == pytest.approx(split + whole, rel=0.1)
+    plain_split, _ = _attention_widths(ModelConfig(**SMALL))
+    assert plain_split == 4 * 64  # Q, K, V and the output of hidden size each, as before
