@@ -239,3 +239,38 @@ def test_the_activation_model_counts_what_mla_saves_for_backward(q_lora_rank):
     assert measured == pytest.approx(split + whole, rel=0.1)
     plain_split, _ = _attention_widths(ModelConfig(**SMALL))
     assert plain_split == 4 * 64  # Q, K, V and the output of hidden size each, as before
+
+
+def test_a_trained_mla_checkpoint_exports_to_deepseek_with_the_same_logits(tmp_path, demo_data):
+    """Two iterations of pretraining with MLA and YaRN (rapidtrain/pretrain.py, one process), then
+    scripts/convert_checkpoint.py --hf: DeepseekV3ForCausalLM loads the folder and gives the checkpoint's logits."""
+    import importlib.util
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import DeepseekV3ForCausalLM
+
+    from rapidtrain.pretrain import main
+    from tests.launch import REPO, TINY_GPT_SHAPE
+
+    shape = ["--multi-latent-attention", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+             "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear", "--qk-layernorm",
+             "--untie-embeddings-and-output-weights", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim",
+             "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--rope-type", "yarn",
+             "--rotary-scaling-factor", "4", "--mscale-all-dim", "1", "--yarn-original-max-position-embeddings", "16"]
+    main([*TINY_GPT_SHAPE, *shape, "--micro-batch-size", "2", "--global-batch-size", "2", "--num-workers", "0",
+          "--eval-iters", "0", "--lr", "1e-3", "--train-iters", "2", "--save", str(tmp_path / "ck")])
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "scripts" / "convert_checkpoint.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--load", str(tmp_path / "ck"), "--output", str(tmp_path / "out"), "--hf"]) == 0
+    saved = json.loads((tmp_path / "out" / "rapidtrain_config.json").read_text())
+    config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+    assert config.multi_latent_attention and config.rope_scaling == "yarn"
+    ours = build_model(config, seed=None)
+    ours.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    theirs = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out" / "hf", attn_implementation="eager")
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (ours.eval()(ids) - theirs.eval()(ids).logits).abs().max()
+    assert difference < 1e-4
