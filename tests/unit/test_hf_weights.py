@@ -37,6 +37,9 @@ DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "ori
 DEEPSEEK_V2_YARN = DEEPSEEK_YARN | {"mscale": 0.707, "mscale_all_dim": 0.5, "truncate": False}
 
 
+LLAMA_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
 def hf_configs():
     import transformers as t
 
@@ -51,6 +54,8 @@ def hf_configs():
         # Qwen3: q/k norms, and a head size (32) apart from hidden / heads (16)
         "qwen3": (t.Qwen3Config(**LLAMA | {"head_dim": 32}), t.Qwen3ForCausalLM),
         "llama3.1": (t.LlamaConfig(**LLAMA | {"rope_parameters": LLAMA31_ROPE}), t.LlamaForCausalLM),
+        # YaRN on a Llama (Qwen's long-context recipe): cos/sin × mscale(4) = 1.1386, the softmax scale as plain
+        "llama-yarn": (t.LlamaConfig(**LLAMA | {"rope_parameters": LLAMA_YARN}), t.LlamaForCausalLM),
         "mixtral": (t.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2), t.MixtralForCausalLM),
         "deepseek_v3": (t.DeepseekV3Config(**DEEPSEEK), t.DeepseekV3ForCausalLM),
         "deepseek_v3-plain-q": (t.DeepseekV3Config(**DEEPSEEK | {"q_lora_rank": None}), t.DeepseekV3ForCausalLM),
@@ -118,8 +123,8 @@ def hf_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
 
 DEEPSEEK_KINDS = ["deepseek_v3", "deepseek_v3-plain-q", "deepseek_v3-yarn", "deepseek_v3-halves", "deepseek_v2",
                   "deepseek_v2-yarn"]
-FAMILIES = ["gpt2", "bloom", "llama", "mistral", "qwen2", "qwen3", "llama3.1", "mixtral", "bert", "megatron-bert",
-            *DEEPSEEK_KINDS]
+FAMILIES = ["gpt2", "bloom", "llama", "mistral", "qwen2", "qwen3", "llama3.1", "llama-yarn", "mixtral", "bert",
+            "megatron-bert", *DEEPSEEK_KINDS]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -291,6 +296,14 @@ def test_one_training_step_equals_hugging_face(kind, tmp_path):
     (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
           swiglu=True, add_bias_linear=False, position_embedding_type="rope", rotary_interpolation_factor=4.0),
      "llama"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, add_bias_linear=False, position_embedding_type="rope", rope_scaling="yarn",
+          rope_scaling_factor=4.0, rope_original_max_positions=16, yarn_beta_fast=8.0, yarn_mscale=0.5), "llama"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="RMSNorm", swiglu=True,
+          add_bias_linear=False, position_embedding_type="rope", multi_latent_attention=True, qk_layernorm=True,
+          layernorm_epsilon=1e-6, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+          v_head_dim=12, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=16,
+          yarn_mscale=0.707, yarn_mscale_all_dim=0.5), "deepseek_v3"),
     (dict(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4, num_tokentypes=2,
           bert_binary_head=True), "megatron-bert"),
     (dict(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4, num_tokentypes=2,
@@ -300,8 +313,8 @@ def test_one_training_step_equals_hugging_face(kind, tmp_path):
     (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
           swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
           sliding_window=5), "mistral"),
-], ids=["gpt2", "llama", "qwen2", "mixtral", "qwen3", "llama3.1", "linear-rope", "megatron-bert", "bert", "bloom",
-        "mistral"])
+], ids=["gpt2", "llama", "qwen2", "mixtral", "qwen3", "llama3.1", "linear-rope", "yarn-rope", "mla-yarn",
+        "megatron-bert", "bert", "bloom", "mistral"])
 def test_builtin_models_export_to_folders_transformers_loads_with_the_same_logits(shape, kind, tmp_path):
     from rapidtrain.models import ModelConfig
 
