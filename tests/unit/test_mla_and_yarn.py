@@ -274,3 +274,14 @@ def test_a_trained_mla_checkpoint_exports_to_deepseek_with_the_same_logits(tmp_p
     with torch.no_grad():
         difference = (ours.eval()(ids) - theirs.eval()(ids).logits).abs().max()
     assert difference < 1e-4
+
+
+def test_megatrons_yarn_position_embedding_type_is_rope_with_yarn():
+    args = arguments.parse_args(["--position-embedding-type", "yarn", "--rotary-scaling-factor", "8"])
+    assert (args.position_embedding_type, args.rope_type) == ("rope", "yarn")
+    config = model_config_from_args(args, 128)
+    assert config.rope_scaling == "yarn" and config.rope_scaling_factor == 8
+    from rapidtrain.config.flag_surface import FlagRefused
+
+    with pytest.raises(FlagRefused, match="ask for different rotary embeddings"):
+        arguments.parse_args(["--position-embedding-type", "yarn", "--rope-type", "rope"])
