@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
-from rapidtrain.config.settings import MEGATRON_TASKS
+from rapidtrain.config.settings import MEGATRON_TASKS, rope_type_of
 from rapidtrain.models.config import shape_past_bounds
 from rapidtrain.models.hf_config import is_megatron_checkpoint
 
@@ -234,8 +234,6 @@ def hugging_face_notes(args: Args, has_script: bool) -> list[str]:
 
 def _latent_and_yarn_without_effect(args: Args, given: set[str]) -> list[str]:
     """MLA's sizes without --multi-latent-attention, YaRN's values without YaRN: accepted, and said to do nothing."""
-    from rapidtrain.config.resolve import rope_type_of
-
     notes = []
     sizes = [f"--{d.replace('_', '-')}" for d in MLA_FLAGS[1:] if d in given]
     if sizes and not args.multi_latent_attention:

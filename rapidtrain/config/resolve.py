@@ -41,6 +41,7 @@ from rapidtrain.config.settings import (
     TrainingSettings,
     ZeroSettings,
     expand_num_experts,
+    rope_type_of,
 )
 from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME, AttentionSettings
@@ -146,12 +147,6 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
         v_head_dim=args.v_head_dim,
     )
-
-
-def rope_type_of(args: argparse.Namespace) -> str:
-    """--rope-type, whose default is YaRN with --multi-latent-attention (Megatron-Core's MLA config) and plain rope
-    otherwise; YaRN of factor 1 (--rotary-scaling-factor's default) is plain rope, so only a stretch makes it so."""
-    return args.rope_type or ("yarn" if args.multi_latent_attention and args.rotary_scaling_factor != 1 else "rope")
 
 
 def _rope_scaling(args: argparse.Namespace) -> dict:
