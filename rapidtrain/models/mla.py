@@ -12,6 +12,7 @@ the sum of the shared rotary key's gradient over the ranks, whose heads each use
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.attention import attend
@@ -103,6 +104,7 @@ class MultiLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rot.expand(b, heads, s, self.rope_dim)], dim=-1)
         if cache is not None:
             k, v = cache[0].extend(cache[1], k, v)
+        q, k, v = self.same_head_sizes(q, k, v)
         out = attend(
             q, k, v, attention_mask,
             # Decoding one token after cached ones: it may attend to all of them (no mask).
@@ -110,4 +112,18 @@ class MultiLatentAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             kernel=self.kernel,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(out[..., :self.v_dim].transpose(1, 2).reshape(b, s, -1))
+
+    def same_head_sizes(self, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """SDPA's flash and cuDNN kernels (--attention-backend flash / fused) take one head size for q, k and v:
+        the smaller side is padded with zeros (the caller keeps the first v_head_dim outputs), and queries padded
+        from d to D dimensions are scaled by √(D/d) so the kernel's 1/√D is still 1/√d. Other kernels take MLA's
+        sizes as they are."""
+        query, value = q.shape[-1], v.shape[-1]
+        if self.kernel not in ("sdpa_flash", "sdpa_cudnn") or query == value:
+            return q, k, v
+        if value < query:
+            return q, k, F.pad(v, (0, query - value))
+        q = F.pad(q * (value / query) ** 0.5, (0, value - query))
+        return q, F.pad(k, (0, value - query)), v

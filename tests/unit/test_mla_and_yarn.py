@@ -285,3 +285,17 @@ def test_megatrons_yarn_position_embedding_type_is_rope_with_yarn():
 
     with pytest.raises(FlagRefused, match="ask for different rotary embeddings"):
         arguments.parse_args(["--position-embedding-type", "yarn", "--rope-type", "rope"])
+
+
+@pytest.mark.parametrize("v_head_dim", [16, 8])
+def test_flash_and_cudnn_kernels_get_equal_head_sizes_and_the_same_logits(v_head_dim):
+    """SDPA's flash kernel refuses q/k of 12 dimensions with values of 16 ("No available kernel"): MLA pads the
+    smaller side for the pinned kernels, and the logits are those of the other kernels."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for kernel in ("sdpa", "sdpa_flash", "eager"):
+        config = ModelConfig(**SMALL, **MLA | {"v_head_dim": v_head_dim}, attention_kernel=kernel)
+        with torch.no_grad():
+            logits[kernel] = build_model(config, seed=1).eval()(ids)
+    torch.testing.assert_close(logits["sdpa_flash"], logits["sdpa"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["eager"], logits["sdpa"], rtol=1e-5, atol=1e-5)
