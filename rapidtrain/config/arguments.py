@@ -163,7 +163,8 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrained-model-name-or-path", default=None,
                    help="Local Hugging Face model folder (never the hub). Fine-tuning tasks load it with transformers' "
                         "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, BLOOM, "
-                        "Llama, Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
+                        "Llama, Mistral, Qwen2, Qwen3, Mixtral, DeepSeek-V2/V3 with dense layers, BERT), shape flags "
+                        "not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
     g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
@@ -231,6 +232,48 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
                    help="Llama 3.1's rope scaling factor with --use-rope-scaling (default 8).")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
                    help="Linear position interpolation: rope sees positions / this factor (default 1: none).")
+    g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
+                   help="Rotary kind: plain rope, or YaRN (arXiv 2309.00071; DeepSeek-V2/V3, Qwen): pairs turning "
+                        "between --yarn-beta-slow and --yarn-beta-fast times over the original context blended from "
+                        "their frequency to it / --rotary-scaling-factor, cos/sin scaled by mscale. Default rope; "
+                        "with --multi-latent-attention YaRN (Megatron-Core's MLA default; a factor of 1 is plain "
+                        "rope).")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help="YaRN's context-stretch factor with --rope-type yarn (DeepSeek-V3: 40; default 1: none).")
+    g.add_argument("--mscale", type=float, default=1.0,
+                   help="YaRN: cos/sin are scaled by mscale(factor, this) / mscale(factor, --mscale-all-dim), "
+                        "mscale(s, m) = 0.1·m·ln(s) + 1 (default 1).")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="YaRN's second mscale (see --mscale); with --multi-latent-attention the softmax scale is "
+                        "also multiplied by mscale(factor, this)², as DeepSeek (default 0: 1).")
+    g.add_argument("--yarn-beta-fast", type=float, default=None,
+                   help="YaRN: pairs turning more than this many times over the original context keep their "
+                        "frequency (default 32).")
+    g.add_argument("--yarn-beta-slow", type=float, default=None,
+                   help="YaRN: pairs turning fewer than this many times are divided by the factor (default 1).")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                   help="YaRN: the context the model was trained with before stretching (default 4096, "
+                        "Megatron-Core's MLA default).")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="YaRN: round the blend's first and last pair to whole pairs (the default).")
+    g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false", help="YaRN: keep the blend's ends fractional (Hugging Face's truncate=false).")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="Multi-head latent attention (DeepSeek-V2/V3): queries through --q-lora-rank, keys and "
+                        "values from a --kv-lora-rank latent, each head's query/key a --qk-head-dim part and a "
+                        "--qk-pos-emb-head-dim rotary part (the rotary key shared by the heads), values of "
+                        "--v-head-dim; --qk-layernorm puts a norm on both latents (DeepSeek). Needs rope positions.")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA: rank of the query bottleneck (DeepSeek-V3: 1536); default none: one query projection.")
+    g.add_argument("--kv-lora-rank", type=int, default=32,
+                   help="MLA: size of the key/value latent per token (DeepSeek-V3: 512; default 32, Megatron's).")
+    g.add_argument("--qk-head-dim", type=int, default=128,
+                   help="MLA: the unrotated part of each head's query and key (DeepSeek: 128; Pai-Megatron-Patch's "
+                        "--qk-nope-head-dim).")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                   help="MLA: the rotary part of each head's query and of the shared key (DeepSeek: 64; "
+                        "Pai-Megatron-Patch's --qk-rope-head-dim).")
+    g.add_argument("--v-head-dim", type=int, default=128, help="MLA: each head's value size (DeepSeek: 128).")
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact GELU.")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",

@@ -56,6 +56,9 @@ RENAMED: dict[str, tuple[str, str]] = {
     "--deepspeed-activation-checkpointing": ("checkpoint_activations", "DeepSpeed's activation checkpointing: each "
                                              "transformer layer recomputed in backward by torch.utils.checkpoint"),
     "--recompute": ("checkpoint_activations", "a fork's name of --checkpoint-activations"),
+    "--qk-nope-head-dim": ("qk_head_dim", "Pai-Megatron-Patch's name of --qk-head-dim (MLA's unrotated head part)"),
+    "--qk-rope-head-dim": ("qk_pos_emb_head_dim", "Pai-Megatron-Patch's name of --qk-pos-emb-head-dim (MLA's rotary "
+                           "head part)"),
 }
 
 # A switch of another origin that sets a rapidtrain flag to a value.
@@ -207,14 +210,10 @@ FLAGS: dict[str, tuple[str, str]] = {
                                          "--seq-length"),
     "--ds-sequence-parallel-size": (REFUSED, "DeepSpeed-Ulysses sequence parallelism is not in rapidtrain; use "
                                              "--sequence-parallel with tensor parallelism"),
-    "--multi-latent-attention": (REFUSED, "Multi-head Latent Attention (DeepSeek) is not in rapidtrain's models; use "
-                                          "--group-query-attention"),
     "--softmax-type": (REFUSED, "attention sinks (off-by-one or learnable softmax) are not in rapidtrain; only "
                                 "vanilla softmax"),
     "--expert-tensor-parallel-size": (REFUSED, "experts are not split by tensor parallelism; shard them over ranks "
                                                "with --expert-model-parallel-size"),
-    "--rope-type": (REFUSED, "YaRN rope scaling is not in rapidtrain's models: plain rope, Llama 3.1's scaling "
-                             "(--use-rope-scaling) or linear interpolation (--rotary-seq-len-interpolation-factor)"),
     "--apply-residual-connection-post-layernorm": (REFUSED, "that residual order is not in rapidtrain's models; "
                                                             "--post-layernorm gives BERT's post-norm order"),
     "--fp8-format": (REFUSED, "FP8 training needs Transformer Engine and FP8 hardware; not in rapidtrain: use --bf16"),
@@ -280,11 +279,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
     "--rotary-interleaved": (REFUSED, "interleaved rotary pairs are not in rapidtrain's models (rotate_half only)"),
-    "--rotary-scaling-factor": (REFUSED, "YaRN's scaling factor (--rope-type yarn) is not in rapidtrain's models; "
-                                         "--use-rope-scaling with --rope-scaling-factor is Llama 3.1's"),
     "--rotary-scale-factor": (REFUSED, "RoPE scaling is not in rapidtrain's models"),
-    "--mscale": (REFUSED, "YaRN scaling is not in rapidtrain's models"),
-    "--mscale-all-dim": (REFUSED, "YaRN scaling is not in rapidtrain's models"),
     "--init-method-xavier-uniform": (REFUSED, "weights are initialised normal(0, --init-method-std)"),
     "--embedding-init-method-std": (REFUSED, "one --init-method-std for every weight"),
     "--deep-init": (REFUSED, "weights are initialised normal(0, --init-method-std), scaled by depth on the output "
@@ -337,7 +332,7 @@ FLAGS: dict[str, tuple[str, str]] = {
 
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
 NEUTRAL: dict[str, tuple] = {
-    "--rotary-scaling-factor": (1, 1.0), "--rope-type": ("rope",), "--softmax-type": ("vanilla",),
+    "--softmax-type": ("vanilla",),
     "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
     "--glu-linear-offset": (0, 0.0), "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
     "--attention-head-type": ("multihead",),
@@ -430,11 +425,10 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"--enable-mhc-connections|--experimental-attention-variant|--dsa-.*|--no-dsa-.*|--spec|"
      r"--heterogeneous-layers-config-.*", REFUSED,
      "Mamba, hybrid, linear-attention and sparse-attention layers are not in rapidtrain's models"),
-    (r"--q-lora-rank|--kv-lora-rank|--qk-(head-dim|nope-head-dim|rope-head-dim|pos-emb-head-dim)|--v-head-dim|"
-     r"--cache-mla-latents", REFUSED, "Multi-head Latent Attention (DeepSeek) is not in rapidtrain's models"),
+    (r"--cache-mla-latents", REFUSED, "multi-head latent attention caches each head's key and value after the "
+     "up-projection; caching the compressed latents (absorbing the up-projections) is not in rapidtrain"),
     (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "that multi-token prediction option is not in rapidtrain "
      "(--mtp-num-layers and --mtp-loss-scaling-factor are)"),
-    (r"--yarn-.*|--no-yarn-.*", REFUSED, "YaRN RoPE scaling is not in rapidtrain's models"),
     (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--apply-wd-to-qk-layernorm|--mup-.*|--use-mup|--muon-.*|"
      r"--lion-.*|--soap-.*|--use-bnb-optimizer|--no-weight-decay-cond-type", REFUSED,
      "not in rapidtrain (no QK-norm/clip, muP or Muon/Lion); use the defaults and --optimizer adamw"),

@@ -41,6 +41,7 @@ from rapidtrain.config.settings import (
     TrainingSettings,
     ZeroSettings,
     expand_num_experts,
+    rope_type_of,
 )
 from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME, AttentionSettings
@@ -147,12 +148,17 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         attention_kernel=KERNEL_OF_NAME[getattr(args, "attention_backend", "auto")],
         kv_channels=args.kv_channels,
         qk_layernorm=args.qk_layernorm,
-        rope_scaling="llama3" if args.use_rope_scaling else "none",
-        rope_scaling_factor=args.rope_scaling_factor,
+        **_rope_scaling(args),
         rotary_interpolation_factor=args.rotary_seq_len_interpolation_factor or 1.0,
         embed_layernorm=args.embed_layernorm,
         sliding_window=args.sliding_window,
         window_skip_freq=int(getattr(args, "window_attn_skip_freq", None) or 0),
+        multi_latent_attention=args.multi_latent_attention,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
     )
 
 
@@ -168,6 +174,20 @@ def shared_expert_size(args: argparse.Namespace) -> int | None:
         return args.shared_moe_ffn_hidden_size
     expert_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
     return args.num_shared_experts * expert_size if args.num_shared_experts and expert_size else None
+
+
+def _rope_scaling(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields of rope scaling: Llama 3.1's (--use-rope-scaling) or YaRN's (--rope-type yarn)."""
+    if rope_type_of(args) == "yarn":
+        beta_fast, beta_slow = args.yarn_beta_fast, args.yarn_beta_slow
+        return dict(rope_scaling="yarn", rope_scaling_factor=args.rotary_scaling_factor,
+                    rope_original_max_positions=args.yarn_original_max_position_embeddings or 4096,
+                    yarn_beta_fast=32.0 if beta_fast is None else beta_fast,
+                    yarn_beta_slow=1.0 if beta_slow is None else beta_slow,
+                    yarn_mscale=args.mscale, yarn_mscale_all_dim=args.mscale_all_dim,
+                    yarn_round_range=args.yarn_correction_range_round_to_int is not False)
+    return dict(rope_scaling="llama3" if args.use_rope_scaling else "none",
+                rope_scaling_factor=args.rope_scaling_factor)
 
 
 def attention_settings(args: argparse.Namespace) -> AttentionSettings:

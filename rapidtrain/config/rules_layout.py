@@ -15,6 +15,7 @@ from rapidtrain.config.checks import (
     experts_of,
     flag_name,
     layout_divides,
+    mla_problems,
     num_experts_length_ok,
     partitioning_flags,
     positive_sizes,
@@ -23,6 +24,7 @@ from rapidtrain.config.checks import (
     sliding_window_of,
     three_d,
     tp_size,
+    yarn_problems,
 )
 from rapidtrain.models import hf_config
 
@@ -225,6 +227,39 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         and (a.use_rope_scaling or a.rotary_seq_len_interpolation_factor not in (None, 1)),
         lambda a, c: "--use-rope-scaling / --rotary-seq-len-interpolation-factor scale rotary embeddings, but "
         f"--position-embedding-type is {a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
+    ),
+    Rule(
+        "yarn-needs-rope", ("--rope-type", "--use-rope-scaling", "--position-embedding-type"),
+        "YaRN scales rotary embeddings, and is one rope scaling (not with Llama 3.1's --use-rope-scaling).",
+        lambda a, c: a.rope_type == "yarn" and (a.position_embedding_type != "rope" or a.use_rope_scaling),
+        lambda a, c: "--rope-type yarn scales rotary embeddings: give --position-embedding-type rope"
+        + (" and drop --use-rope-scaling (Llama 3.1's scaling; one rope scaling at a time)." if a.use_rope_scaling
+           else f", not {a.position_embedding_type}."),
+    ),
+    Rule(
+        "yarn-values", ("--rotary-scaling-factor", "--yarn-beta-fast", "--yarn-beta-slow",
+                        "--yarn-original-max-position-embeddings"),
+        "YaRN's factor, betas and original context are positive, beta-fast above beta-slow.",
+        lambda a, c: bool(yarn_problems(a)),
+        lambda a, c: "; ".join(yarn_problems(a)) + ".",
+    ),
+    Rule(
+        "mla-needs-rope", ("--multi-latent-attention", "--position-embedding-type", "--group-query-attention"),
+        "Multi-head latent attention rotates part of each head (rope) and makes every head's key and value from the "
+        "latent (no grouped-query attention).",
+        lambda a, c: a.multi_latent_attention and (a.position_embedding_type != "rope" or a.group_query_attention),
+        lambda a, c: "--multi-latent-attention "
+        + ("makes each head's key and value from the shared latent: drop --group-query-attention."
+           if a.position_embedding_type == "rope" else
+           f"rotates a --qk-pos-emb-head-dim part of each head: give --position-embedding-type rope, not "
+           f"{a.position_embedding_type}."),
+    ),
+    Rule(
+        "mla-sizes", ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+                      "--qk-pos-emb-head-dim", "--v-head-dim"),
+        "Multi-head latent attention's sizes are positive, the rotary part even.",
+        lambda a, c: a.multi_latent_attention and bool(mla_problems(a)),
+        lambda a, c: "; ".join(mla_problems(a)) + ".",
     ),
     Rule(
         "rope-scaling-factors-positive", ("--rope-scaling-factor", "--rotary-seq-len-interpolation-factor"),

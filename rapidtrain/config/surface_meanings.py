@@ -76,7 +76,13 @@ def _own_values(args: Args, parser: argparse.ArgumentParser, notes: list[str], r
             continue
         flag = action.option_strings[0]
         alias = VALUE_ALIASES.get(action.dest, {}).get(value)
-        if alias is not None:
+        if action.dest == "position_embedding_type" and value == "yarn":  # Megatron's YaRN rotary embedding
+            if args.rope_type == "rope":
+                refusals.append(f"{flag} yarn and --rope-type rope ask for different rotary embeddings: keep one")
+            args.position_embedding_type, args.rope_type = "rope", "yarn"
+            notes.append(f"{flag} yarn: rotary embeddings with YaRN scaling (--position-embedding-type rope "
+                         "--rope-type yarn)")
+        elif alias is not None:
             setattr(args, action.dest, alias)
             notes.append(f"{flag} {value}: {alias}, rapidtrain's spelling")
         else:

@@ -75,11 +75,19 @@ class ModelConfig:
     qk_layernorm: bool = False  # --qk-layernorm: --normalization over head_dim, one weight shared by all heads
     # Rope scaling: Llama 3.1's frequency-dependent one (--use-rope-scaling; the other three numbers are Megatron's
     # fixed values, Hugging Face's llama3 rope_parameters) and linear position interpolation.
-    rope_scaling: Literal["none", "llama3"] = "none"
-    rope_scaling_factor: float = 8.0
+    rope_scaling: Literal["none", "llama3", "yarn"] = "none"
+    rope_scaling_factor: float = 8.0  # llama3's factor, or YaRN's (--rotary-scaling-factor)
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
-    rope_original_max_positions: int = 8192
+    rope_original_max_positions: int = 8192  # llama3's, or YaRN's --yarn-original-max-position-embeddings
+    # YaRN (--rope-type yarn, Peng et al. 2023, Megatron's flags): frequencies ramped between plain and divided by the
+    # factor over the pairs that turn between beta_slow and beta_fast times in the original context; cos/sin scaled by
+    # mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim), mscale(s, m) = 0.1 m ln s + 1.
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_round_range: bool = True  # --yarn-correction-range-round-to-int: the ramp's ends rounded to whole pairs
     rotary_interpolation_factor: float = 1.0  # --rotary-seq-len-interpolation-factor: positions / factor
     # BLOOM's switches: a LayerNorm on the word embeddings (--embed-layernorm); ALiBi is position_embedding_type.
     embed_layernorm: bool = False
@@ -88,6 +96,16 @@ class ModelConfig:
     # (1-based, Megatron's --window-attn-skip-freq) attends to the whole sequence instead; 0: none does.
     sliding_window: int | None = None
     window_skip_freq: int = 0
+    # Multi-head Latent Attention (DeepSeek-V2/V3, --multi-latent-attention, models/mla.py): queries through a rank
+    # q_lora_rank bottleneck (None: one projection), keys and values from a kv_lora_rank latent, each head's query/key
+    # an unrotated part of qk_head_dim and a rotated part of qk_pos_emb_head_dim (the rotated key shared by all heads),
+    # values of v_head_dim. With --qk-layernorm the two latents get a --normalization norm (DeepSeek's RMSNorms).
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
     @property
     def ffn_size(self) -> int:
@@ -105,7 +123,7 @@ class ModelConfig:
         if self.model_type == "bert":
             kind = "built-in BERT" + (" (post-LN, original BERT order)" if self.post_layernorm else "")
         elif self.normalization == "RMSNorm" and self.swiglu and self.position_embedding_type == "rope":
-            kind = "built-in GPT (Llama-family)"
+            kind = "built-in GPT (DeepSeek-family)" if self.multi_latent_attention else "built-in GPT (Llama-family)"
         elif self.normalization == "LayerNorm" and not self.swiglu and self.position_embedding_type == "alibi" \
                 and self.embed_layernorm:
             kind = "built-in GPT (BLOOM-style)"
@@ -120,6 +138,12 @@ class ModelConfig:
     def attention_features(self) -> list[str]:
         """Positions and attention that differ from the family's usual, in words, for the plan's model line."""
         features = []
+        if self.multi_latent_attention:
+            query = f"queries through rank {self.q_lora_rank}" if self.q_lora_rank else "queries projected directly"
+            features.append(f"multi-head latent attention ({query}, keys/values from a rank {self.kv_lora_rank} "
+                            f"latent{' with q/kv ' + self.normalization if self.qk_layernorm else ''}; per head "
+                            f"{self.qk_head_dim} + {self.qk_pos_emb_head_dim} rotary query/key dimensions, "
+                            f"{self.v_head_dim} value dimensions)")
         if self.position_embedding_type == "alibi":
             features.append("ALiBi position biases (per-head slopes, no position embeddings)")
         if self.embed_layernorm:
@@ -184,7 +208,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dimensions of each head that rope rotates (even)."""
+        """Dimensions of each head that rope rotates (even); MLA rotates its qk_pos_emb_head_dim part."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent) // 2 * 2
 
     @property
@@ -208,7 +234,8 @@ SHAPE_SANITY_BOUNDS = {"num_layers": 2**13, "hidden_size": 2**21, "ffn_hidden_si
                        "num_attention_heads": 2**16, "num_query_groups": 2**16, "kv_channels": 2**16,
                        "vocab_size": 2**26, "padded_vocab_size": 2**26, "seq_length": 2**30,
                        "max_position_embeddings": 2**30, "sliding_window": 2**30, "num_experts": 2**16,
-                       "moe_router_topk": 2**16}
+                       "moe_router_topk": 2**16, "q_lora_rank": 2**21, "kv_lora_rank": 2**21,
+                       "qk_head_dim": 2**16, "qk_pos_emb_head_dim": 2**16, "v_head_dim": 2**16}
 # The layers' weights (12 × hidden² each) past 10**15 parameters: 1000x the largest model trained so far.
 MAX_LAYER_PARAMETERS = 10**15
 

@@ -46,7 +46,25 @@ def _experts(config: ModelConfig, experts: int) -> Tensors:
     return tensors + [((e, f, h), "expert")] + ([((e, h), "expert_bias")] if bias else [])
 
 
+def _latent_attention(config: ModelConfig) -> Tensors:
+    """Multi-head latent attention's, in its modules' order: q_proj, or q_down, its norm and q_up; kv_down, its norm,
+    kv_up; o_proj (the norms with --qk-layernorm; only o_proj has a bias)."""
+    h, heads, rank = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+    query, rope = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim), config.qk_pos_emb_head_dim
+    norms = config.qk_layernorm
+    if config.q_lora_rank is None:
+        tensors = _linear(h, query, bias=False)
+    else:
+        q_rank = config.q_lora_rank
+        tensors = _linear(h, q_rank, False) + (_norm(config, q_rank) if norms else []) + _linear(q_rank, query, False)
+    tensors += _linear(h, rank + rope, False) + (_norm(config, rank) if norms else [])
+    tensors += _linear(rank, heads * (config.qk_head_dim + config.v_head_dim), False)
+    return tensors + _linear(heads * config.v_head_dim, h, config.add_bias_linear)
+
+
 def _attention(config: ModelConfig) -> Tensors:
+    if config.multi_latent_attention:
+        return _latent_attention(config)
     h, d = config.hidden_size, config.head_dim
     queries, keys = d * config.num_attention_heads, d * config.query_groups
     tensors = _linear(h, queries, config.qkv_bias) + 2 * _linear(h, keys, config.qkv_bias)
@@ -168,8 +186,8 @@ def count_parameters(config: ModelConfig) -> tuple[int, int]:
     total = active = _elements(_outside_layers(config))
     last = config.experts_in_layer(config.num_layers - 1) if config.mtp_num_layers and config.num_layers else 0
     if last and config.model_type == "gpt":  # the depths' MoE layers: only the top k of their experts are active
-        stacked = _elements(layer_shapes(config, last)[1])
-        active -= config.mtp_num_layers * (stacked - config.moe_router_topk * stacked // last)
+        depth_experts = _elements(layer_shapes(config, last)[1])
+        active -= config.mtp_num_layers * (depth_experts - config.moe_router_topk * depth_experts // last)
     for experts, layers in _layers_by_experts(config).items():
         shared, stacked = layer_shapes(config, experts)
         one_expert = _elements(stacked) // experts if experts else 0
@@ -200,6 +218,9 @@ def model_flops_per_iteration(
                                        (a sliding window w: 2 · 2·N·a·(w - w²/2s) in its layers)
       dense MLP fc1 + fc2              2 · 2·N·h·f                      = 16·N·h² for f = 4h
                                        (SwiGLU: 3 · 2·N·h·f, the gate is a third matrix)
+      multi-head latent attention      2·N·in·out for each of its matrices (q_proj or q_down + q_up,
+                                       kv_down, kv_up, o_proj); scores over heads·(qk + rotary) dims,
+                                       probs·V over heads·v_head_dim
       MoE layer                        k experts per token: k · that (with the experts' f), plus the router
                                        2·N·h·E, the shared experts (a dense MLP of their f) and their gate 2·N·h,
                                        PR-MoE's dense MLP and coefficients 2·N·h·2
@@ -214,9 +235,11 @@ def model_flops_per_iteration(
     s = seq_length or config.seq_length
     b, h, f = global_batch_size, config.hidden_size, config.ffn_size
     tokens = b * s
-    inner = config.head_dim * config.num_attention_heads
+    inner: float = config.head_dim * config.num_attention_heads
     groups = config.head_dim * config.query_groups
-    projections = 2 * 2 * tokens * h * inner + 2 * 2 * tokens * h * groups
+    projections = 2 * 2 * tokens * h * int(inner) + 2 * 2 * tokens * h * groups
+    if config.multi_latent_attention:
+        projections, inner = _latent_attention_flops(config, tokens)
     forward = 2 * tokens * h * config.vocab_size + _score_flops(config, tokens, s, inner)
     matrices = 3 if config.swiglu else 2
 
@@ -244,11 +267,22 @@ def model_flops_per_iteration(
     return 3 * forward
 
 
-def _score_flops(config: ModelConfig, tokens: int, s: int, inner: int) -> int:
+def _latent_attention_flops(config: ModelConfig, tokens: int) -> tuple[int, float]:
+    """Multi-head latent attention's projection FLOPs per layer (every matrix of _latent_attention, 2·N·in·out), and
+    the width its scores count with: Q·Kᵀ over heads·(qk_head_dim + qk_pos_emb_head_dim), probs·V over
+    heads·v_head_dim, so _score_flops's 4·N·keys·width takes their mean."""
+    matrices = [shape for shape, role in _latent_attention(config) if role == "matrix"]
+    projections = sum(2 * tokens * shape[0] * shape[1] for shape in matrices)
+    heads = config.num_attention_heads
+    width = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim) / 2
+    return projections, width
+
+
+def _score_flops(config: ModelConfig, tokens: int, s: int, inner: float) -> int:
     """Q·Kᵀ and probs·V of every layer: 2 · 2 FLOPs per query, key and head dimension, with the keys a query sees
     on average: s (BERT), s/2 (causal), w - w²/2s with a sliding window w < s (the first w queries see fewer)."""
     if config.model_type != "gpt":
-        return 4 * tokens * s * inner * config.num_layers
+        return int(4 * tokens * s * inner * config.num_layers)
     window = config.sliding_window
     full = config.num_layers
     if window is not None and window < s:

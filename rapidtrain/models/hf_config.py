@@ -1,5 +1,6 @@
 """What a `--pretrained-model-name-or-path` folder holds, and the built-in model's flags that a Hugging Face
-config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
+config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, DeepSeek-V2/V3 with dense layers, BERT,
+Megatron-BERT).
 
 Reads config.json as JSON only: nothing from the folder is imported or run. With `--task pretraining` a
 Hugging Face folder initialises the built-in model; the shape flags not given are taken from the config,
@@ -31,11 +32,14 @@ SUPPORTED = {
     "mixtral": "GPT (Llama-family MoE, Mixtral)",
     "qwen2_moe": "GPT (Llama-family MoE, Qwen1.5/2-MoE: gated shared experts)",
     "qwen3_moe": "GPT (Llama-family MoE, Qwen3-MoE: q/k norms)",
+    "deepseek_v2": "GPT (DeepSeek-V2: multi-head latent attention, softmax-routed experts with shared ones)",
+    "deepseek_v3": "GPT (DeepSeek-V3: multi-head latent attention, sigmoid-routed experts with bias and groups)",
     "bert": "BERT",
     "megatron-bert": "BERT (Megatron pre-LN)",
 }
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
@@ -147,13 +151,15 @@ LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 
 def _rope_flags(config: dict[str, Any]) -> dict[str, Any]:
     """rope theta and scaling (transformers 4's rope_scaling and 5's rope_parameters keys): plain, Llama 3.1's
-    llama3 with Megatron's fixed factors, or linear; other scalings are refused."""
+    llama3 with Megatron's fixed factors, linear, or YaRN; other scalings are refused."""
     parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = parameters.get("rope_type") or parameters.get("type") or "default"
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModel("config.json has partial_rotary_factor; Llama-family models rotate whole heads")
     flags = {"rotary_base": float(parameters.get("rope_theta", config.get("rope_theta", 10000.0))),
              "use_rope_scaling": False, "rope_scaling_factor": 8.0, "rotary_seq_len_interpolation_factor": None}
+    if kind == "yarn":
+        return flags | _yarn_flags(config, parameters)
     if kind == "llama3":
         other = {key: parameters.get(key) for key in LLAMA3_FIXED if parameters.get(key) != LLAMA3_FIXED[key]}
         if other:
@@ -164,8 +170,36 @@ def _rope_flags(config: dict[str, Any]) -> dict[str, Any]:
         return flags | {"rotary_seq_len_interpolation_factor": float(parameters["factor"])}
     if kind != "default":
         raise UnsupportedModel(f"config.json uses rope scaling {kind!r}; the built-in rotary embedding implements "
-                               "plain rope, llama3 and linear")
+                               "plain rope, llama3, linear and yarn")
     return flags
+
+
+def _yarn_flags(config: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's YaRN flags for transformers' yarn rope_parameters. transformers scales cos/sin by
+    attention_factor, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given, else
+    mscale(factor, 1): the flags' mscale(factor, --mscale) / mscale(factor, --mscale-all-dim) in each case, except
+    mscale_all_dim without mscale (refused), and an attention_factor other than that quotient (refused)."""
+    from rapidtrain.models.rope import yarn_mscale
+
+    original = parameters.get("original_max_position_embeddings") or config["max_position_embeddings"]
+    factor = float(parameters.get("factor") or config["max_position_embeddings"] / original)
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if mscale_all_dim and not mscale:
+        raise UnsupportedModel("config.json's yarn rope has mscale_all_dim without mscale: transformers then scales "
+                               "cos/sin by mscale(factor) but not the softmax by it, which Megatron's --mscale / "
+                               "--mscale-all-dim cannot say")
+    if not (mscale and mscale_all_dim):  # transformers ignores a lone mscale
+        mscale, mscale_all_dim = 1.0, mscale_all_dim or 0.0
+    expected = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    given = parameters.get("attention_factor")
+    if given is not None and abs(float(given) - expected) > 1e-9 * expected:
+        raise UnsupportedModel(f"config.json's yarn attention_factor {given} is not mscale's {expected:.6g}; "
+                               "Megatron's YaRN flags derive it from --mscale / --mscale-all-dim")
+    return {"rope_type": "yarn", "rotary_scaling_factor": factor, "mscale": float(mscale),
+            "mscale_all_dim": float(mscale_all_dim), "yarn_beta_fast": float(parameters.get("beta_fast") or 32),
+            "yarn_beta_slow": float(parameters.get("beta_slow") or 1),
+            "yarn_original_max_position_embeddings": int(original),
+            "yarn_correction_range_round_to_int": bool(parameters.get("truncate", True))}
 
 
 def _head_dim(config: dict[str, Any], hidden: int, heads: int) -> int | None:
@@ -308,6 +342,102 @@ def _qwen_moe_flags(config: dict[str, Any]) -> dict[str, Any]:
     return flags
 
 
+def deepseek_moe_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """The MoE flags of a DeepSeek config with routed-expert layers (layers from first_k_dense_replace on): V3's
+    sigmoid router with its score-correction bias (the expert bias, loaded from the folder), group-limited routing,
+    the k chosen normalised and the routed scaling; V2's softmax kept as it is (no renormalisation) times the routed
+    scaling; n_shared_experts shared experts of the routed size; no expert capacity (dropless). {} for a dense
+    config. What the built-in router cannot reproduce exactly is refused, saying why."""
+    layers = int(config["num_hidden_layers"])
+    dense = config.get("first_k_dense_replace")
+    experts = config.get("n_routed_experts")
+    if not experts or dense is None or dense >= layers:
+        return {}
+    kind, topk = config["model_type"], int(config["num_experts_per_tok"])
+    groups, chosen = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    normalise = bool(config.get("norm_topk_prob", kind == "deepseek_v3"))
+    scaling = float(config.get("routed_scaling_factor") or 1.0)
+    flags: dict[str, Any] = {
+        "num_experts": [0] * int(dense) + [int(experts)] * (layers - int(dense)),
+        "moe_layer_freq": 1,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+        "moe_shared_expert_intermediate_size": int(config["moe_intermediate_size"]) * int(
+            config.get("n_shared_experts") or 0) or None,
+        "moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None,
+        "disable_moe_token_dropping": True,  # DeepSeek's experts have no capacity
+    }
+    if kind == "deepseek_v3":
+        if topk > 1 and not normalise:
+            raise UnsupportedModel("config.json's deepseek_v3 router keeps its k sigmoid scores as they are "
+                                   "(norm_topk_prob false); Megatron-Core's sigmoid router, the built-in one, "
+                                   "normalises them to sum 1 when k > 1")
+        if topk == 1 and normalise:
+            raise UnsupportedModel("config.json's norm_topk_prob with num_experts_per_tok 1 gives every token "
+                                   "weight 1; the built-in sigmoid router keeps a single expert's score")
+        flags |= {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                  "moe_router_num_groups": groups if groups > 1 and chosen < groups else None,
+                  "moe_router_group_topk": chosen if groups > 1 and chosen < groups else None}
+        return flags
+    if config.get("topk_method", "greedy") != "greedy" and groups > 1 and chosen < groups:
+        raise UnsupportedModel(f"config.json's deepseek_v2 routes by {config.get('topk_method')!r} (a group scores "
+                               "its best expert); the built-in group-limited router scores a group by the sum of "
+                               "its two best (Megatron-Core, DeepSeek-V3)")
+    return flags | {"moe_router_score_function": "softmax", "moe_router_pre_softmax": True}
+
+
+def _deepseek_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3: a Llama-shaped dense model (RMSNorm, SwiGLU, no biases) whose attention is MLA with its
+    latent RMSNorms (--qk-layernorm)."""
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    moe = deepseek_moe_flags(config)
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"config.json hidden_act {config['hidden_act']!r}: DeepSeek's MLPs use SwiGLU (silu)")
+    if config.get("attention_bias"):
+        raise UnsupportedModel("config.json attention_bias (biases on q_a_proj, kv_a_proj_with_mqa and o_proj "
+                               "only): the built-in latent attention has no such biases")
+    if (config.get("num_key_value_heads") or heads) != heads:
+        raise UnsupportedModel(f"config.json num_key_value_heads {config['num_key_value_heads']} with {heads} heads: "
+                               "multi-head latent attention makes a key and value per head")
+    epsilon = config.get("rms_norm_eps", 1e-6)
+    if epsilon != 1e-6:
+        raise UnsupportedModel(f"config.json rms_norm_eps {epsilon}: transformers' DeepSeek normalises the latents "
+                               "with epsilon 1e-6 whatever rms_norm_eps says, the built-in model every norm with "
+                               "--norm-epsilon")
+    rope = _rope_flags(config)
+    return {
+        "model_type": "gpt",
+        "num_layers": layers,
+        "hidden_size": config["hidden_size"],
+        "num_attention_heads": heads,
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        **rope,
+        "rope_type": rope.get("rope_type", "rope"),
+        "rotary_percent": 1.0,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": epsilon,
+        "swiglu": True,
+        "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "multi_latent_attention": True,
+        "qk_layernorm": True,  # DeepSeek's q_a_layernorm / kv_a_layernorm: Megatron builds them with --qk-layernorm
+        "q_lora_rank": config.get("q_lora_rank"),
+        "kv_lora_rank": config["kv_lora_rank"],
+        "qk_head_dim": config["qk_nope_head_dim"],
+        "qk_pos_emb_head_dim": config["qk_rope_head_dim"],
+        "v_head_dim": config["v_head_dim"],
+        **moe,
+    }
+
+
+def rope_interleaved(config: dict[str, Any]) -> bool:
+    """Whether a DeepSeek folder's rotary rows are interleaved pairs (x0, x1), (x2, x3), ... (V2 always; V3 by
+    rope_interleave, default true) rather than halves (x_i, x_{i + d/2}) as the built-in rope rotates."""
+    return config.get("model_type") == "deepseek_v2" or bool(config.get("rope_interleave", True))
+
+
 def _bert_flags(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedModel(
@@ -358,13 +488,34 @@ _BASE = {
     "moe_ffn_hidden_size": None,
     "moe_shared_expert_intermediate_size": None,
     "moe_shared_expert_gate": False,
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_topk_scaling_factor": None,
+    # Megatron's defaults of MLA's and YaRN's flags (only DeepSeek and YaRN configs set them)
+    "multi_latent_attention": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_type": None,
+    "rotary_scaling_factor": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+    "yarn_beta_fast": None,
+    "yarn_beta_slow": None,
+    "yarn_original_max_position_embeddings": None,
+    "yarn_correction_range_round_to_int": None,
 }
 
 
 # Flags taken from config.json that are counts (a positive int; bool is refused, JSON's true is no size).
 _COUNT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                 "num_query_groups", "moe_router_topk", "kv_channels", "sliding_window", "moe_ffn_hidden_size",
-                "moe_shared_expert_intermediate_size")
+                "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                "qk_pos_emb_head_dim", "v_head_dim", "yarn_original_max_position_embeddings")
 
 
 def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
@@ -378,6 +529,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
             flags = _bloom_flags(config)
         elif kind in LLAMA_FAMILY:
             flags = _llama_flags(config)
+        elif kind in DEEPSEEK_FAMILY:
+            flags = _deepseek_flags(config)
         else:
             flags = _bert_flags(config)
     except KeyError as error:
@@ -387,7 +540,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
     wrong = [dest for dest in _COUNT_FLAGS if dest in flags and flags[dest] is not None
              and (type(flags[dest]) is not int or flags[dest] <= 0)]
     wrong += [dest for dest in ("layernorm_epsilon", "rotary_base", "rope_scaling_factor",
-                                "rotary_seq_len_interpolation_factor") if flags.get(dest) is not None
+                                "rotary_seq_len_interpolation_factor", "rotary_scaling_factor", "yarn_beta_fast",
+                                "yarn_beta_slow") if flags.get(dest) is not None
               and (type(flags[dest]) not in (int, float) or not flags[dest] > 0)]
     if wrong:
         raise UnsupportedModel(f"config.json gives {', '.join(f'{d} = {flags[d]!r}' for d in wrong)}: "

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from fractions import Fraction
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -404,7 +404,8 @@ def update_expert_biases(modules: list[nn.Module], group: dist.ProcessGroup | No
     if not layers:
         return
     loads = torch.stack([layer.pending_load if layer.pending_load is not None
-                         else torch.zeros_like(layer.expert_bias, dtype=torch.float32) for layer in layers])
+                         else torch.zeros(layer.num_experts, device=cast(torch.Tensor, layer.expert_bias).device)
+                         for layer in layers])
     if group is not None:
         dist.all_reduce(loads, group=group)
     with torch.no_grad():

@@ -17,6 +17,7 @@ apart as "mtp loss" (the mean over depths of the unscaled per-depth means). Noth
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ class MultiTokenPrediction(nn.Module):
         `embed` ids → embeddings, `head_loss` (hidden, targets) → per-token loss [b, s] (targets < 0 give 0)."""
         per_depth = []
         tokens = labels
-        for depth in self.depths:
+        for depth in cast(list[MTPDepth], list(self.depths)):
             ahead = tokens.clamp(min=0)  # ignored labels embed some token; their targets are ignored below
             targets = _shifted(tokens)
             mixed = depth.eh_proj(torch.cat([depth.enorm(embed(ahead)), depth.hnorm(hidden)], dim=-1))

@@ -126,6 +126,30 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "yarn-needs-rope": (
+        ["--rope-type", "yarn", "--position-embedding-type", "learned_absolute"],
+        ["--rope-type", "yarn", "--position-embedding-type", "rope"],
+        1,
+        "cpu",
+    ),
+    "yarn-values": (
+        ["--position-embedding-type", "rope", "--rope-type", "yarn", "--yarn-beta-fast", "1", "--yarn-beta-slow", "32"],
+        ["--position-embedding-type", "rope", "--rope-type", "yarn", "--yarn-beta-fast", "32", "--yarn-beta-slow", "1"],
+        1,
+        "cpu",
+    ),
+    "mla-needs-rope": (
+        ["--multi-latent-attention", "--position-embedding-type", "rope", "--group-query-attention"],
+        ["--multi-latent-attention", "--position-embedding-type", "rope"],
+        1,
+        "cpu",
+    ),
+    "mla-sizes": (
+        ["--multi-latent-attention", "--position-embedding-type", "rope", "--qk-pos-emb-head-dim", "3"],
+        ["--multi-latent-attention", "--position-embedding-type", "rope", "--qk-pos-emb-head-dim", "4"],
+        1,
+        "cpu",
+    ),
     "mtp-layout": (
         ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
         ["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--num-layers", "2"],
@@ -133,8 +157,10 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         "cpu",
     ),
     "router-groups": (
-        ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1"],
-        ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+        ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4",
+         "--moe-router-group-topk", "1"],
+        ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4",
+         "--moe-router-group-topk", "2"],
         1,
         "cpu",
     ),
