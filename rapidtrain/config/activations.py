@@ -100,7 +100,7 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     kv = model.head_dim * model.query_groups
     inner = model.head_dim * model.num_attention_heads
     # fc1 and activation outputs (SwiGLU: + gate, product)
-    mlp_width: float = (4 if model.swiglu else 2) * model.ffn_size
+    mlp_width: float = (4 if model.gated_linear_unit else 2) * model.ffn_size
     if experts:  # top-k routed copies of each token fill capacity buffers
         mlp_width *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
     masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
@@ -237,7 +237,7 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
     comes after the MLP's wide tensors are freed, and is no larger where measured."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     e = act.element_bytes
-    wide: float = (3 if model.swiglu else 1) * model.ffn_size
+    wide: float = (3 if model.gated_linear_unit else 1) * model.ffn_size
     if experts:
         wide *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
     weight_gradient = e * h * model.ffn_size / t if act.weight_copies != "none" and e < 4 else 0.0

@@ -1,0 +1,203 @@
+"""gpt-oss's architecture in the built-in GPT: attention sinks (--softmax-type off-by-one / learnable) against a plain
+softmax with one more column on every kernel, with causal, padding and sliding-window masks and the KV cache; the
+clamped quick-GEGLU (--quick-geglu, --activation-func-clamp-value, --glu-linear-offset) in the dense MLP and the
+experts; the router's bias; and gpt-oss's routing (softmax over the top-k logits) against rapidtrain's
+(softmax, top-k, renormalise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rapidtrain.models import ModelConfig, build_model
+from rapidtrain.models.attention import attend, flex_block_mask
+from rapidtrain.models.counting import count_parameters
+from rapidtrain.models.mlp import GatedUnit
+from rapidtrain.models.moe import Experts, MoELayer
+from rapidtrain.models.transformer import KVCache
+
+SMALL = dict(num_layers=2, hidden_size=48, num_attention_heads=6, vocab_size=64, seq_length=16,
+             hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm")
+GPT_OSS_MLP = dict(quick_geglu=True, activation_clamp=7.0, glu_linear_offset=1.0)
+
+
+def tokens(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_sink_attention(q, k, v, sink, allowed):
+    """softmax over [scores of the allowed keys, the head's sink logit], the sink's column dropped: one head at a
+    time, allowed a bool [b, sq, sk] (True = may attend)."""
+    out = torch.empty_like(q)
+    for h in range(q.shape[1]):
+        g = h // (q.shape[1] // k.shape[1])
+        scores = (q[:, h] @ k[:, g].transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
+        column = sink[h].expand(*scores.shape[:-1], 1)
+        out[:, h] = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1] @ v[:, g]
+    return out
+
+
+def qkv(seed: int = 3, sq: int = 20, sk: int = 20):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 6, sq, 16, generator=generator)
+    k, v = (torch.randn(2, 3, sk, 16, generator=generator) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "sdpa_flash", "eager", "flex"])
+def test_sinks_match_a_softmax_with_one_more_column_on_every_kernel(kernel):
+    q, k, v = qkv()
+    sink = torch.linspace(-2.0, 3.0, 6)
+    causal = torch.ones(20, 20, dtype=torch.bool).tril().expand(2, 20, 20)
+    mask = flex_block_mask(2, 20, 20, q.device, causal=True) if kernel == "flex" else None
+    out = attend(q, k, v, mask, kernel != "flex", 0.0, kernel, sink=sink)
+    torch.testing.assert_close(out, reference_sink_attention(q, k, v, sink, causal), rtol=1e-5, atol=1e-5)
+    plain = attend(q, k, v, mask, kernel != "flex", 0.0, kernel)
+    assert not torch.allclose(out, plain, atol=1e-3)  # the sinks take probability away from the keys
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager", "flex"])
+def test_sinks_under_padding_and_window_masks_and_after_cached_keys(kernel):
+    """A padding-and-window boolean mask, and 4 queries after 16 cached keys (the KV cache's case)."""
+    q, k, v = qkv(sq=4, sk=20)
+    sink = torch.linspace(-1.0, 1.0, 6)
+    query = torch.arange(16, 20)[:, None]
+    key = torch.arange(20)[None, :]
+    padding = torch.ones(2, 20, dtype=torch.bool)
+    padding[1, :3] = False
+    allowed = ((key <= query) & (query - key < 6))[None] & padding[:, None, :]
+    if kernel == "flex":
+        mask = flex_block_mask(2, 4, 20, q.device, causal=True, attention_mask=padding.long(), window=6)
+    else:
+        mask = allowed[:, None]
+    out = attend(q, k, v, mask, False, 0.0, kernel, sink=sink)
+    torch.testing.assert_close(out, reference_sink_attention(q, k, v, sink, allowed), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_learnable_sinks_get_the_gradient_of_the_plain_computation(kernel):
+    q, k, v = qkv()
+    sink = torch.linspace(-2.0, 3.0, 6).requires_grad_()
+    expected_sink = sink.detach().clone().requires_grad_()
+    causal = torch.ones(20, 20, dtype=torch.bool).tril().expand(2, 20, 20)
+    weights = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+    (attend(q, k, v, None, True, 0.0, kernel, sink=sink) * weights).sum().backward()
+    (reference_sink_attention(q, k, v, expected_sink, causal) * weights).sum().backward()
+    assert sink.grad is not None and sink.grad.abs().sum() > 0
+    torch.testing.assert_close(sink.grad, expected_sink.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_off_by_one_adds_one_to_the_softmax_denominator():
+    """A query that sees only itself: softmax weight exp(s) / (exp(s) + 1) with off-by-one, 1 without."""
+    q, k, v = qkv()
+    out = attend(q[:, :, :1], k[:, :, :1], v[:, :, :1], None, True, 0.0, "eager", sink=torch.zeros(6))
+    score = (q[:, :, :1] * k.repeat_interleave(2, dim=1)[:, :, :1]).sum(-1, keepdim=True) / 4.0
+    expected = torch.sigmoid(score) * v.repeat_interleave(2, dim=1)[:, :, :1]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+@pytest.mark.parametrize("kernel", ["sdpa", "eager", "flex"])
+def test_kv_cache_decoding_with_sinks_and_alternating_windows_gives_the_full_forward_logits(softmax_type, kernel):
+    config = ModelConfig(**SMALL, softmax_type=softmax_type, attention_kernel=kernel, sliding_window=3,
+                         window_skip_freq=2)
+    model = build_model(config, seed=6).eval()
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            for layer in model.layers.values():
+                layer.attention.sink.logits.copy_(torch.linspace(-1.0, 2.0, 6))
+    ids = tokens(length=9)
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache()
+        steps = [model(ids[:, :5], kv_cache=cache), model(ids[:, 5:6], kv_cache=cache),
+                 model(ids[:, 6:], kv_cache=cache)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_and_eager_models_with_sinks_agree_and_train_the_sinks():
+    logits, grads = [], []
+    for kernel in ("sdpa", "eager"):
+        model = build_model(ModelConfig(**SMALL, softmax_type="learnable", attention_kernel=kernel), seed=2)
+        ids = tokens()
+        out = model(ids)
+        out.float().pow(2).mean().backward()
+        logits.append(out.detach())
+        grads.append(model.layers["0"].attention.sink.logits.grad)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert grads[0] is not None and grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_sink_logits_are_counted_and_named_as_gpt_oss_has_them():
+    config = ModelConfig(**SMALL, softmax_type="learnable")
+    model = build_model(config, seed=1)
+    names = [name for name, _ in model.named_parameters() if "sink" in name]
+    assert names == ["layers.0.attention.sink.logits", "layers.1.attention.sink.logits"]
+    assert count_parameters(config)[0] == sum(p.numel() for p in model.parameters())
+    off_by_one = ModelConfig(**SMALL, softmax_type="off-by-one")
+    assert count_parameters(off_by_one) == count_parameters(ModelConfig(**SMALL))
+
+
+# ---- the clamped quick-GEGLU ----
+
+
+def gpt_oss_glu(gate: torch.Tensor, up: torch.Tensor, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's expert activation as its model card states it."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
+
+
+def test_gated_unit_is_gpt_oss_clamped_glu_and_swiglu_by_default():
+    generator = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(5, 40, generator=generator) * 6 for _ in range(2))
+    torch.testing.assert_close(GatedUnit(True, 7.0, 1.0)(gate, up), gpt_oss_glu(gate, up))
+    torch.testing.assert_close(GatedUnit()(gate, up), F.silu(gate) * up)
+    assert (gate > 7).any() and (up.abs() > 7).any()  # the clamps are exercised
+
+
+def test_dense_mlp_and_experts_apply_the_clamped_glu():
+    config = ModelConfig(**SMALL, **GPT_OSS_MLP, ffn_hidden_size=32)
+    model = build_model(config, seed=3)
+    mlp = model.layers["0"].mlp
+    x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(1)) * 4
+    expected = mlp.fc2(gpt_oss_glu(mlp.gate(x), mlp.fc1(x)))
+    torch.testing.assert_close(mlp(x), expected)
+    experts = Experts(3, 48, 32, swiglu=True, bias=True, gated_unit=GatedUnit(True, 7.0, 1.0))
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0, 0.5)
+    buffers = torch.randn(3, 4, 48, generator=torch.Generator().manual_seed(2))
+    for e in range(3):
+        gate = buffers[e] @ experts.w_gate[e] + experts.b_gate[e]
+        up = buffers[e] @ experts.w1[e] + experts.b1[e]
+        expected = gpt_oss_glu(gate, up) @ experts.w2[e] + experts.b2[e]
+        torch.testing.assert_close(experts(buffers)[e], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_router_bias_enters_the_logits_and_the_parameter_count():
+    config = ModelConfig(**SMALL, **GPT_OSS_MLP, ffn_hidden_size=32, num_experts=(4, 4), moe_router_topk=2,
+                         moe_router_bias=True, moe_token_dropping=False)
+    model = build_model(config, seed=3)
+    layer = model.layers["0"].mlp
+    assert isinstance(layer, MoELayer) and layer.router.bias is not None
+    with torch.no_grad():
+        layer.router.bias.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    tokens_ = torch.randn(7, 48)
+    torch.testing.assert_close(layer.router_logits(tokens_), tokens_ @ layer.router.weight.t() + layer.router.bias)
+    assert count_parameters(config)[0] == sum(p.numel() for p in model.parameters())
+
+
+def test_gpt_oss_routing_equals_softmax_topk_renormalised():
+    """gpt-oss: softmax over the k largest logits. rapidtrain: softmax over all, top k, divided by their sum. The
+    experts chosen and their weights are the same."""
+    logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(4)) * 3
+    top_logits, gpt_oss_experts = logits.topk(2, dim=-1)
+    gpt_oss_weights = top_logits.softmax(dim=-1)
+    config = ModelConfig(**SMALL, num_experts=(8, 8), moe_router_topk=2, moe_token_dropping=False)
+    layer = MoELayer(config, 8)
+    routing, experts = layer.route(logits.softmax(dim=-1))
+    assert torch.equal(experts, gpt_oss_experts)
+    weights = routing.weight.view(2, 50).t()  # choice-major → [tokens, k]
+    torch.testing.assert_close(weights, gpt_oss_weights, rtol=1e-6, atol=1e-7)
