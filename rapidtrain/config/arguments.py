@@ -246,9 +246,29 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--sliding-window", type=int, default=None,
                    help="Sliding-window attention (Mistral; GPT only): each query sees itself and the keys before it, "
                         "at most this many in all (Megatron's --window-size L,0 is L + 1).")
+    _add_gpt_oss_variants(g)
     g.add_argument("--post-layernorm", action="store_true",
                    help="Original BERT order: x = norm(x + f(x)) in every layer, a norm on the embedding sum and "
                         "no final norm (Hugging Face BERT). Default: pre-norm, as Megatron.")
+
+
+def _add_gpt_oss_variants(g: argparse._ArgumentGroup) -> None:
+    """gpt-oss's switches, with Megatron-Core's names: attention sinks and the clamped quick-GEGLU."""
+    g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default="vanilla",
+                   help="Attention's softmax: vanilla; off-by-one adds 1 to its denominator (an attention sink of "
+                        "logit 0); learnable adds exp of a learned logit per head (gpt-oss's sinks). Every kernel: "
+                        "SDPA takes the sink as one more key of zero value (a float mask), eager as one more softmax "
+                        "column, FlexAttention by rescaling with its logsumexp.")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="Gated MLP fc2(quick_gelu(gate(x)) · fc1(x)) with quick_gelu(x) = x·sigmoid(1.702x), in dense "
+                        "layers and experts (gpt-oss; Megatron-Core's quick-GEGLU); excludes --swiglu. With biases (no "
+                        "--disable-bias-linear) MoE routers get a bias too, as Megatron-Core's and gpt-oss's.")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="Added to the gated MLP's linear half before the product: act(gate) · (linear + offset) "
+                        "(gpt-oss: 1); needs --swiglu or --quick-geglu.")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="The gated MLP's clamp: the gate clamped above at this value, the linear half to ± it, "
+                        "before the activation (gpt-oss: 7); needs --swiglu or --quick-geglu.")
 
 
 def _add_training(parser: argparse.ArgumentParser) -> None:

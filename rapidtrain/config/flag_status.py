@@ -211,8 +211,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                              "--sequence-parallel with tensor parallelism"),
     "--multi-latent-attention": (REFUSED, "Multi-head Latent Attention (DeepSeek) is not in rapidtrain's models; use "
                                           "--group-query-attention"),
-    "--softmax-type": (REFUSED, "attention sinks (off-by-one or learnable softmax) are not in rapidtrain; only "
-                                "vanilla softmax"),
     "--expert-tensor-parallel-size": (REFUSED, "experts are not split by tensor parallelism; shard them over ranks "
                                                "with --expert-model-parallel-size"),
     "--rope-type": (REFUSED, "YaRN rope scaling is not in rapidtrain's models: plain rope, Llama 3.1's scaling "
@@ -287,10 +285,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--trust-remote-code": (NO_EFFECT, "rapidtrain never runs code from a model or tokenizer folder"),
     "--vocab-extra-ids": (REFUSED, "T5's sentinel tokens: T5 is not in rapidtrain"),
     "--squared-relu": (REFUSED, "squared ReLU is not in rapidtrain's models: GELU or --swiglu"),
-    "--quick-geglu": (REFUSED, "GeGLU is not in rapidtrain's models: --swiglu"),
     "--glu-activation": (REFUSED, "BigScience's GLU variants: rapidtrain has --swiglu"),
-    "--glu-linear-offset": (REFUSED, "GLU offsets are not in rapidtrain's models"),
-    "--activation-func-clamp-value": (REFUSED, "activation clamping is not in rapidtrain's models"),
     "--attention-output-gate": (REFUSED, "gated attention output is not in rapidtrain's models"),
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
@@ -304,7 +299,12 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--embedding-init-method-std": (REFUSED, "one --init-method-std for every weight"),
     "--deep-init": (REFUSED, "weights are initialised normal(0, --init-method-std), scaled by depth on the output "
                              "projections as Megatron"),
-    "--enable-gpt-oss": (REFUSED, "the gpt-oss architecture is not in rapidtrain's models"),
+    "--enable-gpt-oss": (REFUSED, "Megatron's --enable-gpt-oss sets YaRN rope only (factor 32, original positions "
+                                  "131072, beta fast 32, beta slow 1, mscale 1, mscale-all-dim 0, correction range "
+                                  "not rounded), and YaRN is not in rapidtrain's models; gpt-oss's architecture is "
+                                  "its other flags, which work: --softmax-type learnable --quick-geglu "
+                                  "--glu-linear-offset 1 --activation-func-clamp-value 7 --window-size 127,0 "
+                                  "--window-attn-skip-freq 2, with plain rope"),
     "--export-force-local-attention": (NO_EFFECT, _INFERENCE),
     "--no-query-key-layer-scaling": (NO_EFFECT, "attention scores are 1/sqrt(d) scaled in fp32-accumulating kernels; "
                                                 "Megatron's layer-number scaling is an fp16 overflow guard"),
@@ -353,9 +353,9 @@ FLAGS: dict[str, tuple[str, str]] = {
 
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
 NEUTRAL: dict[str, tuple] = {
-    "--rotary-scaling-factor": (1, 1.0), "--rope-type": ("rope",), "--softmax-type": ("vanilla",),
+    "--rotary-scaling-factor": (1, 1.0), "--rope-type": ("rope",),
     "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
-    "--glu-linear-offset": (0, 0.0), "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
+    "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
     "--attention-head-type": ("multihead",),
 }
 

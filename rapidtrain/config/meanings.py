@@ -28,7 +28,7 @@ CHECKPOINT_SHAPE_FLAGS = (
     "post_layernorm", "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
     "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by", "kv_channels", "qk_layernorm", "use_rope_scaling",
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "embed_layernorm", "sliding_window",
-    "window_attn_skip_freq",
+    "window_attn_skip_freq", "softmax_type", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
 )
 
 # Megatron-family flags that set a shape flag under another name (surface_meanings.py's handlers): given, they keep
@@ -201,7 +201,8 @@ BUILTIN_ONLY_FLAGS = (
     "position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
     "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu", "post_layernorm",
     "kv_channels", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
-    "untie_embeddings_and_output_weights", "bert_binary_head", "embed_layernorm", "sliding_window", "split",
+    "untie_embeddings_and_output_weights", "bert_binary_head", "embed_layernorm", "sliding_window", "softmax_type",
+    "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "split",
     "data_impl", "eod_mask_loss",
     "reset_position_ids", "reset_attention_mask", "short_seq_prob",
 )

@@ -140,6 +140,13 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         embed_layernorm=args.embed_layernorm,
         sliding_window=args.sliding_window,
         window_skip_freq=int(getattr(args, "window_attn_skip_freq", None) or 0),
+        softmax_type=args.softmax_type,
+        quick_geglu=args.quick_geglu,
+        activation_clamp=args.activation_func_clamp_value,
+        glu_linear_offset=args.glu_linear_offset,
+        # Megatron-Core's router has a bias with --add-bias-linear; rapidtrain's MoE keeps DeepSpeed-MoE's bias-free
+        # router (its checkpoints and scripts) except beside Megatron-Core's gpt-oss MLP, the quick-GEGLU.
+        moe_router_bias=args.add_bias_linear and args.quick_geglu,
     )
 
 

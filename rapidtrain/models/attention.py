@@ -46,7 +46,8 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     """softmax(QKᵀ/√d + ALiBi + mask)·V written out (Megatron's unfused/local attention), the softmax in fp32; with
     attention sinks the softmax has one more column per row, the head's sink logit, dropped after it.
     q [b, heads, sq, d]; k, v [b, groups, sk, d] (grouped-query: each group serves heads / groups heads);
-    mask bool, True = may attend; alibi: the slopes of q's heads, or None; sink: the sink logits of q's heads (fp32 [heads]) or None."""
+    mask bool, True = may attend; alibi: the slopes of q's heads, or None; sink: the sink logits of q's heads (fp32
+    [heads]) or None."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5

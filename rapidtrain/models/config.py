@@ -129,6 +129,9 @@ class ModelConfig:
             features.append("off-by-one softmax (an attention sink of logit 0 in every head)")
         elif self.softmax_type == "learnable":
             features.append("attention sinks (a learned logit per head in the softmax's denominator, gpt-oss)")
+        if self.softmax_type != "vanilla" and self.attention_kernel.startswith("sdpa"):
+            features.append("SDPA takes the sink as one more key under a float mask [heads, s, s + 1] (materialized, "
+                            "as the eager kernel's scores)")
         if self.sliding_window is not None:
             window = f"sliding-window attention over the last {self.sliding_window} keys"
             if self.window_skip_freq:
@@ -143,11 +146,12 @@ class ModelConfig:
         """The MLP's activation and router where they differ from GELU / SwiGLU and a bias-free router, for the plan."""
         features = []
         if self.gated_linear_unit and (self.quick_geglu or self.activation_clamp is not None or self.glu_linear_offset):
-            gate = "quick-GELU x·sigmoid(1.702x)" if self.quick_geglu else "silu"
+            gate = "quick_gelu" if self.quick_geglu else "silu"
             clamp = (f", gate clamped at {self.activation_clamp:g} and linear half to ±{self.activation_clamp:g}"
                      if self.activation_clamp is not None else "")
             offset = f", linear half + {self.glu_linear_offset:g}" if self.glu_linear_offset else ""
-            features.append(f"gated MLP: {gate}(gate) × linear{clamp}{offset}")
+            quick = " with quick_gelu(x) = x·sigmoid(1.702x)" if self.quick_geglu else ""
+            features.append(f"gated MLP: {gate}(gate) × linear{quick}{clamp}{offset}")
         if self.moe_router_bias and any(self.num_experts):
             features.append("router with a bias (Megatron-Core's and gpt-oss's router)")
         return features

@@ -196,7 +196,7 @@ class MoELayer(nn.Module):
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.z_loss_coeff = config.moe_z_loss_coeff
         self.jitter_eps = config.moe_jitter_eps
-        # A bias on the logits with config.moe_router_bias (Megatron-Core's router, gpt-oss's); DeepSpeed-MoE's has none.
+        # A bias on the logits with config.moe_router_bias (Megatron-Core's, gpt-oss's); DeepSpeed-MoE's has none.
         self.router = nn.Linear(config.hidden_size, num_experts, bias=config.moe_router_bias)
         self.experts = Experts(
             num_experts,

@@ -201,3 +201,72 @@ def test_gpt_oss_routing_equals_softmax_topk_renormalised():
     assert torch.equal(experts, gpt_oss_experts)
     weights = routing.weight.view(2, 50).t()  # choice-major → [tokens, k]
     torch.testing.assert_close(weights, gpt_oss_weights, rtol=1e-6, atol=1e-7)
+
+
+# ---- the flags ----
+
+GPT_OSS_FLAGS = ("--normalization", "RMSNorm", "--position-embedding-type", "rope", "--quick-geglu",
+                 "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--softmax-type", "learnable",
+                 "--window-size", "7,0", "--window-attn-skip-freq", "2", "--num-experts", "4", "--moe-router-topk",
+                 "2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32")
+
+
+def plan_of(*flags: str, device: str = "cpu"):
+    from rapidtrain.config import arguments, rules
+    from rapidtrain.config.plan import from_args
+    from rapidtrain.config.settings import RunContext
+
+    args = arguments.parse_args(["--train-iters", "2", "--lr", "1e-3", *flags])
+    ctx = RunContext(device_type=device)
+    rules.validate(args, ctx)
+    return from_args(args, ctx)
+
+
+def refusal(*flags: str, device: str = "cpu") -> str:
+    from rapidtrain.config import rules
+
+    with pytest.raises(rules.FlagConflict) as conflict:
+        plan_of(*flags, device=device)
+    return str(conflict.value)
+
+
+def test_megatron_gpt_oss_flags_build_gpt_oss_and_the_plan_says_so():
+    """Megatron's examples/gptoss flags: sinks, clamped quick-GEGLU with offset 1, window 8 in every other layer
+    (layer 0 sliding, as gpt-oss), a router with a bias."""
+    plan = plan_of(*GPT_OSS_FLAGS)
+    model = plan.model
+    assert (model.softmax_type, model.quick_geglu, model.activation_clamp, model.glu_linear_offset) == \
+        ("learnable", True, 7.0, 1.0)
+    assert model.moe_router_bias and model.gated_linear_unit and not model.swiglu
+    assert [model.window_of_layer(i) for i in range(2)] == [8, None]
+    from rapidtrain.config.describe import describe_plan
+
+    text = describe_plan(plan)
+    assert "attention sinks" in text and "quick_gelu(gate) × linear" in text and "router with a bias" in text
+    built = build_model(model, seed=0)
+    assert built.layers["0"].mlp.router.bias is not None and built.layers["0"].attention.sink is not None
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--swiglu", "--quick-geglu"), "--swiglu and --quick-geglu"),
+    (("--glu-linear-offset", "1"), "--glu-linear-offset without a gated MLP"),
+    (("--activation-func-clamp-value", "7"), "--activation-func-clamp-value without a gated MLP"),
+    (("--quick-geglu", "--activation-func-clamp-value", "0"), "give a finite value above 0"),
+    (("--quick-geglu", "--openai-gelu"), "--openai-gelu with --quick-geglu"),
+])
+def test_gpt_oss_flags_that_cannot_mean_anything_are_refused(flags, says):
+    assert says in refusal(*flags)
+
+
+def test_sinks_with_cuda_flash_attention_are_refused_as_it_takes_no_mask():
+    assert "--softmax-type learnable" in refusal("--softmax-type", "learnable", "--attention-backend", "flash",
+                                                 "--bf16", device="cuda")
+
+
+def test_enable_gpt_oss_is_refused_naming_what_megatron_sets_and_the_flags_that_work():
+    from rapidtrain.config import arguments
+    from rapidtrain.config.flag_surface import FlagRefused
+
+    with pytest.raises(FlagRefused) as refused:
+        arguments.parse_args(["--train-iters", "2", "--lr", "1e-3", "--enable-gpt-oss"])
+    assert "YaRN" in str(refused.value) and "--softmax-type learnable --quick-geglu" in str(refused.value)
