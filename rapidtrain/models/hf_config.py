@@ -1,5 +1,5 @@
 """What a `--pretrained-model-name-or-path` folder holds, and the built-in model's flags that a Hugging Face
-config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
+config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, gpt-oss, BERT, Megatron-BERT).
 
 Reads config.json as JSON only: nothing from the folder is imported or run. With `--task pretraining` a
 Hugging Face folder initialises the built-in model; the shape flags not given are taken from the config,
@@ -29,6 +29,7 @@ SUPPORTED = {
     "qwen2": "GPT (Llama-family, Qwen2)",
     "qwen3": "GPT (Llama-family, Qwen3: q/k norms)",
     "mixtral": "GPT (Llama-family MoE, Mixtral)",
+    "gpt_oss": "GPT (gpt-oss: attention sinks, clamped quick-GEGLU experts, biased router, alternating window)",
     "bert": "BERT",
     "megatron-bert": "BERT (Megatron pre-LN)",
 }
@@ -275,6 +276,77 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
     return flags
 
 
+QUICK_GELU_ALPHA = 1.702  # the built-in quick GELU's gain (models/mlp.py); gpt-oss's swiglu_alpha
+
+
+def window_pattern(layer_types: list[str]) -> int | None:
+    """--window-attn-skip-freq N for Hugging Face's layer_types (sliding_attention / full_attention per layer): every
+    Nth layer (1-based) full, the others sliding; None when every layer slides. UnsupportedModel for a pattern that
+    no N gives (the built-in model's windows follow Megatron's every-Nth rule)."""
+    sliding = [kind == "sliding_attention" for kind in layer_types]
+    if all(sliding):
+        return None
+    for every in range(1, len(sliding) + 1):
+        if all(slides == ((i + 1) % every != 0) for i, slides in enumerate(sliding)):
+            return every
+    raise UnsupportedModel(f"config.json's layer_types {layer_types}: the built-in model's full-attention layers are "
+                           "every Nth (--window-attn-skip-freq), and no N gives these")
+
+
+def _gpt_oss_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: Llama-shaped attention with biases and per-head sinks, every layer MoE (biased router, softmax over
+    the top-k logits = softmax, top-k, renormalise), experts with biases and the clamped quick-GEGLU, sliding
+    windows in the layers layer_types names."""
+    if config.get("swiglu_alpha", QUICK_GELU_ALPHA) != QUICK_GELU_ALPHA:
+        raise UnsupportedModel(f"config.json swiglu_alpha {config['swiglu_alpha']}: the built-in quick GELU's gain is "
+                               f"{QUICK_GELU_ALPHA}")
+    if not config.get("attention_bias", True):
+        raise UnsupportedModel("config.json attention_bias false: gpt-oss's experts and router have biases, and the "
+                               "built-in model's biases come with every linear layer (--disable-bias-linear drops all)")
+    topk = config["num_experts_per_tok"]
+    if topk == 1:
+        raise UnsupportedModel("gpt-oss with num_experts_per_tok 1 gives its expert weight 1; the built-in top-1 "
+                               "router (Switch) keeps the router probability")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    if len(layer_types) != config["num_hidden_layers"]:
+        raise UnsupportedModel(f"config.json has {len(layer_types)} layer_types for {config['num_hidden_layers']} "
+                               "layers")
+    skip = window_pattern(layer_types) if window else None
+    if skip == 1:  # every layer attends to the whole sequence: the window is never used
+        window, skip = None, None
+    return {
+        "model_type": "gpt",
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        **_rope_flags(config),
+        "rotary_percent": 1.0,
+        "kv_channels": _head_dim(config, hidden, heads),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": config.get("rms_norm_eps", 1e-5),
+        "group_query_attention": groups != heads,
+        "num_query_groups": groups if groups != heads else None,
+        "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "softmax_type": "learnable",
+        "quick_geglu": True,
+        "glu_linear_offset": 1.0,
+        "activation_func_clamp_value": float(config.get("swiglu_limit", 7.0)),
+        "sliding_window": window,
+        "window_attn_skip_freq": skip,
+        "num_experts": [config["num_local_experts"]],
+        "moe_layer_freq": 1,
+        "moe_router_topk": topk,
+        "disable_moe_token_dropping": True,  # gpt-oss has no expert capacity
+    }
+
+
 def _bert_flags(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedModel(
@@ -321,6 +393,11 @@ _BASE = {
     "num_experts": None,
     "embed_layernorm": False,
     "sliding_window": None,
+    "window_attn_skip_freq": None,
+    "softmax_type": "vanilla",
+    "quick_geglu": False,
+    "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None,
 }
 
 
@@ -340,6 +417,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
             flags = _bloom_flags(config)
         elif kind in LLAMA_FAMILY:
             flags = _llama_flags(config)
+        elif kind == "gpt_oss":
+            flags = _gpt_oss_flags(config)
         else:
             flags = _bert_flags(config)
     except KeyError as error:
@@ -349,7 +428,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
     wrong = [dest for dest in _COUNT_FLAGS if dest in flags and flags[dest] is not None
              and (type(flags[dest]) is not int or flags[dest] <= 0)]
     wrong += [dest for dest in ("layernorm_epsilon", "rotary_base", "rope_scaling_factor",
-                                "rotary_seq_len_interpolation_factor") if flags.get(dest) is not None
+                                "rotary_seq_len_interpolation_factor", "activation_func_clamp_value")
+              if flags.get(dest) is not None
               and (type(flags[dest]) not in (int, float) or not flags[dest] > 0)]
     if wrong:
         raise UnsupportedModel(f"config.json gives {', '.join(f'{d} = {flags[d]!r}' for d in wrong)}: "

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from rapidtrain.models import ModelConfig, build_model
 from rapidtrain.models.attention import attend, flex_block_mask
 from rapidtrain.models.counting import count_parameters
+from rapidtrain.models.hf_weights import WeightsReader, export_family, hf_state_dict, save_hf_folder
 from rapidtrain.models.mlp import GatedUnit
 from rapidtrain.models.moe import Experts, MoELayer
 from rapidtrain.models.transformer import KVCache
@@ -270,3 +271,157 @@ def test_enable_gpt_oss_is_refused_naming_what_megatron_sets_and_the_flags_that_
     with pytest.raises(FlagRefused) as refused:
         arguments.parse_args(["--train-iters", "2", "--lr", "1e-3", "--enable-gpt-oss"])
     assert "YaRN" in str(refused.value) and "--softmax-type learnable --quick-geglu" in str(refused.value)
+
+
+# ---- Hugging Face GptOss folders, both ways ----
+
+HF_SEQ = 32
+
+
+def tiny_gpt_oss(**overrides):
+    """hidden 64, 2 layers (sliding, full), 4 heads of 16 over 2 key/value heads, 4 experts top-2, window 8 < the 32
+    tokens, plain rope (YaRN is not in the built-in models yet), and a clamp of 0.3 so that the clamps bite."""
+    import transformers
+
+    settings = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    max_position_embeddings=64, swiglu_limit=0.3, attention_dropout=0.0,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return transformers.GptOssConfig(**settings | overrides)
+
+
+def save_gpt_oss(folder, **overrides):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(tiny_gpt_oss(**overrides))
+    with torch.no_grad():  # every parameter matters: biases and norms off their starting values, sinks spread
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * (1.0 if name.endswith("sinks") else 0.05))
+    model.save_pretrained(folder)
+    return folder
+
+
+def builtin_from(folder, *extra: str):
+    from rapidtrain.config import arguments, resolve, rules, settings
+
+    args = arguments.parse_args(["--pretrained-model-name-or-path", str(folder), "--data-path", "unused",
+                                 "--train-iters", "1", "--lr", "0.1", "--seq-length", str(HF_SEQ),
+                                 "--hidden-dropout", "0", "--attention-dropout", "0", *extra])
+    rules.validate(args, settings.RunContext(1, "cpu"))
+    config = resolve.model_config_from_args(args, resolve.builtin_vocab_size(args, None))
+    return build_model(config, seed=1), args
+
+
+def load_hf(folder):
+    import transformers
+
+    return transformers.GptOssForCausalLM.from_pretrained(folder, attn_implementation="eager")
+
+
+def hf_tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, HF_SEQ), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kernel", ["auto", "eager"])
+def test_gpt_oss_folder_gives_the_builtin_model_transformers_logits(kernel, tmp_path):
+    from rapidtrain.config import plan, settings
+    from rapidtrain.config.describe import describe_plan
+
+    folder = save_gpt_oss(tmp_path / "hf")
+    ours, args = builtin_from(folder, "--attention-backend", kernel)
+    config = ours.config
+    assert (config.softmax_type, config.quick_geglu, config.activation_clamp, config.glu_linear_offset) == \
+        ("learnable", True, 0.3, 1.0)
+    assert [config.window_of_layer(i) for i in range(2)] == [8, None] and not config.moe_token_dropping
+    assert config.moe_router_bias and config.num_experts == (4, 4) and config.head_dim == 16
+    ids = hf_tokens()
+    with torch.no_grad():
+        difference = (ours.eval()(ids) - load_hf(folder).eval()(ids).logits).abs().max()
+    assert difference < 1e-5
+    described = describe_plan(plan.from_args(args, settings.RunContext(1, "cpu")))
+    assert f"initialised from Hugging Face weights in {folder}" in described and "attention sinks" in described
+
+
+def test_one_training_step_equals_transformers_gpt_oss(tmp_path):
+    """Same loss, and after one SGD step the same weights in transformers' names: the gradients of the sinks, the
+    router's bias and the interleaved gate/up columns agree (no balancing loss: transformers adds none here)."""
+    folder = save_gpt_oss(tmp_path / "hf")
+    ours, _ = builtin_from(folder, "--moe-aux-loss-coeff", "0")
+    theirs = load_hf(folder)
+    ours.train(), theirs.train()
+    ids = hf_tokens()
+    our_loss = ours(ids[:, :-1], labels=ids[:, 1:]).mean()
+    their_loss = theirs(ids, labels=ids).loss
+    assert abs(our_loss.item() - their_loss.item()) < 1e-5
+    for model, loss in ((ours, our_loss), (theirs, their_loss)):
+        loss.backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.sub_(0.1 * param.grad)
+    updated = hf_state_dict(ours.state_dict(), ours.config, "gpt_oss")
+    expected = theirs.state_dict()
+    assert set(updated) == set(expected)
+    worst = max(float((updated[name] - expected[name]).abs().max()) for name in updated)
+    assert worst < 1e-5
+    assert float((expected["model.layers.0.self_attn.sinks"] - load_hf(folder).state_dict()[
+        "model.layers.0.self_attn.sinks"]).abs().max()) > 1e-4  # the step did move the sinks
+
+
+def test_gpt_oss_round_trip_keeps_every_tensor_and_exports_a_folder_transformers_loads(tmp_path):
+    folder = save_gpt_oss(tmp_path / "in")
+    ours, _ = builtin_from(folder)
+    assert export_family(ours.config) == "gpt_oss"
+    assert save_hf_folder(ours.state_dict(), ours.config, tmp_path / "out") == "gpt_oss"
+    source, again = WeightsReader(folder), WeightsReader(tmp_path / "out")
+    assert set(source.location) == set(again.location)
+    for name in source.location:
+        assert torch.equal(source.get(name), again.get(name)), name
+    exported = load_hf(tmp_path / "out").eval()
+    assert exported.config.layer_types == ["sliding_attention", "full_attention"]
+    assert exported.config.sliding_window == 8 and exported.config.swiglu_limit == 0.3
+    ids = hf_tokens()
+    with torch.no_grad():
+        assert (ours.eval()(ids) - exported(ids).logits).abs().max() < 1e-5
+
+
+def test_builtin_gpt_oss_exports_with_its_window_pattern(tmp_path):
+    """A model built from flags alone (every 3rd layer full, tied embeddings) exports with matching layer_types."""
+    config = ModelConfig(**{**SMALL, "num_layers": 3, "hidden_size": 64, "num_attention_heads": 4}, **GPT_OSS_MLP,
+                         ffn_hidden_size=32, softmax_type="learnable", num_experts=(4, 4, 4), moe_router_topk=2,
+                         moe_router_bias=True, moe_token_dropping=False, sliding_window=5, window_skip_freq=3,
+                         num_query_groups=2, max_position_embeddings=64)
+    ours = build_model(config, seed=5).eval()
+    save_hf_folder(ours.state_dict(), config, tmp_path / "out")
+    theirs = load_hf(tmp_path / "out").eval()
+    assert theirs.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    ids = tokens(length=14)
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    ({"swiglu_alpha": 1.5}, "swiglu_alpha 1.5"),
+    ({"num_experts_per_tok": 1}, "num_experts_per_tok 1"),
+    ({"attention_bias": False}, "attention_bias false"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                          "original_max_position_embeddings": 4096, "rope_theta": 150000.0}}, "yarn"),
+])
+def test_gpt_oss_configs_the_builtin_model_cannot_hold_are_refused(overrides, says):
+    from rapidtrain.models.hf_config import UnsupportedModel, builtin_flags
+
+    config = tiny_gpt_oss(**overrides).to_dict()
+    with pytest.raises(UnsupportedModel, match=says):
+        builtin_flags(config)
+
+
+def test_models_with_sinks_or_the_clamped_glu_do_not_export_as_other_families():
+    from rapidtrain.models.hf_config import UnsupportedModel
+
+    llama = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope")
+    with pytest.raises(UnsupportedModel, match="--softmax-type learnable"):
+        export_family(ModelConfig(**SMALL | llama, softmax_type="off-by-one"))
+    with pytest.raises(UnsupportedModel, match="no --activation-func-clamp-value"):
+        export_family(ModelConfig(**SMALL | llama, activation_clamp=7.0))
