@@ -425,3 +425,35 @@ def test_models_with_sinks_or_the_clamped_glu_do_not_export_as_other_families():
         export_family(ModelConfig(**SMALL | llama, softmax_type="off-by-one"))
     with pytest.raises(UnsupportedModel, match="no --activation-func-clamp-value"):
         export_family(ModelConfig(**SMALL | llama, activation_clamp=7.0))
+
+
+def test_trained_gpt_oss_checkpoint_converts_to_a_folder_transformers_loads(tmp_path, demo_data):
+    """Megatron's gpt-oss flags train two steps and save; scripts/convert_checkpoint.py --hf writes a GptOss folder
+    whose logits are the checkpoint's. Dropless, as Megatron-Core's default and gpt-oss (with a capacity the built-in
+    MoE drops tokens that transformers' never does)."""
+    import importlib.util
+    import json
+
+    from safetensors.torch import load_file
+
+    from rapidtrain.pretrain import main as pretrain
+    from tests.launch import REPO
+
+    flags = [*GPT_OSS_FLAGS[:-1], "64"]  # --seq-length 64, as the other tiny demo runs
+    pretrain([*flags, "--ffn-hidden-size", "32", "--group-query-attention", "--num-query-groups", "2",
+              "--untie-embeddings-and-output-weights", "--disable-moe-token-dropping", "--micro-batch-size", "2", "--global-batch-size", "2",
+              "--train-iters", "2", "--lr", "1e-2", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+              "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(tmp_path / "ck")])
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "scripts" / "convert_checkpoint.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--load", str(tmp_path / "ck"), "--output", str(tmp_path / "out"), "--hf"]) == 0
+    saved = json.loads((tmp_path / "out" / "rapidtrain_config.json").read_text())
+    config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+    ours = build_model(config, seed=None).eval()
+    ours.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    theirs = load_hf(tmp_path / "out" / "hf").eval()
+    assert theirs.config.layer_types == ["sliding_attention", "full_attention"] and theirs.config.sliding_window == 8
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max() < 1e-4
