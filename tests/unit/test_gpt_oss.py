@@ -106,8 +106,8 @@ def test_kv_cache_decoding_with_sinks_and_alternating_windows_gives_the_full_for
     model = build_model(config, seed=6).eval()
     if softmax_type == "learnable":
         with torch.no_grad():
-            for layer in model.layers.values():
-                layer.attention.sink.logits.copy_(torch.linspace(-1.0, 2.0, 6))
+            for layer in model.layers.values():  # a replicated DTensor: each rank sets its whole local copy
+                layer.attention.sink.logits.to_local().copy_(torch.linspace(-1.0, 2.0, 6))
     ids = tokens(length=9)
     with torch.no_grad():
         full = model(ids)
@@ -457,3 +457,60 @@ def test_trained_gpt_oss_checkpoint_converts_to_a_folder_transformers_loads(tmp_
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(ids) - theirs(ids).logits).abs().max() < 1e-4
+
+
+# ---- tensor and expert parallelism (two gloo processes) ----
+
+
+def _parallel_worker(rank: int, store: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rapidtrain.models import GPTModel
+    from rapidtrain.models.transformer import init_weights
+    from rapidtrain.parallel.experts import ExpertParallelExperts
+    from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        # Tensor parallelism: each rank runs 3 of the 6 heads with their own sink logits; the logits' gradients are
+        # summed over the ranks, so they equal the whole model's.
+        config = ModelConfig(**SMALL, softmax_type="learnable", sliding_window=5, window_skip_freq=2)
+        whole = build_model(config, seed=8)
+        with torch.no_grad():
+            for layer in whole.layers.values():
+                layer.attention.sink.logits.copy_(torch.linspace(-1.0, 2.0, 6))
+        with torch.device("meta"):
+            model = GPTModel(config)
+        apply_tensor_parallel(model, init_device_mesh("cpu", (2,)))
+        model.to_empty(device="cpu")
+        init_weights(model, 8)
+        with torch.no_grad():
+            for layer in model.layers.values():  # a replicated DTensor: each rank sets its whole local copy
+                layer.attention.sink.logits.to_local().copy_(torch.linspace(-1.0, 2.0, 6))
+        ids = tokens(length=12)
+        logits = model(ids)
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        logits.pow(2).mean().backward()
+        whole(ids).pow(2).mean().backward()
+        torch.testing.assert_close(logits, whole(ids), rtol=1e-5, atol=1e-5)
+        for name in ("0", "1"):
+            grad = model.layers[name].attention.sink.logits.grad
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            torch.testing.assert_close(grad, whole.layers[name].attention.sink.logits.grad, rtol=1e-4, atol=1e-6)
+        # Expert parallelism: each rank holds 2 of 4 gpt-oss experts (with the gate's bias); every rank's tokens
+        # get the whole layer's outputs.
+        experts = Experts(4, 48, 32, swiglu=True, bias=True, gated_unit=GatedUnit(True, 0.5, 1.0))
+        with torch.no_grad():
+            for param in experts.parameters():
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
+        sharded = ExpertParallelExperts(experts, dist.group.WORLD, rank, 2)
+        assert sharded.b_gate is not None and sharded.b_gate.shape == (2, 32)
+        buffers = torch.randn(4, 3, 48, generator=torch.Generator().manual_seed(10 + rank))
+        torch.testing.assert_close(sharded(buffers), experts(buffers), rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_sinks_and_expert_parallel_gpt_oss_experts_match_one_process(tmp_path):
+    torch.multiprocessing.spawn(_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
