@@ -114,6 +114,10 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     if act.scores_kept and granularity not in ("selective", "op"):
         heads = model.num_attention_heads
         scores = heads * s * s * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
+    if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
+        # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
+        # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
+        scores += model.num_attention_heads * s * (s + 1) * e / t
     return s * b * per_token + scores
 
 

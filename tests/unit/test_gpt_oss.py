@@ -514,3 +514,30 @@ def _parallel_worker(rank: int, store: str) -> None:
 
 def test_tensor_parallel_sinks_and_expert_parallel_gpt_oss_experts_match_one_process(tmp_path):
     torch.multiprocessing.spawn(_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+def test_activation_estimate_counts_the_sink_mask_sdpa_keeps():
+    """Bytes one layer keeps for backward, measured by saved-tensor hooks: off-by-one sinks under SDPA add the float
+    mask [heads, s, s + 1] (one, shared by the batch), as the estimate says."""
+    from rapidtrain.config.activations import ActivationContext, layer_bytes
+    from rapidtrain.config.settings import Layout
+
+    def kept(config: ModelConfig) -> int:
+        layer = build_model(config, seed=0).layers["0"]
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            layer(torch.randn(2, config.seq_length, config.hidden_size, requires_grad=True))
+        return sum(storages.values())
+
+    shape = {**SMALL, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
+    plain, sinks = ModelConfig(**shape), ModelConfig(**shape, softmax_type="off-by-one")
+    measured = kept(sinks) - kept(plain)
+    act = ActivationContext.of(sinks, "fp32", "cpu")
+    estimated = layer_bytes(sinks, 2, Layout(1, 1), act) - layer_bytes(plain, 2, Layout(1, 1), act)
+    assert estimated == 4 * 64 * 65 * 4
+    assert abs(measured - estimated) <= 0.02 * estimated
