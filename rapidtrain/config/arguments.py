@@ -163,7 +163,8 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrained-model-name-or-path", default=None,
                    help="Local Hugging Face model folder (never the hub). Fine-tuning tasks load it with transformers' "
                         "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, BLOOM, "
-                        "Llama, Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
+                        "Llama, Mistral, Qwen2, Mixtral, gpt-oss, BERT), shape flags not given taken from its "
+                        "config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
     g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")

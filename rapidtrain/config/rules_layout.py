@@ -277,7 +277,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
         "pretrained-folder-initialises-builtin", ("--pretrained-model-name-or-path", "--task"),
         "With --task pretraining, --pretrained-model-name-or-path is a Hugging Face folder (config.json) of a "
-        "GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
+        "GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, gpt-oss or BERT model, which initialises the built-in model.",
         lambda a, c: hf_config.unsupported_reason(a) is not None,
         lambda a, c: f"{hf_config.unsupported_reason(a)}.",
     ),

@@ -534,6 +534,8 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
         return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False,
                                         architectures=["LlamaForCausalLM"])
     if kind == "gpt_oss":
+        if config.activation_clamp is None:  # export_family requires it: gpt-oss always clamps
+            raise UnsupportedModel("gpt-oss's experts clamp: give --activation-func-clamp-value")
         return transformers.GptOssConfig(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
             num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,

@@ -106,8 +106,8 @@ def test_kv_cache_decoding_with_sinks_and_alternating_windows_gives_the_full_for
     model = build_model(config, seed=6).eval()
     if softmax_type == "learnable":
         with torch.no_grad():
-            for layer in model.layers.values():  # a replicated DTensor: each rank sets its whole local copy
-                layer.attention.sink.logits.to_local().copy_(torch.linspace(-1.0, 2.0, 6))
+            for layer in model.layers.values():
+                layer.attention.sink.logits.copy_(torch.linspace(-1.0, 2.0, 6))
     ids = tokens(length=9)
     with torch.no_grad():
         full = model(ids)
@@ -441,9 +441,10 @@ def test_trained_gpt_oss_checkpoint_converts_to_a_folder_transformers_loads(tmp_
 
     flags = [*GPT_OSS_FLAGS[:-1], "64"]  # --seq-length 64, as the other tiny demo runs
     pretrain([*flags, "--ffn-hidden-size", "32", "--group-query-attention", "--num-query-groups", "2",
-              "--untie-embeddings-and-output-weights", "--disable-moe-token-dropping", "--micro-batch-size", "2", "--global-batch-size", "2",
-              "--train-iters", "2", "--lr", "1e-2", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
-              "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(tmp_path / "ck")])
+              "--untie-embeddings-and-output-weights", "--disable-moe-token-dropping", "--micro-batch-size", "2",
+              "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2", "--num-workers", "0", "--eval-iters",
+              "0", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--save", str(tmp_path / "ck")])
     spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "scripts" / "convert_checkpoint.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
