@@ -297,6 +297,12 @@ def _gpt_oss_flags(config: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss: Llama-shaped attention with biases and per-head sinks, every layer MoE (biased router, softmax over
     the top-k logits = softmax, top-k, renormalise), experts with biases and the clamped quick-GEGLU, sliding
     windows in the layers layer_types names."""
+    if config.get("quantization_config"):  # openai/gpt-oss-* ship MXFP4 expert blocks and scales
+        method = (config["quantization_config"] or {}).get("quant_method", "quantized") \
+            if isinstance(config["quantization_config"], dict) else "quantized"
+        raise UnsupportedModel(f"config.json: {method} weights; the built-in model reads plain tensors. Save a "
+                               "dequantized copy first (transformers: from_pretrained with "
+                               "Mxfp4Config(dequantize=True), then save_pretrained)")
     if config.get("swiglu_alpha", QUICK_GELU_ALPHA) != QUICK_GELU_ALPHA:
         raise UnsupportedModel(f"config.json swiglu_alpha {config['swiglu_alpha']}: the built-in quick GELU's gain is "
                                f"{QUICK_GELU_ALPHA}")

@@ -403,6 +403,7 @@ def test_builtin_gpt_oss_exports_with_its_window_pattern(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "says"), [
     ({"swiglu_alpha": 1.5}, "swiglu_alpha 1.5"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "mxfp4 weights"),
     ({"num_experts_per_tok": 1}, "num_experts_per_tok 1"),
     ({"attention_bias": False}, "attention_bias false"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
