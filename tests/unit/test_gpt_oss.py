@@ -1,8 +1,9 @@
 """gpt-oss's architecture in the built-in GPT: attention sinks (--softmax-type off-by-one / learnable) against a plain
 softmax with one more column on every kernel, with causal, padding and sliding-window masks and the KV cache; the
 clamped quick-GEGLU (--quick-geglu, --activation-func-clamp-value, --glu-linear-offset) in the dense MLP and the
-experts; the router's bias; and gpt-oss's routing (softmax over the top-k logits) against rapidtrain's
-(softmax, top-k, renormalise)."""
+experts; the router's bias; gpt-oss's routing (softmax over the top-k logits) against rapidtrain's (softmax, top-k,
+renormalise); Megatron's flags and their refusals; Hugging Face GptOss folders both ways against transformers (eager
+attention, fp32, dropless); tensor and expert parallelism; the memory estimate of the sinks' mask."""
 
 from __future__ import annotations
 
