@@ -99,9 +99,9 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
         return s * b * h * r / split_all
     attention, latents = _attention_widths(model)
     # fc1 and activation outputs (SwiGLU: + gate, product)
-    mlp_width: float = (4 if model.swiglu else 2) * model.ffn_size
+    mlp_width: float = (4 if model.gated_linear_unit else 2) * model.ffn_size
     if experts:  # top-k routed copies of each token fill capacity buffers; shared experts are a dense MLP beside
-        mlp_width = (4 if model.swiglu else 2) * (
+        mlp_width = (4 if model.gated_linear_unit else 2) * (
             model.expert_ffn_size * model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
             + (model.moe_shared_expert_intermediate_size or 0))
     masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
@@ -116,6 +116,10 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     if act.scores_kept and granularity not in ("selective", "op"):
         heads = model.num_attention_heads
         scores = heads * s * s * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
+    if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
+        # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
+        # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
+        scores += model.num_attention_heads * s * (s + 1) * e / t
     return s * b * per_token + scores
 
 
@@ -256,7 +260,7 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
     comes after the MLP's wide tensors are freed, and is no larger where measured."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     e = act.element_bytes
-    wide: float = (3 if model.swiglu else 1) * model.ffn_size
+    wide: float = (3 if model.gated_linear_unit else 1) * model.ffn_size
     if experts:
         wide = (3 if model.swiglu else 1) * model.expert_ffn_size * model.moe_router_topk \
             * max(model.moe_capacity_factor, 1.0)

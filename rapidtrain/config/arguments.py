@@ -163,8 +163,8 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrained-model-name-or-path", default=None,
                    help="Local Hugging Face model folder (never the hub). Fine-tuning tasks load it with transformers' "
                         "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, BLOOM, "
-                        "Llama, Mistral, Qwen2, Qwen3, Mixtral, DeepSeek-V2/V3 with dense layers, BERT), shape flags "
-                        "not given taken from its config.json.")
+                        "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE, DeepSeek-V2/V3, gpt-oss, BERT), shape "
+                        "flags not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
     g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
@@ -289,9 +289,29 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--sliding-window", type=int, default=None,
                    help="Sliding-window attention (Mistral; GPT only): each query sees itself and the keys before it, "
                         "at most this many in all (Megatron's --window-size L,0 is L + 1).")
+    _add_gpt_oss_variants(g)
     g.add_argument("--post-layernorm", action="store_true",
                    help="Original BERT order: x = norm(x + f(x)) in every layer, a norm on the embedding sum and "
                         "no final norm (Hugging Face BERT). Default: pre-norm, as Megatron.")
+
+
+def _add_gpt_oss_variants(g: argparse._ArgumentGroup) -> None:
+    """gpt-oss's switches, with Megatron-Core's names: attention sinks and the clamped quick-GEGLU."""
+    g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default="vanilla",
+                   help="Attention's softmax: vanilla; off-by-one adds 1 to its denominator (an attention sink of "
+                        "logit 0); learnable adds exp of a learned logit per head (gpt-oss's sinks). Every kernel: "
+                        "SDPA takes the sink as one more key of zero value (a float mask), eager as one more softmax "
+                        "column, FlexAttention by rescaling with its logsumexp.")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="Gated MLP fc2(quick_gelu(gate(x)) · fc1(x)) with quick_gelu(x) = x·sigmoid(1.702x), in dense "
+                        "layers and experts (gpt-oss; Megatron-Core's quick-GEGLU); excludes --swiglu. With biases (no "
+                        "--disable-bias-linear) MoE routers get a bias too, as Megatron-Core's and gpt-oss's.")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="Added to the gated MLP's linear half before the product: act(gate) · (linear + offset) "
+                        "(gpt-oss: 1); needs --swiglu or --quick-geglu.")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="The gated MLP's clamp: the gate clamped above at this value, the linear half to ± it, "
+                        "before the activation (gpt-oss: 7); needs --swiglu or --quick-geglu.")
 
 
 def _add_training(parser: argparse.ArgumentParser) -> None:

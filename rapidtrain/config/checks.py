@@ -578,7 +578,14 @@ def attention_backend_problem(args: Args, ctx: RunContext) -> str | None:
 
     return attention_problem(args.attention_backend, ctx.device_type, hf_config.trains_builtin_model(args),
                              args.attention_dropout, half_precision=precision_of(args, ctx).dtype != "fp32",
-                             masked_by="--reset-attention-mask" if args.reset_attention_mask else None)
+                             masked_by=_masked_by(args))
+
+
+def _masked_by(args: Args) -> str | None:
+    """The flag that makes the built-in model attend under an explicit mask, None where causality alone masks."""
+    if args.reset_attention_mask:
+        return "--reset-attention-mask"
+    return f"--softmax-type {args.softmax_type}" if args.softmax_type != "vanilla" else None
 
 
 def megatron_task_problem(args: Args, ctx: RunContext) -> str | None:

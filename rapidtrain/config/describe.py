@@ -144,7 +144,7 @@ def _model_lines(plan: Plan) -> list[str]:
                      + f": {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads{groups}"
                      + _attention_details(m) + f", ffn {m.ffn_size}, seq {m.seq_length}, padded vocab {m.vocab_size}"
                      + (f", experts {list(m.num_experts)}" if m.num_experts else "")
-                     + "".join(f"; {feature}" for feature in m.attention_features))
+                     + "".join(f"; {feature}" for feature in m.attention_features + m.mlp_features))
         if m.moe_router_features:
             lines.append("  mixture of experts: " + "; ".join(m.moe_router_features))
     if plan.memory:

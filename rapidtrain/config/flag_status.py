@@ -136,6 +136,11 @@ HANDLED["--decoupled-lr"] = ("Megatron-Core's own rate for the word embedding an
                              "else --min-lr); every engine (DDP, FSDP2, OSS, DeepSpeed ZeRO, pipeline stages)")
 HANDLED["--decoupled-min-lr"] = ("the floor of --decoupled-lr's groups (default --min-lr); no effect without "
                                  "--decoupled-lr")
+HANDLED["--enable-gpt-oss"] = (
+    "Megatron's gpt-oss switch sets YaRN rope (--rope-type yarn, factor 32, original positions 131072, beta fast 32, "
+    "beta slow 1, mscale 1, mscale-all-dim 0, correction range not rounded) and nothing else; gpt-oss's architecture "
+    "is its other flags (--softmax-type learnable --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7 "
+    "--window-size 127,0 --window-attn-skip-freq 2)")
 HANDLED["--calculate-per-token-loss"] = (
     "the loss summed over the tokens of every micro-batch and data-parallel rank, over their count: rapidtrain's "
     "reduction whenever the forward step returns (loss sum, token count), as the built-in models and tasks do; with "
@@ -210,8 +215,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                          "--seq-length"),
     "--ds-sequence-parallel-size": (REFUSED, "DeepSpeed-Ulysses sequence parallelism is not in rapidtrain; use "
                                              "--sequence-parallel with tensor parallelism"),
-    "--softmax-type": (REFUSED, "attention sinks (off-by-one or learnable softmax) are not in rapidtrain; only "
-                                "vanilla softmax"),
     "--expert-tensor-parallel-size": (REFUSED, "experts are not split by tensor parallelism; shard them over ranks "
                                                "with --expert-model-parallel-size"),
     "--apply-residual-connection-post-layernorm": (REFUSED, "that residual order is not in rapidtrain's models; "
@@ -271,10 +274,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--trust-remote-code": (NO_EFFECT, "rapidtrain never runs code from a model or tokenizer folder"),
     "--vocab-extra-ids": (REFUSED, "T5's sentinel tokens: T5 is not in rapidtrain"),
     "--squared-relu": (REFUSED, "squared ReLU is not in rapidtrain's models: GELU or --swiglu"),
-    "--quick-geglu": (REFUSED, "GeGLU is not in rapidtrain's models: --swiglu"),
     "--glu-activation": (REFUSED, "BigScience's GLU variants: rapidtrain has --swiglu"),
-    "--glu-linear-offset": (REFUSED, "GLU offsets are not in rapidtrain's models"),
-    "--activation-func-clamp-value": (REFUSED, "activation clamping is not in rapidtrain's models"),
     "--attention-output-gate": (REFUSED, "gated attention output is not in rapidtrain's models"),
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
@@ -284,7 +284,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--embedding-init-method-std": (REFUSED, "one --init-method-std for every weight"),
     "--deep-init": (REFUSED, "weights are initialised normal(0, --init-method-std), scaled by depth on the output "
                              "projections as Megatron"),
-    "--enable-gpt-oss": (REFUSED, "the gpt-oss architecture is not in rapidtrain's models"),
     "--export-force-local-attention": (NO_EFFECT, _INFERENCE),
     "--no-query-key-layer-scaling": (NO_EFFECT, "attention scores are 1/sqrt(d) scaled in fp32-accumulating kernels; "
                                                 "Megatron's layer-number scaling is an fp16 overflow guard"),
@@ -332,9 +331,8 @@ FLAGS: dict[str, tuple[str, str]] = {
 
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
 NEUTRAL: dict[str, tuple] = {
-    "--softmax-type": ("vanilla",),
     "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
-    "--glu-linear-offset": (0, 0.0), "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
+    "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
     "--attention-head-type": ("multihead",),
 }
 

@@ -159,6 +159,13 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
         v_head_dim=args.v_head_dim,
+        softmax_type=args.softmax_type,
+        quick_geglu=args.quick_geglu,
+        activation_clamp=args.activation_func_clamp_value,
+        glu_linear_offset=args.glu_linear_offset,
+        # Megatron-Core's router has a bias with --add-bias-linear; rapidtrain's MoE keeps DeepSpeed-MoE's bias-free
+        # router (its checkpoints and scripts) except beside Megatron-Core's gpt-oss MLP, the quick-GEGLU.
+        moe_router_bias=args.add_bias_linear and args.quick_geglu,
     )
 
 

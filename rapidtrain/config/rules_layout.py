@@ -278,16 +278,42 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "rounded down to a multiple of 64 leaves no MLP. Give --ffn-hidden-size.",
     ),
     Rule(
-        "openai-gelu-needs-gelu", ("--openai-gelu", "--swiglu"),
-        "--openai-gelu changes the GELU of GELU MLPs; a GPT with --swiglu has none.",
-        lambda a, c: a.openai_gelu and a.swiglu and a.model_type == "gpt",
-        lambda a, c: "--openai-gelu with --swiglu: the GPT's MLPs use SiLU gates, no GELU is left to change. Drop "
-        "one of them.",
+        "openai-gelu-needs-gelu", ("--openai-gelu", "--swiglu", "--quick-geglu"),
+        "--openai-gelu changes the GELU of GELU MLPs; a GPT with --swiglu or --quick-geglu has none.",
+        lambda a, c: a.openai_gelu and (a.swiglu or a.quick_geglu) and a.model_type == "gpt",
+        lambda a, c: f"--openai-gelu with {'--swiglu' if a.swiglu else '--quick-geglu'}: the GPT's MLPs are gated "
+        "units, no exact GELU is left to change. Drop one of them.",
+    ),
+    Rule(
+        "one-gated-activation", ("--swiglu", "--quick-geglu"),
+        "The gated MLP's gate activation is one: silu (--swiglu) or quick GELU (--quick-geglu), as Megatron asserts.",
+        lambda a, c: a.swiglu and a.quick_geglu,
+        lambda a, c: "--swiglu and --quick-geglu both choose the gated MLP's activation (silu or x·sigmoid(1.702x)). "
+        "Give one.",
+    ),
+    Rule(
+        "glu-settings-need-a-gated-mlp", ("--glu-linear-offset", "--activation-func-clamp-value", "--swiglu",
+                                          "--quick-geglu"),
+        "--glu-linear-offset and --activation-func-clamp-value shape a gated MLP's product; without --swiglu or "
+        "--quick-geglu there is none.",
+        lambda a, c: (a.glu_linear_offset != 0 or a.activation_func_clamp_value is not None)
+        and not (a.swiglu or a.quick_geglu),
+        lambda a, c: ("--glu-linear-offset" if a.glu_linear_offset != 0 else "--activation-func-clamp-value")
+        + " without a gated MLP: the GELU MLP has no gate or linear half to offset or clamp. Add --quick-geglu "
+        "(gpt-oss) or --swiglu, or drop it.",
+    ),
+    Rule(
+        "activation-clamp-positive", ("--activation-func-clamp-value",),
+        "The gated MLP's clamp is a finite positive value (Megatron's check).",
+        lambda a, c: a.activation_func_clamp_value is not None
+        and not 0 < a.activation_func_clamp_value < float("inf"),
+        lambda a, c: f"--activation-func-clamp-value {a.activation_func_clamp_value:g}: the gate is clamped above "
+        "at it and the linear half to ± it; give a finite value above 0 (gpt-oss: 7).",
     ),
     Rule(
         "pretrained-folder-initialises-builtin", ("--pretrained-model-name-or-path", "--task"),
         "With --task pretraining, --pretrained-model-name-or-path is a Hugging Face folder (config.json) of a "
-        "GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
+        "GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, gpt-oss or BERT model, which initialises the built-in model.",
         lambda a, c: hf_config.unsupported_reason(a) is not None,
         lambda a, c: f"{hf_config.unsupported_reason(a)}.",
     ),

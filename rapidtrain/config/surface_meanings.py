@@ -385,6 +385,21 @@ def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -
                         "casual_lm")
 
 
+# What Megatron-LM's --enable-gpt-oss sets (its model builder): gpt-oss's YaRN, as flag destinations.
+GPT_OSS_YARN = {"rope_type": "yarn", "rotary_scaling_factor": 32.0, "yarn_original_max_position_embeddings": 131072,
+                "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                "yarn_correction_range_round_to_int": False}
+
+
+def _enable_gpt_oss(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
+    if not value:
+        return
+    for dest, setting in GPT_OSS_YARN.items():
+        setattr(args, dest, setting)
+    notes.append("--enable-gpt-oss: gpt-oss's YaRN rope, as Megatron sets it (--rope-type yarn, factor 32, original "
+                 "positions 131072, beta fast 32 / slow 1, mscale 1, mscale-all-dim 0, correction range not rounded)")
+
+
 def _load_balancing(args: Args, value, notes: list[str], refusals: list[str]) -> None:
     kinds = set(value if isinstance(value, list) else [value])
     if kinds <= {"aux_loss"}:
@@ -576,6 +591,7 @@ HANDLERS = {
     "--transformer-impl": _note("--transformer-impl"),
     "--no-pipeline-parallel": _note("--no-pipeline-parallel"),
     "--moe-router-load-balancing-type": _load_balancing,
+    "--enable-gpt-oss": _enable_gpt_oss,
     "--padded-vocab-size": _padded_vocab_size,
     "--pad-vocab-size-to": _pad_vocab_size_to,
     "--dataloader-type": _dataloader_type,

@@ -106,6 +106,23 @@ class ModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # gpt-oss's switches (Megatron-Core's names). Attention sinks (--softmax-type): off-by-one adds 1 to the softmax
+    # denominator, learnable adds exp(a per-head learned logit), as an extra key with a zero value would.
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    # The gated MLP's gate activation: SwiGLU's silu, or with --quick-geglu x·sigmoid(1.702x) (gpt-oss); the gate
+    # clamped above and the linear half to ±clamp (--activation-func-clamp-value), the linear half plus
+    # glu_linear_offset (--glu-linear-offset; gpt-oss: 1).
+    quick_geglu: bool = False
+    activation_clamp: float | None = None
+    glu_linear_offset: float = 0.0
+    # A bias on the router's logits (Megatron-Core's router with --add-bias-linear, gpt-oss's router); the default
+    # router is DeepSpeed-MoE's, bias-free.
+    moe_router_bias: bool = False
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """A gated MLP (a third matrix, the gate): --swiglu or --quick-geglu."""
+        return self.swiglu or self.quick_geglu
 
     @property
     def ffn_size(self) -> int:
@@ -148,6 +165,13 @@ class ModelConfig:
             features.append("ALiBi position biases (per-head slopes, no position embeddings)")
         if self.embed_layernorm:
             features.append("LayerNorm on the word embeddings")
+        if self.softmax_type == "off-by-one":
+            features.append("off-by-one softmax (an attention sink of logit 0 in every head)")
+        elif self.softmax_type == "learnable":
+            features.append("attention sinks (a learned logit per head in the softmax's denominator, gpt-oss)")
+        if self.softmax_type != "vanilla" and self.attention_kernel.startswith("sdpa"):
+            features.append("SDPA takes the sink as one more key under a float mask [heads, s, s + 1] (materialized, "
+                            "as the eager kernel's scores)")
         if self.sliding_window is not None:
             window = f"sliding-window attention over the last {self.sliding_window} keys"
             if self.window_skip_freq:
@@ -155,6 +179,21 @@ class ModelConfig:
             if self.sliding_window >= self.seq_length:
                 window += f"; the window spans --seq-length {self.seq_length}, so training sees no difference"
             features.append(window)
+        return features
+
+    @property
+    def mlp_features(self) -> list[str]:
+        """The MLP's activation and router where they differ from GELU / SwiGLU and a bias-free router, for the plan."""
+        features = []
+        if self.gated_linear_unit and (self.quick_geglu or self.activation_clamp is not None or self.glu_linear_offset):
+            gate = "quick_gelu" if self.quick_geglu else "silu"
+            clamp = (f", gate clamped at {self.activation_clamp:g} and linear half to ±{self.activation_clamp:g}"
+                     if self.activation_clamp is not None else "")
+            offset = f", linear half + {self.glu_linear_offset:g}" if self.glu_linear_offset else ""
+            quick = " with quick_gelu(x) = x·sigmoid(1.702x)" if self.quick_geglu else ""
+            features.append(f"gated MLP: {gate}(gate) × linear{quick}{clamp}{offset}")
+        if self.moe_router_bias and any(self.num_experts):
+            features.append("router with a bias (Megatron-Core's and gpt-oss's router)")
         return features
 
     def window_of_layer(self, layer: int) -> int | None:

@@ -31,18 +31,20 @@ def _norm(config: ModelConfig, size: int | None = None, layer_norm: bool = False
 
 
 def _mlp(config: ModelConfig, ffn_size: int | None = None) -> Tensors:
-    """The dense MLP: fc1 (and the SwiGLU gate) h → f, fc2 f → h, with biases unless disabled (`ffn_size`: another f,
-    as the shared experts')."""
+    """The dense MLP: fc1 (and the gated unit's gate) h → f, fc2 f → h, with biases unless disabled (`ffn_size`:
+    another f, as the shared experts')."""
     h, f, bias = config.hidden_size, ffn_size or config.ffn_size, config.add_bias_linear
-    return _linear(h, f, bias) * (2 if config.swiglu else 1) + _linear(f, h, bias)
+    return _linear(h, f, bias) * (2 if config.gated_linear_unit else 1) + _linear(f, h, bias)
 
 
 def _experts(config: ModelConfig, experts: int) -> Tensors:
-    """The experts of one MoE layer as stacked tensors, expert first: w1 (and w_gate) [E, h, f], b1 [E, f],
-    w2 [E, f, h], b2 [E, h] (no biases with --disable-bias-linear)."""
+    """The experts of one MoE layer as stacked tensors, expert first, in Experts' order: w1 [E, h, f], (gated: w_gate
+    [E, h, f],) b1 [E, f], (gated: b_gate [E, f],) w2 [E, f, h], b2 [E, h] (no biases with --disable-bias-linear);
+    f the routed experts' size."""
     h, f, e, bias = config.hidden_size, config.expert_ffn_size, experts, config.add_bias_linear
-    tensors: Tensors = [((e, h, f), "expert")] * (2 if config.swiglu else 1)
-    tensors += [((e, f), "expert_bias")] if bias else []
+    gated = 2 if config.gated_linear_unit else 1
+    tensors: Tensors = [((e, h, f), "expert")] * gated
+    tensors += [((e, f), "expert_bias")] * gated if bias else []
     return tensors + [((e, f, h), "expert")] + ([((e, h), "expert_bias")] if bias else [])
 
 
@@ -69,7 +71,8 @@ def _attention(config: ModelConfig) -> Tensors:
     queries, keys = d * config.num_attention_heads, d * config.query_groups
     tensors = _linear(h, queries, config.qkv_bias) + 2 * _linear(h, keys, config.qkv_bias)
     tensors += _linear(queries, h, config.add_bias_linear)
-    return tensors + (2 * _norm(config, d) if config.qk_layernorm else [])  # shared by the heads: head_dim-sized
+    tensors += 2 * _norm(config, d) if config.qk_layernorm else []  # shared by the heads: head_dim-sized
+    return tensors + ([((config.num_attention_heads,), "vector")] if config.softmax_type == "learnable" else [])
 
 
 def _embedding(config: ModelConfig) -> Tensors:
@@ -111,7 +114,7 @@ def _layer(config: ModelConfig, experts: int) -> Tensors:
     tensors = _norm(config) + _attention(config) + _norm(config)
     if not experts:
         return tensors + _mlp(config)
-    router: Tensors = [((experts, config.hidden_size), "matrix")]
+    router: Tensors = _linear(config.hidden_size, experts, config.moe_router_bias)
     tensors += router + _experts(config, experts)
     tensors += _mlp(config) + _linear(config.hidden_size, 2) if config.moe_residual else []
     shared = config.moe_shared_expert_intermediate_size
@@ -241,7 +244,7 @@ def model_flops_per_iteration(
     if config.multi_latent_attention:
         projections, inner = _latent_attention_flops(config, tokens)
     forward = 2 * tokens * h * config.vocab_size + _score_flops(config, tokens, s, inner)
-    matrices = 3 if config.swiglu else 2
+    matrices = 3 if config.gated_linear_unit else 2
 
     def layer(experts: int) -> int:
         mlp = matrices * 2 * tokens * h * f

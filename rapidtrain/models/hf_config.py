@@ -1,5 +1,5 @@
 """What a `--pretrained-model-name-or-path` folder holds, and the built-in model's flags that a Hugging Face
-config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, DeepSeek-V2/V3 with dense layers, BERT,
+config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE, DeepSeek-V2/V3, gpt-oss, BERT,
 Megatron-BERT).
 
 Reads config.json as JSON only: nothing from the folder is imported or run. With `--task pretraining` a
@@ -34,6 +34,7 @@ SUPPORTED = {
     "qwen3_moe": "GPT (Llama-family MoE, Qwen3-MoE: q/k norms)",
     "deepseek_v2": "GPT (DeepSeek-V2: multi-head latent attention, softmax-routed experts with shared ones)",
     "deepseek_v3": "GPT (DeepSeek-V3: multi-head latent attention, sigmoid-routed experts with bias and groups)",
+    "gpt_oss": "GPT (gpt-oss: attention sinks, clamped quick-GEGLU experts, biased router, alternating window)",
     "bert": "BERT",
     "megatron-bert": "BERT (Megatron pre-LN)",
 }
@@ -438,6 +439,83 @@ def rope_interleaved(config: dict[str, Any]) -> bool:
     return config.get("model_type") == "deepseek_v2" or bool(config.get("rope_interleave", True))
 
 
+QUICK_GELU_ALPHA = 1.702  # the built-in quick GELU's gain (models/mlp.py); gpt-oss's swiglu_alpha
+
+
+def window_pattern(layer_types: list[str]) -> int | None:
+    """--window-attn-skip-freq N for Hugging Face's layer_types (sliding_attention / full_attention per layer): every
+    Nth layer (1-based) full, the others sliding; None when every layer slides. UnsupportedModel for a pattern that
+    no N gives (the built-in model's windows follow Megatron's every-Nth rule)."""
+    sliding = [kind == "sliding_attention" for kind in layer_types]
+    if all(sliding):
+        return None
+    for every in range(1, len(sliding) + 1):
+        if all(slides == ((i + 1) % every != 0) for i, slides in enumerate(sliding)):
+            return every
+    raise UnsupportedModel(f"config.json's layer_types {layer_types}: the built-in model's full-attention layers are "
+                           "every Nth (--window-attn-skip-freq), and no N gives these")
+
+
+def _gpt_oss_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: Llama-shaped attention with biases and per-head sinks, every layer MoE (biased router, softmax over
+    the top-k logits = softmax, top-k, renormalise), experts with biases and the clamped quick-GEGLU, sliding
+    windows in the layers layer_types names."""
+    if config.get("quantization_config"):  # openai/gpt-oss-* ship MXFP4 expert blocks and scales
+        method = (config["quantization_config"] or {}).get("quant_method", "quantized") \
+            if isinstance(config["quantization_config"], dict) else "quantized"
+        raise UnsupportedModel(f"config.json: {method} weights; the built-in model reads plain tensors. Save a "
+                               "dequantized copy first (transformers: from_pretrained with "
+                               "Mxfp4Config(dequantize=True), then save_pretrained)")
+    if config.get("swiglu_alpha", QUICK_GELU_ALPHA) != QUICK_GELU_ALPHA:
+        raise UnsupportedModel(f"config.json swiglu_alpha {config['swiglu_alpha']}: the built-in quick GELU's gain is "
+                               f"{QUICK_GELU_ALPHA}")
+    if not config.get("attention_bias", True):
+        raise UnsupportedModel("config.json attention_bias false: gpt-oss's experts and router have biases, and the "
+                               "built-in model's biases come with every linear layer (--disable-bias-linear drops all)")
+    topk = config["num_experts_per_tok"]
+    if topk == 1:
+        raise UnsupportedModel("gpt-oss with num_experts_per_tok 1 gives its expert weight 1; the built-in top-1 "
+                               "router (Switch) keeps the router probability")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    if len(layer_types) != config["num_hidden_layers"]:
+        raise UnsupportedModel(f"config.json has {len(layer_types)} layer_types for {config['num_hidden_layers']} "
+                               "layers")
+    skip = window_pattern(layer_types) if window else None
+    if skip == 1:  # every layer attends to the whole sequence: the window is never used
+        window, skip = None, None
+    return {
+        "model_type": "gpt",
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        **_rope_flags(config),
+        "rotary_percent": 1.0,
+        "kv_channels": _head_dim(config, hidden, heads),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": config.get("rms_norm_eps", 1e-5),
+        "group_query_attention": groups != heads,
+        "num_query_groups": groups if groups != heads else None,
+        "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "softmax_type": "learnable",
+        "quick_geglu": True,
+        "glu_linear_offset": 1.0,
+        "activation_func_clamp_value": float(config.get("swiglu_limit", 7.0)),
+        "sliding_window": window,
+        "window_attn_skip_freq": skip,
+        "num_experts": [config["num_local_experts"]],
+        "moe_layer_freq": 1,
+        "moe_router_topk": topk,
+        "disable_moe_token_dropping": True,  # gpt-oss has no expert capacity
+    }
+
+
 def _bert_flags(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedModel(
@@ -508,6 +586,11 @@ _BASE = {
     "yarn_beta_slow": None,
     "yarn_original_max_position_embeddings": None,
     "yarn_correction_range_round_to_int": None,
+    "window_attn_skip_freq": None,
+    "softmax_type": "vanilla",
+    "quick_geglu": False,
+    "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None,
 }
 
 
@@ -531,6 +614,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
             flags = _llama_flags(config)
         elif kind in DEEPSEEK_FAMILY:
             flags = _deepseek_flags(config)
+        elif kind == "gpt_oss":
+            flags = _gpt_oss_flags(config)
         else:
             flags = _bert_flags(config)
     except KeyError as error:
@@ -541,7 +626,7 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
              and (type(flags[dest]) is not int or flags[dest] <= 0)]
     wrong += [dest for dest in ("layernorm_epsilon", "rotary_base", "rope_scaling_factor",
                                 "rotary_seq_len_interpolation_factor", "rotary_scaling_factor", "yarn_beta_fast",
-                                "yarn_beta_slow") if flags.get(dest) is not None
+                                "yarn_beta_slow", "activation_func_clamp_value") if flags.get(dest) is not None
               and (type(flags[dest]) not in (int, float) or not flags[dest] > 0)]
     if wrong:
         raise UnsupportedModel(f"config.json gives {', '.join(f'{d} = {flags[d]!r}' for d in wrong)}: "

@@ -7,7 +7,8 @@ state dict as a folder transformers loads (config.json + safetensors, in the hub
 
 Each family's map is a list of Links: built-in tensors on one side, Hugging Face tensors on the other, and a
 function each way (GPT-2 fuses q/k/v and stores Conv1D weights transposed; Mixtral keeps one matrix per
-expert, the built-in MoE stacks them input-major; DeepSeek's rotary rows are interleaved pairs).
+expert, the built-in MoE stacks them input-major; DeepSeek's rotary rows are interleaved pairs; gpt-oss interleaves
+each expert's gate and up columns).
 """
 
 from __future__ import annotations
@@ -214,6 +215,34 @@ def _rotary_rows(ours: str, theirs: str, heads: int, rows: int, rotary: int, int
     return Link((ours,), (theirs,), reorder(_halves_of_pairs), reorder(_pairs_of_halves))
 
 
+def _interleaved(ours: tuple[str, str], theirs: str) -> Link:
+    """gpt-oss's fused gate_up_proj [E, h, 2f] (or its bias [E, 2f]) holds gate and up interleaved along the last
+    dimension (gate at even columns, up at odd); ours are the gate (w_gate / b_gate) and the linear half (w1 / b1)."""
+    return Link(ours, (theirs,), to_ours=lambda t: [t[0][..., 0::2], t[0][..., 1::2]],
+                to_theirs=lambda t: [torch.stack(t, dim=-1).flatten(-2)])
+
+
+def _gpt_oss_links(config: ModelConfig) -> list[Link]:
+    links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+             one("final_norm.weight", "model.norm.weight")]
+    if not config.tie_embeddings:
+        links.append(one("output.weight", "lm_head.weight"))
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}", f"model.layers.{i}"
+        links += [one(f"{ours}.ln1.weight", f"{theirs}.input_layernorm.weight"),
+                  one(f"{ours}.ln2.weight", f"{theirs}.post_attention_layernorm.weight"),
+                  one(f"{ours}.attention.sink.logits", f"{theirs}.self_attn.sinks")]
+        for p in "qkvo":
+            links += same_leaves(f"{ours}.attention.{p}_proj", f"{theirs}.self_attn.{p}_proj")
+        links += same_leaves(f"{ours}.mlp.router", f"{theirs}.mlp.router")
+        experts, moe = f"{ours}.mlp.experts", f"{theirs}.mlp.experts"
+        links += [_interleaved((f"{experts}.w_gate", f"{experts}.w1"), f"{moe}.gate_up_proj"),
+                  _interleaved((f"{experts}.b_gate", f"{experts}.b1"), f"{moe}.gate_up_proj_bias"),
+                  one(f"{experts}.w2", f"{moe}.down_proj"),  # both [E, f, h], input-major
+                  one(f"{experts}.b2", f"{moe}.down_proj_bias")]
+    return links
+
+
 def _deepseek_links(config: ModelConfig, interleaved: bool) -> list[Link]:
     """DeepSeek-V2/V3 with dense layers: Llama's names outside attention, MLA's q_a/q_b/kv_a/kv_b inside."""
     links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
@@ -294,6 +323,8 @@ def links_for(hf_model_type: str, config: ModelConfig, interleaved: bool = True)
         return _bloom_links(config)
     if hf_model_type in LLAMA_FAMILY:
         return _llama_links(config, hf_model_type)
+    if hf_model_type == "gpt_oss":
+        return _gpt_oss_links(config)
     return _bert_links(config)
 
 
@@ -456,7 +487,7 @@ def export_family(config: ModelConfig) -> str:
         if not condition:
             problems.append(text)
 
-    gelu_mlp = not config.swiglu
+    gelu_mlp = not config.gated_linear_unit
     need(config.position_embedding_type != "rope" or config.rotary_percent == 1.0, "--rotary-percent 1.0")
     if config.normalization == "LayerNorm" or config.model_type == "bert":
         need(not config.qk_layernorm and config.head_dim * config.num_attention_heads == config.hidden_size,
@@ -484,16 +515,24 @@ def export_family(config: ModelConfig) -> str:
         need(config.query_groups == config.num_attention_heads, "one key/value head per head (GPT-2)")
         need(not any(config.num_experts) and not config.post_layernorm, "dense pre-LN layers (GPT-2)")
         kind = "gpt2"
+    elif config.quick_geglu or config.softmax_type != "vanilla":
+        kind = "gpt_oss"
+        _need_gpt_oss(config, need)
     else:
         kind = _llama_kind(config, need)
         need(kind not in ("qwen2", "qwen2_moe")
              or config.kv_channels in (None, config.hidden_size // config.num_attention_heads),
              "no --kv-channels (Qwen2's config has no head_dim)")
-        need(config.rope_scaling == "none" or config.rotary_interpolation_factor == 1,
-             "one rope scaling (--use-rope-scaling or --rotary-seq-len-interpolation-factor, not both)")
-    need(config.sliding_window is None or kind in ("mistral", "mixtral"),
-         "no --sliding-window (of the Hugging Face families here only Mistral and Mixtral have one)")
-    need(not (config.sliding_window and config.window_skip_freq),
+    if kind != "gpt_oss":
+        need(config.softmax_type == "vanilla", "--softmax-type vanilla (of the Hugging Face families here only "
+             "gpt-oss has attention sinks)")
+        need(config.activation_clamp is None and not config.glu_linear_offset,
+             "no --activation-func-clamp-value or --glu-linear-offset (gpt-oss's alone)")
+    need(config.rope_scaling == "none" or config.rotary_interpolation_factor == 1,
+         "one rope scaling (--use-rope-scaling or --rotary-seq-len-interpolation-factor, not both)")
+    need(config.sliding_window is None or kind in ("mistral", "mixtral", "gpt_oss"),
+         "no --sliding-window (of the Hugging Face families here only Mistral, Mixtral and gpt-oss have one)")
+    need(not (config.sliding_window and config.window_skip_freq) or kind == "gpt_oss",
          "no --window-attn-skip-freq (Mistral's window covers every layer)")
     if problems:
         raise UnsupportedModel(
@@ -554,6 +593,21 @@ def _leading_dense(config: ModelConfig) -> int:
     return next((i for i, experts in enumerate(config.num_experts) if experts), config.num_layers)
 
 
+def _need_gpt_oss(config: ModelConfig, need: Callable[[bool, str], None]) -> None:
+    """What Hugging Face's GptOss fixes: its attention (rope, biases, learned sinks), every layer MoE with a biased
+    router and top-k > 1, and experts with biases and the clamped quick-GEGLU (offset 1)."""
+    need(config.position_embedding_type == "rope" and config.rotary_percent == 1.0, "rope over whole heads")
+    need(config.softmax_type == "learnable", "--softmax-type learnable (gpt-oss's sinks)")
+    need(config.quick_geglu and config.activation_clamp is not None and config.glu_linear_offset == 1.0,
+         "--quick-geglu with --activation-func-clamp-value and --glu-linear-offset 1 (gpt-oss's experts)")
+    need(config.add_bias_linear and config.moe_router_bias, "biases in every linear layer and the router")
+    need(bool(config.num_experts) and all(config.num_experts) and len(set(config.num_experts)) == 1,
+         "the same number of experts in every layer (gpt-oss has no dense layer)")
+    need(config.moe_router_topk > 1, "--moe-router-topk 2 or more (gpt-oss renormalises the top-k weights)")
+    need(not config.qk_layernorm and not config.post_layernorm and not config.embed_layernorm and
+         not config.moe_residual, "pre-norm layers without --qk-layernorm, --embed-layernorm or PR-MoE")
+
+
 def hf_rope_parameters(config: ModelConfig) -> dict[str, Any]:
     """Hugging Face's rope_parameters of the built-in rope: default, llama3 (Megatron's fixed factors) or linear."""
     parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
@@ -577,6 +631,7 @@ def _llama_kind(config: ModelConfig, need: Callable[[bool, str], None]) -> str:
     """The Llama-family architecture the built-in model's flags describe: Mixtral, Qwen3, Qwen2, Mistral or Llama."""
     need(config.position_embedding_type == "rope" and config.swiglu and not config.add_bias_linear,
          "rope, --swiglu and --disable-bias-linear (Llama)")
+    need(not config.moe_router_bias, "a router without a bias")
     need(not config.post_layernorm and not config.embed_layernorm, "pre-norm layers, no --embed-layernorm")
     if any(config.num_experts):
         need(config.moe_router_score_function == "softmax" and not config.moe_router_enable_expert_bias
@@ -632,6 +687,21 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
             hidden_dropout=config.hidden_dropout, attention_dropout=dropout, initializer_range=config.init_method_std,
             apply_residual_connection_post_layernorm=False, tie_word_embeddings=tie, bos_token_id=None,
             eos_token_id=None, architectures=["BloomForCausalLM"])
+    if kind == "gpt_oss":
+        if config.activation_clamp is None:  # export_family requires it: gpt-oss always clamps
+            raise UnsupportedModel("gpt-oss's experts clamp: give --activation-func-clamp-value")
+        return transformers.GptOssConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.query_groups, head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
+            rope_parameters=hf_rope_parameters(config), tie_word_embeddings=tie, attention_dropout=dropout,
+            initializer_range=config.init_method_std, num_local_experts=max(config.num_experts),
+            num_experts_per_tok=config.moe_router_topk, router_aux_loss_coef=config.moe_aux_loss_coeff,
+            swiglu_limit=config.activation_clamp, sliding_window=config.sliding_window, attention_bias=True,
+            layer_types=["full_attention" if config.window_of_layer(i) is None else "sliding_attention"
+                         for i in range(config.num_layers)],
+            bos_token_id=None, eos_token_id=None, architectures=["GptOssForCausalLM"])
     if kind in DEEPSEEK_FAMILY:
         layers = config.num_layers
         experts = max(config.num_experts) if any(config.num_experts) else None
@@ -679,18 +749,17 @@ def hf_config_for(config: ModelConfig, kind: str) -> Any:
         if kind not in ("qwen2", "qwen2_moe"):  # Qwen2's config has no head_dim (export_family refuses --kv-channels)
             common["head_dim"] = config.head_dim
         if kind in QWEN_MOE:
-            experts = max(config.num_experts)
-            moe: dict[str, Any] = dict(
-                moe_intermediate_size=config.expert_ffn_size, num_experts=experts,
+            qwen_moe: dict[str, Any] = dict(
+                moe_intermediate_size=config.expert_ffn_size, num_experts=max(config.num_experts),
                 num_experts_per_tok=config.moe_router_topk, norm_topk_prob=not config.moe_router_pre_softmax,
                 decoder_sparse_step=1, mlp_only_layers=[i for i, e in enumerate(config.num_experts) if not e],
                 router_aux_loss_coef=config.moe_aux_loss_coeff, use_sliding_window=False)
             if kind == "qwen2_moe":
                 return transformers.Qwen2MoeConfig(
-                    **common, **moe, qkv_bias=config.add_qkv_bias,
+                    **common, **qwen_moe, qkv_bias=config.add_qkv_bias,
                     shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size or 0,
                     architectures=["Qwen2MoeForCausalLM"])
-            return transformers.Qwen3MoeConfig(**common, **moe, attention_bias=False,
+            return transformers.Qwen3MoeConfig(**common, **qwen_moe, attention_bias=False,
                                                architectures=["Qwen3MoeForCausalLM"])
         if kind == "qwen3":
             return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False,

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.models.mlp import MLP, gelu
+from rapidtrain.models.mlp import MLP, GatedUnit, gated_unit, gelu
 
 
 def expert_capacity(
@@ -167,9 +167,9 @@ def _recomputing() -> bool:
 
 
 class Experts(nn.Module):
-    """E two-layer MLPs (GELU, or SwiGLU with a third matrix `w_gate`), stored stacked (dim 0 = expert) and
-    input-major ([E, in, out]), so expert parallelism shards dim 0 and one batched matmul runs them all.
-    Biases b1/b2 exist unless --disable-bias-linear."""
+    """E two-layer MLPs (GELU, or gated with a third matrix `w_gate`: SwiGLU, gpt-oss's clamped quick-GEGLU), stored
+    stacked (dim 0 = expert) and input-major ([E, in, out]), so expert parallelism shards dim 0 and one batched
+    matmul runs them all. Biases b1/b2 (and the gate's b_gate) exist unless --disable-bias-linear."""
 
     def __init__(
         self,
@@ -179,12 +179,15 @@ class Experts(nn.Module):
         swiglu: bool = False,
         bias: bool = True,
         openai_gelu: bool = False,
+        gated_unit: GatedUnit | None = None,
     ) -> None:
         super().__init__()
         self.openai_gelu = openai_gelu
+        self.gated_unit = gated_unit or GatedUnit()  # the gate's activation when `swiglu` (gated); SwiGLU's silu
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size)) if swiglu else None
         self.b1 = nn.Parameter(torch.empty(num_experts, ffn_size)) if bias else None
+        self.b_gate = nn.Parameter(torch.empty(num_experts, ffn_size)) if bias and swiglu else None
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self.reset_parameters()
@@ -203,13 +206,14 @@ class Experts(nn.Module):
 
     def forward(self, buffers: torch.Tensor) -> torch.Tensor:
         """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts."""
-        return self.run_experts(buffers, self.w1, self.w_gate, self.b1, self.w2, self.b2)
+        return self.run_experts(buffers, self.w1, self.w_gate, self.b1, self.w2, self.b2, self.b_gate)
 
     def run_experts(self, buffers: torch.Tensor, w1: torch.Tensor, w_gate: torch.Tensor | None,
-                    b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
+                    b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+                    b_gate: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self._project(buffers, w1, b1)
         if w_gate is not None:
-            hidden = F.silu(torch.bmm(buffers, w_gate)) * hidden
+            hidden = self.gated_unit(self._project(buffers, w_gate, b_gate), hidden)
         else:
             hidden = gelu(hidden, self.openai_gelu)
         return self._project(hidden, w2, b2)
@@ -232,7 +236,8 @@ class MoELayer(nn.Module):
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.z_loss_coeff = config.moe_z_loss_coeff
         self.jitter_eps = config.moe_jitter_eps
-        self.router = nn.Linear(config.hidden_size, num_experts, bias=False)
+        # A bias on the logits with config.moe_router_bias (Megatron-Core's, gpt-oss's); DeepSpeed-MoE's has none.
+        self.router = nn.Linear(config.hidden_size, num_experts, bias=config.moe_router_bias)
         self.score_function = config.moe_router_score_function
         self.pre_softmax = config.moe_router_pre_softmax
         self.scaling_factor = config.moe_router_topk_scaling_factor
@@ -251,9 +256,10 @@ class MoELayer(nn.Module):
             num_experts,
             config.hidden_size,
             config.expert_ffn_size,
-            swiglu=config.swiglu,
+            swiglu=config.gated_linear_unit,
             bias=config.add_bias_linear,
             openai_gelu=config.openai_gelu,
+            gated_unit=gated_unit(config),
         )
         # PR-MoE (DeepSpeed's Residual-MoE, Rapidformer's --use-expert-residual-network): a dense MLP beside the
         # experts, the two outputs mixed per token by a softmax over two learned coefficients.
@@ -285,7 +291,8 @@ class MoELayer(nn.Module):
             noise = torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
             tokens = tokens * noise
         with torch.autocast(device_type=tokens.device.type, enabled=False):
-            return F.linear(tokens.float(), self.router.weight.float())
+            bias = None if self.router.bias is None else self.router.bias.float()
+            return F.linear(tokens.float(), self.router.weight.float(), bias)
 
     def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [T, E] the combine weights come from, the balancing losses' probabilities [T, E]), fp32."""

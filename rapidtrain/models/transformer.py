@@ -247,6 +247,23 @@ class StaticKVCache:
             self.length += tokens
 
 
+class AttentionSink(nn.Module):
+    """The sink logit of every head (--softmax-type): 0 for off-by-one (no parameter), a learned `logits` [heads]
+    for learnable (gpt-oss's `sinks`). A module of its own so tensor parallelism replicates it whole; each rank takes
+    its heads' logits (Attention.first_head) and the gradients are summed over the ranks."""
+
+    def __init__(self, num_heads: int, softmax_type: str) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.logits = nn.Parameter(torch.zeros(num_heads)) if softmax_type == "learnable" else None
+
+    def forward(self, device: torch.device) -> torch.Tensor:
+        """fp32 [heads]: every head's sink logit."""
+        if self.logits is None:
+            return torch.zeros(self.num_heads, device=device)
+        return self.logits.float()
+
+
 class Attention(nn.Module):
     """Self-attention with separate q/k/v projections (column-split friendly) and o_proj.
 
@@ -274,6 +291,8 @@ class Attention(nn.Module):
         # under tensor parallelism each rank holds them whole and applies them to its own heads.
         self.q_norm = make_norm(config, d) if config.qk_layernorm else None
         self.k_norm = make_norm(config, d) if config.qk_layernorm else None
+        self.sink = AttentionSink(config.num_attention_heads, config.softmax_type) \
+            if config.softmax_type != "vanilla" else None
 
     def forward(
         self,
@@ -300,6 +319,7 @@ class Attention(nn.Module):
         slopes = None
         if self.alibi_heads:
             slopes = alibi_slopes(self.alibi_heads, q.device)[self.first_head:self.first_head + q.shape[1]]
+        sink = None if self.sink is None else self.sink(q.device)[self.first_head:self.first_head + q.shape[1]]
         out = attend(
             q,
             k,
@@ -310,6 +330,7 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             kernel=self.kernel,
             alibi=slopes,
+            sink=sink,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -523,7 +544,7 @@ def tie_weights(model: nn.Module) -> None:
 WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 # Megatron's scaled init: projections that write into the residual stream get std / sqrt(2 L).
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "fc2.weight", "experts.w2")
-_BIASES = {"bias", "b1", "b2"}
+_BIASES = {"bias", "b1", "b_gate", "b2"}
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -76,9 +76,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     _tie_output_to_embedding(model)
     parallelize_module(cast(nn.Module, model.loss), tp_mesh, VocabParallelLoss())
     per_head_norms = {id(norm) for attention in model.modules() if isinstance(attention, Attention)
-                      for norm in (attention.q_norm, attention.k_norm) if norm is not None}
+                      for norm in (attention.q_norm, attention.k_norm, attention.sink) if norm is not None}
     for module in _unsplit_subtrees(model):
-        # --qk-layernorm's norms see only this rank's heads: their gradients are summed over the ranks.
+        # --qk-layernorm's norms and the attention sinks see only this rank's heads: their gradients are summed over
+        # the ranks.
         parallelize_module(module, tp_mesh, ReplicatedParameters(sum_gradients=id(module) in per_head_norms))
     _fork_rng_where_sharded(model, tp_mesh, sequence_parallel)
 

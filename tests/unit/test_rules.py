@@ -357,6 +357,11 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "swiglu-ffn-size": (["--swiglu", "--hidden-size", "16"], ["--swiglu", "--hidden-size", "16", "--ffn-hidden-size",
                                                              "96"], 1, "cpu"),
     "openai-gelu-needs-gelu": (["--swiglu", "--openai-gelu"], ["--openai-gelu"], 1, "cpu"),
+    "one-gated-activation": (["--swiglu", "--quick-geglu"], ["--quick-geglu"], 1, "cpu"),
+    "glu-settings-need-a-gated-mlp": (["--glu-linear-offset", "1"], ["--quick-geglu", "--glu-linear-offset", "1"], 1,
+                                      "cpu"),
+    "activation-clamp-positive": (["--swiglu", "--activation-func-clamp-value", "-1"],
+                                  ["--swiglu", "--activation-func-clamp-value", "7"], 1, "cpu"),
     # HF_* and CHECKPOINT_DIR are replaced by folders the `folders` fixture writes.
     "pretrained-folder-initialises-builtin": (
         ["--pretrained-model-name-or-path", "NO_SUCH_FOLDER", "--data-path", "d"],
