@@ -328,6 +328,8 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
                                                                     "--train-iters).")
     g.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warm-up as a fraction of the decay horizon.")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Warm-up in iterations.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="The learning rate the warm-up starts from (Megatron's; default 0).")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of the final decay phase.")
     g.add_argument("--train-samples", type=int, default=None,
                    help="Sample-based training (Megatron): samples to train on; the iterations follow from the global "
@@ -612,6 +614,12 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
                    help="Multi-token prediction (DeepSeek-V3): this many extra depths after the layers, depth k "
                         "predicting the token k + 1 ahead through the shared embedding and head; their loss is "
                         "logged apart and added to the gradient.")
+    g.add_argument("--use-multi-token-prediction", action="store_true",
+                   help="Pai-Megatron-Patch's multi-token prediction switch: --mtp-num-layers from --num-mtp-predictor "
+                        "(1 when not given).")
+    g.add_argument("--num-mtp-predictor", type=int, default=None,
+                   help="Pai-Megatron-Patch's number of multi-token prediction depths (--mtp-num-layers), with "
+                        "--use-multi-token-prediction.")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="The multi-token prediction loss's weight: factor / depths × the sum of the depths' losses.")
     g.add_argument("--shared-moe-ffn-hidden-size", type=int, default=None,

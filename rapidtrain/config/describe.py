@@ -39,6 +39,8 @@ def _schedule(s: ScheduleSettings, clip_grad: float, decoupled: tuple[float, flo
         warmup = f"warm-up {s.warmup_samples:,} samples"
     else:
         warmup = f"warm-up {s.warmup_iters} iterations"
+    if s.warmup_init:
+        warmup += f" from {s.warmup_init:.1E}"
     horizon = f" over {s.decay_iters} iterations" if s.decay_iters else ""
     if s.decay_samples is not None:
         horizon = f" over {s.decay_samples:,} samples"

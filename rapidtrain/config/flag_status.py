@@ -227,7 +227,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--fp4-format": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
     "--fp4-recipe": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
     "--fp4-param-gather": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
-    "--lr-warmup-init": (REFUSED, "the warm-up starts at 0, as Megatron's default; leave this out"),
     "--lr-wsd-decay-style": (REFUSED, "WSD's final decay is rapidtrain's default style only; leave this out"),
     "--start-weight-decay": (REFUSED, "weight decay is constant (--weight-decay); a schedule for it is not in "
                                       "rapidtrain"),
@@ -332,7 +331,7 @@ FLAGS: dict[str, tuple[str, str]] = {
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
 NEUTRAL: dict[str, tuple] = {
     "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
-    "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
+"--weight-decay-incr-style": ("constant",),
     "--attention-head-type": ("multihead",),
 }
 

@@ -62,6 +62,11 @@ def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = Non
     _finetune_data_path(args, notes)
     if args.use_expert_residual_network:
         args.mlp_type = "residual"
+    if args.moe_router_pre_softmax and args.moe_router_score_function != "softmax":
+        args.moe_router_pre_softmax = False  # Megatron-Core's router reads it for softmax scores only
+        notes.append(f"--moe-router-pre-softmax: no effect with --moe-router-score-function "
+                     f"{args.moe_router_score_function} (Megatron-Core applies it to softmax scores only); the k "
+                     "chosen scores are normalised to sum 1 when --moe-router-topk > 1")
     # What Megatron's and Rapidformer's args carry for user scripts.
     args.moe = bool(args.num_experts) and max(args.num_experts) > 1
     args.zero_stage = zero_stage(args)

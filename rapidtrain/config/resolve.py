@@ -132,7 +132,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=shared_expert_size(args),
         moe_shared_expert_gate=args.moe_shared_expert_gate,
-        mtp_num_layers=args.mtp_num_layers or 0,
+        mtp_num_layers=mtp_depths(args),
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         normalization=args.normalization,
         swiglu=args.swiglu,
@@ -167,6 +167,14 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         # router (its checkpoints and scripts) except beside Megatron-Core's gpt-oss MLP, the quick-GEGLU.
         moe_router_bias=args.add_bias_linear and args.quick_geglu,
     )
+
+
+def mtp_depths(args: argparse.Namespace) -> int:
+    """Multi-token prediction's depths: Megatron-Core's --mtp-num-layers, else Pai's --use-multi-token-prediction
+    with --num-mtp-predictor (1 when not given); 0: none."""
+    if args.mtp_num_layers is not None:
+        return args.mtp_num_layers
+    return (args.num_mtp_predictor or 1) if args.use_multi_token_prediction else 0
 
 
 def shared_expert_size(args: argparse.Namespace) -> int | None:
@@ -404,6 +412,7 @@ def schedule_settings(args: argparse.Namespace) -> ScheduleSettings:
     return ScheduleSettings(lr=args.lr or 0.0, min_lr=args.min_lr, decay_style=args.lr_decay_style,
                             decay_iters=args.lr_decay_iters, warmup_iters=args.lr_warmup_iters,
                             warmup_fraction=args.lr_warmup_fraction, wsd_decay_iters=args.lr_wsd_decay_iters,
+                            warmup_init=args.lr_warmup_init,
                             decay_samples=(args.lr_decay_samples or args.train_samples) if sample_based else None,
                             warmup_samples=args.lr_warmup_samples, wsd_decay_samples=args.lr_wsd_decay_samples)
 

@@ -435,14 +435,6 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         lambda a, c: f"{router_group_problem(a)}.",
     ),
     Rule(
-        "router-pre-softmax-scores", ("--moe-router-pre-softmax", "--moe-router-score-function"),
-        "--moe-router-pre-softmax chooses how softmax scores are normalised; other score functions have no softmax.",
-        lambda a, c: a.moe_router_pre_softmax and a.moe_router_score_function != "softmax",
-        lambda a, c: f"--moe-router-pre-softmax with --moe-router-score-function {a.moe_router_score_function}: "
-        "there is no softmax to take first. Drop --moe-router-pre-softmax (the k chosen scores are normalised to sum "
-        "1 when --moe-router-topk > 1).",
-    ),
-    Rule(
         "shared-expert-size", ("--enable-shared-expert", "--num-shared-experts", "--shared-moe-ffn-hidden-size",
                                "--moe-shared-expert-gate", "--num-experts"),
         "Shared experts need a size and MoE layers.",
@@ -453,10 +445,10 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "mtp-layout", ("--mtp-num-layers", "--pipeline-model-parallel-size", "--sequence-parallel", "--model-type"),
         "Multi-token prediction runs in the built-in GPT without pipeline parallelism and without sequence "
         "parallelism, with at least one depth.",
-        lambda a, c: bool(a.mtp_num_layers is not None and (
-            a.mtp_num_layers < 1 or a.model_type != "gpt" or pp_size(a) > 1 or a.sequence_parallel)),
-        lambda a, c: f"--mtp-num-layers {a.mtp_num_layers}: "
-        + ("give 1 or more depths (or leave the flag out)" if a.mtp_num_layers < 1 else
+        lambda a, c: bool((a.mtp_num_layers is not None or a.use_multi_token_prediction) and (
+            mtp_depths(a) < 1 or a.model_type != "gpt" or pp_size(a) > 1 or a.sequence_parallel)),
+        lambda a, c: f"--mtp-num-layers {mtp_depths(a)}: "
+        + ("give 1 or more depths (or leave the flag out)" if mtp_depths(a) < 1 else
            "multi-token prediction is a GPT feature here; drop it for BERT" if a.model_type != "gpt" else
            "under --pipeline-model-parallel-size the last stage receives hidden states only, not the labels its "
            "depths predict from; train it with tensor, expert or data parallelism and ZeRO/FSDP instead"
@@ -499,6 +491,12 @@ def router_group_problem(a: argparse.Namespace) -> str | None:
             return (f"--moe-router-topk {a.moe_router_topk} is more than the {chosen * (experts // groups)} experts "
                     f"of the {chosen} groups a token may use (--moe-router-group-topk)")
     return None
+
+
+def mtp_depths(a: argparse.Namespace) -> int:
+    from rapidtrain.config.resolve import mtp_depths as depths
+
+    return depths(a)
 
 
 def shared_expert_problem(a: argparse.Namespace) -> str | None:

@@ -566,6 +566,7 @@ class ScheduleSettings:
     decay_iters: int | None = None
     warmup_iters: int = 0
     warmup_fraction: float | None = None
+    warmup_init: float = 0.0  # --lr-warmup-init: where the warm-up starts
     wsd_decay_iters: int | None = None
     # Sample-based training (--train-samples): the horizon, warm-up and WSD phase in samples.
     decay_samples: int | None = None

@@ -164,12 +164,6 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
-    "router-pre-softmax-scores": (
-        ["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"],
-        ["--num-experts", "4", "--moe-router-score-function", "softmax", "--moe-router-pre-softmax"],
-        1,
-        "cpu",
-    ),
     "shared-expert-size": (
         ["--num-experts", "4", "--enable-shared-expert"],
         ["--num-experts", "4", "--enable-shared-expert", "--shared-moe-ffn-hidden-size", "64"],
