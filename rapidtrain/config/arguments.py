@@ -331,6 +331,8 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="The learning rate the warm-up starts from (Megatron's; default 0).")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of the final decay phase.")
+    g.add_argument("--lr-wsd-decay-style", choices=("linear", "cosine", "exponential", "minus_sqrt"),
+                   default="linear", help="WSD: the shape of the final decay phase (Megatron-Core's).")
     g.add_argument("--train-samples", type=int, default=None,
                    help="Sample-based training (Megatron): samples to train on; the iterations follow from the global "
                         "batch (and its ramp-up). Use the -samples forms of the schedule flags with it.")
@@ -592,6 +594,9 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-group-topk", type=int, default=None,
                    help="Group-limited routing: each token chooses among the experts of its best this many groups "
                         "(a group scores the sum of its two best experts).")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Benchmarking only (Megatron-Core's): route by random logits, which balances the load; the "
+                        "router learns nothing.")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="Aux-loss-free load balancing: a per-expert bias added to the scores for the choice only, "
                         "moved after each step towards the mean load (saved in checkpoints).")

@@ -227,7 +227,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--fp4-format": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
     "--fp4-recipe": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
     "--fp4-param-gather": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
-    "--lr-wsd-decay-style": (REFUSED, "WSD's final decay is rapidtrain's default style only; leave this out"),
     "--start-weight-decay": (REFUSED, "weight decay is constant (--weight-decay); a schedule for it is not in "
                                       "rapidtrain"),
     "--end-weight-decay": (REFUSED, "weight decay is constant (--weight-decay)"),

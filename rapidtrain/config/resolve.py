@@ -127,6 +127,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         moe_router_num_groups=args.moe_router_num_groups,
         moe_router_group_topk=args.moe_router_group_topk,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_aux_loss_type=getattr(args, "moe_aux_loss_type", "aux_loss"),
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
@@ -412,7 +413,7 @@ def schedule_settings(args: argparse.Namespace) -> ScheduleSettings:
     return ScheduleSettings(lr=args.lr or 0.0, min_lr=args.min_lr, decay_style=args.lr_decay_style,
                             decay_iters=args.lr_decay_iters, warmup_iters=args.lr_warmup_iters,
                             warmup_fraction=args.lr_warmup_fraction, wsd_decay_iters=args.lr_wsd_decay_iters,
-                            warmup_init=args.lr_warmup_init,
+                            warmup_init=args.lr_warmup_init, wsd_decay_style=args.lr_wsd_decay_style,
                             decay_samples=(args.lr_decay_samples or args.train_samples) if sample_based else None,
                             warmup_samples=args.lr_warmup_samples, wsd_decay_samples=args.lr_wsd_decay_samples)
 

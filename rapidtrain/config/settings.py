@@ -567,6 +567,7 @@ class ScheduleSettings:
     warmup_iters: int = 0
     warmup_fraction: float | None = None
     warmup_init: float = 0.0  # --lr-warmup-init: where the warm-up starts
+    wsd_decay_style: str = "linear"  # --lr-wsd-decay-style: the WSD phase's shape
     wsd_decay_iters: int | None = None
     # Sample-based training (--train-samples): the horizon, warm-up and WSD phase in samples.
     decay_samples: int | None = None

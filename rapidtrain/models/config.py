@@ -48,6 +48,7 @@ class ModelConfig:
     moe_router_topk_scaling_factor: float | None = None  # the combine weights times this (DeepSeek's routed scaling)
     moe_router_num_groups: int | None = None  # group-limited routing: experts in this many equal groups ...
     moe_router_group_topk: int | None = None  # ... of which each token may use the best this many
+    moe_router_force_load_balancing: bool = False  # benchmarking: random router logits (Megatron-Core's)
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias added for selection only
     moe_router_bias_update_rate: float = 1e-3  # ... moved by this much per step towards the mean load
     moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss"] = "aux_loss"  # over the micro-batch, or per sequence
@@ -225,6 +226,9 @@ class ModelConfig:
         if self.moe_router_num_groups:
             words.append(f"group-limited: {self.moe_router_num_groups} groups, the best "
                          f"{self.moe_router_group_topk} per token (by the sum of each group's top 2 scores)")
+        if self.moe_router_force_load_balancing:
+            words.append("benchmarking: random router logits balance the load, the router learns nothing "
+                         "(--moe-router-force-load-balancing)")
         if self.moe_router_enable_expert_bias:
             words.append(f"aux-loss-free expert bias (selection only, moved ±{self.moe_router_bias_update_rate:g} "
                          "per step towards the mean load, all-reduced over data-parallel ranks; saved in checkpoints)")

@@ -245,6 +245,7 @@ class MoELayer(nn.Module):
         self.group_topk = config.moe_router_group_topk
         self.per_sequence_aux_loss = config.moe_aux_loss_type == "seq_aux_loss"
         self.bias_update_rate = config.moe_router_bias_update_rate
+        self.force_load_balancing = config.moe_router_force_load_balancing
         # Aux-loss-free balancing: fp32, used for the choice only; moved by update_expert_biases after each step.
         self.expert_bias: torch.Tensor | None
         self.register_buffer("expert_bias", torch.zeros(num_experts) if config.moe_router_enable_expert_bias
@@ -292,7 +293,10 @@ class MoELayer(nn.Module):
             tokens = tokens * noise
         with torch.autocast(device_type=tokens.device.type, enabled=False):
             bias = None if self.router.bias is None else self.router.bias.float()
-            return F.linear(tokens.float(), self.router.weight.float(), bias)
+            logits = F.linear(tokens.float(), self.router.weight.float(), bias)
+        if self.force_load_balancing:  # benchmarking: random logits (the router still takes a zero gradient)
+            return logits * 0.0 + torch.randn_like(logits)
+        return logits
 
     def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [T, E] the combine weights come from, the balancing losses' probabilities [T, E]), fp32."""

@@ -209,3 +209,35 @@ def test_shared_experts_and_gate_take_gradients_and_count_as_parameters():
     layer = model.layers["1"].mlp
     for param in (*layer.shared_experts.parameters(), layer.shared_expert_gate.weight):
         assert param.grad is not None and param.grad.abs().sum() > 0
+
+
+def test_forced_load_balancing_routes_by_random_logits_and_the_router_learns_nothing():
+    """Megatron-Core's benchmarking switch: the choice ignores the router (a router that prefers one expert still
+    spreads tokens), which gets a zero gradient, and the plan says so."""
+    config = moe_config(num_experts=(4,), moe_router_topk=1, moe_router_force_load_balancing=True)
+    layer = MoELayer(config, 4).train()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[2].fill_(10.0)
+    torch.manual_seed(0)
+    layer(torch.ones(1, 64, H)).sum().backward()
+    load = layer.routing_stats[2:]
+    assert (load > 0).all() and load.max() < 40  # not all 64 on expert 2
+    assert torch.equal(layer.router.weight.grad, torch.zeros_like(layer.router.weight))
+    assert any("random router logits" in words for words in config.moe_router_features)
+
+
+def test_wsd_decay_style_shapes_the_final_phase():
+    from rapidtrain.config import arguments, plan, settings
+    from rapidtrain.optim.lr_schedule import learning_rate_at, lr_schedule_for
+
+    def halfway(style: str) -> float:
+        args = arguments.parse_args(["--train-iters", "100", "--lr", "1e-3", "--min-lr", "0", "--lr-decay-style",
+                                     "WSD", "--lr-wsd-decay-iters", "20", "--lr-wsd-decay-style", style,
+                                     "--global-batch-size", "1", "--micro-batch-size", "1"])
+        schedule = lr_schedule_for(plan.from_args(args, settings.RunContext(1, "cpu")).schedule, 1, 100)
+        return learning_rate_at(schedule, 90)
+
+    assert halfway("linear") == pytest.approx(5e-4)
+    assert halfway("cosine") == pytest.approx(5e-4)  # cos at the middle is the mean too
+    assert halfway("minus_sqrt") == pytest.approx(1e-3 * (1 - 0.5**0.5))
