@@ -342,14 +342,27 @@ def test_one_training_step_equals_hugging_face(kind, tmp_path):
           swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
           qk_layernorm=True, num_experts=(4, 4), moe_router_topk=2, moe_token_dropping=False,
           moe_ffn_hidden_size=40), "qwen3_moe"),
+    # DeepSeek-V3's MoE from a model rapidtrain built: sigmoid router, expert bias, groups, scaling, a shared expert,
+    # and a multi-token prediction depth, which the export drops
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, add_bias_linear=False, position_embedding_type="rope", tie_embeddings=False,
+          multi_latent_attention=True, qk_layernorm=True, layernorm_epsilon=1e-6, kv_lora_rank=16, qk_head_dim=16,
+          qk_pos_emb_head_dim=8, v_head_dim=16, num_experts=(0, 8), moe_router_topk=3, moe_token_dropping=False,
+          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_router_score_function="sigmoid",
+          moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
+          moe_router_topk_scaling_factor=2.5, mtp_num_layers=1), "deepseek_v3"),
 ], ids=["gpt2", "llama", "qwen2", "mixtral", "qwen3", "llama3.1", "linear-rope", "yarn-rope", "mla-yarn",
-        "megatron-bert", "bert", "bloom", "mistral", "qwen2_moe", "qwen3_moe"])
+        "megatron-bert", "bert", "bloom", "mistral", "qwen2_moe", "qwen3_moe", "deepseek_v3-moe-mtp"])
 def test_builtin_models_export_to_folders_transformers_loads_with_the_same_logits(shape, kind, tmp_path):
     from rapidtrain.models import ModelConfig
 
     config = ModelConfig(vocab_size=256, seq_length=16, max_position_embeddings=64, hidden_dropout=0.0,
                          attention_dropout=0.0, **shape)
     ours = build_model(config, seed=5).eval()
+    with torch.no_grad():  # expert biases start at zero: give them values that change the choice
+        for name, buffer in ours.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
     assert export_family(config) == kind
     assert save_hf_folder(ours.state_dict(), config, tmp_path / "out") == kind
     theirs = load_hf(tmp_path / "out").eval()
