@@ -292,6 +292,14 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             copies = per_stage * weight_copy_bytes(model, layout, act)
             again = recomputed_again(model, micro, layout, act, recompute.granularity) if recomputed else 0.0
             working = backward_working_bytes(model, micro, layout, act)
+        if stage == p - 1 and model.mtp_num_layers and model.model_type == "gpt":
+            # multi-token prediction's depths run after the last layer: each keeps a layer of the last layer's kind,
+            # its [s, b, 2h] concatenated input, and the embeddings of the tokens ahead
+            last = model.experts_in_layer(model.num_layers - 1)
+            extra = layer_bytes(model, micro, layout, act, "none", last) \
+                + 3 * model.seq_length * micro * model.hidden_size * act.element_bytes
+            layers += model.mtp_num_layers * extra
+            copies += model.mtp_num_layers * weight_copy_bytes(model, layout, act, last)
         total = chunks_in_flight(stage, layout, micro_batches) * layers + copies
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)
