@@ -88,6 +88,15 @@ class ActivationContext:
         return ActivationContext(element, mask, model.hidden_dropout > 0, scores, device_type=device_type)
 
 
+def routed_rows_per_token(model: ModelConfig, layout: Layout, experts: int) -> float:
+    """Rows the routed experts compute per token of an MoE layer: capacity buffers of k·T·factor rows with token
+    dropping; dropless, the k assignments grouped by expert (k·T rows), or under expert parallelism, whose
+    all-to-all exchanges equal [E, C, h] buffers, E buffers of C = T rows."""
+    if model.moe_token_dropping:
+        return model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+    return float(experts if layout.expert_parallel_size > 1 else model.moe_router_topk)
+
+
 def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext,
                 granularity: str = "none", experts: int = 0) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
@@ -100,9 +109,9 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     attention, latents = _attention_widths(model)
     # fc1 and activation outputs (SwiGLU: + gate, product)
     mlp_width: float = (4 if model.gated_linear_unit else 2) * model.ffn_size
-    if experts:  # top-k routed copies of each token fill capacity buffers; shared experts are a dense MLP beside
+    if experts:  # routed copies of each token (routed_rows_per_token); shared experts are a dense MLP beside
         mlp_width = (4 if model.gated_linear_unit else 2) * (
-            model.expert_ffn_size * model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+            model.expert_ffn_size * routed_rows_per_token(model, layout, experts)
             + (model.moe_shared_expert_intermediate_size or 0))
     masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
     # two norms' inputs, attention and MLP inputs, two dropout masks (and MLA's latents, whole on every rank)
@@ -262,8 +271,8 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
     e = act.element_bytes
     wide: float = (3 if model.gated_linear_unit else 1) * model.ffn_size
     if experts:
-        wide = (3 if model.swiglu else 1) * model.expert_ffn_size * model.moe_router_topk \
-            * max(model.moe_capacity_factor, 1.0)
+        wide = (3 if model.gated_linear_unit else 1) * model.expert_ffn_size \
+            * routed_rows_per_token(model, layout, experts)
     weight_gradient = e * h * model.ffn_size / t if act.weight_copies != "none" and e < 4 else 0.0
     return e * s * b * (wide / t + h) + weight_gradient
 
@@ -294,10 +303,12 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             working = backward_working_bytes(model, micro, layout, act)
         if stage == p - 1 and model.mtp_num_layers and model.model_type == "gpt":
             # multi-token prediction's depths run after the last layer: each keeps a layer of the last layer's kind,
-            # its [s, b, 2h] concatenated input, and the embeddings of the tokens ahead
+            # its [s, b, 2h] concatenated input, the embeddings of the tokens ahead, and its own head and loss's
+            # tensors (as the main head's forward keeps them: its loss is computed before the main one's backward)
             last = model.experts_in_layer(model.num_layers - 1)
             extra = layer_bytes(model, micro, layout, act, "none", last) \
-                + 3 * model.seq_length * micro * model.hidden_size * act.element_bytes
+                + 3 * model.seq_length * micro * model.hidden_size * act.element_bytes \
+                + head_bytes(model, micro, layout, act)
             layers += model.mtp_num_layers * extra
             copies += model.mtp_num_layers * weight_copy_bytes(model, layout, act, last)
         total = chunks_in_flight(stage, layout, micro_batches) * layers + copies

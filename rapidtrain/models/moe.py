@@ -204,9 +204,36 @@ class Experts(nn.Module):
     def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
 
-    def forward(self, buffers: torch.Tensor) -> torch.Tensor:
-        """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts."""
+    # Whether forward takes rows sorted by expert with their offsets (grouped matrix products, dropless routing). An
+    # expert-parallel subclass exchanges fixed [E, C, h] buffers instead and sets this False.
+    takes_grouped_rows = True
+
+    def forward(self, buffers: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts; or with
+        `offsets` (int32 [E], each expert's end row) rows [N, h] sorted by expert → [N, h], one grouped matmul per
+        projection (torch's grouped_mm: each row meets its own expert's weights, no capacity, no padding)."""
+        if offsets is not None:
+            return self.run_grouped(buffers, offsets)
         return self.run_experts(buffers, self.w1, self.w_gate, self.b1, self.w2, self.b2, self.b_gate)
+
+    def run_grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        # Each row's expert, for the biases, found on the device (no host read of the counts).
+        expert = torch.searchsorted(offsets, torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype),
+                                    right=True) if any(b is not None for b in (self.b1, self.b_gate, self.b2)) \
+            else None
+
+        def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            out = F.grouped_mm(x, weight.to(x.dtype), offs=offsets)
+            return out if bias is None or expert is None else out + bias.to(out.dtype)[expert]
+
+        if torch.is_autocast_enabled(rows.device.type):  # grouped_mm has no autocast rule: cast once, as autocast
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
+        hidden = project(rows, self.w1, self.b1)
+        if self.w_gate is not None:
+            hidden = self.gated_unit(project(rows, self.w_gate, self.b_gate), hidden)
+        else:
+            hidden = gelu(hidden, self.openai_gelu)
+        return project(hidden, self.w2, self.b2)
 
     def run_experts(self, buffers: torch.Tensor, w1: torch.Tensor, w_gate: torch.Tensor | None,
                     b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
@@ -346,6 +373,21 @@ class MoELayer(nn.Module):
         weight = weights.t().reshape(-1) * kept
         return Routing(token_index, slot, weight, num_tokens, self.num_experts, capacity), expert_index
 
+    def grouped(self, tokens: torch.Tensor, weights: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+        """Dropless routing without capacity buffers: the k·T assignments sorted by expert (stable: token order
+        inside an expert), one grouped matmul per projection over them, each output weighted and added to its
+        token. Computes k·T rows, where [E, C = T, h] buffers would compute E·T. No host read: the counts and
+        offsets stay on the device."""
+        num_tokens, hidden = tokens.shape
+        chosen = expert_index.reshape(-1)  # token-major: token t's choices at [t·k, (t+1)·k)
+        order = torch.argsort(chosen, stable=True)
+        token_of = torch.arange(num_tokens, device=tokens.device).repeat_interleave(self.topk)[order]
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=tokens.device).scatter_add_(
+            0, chosen, torch.ones_like(chosen))
+        rows = self.experts(tokens[token_of], counts.cumsum(0).to(torch.int32))
+        weighted = rows * weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
+        return rows.new_zeros(num_tokens, hidden).index_add(0, token_of, weighted)
+
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Tokens [T, h] → per-expert buffers [E, C, h]; empty slots are zero."""
         rows = routing.num_experts * routing.capacity
@@ -367,8 +409,12 @@ class MoELayer(nn.Module):
         tokens = hidden_states.reshape(-1, shape[-1])
         logits = self.router_logits(tokens)
         scores, probs = self.scores(logits)
-        routing, expert_index = self.route(scores)
-        output = self.combine(self.experts(self.dispatch(tokens, routing)), routing).view(shape)
+        if not self.token_dropping and self.experts.takes_grouped_rows:
+            weights, expert_index = self.choose(scores)
+            output = self.grouped(tokens, weights, expert_index).view(shape)
+        else:
+            routing, expert_index = self.route(scores)
+            output = self.combine(self.experts(self.dispatch(tokens, routing)), routing).view(shape)
         if self.residual_mlp is not None and self.residual_coefficient is not None:
             coefficients = self.residual_coefficient(hidden_states).softmax(dim=-1)
             output = output * coefficients[..., :1] + self.residual_mlp(hidden_states) * coefficients[..., 1:]

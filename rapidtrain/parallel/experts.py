@@ -72,6 +72,8 @@ class ExpertParallelExperts(Experts):
     """This rank's share of one MoE layer's experts. Takes and returns the layer's full [E, C, h]
     capacity buffers, so the MoE layer's routing, dispatch and combine are unchanged."""
 
+    takes_grouped_rows = False  # the all-to-all exchanges equal [E, C, h] buffers (dropless: C = the tokens)
+
     def __init__(self, experts: Experts, group: dist.ProcessGroup, ep_rank: int, ep_size: int) -> None:
         nn.Module.__init__(self)
         self.num_experts = experts.w1.shape[0]
@@ -102,8 +104,9 @@ class ExpertParallelExperts(Experts):
     def num_local_experts(self) -> int:
         return self.w1.shape[0]
 
-    def forward(self, buffers: torch.Tensor) -> torch.Tensor:
+    def forward(self, buffers: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """[E, C, h] (this rank's tokens for every expert) → [E, C, h] (those tokens' expert outputs)."""
+        assert offsets is None, "expert parallelism exchanges capacity buffers (takes_grouped_rows is False)"
         experts, capacity, hidden = buffers.shape
         local, ep = self.num_local_experts, self.ep_size
         received = all_to_all(buffers, self.group)  # [ep · local, C, h]: chunk i holds rank i's tokens
