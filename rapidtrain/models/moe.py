@@ -425,7 +425,10 @@ class MoELayer(nn.Module):
             output = output + shared
         if not self.training:
             return output
-        tokens_per_expert = F.one_hot(expert_index, self.num_experts).sum(dim=(0, 1))
+        # Counted by scatter_add, not a [T, k, E] one-hot (64 MB per layer at 256 experts, 4096 tokens, top-8).
+        chosen = expert_index.reshape(-1)
+        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=chosen.device).scatter_add_(
+            0, chosen, torch.ones_like(chosen))
         if self.per_sequence_aux_loss:
             aux_loss = sequence_load_balancing_loss(probs, expert_index, shape[0] if len(shape) == 3 else 1)
         else:

@@ -33,6 +33,8 @@ FOLDED = {"--tensor-model-parallel-size": "1", "--model-parallel-size": "1", "--
 DROPPED = {
     # Virtual pipeline stages split a rank's pipeline stage further: with no pipeline there is no stage to split.
     "--num-layers-per-virtual-pipeline-stage": None, "--virtual-pipeline-model-parallel-size": None,
+    # Weights & Biases needs the user's account (no network here); tests/e2e/test_tracking.py runs it offline.
+    "--wandb-project": None, "--wandb-exp-name": None, "--wandb-save-dir": None,
 }
 # DeepSpeed's CPU accelerator has no fp16: ZeRO runs of fp16 scripts train in bf16 here (their config's fp16 section
 # switched to bf16; fp32 on a CPU without native bf16), as rapidtrain's own message for --fp16 with ZeRO on the CPU
