@@ -232,8 +232,7 @@ def adafactor_on_dtensors(args: Args, ctx: RunContext) -> bool:
 
 
 MUON_NAMES = ("muon", "dist_muon")  # Megatron-Core's names of one optimizer here
-MUON_OPTIONS = ("--muon-momentum", "--muon-nesterov", "--muon-num-ns-steps", "--muon-scale-mode",
-                "--muon-extra-scale-factor")
+MUON_OPTIONS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor")
 
 
 def muon_chosen(args: Args) -> bool:
@@ -258,7 +257,7 @@ def muon_under_fairscale(args: Args, ctx: RunContext) -> bool:
 def muon_options_without_muon(args: Args) -> list[str]:
     """--muon-* options given while another optimizer runs (they would change nothing)."""
     given = set(getattr(args, "given_flags", ()))
-    return [] if muon_chosen(args) else [option for option in MUON_OPTIONS if option in given]
+    return [] if muon_chosen(args) else [flag_name(option) for option in MUON_OPTIONS if option in given]
 
 
 def bad_muon_values(args: Args) -> list[str]:

@@ -1,0 +1,187 @@
+"""--optimizer muon: which parameters Muon and AdamW take, a step equal to torch.optim.Muon + torch.optim.AdamW applied
+by hand, Megatron's update scales, the state a checkpoint holds, and what is refused."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from rapidtrain.config import arguments
+from rapidtrain.config.flag_surface import FlagRefused
+from rapidtrain.models import build_model
+from rapidtrain.models.config import ModelConfig
+from rapidtrain.optim.muon import muon_parameter_counts, muon_scale
+from rapidtrain.optim.optimizers import OptimizerSettings, OptimizerUnavailable, build_optimizer
+
+# Dense layer 0, MoE layer 1 (4 experts): matrices of every kind, stacked expert weights, biases, norms, a tied head.
+TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
+                   seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
+                   num_experts=(0, 4), swiglu=True)
+
+
+def tiny_model() -> torch.nn.Module:
+    return build_model(TINY, seed=1)
+
+
+def backward(model: torch.nn.Module, seed: int) -> None:
+    tokens = torch.randint(0, TINY.vocab_size, (2, TINY.seq_length), generator=torch.Generator().manual_seed(seed))
+    model(tokens).float().square().mean().backward()
+
+
+def names_by_optimizer(model, optimizer) -> tuple[set[str], set[str]]:
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    muon = {name_of[id(p)] for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
+    adamw = {name_of[id(p)] for g in optimizer.param_groups if not g["use_muon"] for p in g["params"]}
+    return muon, adamw
+
+
+def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
+    model = tiny_model()
+    optimizer, description = build_optimizer(model, OptimizerSettings(name="muon", lr=0.01), "cpu")
+    muon, adamw = names_by_optimizer(model, optimizer)
+    projections = {f"layers.{i}.attention.{p}_proj.weight" for i in (0, 1) for p in "qkvo"}
+    assert muon == projections | {"layers.0.mlp.fc1.weight", "layers.0.mlp.gate.weight", "layers.0.mlp.fc2.weight",
+                                  "layers.1.mlp.router.weight"}
+    assert {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "final_norm.weight",
+            "layers.0.ln1.weight", "layers.0.attention.q_proj.bias", "layers.1.mlp.experts.w1",
+            "layers.1.mlp.experts.w_gate", "layers.1.mlp.experts.w2", "layers.1.mlp.experts.b1"} <= adamw
+    assert muon | adamw == {name for name, _ in model.named_parameters()} and not muon & adamw
+    assert type(optimizer.muon).__name__ == "Muon" and type(optimizer.adamw).__name__ == "AdamW"
+    assert "torch.optim.Muon" in description and "torch.optim.AdamW(fused=True)" in description
+    # The plan's counts, from the settings alone, are the built model's.
+    params = dict(model.named_parameters())
+    assert muon_parameter_counts(TINY) == ((len(muon), sum(params[n].numel() for n in muon)),
+                                           (len(adamw), sum(params[n].numel() for n in adamw)))
+
+
+def by_hand(model, lr, weight_decay, momentum, nesterov, adjust_lr_fn="original"):
+    """torch.optim.Muon over the layers' matrices and fused torch.optim.AdamW over the rest (no decay for 1-D
+    parameters, biases and the experts' stacked biases), built directly."""
+    names = {"layers.0.mlp.fc1.weight", "layers.0.mlp.gate.weight", "layers.0.mlp.fc2.weight",
+             "layers.1.mlp.router.weight"} | {f"layers.{i}.attention.{p}_proj.weight" for i in (0, 1) for p in "qkvo"}
+    muon = [p for n, p in model.named_parameters() if n in names]
+    no_decay = [p for n, p in model.named_parameters()
+                if n not in names and (p.ndim == 1 or n.endswith(("bias", "experts.b1", "experts.b2")))]
+    decay = [p for n, p in model.named_parameters() if n not in names and not any(p is q for q in no_decay)]
+    return (torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                             adjust_lr_fn=adjust_lr_fn),
+            torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                              fused=True))
+
+
+def set_rates(optimizer, lr):
+    for group in optimizer.param_groups:  # what the schedule does
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_steps_equal_torch_muon_and_adamw_by_hand(nesterov):
+    """Keller Jordan's scale (shape_scaling) is torch's own `original`: three steps are bitwise the hand-built pair's."""
+    ours_model, hand_model = tiny_model(), tiny_model()
+    settings = OptimizerSettings(name="muon", lr=0.02, weight_decay=0.1, adam_beta2=0.95, muon_momentum=0.9,
+                                 muon_nesterov=nesterov, muon_scale_mode="shape_scaling")
+    ours, _ = build_optimizer(ours_model, settings, "cpu")
+    hand = by_hand(hand_model, 0.02, 0.1, 0.9, nesterov)
+    for step in range(3):
+        for model in (ours_model, hand_model):
+            model.zero_grad()
+            backward(model, seed=step)
+        set_rates(ours, 0.02)
+        ours.step()
+        for optimizer in hand:
+            optimizer.step()
+    for (name, a), b in zip(ours_model.named_parameters(), hand_model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_spectral_scale_times_0_2_is_torchs_match_rms_adamw():
+    """Megatron's spectral scale sqrt(max(rows, cols)) with --muon-extra-scale-factor 0.2 is Moonshot's adjustment
+    (torch's match_rms_adamw); the decay stays lr × weight decay (equal within rounding of the rescaled decay)."""
+    ours_model, hand_model = tiny_model(), tiny_model()
+    settings = OptimizerSettings(name="muon", lr=0.01, weight_decay=0.1, adam_beta2=0.95, muon_momentum=0.95,
+                                 muon_scale_mode="spectral", muon_extra_scale_factor=0.2)
+    ours, _ = build_optimizer(ours_model, settings, "cpu")
+    hand = by_hand(hand_model, 0.01, 0.1, 0.95, False, adjust_lr_fn="match_rms_adamw")
+    for step in range(2):
+        for model in (ours_model, hand_model):
+            model.zero_grad()
+            backward(model, seed=step)
+        set_rates(ours, 0.01)
+        ours.step()
+        for optimizer in hand:
+            optimizer.step()
+    for (name, a), b in zip(ours_model.named_parameters(), hand_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_megatron_scale_modes():
+    assert muon_scale(128, 64, "spectral") == math.sqrt(128) == muon_scale(64, 128, "spectral")
+    assert muon_scale(128, 64, "shape_scaling") == math.sqrt(2) and muon_scale(64, 128, "shape_scaling") == 1.0
+    assert muon_scale(128, 64, "unit_rms_norm") == math.sqrt(2) and muon_scale(64, 128, "unit_rms_norm") == \
+        math.sqrt(0.5)
+
+
+def test_state_dict_holds_both_optimizers_state_and_resumes_exactly():
+    model = tiny_model()
+    settings = OptimizerSettings(name="muon", lr=0.02, weight_decay=0.1)
+    optimizer, _ = build_optimizer(model, settings, "cpu")
+    for step in range(2):
+        model.zero_grad()
+        backward(model, seed=step)
+        set_rates(optimizer, 0.02)
+        optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    kinds = {frozenset(state) for state in saved["state"].values()}
+    assert kinds == {frozenset({"momentum_buffer"}), frozenset({"step", "exp_avg", "exp_avg_sq"})}
+    resumed_model = copy.deepcopy(model)
+    resumed, _ = build_optimizer(resumed_model, settings, "cpu")
+    resumed.load_state_dict(saved)
+    assert resumed.muon.state is resumed.state and resumed.adamw.state is resumed.state
+    assert resumed.muon.param_groups[0] is resumed.param_groups[0]
+    for net, opt in ((model, optimizer), (resumed_model, resumed)):
+        net.zero_grad()
+        backward(net, seed=7)
+        set_rates(opt, 0.02)
+        opt.step()
+    for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_model_without_layer_matrices_and_untagged_groups_are_refused():
+    with pytest.raises(ValueError, match="no parameter is a 2-D weight of a transformer layer"):
+        build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings(name="muon"), "cpu")
+    with pytest.raises(ValueError, match="do not say which parameters Muon steps"):
+        build_optimizer([torch.nn.Parameter(torch.ones(2, 2))], OptimizerSettings(name="muon"), "cpu")
+    with pytest.raises(OptimizerUnavailable, match="orthogonalizes each weight matrix whole"):
+        build_optimizer(tiny_model(), OptimizerSettings(name="muon", dtensor_parameters=True), "cpu")
+
+
+def test_megatron_muon_flags_work_or_are_refused_by_name():
+    args = arguments.parse_args(["--optimizer", "dist_muon", "--muon-momentum", "0.95", "--muon-nesterov",
+                                 "--muon-num-ns-steps", "4", "--muon-scale-mode", "unit_rms_norm",
+                                 "--muon-extra-scale-factor", "0.5", "--muon-fp32-matmul-prec", "medium",
+                                 "--muon-tp-mode", "duplicated", "--muon-scalar-optimizer", "adam"])
+    from rapidtrain.config.resolve import optimizer_settings
+
+    settings = optimizer_settings(args)
+    assert (settings.name, settings.muon_momentum, settings.muon_nesterov, settings.muon_ns_steps,
+            settings.muon_scale_mode, settings.muon_extra_scale_factor) == ("muon", 0.95, True, 4, "unit_rms_norm", 0.5)
+    for refused, reason in ((["--muon-use-syrk"], "SYRK"), (["--muon-fp32-matmul-prec", "high"], "bfloat16"),
+                            (["--muon-no-split-qkv"], "separate matrices"),
+                            (["--muon-coefficient-type", "polar_express"], "quintic"),
+                            (["--muon-scalar-optimizer", "lion"], "Lion"), (["--muon-tp-mode", "blockwise"],
+                                                                            "tensor parallelism"),
+                            (["--optimizer", "adaptive_muon"], "not in rapidtrain")):
+        with pytest.raises(FlagRefused, match=reason):
+            arguments.parse_args(["--optimizer", "muon", *refused])
+
+
+def test_help_lists_only_optimizers_that_run():
+    help_text = arguments.build_parser().format_help()
+    listed = help_text.split("--optimizer {")[1].split("}")[0].split(",")
+    assert "muon" in listed and "dist_muon" in listed
+    assert not {"lion", "soap", "adaptive_muon"} & set(listed)
