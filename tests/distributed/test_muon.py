@@ -22,8 +22,9 @@ TINY = [*TINY_GPT_PARITY, "--micro-batch-size", "2", "--global-batch-size", "8",
 LAYOUTS = {"ddp": [], "oss": ["--oss-memory-optimization"], "pp2": ["--pipeline-model-parallel-size", "2"]}
 # Muon orthogonalizes in bfloat16: gradients that differ in their last fp32 bits (a reduction's order) can round to
 # different bfloat16 inputs, so layouts agree to bfloat16's precision, not fp32's. Measured over 10 iterations
-# (torch 2.13, CPU): at most 2e-6 relative on the losses.
-TOLERANCE = 1e-4
+# (torch 2.13, CPU): iterations 1-2 equal, then at most 2.8e-5 relative on the losses and 7.1e-4 on the gradient norms
+# (DDP and OSS; 2 pipeline stages 7.4e-6 and 3.6e-4). AdamW alone agrees within 1e-5 (test_data_parallel.py).
+LOSS_TOLERANCE, GRAD_NORM_TOLERANCE = 1e-4, 2e-3
 
 
 def two_rank_runs(out: Path) -> list[list[str]]:
@@ -51,9 +52,16 @@ def test_muon_layout_matches_one_process(runs, layout):
     single, ours = read_losses(runs / "single.txt"), read_losses(runs / f"{layout}.txt")
     assert sorted(ours) == list(range(1, 11))
     assert single[10] < single[1] - 0.5  # it trains
-    assert relative_difference(ours, single) < TOLERANCE
+    assert relative_difference(ours, single) < LOSS_TOLERANCE
     assert relative_difference(read_grad_norms(runs / f"{layout}.txt"), read_grad_norms(runs / "single.txt")) \
-        < TOLERANCE
+        < GRAD_NORM_TOLERANCE
+
+
+@pytest.mark.slow
+def test_muon_under_oss_steps_as_ddp_does(runs):
+    """ZeroRedundancyOptimizer steps each matrix whole on the rank that owns it, from DDP's reduced gradients: the
+    losses are bitwise DDP's."""
+    assert read_losses(runs / "oss.txt") == read_losses(runs / "ddp.txt")
 
 
 @pytest.mark.slow
