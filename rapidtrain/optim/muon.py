@@ -16,7 +16,6 @@ makes up the ratio of the two scales, and its weight decay is divided by the sam
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._share()  # torch's load makes new group dicts and a new state
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -80,7 +80,7 @@ def set_rates(optimizer, lr):
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_steps_equal_torch_muon_and_adamw_by_hand(nesterov):
-    """Keller Jordan's scale (shape_scaling) is torch's own `original`: three steps are bitwise the hand-built pair's."""
+    """Keller Jordan's scale (shape_scaling) is torch's `original`: three steps equal the hand-built pair's bitwise."""
     ours_model, hand_model = tiny_model(), tiny_model()
     settings = OptimizerSettings(name="muon", lr=0.02, weight_decay=0.1, adam_beta2=0.95, muon_momentum=0.9,
                                  muon_nesterov=nesterov, muon_scale_mode="shape_scaling")
