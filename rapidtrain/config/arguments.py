@@ -492,9 +492,9 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                         "bitsandbytes AdamW8bit for plain-tensor layouts, torchao AdamW8bit for DTensor layouts "
                         "(TP, FSDP, SDP, 3D); paged_adamw_8bit: bitsandbytes PagedAdamW8bit (CUDA, plain tensors); "
                         "adamw_4bit: torchao AdamW4bit (plain tensors); muon (Megatron-Core's dist_muon is the same "
-                        "here): torch.optim.Muon for the transformer layers' 2-D weights and AdamW (--adam-beta1/2, "
-                        "--adam-eps, --weight-decay) for the rest (embeddings, output head, norms, biases, MoE "
-                        "experts' 3-D weights), with one process, DDP, pipeline stages or --oss-memory-optimization, "
+                        "here): torch.optim.Muon for the transformer layers' 2-D weights and each MoE expert's "
+                        "matrix, AdamW (--adam-beta1/2, --adam-eps, --weight-decay) for the rest (embeddings, output "
+                        "head, norms, biases), with one process, DDP, pipeline stages or --oss-memory-optimization, "
                         "where each matrix is whole on the rank that steps it.")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
     g.add_argument("--muon-momentum", type=float, default=0.9,

@@ -2,15 +2,16 @@
 parameter, stepped as one optimizer, so the schedule, clipping and checkpoints see one set of groups and one state.
 
 Which parameters Muon takes (`takes_muon`): the 2-D weights inside `layers.*` (attention's Q, K, V and output
-projections, the MLP's, the MoE router). AdamW takes the rest: the embeddings, the output head (and BERT's head
-and pooler), norms, biases, and the MoE experts' stacked [E, h, f] weights, which torch.optim.Muon refuses (it
-orthogonalizes 2-D matrices only). Q, K and V are separate matrices in the built-in models, so each is orthogonalized
-on its own, as Megatron-Core does by default (--muon-split-qkv).
+projections, the MLP's, the MoE router) and the MoE experts' stacked weights [E, in, out], each expert's matrix
+orthogonalized on its own (as Megatron-Core does with one weight per expert). AdamW takes the rest: the embeddings, the
+output head (and BERT's head and pooler), norms and biases. Q, K and V are separate matrices in the built-in models, so
+each is orthogonalized on its own, as Megatron-Core does by default (--muon-split-qkv).
 
-Megatron-Core scales the orthogonalized update of a [rows, cols] weight by `muon_scale` × --muon-extra-scale-factor
-and decays the weight by lr × weight decay. torch's Muon scales it by sqrt(max(1, rows / cols)) (its
-`adjust_lr_fn="original"`) and decays by its group's lr × weight decay: a group's `lr_mult` (read by the schedule)
-makes up the ratio of the two scales, and its weight decay is divided by the same ratio, so the decay stays lr × wd.
+Megatron-Core scales the orthogonalized update of an [out, in] weight by `muon_scale` × --muon-extra-scale-factor
+and decays the weight by lr × weight decay. torch's Muon scales it by sqrt(max(1, A / B)) for the [A, B] matrix it
+steps (its `adjust_lr_fn="original"`) and decays by its group's lr × weight decay: a group's `lr_mult` (read by the
+schedule) makes up the ratio of the two scales, and its weight decay is divided by the same ratio, so the decay stays
+lr × wd.
 """
 
 from __future__ import annotations
@@ -43,9 +44,15 @@ def muon_scale(rows: int, cols: int, mode: str) -> float:
 
 
 def lr_mult(shape: tuple[int, ...], mode: str, extra_scale_factor: float) -> float:
-    """What a Muon group's rate is multiplied by so that torch's `original` adjustment gives Megatron's scale."""
-    rows, cols = shape
-    return extra_scale_factor * muon_scale(rows, cols, mode) / math.sqrt(max(1.0, rows / cols))
+    """What a Muon group's rate is multiplied by so that torch's `original` adjustment gives Megatron's scale: `shape`
+    is an nn.Linear weight's [out, in] or the experts' stacked [E, in, out] (x @ W)."""
+    if len(shape) == 3:
+        _, fan_in, fan_out = shape
+        stepped = fan_in, fan_out  # torch adjusts by the expert matrix as stored
+    else:
+        fan_out, fan_in = shape
+        stepped = fan_out, fan_in
+    return extra_scale_factor * muon_scale(fan_out, fan_in, mode) / math.sqrt(max(1.0, stepped[0] / stepped[1]))
 
 
 def bare_name(name: str) -> str:
@@ -55,36 +62,46 @@ def bare_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
+EXPERT_WEIGHT_SUFFIXES = ("experts.w1", "experts.w_gate", "experts.w2")  # [E, in, out], x @ W per expert
+
+
+def is_expert_weight(name: str, param: torch.Tensor) -> bool:
+    return param.ndim == 3 and bare_name(name).endswith(EXPERT_WEIGHT_SUFFIXES)
+
+
 def takes_muon(name: str, param: torch.Tensor) -> bool:
-    """Whether Muon steps this parameter: a 2-D weight of a transformer layer (biases, norms, the experts' stacked
-    tensors, the embeddings and the heads go to AdamW)."""
+    """Whether Muon steps this parameter: a 2-D weight of a transformer layer or an MoE layer's stacked expert
+    weights (biases, norms, the embeddings and the heads go to AdamW)."""
     from rapidtrain.optim.optimizers import STACKED_BIAS_SUFFIXES
 
     bare = bare_name(name)
-    return (param.ndim == 2 and bare.split(".")[0] == "layers" and not bare.endswith(".bias")
-            and not bare.endswith(STACKED_BIAS_SUFFIXES))
+    if bare.split(".")[0] != "layers" or bare.endswith(".bias") or bare.endswith(STACKED_BIAS_SUFFIXES):
+        return False
+    return param.ndim == 2 or is_expert_weight(name, param)
 
 
 def split_for_muon(model: nn.Module, groups: list[dict[str, Any]], weight_decay: float, scale_mode: str,
                    extra_scale_factor: float) -> list[dict[str, Any]]:
     """`groups` (optimizers.param_groups) with Muon's matrices moved into groups of their own, one per update scale
-    (`lr_mult`), first; every group says which optimizer steps it (`use_muon`). Muon's groups decay by
-    `weight_decay` / `lr_mult` at their rate × `lr_mult`: lr × weight decay, as every other decayed weight."""
+    (`lr_mult`) and kind (`muon_experts`: stacked expert weights), first; every group says which optimizer steps it
+    (`use_muon`). Muon's groups decay by `weight_decay` / `lr_mult` at their rate × `lr_mult`: lr × weight decay, as
+    every other decayed weight."""
     muon_ids = {id(p) for name, p in model.named_parameters() if p.requires_grad and takes_muon(name, p)}
-    by_scale: dict[float, list[nn.Parameter]] = {}
+    by_scale: dict[tuple[bool, float], list[nn.Parameter]] = {}
     adamw: list[dict[str, Any]] = []
     for group in groups:
         for param in group["params"]:
             if id(param) in muon_ids:
-                by_scale.setdefault(lr_mult(tuple(param.shape), scale_mode, extra_scale_factor), []).append(param)
+                key = (param.ndim == 3, lr_mult(tuple(param.shape), scale_mode, extra_scale_factor))
+                by_scale.setdefault(key, []).append(param)
         rest = [p for p in group["params"] if id(p) not in muon_ids]
         if rest:
             adamw.append({**group, "params": rest, "use_muon": False})
     if not by_scale:
         raise ValueError("--optimizer muon: no parameter is a 2-D weight of a transformer layer (`layers.N....`), so "
                          "Muon would step nothing; use --optimizer adamw for this model")
-    muon = [{"params": params, "use_muon": True, "lr_mult": mult, "weight_decay": weight_decay / mult}
-            for mult, params in sorted(by_scale.items())]
+    muon = [{"params": params, "use_muon": True, "muon_experts": experts, "lr_mult": mult,
+             "weight_decay": weight_decay / mult} for (experts, mult), params in sorted(by_scale.items())]
     return muon + adamw
 
 
@@ -101,7 +118,7 @@ def build_muon_with_adamw(groups: list[dict[str, Any]], muon_options: dict[str, 
 
 def muon_parameter_counts(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
     """((tensors, elements) Muon steps, (tensors, elements) AdamW steps) of the built-in model, from its settings
-    alone (for the plan): Muon takes the layers' 2-D weights, AdamW everything else."""
+    alone (for the plan): Muon takes the layers' 2-D weights and the experts' stacked ones, AdamW everything else."""
     from collections import Counter
 
     from rapidtrain.models.counting import layer_shapes, parameter_shapes
@@ -109,8 +126,8 @@ def muon_parameter_counts(config: ModelConfig) -> tuple[tuple[int, int], tuple[i
     layers = Counter(config.num_experts) if config.num_experts else Counter({0: config.num_layers})
     muon_tensors = muon_elements = 0
     for experts, count in layers.items():
-        shared, _ = layer_shapes(config, experts)
-        matrices = [shape for shape in shared if len(shape) == 2]
+        shared, stacked = layer_shapes(config, experts)
+        matrices = [shape for shape in shared if len(shape) == 2] + [shape for shape in stacked if len(shape) == 3]
         muon_tensors += count * len(matrices)
         muon_elements += count * sum(math.prod(shape) for shape in matrices)
     shapes = parameter_shapes(config)

@@ -321,9 +321,8 @@ def _resolve_muon(s: OptimizerSettings, device_type: str) -> Resolution:
     description = (
         f"torch.optim.Muon(momentum={s.muon_momentum}, nesterov={s.muon_nesterov}, ns_steps={s.muon_ns_steps}, "
         f"quintic Newton–Schulz in bfloat16; update × {s.muon_scale_mode} scale × {s.muon_extra_scale_factor:g}) "
-        "for the transformer layers' 2-D weights; torch.optim.AdamW("
-        f"{'fused' if fused else 'foreach'}=True) for the embeddings, output head, norms, biases and the experts' "
-        "stacked 3-D weights (Muon takes 2-D matrices only)")
+        "for the transformer layers' 2-D weights and each MoE expert's matrix; torch.optim.AdamW("
+        f"{'fused' if fused else 'foreach'}=True) for the embeddings, output head, norms and biases")
     # Muon keeps one momentum per matrix element (4 bytes), AdamW two moments and a step: Adam's is the bound used.
     return Resolution(lambda groups: build_muon_with_adamw(groups, muon, adamw), description, "adam")
 

@@ -22,6 +22,9 @@ TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidd
                    num_experts=(0, 4), swiglu=True)
 
 
+EXPERT_WEIGHTS = {"layers.1.mlp.experts.w1", "layers.1.mlp.experts.w_gate", "layers.1.mlp.experts.w2"}
+
+
 def tiny_model() -> torch.nn.Module:
     return build_model(TINY, seed=1)
 
@@ -44,10 +47,9 @@ def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
     muon, adamw = names_by_optimizer(model, optimizer)
     projections = {f"layers.{i}.attention.{p}_proj.weight" for i in (0, 1) for p in "qkvo"}
     assert muon == projections | {"layers.0.mlp.fc1.weight", "layers.0.mlp.gate.weight", "layers.0.mlp.fc2.weight",
-                                  "layers.1.mlp.router.weight"}
+                                  "layers.1.mlp.router.weight"} | EXPERT_WEIGHTS
     assert {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "final_norm.weight",
-            "layers.0.ln1.weight", "layers.0.attention.q_proj.bias", "layers.1.mlp.experts.w1",
-            "layers.1.mlp.experts.w_gate", "layers.1.mlp.experts.w2", "layers.1.mlp.experts.b1"} <= adamw
+            "layers.0.ln1.weight", "layers.0.attention.q_proj.bias", "layers.1.mlp.experts.b1"} <= adamw
     assert muon | adamw == {name for name, _ in model.named_parameters()} and not muon & adamw
     assert type(optimizer.muon).__name__ == "Muon" and type(optimizer.adamw).__name__ == "AdamW"
     assert "torch.optim.Muon" in description and "torch.optim.AdamW(fused=True)" in description
@@ -57,20 +59,38 @@ def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
                                            (len(adamw), sum(params[n].numel() for n in adamw)))
 
 
-def by_hand(model, lr, weight_decay, momentum, nesterov, adjust_lr_fn="original"):
-    """torch.optim.Muon over the layers' matrices and fused torch.optim.AdamW over the rest (no decay for 1-D
-    parameters, biases and the experts' stacked biases), built directly."""
-    names = {"layers.0.mlp.fc1.weight", "layers.0.mlp.gate.weight", "layers.0.mlp.fc2.weight",
-             "layers.1.mlp.router.weight"} | {f"layers.{i}.attention.{p}_proj.weight" for i in (0, 1) for p in "qkvo"}
-    muon = [p for n, p in model.named_parameters() if n in names]
-    no_decay = [p for n, p in model.named_parameters()
-                if n not in names and (p.ndim == 1 or n.endswith(("bias", "experts.b1", "experts.b2")))]
-    decay = [p for n, p in model.named_parameters() if n not in names and not any(p is q for q in no_decay)]
-    return (torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+class ByHand:
+    """torch.optim.Muon over the layers' matrices and over each expert's matrix as an [out, in] parameter of its own
+    (Megatron-Core's one weight per expert), fused torch.optim.AdamW over the rest (no decay for 1-D parameters,
+    biases and the experts' stacked biases), built directly."""
+
+    def __init__(self, model, lr, weight_decay, momentum, nesterov, adjust_lr_fn="original"):
+        names = {"layers.0.mlp.fc1.weight", "layers.0.mlp.gate.weight", "layers.0.mlp.fc2.weight",
+                 "layers.1.mlp.router.weight"} | {f"layers.{i}.attention.{p}_proj.weight" for i in (0, 1)
+                                                  for p in "qkvo"}
+        params = dict(model.named_parameters())
+        self.stacked = [params[name] for name in sorted(EXPERT_WEIGHTS)]
+        self.experts = [[torch.nn.Parameter(w.detach()[e].T.clone()) for e in range(w.shape[0])] for w in self.stacked]
+        muon = [params[n] for n in names] + [p for expert in self.experts for p in expert]
+        rest = {n: p for n, p in params.items() if n not in names | EXPERT_WEIGHTS}
+        no_decay = [p for n, p in rest.items() if p.ndim == 1 or n.endswith(("bias", "experts.b1", "experts.b2"))]
+        decay = [p for p in rest.values() if not any(p is q for q in no_decay)]
+        self.optimizers = (
+            torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                              adjust_lr_fn=adjust_lr_fn),
             torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8,
                               fused=True))
+
+    def step(self):
+        for weight, experts in zip(self.stacked, self.experts, strict=True):
+            for e, expert in enumerate(experts):
+                expert.grad = weight.grad[e].T.clone()
+        for optimizer in self.optimizers:
+            optimizer.step()
+        with torch.no_grad():
+            for weight, experts in zip(self.stacked, self.experts, strict=True):
+                weight.copy_(torch.stack([expert.T for expert in experts]))
 
 
 def set_rates(optimizer, lr):
@@ -80,22 +100,28 @@ def set_rates(optimizer, lr):
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_steps_equal_torch_muon_and_adamw_by_hand(nesterov):
-    """Keller Jordan's scale (shape_scaling) is torch's `original`: three steps equal the hand-built pair's bitwise."""
+    """Keller Jordan's scale (shape_scaling) is torch's `original` on [out, in] weights: three steps equal the
+    hand-built optimizers' bitwise; each expert's matrix, stored [in, out], too up to the rounding of its rescaled
+    rate and decay."""
     ours_model, hand_model = tiny_model(), tiny_model()
     settings = OptimizerSettings(name="muon", lr=0.02, weight_decay=0.1, adam_beta2=0.95, muon_momentum=0.9,
                                  muon_nesterov=nesterov, muon_scale_mode="shape_scaling")
     ours, _ = build_optimizer(ours_model, settings, "cpu")
-    hand = by_hand(hand_model, 0.02, 0.1, 0.9, nesterov)
+    hand = ByHand(hand_model, 0.02, 0.1, 0.9, nesterov)
+    initial = {name: p.detach().clone() for name, p in ours_model.named_parameters()}
     for step in range(3):
         for model in (ours_model, hand_model):
             model.zero_grad()
             backward(model, seed=step)
         set_rates(ours, 0.02)
         ours.step()
-        for optimizer in hand:
-            optimizer.step()
+        hand.step()
     for (name, a), b in zip(ours_model.named_parameters(), hand_model.parameters(), strict=True):
-        assert torch.equal(a, b), name
+        if name in EXPERT_WEIGHTS:
+            assert (a - initial[name]).abs().amin(dim=(1, 2)).gt(0).all(), name  # every expert stepped
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_spectral_scale_times_0_2_is_torchs_match_rms_adamw():
@@ -105,15 +131,14 @@ def test_spectral_scale_times_0_2_is_torchs_match_rms_adamw():
     settings = OptimizerSettings(name="muon", lr=0.01, weight_decay=0.1, adam_beta2=0.95, muon_momentum=0.95,
                                  muon_scale_mode="spectral", muon_extra_scale_factor=0.2)
     ours, _ = build_optimizer(ours_model, settings, "cpu")
-    hand = by_hand(hand_model, 0.01, 0.1, 0.95, False, adjust_lr_fn="match_rms_adamw")
+    hand = ByHand(hand_model, 0.01, 0.1, 0.95, False, adjust_lr_fn="match_rms_adamw")
     for step in range(2):
         for model in (ours_model, hand_model):
             model.zero_grad()
             backward(model, seed=step)
         set_rates(ours, 0.01)
         ours.step()
-        for optimizer in hand:
-            optimizer.step()
+        hand.step()
     for (name, a), b in zip(ours_model.named_parameters(), hand_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
@@ -185,3 +210,25 @@ def test_help_lists_only_optimizers_that_run():
     listed = help_text.split("--optimizer {")[1].split("}")[0].split(",")
     assert "muon" in listed and "dist_muon" in listed
     assert not {"lion", "soap", "adaptive_muon"} & set(listed)
+
+
+def test_plan_names_muon_and_adamw_parameter_sets():
+    from rapidtrain.config import rules
+    from rapidtrain.config.describe import describe_plan
+    from rapidtrain.config.plan import from_args
+    from rapidtrain.config.settings import RunContext
+
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--num-experts", "0", "4", "--swiglu",
+             "--train-iters", "4", "--lr", "1e-3", "--optimizer", "muon"]
+    args = arguments.parse_args(flags)
+    rules.validate(args, RunContext())
+    plan = from_args(args, RunContext())
+    (muon_tensors, muon_elements), (adamw_tensors, adamw_elements) = muon_parameter_counts(plan.model)
+    text = describe_plan(plan)
+    assert "torch.optim.Muon(momentum=0.9" in text
+    assert (f"Muon {muon_tensors} tensors ({muon_elements:,} elements), AdamW {adamw_tensors} tensors "
+            f"({adamw_elements:,} elements)") in text
+    model = build_model(plan.model, seed=1)
+    assert muon_tensors + adamw_tensors == len(list(model.parameters()))
+    assert muon_tensors == 15  # 8 projections, dense fc1/gate/fc2, the router, 3 stacked expert weights

@@ -157,9 +157,8 @@ def expected_resolution(name, device_type):
         "adamw_4bit": "torchao AdamW4bit (4-bit moments as tensor subclasses, each parameter's step compiled by "
         "torch.compile)",
         "muon": "torch.optim.Muon(momentum=0.9, nesterov=False, ns_steps=5, quintic Newton–Schulz in bfloat16; "
-        "update × spectral scale × 1) for the transformer layers' 2-D weights; torch.optim.AdamW("
-        f"{speed}) for the embeddings, output head, norms, biases and the experts' stacked 3-D weights (Muon takes "
-        "2-D matrices only)",
+        "update × spectral scale × 1) for the transformer layers' 2-D weights and each MoE expert's matrix; "
+        f"torch.optim.AdamW({speed}) for the embeddings, output head, norms and biases",
     }[name]
 
 
