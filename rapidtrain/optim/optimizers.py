@@ -323,7 +323,7 @@ def _resolve_muon(s: OptimizerSettings, device_type: str) -> Resolution:
         f"quintic Newton–Schulz in bfloat16; update × {s.muon_scale_mode} scale × {s.muon_extra_scale_factor:g}) "
         "for the transformer layers' 2-D weights and each MoE expert's matrix; torch.optim.AdamW("
         f"{'fused' if fused else 'foreach'}=True) for the embeddings, output head, norms and biases")
-    # Muon keeps one momentum per matrix element (4 bytes), AdamW two moments and a step: Adam's is the bound used.
+    # "adam" bounds the state of any split (the plan's estimate counts Muon's momentum exactly: config/memory.py).
     return Resolution(lambda groups: build_muon_with_adamw(groups, muon, adamw), description, "adam")
 
 

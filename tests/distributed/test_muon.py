@@ -1,6 +1,7 @@
 """--optimizer muon on 2 gloo ranks: DDP, ZeroRedundancyOptimizer (OSS), 2 pipeline stages, and an MoE model under DDP
-and 2 expert-parallel ranks reach one process's losses, and a DDP run stopped at iteration 5 and resumed with --load
-continues bitwise (Muon's momentum and AdamW's moments come back from the checkpoint).
+and 2 expert-parallel ranks reach one process's losses, and runs stopped at iteration 5 and resumed with --load (DDP,
+and MoE under expert parallelism) continue bitwise (Muon's momentum, the experts' stacked momentum and AdamW's moments
+come back from the checkpoint).
 
 All 2-rank trainings share one torchrun launch (`pretrain_runs.py`); the one-process references run in this process.
 """
@@ -34,11 +35,16 @@ LAYOUTS = {"ddp": [], "oss": ["--oss-memory-optimization"], "pp2": ["--pipeline-
 TOLERANCES = {"dense": (1e-4, 2e-3), "moe": (5e-4, 1e-2)}
 
 
+# Resumed: the dense model under DDP; MoE under expert parallelism (each rank saves its own experts' momentum).
+RESUMED = ("ddp", "moe_ep2")
+
+
 def two_rank_runs(out: Path) -> list[list[str]]:
     runs = [TINY + flags + ["--loss-log-file", str(out / f"{name}.txt")] for name, flags in LAYOUTS.items()]
-    resumed = ["--loss-log-file", str(out / "ddp_resumed.txt")]
-    runs.append(TINY + resumed + ["--exit-interval", "5", "--save", str(out / "ddp_at5")])
-    runs.append(TINY + resumed + ["--load", str(out / "ddp_at5")])
+    for name in RESUMED:
+        flags, resumed = LAYOUTS[name], ["--loss-log-file", str(out / f"{name}_resumed.txt")]
+        runs.append(TINY + flags + resumed + ["--exit-interval", "5", "--save", str(out / f"{name}_at5")])
+        runs.append(TINY + flags + resumed + ["--load", str(out / f"{name}_at5")])
     return runs
 
 
@@ -75,8 +81,9 @@ def test_muon_under_oss_steps_as_ddp_does(runs):
 
 
 @pytest.mark.slow
-def test_muon_resume_is_bitwise_exact(runs):
-    resumed, straight = read_losses(runs / "ddp_resumed.txt"), read_losses(runs / "ddp.txt")
+@pytest.mark.parametrize("layout", RESUMED)
+def test_muon_resume_is_bitwise_exact(runs, layout):
+    resumed, straight = read_losses(runs / f"{layout}_resumed.txt"), read_losses(runs / f"{layout}.txt")
     assert sorted(resumed) == list(range(1, 11))
-    assert (runs / "ddp_at5" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert (runs / f"{layout}_at5" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     assert [resumed[i] for i in range(6, 11)] == [straight[i] for i in range(6, 11)]

@@ -232,3 +232,17 @@ def test_plan_names_muon_and_adamw_parameter_sets():
     model = build_model(plan.model, seed=1)
     assert muon_tensors + adamw_tensors == len(list(model.parameters()))
     assert muon_tensors == 15  # 8 projections, dense fc1/gate/fc2, the router, 3 stacked expert weights
+
+
+def test_memory_estimate_counts_muons_momentum_and_adamws_moments():
+    """The plan's optimizer state per parameter is what the built optimizer holds after a step."""
+    from rapidtrain.config.memory import optimizer_state_bytes_per_parameter
+    from rapidtrain.optim.state_bytes import measured_state_bytes
+
+    model = tiny_model()
+    settings = OptimizerSettings(name="muon", lr=0.01)
+    optimizer, _ = build_optimizer(model, settings, "cpu")
+    backward(model, seed=0)
+    optimizer.step()
+    parameters = sum(p.numel() for p in model.parameters())
+    assert optimizer_state_bytes_per_parameter(TINY, settings, "cpu") * parameters == measured_state_bytes(optimizer)
