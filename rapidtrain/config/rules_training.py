@@ -373,8 +373,10 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: muon_chosen(a) and deepspeed_zero(a),
         lambda a, c: f"{optimizer_choice(a)[1]} {optimizer_choice(a)[0]} with --zero-{zero_stage(a)}-memory-"
         "optimization: DeepSpeed ZeRO hands the optimizer flat slices of many parameters, which torch.optim.Muon "
-        "cannot orthogonalize, and DeepSpeed's own Muon (MuonWithAuxAdam, configured in its JSON with parameters "
-        "tagged use_muon) is a different implementation that rapidtrain does not drive. Use "
+        "cannot orthogonalize. DeepSpeed 0.19's own Muon (MuonWithAuxAdam, parameters tagged use_muon) is another "
+        "algorithm: a Gram Newton–Schulz by default and only Keller Jordan's aspect-ratio scale, so "
+        "--muon-scale-mode spectral and --muon-extra-scale-factor could not be honoured, nor the other layouts' "
+        "numbers matched; rapidtrain does not drive it. Use "
         "--oss-memory-optimization (optimizer state sharded, each matrix whole on one rank) or DDP with Muon, or "
         "--optimizer adamw with ZeRO.",
     ),
