@@ -494,8 +494,8 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                         "adamw_4bit: torchao AdamW4bit (plain tensors); muon (Megatron-Core's dist_muon is the same "
                         "here): torch.optim.Muon for the transformer layers' 2-D weights and each MoE expert's "
                         "matrix, AdamW (--adam-beta1/2, --adam-eps, --weight-decay) for the rest (embeddings, output "
-                        "head, norms, biases), with one process, DDP, pipeline stages or --oss-memory-optimization, "
-                        "where each matrix is whole on the rank that steps it.")
+                        "head, norms, biases); under FSDP and tensor parallelism each sharded matrix is gathered whole "
+                        "for its step (not with DeepSpeed ZeRO).")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
     g.add_argument("--muon-momentum", type=float, default=0.9,
                    help="Muon's momentum (an exponential average of the gradients, torch.optim.Muon's).")

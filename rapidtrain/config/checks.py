@@ -239,14 +239,6 @@ def muon_chosen(args: Args) -> bool:
     return optimizer_choice(args)[0] in MUON_NAMES
 
 
-def muon_on_dtensors(args: Args, ctx: RunContext) -> bool:
-    """--optimizer muon on a layout that hands the optimizer shards of each matrix (DTensors)."""
-    if not muon_chosen(args) or not layout_divides(args, ctx):
-        return False
-    layout = layout_of(args, ctx)
-    return optimizer_settings(args, layout, switches_of(args, layout, ctx)).dtensor_parameters
-
-
 def muon_under_fairscale(args: Args, ctx: RunContext) -> bool:
     if not muon_chosen(args) or not layout_divides(args, ctx):
         return False

@@ -357,8 +357,9 @@ FLAGS: dict[str, tuple[str, str]] = {
                                      "orthogonalizes each on its own (Megatron's default); a fused QKV orthogonalized "
                                      "whole is not in rapidtrain"),
     "--muon-scalar-optimizer": (REFUSED, "AdamW steps the parameters Muon does not take; Lion is not in rapidtrain"),
-    "--muon-tp-mode": (REFUSED, "rapidtrain refuses Muon under tensor parallelism (each matrix must be whole on the "
-                                "rank that steps it), so there is no tensor-parallel mode to choose"),
+    "--muon-tp-mode": (REFUSED, "rapidtrain gathers each sharded matrix whole and orthogonalizes it on every rank "
+                                "(Megatron's duplicated, the default); blockwise (each shard on its own) and "
+                                "distributed (Newton–Schulz across ranks) are not in rapidtrain"),
     "--muon-use-syrk": (REFUSED, "torch.optim.Muon has no symmetric rank-k (SYRK) kernel for its Newton–Schulz "
                                  "products"),
 }

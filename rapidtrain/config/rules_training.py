@@ -36,7 +36,6 @@ from rapidtrain.config.checks import (
     min_lr_above_lr,
     mixed_schedule_flags,
     muon_chosen,
-    muon_on_dtensors,
     muon_options_without_muon,
     muon_under_fairscale,
     needs_iterations,
@@ -62,7 +61,7 @@ from rapidtrain.config.checks import (
 from rapidtrain.config.partitioning import zero_stage
 from rapidtrain.config.resolve import zero_by_fsdp2
 from rapidtrain.models import hf_config
-from rapidtrain.optim.optimizers import ADAFACTOR_ON_DTENSORS, MUON_ON_DTENSORS
+from rapidtrain.optim.optimizers import ADAFACTOR_ON_DTENSORS
 
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
@@ -358,15 +357,6 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: f"{optimizer_choice(a)[1]} adafactor: {ADAFACTOR_ON_DTENSORS}.",
     ),
     Rule(
-        "muon-whole-matrices", ("--optimizer", "--tensor-model-parallel-size", "--fsdp-memory-optimization",
-                                "--oss-sdp-memory-optimization", "--zero-1-memory-optimization",
-                                "--zero-2-memory-optimization"),
-        "--optimizer muon needs each weight matrix whole on the rank that steps it: one process, DDP, pipeline "
-        "stages or --oss-memory-optimization; not tensor parallelism or FSDP2 (FSDP, SDP, ZeRO with TP/PP).",
-        muon_on_dtensors,
-        lambda a, c: f"{optimizer_choice(a)[1]} {optimizer_choice(a)[0]}: {MUON_ON_DTENSORS}.",
-    ),
-    Rule(
         "muon-not-deepspeed", ("--optimizer", "--zero-1-memory-optimization", "--zero-2-memory-optimization",
                                "--zero-3-memory-optimization"),
         "DeepSpeed ZeRO steps flat partitions of parameter groups, and rapidtrain does not run DeepSpeed's own Muon.",
@@ -377,7 +367,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "algorithm: a Gram Newton–Schulz by default and only Keller Jordan's aspect-ratio scale, so "
         "--muon-scale-mode spectral and --muon-extra-scale-factor could not be honoured, nor the other layouts' "
         "numbers matched; rapidtrain does not drive it. Use "
-        "--oss-memory-optimization (optimizer state sharded, each matrix whole on one rank) or DDP with Muon, or "
+        "--fsdp-memory-optimization or --oss-memory-optimization (state sharded by torch) with Muon, or "
         "--optimizer adamw with ZeRO.",
     ),
     Rule(

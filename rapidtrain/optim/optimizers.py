@@ -299,23 +299,8 @@ def _resolve_apex(s: OptimizerSettings, device_type: str) -> Resolution:
     )
 
 
-# Measured with torch 2.13 on 2 gloo ranks (FSDP2 fully_shard of two Linear layers): torch.optim.Muon steps the
-# DTensors without an error, but after 3 steps at lr 0.05 the weights differ from one process's by up to 1.2e-2
-# (torch.optim.AdamW in the same script: 9e-8).
-MUON_ON_DTENSORS = (
-    "Muon orthogonalizes each weight matrix whole (Newton–Schulz on the full gradient's momentum), and this layout "
-    "hands the optimizer shards of them (DTensors: tensor parallelism, --fsdp-memory-optimization, "
-    "--oss-sdp-memory-optimization, ZeRO under tensor or pipeline parallelism); torch.optim.Muon runs on them but "
-    "does not compute the whole matrix's update (measured: weights off by 1e-2 after 3 steps under FSDP2), and "
-    "rapidtrain does not gather them. Use "
-    "--optimizer muon with one process, DDP, pipeline parallelism or --oss-memory-optimization (each keeps every "
-    "matrix whole on the rank that steps it)")
-
-
 def _resolve_muon(s: OptimizerSettings, device_type: str) -> Resolution:
     """torch.optim.Muon for the layers' matrices, torch's AdamW (fused where it has kernels) for the rest."""
-    if s.dtensor_parameters:  # the rule muon-whole-matrices refuses this before a run; a safety net
-        raise OptimizerUnavailable(f"--optimizer muon: {MUON_ON_DTENSORS}")
     from rapidtrain.optim.muon import build_muon_with_adamw
 
     fused = device_type in FUSED_DEVICES
@@ -327,7 +312,10 @@ def _resolve_muon(s: OptimizerSettings, device_type: str) -> Resolution:
         f"torch.optim.Muon(momentum={s.muon_momentum}, nesterov={s.muon_nesterov}, ns_steps={s.muon_ns_steps}, "
         f"quintic Newton–Schulz in bfloat16; update × {s.muon_scale_mode} scale × {s.muon_extra_scale_factor:g}) "
         "for the transformer layers' 2-D weights and each MoE expert's matrix; torch.optim.AdamW("
-        f"{'fused' if fused else 'foreach'}=True) for the embeddings, output head, norms and biases")
+        f"{'fused' if fused else 'foreach'}=True) for the embeddings, output head, norms and biases"
+        + ("; each sharded matrix (DTensor) gathered whole for its step: three all-gathers of it per step (weight, "
+           "gradient, momentum), the Newton–Schulz computed on every rank, each rank keeping its shard "
+           "(Megatron's --muon-tp-mode duplicated)" if s.dtensor_parameters else ""))
     # "adam" bounds the state of any split (the plan's estimate counts Muon's momentum exactly: config/memory.py).
     return Resolution(lambda groups: build_muon_with_adamw(groups, muon, adamw), description, "adam")
 

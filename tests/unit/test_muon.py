@@ -14,7 +14,7 @@ from rapidtrain.config.flag_surface import FlagRefused
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.optim.muon import muon_parameter_counts, muon_scale
-from rapidtrain.optim.optimizers import OptimizerSettings, OptimizerUnavailable, build_optimizer
+from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer
 
 # Dense layer 0, MoE layer 1 (4 experts): matrices of every kind, stacked expert weights, biases, norms, a tied head.
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
@@ -181,8 +181,6 @@ def test_a_model_without_layer_matrices_and_untagged_groups_are_refused():
         build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings(name="muon"), "cpu")
     with pytest.raises(ValueError, match="do not say which parameters Muon steps"):
         build_optimizer([torch.nn.Parameter(torch.ones(2, 2))], OptimizerSettings(name="muon"), "cpu")
-    with pytest.raises(OptimizerUnavailable, match="orthogonalizes each weight matrix whole"):
-        build_optimizer(tiny_model(), OptimizerSettings(name="muon", dtensor_parameters=True), "cpu")
 
 
 def test_megatron_muon_flags_work_or_are_refused_by_name():
@@ -199,7 +197,7 @@ def test_megatron_muon_flags_work_or_are_refused_by_name():
                             (["--muon-no-split-qkv"], "separate matrices"),
                             (["--muon-coefficient-type", "polar_express"], "quintic"),
                             (["--muon-scalar-optimizer", "lion"], "Lion"), (["--muon-tp-mode", "blockwise"],
-                                                                            "tensor parallelism"),
+                                                                            "duplicated"),
                             (["--optimizer", "adaptive_muon"], "not in rapidtrain")):
         with pytest.raises(FlagRefused, match=reason):
             arguments.parse_args(["--optimizer", "muon", *refused])

@@ -392,12 +392,6 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
-    "muon-whole-matrices": (  # Muon orthogonalizes whole matrices: DTensor shards are refused, OSS keeps them whole
-        ["--optimizer", "muon", "--tensor-model-parallel-size", "2"],
-        ["--optimizer", "muon", "--oss-memory-optimization"],
-        2,
-        "cpu",
-    ),
     "muon-not-deepspeed": (
         ["--optimizer", "dist_muon", "--zero-1-memory-optimization"],
         ["--optimizer", "dist_muon", "--pipeline-model-parallel-size", "2"],
