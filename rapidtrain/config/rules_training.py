@@ -363,10 +363,11 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: muon_chosen(a) and deepspeed_zero(a),
         lambda a, c: f"{optimizer_choice(a)[1]} {optimizer_choice(a)[0]} with --zero-{zero_stage(a)}-memory-"
         "optimization: DeepSpeed ZeRO hands the optimizer flat slices of many parameters, which torch.optim.Muon "
-        "cannot orthogonalize. DeepSpeed 0.19's own Muon (MuonWithAuxAdam, parameters tagged use_muon) is another "
-        "algorithm: a Gram Newton–Schulz by default and only Keller Jordan's aspect-ratio scale, so "
-        "--muon-scale-mode spectral and --muon-extra-scale-factor could not be honoured, nor the other layouts' "
-        "numbers matched; rapidtrain does not drive it. Use "
+        "cannot orthogonalize. DeepSpeed 0.19's own Muon (MuonWithAuxAdam, parameters tagged use_muon) runs on a CPU "
+        "but is another algorithm: a Gram Newton–Schulz by default, Nesterov always on, 5 steps, Keller Jordan's "
+        "aspect-ratio scale only (so --muon-nesterov, --muon-num-ns-steps, --muon-scale-mode and "
+        "--muon-extra-scale-factor could not be honoured, nor the other layouts' numbers matched), and rapidtrain's "
+        "DeepSpeed engine and checkpoints do not drive it. Use "
         "--fsdp-memory-optimization or --oss-memory-optimization (state sharded by torch) with Muon, or "
         "--optimizer adamw with ZeRO.",
     ),
