@@ -1,7 +1,7 @@
 """--optimizer muon on 2 gloo ranks: DDP, ZeroRedundancyOptimizer (OSS), 2 pipeline stages, FSDP and tensor
 parallelism (whose sharded matrices Muon gathers whole for the step), and an MoE model under DDP, 2 expert-parallel
-ranks and FSDP reach one process's losses; runs stopped at iteration 5 and resumed with --load (DDP, FSDP, MoE under
-expert parallelism) continue bitwise (Muon's momentum, the experts' stacked momentum and AdamW's moments come back
+ranks and FSDP reach one process's losses; runs stopped at iteration 5 and resumed with --load (DDP, OSS, FSDP, TP, MoE
+under expert parallelism) continue bitwise (Muon's momentum, the experts' stacked momentum and AdamW's moments come back
 from the checkpoint).
 
 All 2-rank trainings share one torchrun launch (`pretrain_runs.py`); the one-process references run in this process.
@@ -40,9 +40,9 @@ LAYOUTS = {"ddp": [], "oss": ["--oss-memory-optimization"], "pp2": ["--pipeline-
 TOLERANCES = {"dense": (1e-4, 2e-3), "moe": (5e-4, 1e-2)}
 
 
-# Resumed: the dense model under DDP and FSDP (the momentum sharded as its weight); MoE under expert parallelism (each
-# rank saves its own experts' momentum).
-RESUMED = ("ddp", "fsdp", "moe_ep2")
+# Resumed: the dense model under DDP, OSS (each rank saves its own share), FSDP and TP (the momentum sharded as its
+# weight); MoE under expert parallelism (each rank saves its own experts' momentum).
+RESUMED = ("ddp", "oss", "fsdp", "tp2", "moe_ep2")
 
 
 def two_rank_runs(out: Path) -> list[list[str]]:
