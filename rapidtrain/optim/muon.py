@@ -86,9 +86,9 @@ def takes_muon(name: str, param: torch.Tensor) -> bool:
 def split_for_muon(model: nn.Module, groups: list[dict[str, Any]], weight_decay: float, scale_mode: str,
                    extra_scale_factor: float) -> list[dict[str, Any]]:
     """`groups` (optimizers.param_groups) with Muon's matrices moved into groups of their own, one per update scale
-    (`lr_mult`) and kind (`muon_by_matrix`: stacked expert weights), first; every group says which optimizer steps it
-    (`use_muon`). Muon's groups decay by `weight_decay` / `lr_mult` at their rate × `lr_mult`: lr × weight decay, as
-    every other decayed weight."""
+    (`lr_mult`) and kind (`muon_by_matrix`: stacked expert weights), after AdamW's; every group says which optimizer
+    steps it (`use_muon`). Muon's groups decay by `weight_decay` / `lr_mult` at their rate × `lr_mult`: lr × weight
+    decay, as every other decayed weight."""
     muon_ids = {id(p) for name, p in model.named_parameters() if p.requires_grad and takes_muon(name, p)}
     by_scale: dict[tuple[bool, float], list[nn.Parameter]] = {}
     adamw: list[dict[str, Any]] = []
@@ -105,7 +105,7 @@ def split_for_muon(model: nn.Module, groups: list[dict[str, Any]], weight_decay:
                          "Muon would step nothing; use --optimizer adamw for this model")
     muon = [{"params": params, "use_muon": True, "muon_by_matrix": experts, "lr_mult": mult,
              "weight_decay": weight_decay / mult} for (experts, mult), params in sorted(by_scale.items())]
-    return muon + adamw
+    return adamw + muon  # AdamW's first group keeps the schedule's own rate: the log line reports groups[0]
 
 
 def build_muon_with_adamw(groups: list[dict[str, Any]], muon_options: dict[str, Any],

@@ -166,7 +166,9 @@ def test_state_dict_holds_both_optimizers_state_and_resumes_exactly():
     resumed, _ = build_optimizer(resumed_model, settings, "cpu")
     resumed.load_state_dict(saved)
     assert resumed.muon.state is resumed.state and resumed.adamw.state is resumed.state
-    assert resumed.muon.param_groups[0] is resumed.param_groups[0]
+    inner_groups = resumed.muon.param_groups + resumed.adamw.param_groups
+    assert all(any(g is h for h in resumed.param_groups) for g in inner_groups)  # the loaded groups, not stale ones
+    assert "lr_mult" not in resumed.param_groups[0]  # the log line's rate (groups[0]) is the schedule's
     for net, opt in ((model, optimizer), (resumed_model, resumed)):
         net.zero_grad()
         backward(net, seed=7)
