@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from rapidtrain.config.flag_parser import FlagParser
 from rapidtrain.config.settings import MEGATRON_TASKS
 from rapidtrain.data.tokenizer import TOKENIZER_TYPES
+from rapidtrain.optim.muon import MUON_SCALE_MODES
 
 TASKS = (
     "sequence_classification",
@@ -33,7 +34,6 @@ TASK_ALIASES = {"causal_lm": "casual_lm"}
 OPTIMIZERS_RAPIDFORMER = ("apex_adam", "apex_lamb")
 OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit",
               "adamw_4bit", "muon", "dist_muon")
-MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")  # optim/muon.py's, here without importing it
 RECOMPUTE_GRANULARITIES = ("full", "selective", "op")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")

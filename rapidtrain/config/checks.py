@@ -231,12 +231,13 @@ def adafactor_on_dtensors(args: Args, ctx: RunContext) -> bool:
     return optimizer_settings(args, layout, switches_of(args, layout, ctx)).dtensor_parameters
 
 
-MUON_NAMES = ("muon", "dist_muon")  # Megatron-Core's names of one optimizer here
 MUON_OPTIONS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor")
 
 
 def muon_chosen(args: Args) -> bool:
-    return optimizer_choice(args)[0] in MUON_NAMES
+    from rapidtrain.optim.muon import MUON_OPTIMIZER_NAMES
+
+    return optimizer_choice(args)[0] in MUON_OPTIMIZER_NAMES
 
 
 def muon_under_fairscale(args: Args, ctx: RunContext) -> bool:

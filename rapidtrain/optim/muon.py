@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from rapidtrain.models.config import ModelConfig
 
 MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
-MUON_COEFFICIENT_TYPES = ("quintic",)  # Keller Jordan's (3.4445, -4.7750, 2.0315): torch.optim.Muon's
 MUON_OPTIMIZER_NAMES = ("muon", "dist_muon")  # Megatron-Core's names; both run the same optimizer here
 
 
@@ -49,13 +48,13 @@ def muon_scale(rows: int, cols: int, mode: str) -> float:
 def lr_mult(shape: tuple[int, ...], mode: str, extra_scale_factor: float) -> float:
     """What a Muon group's rate is multiplied by so that torch's `original` adjustment gives Megatron's scale: `shape`
     is an nn.Linear weight's [out, in] or the experts' stacked [E, in, out] (x @ W)."""
-    if len(shape) == 3:
+    if len(shape) == 3:  # torch adjusts by the expert's matrix as stored, [in, out]
         _, fan_in, fan_out = shape
-        stepped = fan_in, fan_out  # torch adjusts by the expert matrix as stored
+        rows, cols = fan_in, fan_out
     else:
         fan_out, fan_in = shape
-        stepped = fan_out, fan_in
-    return extra_scale_factor * muon_scale(fan_out, fan_in, mode) / math.sqrt(max(1.0, stepped[0] / stepped[1]))
+        rows, cols = fan_out, fan_in
+    return extra_scale_factor * muon_scale(fan_out, fan_in, mode) / math.sqrt(max(1.0, rows / cols))
 
 
 def bare_name(name: str) -> str:
