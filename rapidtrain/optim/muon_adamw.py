@@ -55,7 +55,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 inner.state = self.state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Which optimizer steps a group is this layout's (a DDP checkpoint may continue under FSDP), not the saver's.
+        steppers = [(g["use_muon"], g.get("muon_by_matrix", False)) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, (use_muon, by_matrix) in zip(self.param_groups, steppers, strict=True):
+            group["use_muon"], group["muon_by_matrix"] = use_muon, by_matrix
         self._share()  # torch's load makes new group dicts and a new state
 
     @torch.no_grad()

@@ -51,6 +51,9 @@ def two_rank_runs(out: Path) -> list[list[str]]:
         flags, resumed = LAYOUTS[name], ["--loss-log-file", str(out / f"{name}_resumed.txt")]
         runs.append(TINY + flags + resumed + ["--exit-interval", "5", "--save", str(out / f"{name}_at5")])
         runs.append(TINY + flags + resumed + ["--load", str(out / f"{name}_at5")])
+    # DDP's checkpoint (whole momentum) continued under FSDP, where Muon gathers each matrix and shards its momentum.
+    runs.append(TINY + LAYOUTS["fsdp"] + ["--load", str(out / "ddp_at5"), "--loss-log-file",
+                                         str(out / "fsdp_from_ddp.txt")])
     return runs
 
 
@@ -94,3 +97,12 @@ def test_muon_resume_is_bitwise_exact(runs, layout):
     assert sorted(resumed) == list(range(1, 11))
     assert (runs / f"{layout}_at5" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     assert [resumed[i] for i in range(6, 11)] == [straight[i] for i in range(6, 11)]
+
+
+@pytest.mark.slow
+def test_ddp_checkpoint_continues_under_fsdp(runs):
+    """The checkpoint's optimizer groups come from DDP; under FSDP the same groups' matrices are gathered whole for
+    the step: iterations 6..10 are bitwise DDP's uninterrupted run's (FSDP's and DDP's losses agree bitwise)."""
+    continued, straight = read_losses(runs / "fsdp_from_ddp.txt"), read_losses(runs / "ddp.txt")
+    assert sorted(continued) == list(range(6, 11))
+    assert continued == {i: straight[i] for i in range(6, 11)}
