@@ -97,24 +97,47 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     e, r = act.element_bytes, act.residual_bytes
     if granularity == "full":
         return s * b * h * r / split_all
-    kv = model.head_dim * model.query_groups
-    inner = model.head_dim * model.num_attention_heads
+    attention, latents = _attention_widths(model)
     # fc1 and activation outputs (SwiGLU: + gate, product)
-    mlp_width: float = (4 if model.swiglu else 2) * model.ffn_size
-    if experts:  # top-k routed copies of each token fill capacity buffers
-        mlp_width *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+    mlp_width: float = (4 if model.gated_linear_unit else 2) * model.ffn_size
+    if experts:  # top-k routed copies of each token fill capacity buffers; shared experts are a dense MLP beside
+        mlp_width = (4 if model.gated_linear_unit else 2) * (
+            model.expert_ffn_size * model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+            + (model.moe_shared_expert_intermediate_size or 0))
     masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
-    replicated = 2 * h * r + 2 * h * e + masks  # two norms' inputs, attention and MLP inputs, two dropout masks
-    split: float = (2 * inner + 2 * kv + mlp_width) * e  # Q, K, V, attention output, the MLP's wide tensors
+    # two norms' inputs, attention and MLP inputs, two dropout masks (and MLA's latents, whole on every rank)
+    replicated = 2 * h * r + (2 * h + latents) * e + masks
+    split: float = (attention + mlp_width) * e  # Q, K, V, attention output, the MLP's wide tensors
     if granularity == "op":  # rapidtrain's op-level policy keeps matmul, attention and collective outputs
-        split = (2 * inner + 2 * kv + mlp_width / 2 + 2 * h) * e
+        split = (attention + mlp_width / 2 + 2 * h) * e
         replicated = h * r  # the layer's input
     per_token = replicated / split_all + split / t
     scores = 0.0
     if act.scores_kept and granularity not in ("selective", "op"):
         heads = model.num_attention_heads
         scores = heads * s * s * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
+    if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
+        # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
+        # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
+        scores += model.num_attention_heads * s * (s + 1) * e / t
     return s * b * per_token + scores
+
+
+def _attention_widths(model: ModelConfig) -> tuple[int, int]:
+    """Per token, the attention's tensors kept for backward that tensor parallelism splits by heads (Q, K, V and the
+    attention output), and those every rank keeps whole (0 but for multi-head latent attention).
+
+    Multi-head latent attention (models/mla.py) keeps per head the query projection's output and the query and key
+    it concatenates from their parts (qk_head_dim + qk_pos_emb_head_dim each), kv_up's output (qk_head_dim +
+    v_head_dim, the values a view of it), the attention output and o_proj's input (v_head_dim each); whole on every
+    rank, kv_down's output, the normed kv latent and, with --q-lora-rank, the q latent and its normed copy (measured
+    on its saved tensors: 406 against 404 elements per token, tests/unit/test_mla_and_yarn.py)."""
+    if not model.multi_latent_attention:
+        inner, kv = model.head_dim * model.num_attention_heads, model.head_dim * model.query_groups
+        return 2 * inner + 2 * kv, 0
+    query, v = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+    latents = 2 * model.kv_lora_rank + model.qk_pos_emb_head_dim + 2 * (model.q_lora_rank or 0)
+    return model.num_attention_heads * (3 * query + model.qk_head_dim + 3 * v), latents
 
 
 def weight_copy_bytes(model: ModelConfig, layout: Layout, act: ActivationContext, experts: int = 0) -> float:
@@ -237,9 +260,10 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
     comes after the MLP's wide tensors are freed, and is no larger where measured."""
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     e = act.element_bytes
-    wide: float = (3 if model.swiglu else 1) * model.ffn_size
+    wide: float = (3 if model.gated_linear_unit else 1) * model.ffn_size
     if experts:
-        wide *= model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
+        wide = (3 if model.swiglu else 1) * model.expert_ffn_size * model.moe_router_topk \
+            * max(model.moe_capacity_factor, 1.0)
     weight_gradient = e * h * model.ffn_size / t if act.weight_copies != "none" and e < 4 else 0.0
     return e * s * b * (wide / t + h) + weight_gradient
 
@@ -268,6 +292,14 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             copies = per_stage * weight_copy_bytes(model, layout, act)
             again = recomputed_again(model, micro, layout, act, recompute.granularity) if recomputed else 0.0
             working = backward_working_bytes(model, micro, layout, act)
+        if stage == p - 1 and model.mtp_num_layers and model.model_type == "gpt":
+            # multi-token prediction's depths run after the last layer: each keeps a layer of the last layer's kind,
+            # its [s, b, 2h] concatenated input, and the embeddings of the tokens ahead
+            last = model.experts_in_layer(model.num_layers - 1)
+            extra = layer_bytes(model, micro, layout, act, "none", last) \
+                + 3 * model.seq_length * micro * model.hidden_size * act.element_bytes
+            layers += model.mtp_num_layers * extra
+            copies += model.mtp_num_layers * weight_copy_bytes(model, layout, act, last)
         total = chunks_in_flight(stage, layout, micro_batches) * layers + copies
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)

@@ -164,7 +164,8 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrained-model-name-or-path", default=None,
                    help="Local Hugging Face model folder (never the hub). Fine-tuning tasks load it with transformers' "
                         "Auto classes; --task pretraining starts the built-in model from its weights (GPT-2, BLOOM, "
-                        "Llama, Mistral, Qwen2, Mixtral, BERT), shape flags not given taken from its config.json.")
+                        "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE, DeepSeek-V2/V3, gpt-oss, BERT), shape "
+                        "flags not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
     g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
@@ -232,6 +233,48 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
                    help="Llama 3.1's rope scaling factor with --use-rope-scaling (default 8).")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
                    help="Linear position interpolation: rope sees positions / this factor (default 1: none).")
+    g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
+                   help="Rotary kind: plain rope, or YaRN (arXiv 2309.00071; DeepSeek-V2/V3, Qwen): pairs turning "
+                        "between --yarn-beta-slow and --yarn-beta-fast times over the original context blended from "
+                        "their frequency to it / --rotary-scaling-factor, cos/sin scaled by mscale. Default rope; "
+                        "with --multi-latent-attention YaRN (Megatron-Core's MLA default; a factor of 1 is plain "
+                        "rope).")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help="YaRN's context-stretch factor with --rope-type yarn (DeepSeek-V3: 40; default 1: none).")
+    g.add_argument("--mscale", type=float, default=1.0,
+                   help="YaRN: cos/sin are scaled by mscale(factor, this) / mscale(factor, --mscale-all-dim), "
+                        "mscale(s, m) = 0.1·m·ln(s) + 1 (default 1).")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="YaRN's second mscale (see --mscale); with --multi-latent-attention the softmax scale is "
+                        "also multiplied by mscale(factor, this)², as DeepSeek (default 0: 1).")
+    g.add_argument("--yarn-beta-fast", type=float, default=None,
+                   help="YaRN: pairs turning more than this many times over the original context keep their "
+                        "frequency (default 32).")
+    g.add_argument("--yarn-beta-slow", type=float, default=None,
+                   help="YaRN: pairs turning fewer than this many times are divided by the factor (default 1).")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                   help="YaRN: the context the model was trained with before stretching (default 4096, "
+                        "Megatron-Core's MLA default).")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="YaRN: round the blend's first and last pair to whole pairs (the default).")
+    g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false", help="YaRN: keep the blend's ends fractional (Hugging Face's truncate=false).")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="Multi-head latent attention (DeepSeek-V2/V3): queries through --q-lora-rank, keys and "
+                        "values from a --kv-lora-rank latent, each head's query/key a --qk-head-dim part and a "
+                        "--qk-pos-emb-head-dim rotary part (the rotary key shared by the heads), values of "
+                        "--v-head-dim; --qk-layernorm puts a norm on both latents (DeepSeek). Needs rope positions.")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA: rank of the query bottleneck (DeepSeek-V3: 1536); default none: one query projection.")
+    g.add_argument("--kv-lora-rank", type=int, default=32,
+                   help="MLA: size of the key/value latent per token (DeepSeek-V3: 512; default 32, Megatron's).")
+    g.add_argument("--qk-head-dim", type=int, default=128,
+                   help="MLA: the unrotated part of each head's query and key (DeepSeek: 128; Pai-Megatron-Patch's "
+                        "--qk-nope-head-dim).")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                   help="MLA: the rotary part of each head's query and of the shared key (DeepSeek: 64; "
+                        "Pai-Megatron-Patch's --qk-rope-head-dim).")
+    g.add_argument("--v-head-dim", type=int, default=128, help="MLA: each head's value size (DeepSeek: 128).")
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact GELU.")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -247,9 +290,29 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--sliding-window", type=int, default=None,
                    help="Sliding-window attention (Mistral; GPT only): each query sees itself and the keys before it, "
                         "at most this many in all (Megatron's --window-size L,0 is L + 1).")
+    _add_gpt_oss_variants(g)
     g.add_argument("--post-layernorm", action="store_true",
                    help="Original BERT order: x = norm(x + f(x)) in every layer, a norm on the embedding sum and "
                         "no final norm (Hugging Face BERT). Default: pre-norm, as Megatron.")
+
+
+def _add_gpt_oss_variants(g: argparse._ArgumentGroup) -> None:
+    """gpt-oss's switches, with Megatron-Core's names: attention sinks and the clamped quick-GEGLU."""
+    g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default="vanilla",
+                   help="Attention's softmax: vanilla; off-by-one adds 1 to its denominator (an attention sink of "
+                        "logit 0); learnable adds exp of a learned logit per head (gpt-oss's sinks). Every kernel: "
+                        "SDPA takes the sink as one more key of zero value (a float mask), eager as one more softmax "
+                        "column, FlexAttention by rescaling with its logsumexp.")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="Gated MLP fc2(quick_gelu(gate(x)) · fc1(x)) with quick_gelu(x) = x·sigmoid(1.702x), in dense "
+                        "layers and experts (gpt-oss; Megatron-Core's quick-GEGLU); excludes --swiglu. With biases (no "
+                        "--disable-bias-linear) MoE routers get a bias too, as Megatron-Core's and gpt-oss's.")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="Added to the gated MLP's linear half before the product: act(gate) · (linear + offset) "
+                        "(gpt-oss: 1); needs --swiglu or --quick-geglu.")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="The gated MLP's clamp: the gate clamped above at this value, the linear half to ± it, "
+                        "before the activation (gpt-oss: 7); needs --swiglu or --quick-geglu.")
 
 
 def _add_training(parser: argparse.ArgumentParser) -> None:
@@ -266,7 +329,11 @@ def _add_training(parser: argparse.ArgumentParser) -> None:
                                                                     "--train-iters).")
     g.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warm-up as a fraction of the decay horizon.")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Warm-up in iterations.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="The learning rate the warm-up starts from (Megatron's; default 0).")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of the final decay phase.")
+    g.add_argument("--lr-wsd-decay-style", choices=("linear", "cosine", "exponential", "minus_sqrt"),
+                   default="linear", help="WSD: the shape of the final decay phase (Megatron-Core's).")
     g.add_argument("--train-samples", type=int, default=None,
                    help="Sample-based training (Megatron): samples to train on; the iterations follow from the global "
                         "batch (and its ramp-up). Use the -samples forms of the schedule flags with it.")
@@ -530,6 +597,55 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
                    help="Weight of the load-balancing loss (1.0 under even routing).")
     g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="Weight of the router z-loss.")
     g.add_argument("--moe-jitter-eps", type=float, default=0.0, help="Multiplicative jitter noise on router input.")
+    # Fine-grained MoE (DeepSeek-V2/V3, Qwen-MoE): Megatron-Core's router and shared experts, Pai's spellings.
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid", "sqrtsoftplus"), default="softmax",
+                   help="Expert scores: softmax over the experts, or each expert's own sigmoid / sqrt(softplus) "
+                        "(DeepSeek-V3), the k chosen normalised to sum 1 when k > 1.")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Softmax over all experts and the k chosen keep their probabilities (no renormalisation "
+                        "over the k; DeepSeek-V2, Qwen1.5/2-MoE).")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="Multiply the routed experts' combine weights by this (DeepSeek's routed_scaling_factor).")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Group-limited routing: the experts form this many equal groups (DeepSeek's n_group).")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Group-limited routing: each token chooses among the experts of its best this many groups "
+                        "(a group scores the sum of its two best experts).")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Benchmarking only (Megatron-Core's): route by random logits, which balances the load; the "
+                        "router learns nothing.")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free load balancing: a per-expert bias added to the scores for the choice only, "
+                        "moved after each step towards the mean load (saved in checkpoints).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="How far each expert bias moves per step (--moe-router-enable-expert-bias).")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Each routed expert's hidden size (default: --ffn-hidden-size, the dense layers' size).")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="Shared experts: a dense MLP of this hidden size (all shared experts together) beside the "
+                        "routed experts of every MoE layer, which every token passes through.")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Qwen-MoE: the shared experts' output times sigmoid(Linear(hidden, 1)(x)).")
+    g.add_argument("--enable-shared-expert", action="store_true",
+                   help="Pai-Megatron-Patch: shared experts, sized by --shared-moe-ffn-hidden-size or "
+                        "--num-shared-experts × the routed experts' size.")
+    g.add_argument("--num-shared-experts", type=int, default=None,
+                   help="Pai-Megatron-Patch (DeepSeek): this many shared experts of the routed experts' size "
+                        "(--moe-ffn-hidden-size), one MLP of their summed size.")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Multi-token prediction (DeepSeek-V3): this many extra depths after the layers, depth k "
+                        "predicting the token k + 1 ahead through the shared embedding and head; their loss is "
+                        "logged apart and added to the gradient.")
+    g.add_argument("--use-multi-token-prediction", action="store_true",
+                   help="Pai-Megatron-Patch's multi-token prediction switch: --mtp-num-layers from --num-mtp-predictor "
+                        "(1 when not given).")
+    g.add_argument("--num-mtp-predictor", type=int, default=None,
+                   help="Pai-Megatron-Patch's number of multi-token prediction depths (--mtp-num-layers), with "
+                        "--use-multi-token-prediction.")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="The multi-token prediction loss's weight: factor / depths × the sum of the depths' losses.")
+    g.add_argument("--shared-moe-ffn-hidden-size", type=int, default=None,
+                   help="Pai-Megatron-Patch (Qwen-MoE): the shared experts' hidden size, with --enable-shared-expert.")
     # Rapidformer's GPT-MoE options.
     g.add_argument("--router-type", type=router_type, default=0,
                    help="Rapidformer's router: 0 (Pai-Megatron-Patch: topk) = top-k gating with the load-balancing "

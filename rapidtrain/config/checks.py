@@ -363,6 +363,34 @@ def positive_sizes(args: Args) -> list[str]:
     return bad
 
 
+def yarn_problems(args: Args) -> list[str]:
+    """YaRN's values that cannot be, each as 'FLAG VALUE: why'."""
+    problems = []
+    if not args.rotary_scaling_factor > 0:
+        problems.append(f"--rotary-scaling-factor {args.rotary_scaling_factor:g} stretches the context: give a "
+                        "positive factor")
+    original = args.yarn_original_max_position_embeddings
+    if original is not None and original < 1:
+        problems.append(f"--yarn-original-max-position-embeddings {original}: give the original context, at least 1")
+    fast = 32.0 if args.yarn_beta_fast is None else args.yarn_beta_fast
+    slow = 1.0 if args.yarn_beta_slow is None else args.yarn_beta_slow
+    if not 0 < slow < fast:
+        problems.append(f"--yarn-beta-slow {slow:g} / --yarn-beta-fast {fast:g}: turns over the original context, "
+                        "positive with beta-slow below beta-fast")
+    return problems
+
+
+def mla_problems(args: Args) -> list[str]:
+    """Multi-head latent attention's sizes that cannot be built, each as 'FLAG VALUE: why'."""
+    sizes = {"--kv-lora-rank": args.kv_lora_rank, "--qk-head-dim": args.qk_head_dim,
+             "--qk-pos-emb-head-dim": args.qk_pos_emb_head_dim, "--v-head-dim": args.v_head_dim,
+             "--q-lora-rank": args.q_lora_rank}
+    problems = [f"{flag} {size}: give at least 1" for flag, size in sizes.items() if size is not None and size < 1]
+    if args.qk_pos_emb_head_dim >= 1 and args.qk_pos_emb_head_dim % 2:
+        problems.append(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim}: rope rotates pairs, give an even size")
+    return problems
+
+
 def non_finite_or_negative(args: Args) -> list[str]:
     names = ("lr", "min_lr", "weight_decay", "clip_grad")
     return [f"{flag_name(n)} {getattr(args, n)}" for n in names
@@ -584,7 +612,14 @@ def attention_backend_problem(args: Args, ctx: RunContext) -> str | None:
 
     return attention_problem(args.attention_backend, ctx.device_type, hf_config.trains_builtin_model(args),
                              args.attention_dropout, half_precision=precision_of(args, ctx).dtype != "fp32",
-                             masked_by="--reset-attention-mask" if args.reset_attention_mask else None)
+                             masked_by=_masked_by(args))
+
+
+def _masked_by(args: Args) -> str | None:
+    """The flag that makes the built-in model attend under an explicit mask, None where causality alone masks."""
+    if args.reset_attention_mask:
+        return "--reset-attention-mask"
+    return f"--softmax-type {args.softmax_type}" if args.softmax_type != "vanilla" else None
 
 
 def megatron_task_problem(args: Args, ctx: RunContext) -> str | None:

@@ -39,6 +39,8 @@ def _schedule(s: ScheduleSettings, clip_grad: float, decoupled: tuple[float, flo
         warmup = f"warm-up {s.warmup_samples:,} samples"
     else:
         warmup = f"warm-up {s.warmup_iters} iterations"
+    if s.warmup_init:
+        warmup += f" from {s.warmup_init:.1E}"
     horizon = f" over {s.decay_iters} iterations" if s.decay_iters else ""
     if s.decay_samples is not None:
         horizon = f" over {s.decay_samples:,} samples"
@@ -107,15 +109,30 @@ def describe_plan(plan: Plan) -> str:
 def _attention_details(m: ModelConfig) -> str:
     """Head size, q/k norms and rope scaling where the flags ask for them (Qwen3, Llama 3.1)."""
     parts = [f"head size {m.head_dim} (--kv-channels)"] if m.kv_channels else []
-    if m.qk_layernorm:
+    if m.qk_layernorm and not m.multi_latent_attention:  # MLA's latent norms are in its own words
         parts.append(f"q/k {m.normalization} per head (--qk-layernorm)")
     if m.position_embedding_type == "rope" and m.rope_scaling == "llama3":
         parts.append(f"Llama 3.1 rope scaling ×{m.rope_scaling_factor:g} (low/high frequency factors "
                      f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original "
                      f"{m.rope_original_max_positions})")
+    if m.position_embedding_type == "rope" and m.rope_scaling == "yarn":
+        parts.append(_yarn_words(m))
     if m.position_embedding_type == "rope" and m.rotary_interpolation_factor != 1:
         parts.append(f"rope positions / {m.rotary_interpolation_factor:g} (linear interpolation)")
     return "".join(f", {part}" for part in parts)
+
+
+def _yarn_words(m: ModelConfig) -> str:
+    """YaRN's settings, and what they make of cos/sin and (MLA) the softmax scale."""
+    from rapidtrain.models.mla import mla_softmax_scale_factor
+    from rapidtrain.models.rope import rope_attention_factor
+
+    words = (f"YaRN rope ×{m.rope_scaling_factor:g} (original {m.rope_original_max_positions}, beta fast/slow "
+             f"{m.yarn_beta_fast:g}/{m.yarn_beta_slow:g}, mscale {m.yarn_mscale:g}/{m.yarn_mscale_all_dim:g}: cos/sin "
+             f"×{rope_attention_factor(m):.4g}")
+    if m.multi_latent_attention:
+        words += f", softmax scale ×{mla_softmax_scale_factor(m):.4g}"
+    return words + ")"
 
 
 def _model_lines(plan: Plan) -> list[str]:
@@ -129,7 +146,9 @@ def _model_lines(plan: Plan) -> list[str]:
                      + f": {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads{groups}"
                      + _attention_details(m) + f", ffn {m.ffn_size}, seq {m.seq_length}, padded vocab {m.vocab_size}"
                      + (f", experts {list(m.num_experts)}" if m.num_experts else "")
-                     + "".join(f"; {feature}" for feature in m.attention_features))
+                     + "".join(f"; {feature}" for feature in m.attention_features + m.mlp_features))
+        if m.moe_router_features:
+            lines.append("  mixture of experts: " + "; ".join(m.moe_router_features))
     if plan.memory:
         mem = plan.memory
         lines += [

@@ -80,7 +80,7 @@ def layer_forward_flops(model: ModelConfig, tokens: int, experts: int = 0) -> fl
     inner, kv = model.head_dim * model.num_attention_heads, model.head_dim * model.query_groups
     projections = 2 * tokens * h * (2 * inner + 2 * kv)
     scores = 4 * tokens * s * inner
-    mlp = (3 if model.swiglu else 2) * 2 * tokens * h * f
+    mlp = (3 if model.gated_linear_unit else 2) * 2 * tokens * h * f
     if experts:
         mlp = model.moe_router_topk * mlp + 2 * tokens * h * experts
     return projections + scores + mlp

@@ -56,6 +56,9 @@ RENAMED: dict[str, tuple[str, str]] = {
     "--deepspeed-activation-checkpointing": ("checkpoint_activations", "DeepSpeed's activation checkpointing: each "
                                              "transformer layer recomputed in backward by torch.utils.checkpoint"),
     "--recompute": ("checkpoint_activations", "a fork's name of --checkpoint-activations"),
+    "--qk-nope-head-dim": ("qk_head_dim", "Pai-Megatron-Patch's name of --qk-head-dim (MLA's unrotated head part)"),
+    "--qk-rope-head-dim": ("qk_pos_emb_head_dim", "Pai-Megatron-Patch's name of --qk-pos-emb-head-dim (MLA's rotary "
+                           "head part)"),
 }
 
 # A switch of another origin that sets a rapidtrain flag to a value.
@@ -111,11 +114,9 @@ HANDLED: dict[str, str] = {
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "
                               "--pipeline-model-parallel-size > 1",
-    "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss) is rapidtrain's router; "
-                                        "none turns the loss off; other types are refused",
-    "--moe-ffn-hidden-size": "the experts' size: accepted when it equals the dense MLP size (--ffn-hidden-size), or "
-                             "when every layer is MoE (no layer is dense, so it becomes --ffn-hidden-size); other "
-                             "sizes refused",
+    "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss over the micro-batch) and "
+                                        "seq_aux_loss (DeepSeek-V3's, per sequence) are the built-in router's; none "
+                                        "turns the loss off; other types are refused",
     "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
                            "the vocabulary pads to exactly N",
     "--pad-vocab-size-to": "BigScience's embedding rows: exactly N (--make-vocab-size-divisible-by N / TP); refused "
@@ -135,6 +136,11 @@ HANDLED["--decoupled-lr"] = ("Megatron-Core's own rate for the word embedding an
                              "else --min-lr); every engine (DDP, FSDP2, OSS, DeepSpeed ZeRO, pipeline stages)")
 HANDLED["--decoupled-min-lr"] = ("the floor of --decoupled-lr's groups (default --min-lr); no effect without "
                                  "--decoupled-lr")
+HANDLED["--enable-gpt-oss"] = (
+    "Megatron's gpt-oss switch sets YaRN rope (--rope-type yarn, factor 32, original positions 131072, beta fast 32, "
+    "beta slow 1, mscale 1, mscale-all-dim 0, correction range not rounded) and nothing else; gpt-oss's architecture "
+    "is its other flags (--softmax-type learnable --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7 "
+    "--window-size 127,0 --window-attn-skip-freq 2)")
 HANDLED["--calculate-per-token-loss"] = (
     "the loss summed over the tokens of every micro-batch and data-parallel rank, over their count: rapidtrain's "
     "reduction whenever the forward step returns (loss sum, token count), as the built-in models and tasks do; with "
@@ -209,14 +215,8 @@ FLAGS: dict[str, tuple[str, str]] = {
                                          "--seq-length"),
     "--ds-sequence-parallel-size": (REFUSED, "DeepSpeed-Ulysses sequence parallelism is not in rapidtrain; use "
                                              "--sequence-parallel with tensor parallelism"),
-    "--multi-latent-attention": (REFUSED, "Multi-head Latent Attention (DeepSeek) is not in rapidtrain's models; use "
-                                          "--group-query-attention"),
-    "--softmax-type": (REFUSED, "attention sinks (off-by-one or learnable softmax) are not in rapidtrain; only "
-                                "vanilla softmax"),
     "--expert-tensor-parallel-size": (REFUSED, "experts are not split by tensor parallelism; shard them over ranks "
                                                "with --expert-model-parallel-size"),
-    "--rope-type": (REFUSED, "YaRN rope scaling is not in rapidtrain's models: plain rope, Llama 3.1's scaling "
-                             "(--use-rope-scaling) or linear interpolation (--rotary-seq-len-interpolation-factor)"),
     "--apply-residual-connection-post-layernorm": (REFUSED, "that residual order is not in rapidtrain's models; "
                                                             "--post-layernorm gives BERT's post-norm order"),
     "--fp8-format": (REFUSED, "FP8 training needs Transformer Engine and FP8 hardware; not in rapidtrain: use --bf16"),
@@ -227,8 +227,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--fp4-format": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
     "--fp4-recipe": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
     "--fp4-param-gather": (REFUSED, "FP4 training is not in rapidtrain: use --bf16"),
-    "--lr-warmup-init": (REFUSED, "the warm-up starts at 0, as Megatron's default; leave this out"),
-    "--lr-wsd-decay-style": (REFUSED, "WSD's final decay is rapidtrain's default style only; leave this out"),
     "--start-weight-decay": (REFUSED, "weight decay is constant (--weight-decay); a schedule for it is not in "
                                       "rapidtrain"),
     "--end-weight-decay": (REFUSED, "weight decay is constant (--weight-decay)"),
@@ -236,19 +234,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--head-lr-mult": (REFUSED, "per-layer learning-rate multipliers are not in rapidtrain"),
     "--lr-mult-router": (REFUSED, "per-layer learning-rate multipliers are not in rapidtrain"),
     "--num-virtual-stages-per-pipeline-rank": (REFUSED, "give --num-layers-per-virtual-pipeline-stage instead"),
-    "--moe-shared-expert-intermediate-size": (REFUSED, "shared experts are not in rapidtrain's MoE layer"),
-    "--num-shared-experts": (REFUSED, "shared experts are not in rapidtrain's MoE layer"),
-    "--enable-shared-expert": (REFUSED, "shared experts are not in rapidtrain's MoE layer"),
-    "--shared-moe-ffn-hidden-size": (REFUSED, "shared experts are not in rapidtrain's MoE layer"),
-    "--moe-router-score-function": (REFUSED, "the router scores experts by softmax only"),
-    "--moe-router-pre-softmax": (REFUSED, "the router takes softmax over the top-k scores' experts as built in; "
-                                          "leave this out"),
-    "--moe-router-topk-scaling-factor": (REFUSED, "the router's weights are not rescaled; leave this out"),
-    "--moe-router-enable-expert-bias": (REFUSED, "aux-loss-free balancing (expert bias) is not in rapidtrain; use "
-                                                 "--moe-aux-loss-coeff"),
-    "--moe-router-bias-update-rate": (REFUSED, "aux-loss-free balancing (expert bias) is not in rapidtrain"),
-    "--moe-router-num-groups": (REFUSED, "group-limited routing is not in rapidtrain"),
-    "--moe-router-group-topk": (REFUSED, "group-limited routing is not in rapidtrain"),
     "--moe-router-dtype": (NO_EFFECT, "the router computes its scores in fp32"),
     "--moe-shared-expert-overlap": (NO_EFFECT, _OVERLAP),
     "--moe-permute-fusion": (NO_EFFECT, _FUSION),
@@ -287,24 +272,16 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--trust-remote-code": (NO_EFFECT, "rapidtrain never runs code from a model or tokenizer folder"),
     "--vocab-extra-ids": (REFUSED, "T5's sentinel tokens: T5 is not in rapidtrain"),
     "--squared-relu": (REFUSED, "squared ReLU is not in rapidtrain's models: GELU or --swiglu"),
-    "--quick-geglu": (REFUSED, "GeGLU is not in rapidtrain's models: --swiglu"),
     "--glu-activation": (REFUSED, "BigScience's GLU variants: rapidtrain has --swiglu"),
-    "--glu-linear-offset": (REFUSED, "GLU offsets are not in rapidtrain's models"),
-    "--activation-func-clamp-value": (REFUSED, "activation clamping is not in rapidtrain's models"),
     "--attention-output-gate": (REFUSED, "gated attention output is not in rapidtrain's models"),
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
     "--rotary-interleaved": (REFUSED, "interleaved rotary pairs are not in rapidtrain's models (rotate_half only)"),
-    "--rotary-scaling-factor": (REFUSED, "YaRN's scaling factor (--rope-type yarn) is not in rapidtrain's models; "
-                                         "--use-rope-scaling with --rope-scaling-factor is Llama 3.1's"),
     "--rotary-scale-factor": (REFUSED, "RoPE scaling is not in rapidtrain's models"),
-    "--mscale": (REFUSED, "YaRN scaling is not in rapidtrain's models"),
-    "--mscale-all-dim": (REFUSED, "YaRN scaling is not in rapidtrain's models"),
     "--init-method-xavier-uniform": (REFUSED, "weights are initialised normal(0, --init-method-std)"),
     "--embedding-init-method-std": (REFUSED, "one --init-method-std for every weight"),
     "--deep-init": (REFUSED, "weights are initialised normal(0, --init-method-std), scaled by depth on the output "
                              "projections as Megatron"),
-    "--enable-gpt-oss": (REFUSED, "the gpt-oss architecture is not in rapidtrain's models"),
     "--export-force-local-attention": (NO_EFFECT, _INFERENCE),
     "--no-query-key-layer-scaling": (NO_EFFECT, "attention scores are 1/sqrt(d) scaled in fp32-accumulating kernels; "
                                                 "Megatron's layer-number scaling is an fp16 overflow guard"),
@@ -348,7 +325,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--skip-mmap-warmup": (NO_EFFECT, "rapidtrain does not warm the memory map unless --mmap-warmup"),
     "--z-loss-weight": (REFUSED, "a z-loss on the output logits is not in rapidtrain (the router's is "
                                  "--moe-z-loss-coeff)"),
-    "--mtp-num-layers": (REFUSED, "multi-token prediction is not in rapidtrain's models"),
     "--muon-coefficient-type": (REFUSED, "torch.optim.Muon iterates Newton–Schulz with the quintic coefficients "
                                          "only; leave it at quintic"),
     "--muon-fp32-matmul-prec": (REFUSED, "torch.optim.Muon runs Newton–Schulz in bfloat16, which is Megatron's "
@@ -366,9 +342,8 @@ FLAGS: dict[str, tuple[str, str]] = {
 
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
 NEUTRAL: dict[str, tuple] = {
-    "--rotary-scaling-factor": (1, 1.0), "--rope-type": ("rope",), "--softmax-type": ("vanilla",),
     "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
-    "--glu-linear-offset": (0, 0.0), "--lr-warmup-init": (0, 0.0), "--weight-decay-incr-style": ("constant",),
+"--weight-decay-incr-style": ("constant",),
     "--attention-head-type": ("multihead",),
 }
 
@@ -459,10 +434,10 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"--enable-mhc-connections|--experimental-attention-variant|--dsa-.*|--no-dsa-.*|--spec|"
      r"--heterogeneous-layers-config-.*", REFUSED,
      "Mamba, hybrid, linear-attention and sparse-attention layers are not in rapidtrain's models"),
-    (r"--q-lora-rank|--kv-lora-rank|--qk-(head-dim|nope-head-dim|rope-head-dim|pos-emb-head-dim)|--v-head-dim|"
-     r"--cache-mla-latents", REFUSED, "Multi-head Latent Attention (DeepSeek) is not in rapidtrain's models"),
-    (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "multi-token prediction is not in rapidtrain's models"),
-    (r"--yarn-.*|--no-yarn-.*", REFUSED, "YaRN RoPE scaling is not in rapidtrain's models"),
+    (r"--cache-mla-latents", REFUSED, "multi-head latent attention caches each head's key and value after the "
+     "up-projection; caching the compressed latents (absorbing the up-projections) is not in rapidtrain"),
+    (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "that multi-token prediction option is not in rapidtrain "
+     "(--mtp-num-layers and --mtp-loss-scaling-factor are)"),
     (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--apply-wd-to-qk-layernorm|--mup-.*|--use-mup|"
      r"--lion-.*|--soap-.*|--use-bnb-optimizer|--no-weight-decay-cond-type", REFUSED,
      "not in rapidtrain (no QK-norm/clip, muP, Lion or SOAP); use the defaults and --optimizer adamw or muon"),

@@ -13,11 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
-from rapidtrain.config.settings import MEGATRON_TASKS
+from rapidtrain.config.settings import MEGATRON_TASKS, rope_type_of
 from rapidtrain.models.config import shape_past_bounds
 from rapidtrain.models.hf_config import is_megatron_checkpoint
 
 Args = argparse.Namespace
+
+# Multi-head latent attention's and YaRN's flags (each changes nothing without --multi-latent-attention / YaRN).
+MLA_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+             "v_head_dim")
+YARN_FLAGS = ("rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_beta_fast", "yarn_beta_slow",
+              "yarn_original_max_position_embeddings", "yarn_correction_range_round_to_int")
 
 # Shape flags a Megatron-format checkpoint fixes; those not given on the command line are taken from the flags
 # it was saved with (as Megatron's --use-checkpoint-args does), and the load refuses any that differ.
@@ -28,13 +34,16 @@ CHECKPOINT_SHAPE_FLAGS = (
     "post_layernorm", "untie_embeddings_and_output_weights", "bert_binary_head", "num_experts", "moe_layer_freq",
     "moe_router_topk", "mlp_type", "make_vocab_size_divisible_by", "kv_channels", "qk_layernorm", "use_rope_scaling",
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "embed_layernorm", "sliding_window",
-    "window_attn_skip_freq",
+    "window_attn_skip_freq", *MLA_FLAGS, *YARN_FLAGS, "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias", "softmax_type", "quick_geglu",
+    "glu_linear_offset", "activation_func_clamp_value",
 )
 
 # Megatron-family flags that set a shape flag under another name (surface_meanings.py's handlers): given, they keep
 # the checkpoint's saved value from replacing theirs, as the shape flag itself would.
 SHAPE_SET_BY = {"sliding_window": ("window_size",), "num_query_groups": ("num_key_value_heads",),
-                "group_query_attention": ("num_key_value_heads",), "ffn_hidden_size": ("moe_ffn_hidden_size",),
+                "group_query_attention": ("num_key_value_heads",),
                 "make_vocab_size_divisible_by": ("pad_vocab_size_to", "padded_vocab_size")}
 
 
@@ -53,6 +62,11 @@ def apply_megatron_meanings(args: Args, given: set[str], entry: str | None = Non
     _finetune_data_path(args, notes)
     if args.use_expert_residual_network:
         args.mlp_type = "residual"
+    if args.moe_router_pre_softmax and args.moe_router_score_function != "softmax":
+        args.moe_router_pre_softmax = False  # Megatron-Core's router reads it for softmax scores only
+        notes.append(f"--moe-router-pre-softmax: no effect with --moe-router-score-function "
+                     f"{args.moe_router_score_function} (Megatron-Core applies it to softmax scores only); the k "
+                     "chosen scores are normalised to sum 1 when --moe-router-topk > 1")
     # What Megatron's and Rapidformer's args carry for user scripts.
     args.moe = bool(args.num_experts) and max(args.num_experts) > 1
     args.zero_stage = zero_stage(args)
@@ -201,8 +215,9 @@ BUILTIN_ONLY_FLAGS = (
     "position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
     "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu", "post_layernorm",
     "kv_channels", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
-    "untie_embeddings_and_output_weights", "bert_binary_head", "embed_layernorm", "sliding_window", "split",
-    "data_impl", "eod_mask_loss",
+    "untie_embeddings_and_output_weights", "bert_binary_head", "embed_layernorm", "sliding_window", "softmax_type",
+    "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "split",
+    *MLA_FLAGS, *YARN_FLAGS, "data_impl", "eod_mask_loss",
     "reset_position_ids", "reset_attention_mask", "short_seq_prob",
 )
 
@@ -223,6 +238,20 @@ def hugging_face_notes(args: Args, has_script: bool) -> list[str]:
     if "eval_iters" in given:
         notes.append("--eval-iters: fine-tuning evaluates the whole validation set (after each epoch, and every "
                      "--eval-interval iterations when given), as Megatron's fine-tuning tasks do")
+    return notes
+
+
+def _latent_and_yarn_without_effect(args: Args, given: set[str]) -> list[str]:
+    """MLA's sizes without --multi-latent-attention, YaRN's values without YaRN: accepted, and said to do nothing."""
+    notes = []
+    sizes = [f"--{d.replace('_', '-')}" for d in MLA_FLAGS[1:] if d in given]
+    if sizes and not args.multi_latent_attention:
+        notes.append(f"{', '.join(sizes)}: no effect without --multi-latent-attention")
+    yarn = [f"--{d.replace('_', '-')}" for d in YARN_FLAGS[1:] if d in given]
+    if yarn and rope_type_of(args) != "yarn":
+        notes.append(f"{', '.join(yarn)}: no effect without YaRN (--rope-type yarn"
+                     + (", or a --rotary-scaling-factor other than 1 with --multi-latent-attention)" if
+                        args.multi_latent_attention else ")"))
     return notes
 
 
@@ -256,6 +285,7 @@ def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> lis
     if "rope_scaling_factor" in given and not args.use_rope_scaling:
         notes.append(f"--rope-scaling-factor {args.rope_scaling_factor:g}: no effect without --use-rope-scaling (as "
                      "in Megatron)")
+    notes += _latent_and_yarn_without_effect(args, given)
     moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")
     if any(flag in given for flag in moe_options):
         notes.append("--router-type 0 / --moe-linear-layer-type standard / --top-k-linear-strategy normal: the "

@@ -380,7 +380,7 @@ def experts_sharded_by_fsdp2(layout: Layout, second_dims: tuple[int, ...]) -> bo
 
 
 def expert_second_dims(model: ModelConfig | None) -> tuple[int, ...]:
-    """The experts' second dimensions (w1, w_gate, b2: hidden; w2, b1: FFN); () when the model is not known."""
+    """The experts' second dimensions (w1, w_gate, b2: hidden; w2, b1, b_gate: FFN); () when the model is not known."""
     return (model.hidden_size, model.ffn_size) if model is not None else ()
 
 

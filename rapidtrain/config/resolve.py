@@ -41,6 +41,7 @@ from rapidtrain.config.settings import (
     TrainingSettings,
     ZeroSettings,
     expand_num_experts,
+    rope_type_of,
 )
 from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME, AttentionSettings
@@ -120,6 +121,20 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         moe_aux_loss_coeff=args.moe_loss_coeff,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_jitter_eps=args.moe_jitter_eps,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_aux_loss_type=getattr(args, "moe_aux_loss_type", "aux_loss"),
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=shared_expert_size(args),
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        mtp_num_layers=mtp_depths(args),
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         normalization=args.normalization,
         swiglu=args.swiglu,
         num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
@@ -134,13 +149,61 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         attention_kernel=KERNEL_OF_NAME[getattr(args, "attention_backend", "auto")],
         kv_channels=args.kv_channels,
         qk_layernorm=args.qk_layernorm,
-        rope_scaling="llama3" if args.use_rope_scaling else "none",
-        rope_scaling_factor=args.rope_scaling_factor,
+        **_rope_scaling(args),
         rotary_interpolation_factor=args.rotary_seq_len_interpolation_factor or 1.0,
         embed_layernorm=args.embed_layernorm,
         sliding_window=args.sliding_window,
         window_skip_freq=int(getattr(args, "window_attn_skip_freq", None) or 0),
+        multi_latent_attention=args.multi_latent_attention,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        softmax_type=args.softmax_type,
+        quick_geglu=args.quick_geglu,
+        activation_clamp=args.activation_func_clamp_value,
+        glu_linear_offset=args.glu_linear_offset,
+        # Megatron-Core's router has a bias with --add-bias-linear; rapidtrain's MoE keeps DeepSpeed-MoE's bias-free
+        # router (its checkpoints and scripts) except beside Megatron-Core's gpt-oss MLP, the quick-GEGLU.
+        moe_router_bias=args.add_bias_linear and args.quick_geglu,
     )
+
+
+def mtp_depths(args: argparse.Namespace) -> int:
+    """Multi-token prediction's depths: Megatron-Core's --mtp-num-layers, else Pai's --use-multi-token-prediction
+    with --num-mtp-predictor (1 when not given); 0: none."""
+    if args.mtp_num_layers is not None:
+        return args.mtp_num_layers
+    return (args.num_mtp_predictor or 1) if args.use_multi_token_prediction else 0
+
+
+def shared_expert_size(args: argparse.Namespace) -> int | None:
+    """The shared experts' hidden size (all of them together): Megatron-Core's --moe-shared-expert-intermediate-size,
+    else Pai's --shared-moe-ffn-hidden-size (Qwen) or --num-shared-experts × the routed experts' size (DeepSeek),
+    each with or without Pai's --enable-shared-expert (a size asks for them); None: no shared experts."""
+    if args.moe_shared_expert_intermediate_size:
+        return args.moe_shared_expert_intermediate_size
+    if not (args.enable_shared_expert or args.num_shared_experts or args.shared_moe_ffn_hidden_size):
+        return None
+    if args.shared_moe_ffn_hidden_size:
+        return args.shared_moe_ffn_hidden_size
+    expert_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    return args.num_shared_experts * expert_size if args.num_shared_experts and expert_size else None
+
+
+def _rope_scaling(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields of rope scaling: Llama 3.1's (--use-rope-scaling) or YaRN's (--rope-type yarn)."""
+    if rope_type_of(args) == "yarn":
+        beta_fast, beta_slow = args.yarn_beta_fast, args.yarn_beta_slow
+        return dict(rope_scaling="yarn", rope_scaling_factor=args.rotary_scaling_factor,
+                    rope_original_max_positions=args.yarn_original_max_position_embeddings or 4096,
+                    yarn_beta_fast=32.0 if beta_fast is None else beta_fast,
+                    yarn_beta_slow=1.0 if beta_slow is None else beta_slow,
+                    yarn_mscale=args.mscale, yarn_mscale_all_dim=args.mscale_all_dim,
+                    yarn_round_range=args.yarn_correction_range_round_to_int is not False)
+    return dict(rope_scaling="llama3" if args.use_rope_scaling else "none",
+                rope_scaling_factor=args.rope_scaling_factor)
 
 
 def attention_settings(args: argparse.Namespace) -> AttentionSettings:
@@ -350,6 +413,7 @@ def schedule_settings(args: argparse.Namespace) -> ScheduleSettings:
     return ScheduleSettings(lr=args.lr or 0.0, min_lr=args.min_lr, decay_style=args.lr_decay_style,
                             decay_iters=args.lr_decay_iters, warmup_iters=args.lr_warmup_iters,
                             warmup_fraction=args.lr_warmup_fraction, wsd_decay_iters=args.lr_wsd_decay_iters,
+                            warmup_init=args.lr_warmup_init, wsd_decay_style=args.lr_wsd_decay_style,
                             decay_samples=(args.lr_decay_samples or args.train_samples) if sample_based else None,
                             warmup_samples=args.lr_warmup_samples, wsd_decay_samples=args.lr_wsd_decay_samples)
 

@@ -3,6 +3,7 @@ the conflict table; rules.py joins the parts)."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 
 from rapidtrain.config.arguments import TASKS
@@ -14,6 +15,7 @@ from rapidtrain.config.checks import (
     experts_of,
     flag_name,
     layout_divides,
+    mla_problems,
     num_experts_length_ok,
     partitioning_flags,
     positive_sizes,
@@ -22,6 +24,7 @@ from rapidtrain.config.checks import (
     sliding_window_of,
     three_d,
     tp_size,
+    yarn_problems,
 )
 from rapidtrain.models import hf_config
 
@@ -226,6 +229,39 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         f"--position-embedding-type is {a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
     ),
     Rule(
+        "yarn-needs-rope", ("--rope-type", "--use-rope-scaling", "--position-embedding-type"),
+        "YaRN scales rotary embeddings, and is one rope scaling (not with Llama 3.1's --use-rope-scaling).",
+        lambda a, c: a.rope_type == "yarn" and (a.position_embedding_type != "rope" or a.use_rope_scaling),
+        lambda a, c: "--rope-type yarn scales rotary embeddings: give --position-embedding-type rope"
+        + (" and drop --use-rope-scaling (Llama 3.1's scaling; one rope scaling at a time)." if a.use_rope_scaling
+           else f", not {a.position_embedding_type}."),
+    ),
+    Rule(
+        "yarn-values", ("--rotary-scaling-factor", "--yarn-beta-fast", "--yarn-beta-slow",
+                        "--yarn-original-max-position-embeddings"),
+        "YaRN's factor, betas and original context are positive, beta-fast above beta-slow.",
+        lambda a, c: bool(yarn_problems(a)),
+        lambda a, c: "; ".join(yarn_problems(a)) + ".",
+    ),
+    Rule(
+        "mla-needs-rope", ("--multi-latent-attention", "--position-embedding-type", "--group-query-attention"),
+        "Multi-head latent attention rotates part of each head (rope) and makes every head's key and value from the "
+        "latent (no grouped-query attention).",
+        lambda a, c: a.multi_latent_attention and (a.position_embedding_type != "rope" or a.group_query_attention),
+        lambda a, c: "--multi-latent-attention "
+        + ("makes each head's key and value from the shared latent: drop --group-query-attention."
+           if a.position_embedding_type == "rope" else
+           f"rotates a --qk-pos-emb-head-dim part of each head: give --position-embedding-type rope, not "
+           f"{a.position_embedding_type}."),
+    ),
+    Rule(
+        "mla-sizes", ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+                      "--qk-pos-emb-head-dim", "--v-head-dim"),
+        "Multi-head latent attention's sizes are positive, the rotary part even.",
+        lambda a, c: a.multi_latent_attention and bool(mla_problems(a)),
+        lambda a, c: "; ".join(mla_problems(a)) + ".",
+    ),
+    Rule(
         "rope-scaling-factors-positive", ("--rope-scaling-factor", "--rotary-seq-len-interpolation-factor"),
         "Rope scaling factors are positive.",
         lambda a, c: a.rope_scaling_factor <= 0 or (a.rotary_seq_len_interpolation_factor is not None
@@ -242,16 +278,42 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "rounded down to a multiple of 64 leaves no MLP. Give --ffn-hidden-size.",
     ),
     Rule(
-        "openai-gelu-needs-gelu", ("--openai-gelu", "--swiglu"),
-        "--openai-gelu changes the GELU of GELU MLPs; a GPT with --swiglu has none.",
-        lambda a, c: a.openai_gelu and a.swiglu and a.model_type == "gpt",
-        lambda a, c: "--openai-gelu with --swiglu: the GPT's MLPs use SiLU gates, no GELU is left to change. Drop "
-        "one of them.",
+        "openai-gelu-needs-gelu", ("--openai-gelu", "--swiglu", "--quick-geglu"),
+        "--openai-gelu changes the GELU of GELU MLPs; a GPT with --swiglu or --quick-geglu has none.",
+        lambda a, c: a.openai_gelu and (a.swiglu or a.quick_geglu) and a.model_type == "gpt",
+        lambda a, c: f"--openai-gelu with {'--swiglu' if a.swiglu else '--quick-geglu'}: the GPT's MLPs are gated "
+        "units, no exact GELU is left to change. Drop one of them.",
+    ),
+    Rule(
+        "one-gated-activation", ("--swiglu", "--quick-geglu"),
+        "The gated MLP's gate activation is one: silu (--swiglu) or quick GELU (--quick-geglu), as Megatron asserts.",
+        lambda a, c: a.swiglu and a.quick_geglu,
+        lambda a, c: "--swiglu and --quick-geglu both choose the gated MLP's activation (silu or x·sigmoid(1.702x)). "
+        "Give one.",
+    ),
+    Rule(
+        "glu-settings-need-a-gated-mlp", ("--glu-linear-offset", "--activation-func-clamp-value", "--swiglu",
+                                          "--quick-geglu"),
+        "--glu-linear-offset and --activation-func-clamp-value shape a gated MLP's product; without --swiglu or "
+        "--quick-geglu there is none.",
+        lambda a, c: (a.glu_linear_offset != 0 or a.activation_func_clamp_value is not None)
+        and not (a.swiglu or a.quick_geglu),
+        lambda a, c: ("--glu-linear-offset" if a.glu_linear_offset != 0 else "--activation-func-clamp-value")
+        + " without a gated MLP: the GELU MLP has no gate or linear half to offset or clamp. Add --quick-geglu "
+        "(gpt-oss) or --swiglu, or drop it.",
+    ),
+    Rule(
+        "activation-clamp-positive", ("--activation-func-clamp-value",),
+        "The gated MLP's clamp is a finite positive value (Megatron's check).",
+        lambda a, c: a.activation_func_clamp_value is not None
+        and not 0 < a.activation_func_clamp_value < float("inf"),
+        lambda a, c: f"--activation-func-clamp-value {a.activation_func_clamp_value:g}: the gate is clamped above "
+        "at it and the linear half to ± it; give a finite value above 0 (gpt-oss: 7).",
     ),
     Rule(
         "pretrained-folder-initialises-builtin", ("--pretrained-model-name-or-path", "--task"),
         "With --task pretraining, --pretrained-model-name-or-path is a Hugging Face folder (config.json) of a "
-        "GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral or BERT model, which initialises the built-in model.",
+        "GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, gpt-oss or BERT model, which initialises the built-in model.",
         lambda a, c: hf_config.unsupported_reason(a) is not None,
         lambda a, c: f"{hf_config.unsupported_reason(a)}.",
     ),
@@ -365,4 +427,89 @@ LAYOUT_RULES: tuple[Rule, ...] = (
            "torch backend")
         + ", or --expert-model-parallel-size 1.",
     ),
+    Rule(
+        "router-groups", ("--moe-router-num-groups", "--moe-router-group-topk", "--num-experts", "--moe-router-topk"),
+        "Group-limited routing needs both group flags, groups that divide every MoE layer's experts, at most as many "
+        "chosen groups as groups, and enough experts in the chosen groups for --moe-router-topk.",
+        lambda a, c: router_group_problem(a) is not None,
+        lambda a, c: f"{router_group_problem(a)}.",
+    ),
+    Rule(
+        "shared-expert-size", ("--enable-shared-expert", "--num-shared-experts", "--shared-moe-ffn-hidden-size",
+                               "--moe-shared-expert-gate", "--num-experts"),
+        "Shared experts need a size and MoE layers.",
+        lambda a, c: shared_expert_problem(a) is not None,
+        lambda a, c: f"{shared_expert_problem(a)}.",
+    ),
+    Rule(
+        "mtp-layout", ("--mtp-num-layers", "--pipeline-model-parallel-size", "--sequence-parallel", "--model-type"),
+        "Multi-token prediction runs in the built-in GPT without pipeline parallelism and without sequence "
+        "parallelism, with at least one depth.",
+        lambda a, c: bool((a.mtp_num_layers is not None or a.use_multi_token_prediction) and (
+            mtp_depths(a) < 1 or a.model_type != "gpt" or pp_size(a) > 1 or a.sequence_parallel)),
+        lambda a, c: f"--mtp-num-layers {mtp_depths(a)}: "
+        + ("give 1 or more depths (or leave the flag out)" if mtp_depths(a) < 1 else
+           "multi-token prediction is a GPT feature here; drop it for BERT" if a.model_type != "gpt" else
+           "under --pipeline-model-parallel-size the last stage receives hidden states only, not the labels its "
+           "depths predict from; train it with tensor, expert or data parallelism and ZeRO/FSDP instead"
+           if pp_size(a) > 1 else
+           "with --sequence-parallel the depths' inputs would be sequence-sharded; drop --sequence-parallel") + ".",
+    ),
+    Rule(
+        "router-values-positive", ("--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate",
+                                   "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"),
+        "Router factors and expert sizes are positive.",
+        lambda a, c: any(value is not None and value <= 0 for value in (
+            a.moe_router_topk_scaling_factor, a.moe_ffn_hidden_size, a.moe_shared_expert_intermediate_size,
+            a.num_shared_experts, a.shared_moe_ffn_hidden_size)) or a.moe_router_bias_update_rate < 0,
+        lambda a, c: "--moe-router-topk-scaling-factor, --moe-ffn-hidden-size, the shared experts' sizes and "
+        "--moe-router-bias-update-rate take positive values (the rate may be 0: the bias stays put); got "
+        f"{a.moe_router_topk_scaling_factor}, {a.moe_ffn_hidden_size}, {a.moe_shared_expert_intermediate_size}, "
+        f"{a.num_shared_experts}, {a.shared_moe_ffn_hidden_size}, {a.moe_router_bias_update_rate}.",
+    ),
 )
+
+
+def router_group_problem(a: argparse.Namespace) -> str | None:
+    """What is wrong with the group-limited routing flags, None when nothing (or they are not given)."""
+    groups, chosen = a.moe_router_num_groups, a.moe_router_group_topk
+    if groups is None and chosen is None:
+        return None
+    if groups is None or chosen is None:
+        return ("group-limited routing needs --moe-router-num-groups and --moe-router-group-topk together (got "
+                f"{groups} and {chosen}): give both, or neither")
+    if not num_experts_length_ok(a) or not experts_of(a):
+        return "--moe-router-num-groups / --moe-router-group-topk route MoE layers: give --num-experts"
+    if groups < 1 or not 1 <= chosen <= groups:
+        return (f"--moe-router-group-topk {chosen} of --moe-router-num-groups {groups}: choose between 1 and the "
+                "number of groups")
+    for experts in experts_of(a):
+        if experts % groups:
+            return (f"--moe-router-num-groups {groups} does not divide the {experts} experts of an MoE layer "
+                    "(--num-experts): the groups are equal")
+        if a.moe_router_topk > chosen * (experts // groups):
+            return (f"--moe-router-topk {a.moe_router_topk} is more than the {chosen * (experts // groups)} experts "
+                    f"of the {chosen} groups a token may use (--moe-router-group-topk)")
+    return None
+
+
+def mtp_depths(a: argparse.Namespace) -> int:
+    from rapidtrain.config.resolve import mtp_depths as depths
+
+    return depths(a)
+
+
+def shared_expert_problem(a: argparse.Namespace) -> str | None:
+    """What is wrong with the shared-expert flags (a switch without a size, shared experts without MoE), or None."""
+    from rapidtrain.config.resolve import shared_expert_size
+
+    size = shared_expert_size(a)
+    if (a.enable_shared_expert or a.num_shared_experts) and size is None:
+        return ("--enable-shared-expert / --num-shared-experts give shared experts no size: add "
+                "--shared-moe-ffn-hidden-size N, or --num-shared-experts with --moe-ffn-hidden-size (each shared "
+                "expert has the routed experts' size), or --moe-shared-expert-intermediate-size N")
+    if a.moe_shared_expert_gate and size is None:
+        return "--moe-shared-expert-gate gates shared experts, but none are asked for: give their size too"
+    if size is not None and not (num_experts_length_ok(a) and experts_of(a)):
+        return "shared experts sit beside the routed experts of MoE layers: give --num-experts"
+    return None

@@ -110,6 +110,12 @@ def data_parallel_size(world_size: int, tensor_parallel: int, pipeline_parallel:
     return max(world_size // max(tensor_parallel * pipeline_parallel, 1), 1)
 
 
+def rope_type_of(args: argparse.Namespace) -> str:
+    """--rope-type, whose default is YaRN with --multi-latent-attention (Megatron-Core's MLA config) and plain rope
+    otherwise; YaRN of factor 1 (--rotary-scaling-factor's default) is plain rope, so only a stretch makes it so."""
+    return args.rope_type or ("yarn" if args.multi_latent_attention and args.rotary_scaling_factor != 1 else "rope")
+
+
 def expand_num_experts(num_experts: list[int] | None, num_layers: int, moe_layer_freq: int = 1) -> tuple[int, ...]:
     """Per-layer expert counts: one number applies to every `moe_layer_freq`-th layer, a list to each layer."""
     if not num_experts:
@@ -560,6 +566,8 @@ class ScheduleSettings:
     decay_iters: int | None = None
     warmup_iters: int = 0
     warmup_fraction: float | None = None
+    warmup_init: float = 0.0  # --lr-warmup-init: where the warm-up starts
+    wsd_decay_style: str = "linear"  # --lr-wsd-decay-style: the WSD phase's shape
     wsd_decay_iters: int | None = None
     # Sample-based training (--train-samples): the horizon, warm-up and WSD phase in samples.
     decay_samples: int | None = None

@@ -76,7 +76,13 @@ def _own_values(args: Args, parser: argparse.ArgumentParser, notes: list[str], r
             continue
         flag = action.option_strings[0]
         alias = VALUE_ALIASES.get(action.dest, {}).get(value)
-        if alias is not None:
+        if action.dest == "position_embedding_type" and value == "yarn":  # Megatron's YaRN rotary embedding
+            if args.rope_type == "rope":
+                refusals.append(f"{flag} yarn and --rope-type rope ask for different rotary embeddings: keep one")
+            args.position_embedding_type, args.rope_type = "rope", "yarn"
+            notes.append(f"{flag} yarn: rotary embeddings with YaRN scaling (--position-embedding-type rope "
+                         "--rope-type yarn)")
+        elif alias is not None:
             setattr(args, action.dest, alias)
             notes.append(f"{flag} {value}: {alias}, rapidtrain's spelling")
         else:
@@ -379,32 +385,36 @@ def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -
                         "casual_lm")
 
 
+# What Megatron-LM's --enable-gpt-oss sets (its model builder): gpt-oss's YaRN, as flag destinations.
+GPT_OSS_YARN = {"rope_type": "yarn", "rotary_scaling_factor": 32.0, "yarn_original_max_position_embeddings": 131072,
+                "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                "yarn_correction_range_round_to_int": False}
+
+
+def _enable_gpt_oss(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
+    if not value:
+        return
+    for dest, setting in GPT_OSS_YARN.items():
+        setattr(args, dest, setting)
+    notes.append("--enable-gpt-oss: gpt-oss's YaRN rope, as Megatron sets it (--rope-type yarn, factor 32, original "
+                 "positions 131072, beta fast 32 / slow 1, mscale 1, mscale-all-dim 0, correction range not rounded)")
+
+
 def _load_balancing(args: Args, value, notes: list[str], refusals: list[str]) -> None:
     kinds = set(value if isinstance(value, list) else [value])
     if kinds <= {"aux_loss"}:
         notes.append(f"{_shown('--moe-router-load-balancing-type', value)}: the built-in router's load-balancing loss")
+    elif kinds == {"seq_aux_loss"}:
+        args.moe_aux_loss_type = "seq_aux_loss"
+        notes.append(f"{_shown('--moe-router-load-balancing-type', value)}: the load-balancing loss per sequence, "
+                     "averaged over the sequences (DeepSeek-V3), weighted by --moe-aux-loss-coeff")
     elif kinds == {"none"}:
         args.moe_loss_coeff = 0.0
         notes.append("--moe-router-load-balancing-type none: --moe-aux-loss-coeff 0")
     else:
         refusals.append(f"{_shown('--moe-router-load-balancing-type', value)}: rapidtrain's router balances with "
-                        "aux_loss only (or none)")
-
-
-def _moe_ffn(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
-    pattern = args.moe_layer_freq
-    every_layer = pattern == 1 or (isinstance(pattern, list) and len(pattern) > 0 and set(pattern) == {1})
-    every_layer_moe = args.num_experts and len(args.num_experts) == 1 and every_layer
-    if every_layer_moe:
-        # No layer is dense, so --ffn-hidden-size sizes nothing in Megatron either: the experts' size rules.
-        unused = f" (the --ffn-hidden-size {args.ffn_hidden_size} given sizes no layer)" \
-            if args.ffn_hidden_size not in (None, value) else ""
-        args.ffn_hidden_size = value
-        notes.append(f"--moe-ffn-hidden-size {value}: every layer is MoE, so the experts' size is --ffn-hidden-size"
-                     + unused)
-    elif args.ffn_hidden_size != value:
-        refusals.append(f"--moe-ffn-hidden-size {value}: experts have the dense MLP's size here (--ffn-hidden-size "
-                        f"{args.ffn_hidden_size}); give one size")
+                        "one of aux_loss, seq_aux_loss (or none); sinkhorn, global_aux_loss, quantile_balancing and "
+                        "combinations of types are not in it")
 
 
 def _exact_vocab_rows(flag: str, args: Args, value: int, notes: list[str], refusals: list[str]) -> bool:
@@ -581,7 +591,7 @@ HANDLERS = {
     "--transformer-impl": _note("--transformer-impl"),
     "--no-pipeline-parallel": _note("--no-pipeline-parallel"),
     "--moe-router-load-balancing-type": _load_balancing,
-    "--moe-ffn-hidden-size": _moe_ffn,
+    "--enable-gpt-oss": _enable_gpt_oss,
     "--padded-vocab-size": _padded_vocab_size,
     "--pad-vocab-size-to": _pad_vocab_size_to,
     "--dataloader-type": _dataloader_type,

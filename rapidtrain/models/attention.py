@@ -2,7 +2,9 @@
 torch SDPA (its dispatcher or one backend), an explicit softmax(QKᵀ/√d)V, and FlexAttention, whose mask is a
 block-sparse BlockMask built from the mask's rule (causal, same document, padding, sliding window) instead of a dense
 [s, s]. ALiBi's per-head linear biases (Press et al. 2022) enter each kernel its own way: an additive float mask
-(SDPA), a term added to the scores (eager), a score_mod (FlexAttention)."""
+(SDPA), a term added to the scores (eager), a score_mod (FlexAttention). So do attention sinks (Megatron's
+--softmax-type, gpt-oss's sinks: exp of a per-head logit in the softmax's denominator): one more key with a zero
+value (SDPA), one more softmax column (eager), a rescaling by the returned logsumexp (FlexAttention)."""
 
 from __future__ import annotations
 
@@ -39,10 +41,13 @@ def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    is_causal: bool, dropout_p: float, alibi: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(QKᵀ/√d + ALiBi + mask)·V written out (Megatron's unfused/local attention), the softmax in fp32.
+                    is_causal: bool, dropout_p: float, alibi: torch.Tensor | None = None,
+                    sink: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(QKᵀ/√d + ALiBi + mask)·V written out (Megatron's unfused/local attention), the softmax in fp32; with
+    attention sinks the softmax has one more column per row, the head's sink logit, dropped after it.
     q [b, heads, sq, d]; k, v [b, groups, sk, d] (grouped-query: each group serves heads / groups heads);
-    mask bool, True = may attend; alibi: the slopes of q's heads, or None."""
+    mask bool, True = may attend; alibi: the slopes of q's heads, or None; sink: the sink logits of q's heads (fp32
+    [heads]) or None."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
@@ -52,8 +57,12 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = F.dropout(scores.softmax(dim=-1), dropout_p).to(v.dtype)
-    return probs @ v
+    if sink is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sinks = sink.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    return F.dropout(probs, dropout_p).to(v.dtype) @ v
 
 
 @functools.cache
@@ -68,19 +77,29 @@ def _flex_attention(compiled: bool) -> Callable:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_causal: bool, dropout_p: float,
-           kernel: Kernel, alibi: torch.Tensor | None = None) -> torch.Tensor:
+           kernel: Kernel, alibi: torch.Tensor | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [b, heads, sq, d] over k, v [b, groups, sk, d] with `kernel`; `mask` is a bool tensor
     (True = may attend) or None, or for "flex" the BlockMask that `flex_block_mask` built; `alibi` the ALiBi
-    slopes of q's heads (fp32 [heads]) or None."""
+    slopes of q's heads (fp32 [heads]) or None; `sink` the attention-sink logits of q's heads (fp32 [heads]: exp of
+    each joins its softmax's denominator, --softmax-type) or None."""
     gqa = q.shape[1] != k.shape[1]
     if kernel == "flex":
         score_mod = None if alibi is None else _alibi_score_mod(alibi, k.shape[2] - q.shape[2])
-        return _flex_attention(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
+        if sink is None:
+            return _flex_attention(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=gqa)
+        return _flex_with_sink(q, k, v, score_mod, mask, gqa, sink)
     assert mask is None or isinstance(mask, torch.Tensor)  # a BlockMask is flex's alone
     if kernel == "eager":
-        return eager_attention(q, k, v, mask, is_causal, dropout_p, alibi)
-    if alibi is not None:  # SDPA takes the biases as a float mask, into which the causal/boolean mask is folded
-        mask, is_causal = _biased_mask(alibi, q, k.shape[2], mask, is_causal), False
+        return eager_attention(q, k, v, mask, is_causal, dropout_p, alibi, sink)
+    if sink is not None:
+        # The sink as one more key: its key and value are zero, its score the head's sink logit (the float mask's
+        # last column, through which the logits get their gradient); every query may see it.
+        mask = _float_mask(alibi, q, k.shape[2], mask, is_causal)
+        sinks = sink.to(mask.dtype)[None, :, None, None].expand(mask.shape[0], q.shape[1], q.shape[2], 1)
+        mask, is_causal = torch.cat([mask.expand(-1, q.shape[1], -1, -1), sinks], dim=-1), False
+        k, v = (torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.shape[3])], dim=2) for t in (k, v))
+    elif alibi is not None:  # SDPA takes the biases as a float mask, into which the causal/boolean mask is folded
+        mask, is_causal = _float_mask(alibi, q, k.shape[2], mask, is_causal), False
     call = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=dropout_p,
                              is_causal=is_causal, enable_gqa=gqa)
     if kernel in SDPA_BACKENDS:
@@ -89,11 +108,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_c
     return call()
 
 
-def _biased_mask(slopes: torch.Tensor, q: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
-                 is_causal: bool) -> torch.Tensor:
-    """ALiBi's bias with -inf where `mask` (bool, True = may attend) or causality forbids, in q's dtype."""
+def _float_mask(slopes: torch.Tensor | None, q: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
+                is_causal: bool) -> torch.Tensor:
+    """ALiBi's bias (zero without `slopes`) with -inf where `mask` (bool, True = may attend) or causality forbids, in
+    q's dtype, 4-d as SDPA's kernels take it: [b or 1, heads or 1, sq, sk]."""
     q_len = q.shape[2]
-    bias = alibi_bias(slopes, q_len, kv_len).unsqueeze(0)  # SDPA's kernels take a 4-d mask [b or 1, h, sq, sk]
+    if slopes is not None:
+        bias = alibi_bias(slopes, q_len, kv_len).unsqueeze(0)
+    else:
+        bias = torch.zeros(1, 1, q_len, kv_len, device=q.device)
     if is_causal:
         mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
     if mask is not None:
@@ -111,6 +134,19 @@ def _alibi_score_mod(slopes: torch.Tensor, cached: int) -> Callable:
         return score - slopes[h] * (q_idx + offset - kv_idx).abs()
 
     return add_bias
+
+
+def _flex_with_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Callable | None, block_mask: object,
+                    gqa: bool, sink: torch.Tensor) -> torch.Tensor:
+    """FlexAttention with attention sinks: its output over the real keys, times Z / (Z + exp(sink)) where
+    Z = exp(logsumexp of the row's scores), which it returns: sigmoid(logsumexp - sink). The same as a softmax over
+    the keys and the sink (whose value is zero), without a column that a BlockMask cannot hold."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = _flex_attention(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+                                          return_aux=AuxRequest(lse=True))
+    scale = torch.sigmoid(aux.lse.float() - sink.float()[None, :, None])
+    return (out.float() * scale.unsqueeze(-1)).to(out.dtype)
 
 
 def flex_block_mask(batch: int, q_len: int, kv_len: int, device: torch.device, causal: bool,

@@ -30,27 +30,49 @@ def _norm(config: ModelConfig, size: int | None = None, layer_norm: bool = False
     return [((size,), "vector")] * (1 if config.normalization == "RMSNorm" and not layer_norm else 2)
 
 
-def _mlp(config: ModelConfig) -> Tensors:
-    """The dense MLP: fc1 (and the SwiGLU gate) h → f, fc2 f → h, with biases unless disabled."""
-    h, f, bias = config.hidden_size, config.ffn_size, config.add_bias_linear
-    return _linear(h, f, bias) * (2 if config.swiglu else 1) + _linear(f, h, bias)
+def _mlp(config: ModelConfig, ffn_size: int | None = None) -> Tensors:
+    """The dense MLP: fc1 (and the gated unit's gate) h → f, fc2 f → h, with biases unless disabled (`ffn_size`:
+    another f, as the shared experts')."""
+    h, f, bias = config.hidden_size, ffn_size or config.ffn_size, config.add_bias_linear
+    return _linear(h, f, bias) * (2 if config.gated_linear_unit else 1) + _linear(f, h, bias)
 
 
 def _experts(config: ModelConfig, experts: int) -> Tensors:
-    """The experts of one MoE layer as stacked tensors, expert first: w1 (and w_gate) [E, h, f], b1 [E, f],
-    w2 [E, f, h], b2 [E, h] (no biases with --disable-bias-linear)."""
-    h, f, e, bias = config.hidden_size, config.ffn_size, experts, config.add_bias_linear
-    tensors: Tensors = [((e, h, f), "expert")] * (2 if config.swiglu else 1)
-    tensors += [((e, f), "expert_bias")] if bias else []
+    """The experts of one MoE layer as stacked tensors, expert first, in Experts' order: w1 [E, h, f], (gated: w_gate
+    [E, h, f],) b1 [E, f], (gated: b_gate [E, f],) w2 [E, f, h], b2 [E, h] (no biases with --disable-bias-linear);
+    f the routed experts' size."""
+    h, f, e, bias = config.hidden_size, config.expert_ffn_size, experts, config.add_bias_linear
+    gated = 2 if config.gated_linear_unit else 1
+    tensors: Tensors = [((e, h, f), "expert")] * gated
+    tensors += [((e, f), "expert_bias")] * gated if bias else []
     return tensors + [((e, f, h), "expert")] + ([((e, h), "expert_bias")] if bias else [])
 
 
+def _latent_attention(config: ModelConfig) -> Tensors:
+    """Multi-head latent attention's, in its modules' order: q_proj, or q_down, its norm and q_up; kv_down, its norm,
+    kv_up; o_proj (the norms with --qk-layernorm; only o_proj has a bias)."""
+    h, heads, rank = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+    query, rope = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim), config.qk_pos_emb_head_dim
+    norms = config.qk_layernorm
+    if config.q_lora_rank is None:
+        tensors = _linear(h, query, bias=False)
+    else:
+        q_rank = config.q_lora_rank
+        tensors = _linear(h, q_rank, False) + (_norm(config, q_rank) if norms else []) + _linear(q_rank, query, False)
+    tensors += _linear(h, rank + rope, False) + (_norm(config, rank) if norms else [])
+    tensors += _linear(rank, heads * (config.qk_head_dim + config.v_head_dim), False)
+    return tensors + _linear(heads * config.v_head_dim, h, config.add_bias_linear)
+
+
 def _attention(config: ModelConfig) -> Tensors:
+    if config.multi_latent_attention:
+        return _latent_attention(config)
     h, d = config.hidden_size, config.head_dim
     queries, keys = d * config.num_attention_heads, d * config.query_groups
     tensors = _linear(h, queries, config.qkv_bias) + 2 * _linear(h, keys, config.qkv_bias)
     tensors += _linear(queries, h, config.add_bias_linear)
-    return tensors + (2 * _norm(config, d) if config.qk_layernorm else [])  # shared by the heads: head_dim-sized
+    tensors += 2 * _norm(config, d) if config.qk_layernorm else []  # shared by the heads: head_dim-sized
+    return tensors + ([((config.num_attention_heads,), "vector")] if config.softmax_type == "learnable" else [])
 
 
 def _embedding(config: ModelConfig) -> Tensors:
@@ -88,13 +110,30 @@ def _layers_by_experts(config: ModelConfig) -> dict[int, int]:
 
 def _layer(config: ModelConfig, experts: int) -> Tensors:
     """One transformer layer's, in its modules' order: ln1, attention, ln2, then the dense MLP, or the router, the
-    experts and (PR-MoE) the residual MLP and its two mixing coefficients."""
+    experts, (PR-MoE) the residual MLP and its two mixing coefficients, and the shared experts (and their gate)."""
     tensors = _norm(config) + _attention(config) + _norm(config)
     if not experts:
         return tensors + _mlp(config)
-    router: Tensors = [((experts, config.hidden_size), "matrix")]
+    router: Tensors = _linear(config.hidden_size, experts, config.moe_router_bias)
     tensors += router + _experts(config, experts)
-    return tensors + (_mlp(config) + _linear(config.hidden_size, 2) if config.moe_residual else [])
+    tensors += _mlp(config) + _linear(config.hidden_size, 2) if config.moe_residual else []
+    shared = config.moe_shared_expert_intermediate_size
+    if shared:
+        tensors += _mlp(config, shared) + (_linear(config.hidden_size, 1, bias=False)
+                                           if config.moe_shared_expert_gate else [])
+    return tensors
+
+
+def _mtp_depth(config: ModelConfig) -> Tensors:
+    """One multi-token prediction depth's (models/mtp.py): its two input norms, the [h, 2h] projection, a layer of
+    the last layer's kind and its final norm."""
+    h = config.hidden_size
+    return (_norm(config) * 2 + _linear(2 * h, h, bias=False)
+            + _layer(config, config.experts_in_layer(config.num_layers - 1)) + _norm(config))
+
+
+def _mtp(config: ModelConfig) -> Tensors:
+    return _mtp_depth(config) * config.mtp_num_layers if config.model_type == "gpt" else []
 
 
 def layer_shapes(config: ModelConfig, experts: int) -> tuple[list[Shape], list[Shape]]:
@@ -112,10 +151,13 @@ def parameter_order(config: ModelConfig) -> Iterator[tuple[Shape, Role]]:
     for layer in range(config.num_layers):
         yield from _layer(config, config.experts_in_layer(layer))
     yield from _head(config)
+    yield from _mtp(config)
 
 
 def _outside_layers(config: ModelConfig) -> list[Shape]:
-    return [shape for shape, _ in _embedding(config) + _head(config)]
+    """Outside the transformer layers: embedding, head and multi-token prediction's depths (their experts'
+    share is added to expert_parameter_count apart)."""
+    return [shape for shape, _ in _embedding(config) + _head(config) + _mtp(config)]
 
 
 def parameter_shapes(config: ModelConfig) -> dict[Shape, int]:
@@ -134,8 +176,9 @@ def _elements(shapes: list[Shape]) -> int:
 
 def expert_parameter_count(config: ModelConfig) -> int:
     """Parameters of all MoE layers' experts (not routers): what expert parallelism shards."""
-    return sum(layers * _elements(layer_shapes(config, experts)[1])
-               for experts, layers in _layers_by_experts(config).items())
+    mtp_experts = [shape for shape, role in _mtp(config) if role.startswith("expert")]
+    return _elements(mtp_experts) + sum(layers * _elements(layer_shapes(config, experts)[1])
+                                        for experts, layers in _layers_by_experts(config).items())
 
 
 def count_parameters(config: ModelConfig) -> tuple[int, int]:
@@ -144,6 +187,10 @@ def count_parameters(config: ModelConfig) -> tuple[int, int]:
     Equals `sum(p.numel() for p in build_model(config).parameters())` for the total.
     """
     total = active = _elements(_outside_layers(config))
+    last = config.experts_in_layer(config.num_layers - 1) if config.mtp_num_layers and config.num_layers else 0
+    if last and config.model_type == "gpt":  # the depths' MoE layers: only the top k of their experts are active
+        depth_experts = _elements(layer_shapes(config, last)[1])
+        active -= config.mtp_num_layers * (depth_experts - config.moe_router_topk * depth_experts // last)
     for experts, layers in _layers_by_experts(config).items():
         shared, stacked = layer_shapes(config, experts)
         one_expert = _elements(stacked) // experts if experts else 0
@@ -174,8 +221,15 @@ def model_flops_per_iteration(
                                        (a sliding window w: 2 · 2·N·a·(w - w²/2s) in its layers)
       dense MLP fc1 + fc2              2 · 2·N·h·f                      = 16·N·h² for f = 4h
                                        (SwiGLU: 3 · 2·N·h·f, the gate is a third matrix)
-      MoE layer                        k experts per token: k · that, plus the router 2·N·h·E
+      multi-head latent attention      2·N·in·out for each of its matrices (q_proj or q_down + q_up,
+                                       kv_down, kv_up, o_proj); scores over heads·(qk + rotary) dims,
+                                       probs·V over heads·v_head_dim
+      MoE layer                        k experts per token: k · that (with the experts' f), plus the router
+                                       2·N·h·E, the shared experts (a dense MLP of their f) and their gate 2·N·h,
+                                       PR-MoE's dense MLP and coefficients 2·N·h·2
       logits                           2·N·h·V
+      multi-token prediction           per depth: the [h, 2h] projection 2·N·2h·h, a layer of the last layer's
+                                       kind (scores as one layer's), the logits again
       BERT heads                       MLM dense 2·N·h², pooler 2·B·h², binary head 2·B·h·2
     Dense GPT with f = 4h: forward = 24·N·L·h² + 2·N·L·s·h + 2·N·h·V
       = 24·B·s·L·h²·(1 + s/(12h) + V/(12·L·h)); times 3 for forward + backward is Megatron's 72·(...).
@@ -184,15 +238,31 @@ def model_flops_per_iteration(
     s = seq_length or config.seq_length
     b, h, f = global_batch_size, config.hidden_size, config.ffn_size
     tokens = b * s
-    inner = config.head_dim * config.num_attention_heads
+    inner: float = config.head_dim * config.num_attention_heads
     groups = config.head_dim * config.query_groups
-    projections = 2 * 2 * tokens * h * inner + 2 * 2 * tokens * h * groups
+    projections = 2 * 2 * tokens * h * int(inner) + 2 * 2 * tokens * h * groups
+    if config.multi_latent_attention:
+        projections, inner = _latent_attention_flops(config, tokens)
     forward = 2 * tokens * h * config.vocab_size + _score_flops(config, tokens, s, inner)
-    for experts, layers in _layers_by_experts(config).items():
-        mlp = (3 if config.swiglu else 2) * 2 * tokens * h * f
+    matrices = 3 if config.gated_linear_unit else 2
+
+    def layer(experts: int) -> int:
+        mlp = matrices * 2 * tokens * h * f
         if experts:
-            mlp = config.moe_router_topk * mlp + 2 * tokens * h * experts
-        forward += layers * (projections + mlp)
+            shared = config.moe_shared_expert_intermediate_size or 0
+            mlp = (config.moe_router_topk * matrices * 2 * tokens * h * config.expert_ffn_size
+                   + 2 * tokens * h * experts + matrices * 2 * tokens * h * shared
+                   + (2 * tokens * h if shared and config.moe_shared_expert_gate else 0)
+                   + (mlp + 2 * tokens * h * 2 if config.moe_residual else 0))
+        return projections + mlp
+
+    for experts, layers in _layers_by_experts(config).items():
+        forward += layers * layer(experts)
+    if config.mtp_num_layers and config.model_type == "gpt":  # each depth: [h, 2h] projection, a layer, the head
+        one_layer_scores = _score_flops(config, tokens, s, inner) // max(config.num_layers, 1)
+        depth = (2 * tokens * 2 * h * h + layer(config.experts_in_layer(config.num_layers - 1)) + one_layer_scores
+                 + 2 * tokens * h * config.vocab_size)
+        forward += config.mtp_num_layers * depth
     if config.model_type == "bert":
         forward += 2 * tokens * h * h
         if config.bert_binary_head:
@@ -200,11 +270,22 @@ def model_flops_per_iteration(
     return 3 * forward
 
 
-def _score_flops(config: ModelConfig, tokens: int, s: int, inner: int) -> int:
+def _latent_attention_flops(config: ModelConfig, tokens: int) -> tuple[int, float]:
+    """Multi-head latent attention's projection FLOPs per layer (every matrix of _latent_attention, 2·N·in·out), and
+    the width its scores count with: Q·Kᵀ over heads·(qk_head_dim + qk_pos_emb_head_dim), probs·V over
+    heads·v_head_dim, so _score_flops's 4·N·keys·width takes their mean."""
+    matrices = [shape for shape, role in _latent_attention(config) if role == "matrix"]
+    projections = sum(2 * tokens * shape[0] * shape[1] for shape in matrices)
+    heads = config.num_attention_heads
+    width = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim) / 2
+    return projections, width
+
+
+def _score_flops(config: ModelConfig, tokens: int, s: int, inner: float) -> int:
     """Q·Kᵀ and probs·V of every layer: 2 · 2 FLOPs per query, key and head dimension, with the keys a query sees
     on average: s (BERT), s/2 (causal), w - w²/2s with a sliding window w < s (the first w queries see fewer)."""
     if config.model_type != "gpt":
-        return 4 * tokens * s * inner * config.num_layers
+        return int(4 * tokens * s * inner * config.num_layers)
     window = config.sliding_window
     full = config.num_layers
     if window is not None and window < s:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.mtp import MultiTokenPrediction
 from rapidtrain.models.transformer import (
     Embedding,
     KVCache,
@@ -45,6 +46,8 @@ class GPTModel(nn.Module):
         tied = cast(nn.Parameter, self.embedding.word_embeddings.weight) if config.tie_embeddings else None
         self.output: OutputLayer | None = OutputLayer(config.hidden_size, config.vocab_size, tied, bias=False)
         self.loss = TokenCrossEntropy()
+        # Multi-token prediction's depths (mtp.py), after the head so that parameter order keeps the main model's.
+        self.mtp: MultiTokenPrediction | None = MultiTokenPrediction(config) if config.mtp_num_layers else None
 
     def forward(
         self,
@@ -77,16 +80,33 @@ class GPTModel(nn.Module):
             self.layers, hidden, self.config, position_ids, attention_mask, causal=True, cache=kv_cache,
             document_ids=document_ids,
         )
+        mtp_loss = None
+        if self.mtp is not None and labels is not None and self.training and torch.is_grad_enabled():
+            mtp_loss = self.mtp(hidden, labels, self._embed_ahead, self._head_loss, position_ids, attention_mask)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         if self.output is None:
             return hidden
-        if labels is not None and self.loss.can_fuse_head(self.output):
-            return self.loss.from_hidden(hidden, self.output, labels)
-        if logits_to_keep and labels is None:
+        if labels is not None:
+            loss = self._head_loss(hidden, labels)
+            return loss if mtp_loss is None or self.mtp is None else self.mtp.inject(loss, mtp_loss)
+        if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        logits = self.output(hidden)
-        return logits if labels is None else self.loss(logits, labels)
+        return self.output(hidden)
+
+    def _head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [b, s] of the head over normed hidden states (chunked with the head where it may)."""
+        assert self.output is not None  # called where the model has its head
+        if self.loss.can_fuse_head(self.output):
+            return self.loss.from_hidden(hidden, self.output, labels)
+        return self.loss(self.output(hidden), labels)
+
+    def _embed_ahead(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Multi-token prediction's embeddings of the tokens ahead: the model's own embedding module."""
+        if self.embedding is None:
+            raise ValueError("multi-token prediction embeds the tokens ahead with the model's embedding, which this "
+                             "part of the model does not hold")
+        return self.embedding(tokens)
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> GPTModel:
         """Materialize from meta, then restore the embedding/output tie that new Parameters break."""

@@ -1,5 +1,6 @@
 """What a `--pretrained-model-name-or-path` folder holds, and the built-in model's flags that a Hugging Face
-config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Mixtral, BERT, Megatron-BERT).
+config.json fixes (GPT-2, BLOOM, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE, DeepSeek-V2/V3, gpt-oss, BERT,
+Megatron-BERT).
 
 Reads config.json as JSON only: nothing from the folder is imported or run. With `--task pretraining` a
 Hugging Face folder initialises the built-in model; the shape flags not given are taken from the config,
@@ -29,10 +30,17 @@ SUPPORTED = {
     "qwen2": "GPT (Llama-family, Qwen2)",
     "qwen3": "GPT (Llama-family, Qwen3: q/k norms)",
     "mixtral": "GPT (Llama-family MoE, Mixtral)",
+    "qwen2_moe": "GPT (Llama-family MoE, Qwen1.5/2-MoE: gated shared experts)",
+    "qwen3_moe": "GPT (Llama-family MoE, Qwen3-MoE: q/k norms)",
+    "deepseek_v2": "GPT (DeepSeek-V2: multi-head latent attention, softmax-routed experts with shared ones)",
+    "deepseek_v3": "GPT (DeepSeek-V3: multi-head latent attention, sigmoid-routed experts with bias and groups)",
+    "gpt_oss": "GPT (gpt-oss: attention sinks, clamped quick-GEGLU experts, biased router, alternating window)",
     "bert": "BERT",
     "megatron-bert": "BERT (Megatron pre-LN)",
 }
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
@@ -144,13 +152,15 @@ LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 
 def _rope_flags(config: dict[str, Any]) -> dict[str, Any]:
     """rope theta and scaling (transformers 4's rope_scaling and 5's rope_parameters keys): plain, Llama 3.1's
-    llama3 with Megatron's fixed factors, or linear; other scalings are refused."""
+    llama3 with Megatron's fixed factors, linear, or YaRN; other scalings are refused."""
     parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = parameters.get("rope_type") or parameters.get("type") or "default"
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModel("config.json has partial_rotary_factor; Llama-family models rotate whole heads")
     flags = {"rotary_base": float(parameters.get("rope_theta", config.get("rope_theta", 10000.0))),
              "use_rope_scaling": False, "rope_scaling_factor": 8.0, "rotary_seq_len_interpolation_factor": None}
+    if kind == "yarn":
+        return flags | _yarn_flags(config, parameters)
     if kind == "llama3":
         other = {key: parameters.get(key) for key in LLAMA3_FIXED if parameters.get(key) != LLAMA3_FIXED[key]}
         if other:
@@ -161,8 +171,36 @@ def _rope_flags(config: dict[str, Any]) -> dict[str, Any]:
         return flags | {"rotary_seq_len_interpolation_factor": float(parameters["factor"])}
     if kind != "default":
         raise UnsupportedModel(f"config.json uses rope scaling {kind!r}; the built-in rotary embedding implements "
-                               "plain rope, llama3 and linear")
+                               "plain rope, llama3, linear and yarn")
     return flags
+
+
+def _yarn_flags(config: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's YaRN flags for transformers' yarn rope_parameters. transformers scales cos/sin by
+    attention_factor, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given, else
+    mscale(factor, 1): the flags' mscale(factor, --mscale) / mscale(factor, --mscale-all-dim) in each case, except
+    mscale_all_dim without mscale (refused), and an attention_factor other than that quotient (refused)."""
+    from rapidtrain.models.rope import yarn_mscale
+
+    original = parameters.get("original_max_position_embeddings") or config["max_position_embeddings"]
+    factor = float(parameters.get("factor") or config["max_position_embeddings"] / original)
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if mscale_all_dim and not mscale:
+        raise UnsupportedModel("config.json's yarn rope has mscale_all_dim without mscale: transformers then scales "
+                               "cos/sin by mscale(factor) but not the softmax by it, which Megatron's --mscale / "
+                               "--mscale-all-dim cannot say")
+    if not (mscale and mscale_all_dim):  # transformers ignores a lone mscale
+        mscale, mscale_all_dim = 1.0, mscale_all_dim or 0.0
+    expected = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    given = parameters.get("attention_factor")
+    if given is not None and abs(float(given) - expected) > 1e-9 * expected:
+        raise UnsupportedModel(f"config.json's yarn attention_factor {given} is not mscale's {expected:.6g}; "
+                               "Megatron's YaRN flags derive it from --mscale / --mscale-all-dim")
+    return {"rope_type": "yarn", "rotary_scaling_factor": factor, "mscale": float(mscale),
+            "mscale_all_dim": float(mscale_all_dim), "yarn_beta_fast": float(parameters.get("beta_fast") or 32),
+            "yarn_beta_slow": float(parameters.get("beta_slow") or 1),
+            "yarn_original_max_position_embeddings": int(original),
+            "yarn_correction_range_round_to_int": bool(parameters.get("truncate", True))}
 
 
 def _head_dim(config: dict[str, Any], hidden: int, heads: int) -> int | None:
@@ -224,10 +262,10 @@ def _bloom_flags(config: dict[str, Any]) -> dict[str, Any]:
 def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
     kind = config["model_type"]
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    if kind == "qwen3" and (config.get("use_sliding_window") or any(
+    if kind in ("qwen3", *QWEN_MOE) and (config.get("use_sliding_window") or any(
             layer != "full_attention" for layer in config.get("layer_types") or [])):
-        raise UnsupportedModel("config.json's Qwen3 uses sliding-window attention; the built-in attention sees the "
-                               "whole sequence")
+        raise UnsupportedModel(f"config.json's {kind} uses sliding-window attention in some layers; the built-in "
+                               "attention sees the whole sequence there")
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"config.json hidden_act {config['hidden_act']!r}: Llama-family MLPs use SwiGLU (silu)")
     if config.get("mlp_bias"):
@@ -249,14 +287,15 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
         **_rope_flags(config),
         "rotary_percent": 1.0,
         "kv_channels": _head_dim(config, hidden, heads),
-        "qk_layernorm": kind == "qwen3",  # Qwen3's q_norm / k_norm: RMSNorm over head_dim
+        "qk_layernorm": kind in ("qwen3", "qwen3_moe"),  # Qwen3's q_norm / k_norm: RMSNorm over head_dim
         "normalization": "RMSNorm",
         "layernorm_epsilon": config.get("rms_norm_eps", 1e-6),
         "swiglu": True,
         "group_query_attention": groups != heads,
         "num_query_groups": groups if groups != heads else None,
         "add_bias_linear": False,
-        "add_qkv_bias": kind == "qwen2",  # Qwen2's q/k/v projections always have biases
+        # Qwen2's q/k/v projections always have biases, Qwen2-MoE's unless its qkv_bias is off
+        "add_qkv_bias": kind == "qwen2" or (kind == "qwen2_moe" and bool(config.get("qkv_bias", True))),
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
         # Mistral's and Mixtral's window covers every layer (Qwen2's only some: the rules refuse what it changes).
         "sliding_window": config.get("sliding_window") if kind in ("mistral", "mixtral") else None,
@@ -272,7 +311,209 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
             "moe_router_topk": topk,
             "disable_moe_token_dropping": True,  # Mixtral has no expert capacity
         }
+    if kind in QWEN_MOE:
+        flags |= _qwen_moe_flags(config)
     return flags
+
+
+def _qwen_moe_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen1.5/2/3-MoE's experts: a layer is MoE unless listed in mlp_only_layers or off the decoder_sparse_step;
+    softmax over all experts, the top k renormalised only with norm_topk_prob; Qwen2-MoE's shared expert with its
+    sigmoid gate; no expert capacity (dropless)."""
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map); 4 wrote num_experts
+    experts = int(config["num_experts"] if "num_experts" in config else config["num_local_experts"])
+    topk = int(config["num_experts_per_tok"])
+    step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or [])
+    if config.get("norm_topk_prob") and topk == 1:
+        raise UnsupportedModel("config.json's norm_topk_prob with num_experts_per_tok 1 gives every token weight 1; "
+                               "the built-in top-1 router (Switch) keeps the router probability")
+    per_layer = [experts if experts > 0 and i not in dense and (i + 1) % step == 0 else 0
+                 for i in range(int(config["num_hidden_layers"]))]
+    flags: dict[str, Any] = {
+        "num_experts": per_layer if any(per_layer) else None,
+        "moe_layer_freq": 1,
+        "moe_router_topk": topk,
+        "moe_router_pre_softmax": not config.get("norm_topk_prob", False),
+        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+        "disable_moe_token_dropping": True,  # Qwen-MoE has no expert capacity
+    }
+    shared = config.get("shared_expert_intermediate_size") if config["model_type"] == "qwen2_moe" else None
+    if shared:
+        flags |= {"moe_shared_expert_intermediate_size": int(shared), "moe_shared_expert_gate": True}
+    return flags
+
+
+def deepseek_moe_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """The MoE flags of a DeepSeek config with routed-expert layers (layers from first_k_dense_replace on): V3's
+    sigmoid router with its score-correction bias (the expert bias, loaded from the folder), group-limited routing,
+    the k chosen normalised and the routed scaling; V2's softmax kept as it is (no renormalisation) times the routed
+    scaling; n_shared_experts shared experts of the routed size; no expert capacity (dropless). {} for a dense
+    config. What the built-in router cannot reproduce exactly is refused, saying why."""
+    layers = int(config["num_hidden_layers"])
+    dense = config.get("first_k_dense_replace")
+    experts = config.get("n_routed_experts")
+    if not experts or dense is None or dense >= layers:
+        return {}
+    kind, topk = config["model_type"], int(config["num_experts_per_tok"])
+    groups, chosen = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    normalise = bool(config.get("norm_topk_prob", kind == "deepseek_v3"))
+    scaling = float(config.get("routed_scaling_factor") or 1.0)
+    flags: dict[str, Any] = {
+        "num_experts": [0] * int(dense) + [int(experts)] * (layers - int(dense)),
+        "moe_layer_freq": 1,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+        "moe_shared_expert_intermediate_size": int(config["moe_intermediate_size"]) * int(
+            config.get("n_shared_experts") or 0) or None,
+        "moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None,
+        "disable_moe_token_dropping": True,  # DeepSeek's experts have no capacity
+    }
+    if kind == "deepseek_v3":
+        if topk > 1 and not normalise:
+            raise UnsupportedModel("config.json's deepseek_v3 router keeps its k sigmoid scores as they are "
+                                   "(norm_topk_prob false); Megatron-Core's sigmoid router, the built-in one, "
+                                   "normalises them to sum 1 when k > 1")
+        if topk == 1 and normalise:
+            raise UnsupportedModel("config.json's norm_topk_prob with num_experts_per_tok 1 gives every token "
+                                   "weight 1; the built-in sigmoid router keeps a single expert's score")
+        flags |= {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                  "moe_router_num_groups": groups if groups > 1 and chosen < groups else None,
+                  "moe_router_group_topk": chosen if groups > 1 and chosen < groups else None}
+        return flags
+    if config.get("topk_method", "greedy") != "greedy" and groups > 1 and chosen < groups:
+        raise UnsupportedModel(f"config.json's deepseek_v2 routes by {config.get('topk_method')!r} (a group scores "
+                               "its best expert); the built-in group-limited router scores a group by the sum of "
+                               "its two best (Megatron-Core, DeepSeek-V3)")
+    return flags | {"moe_router_score_function": "softmax", "moe_router_pre_softmax": True}
+
+
+def _deepseek_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3: a Llama-shaped dense model (RMSNorm, SwiGLU, no biases) whose attention is MLA with its
+    latent RMSNorms (--qk-layernorm)."""
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    moe = deepseek_moe_flags(config)
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"config.json hidden_act {config['hidden_act']!r}: DeepSeek's MLPs use SwiGLU (silu)")
+    if config.get("attention_bias"):
+        raise UnsupportedModel("config.json attention_bias (biases on q_a_proj, kv_a_proj_with_mqa and o_proj "
+                               "only): the built-in latent attention has no such biases")
+    if (config.get("num_key_value_heads") or heads) != heads:
+        raise UnsupportedModel(f"config.json num_key_value_heads {config['num_key_value_heads']} with {heads} heads: "
+                               "multi-head latent attention makes a key and value per head")
+    epsilon = config.get("rms_norm_eps", 1e-6)
+    if epsilon != 1e-6:
+        raise UnsupportedModel(f"config.json rms_norm_eps {epsilon}: transformers' DeepSeek normalises the latents "
+                               "with epsilon 1e-6 whatever rms_norm_eps says, the built-in model every norm with "
+                               "--norm-epsilon")
+    rope = _rope_flags(config)
+    return {
+        "model_type": "gpt",
+        "num_layers": layers,
+        "hidden_size": config["hidden_size"],
+        "num_attention_heads": heads,
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        **rope,
+        "rope_type": rope.get("rope_type", "rope"),
+        "rotary_percent": 1.0,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": epsilon,
+        "swiglu": True,
+        "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "multi_latent_attention": True,
+        "qk_layernorm": True,  # DeepSeek's q_a_layernorm / kv_a_layernorm: Megatron builds them with --qk-layernorm
+        "q_lora_rank": config.get("q_lora_rank"),
+        "kv_lora_rank": config["kv_lora_rank"],
+        "qk_head_dim": config["qk_nope_head_dim"],
+        "qk_pos_emb_head_dim": config["qk_rope_head_dim"],
+        "v_head_dim": config["v_head_dim"],
+        **moe,
+    }
+
+
+def rope_interleaved(config: dict[str, Any]) -> bool:
+    """Whether a DeepSeek folder's rotary rows are interleaved pairs (x0, x1), (x2, x3), ... (V2 always; V3 by
+    rope_interleave, default true) rather than halves (x_i, x_{i + d/2}) as the built-in rope rotates."""
+    return config.get("model_type") == "deepseek_v2" or bool(config.get("rope_interleave", True))
+
+
+QUICK_GELU_ALPHA = 1.702  # the built-in quick GELU's gain (models/mlp.py); gpt-oss's swiglu_alpha
+
+
+def window_pattern(layer_types: list[str]) -> int | None:
+    """--window-attn-skip-freq N for Hugging Face's layer_types (sliding_attention / full_attention per layer): every
+    Nth layer (1-based) full, the others sliding; None when every layer slides. UnsupportedModel for a pattern that
+    no N gives (the built-in model's windows follow Megatron's every-Nth rule)."""
+    sliding = [kind == "sliding_attention" for kind in layer_types]
+    if all(sliding):
+        return None
+    for every in range(1, len(sliding) + 1):
+        if all(slides == ((i + 1) % every != 0) for i, slides in enumerate(sliding)):
+            return every
+    raise UnsupportedModel(f"config.json's layer_types {layer_types}: the built-in model's full-attention layers are "
+                           "every Nth (--window-attn-skip-freq), and no N gives these")
+
+
+def _gpt_oss_flags(config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: Llama-shaped attention with biases and per-head sinks, every layer MoE (biased router, softmax over
+    the top-k logits = softmax, top-k, renormalise), experts with biases and the clamped quick-GEGLU, sliding
+    windows in the layers layer_types names."""
+    if config.get("quantization_config"):  # openai/gpt-oss-* ship MXFP4 expert blocks and scales
+        method = (config["quantization_config"] or {}).get("quant_method", "quantized") \
+            if isinstance(config["quantization_config"], dict) else "quantized"
+        raise UnsupportedModel(f"config.json: {method} weights; the built-in model reads plain tensors. Save a "
+                               "dequantized copy first (transformers: from_pretrained with "
+                               "Mxfp4Config(dequantize=True), then save_pretrained)")
+    if config.get("swiglu_alpha", QUICK_GELU_ALPHA) != QUICK_GELU_ALPHA:
+        raise UnsupportedModel(f"config.json swiglu_alpha {config['swiglu_alpha']}: the built-in quick GELU's gain is "
+                               f"{QUICK_GELU_ALPHA}")
+    if not config.get("attention_bias", True):
+        raise UnsupportedModel("config.json attention_bias false: gpt-oss's experts and router have biases, and the "
+                               "built-in model's biases come with every linear layer (--disable-bias-linear drops all)")
+    topk = config["num_experts_per_tok"]
+    if topk == 1:
+        raise UnsupportedModel("gpt-oss with num_experts_per_tok 1 gives its expert weight 1; the built-in top-1 "
+                               "router (Switch) keeps the router probability")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    if len(layer_types) != config["num_hidden_layers"]:
+        raise UnsupportedModel(f"config.json has {len(layer_types)} layer_types for {config['num_hidden_layers']} "
+                               "layers")
+    skip = window_pattern(layer_types) if window else None
+    if skip == 1:  # every layer attends to the whole sequence: the window is never used
+        window, skip = None, None
+    return {
+        "model_type": "gpt",
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        **_rope_flags(config),
+        "rotary_percent": 1.0,
+        "kv_channels": _head_dim(config, hidden, heads),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": config.get("rms_norm_eps", 1e-5),
+        "group_query_attention": groups != heads,
+        "num_query_groups": groups if groups != heads else None,
+        "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "softmax_type": "learnable",
+        "quick_geglu": True,
+        "glu_linear_offset": 1.0,
+        "activation_func_clamp_value": float(config.get("swiglu_limit", 7.0)),
+        "sliding_window": window,
+        "window_attn_skip_freq": skip,
+        "num_experts": [config["num_local_experts"]],
+        "moe_layer_freq": 1,
+        "moe_router_topk": topk,
+        "disable_moe_token_dropping": True,  # gpt-oss has no expert capacity
+    }
 
 
 def _bert_flags(config: dict[str, Any]) -> dict[str, Any]:
@@ -321,12 +562,43 @@ _BASE = {
     "num_experts": None,
     "embed_layernorm": False,
     "sliding_window": None,
+    "moe_router_pre_softmax": False,
+    "moe_ffn_hidden_size": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False,
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_topk_scaling_factor": None,
+    # Megatron's defaults of MLA's and YaRN's flags (only DeepSeek and YaRN configs set them)
+    "multi_latent_attention": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_type": None,
+    "rotary_scaling_factor": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+    "yarn_beta_fast": None,
+    "yarn_beta_slow": None,
+    "yarn_original_max_position_embeddings": None,
+    "yarn_correction_range_round_to_int": None,
+    "window_attn_skip_freq": None,
+    "softmax_type": "vanilla",
+    "quick_geglu": False,
+    "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None,
 }
 
 
 # Flags taken from config.json that are counts (a positive int; bool is refused, JSON's true is no size).
 _COUNT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                "num_query_groups", "moe_router_topk", "kv_channels", "sliding_window")
+                "num_query_groups", "moe_router_topk", "kv_channels", "sliding_window", "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                "qk_pos_emb_head_dim", "v_head_dim", "yarn_original_max_position_embeddings")
 
 
 def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
@@ -340,6 +612,10 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
             flags = _bloom_flags(config)
         elif kind in LLAMA_FAMILY:
             flags = _llama_flags(config)
+        elif kind in DEEPSEEK_FAMILY:
+            flags = _deepseek_flags(config)
+        elif kind == "gpt_oss":
+            flags = _gpt_oss_flags(config)
         else:
             flags = _bert_flags(config)
     except KeyError as error:
@@ -349,7 +625,8 @@ def builtin_flags(config: dict[str, Any]) -> dict[str, Any]:
     wrong = [dest for dest in _COUNT_FLAGS if dest in flags and flags[dest] is not None
              and (type(flags[dest]) is not int or flags[dest] <= 0)]
     wrong += [dest for dest in ("layernorm_epsilon", "rotary_base", "rope_scaling_factor",
-                                "rotary_seq_len_interpolation_factor") if flags.get(dest) is not None
+                                "rotary_seq_len_interpolation_factor", "rotary_scaling_factor", "yarn_beta_fast",
+                                "yarn_beta_slow", "activation_func_clamp_value") if flags.get(dest) is not None
               and (type(flags[dest]) not in (int, float) or not flags[dest] > 0)]
     if wrong:
         raise UnsupportedModel(f"config.json gives {', '.join(f'{d} = {flags[d]!r}' for d in wrong)}: "

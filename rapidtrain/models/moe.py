@@ -12,7 +12,21 @@ Routing decisions, in one place:
   order (GShard). Assignments past capacity are dropped: weight 0, so the token's MoE output is zero
   and it passes through the residual.
 - Balancing loss (Switch/GShard): E · Σ_e mean_prob_e · fraction_e, fraction_e = assignments to e
-  (before dropping) / (k · tokens); perfectly even routing gives exactly 1.0.
+  (before dropping) / (k · tokens); perfectly even routing gives exactly 1.0. DeepSeek-V3's sequence-wise
+  loss (`seq_aux_loss`) is the same formula per sequence, averaged over the sequences.
+
+Fine-grained MoE (DeepSeek-V2/V3, Qwen-MoE; Megatron-Core's meanings):
+- Scores: softmax (above), sigmoid or sqrt(softplus) (each expert scored on its own); with k > 1 the k chosen
+  sigmoid scores are divided by their sum (+ 1e-20), then every combine weight is multiplied by the top-k
+  scaling factor when one is given. `pre_softmax`: softmax over all experts, the chosen keep their probabilities.
+- Aux-loss-free balancing: a per-expert bias (a buffer, saved in checkpoints) is added to the scores for the
+  choice only, never to the combine weights; after each optimizer step every bias moves by ± the update rate
+  towards the mean load of the step's tokens (summed over micro-batches and data-parallel ranks:
+  `update_expert_biases`).
+- Group-limited routing: the experts form G equal groups, a group's score is the sum of its two best scores
+  (with the bias), and each token chooses among the experts of its best `group_topk` groups only.
+- Shared experts: one dense MLP (all shared experts side by side) that every token passes through, added to the
+  routed output; Qwen-MoE multiplies it by sigmoid(Linear(h, 1)(x)) first.
 """
 
 from __future__ import annotations
@@ -20,14 +34,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from fractions import Fraction
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.models.mlp import MLP, gelu
+from rapidtrain.models.mlp import MLP, GatedUnit, gated_unit, gelu
 
 
 def expert_capacity(
@@ -59,6 +74,27 @@ def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor) ->
     return num_experts * (mean_prob * fraction).sum()
 
 
+def sequence_load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, sequences: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balancing loss: `load_balancing_loss` of each of `sequences` equal runs of tokens
+    (probs [T, E], expert_index [T, k], sequence-major), averaged over the sequences."""
+    num_experts = probs.shape[-1]
+    counts = F.one_hot(expert_index, num_experts).sum(dim=1).view(sequences, -1, num_experts).float().sum(dim=1)
+    mean_prob = probs.float().view(sequences, -1, num_experts).mean(dim=1)
+    fraction = counts / counts.sum(dim=-1, keepdim=True)
+    return (num_experts * (mean_prob * fraction).sum(dim=-1)).mean()
+
+
+def limit_to_groups(scores: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+    """`scores` [T, E] with -inf outside each token's best `group_topk` of `num_groups` equal expert groups; a
+    group's score is the sum of its two best scores (one, for groups of a single expert)."""
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    best = group_scores.topk(group_topk, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
+
+
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """mean over tokens of logsumexp(router logits)², which keeps the logits small (ST-MoE)."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
@@ -76,13 +112,17 @@ class Routing(NamedTuple):
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Multiply the router losses' gradient by `scale` in every MoE layer of `model` (default 1.0).
+    """Multiply the router losses' (and multi-token prediction's) gradient by `scale` in `model` (default 1.0).
 
     Set it to what the main loss is multiplied by before backward, e.g. 1 / accumulation steps
     (times the fp16 loss scale), so both gradients carry the same factor. Read at forward time; a plain
     float attribute, so torch.compile guards on its value."""
     for layer in moe_layers(model).values():
         layer.aux_loss_scale = float(scale)
+    from rapidtrain.models.mtp import mtp_modules  # mtp.py builds on this module
+
+    for module in mtp_modules(model):  # multi-token prediction's loss takes the same factor
+        module.loss_scale = float(scale)
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -127,9 +167,9 @@ def _recomputing() -> bool:
 
 
 class Experts(nn.Module):
-    """E two-layer MLPs (GELU, or SwiGLU with a third matrix `w_gate`), stored stacked (dim 0 = expert) and
-    input-major ([E, in, out]), so expert parallelism shards dim 0 and one batched matmul runs them all.
-    Biases b1/b2 exist unless --disable-bias-linear."""
+    """E two-layer MLPs (GELU, or gated with a third matrix `w_gate`: SwiGLU, gpt-oss's clamped quick-GEGLU), stored
+    stacked (dim 0 = expert) and input-major ([E, in, out]), so expert parallelism shards dim 0 and one batched
+    matmul runs them all. Biases b1/b2 (and the gate's b_gate) exist unless --disable-bias-linear."""
 
     def __init__(
         self,
@@ -139,12 +179,15 @@ class Experts(nn.Module):
         swiglu: bool = False,
         bias: bool = True,
         openai_gelu: bool = False,
+        gated_unit: GatedUnit | None = None,
     ) -> None:
         super().__init__()
         self.openai_gelu = openai_gelu
+        self.gated_unit = gated_unit or GatedUnit()  # the gate's activation when `swiglu` (gated); SwiGLU's silu
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size)) if swiglu else None
         self.b1 = nn.Parameter(torch.empty(num_experts, ffn_size)) if bias else None
+        self.b_gate = nn.Parameter(torch.empty(num_experts, ffn_size)) if bias and swiglu else None
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self.reset_parameters()
@@ -163,13 +206,14 @@ class Experts(nn.Module):
 
     def forward(self, buffers: torch.Tensor) -> torch.Tensor:
         """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts."""
-        return self.run_experts(buffers, self.w1, self.w_gate, self.b1, self.w2, self.b2)
+        return self.run_experts(buffers, self.w1, self.w_gate, self.b1, self.w2, self.b2, self.b_gate)
 
     def run_experts(self, buffers: torch.Tensor, w1: torch.Tensor, w_gate: torch.Tensor | None,
-                    b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
+                    b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+                    b_gate: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self._project(buffers, w1, b1)
         if w_gate is not None:
-            hidden = F.silu(torch.bmm(buffers, w_gate)) * hidden
+            hidden = self.gated_unit(self._project(buffers, w_gate, b_gate), hidden)
         else:
             hidden = gelu(hidden, self.openai_gelu)
         return self._project(hidden, w2, b2)
@@ -192,14 +236,31 @@ class MoELayer(nn.Module):
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.z_loss_coeff = config.moe_z_loss_coeff
         self.jitter_eps = config.moe_jitter_eps
-        self.router = nn.Linear(config.hidden_size, num_experts, bias=False)
+        # A bias on the logits with config.moe_router_bias (Megatron-Core's, gpt-oss's); DeepSpeed-MoE's has none.
+        self.router = nn.Linear(config.hidden_size, num_experts, bias=config.moe_router_bias)
+        self.score_function = config.moe_router_score_function
+        self.pre_softmax = config.moe_router_pre_softmax
+        self.scaling_factor = config.moe_router_topk_scaling_factor
+        self.num_groups = config.moe_router_num_groups
+        self.group_topk = config.moe_router_group_topk
+        self.per_sequence_aux_loss = config.moe_aux_loss_type == "seq_aux_loss"
+        self.bias_update_rate = config.moe_router_bias_update_rate
+        self.force_load_balancing = config.moe_router_force_load_balancing
+        # Aux-loss-free balancing: fp32, used for the choice only; moved by update_expert_biases after each step.
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if config.moe_router_enable_expert_bias
+                             else None)
+        # Assignments per expert of the training forwards since the last bias update (not a buffer: read and reset
+        # every step, so never part of a checkpoint, which is written between steps).
+        self.pending_load: torch.Tensor | None = None
         self.experts = Experts(
             num_experts,
             config.hidden_size,
-            config.ffn_size,
-            swiglu=config.swiglu,
+            config.expert_ffn_size,
+            swiglu=config.gated_linear_unit,
             bias=config.add_bias_linear,
             openai_gelu=config.openai_gelu,
+            gated_unit=gated_unit(config),
         )
         # PR-MoE (DeepSpeed's Residual-MoE, Rapidformer's --use-expert-residual-network): a dense MLP beside the
         # experts, the two outputs mixed per token by a softmax over two learned coefficients.
@@ -208,6 +269,10 @@ class MoELayer(nn.Module):
         if config.moe_residual:
             self.residual_mlp = MLP(config)
             self.residual_coefficient = nn.Linear(config.hidden_size, 2)
+        shared = config.moe_shared_expert_intermediate_size
+        self.shared_experts = MLP(config, ffn_size=shared) if shared else None
+        self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
+                                   if shared and config.moe_shared_expert_gate else None)
         # Tracker, read by collect_*: [aux-loss sum, forwards, assignments per expert...], float64
         # (exact counts). One tensor, not Python numbers: torch.compile guards on the values of
         # int attributes and would recompile every step. Not a buffer: DDP would broadcast it.
@@ -217,6 +282,7 @@ class MoELayer(nn.Module):
         self.returns_aux_loss = False
         self.last_aux_loss: torch.Tensor | None = None
         self.aux_collected_from: torch.Tensor | None = None  # routing_stats when collect_aux_losses last read it
+        self.load_collected_from: torch.Tensor | None = None  # ... and when collect_expert_load did
         self.aux_loss_scale = 1.0  # set_aux_loss_scale: the factor the main loss carries into backward
         self.stats_paused = False  # routing_stats_paused: forwards that are no training step
 
@@ -226,14 +292,43 @@ class MoELayer(nn.Module):
             noise = torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
             tokens = tokens * noise
         with torch.autocast(device_type=tokens.device.type, enabled=False):
-            return F.linear(tokens.float(), self.router.weight.float())
+            bias = None if self.router.bias is None else self.router.bias.float()
+            logits = F.linear(tokens.float(), self.router.weight.float(), bias)
+        if self.force_load_balancing:  # benchmarking: random logits (the router still takes a zero gradient)
+            return logits * 0.0 + torch.randn_like(logits)
+        return logits
+
+    def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores [T, E] the combine weights come from, the balancing losses' probabilities [T, E]), fp32."""
+        if self.score_function == "softmax":
+            probs = logits.softmax(dim=-1)
+            return probs, probs
+        scores = torch.sigmoid(logits) if self.score_function == "sigmoid" else F.softplus(logits).sqrt()
+        return scores, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(combine weights [T, k], expert index [T, k]): the top k by score (+ expert bias, within the best
+        groups), weighted by their scores, normalised and scaled as the router's settings say."""
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.num_groups and self.group_topk:
+            choice = limit_to_groups(choice, self.num_groups, self.group_topk)
+        if choice is scores:
+            weights, expert_index = scores.topk(self.topk, dim=-1)
+        else:
+            expert_index = choice.topk(self.topk, dim=-1).indices
+            weights = scores.gather(-1, expert_index)
+        if self.topk > 1 and self.score_function == "softmax" and not self.pre_softmax:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        elif self.topk > 1 and self.score_function != "softmax":
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling_factor:
+            weights = weights * self.scaling_factor
+        return weights, expert_index
 
     def route(self, probs: torch.Tensor) -> tuple[Routing, torch.Tensor]:
-        """Top-k choice, capacity and priority → (Routing, expert index [T, k])."""
+        """Top-k choice, capacity and priority → (Routing, expert index [T, k]); `probs` are the scores."""
         num_tokens = probs.shape[0]
-        weights, expert_index = probs.topk(self.topk, dim=-1)
-        if self.topk > 1:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, expert_index = self.choose(probs)
         capacity = expert_capacity(
             num_tokens,
             self.num_experts,
@@ -271,18 +366,29 @@ class MoELayer(nn.Module):
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         logits = self.router_logits(tokens)
-        probs = logits.softmax(dim=-1)
-        routing, expert_index = self.route(probs)
+        scores, probs = self.scores(logits)
+        routing, expert_index = self.route(scores)
         output = self.combine(self.experts(self.dispatch(tokens, routing)), routing).view(shape)
         if self.residual_mlp is not None and self.residual_coefficient is not None:
             coefficients = self.residual_coefficient(hidden_states).softmax(dim=-1)
             output = output * coefficients[..., :1] + self.residual_mlp(hidden_states) * coefficients[..., 1:]
+        if self.shared_experts is not None:
+            shared = self.shared_experts(hidden_states)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(hidden_states))
+            output = output + shared
         if not self.training:
             return output
         tokens_per_expert = F.one_hot(expert_index, self.num_experts).sum(dim=(0, 1))
-        aux_loss = load_balancing_loss(probs, tokens_per_expert)
+        if self.per_sequence_aux_loss:
+            aux_loss = sequence_load_balancing_loss(probs, expert_index, shape[0] if len(shape) == 3 else 1)
+        else:
+            aux_loss = load_balancing_loss(probs, tokens_per_expert)
         if not (self.stats_paused or _recomputing()):
             self._record(aux_loss.detach(), tokens_per_expert.detach())
+            if self.expert_bias is not None:
+                load = tokens_per_expert.detach().float()
+                self.pending_load = load if self.pending_load is None else self.pending_load + load
         if self.returns_aux_loss:
             self.last_aux_loss = aux_loss
         elif torch.is_grad_enabled():
@@ -296,6 +402,29 @@ class MoELayer(nn.Module):
         aux_loss = aux_loss.double().view(1)
         stats = torch.cat([aux_loss, torch.ones_like(aux_loss), tokens_per_expert.double()])
         self.routing_stats = stats if self.routing_stats is None else self.routing_stats + stats
+
+
+def update_expert_biases(modules: list[nn.Module], group: dist.ProcessGroup | None) -> None:
+    """Aux-loss-free balancing's step, after each optimizer step: every expert bias in `modules` (a model, or a
+    pipeline rank's stages) moves by ± its update rate towards the mean load, the loads being the assignments of the
+    step's training forwards summed over the data-parallel `group` (one all-reduce for all layers; no host read).
+    Ranks that hold the same layers and see the same tokens (tensor parallelism) compute the same update. Nothing
+    happens where no layer has a bias."""
+    layers = list({id(layer): layer for module in modules for layer in moe_layers(module).values()
+                   if layer.expert_bias is not None}.values())
+    if not layers:
+        return
+    loads = torch.stack([layer.pending_load if layer.pending_load is not None
+                         else torch.zeros(layer.num_experts, device=cast(torch.Tensor, layer.expert_bias).device)
+                         for layer in layers])
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    with torch.no_grad():
+        for layer, load in zip(layers, loads, strict=True):
+            assert layer.expert_bias is not None  # the layers with a bias
+            step = torch.sign(load.mean() - load) * layer.bias_update_rate
+            layer.expert_bias.add_(step.to(layer.expert_bias.dtype))
+            layer.pending_load = None
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
@@ -337,11 +466,13 @@ def collect_aux_losses(model: nn.Module) -> torch.Tensor | None:
 
 
 def collect_expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Per MoE layer, assignments each expert received (before dropping) since the last call; resets."""
+    """Per MoE layer that has run, assignments each expert received (before dropping) since the last call, fp64
+    (exact counts); resets. No host read (the log line reads them all at once)."""
     loads = {}
     for name, layer in moe_layers(model).items():
         stats = layer.routing_stats
-        if stats is not None and stats[2:].sum() > 0:
-            loads[name] = stats[2:].long()
+        if stats is not None and stats is not layer.load_collected_from:  # a forward replaced it since
+            loads[name] = stats[2:].clone()
             stats[2:].zero_()
+            layer.load_collected_from = stats
     return loads

@@ -19,14 +19,17 @@ from torch import nn
 from rapidtrain.models.attention import alibi_slopes, attend, flex_block_mask
 from rapidtrain.models.chunked_loss import chunked_head_cross_entropy
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.mla import MultiLatentAttention
 from rapidtrain.models.mlp import MLP
 from rapidtrain.models.moe import MoELayer
-from rapidtrain.models.rope import inverse_frequency, rotary_cos_sin
+from rapidtrain.models.rope import apply_rotary, inverse_frequency, rope_attention_factor, rotary_cos_sin
 
 
 def check_model_config(config: ModelConfig) -> None:
     """Refuse shapes the model cannot build, naming the flag to change."""
-    if config.kv_channels is None and config.hidden_size % config.num_attention_heads:
+    if config.multi_latent_attention:
+        _check_latent_attention(config)
+    elif config.kv_channels is None and config.hidden_size % config.num_attention_heads:
         raise ValueError(
             f"--hidden-size {config.hidden_size} is not divisible by --num-attention-heads "
             f"{config.num_attention_heads}: choose a head count that divides the hidden size, or give the head size "
@@ -48,7 +51,7 @@ def check_model_config(config: ModelConfig) -> None:
             f"--rotary-percent {config.rotary_percent} of the head size {config.head_dim} leaves no pair of "
             "dimensions to rotate: raise it"
         )
-    if config.position_embedding_type == "rope" and config.head_dim % 2:
+    if config.position_embedding_type == "rope" and config.head_dim % 2 and not config.multi_latent_attention:
         raise ValueError(
             f"rotary position embeddings need an even head size, got {config.head_dim} "
             "(--kv-channels, else --hidden-size / --num-attention-heads): change it, or use learned_absolute positions"
@@ -65,6 +68,25 @@ def check_model_config(config: ModelConfig) -> None:
                 f"--moe-router-topk {config.moe_router_topk} must be between 1 and the number of "
                 f"experts of an MoE layer ({experts}, --num-experts)"
             )
+
+
+def _check_latent_attention(config: ModelConfig) -> None:
+    """Multi-head latent attention's own shape: rotary positions, even rotary head part, sizes of at least 1."""
+    if config.position_embedding_type != "rope":
+        raise ValueError(f"--multi-latent-attention rotates part of each head: it needs --position-embedding-type "
+                         f"rope, not {config.position_embedding_type}")
+    if config.num_query_groups is not None:
+        raise ValueError("--multi-latent-attention makes each head's key and value from a shared latent: drop "
+                         "--group-query-attention / --num-query-groups")
+    sizes = {"--kv-lora-rank": config.kv_lora_rank, "--qk-head-dim": config.qk_head_dim,
+             "--qk-pos-emb-head-dim": config.qk_pos_emb_head_dim, "--v-head-dim": config.v_head_dim,
+             "--q-lora-rank": config.q_lora_rank if config.q_lora_rank is not None else 1}
+    small = [f"{flag} {size}" for flag, size in sizes.items() if size < 1]
+    if small:
+        raise ValueError(f"{', '.join(small)}: multi-head latent attention's sizes are at least 1")
+    if config.qk_pos_emb_head_dim % 2:
+        raise ValueError(f"--qk-pos-emb-head-dim {config.qk_pos_emb_head_dim}: rope rotates pairs of dimensions, "
+                         "give an even size")
 
 
 def _check_positions_and_window(config: ModelConfig) -> None:
@@ -134,18 +156,6 @@ class Embedding(nn.Module):
         if self.norm is not None:
             hidden = self.norm(hidden)
         return self.dropout(hidden)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + r/2) of the first r = cos.shape[-1] dimensions of x [b, heads, s, d]
-    (Megatron's non-interleaved rotary; r < d with --rotary-percent), in fp32."""
-    rotary_dim = cos.shape[-1]
-    x32 = x.float()
-    whole = rotary_dim == x.shape[-1]  # the usual case: no untouched rest to slice off and join again
-    part = x32 if whole else x32[..., :rotary_dim]
-    first, second = part.chunk(2, dim=-1)
-    rotated = part * cos + torch.cat([-second, first], dim=-1) * sin
-    return (rotated if whole else torch.cat([rotated, x32[..., rotary_dim:]], dim=-1)).to(x.dtype)
 
 
 def sdpa_mask(attention_mask: torch.Tensor | None, seq_length: int, causal: bool) -> torch.Tensor | None:
@@ -222,9 +232,9 @@ class StaticKVCache:
     def extend(self, layer: str, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys/values [b, groups, s, d] of `layer`; what the step attends over."""
         if self.slots is None:  # the prompt
-            b, groups, s, d = keys.shape
-            self.keys[layer] = keys.new_zeros(b, groups, self.max_length, d)
-            self.values[layer] = values.new_zeros(b, groups, self.max_length, d)
+            b, groups, s, _ = keys.shape  # keys and values may differ in size (multi-head latent attention)
+            self.keys[layer] = keys.new_zeros(b, groups, self.max_length, keys.shape[-1])
+            self.values[layer] = values.new_zeros(b, groups, self.max_length, values.shape[-1])
             self.keys[layer][:, :, :s] = keys
             self.values[layer][:, :, :s] = values
             return keys, values
@@ -235,6 +245,23 @@ class StaticKVCache:
     def advance(self, tokens: int) -> None:
         if self.slots is None:
             self.length += tokens
+
+
+class AttentionSink(nn.Module):
+    """The sink logit of every head (--softmax-type): 0 for off-by-one (no parameter), a learned `logits` [heads]
+    for learnable (gpt-oss's `sinks`). A module of its own so tensor parallelism replicates it whole; each rank takes
+    its heads' logits (Attention.first_head) and the gradients are summed over the ranks."""
+
+    def __init__(self, num_heads: int, softmax_type: str) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.logits = nn.Parameter(torch.zeros(num_heads)) if softmax_type == "learnable" else None
+
+    def forward(self, device: torch.device) -> torch.Tensor:
+        """fp32 [heads]: every head's sink logit."""
+        if self.logits is None:
+            return torch.zeros(self.num_heads, device=device)
+        return self.logits.float()
 
 
 class Attention(nn.Module):
@@ -264,6 +291,8 @@ class Attention(nn.Module):
         # under tensor parallelism each rank holds them whole and applies them to its own heads.
         self.q_norm = make_norm(config, d) if config.qk_layernorm else None
         self.k_norm = make_norm(config, d) if config.qk_layernorm else None
+        self.sink = AttentionSink(config.num_attention_heads, config.softmax_type) \
+            if config.softmax_type != "vanilla" else None
 
     def forward(
         self,
@@ -290,6 +319,7 @@ class Attention(nn.Module):
         slopes = None
         if self.alibi_heads:
             slopes = alibi_slopes(self.alibi_heads, q.device)[self.first_head:self.first_head + q.shape[1]]
+        sink = None if self.sink is None else self.sink(q.device)[self.first_head:self.first_head + q.shape[1]]
         out = attend(
             q,
             k,
@@ -300,6 +330,7 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             kernel=self.kernel,
             alibi=slopes,
+            sink=sink,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -316,7 +347,8 @@ class TransformerLayer(nn.Module):
         self.name = str(layer_number)  # the KV cache's key for this layer
         self.post_layernorm = config.post_layernorm
         self.ln1 = make_norm(config)
-        self.attention = Attention(config, causal)
+        self.attention: Attention | MultiLatentAttention = (
+            MultiLatentAttention(config, causal) if config.multi_latent_attention else Attention(config, causal))
         self.ln2 = make_norm(config)
         experts = config.experts_in_layer(layer_number)
         self.mlp = MoELayer(config, experts) if experts else MLP(config)
@@ -366,7 +398,7 @@ def run_layers(
     if config.position_embedding_type == "rope":
         if position_ids is None:
             position_ids = cached_positions(hidden, cache)
-        rope = rotary_cos_sin(position_ids, inverse_frequency(config, hidden.device))
+        rope = rotary_cos_sin(position_ids, inverse_frequency(config, hidden.device), rope_attention_factor(config))
     if isinstance(cache, StaticKVCache) and cache.slots is not None:
         return _run_static_step(layers, hidden, config, attention_mask, rope, cache)
     kv_length = seq_length + (cache.length if cache is not None else 0)
@@ -512,7 +544,7 @@ def tie_weights(model: nn.Module) -> None:
 WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 # Megatron's scaled init: projections that write into the residual stream get std / sqrt(2 L).
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "fc2.weight", "experts.w2")
-_BIASES = {"bias", "b1", "b2"}
+_BIASES = {"bias", "b1", "b_gate", "b2"}
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -587,3 +619,6 @@ def init_weights(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, module, param in canonical_parameters(model):
             set_parameter(param, initial_value(name, module, param.shape, config, seed))
+        for module in model.modules():  # buffers that start at zero (materialized from meta they hold garbage)
+            if isinstance(module, MoELayer) and module.expert_bias is not None:
+                module.expert_bias.zero_()

@@ -108,12 +108,15 @@ def lr_schedule_for(schedule: Any, global_batch_size: int, train_iters: int | No
             warmup = schedule.warmup_samples
         return LRScheduleSettings(lr=schedule.lr, min_lr=schedule.min_lr, decay_style=schedule.decay_style,
                                   decay_samples=schedule.decay_samples, warmup_samples=warmup,
-                                  wsd_decay_samples=schedule.wsd_decay_samples)
+                                  wsd_decay_samples=schedule.wsd_decay_samples,
+                                  init_lr=getattr(schedule, "warmup_init", 0.0),
+                                  wsd_decay_style=getattr(schedule, "wsd_decay_style", "linear"))
     return lr_schedule_from_iters(
         lr=schedule.lr, min_lr=schedule.min_lr, style=schedule.decay_style, train_iters=train_iters,
         lr_decay_iters=schedule.decay_iters, lr_warmup_iters=schedule.warmup_iters,
         lr_warmup_fraction=schedule.warmup_fraction, global_batch_size=global_batch_size,
-        lr_wsd_decay_iters=schedule.wsd_decay_iters)
+        lr_wsd_decay_iters=schedule.wsd_decay_iters, lr_warmup_init=getattr(schedule, "warmup_init", 0.0),
+        lr_wsd_decay_style=getattr(schedule, "wsd_decay_style", "linear"))
 
 
 def learning_rate_at(settings: LRScheduleSettings, samples: float) -> float:

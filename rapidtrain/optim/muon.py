@@ -1,14 +1,15 @@
 """--optimizer muon: torch.optim.Muon for the transformer layers' weight matrices, torch.optim.AdamW for every other
 parameter, stepped as one optimizer, so the schedule, clipping and checkpoints see one set of groups and one state.
 
-Which parameters Muon takes (`takes_muon`): the 2-D weights inside `layers.*` (attention's Q, K, V and output
-projections, the MLP's, the MoE router) and the MoE experts' stacked weights [E, in, out], each expert's matrix
-orthogonalized on its own (as Megatron-Core does with one weight per expert). A matrix sharded by FSDP2 or tensor
-parallelism is gathered whole for its step (optim/muon_adamw.py): torch.optim.Muon on the shards themselves runs but
-is wrong (measured with torch 2.13, FSDP2 on 2 ranks: weights off by 1.2e-2 after 3 steps at lr 0.05, AdamW 9e-8).
-AdamW takes the rest: the embeddings, the output head (and BERT's head and pooler), norms and biases. Q, K and V are
-separate matrices in the built-in models, so each is orthogonalized on its own, as Megatron-Core does by default
-(--muon-split-qkv).
+Which parameters Muon takes (`takes_muon`): the 2-D weights inside `layers.*` and the multi-token prediction depths
+`mtp.*` (attention's projections, the MLP's, the MoE router and shared experts, MTP's [h, 2h] projection) and the MoE
+experts' stacked weights [E, in, out], each expert's matrix orthogonalized on its own (as Megatron-Core does with one
+weight per expert). A matrix sharded by FSDP2 or tensor parallelism is gathered whole for its step
+(optim/muon_adamw.py): torch.optim.Muon on the shards themselves runs but is wrong (measured with torch 2.13, FSDP2 on
+2 ranks: weights off by 1.2e-2 after 3 steps at lr 0.05, AdamW 9e-8). AdamW takes the rest: the embeddings, the output
+head (and BERT's head and pooler), norms and biases. Q, K and V are separate matrices in the built-in models, so each
+is orthogonalized on its own, as Megatron-Core does by default (--muon-split-qkv); multi-head latent attention's down-
+and up-projections are matrices of their own too.
 
 Megatron-Core scales the orthogonalized update of an [out, in] weight by `muon_scale` × --muon-extra-scale-factor
 and decays the weight by lr × weight decay. torch's Muon scales it by sqrt(max(1, A / B)) for the [A, B] matrix it
@@ -77,7 +78,8 @@ def takes_muon(name: str, param: torch.Tensor) -> bool:
     from rapidtrain.optim.optimizers import STACKED_BIAS_SUFFIXES
 
     bare = bare_name(name)
-    if bare.split(".")[0] != "layers" or bare.endswith(".bias") or bare.endswith(STACKED_BIAS_SUFFIXES):
+    # The transformer layers, and the multi-token prediction depths (each a layer and its [h, 2h] projection).
+    if bare.split(".")[0] not in ("layers", "mtp") or bare.endswith(".bias") or bare.endswith(STACKED_BIAS_SUFFIXES):
         return False
     return param.ndim == 2 or is_expert_weight(name, param)
 
@@ -127,6 +129,9 @@ def muon_parameter_counts(config: ModelConfig) -> tuple[tuple[int, int], tuple[i
 
     layers = Counter(config.num_experts) if config.num_experts else Counter({0: config.num_layers})
     muon_tensors = muon_elements = 0
+    if config.mtp_num_layers and config.model_type == "gpt":  # each depth: a layer of the last's kind, [h, 2h]
+        layers[config.experts_in_layer(config.num_layers - 1)] += config.mtp_num_layers
+        muon_tensors, muon_elements = config.mtp_num_layers, config.mtp_num_layers * 2 * config.hidden_size ** 2
     for experts, count in layers.items():
         shared, stacked = layer_shapes(config, experts)
         matrices = [shape for shape in shared if len(shape) == 2] + [shape for shape in stacked if len(shape) == 3]

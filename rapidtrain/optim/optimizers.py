@@ -73,7 +73,7 @@ class OptimizerSettings:
 
 
 # MoE experts keep their biases stacked per expert ([E, f], [E, h]): 2-D, yet biases, so no weight decay.
-STACKED_BIAS_SUFFIXES = ("experts.b1", "experts.b2")
+STACKED_BIAS_SUFFIXES = ("experts.b1", "experts.b_gate", "experts.b2")
 
 
 # Wrappers that prefix parameter names (DDP, torch.compile, activation checkpointing, FairScale).

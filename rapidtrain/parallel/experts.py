@@ -45,7 +45,7 @@ from rapidtrain.models.moe import Experts, moe_layers
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import GradNorm, TorchRunner
 
-EXPERT_WEIGHTS = ("w1", "w_gate", "b1", "w2", "b2")  # those the layer has (no w_gate without SwiGLU, ...)
+EXPERT_WEIGHTS = ("w1", "w_gate", "b1", "b_gate", "w2", "b2")  # those the layer has (no w_gate without SwiGLU, ...)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -80,6 +80,7 @@ class ExpertParallelExperts(Experts):
         local = self.num_experts // ep_size
         self.first_expert = ep_rank * local
         self.openai_gelu = experts.openai_gelu
+        self.gated_unit = experts.gated_unit
         for name in EXPERT_WEIGHTS:
             full = getattr(experts, name)
             if full is None:
@@ -111,7 +112,7 @@ class ExpertParallelExperts(Experts):
         )
         # Local values: expert slices are DTensors when placed beside data-parallel DTensors (replicate, FSDP2).
         output = self.run_experts(rows, _local(self.w1), _local_or_none(self.w_gate), _local_or_none(self.b1),
-                                  _local(self.w2), _local_or_none(self.b2))
+                                  _local(self.w2), _local_or_none(self.b2), _local_or_none(self.b_gate))
         back = output.view(local, ep, capacity, hidden).transpose(0, 1).reshape(experts, capacity, hidden)
         return all_to_all(back, self.group)
 

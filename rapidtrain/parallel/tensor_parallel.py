@@ -2,10 +2,11 @@
 
 Attention q/k/v and the MLP's fc1 (and SwiGLU gate) are split by columns (each rank owns whole heads and,
 with grouped-query attention, whole key/value groups: query_groups / TP of them, which serve exactly the
-rank's query heads), o_proj and fc2 by rows; the word embedding is split by vocabulary rows and the
-logits stay split on the vocabulary dimension into `loss_parallel` (no rank ever holds full logits).
-Every other parameter becomes a replicated DTensor, so optimizers, gradient norms and checkpoints see
-one kind of tensor.
+rank's query heads), o_proj and fc2 by rows; multi-head latent attention splits its per-head up-projections
+(q_up_proj or q_proj, kv_up_proj) by columns and keeps the down-projections and latent norms whole; the word
+embedding is split by vocabulary rows and the logits stay split on the vocabulary dimension into
+`loss_parallel` (no rank ever holds full logits). Every other parameter becomes a replicated DTensor, so
+optimizers, gradient norms and checkpoints see one kind of tensor.
 
 Dropout RNG. Every rank is seeded alike (`seed_everything`), and the ranks of a tensor-parallel group
 run the same operations on the same shapes, so the default generator advances in lockstep: dropout on
@@ -42,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.mla import MultiLatentAttention
 from rapidtrain.models.moe import MoELayer
 from rapidtrain.models.transformer import Attention, OutputLayer, TransformerLayer
 
@@ -74,9 +76,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     _tie_output_to_embedding(model)
     parallelize_module(cast(nn.Module, model.loss), tp_mesh, VocabParallelLoss())
     per_head_norms = {id(norm) for attention in model.modules() if isinstance(attention, Attention)
-                      for norm in (attention.q_norm, attention.k_norm) if norm is not None}
+                      for norm in (attention.q_norm, attention.k_norm, attention.sink) if norm is not None}
     for module in _unsplit_subtrees(model):
-        # --qk-layernorm's norms see only this rank's heads: their gradients are summed over the ranks.
+        # --qk-layernorm's norms and the attention sinks see only this rank's heads: their gradients are summed over
+        # the ranks.
         parallelize_module(module, tp_mesh, ReplicatedParameters(sum_gradients=id(module) in per_head_norms))
     _fork_rng_where_sharded(model, tp_mesh, sequence_parallel)
 
@@ -155,12 +158,14 @@ def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequenc
     # shape keeps the sequence length that masks and rotary angles are made from).
     keep_dtensor = not sequence_parallel
     plan: dict[str, ParallelStyle] = {
-        "attention.q_proj": ColwiseParallel(),
-        "attention.k_proj": ColwiseParallel(),
-        "attention.v_proj": ColwiseParallel(),
-        "attention.o_proj": RowwiseParallel(output_layouts=residual, use_local_output=keep_dtensor),
-    }
-    if isinstance(layer.mlp, MoELayer):  # experts are not split; each rank routes the full sequence
+        f"attention.{name}": ColwiseParallel() for name in _column_split_attention(layer.attention, tp_mesh)}
+    plan["attention.o_proj"] = RowwiseParallel(output_layouts=residual, use_local_output=keep_dtensor)
+    if isinstance(layer.mlp, MoELayer):  # routed experts are not split; each rank routes the full sequence
+        if layer.mlp.shared_experts is not None:  # shared experts: a dense MLP, split as one (Megatron-Core)
+            plan["mlp.shared_experts.fc1"] = ColwiseParallel()
+            if layer.mlp.shared_experts.gate is not None:
+                plan["mlp.shared_experts.gate"] = ColwiseParallel()
+            plan["mlp.shared_experts.fc2"] = RowwiseParallel()
         if sequence_parallel:
             plan["mlp"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),),
@@ -188,6 +193,27 @@ def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequenc
             use_local_output=True,
         )
     parallelize_module(layer, tp_mesh, plan)
+
+
+def _column_split_attention(attention: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
+    """The attention's projections split by heads. Multi-head latent attention's: the per-head up-projections; its
+    rotary key, one for all heads, is used by each rank's heads, so its gradient is summed over the ranks."""
+    if not isinstance(attention, MultiLatentAttention):
+        return ["q_proj", "k_proj", "v_proj"]
+    attention.shared_key_gradient = SumGradientOverRanks(tp_mesh.get_group())
+    return ["q_proj" if attention.q_proj is not None else "q_up_proj", "kv_up_proj"]
+
+
+class SumGradientOverRanks(nn.Module):
+    """Identity forward, the gradient summed over the tensor-parallel ranks backward (Megatron's
+    copy-to-tensor-model-parallel-region), for a replicated tensor that each rank's heads use in part."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _SumGradient.apply(tensor, self.group)
 
 
 def _split_head(model: nn.Module, tp_mesh: DeviceMesh, residual, sequence_parallel: bool) -> None:
@@ -237,6 +263,9 @@ def _unsplit_subtrees(model: nn.Module) -> Iterator[nn.Module]:
         if params and len(plain(module)) == len(params):
             yield module
             return
+        if isinstance(module, MoELayer):  # split shared experts: the router and experts replicated as one, since
+            yield module  # the layer reads their weights outside their own forwards (ReplicatedParameters: plain only)
+            return
         for child in module.children():
             yield from visit(child)
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
@@ -266,8 +295,10 @@ class ReplicatedParameters(ParallelStyle):
         self.sum_gradients = sum_gradients
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # The module's plain parameters; those already split (an MoE layer's shared experts) keep their own style.
         owners = [
-            (owner, name) for owner in module.modules() for name, _ in owner.named_parameters(recurse=False)
+            (owner, name) for owner in module.modules() for name, param in owner.named_parameters(recurse=False)
+            if not isinstance(param, DTensor)
         ]
         for owner, name in owners:
             param = owner._parameters[name]
@@ -382,7 +413,7 @@ def _fork_rng_where_sharded(model: nn.Module, tp_mesh: DeviceMesh, sequence_para
     config = cast(ModelConfig, model.config)  # the built-in model's (nn.Module's __getattr__ types it Tensor | Module)
     fork = ShardedDropoutRNG(tp_mesh.get_local_rank())
     for module in model.modules():
-        if isinstance(module, Attention) and config.attention_dropout > 0:
+        if isinstance(module, (Attention, MultiLatentAttention)) and config.attention_dropout > 0:
             fork.attach(module)
         elif sequence_parallel and isinstance(module, TransformerLayer) and config.hidden_dropout > 0:
             fork.attach(module.dropout)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from rapidtrain.core.errors import UserError
 from rapidtrain.core.metrics import Timers
+from rapidtrain.models.moe import update_expert_biases
 from rapidtrain.optim.lr_schedule import LRScheduler
 from rapidtrain.parallel.runner import LossTotal, Runner, StepOutcome, agree
 
@@ -135,6 +136,8 @@ def finish_step(ctx: StepContext, loss: torch.Tensor | None, stop_requested: boo
             "(the checkpoints in --save stay as they were). Lower --lr, keep --clip-grad on, check the data, "
             "or use --fp16 with loss scaling, then resume with --load.")
     outcome = runner.step(skip=overflow)
+    # Aux-loss-free MoE balancing (Megatron-Core updates the biases with the step's gradients, skipped or not).
+    update_expert_biases([runner.module, *getattr(runner, "views", [])], ctx.data_parallel_group)
     if not outcome.skipped:
         advance_schedule(ctx.lr_scheduler, samples or ctx.global_batch_size)
     return StepDecision(outcome, nan=is_nonfinite and not outcome.skipped, stop=stop)

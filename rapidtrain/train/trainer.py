@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +41,8 @@ from rapidtrain.data.loaders import (
     train_batch_sampler,
     train_loader,
 )
-from rapidtrain.models import moe
+from rapidtrain.models import moe, mtp
+from rapidtrain.models.transformer import canonical_name
 from rapidtrain.parallel.runner import as_loss, autocast
 from rapidtrain.train.control import Checkpointer, StopConditions
 from rapidtrain.train.engine import Engine
@@ -70,6 +72,17 @@ def _tokens_in(batch: Any) -> int:
             if key in batch:
                 return torch.as_tensor(batch[key]).numel()
     return 0
+
+
+def moe_layer_row(name: str, num_layers: int) -> int | None:
+    """The row of an MoE layer named by named_modules (wrapper prefixes and all): its layer number, or for
+    multi-token prediction's depth k, num_layers + k."""
+    canonical = canonical_name(name)
+    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", canonical + ".")
+    if layer:
+        return int(layer.group(1))
+    depth = re.search(r"(?:^|\.)mtp\.depths\.(\d+)\.", canonical + ".")
+    return num_layers + int(depth.group(1)) if depth else None
 
 
 class Trainer:
@@ -283,21 +296,55 @@ class Trainer:
         totals, self.totals = self.totals, IntervalTotals()
         interval = self.meter.interval()
         logging = self.plan.logging
+        load, per_layer = self.expert_load()
         line, scalars = build_log_line(
             self.plan, totals, interval, iteration=self.iteration,
             train_iters=self.engine.total_iterations(self.steps_per_epoch),
             consumed_samples=self.consumed_samples, learning_rate=self.current_lr(),
             loss_scale=self.engine.runner.loss_scale, loss_name=self.loss_name,
             flops_per_iteration=self.flops_per_iteration(interval), device=self.engine.device,
-            extras=self.log_extras(), global_batch_size=self.last_global_batch,
+            extras={**self.log_extras(), **load}, global_batch_size=self.last_global_batch,
             reported=self.reduce_reported(totals.reported),
             params_norm=float(self.engine.runner.params_norm()) if logging.params_norm else None)
         self.records.flush()
         if self.is_logging_rank:
             self.print_log(line)
-            self.writer.add_scalars(scalars, self.iteration)
+            self.writer.add_scalars({**scalars, **per_layer}, self.iteration)
             if logging.timers_to_tensorboard:
                 self.timers.write(self.writer, self.iteration, interval.iterations)
+
+    def expert_load(self) -> tuple[dict[str, str], dict[str, float]]:
+        """Routing load since the last log line, per MoE layer (of every pipeline stage, and multi-token prediction's
+        depths after the layers): the busiest expert's assignments over the mean, summed over data-parallel ranks.
+        The log line names the worst layer; TensorBoard gets every layer (moe/load_max_over_mean/layer_N). Every
+        rank joins the two all-reduces; one host read per log line."""
+        model = self.plan.model
+        if model is None or not any(model.num_experts):
+            return {}, {}
+        runner = self.engine.runner
+        loads: dict[str, torch.Tensor] = {}
+        for part in [runner.module, *getattr(runner, "views", [])]:
+            loads.update(moe.collect_expert_load(part))
+        rows = model.num_layers + model.mtp_num_layers
+        table = torch.zeros(rows, max(model.num_experts), dtype=torch.float64, device=self.engine.device)
+        for name, counts in loads.items():
+            row = moe_layer_row(name, model.num_layers)
+            if row is not None:
+                table[row, :counts.numel()] = counts.to(table.device, torch.float64)
+        self.engine.all_reduce_data_parallel(table)
+        self.engine.all_reduce_pipeline(table)
+        ratios: dict[int, float] = {}
+        for row, counts in enumerate(table.tolist()):
+            experts = model.experts_in_layer(row) if row < model.num_layers else \
+                model.experts_in_layer(model.num_layers - 1)
+            if experts and sum(counts[:experts]) > 0:
+                ratios[row] = max(counts[:experts]) * experts / sum(counts[:experts])
+        if not ratios:
+            return {}, {}
+        worst = max(ratios, key=ratios.__getitem__)
+        where = f"layer {worst}" if worst < model.num_layers else f"MTP depth {worst - model.num_layers + 1}"
+        return ({"expert load max/mean": f"{ratios[worst]:.3f} ({where})"},
+                {f"moe/load_max_over_mean/layer_{row}": value for row, value in ratios.items()})
 
     def reduce_reported(self, pairs: dict[str, torch.Tensor]) -> dict[str, float]:
         """The interval's means of a Megatron loss function's values over every data-parallel rank (one
@@ -339,21 +386,36 @@ class Trainer:
         moe.set_aux_loss_scale(self.engine.runner.module, self.engine.runner.backward_scale / steps)
 
     def _moe_extras(self) -> dict[str, torch.Tensor]:
-        """The MoE balancing loss: the mean over all MoE layers (of every pipeline stage) and data-parallel ranks."""
-
+        """The MoE balancing loss: the mean over all MoE layers (of every pipeline stage) and data-parallel ranks;
+        with multi-token prediction its loss too."""
+        extras = self._mtp_extras()
         total, layers = moe.collect_aux_loss_sum(self.engine.runner.module)
         pipeline = self.engine.mesh.group("pp")
         # Under pipelining every stage joins the sum, also one whose layers are all dense.
         staged = pipeline is not None and self.plan.model is not None and any(self.plan.model.num_experts)
         if total is None and not staged:
-            return {}
+            return extras
         device = self.engine.device if total is None else total.device
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         if total is not None:
             totals[0], totals[1] = total.detach(), layers
         self.engine.all_reduce_pipeline(totals)
         self.engine.all_reduce_data_parallel(totals)
-        return {"load balancing loss": (totals[0] / totals[1]).float()}
+        return {"load balancing loss": (totals[0] / totals[1]).float(), **extras}
+
+    def _mtp_extras(self) -> dict[str, torch.Tensor]:
+        """Multi-token prediction's loss (the mean over its depths, unscaled), over this iteration's micro-batches
+        and the data-parallel ranks; the stage holding it sends it to the logging rank (every stage joins)."""
+        model = self.plan.model
+        if model is None or not model.mtp_num_layers:
+            return {}
+        recorded, _ = mtp.collect_mtp_loss(self.engine.runner.module)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        if recorded is not None:
+            totals += recorded.to(totals.device)
+        self.engine.all_reduce_pipeline(totals)
+        self.engine.all_reduce_data_parallel(totals)
+        return {"mtp loss": (totals[0] / totals[1].clamp(min=1)).float()}
 
     # ---- the general template's data: epochs over a map-style dataset ----
     def setup(self) -> None:

@@ -191,6 +191,11 @@ TINY: dict[str, object] = {
     "--pipe-parallel-size": lambda values: [str(min(int(values[0]), 2))],
     "--expert-model-parallel-size": "1", "--moe-expert-parallel-size": "1", "--rampup-batch-size": None,
     "--exit-duration-in-mins": None, "--exit-interval": None, "--moe-router-topk": lambda values: ["1"],
+    # today's MoE and attention: shared experts, group-limited routing over the two experts left, MLA's ranks
+    "--moe-shared-expert-intermediate-size": "64", "--shared-moe-ffn-hidden-size": "64",
+    "--moe-router-num-groups": "2", "--moe-router-group-topk": "1", "--q-lora-rank": "32", "--kv-lora-rank": "16",
+    "--qk-head-dim": "16", "--qk-nope-head-dim": "16", "--qk-pos-emb-head-dim": "8", "--qk-rope-head-dim": "8",
+    "--v-head-dim": "16",
 }
 TINY_DEEPSPEED = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
 

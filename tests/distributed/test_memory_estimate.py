@@ -81,6 +81,18 @@ LAYOUTS = {
     # full recompute the first stage's peak is the word embedding's gradient, made after the layers are freed
     "pp2_bf16": [*LAYERS_DOMINATE, "--bf16"],
     "pp2_bf16_recompute_full": [*LAYERS_DOMINATE, "--bf16", "--recompute-granularity", "full"],
+    # today's models: DeepSeek's MLA, fine-grained MoE (routed experts of their own size, a shared expert, dropless
+    # sigmoid routing with expert bias) and a multi-token prediction depth after the layers; gpt-oss's sinks
+    "deepseek_mtp": ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                     "--disable-bias-linear", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "32",
+                     "--kv-lora-rank", "24", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+                     "--num-experts", "0", "8", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "32",
+                     "--moe-shared-expert-intermediate-size", "64", "--moe-router-score-function", "sigmoid",
+                     "--moe-router-enable-expert-bias", "--disable-moe-token-dropping", "--mtp-num-layers", "1"],
+    "gpt_oss": ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--num-experts", "4",
+                "--moe-router-topk", "2", "--disable-moe-token-dropping", "--softmax-type", "learnable", "--quick-geglu",
+                "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--window-size", "15,0",
+                "--window-attn-skip-freq", "2"],
 }
 
 

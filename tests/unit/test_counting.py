@@ -25,6 +25,9 @@ SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64,
 # RMSNorm, SwiGLU, grouped-query attention (2 key/value heads), rope, no biases, untied output.
 LLAMA = dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, add_bias_linear=False,
              position_embedding_type="rope", tie_embeddings=False, ffn_hidden_size=48)
+# Multi-head latent attention (DeepSeek): a query bottleneck, latent norms, head parts apart from hidden / heads.
+MLA = dict(num_query_groups=None, multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=8, qk_head_dim=6,
+           qk_pos_emb_head_dim=4, v_head_dim=5, qk_layernorm=True)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +46,12 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, add_bias_
         {"model_type": "bert", "post_layernorm": True, "bert_binary_head": True, "num_tokentypes": 2},
         {"position_embedding_type": "alibi", "embed_layernorm": True},
         {**LLAMA, "embed_layernorm": True, "sliding_window": 8},
+        # fine-grained MoE: experts of their own size, gated shared experts, multi-token prediction's depths
+        {**LLAMA, "num_experts": (0, 4, 4, 8), "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
+         "moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True, "mtp_num_layers": 2},
+        {"mtp_num_layers": 1},
+        {**LLAMA, **MLA},
+        {**MLA, "position_embedding_type": "rope", "q_lora_rank": None, "qk_layernorm": False},
     ],
 )
 def test_total_parameters_match_the_built_model(overrides: dict):
@@ -69,7 +78,13 @@ def model_configs(draw) -> ModelConfig:
     smallest = min([e for e in experts if e] or [1])
     positions = ["learned_absolute", "rope"] + (["alibi"] if model_type == "gpt" else [])
     binary_head = model_type == "bert" and draw(st.booleans())
-    return ModelConfig(
+    latent: dict = {}
+    if draw(st.booleans()):  # multi-head latent attention: rope, no key/value groups
+        positions, groups = ["rope"], None
+        latent = dict(multi_latent_attention=True, q_lora_rank=draw(st.sampled_from([None, 3])),
+                      kv_lora_rank=draw(st.integers(1, 5)), qk_head_dim=draw(st.integers(1, 4)),
+                      qk_pos_emb_head_dim=draw(st.sampled_from([2, 4])), v_head_dim=draw(st.integers(1, 4)))
+    return ModelConfig(**latent,
         model_type=model_type, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=groups, kv_channels=kv_channels, vocab_size=draw(st.integers(3, 40)),
         max_position_embeddings=draw(st.integers(1, 9)), seq_length=8,
@@ -81,6 +96,10 @@ def model_configs(draw) -> ModelConfig:
         post_layernorm=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
         num_tokentypes=draw(st.integers(0, 2)), bert_binary_head=binary_head,
         num_experts=experts, moe_router_topk=draw(st.integers(1, smallest)), moe_residual=draw(st.booleans()),
+        moe_ffn_hidden_size=draw(st.sampled_from([None, 3])),
+        moe_shared_expert_intermediate_size=draw(st.sampled_from([None, 4])) if any(experts) else None,
+        moe_shared_expert_gate=draw(st.booleans()),
+        mtp_num_layers=draw(st.integers(0, 2)) if model_type == "gpt" else 0,
     )
 
 
@@ -160,6 +179,19 @@ def test_flops_for_other_ffn_sizes_moe_and_bert():
     bert = model_flops_per_iteration(ModelConfig(**base, model_type="bert"), 8)
     assert bert - dense == 3 * (2 * 2 * tokens * 128 * 64 + 2 * tokens * 64 * 64)
     assert model_flops_per_iteration(ModelConfig(**base), 8, seq_length=64) < dense
+
+
+def test_latent_attention_flops_by_hand():
+    """MLA's projections q_down (h → 12), q_up (12 → 4·10), kv_down (h → 8 + 4), kv_up (8 → 4·11), o_proj (4·5 → h)
+    replace q/k/v/o's 4·2·N·h²; causal scores over 4·10 query/key and 4·5 value dimensions, s/2 keys on average."""
+    llama = ModelConfig(**{**SMALL, **LLAMA, "num_query_groups": None})
+    mla = ModelConfig(**{**SMALL, **LLAMA, **MLA})
+    tokens, s, h, layers = 8 * 16, 16, 32, 4
+    projections = 2 * tokens * (h * 12 + 12 * 40 + h * 12 + 8 * 44 + 20 * h)
+    scores = 2 * tokens * (s // 2) * (40 + 20)
+    llama_attention = 8 * tokens * h * h + 4 * tokens * (s // 2) * h
+    expected = model_flops_per_iteration(llama, 8, s) + 3 * layers * (projections + scores - llama_attention)
+    assert model_flops_per_iteration(mla, 8, s) == expected
 
 
 def test_llama_flops_count_the_gate_and_the_smaller_key_value_projections():

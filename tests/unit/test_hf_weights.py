@@ -26,6 +26,22 @@ LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "lo
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+# DeepSeek with dense layers only (first_k_dense_replace = layers): MLA with a query bottleneck or a plain q_proj.
+DEEPSEEK = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=12, first_k_dense_replace=2, max_position_embeddings=64)
+# YaRN over an original context of 16 (so 16-token inputs reach the stretched pairs); equal mscales leave cos/sin
+# alone and scale the softmax by mscale(4, 1)²; unequal ones scale cos/sin too.
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                 "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+DEEPSEEK_V2_YARN = DEEPSEEK_YARN | {"mscale": 0.707, "mscale_all_dim": 0.5, "truncate": False}
+DEEPSEEK_MOE = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+                    n_shared_experts=1)
+
+
+LLAMA_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
 def hf_configs():
     import transformers as t
 
@@ -40,7 +56,31 @@ def hf_configs():
         # Qwen3: q/k norms, and a head size (32) apart from hidden / heads (16)
         "qwen3": (t.Qwen3Config(**LLAMA | {"head_dim": 32}), t.Qwen3ForCausalLM),
         "llama3.1": (t.LlamaConfig(**LLAMA | {"rope_parameters": LLAMA31_ROPE}), t.LlamaForCausalLM),
+        # YaRN on a Llama (Qwen's long-context recipe): cos/sin × mscale(4) = 1.1386, the softmax scale as plain
+        "llama-yarn": (t.LlamaConfig(**LLAMA | {"rope_parameters": LLAMA_YARN}), t.LlamaForCausalLM),
         "mixtral": (t.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2), t.MixtralForCausalLM),
+        # Qwen-MoE: routed experts of their own size, a dense first layer (mlp_only_layers), Qwen2-MoE's gated
+        # shared expert and q/k/v biases, probabilities kept as they are (norm_topk_prob off) or renormalised
+        "qwen2_moe": (t.Qwen2MoeConfig(**LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                                       shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+                      t.Qwen2MoeForCausalLM),
+        "qwen3_moe": (t.Qwen3MoeConfig(**LLAMA | {"head_dim": 32}, num_experts=6, num_experts_per_tok=2,
+                                       moe_intermediate_size=40, norm_topk_prob=True), t.Qwen3MoeForCausalLM),
+        "deepseek_v3": (t.DeepseekV3Config(**DEEPSEEK), t.DeepseekV3ForCausalLM),
+        "deepseek_v3-plain-q": (t.DeepseekV3Config(**DEEPSEEK | {"q_lora_rank": None}), t.DeepseekV3ForCausalLM),
+        "deepseek_v3-yarn": (t.DeepseekV3Config(**DEEPSEEK, rope_parameters=DEEPSEEK_YARN), t.DeepseekV3ForCausalLM),
+        "deepseek_v3-halves": (t.DeepseekV3Config(**DEEPSEEK, rope_interleave=False), t.DeepseekV3ForCausalLM),
+        "deepseek_v2": (t.DeepseekV2Config(**DEEPSEEK | {"q_lora_rank": None}), t.DeepseekV2ForCausalLM),
+        "deepseek_v2-yarn": (t.DeepseekV2Config(**DEEPSEEK, rope_parameters=DEEPSEEK_V2_YARN),
+                             t.DeepseekV2ForCausalLM),
+        # DeepSeek's MoE: a dense first layer; V3's sigmoid router with its score-correction bias (perturbed by
+        # save_tiny), groups and routed scaling, a shared expert; V2's softmax kept as it is, two shared experts
+        "deepseek_v3-moe": (t.DeepseekV3Config(**DEEPSEEK | DEEPSEEK_MOE, n_group=4, topk_group=2,
+                                               routed_scaling_factor=2.5, norm_topk_prob=True),
+                            t.DeepseekV3ForCausalLM),
+        "deepseek_v2-moe": (t.DeepseekV2Config(**DEEPSEEK | DEEPSEEK_MOE | {"n_shared_experts": 2, "q_lora_rank": None},
+                                               routed_scaling_factor=1.5, topk_method="greedy"),
+                            t.DeepseekV2ForCausalLM),
         "bert": (t.BertConfig(**SHAPE), t.BertForPreTraining),
         "megatron-bert": (t.MegatronBertConfig(**SHAPE), t.MegatronBertForMaskedLM),
     }
@@ -55,6 +95,9 @@ def save_tiny(kind: str, folder: Path, **overrides) -> Path:
     with torch.no_grad():  # BERT's LayerNorms start at (1, 0); make every parameter matter
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's expert bias (zeros when made) must matter too
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn_like(buffer) * 0.05)
     model.save_pretrained(folder)
     return folder
 
@@ -98,7 +141,10 @@ def hf_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     return out.prediction_logits if hasattr(out, "prediction_logits") else out.logits
 
 
-FAMILIES = ["gpt2", "bloom", "llama", "mistral", "qwen2", "qwen3", "llama3.1", "mixtral", "bert", "megatron-bert"]
+DEEPSEEK_KINDS = ["deepseek_v3", "deepseek_v3-plain-q", "deepseek_v3-yarn", "deepseek_v3-halves", "deepseek_v2",
+                  "deepseek_v2-yarn", "deepseek_v3-moe", "deepseek_v2-moe"]
+FAMILIES = ["gpt2", "bloom", "llama", "mistral", "qwen2", "qwen3", "llama3.1", "llama-yarn", "mixtral", "qwen2_moe",
+            "qwen3_moe", "bert", "megatron-bert", *DEEPSEEK_KINDS]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -270,6 +316,14 @@ def test_one_training_step_equals_hugging_face(kind, tmp_path):
     (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
           swiglu=True, add_bias_linear=False, position_embedding_type="rope", rotary_interpolation_factor=4.0),
      "llama"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, add_bias_linear=False, position_embedding_type="rope", rope_scaling="yarn",
+          rope_scaling_factor=4.0, rope_original_max_positions=16, yarn_beta_fast=8.0, yarn_mscale=0.5), "llama"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="RMSNorm", swiglu=True,
+          add_bias_linear=False, position_embedding_type="rope", multi_latent_attention=True, qk_layernorm=True,
+          layernorm_epsilon=1e-6, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+          v_head_dim=12, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=16,
+          yarn_mscale=0.707, yarn_mscale_all_dim=0.5), "deepseek_v3"),
     (dict(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4, num_tokentypes=2,
           bert_binary_head=True), "megatron-bert"),
     (dict(model_type="bert", num_layers=2, hidden_size=64, num_attention_heads=4, num_tokentypes=2,
@@ -279,14 +333,36 @@ def test_one_training_step_equals_hugging_face(kind, tmp_path):
     (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
           swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
           sliding_window=5), "mistral"),
-], ids=["gpt2", "llama", "qwen2", "mixtral", "qwen3", "llama3.1", "linear-rope", "megatron-bert", "bert", "bloom",
-        "mistral"])
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, num_query_groups=2, add_bias_linear=False, add_qkv_bias=True, position_embedding_type="rope",
+          tie_embeddings=False, num_experts=(0, 4), moe_router_topk=2, moe_token_dropping=False,
+          moe_ffn_hidden_size=40, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
+          moe_router_pre_softmax=True), "qwen2_moe"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
+          qk_layernorm=True, num_experts=(4, 4), moe_router_topk=2, moe_token_dropping=False,
+          moe_ffn_hidden_size=40), "qwen3_moe"),
+    # DeepSeek-V3's MoE from a model rapidtrain built: sigmoid router, expert bias, groups, scaling, a shared expert,
+    # and a multi-token prediction depth, which the export drops
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, normalization="RMSNorm",
+          swiglu=True, add_bias_linear=False, position_embedding_type="rope", tie_embeddings=False,
+          multi_latent_attention=True, qk_layernorm=True, layernorm_epsilon=1e-6, kv_lora_rank=16, qk_head_dim=16,
+          qk_pos_emb_head_dim=8, v_head_dim=16, num_experts=(0, 8), moe_router_topk=3, moe_token_dropping=False,
+          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_router_score_function="sigmoid",
+          moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
+          moe_router_topk_scaling_factor=2.5, mtp_num_layers=1), "deepseek_v3"),
+], ids=["gpt2", "llama", "qwen2", "mixtral", "qwen3", "llama3.1", "linear-rope", "yarn-rope", "mla-yarn",
+        "megatron-bert", "bert", "bloom", "mistral", "qwen2_moe", "qwen3_moe", "deepseek_v3-moe-mtp"])
 def test_builtin_models_export_to_folders_transformers_loads_with_the_same_logits(shape, kind, tmp_path):
     from rapidtrain.models import ModelConfig
 
     config = ModelConfig(vocab_size=256, seq_length=16, max_position_embeddings=64, hidden_dropout=0.0,
                          attention_dropout=0.0, **shape)
     ours = build_model(config, seed=5).eval()
+    with torch.no_grad():  # expert biases start at zero: give them values that change the choice
+        for name, buffer in ours.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
     assert export_family(config) == kind
     assert save_hf_folder(ours.state_dict(), config, tmp_path / "out") == kind
     theirs = load_hf(tmp_path / "out").eval()
@@ -294,8 +370,9 @@ def test_builtin_models_export_to_folders_transformers_loads_with_the_same_logit
     assert (logits_of(ours, ids) - hf_logits_of(theirs, ids)).abs().max() < TOLERANCE
 
 
-def test_hugging_face_round_trip_keeps_every_tensor(tmp_path):
-    folder = save_tiny("mixtral", tmp_path / "in")
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_hugging_face_round_trip_keeps_every_tensor(kind, tmp_path):
+    folder = save_tiny(kind, tmp_path / "in")
     ours, _ = builtin_from(folder)
     save_hf_folder(ours.state_dict(), ours.config, tmp_path / "out")
     source, again = WeightsReader(folder), WeightsReader(tmp_path / "out")
@@ -328,10 +405,10 @@ def test_unsupported_configs_are_refused_and_checkpoint_folders_load(tmp_path):
     import json
 
     config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 8.0}
     (folder / "config.json").write_text(json.dumps(config))
     args = arguments.parse_args(flags(folder))
-    with pytest.raises(rules.FlagConflict, match="rope scaling 'yarn'"):
+    with pytest.raises(rules.FlagConflict, match="rope scaling 'dynamic'"):
         rules.validate(args, settings.RunContext(1, "cpu"))
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
@@ -348,3 +425,75 @@ def test_qwen3_and_llama31_configs_set_the_head_size_qk_norms_and_rope_scaling(t
     assert llama.use_rope_scaling and llama.rope_scaling_factor == 8.0 and llama.kv_channels is None
     ours, _ = builtin_from(tmp_path / "llama")
     assert ours.config.rope_scaling == "llama3"
+
+
+@pytest.mark.parametrize("kind", DEEPSEEK_KINDS)
+def test_deepseek_folders_round_trip_to_the_same_tensors_and_logits(kind, tmp_path):
+    """In through the flags, out through save_hf_folder (as DeepSeek-V3, rotary rows interleaved): every tensor the
+    original holds comes back (reordered where the original kept halves), and transformers' logits agree."""
+    folder = save_tiny(kind, tmp_path / "in")
+    ours, args = builtin_from(folder)
+    assert args.multi_latent_attention and args.qk_layernorm and args.kv_lora_rank == 16
+    exported = "deepseek_v2" if kind == "deepseek_v2-moe" else "deepseek_v3"
+    assert save_hf_folder(ours.state_dict(), ours.config, tmp_path / "out") == exported
+    source, again = WeightsReader(folder), WeightsReader(tmp_path / "out")
+    assert set(source.location) == set(again.location)
+    interleaved = kind != "deepseek_v3-halves"
+    for name in source.location:
+        if interleaved or not any(part in name for part in ("q_b_proj", "q_proj", "kv_a_proj_with_mqa")):
+            assert torch.equal(source.get(name), again.get(name)), name
+    ids = tokens()
+    expected = hf_logits_of(load_hf(folder).eval(), ids)
+    assert (hf_logits_of(load_hf(tmp_path / "out").eval(), ids) - expected).abs().max() < TOLERANCE
+
+
+def test_deepseek_yarn_and_ranks_become_megatron_flags_and_the_plan_says_so(tmp_path):
+    args = arguments.parse_args(flags(save_tiny("deepseek_v2-yarn", tmp_path / "v2")))
+    assert (args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim) == \
+        (24, 16, 8, 4, 12)
+    assert (args.rope_type, args.rotary_scaling_factor, args.mscale, args.mscale_all_dim) == ("yarn", 4.0, 0.707, 0.5)
+    assert (args.yarn_original_max_position_embeddings, args.yarn_beta_fast, args.yarn_beta_slow) == (16, 8.0, 1.0)
+    assert args.yarn_correction_range_round_to_int is False and args.untie_embeddings_and_output_weights
+    described = describe_plan(plan.from_args(args, settings.RunContext(1, "cpu")))
+    assert "model: built-in GPT (DeepSeek-family) initialised from Hugging Face weights" in described
+    assert "YaRN rope ×4 (original 16" in described
+    refused = arguments.parse_args(flags(tmp_path / "v2", "--kv-lora-rank", "32"))
+    with pytest.raises(rules.FlagConflict, match="--kv-lora-rank 32 \\(config.json needs --kv-lora-rank 16\\)"):
+        rules.validate(refused, settings.RunContext(1, "cpu"))
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"first_k_dense_replace": 1, "norm_topk_prob": False}, "norm_topk_prob false"),
+    ({"model_type": "deepseek_v2", "first_k_dense_replace": 1, "topk_method": "group_limited_greedy"},
+     "a group scores its best expert"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads 2 with 4 heads"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
+    ({"rope_parameters": DEEPSEEK_YARN | {"attention_factor": 2.0}}, "attention_factor 2.0"),
+])
+def test_deepseek_configs_the_builtin_model_cannot_hold_are_refused_with_the_reason(change, says, tmp_path):
+    import json
+
+    folder = save_tiny("deepseek_v3", tmp_path / "v3")
+    config = json.loads((folder / "config.json").read_text()) | change
+    (folder / "config.json").write_text(json.dumps(config))
+    args = arguments.parse_args(flags(folder))
+    with pytest.raises(rules.FlagConflict, match=says):
+        rules.validate(args, settings.RunContext(1, "cpu"))
+
+
+def test_mla_exports_refuse_what_deepseek_cannot_hold():
+    from rapidtrain.models import ModelConfig
+
+    mla = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+               multi_latent_attention=True, qk_layernorm=True, layernorm_epsilon=1e-6)
+    assert export_family(ModelConfig(**mla)) == "deepseek_v3"
+    with pytest.raises(UnsupportedModel, match="--qk-layernorm"):
+        export_family(ModelConfig(**mla | {"qk_layernorm": False}))
+    moe = mla | {"num_layers": 3, "num_experts": (0, 4, 4), "moe_router_topk": 2}
+    assert export_family(ModelConfig(**moe | {"moe_router_score_function": "sigmoid"})) == "deepseek_v3"
+    assert export_family(ModelConfig(**moe | {"moe_router_pre_softmax": True})) == "deepseek_v2"
+    with pytest.raises(UnsupportedModel, match="dense layers first"):
+        export_family(ModelConfig(**moe | {"num_experts": (4, 0, 4)}))
+    with pytest.raises(UnsupportedModel, match="--moe-router-pre-softmax with a softmax router"):
+        export_family(ModelConfig(**moe))

@@ -172,3 +172,19 @@ def test_settings_can_be_given_in_samples_directly():
     assert learning_rate_at(settings, 500) == pytest.approx(0.5)
     assert learning_rate_at(settings, 1000) == pytest.approx(0.0)
     assert math.isclose(learning_rate_at(settings, 250), 0.5 * (1 + math.cos(math.pi / 4)))
+
+
+def test_lr_warmup_init_starts_the_warm_up_there_from_the_flags():
+    """Megatron-Core's --lr-warmup-init (DeepSeek-V3's recipes): the warm-up climbs from it to --lr linearly."""
+    from rapidtrain.config import arguments, plan, settings
+    from rapidtrain.config.describe import describe_plan
+    from rapidtrain.optim.lr_schedule import lr_schedule_for
+
+    args = arguments.parse_args(["--train-iters", "100", "--lr", "1e-3", "--min-lr", "1e-5", "--lr-warmup-iters", "10",
+                                 "--lr-warmup-init", "1e-4", "--global-batch-size", "4", "--micro-batch-size", "4"])
+    planned = plan.from_args(args, settings.RunContext(1, "cpu"))
+    schedule = lr_schedule_for(planned.schedule, 4, 100)
+    assert learning_rate_at(schedule, 0) == pytest.approx(1e-4)
+    assert learning_rate_at(schedule, 20) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))
+    assert learning_rate_at(schedule, 40) == pytest.approx(1e-3)
+    assert "warm-up 10 iterations from 1.0E-04" in describe_plan(planned)

@@ -14,7 +14,7 @@ from rapidtrain.config.flag_surface import FlagRefused
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.optim.muon import muon_parameter_counts, muon_scale
-from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer
+from rapidtrain.optim.optimizers import STACKED_BIAS_SUFFIXES, OptimizerSettings, build_optimizer
 
 # Dense layer 0, MoE layer 1 (4 experts): matrices of every kind, stacked expert weights, biases, norms, a tied head.
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
@@ -73,7 +73,7 @@ class ByHand:
         self.experts = [[torch.nn.Parameter(w.detach()[e].T.clone()) for e in range(w.shape[0])] for w in self.stacked]
         muon = [params[n] for n in names] + [p for expert in self.experts for p in expert]
         rest = {n: p for n, p in params.items() if n not in names | EXPERT_WEIGHTS}
-        no_decay = [p for n, p in rest.items() if p.ndim == 1 or n.endswith(("bias", "experts.b1", "experts.b2"))]
+        no_decay = [p for n, p in rest.items() if p.ndim == 1 or n.endswith(("bias", *STACKED_BIAS_SUFFIXES))]
         decay = [p for p in rest.values() if not any(p is q for q in no_decay)]
         self.optimizers = (
             torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -246,3 +246,25 @@ def test_memory_estimate_counts_muons_momentum_and_adamws_moments():
     optimizer.step()
     parameters = sum(p.numel() for p in model.parameters())
     assert optimizer_state_bytes_per_parameter(TINY, settings, "cpu") * parameters == measured_state_bytes(optimizer)
+
+
+@pytest.mark.parametrize("config", [
+    TINY,
+    # DeepSeek-style: latent attention, a shared expert, two multi-token prediction depths (each a layer and an
+    # [h, 2h] projection, Muon's too), attention sinks, an untied head.
+    ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64, seq_length=16,
+                max_position_embeddings=16, num_experts=(0, 4), swiglu=True, mtp_num_layers=2,
+                multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, moe_shared_expert_intermediate_size=32,
+                softmax_type="learnable", position_embedding_type="rope", tie_embeddings=False),
+], ids=["gpt_moe", "deepseek_style"])
+def test_plan_counts_are_the_built_models_split(config):
+    model = build_model(config, seed=1)
+    optimizer, _ = build_optimizer(model, OptimizerSettings(name="muon"), "cpu")
+    muon = [p for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
+    adamw = [p for g in optimizer.param_groups if not g["use_muon"] for p in g["params"]]
+    assert muon_parameter_counts(config) == ((len(muon), sum(p.numel() for p in muon)),
+                                             (len(adamw), sum(p.numel() for p in adamw)))
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    assert {name_of[id(p)] for p in adamw if p.ndim >= 2} <= {
+        "embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "output.weight"} | {
+        name_of[id(p)] for p in adamw if name_of[id(p)].endswith(STACKED_BIAS_SUFFIXES)}

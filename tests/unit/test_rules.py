@@ -126,6 +126,56 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "yarn-needs-rope": (
+        ["--rope-type", "yarn", "--position-embedding-type", "learned_absolute"],
+        ["--rope-type", "yarn", "--position-embedding-type", "rope"],
+        1,
+        "cpu",
+    ),
+    "yarn-values": (
+        ["--position-embedding-type", "rope", "--rope-type", "yarn", "--yarn-beta-fast", "1", "--yarn-beta-slow", "32"],
+        ["--position-embedding-type", "rope", "--rope-type", "yarn", "--yarn-beta-fast", "32", "--yarn-beta-slow", "1"],
+        1,
+        "cpu",
+    ),
+    "mla-needs-rope": (
+        ["--multi-latent-attention", "--position-embedding-type", "rope", "--group-query-attention"],
+        ["--multi-latent-attention", "--position-embedding-type", "rope"],
+        1,
+        "cpu",
+    ),
+    "mla-sizes": (
+        ["--multi-latent-attention", "--position-embedding-type", "rope", "--qk-pos-emb-head-dim", "3"],
+        ["--multi-latent-attention", "--position-embedding-type", "rope", "--qk-pos-emb-head-dim", "4"],
+        1,
+        "cpu",
+    ),
+    "mtp-layout": (
+        ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
+        ["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--num-layers", "2"],
+        2,
+        "cpu",
+    ),
+    "router-groups": (
+        ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4",
+         "--moe-router-group-topk", "1"],
+        ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-num-groups", "4",
+         "--moe-router-group-topk", "2"],
+        1,
+        "cpu",
+    ),
+    "shared-expert-size": (
+        ["--num-experts", "4", "--enable-shared-expert"],
+        ["--num-experts", "4", "--enable-shared-expert", "--shared-moe-ffn-hidden-size", "64"],
+        1,
+        "cpu",
+    ),
+    "router-values-positive": (
+        ["--num-experts", "4", "--moe-router-topk-scaling-factor", "0"],
+        ["--num-experts", "4", "--moe-router-topk-scaling-factor", "2.5"],
+        1,
+        "cpu",
+    ),
     "experts-divisible-by-ep": (
         ["--num-experts", "3", "--expert-model-parallel-size", "2"],
         ["--num-experts", "4", "--expert-model-parallel-size", "2"],
@@ -301,6 +351,11 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "swiglu-ffn-size": (["--swiglu", "--hidden-size", "16"], ["--swiglu", "--hidden-size", "16", "--ffn-hidden-size",
                                                              "96"], 1, "cpu"),
     "openai-gelu-needs-gelu": (["--swiglu", "--openai-gelu"], ["--openai-gelu"], 1, "cpu"),
+    "one-gated-activation": (["--swiglu", "--quick-geglu"], ["--quick-geglu"], 1, "cpu"),
+    "glu-settings-need-a-gated-mlp": (["--glu-linear-offset", "1"], ["--quick-geglu", "--glu-linear-offset", "1"], 1,
+                                      "cpu"),
+    "activation-clamp-positive": (["--swiglu", "--activation-func-clamp-value", "-1"],
+                                  ["--swiglu", "--activation-func-clamp-value", "7"], 1, "cpu"),
     # HF_* and CHECKPOINT_DIR are replaced by folders the `folders` fixture writes.
     "pretrained-folder-initialises-builtin": (
         ["--pretrained-model-name-or-path", "NO_SUCH_FOLDER", "--data-path", "d"],
