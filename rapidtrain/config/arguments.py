@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from rapidtrain.config.flag_parser import FlagParser
 from rapidtrain.config.settings import MEGATRON_TASKS
 from rapidtrain.data.tokenizer import TOKENIZER_TYPES
+from rapidtrain.optim.muon import MUON_SCALE_MODES
 
 TASKS = (
     "sequence_classification",
@@ -32,7 +33,7 @@ TASK_ALIASES = {"causal_lm": "casual_lm"}
 
 OPTIMIZERS_RAPIDFORMER = ("apex_adam", "apex_lamb")
 OPTIMIZERS = ("apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit",
-              "adamw_4bit")
+              "adamw_4bit", "muon", "dist_muon")
 RECOMPUTE_GRANULARITIES = ("full", "selective", "op")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -557,8 +558,24 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                         "moment), sgd; adamw_8bit: 8-bit AdamW (~2 bytes of state per parameter instead of 8), "
                         "bitsandbytes AdamW8bit for plain-tensor layouts, torchao AdamW8bit for DTensor layouts "
                         "(TP, FSDP, SDP, 3D); paged_adamw_8bit: bitsandbytes PagedAdamW8bit (CUDA, plain tensors); "
-                        "adamw_4bit: torchao AdamW4bit (plain tensors).")
+                        "adamw_4bit: torchao AdamW4bit (plain tensors); muon (Megatron-Core's dist_muon is the same "
+                        "here): torch.optim.Muon for the transformer layers' 2-D weights and each MoE expert's "
+                        "matrix, AdamW (--adam-beta1/2, --adam-eps, --weight-decay) for the rest (embeddings, output "
+                        "head, norms, biases); under FSDP and tensor parallelism each sharded matrix is gathered whole "
+                        "for its step (not with DeepSpeed ZeRO).")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+    g.add_argument("--muon-momentum", type=float, default=0.9,
+                   help="Muon's momentum (an exponential average of the gradients, torch.optim.Muon's).")
+    g.add_argument("--muon-nesterov", action="store_true",
+                   help="Nesterov momentum for Muon: orthogonalize the gradient moved toward the momentum.")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5,
+                   help="Newton–Schulz iterations that orthogonalize each Muon update (quintic, in bfloat16).")
+    g.add_argument("--muon-scale-mode", choices=MUON_SCALE_MODES, default="spectral",
+                   help="Scale of a [rows, cols] weight's orthogonalized update (Megatron-Core's): spectral "
+                        "sqrt(max(rows, cols)), so AdamW's rates transfer; shape_scaling sqrt(max(1, rows/cols)) "
+                        "(Keller Jordan's); unit_rms_norm sqrt(rows/cols).")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0,
+                   help="Multiplies Muon's update scale (0.2 with spectral is Moonshot's match of AdamW's update RMS).")
 
 
 def _add_moe(parser: argparse.ArgumentParser) -> None:

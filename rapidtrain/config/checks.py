@@ -231,6 +231,40 @@ def adafactor_on_dtensors(args: Args, ctx: RunContext) -> bool:
     return optimizer_settings(args, layout, switches_of(args, layout, ctx)).dtensor_parameters
 
 
+MUON_OPTIONS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor")
+
+
+def muon_chosen(args: Args) -> bool:
+    from rapidtrain.optim.muon import MUON_OPTIMIZER_NAMES
+
+    return optimizer_choice(args)[0] in MUON_OPTIMIZER_NAMES
+
+
+def muon_under_fairscale(args: Args, ctx: RunContext) -> bool:
+    if not muon_chosen(args) or not layout_divides(args, ctx):
+        return False
+    layout = layout_of(args, ctx)
+    return switches_of(args, layout, ctx).partitioning_engine == "fairscale"
+
+
+def muon_options_without_muon(args: Args) -> list[str]:
+    """--muon-* options given while another optimizer runs (they would change nothing)."""
+    given = set(getattr(args, "given_flags", ()))
+    return [] if muon_chosen(args) else [flag_name(option) for option in MUON_OPTIONS if option in given]
+
+
+def bad_muon_values(args: Args) -> list[str]:
+    """Muon's settings outside what torch.optim.Muon takes (and a zero scale, which would not train)."""
+    bad = []
+    if not 0.0 <= args.muon_momentum < 1.0 or args.muon_momentum != args.muon_momentum:
+        bad.append(f"--muon-momentum {args.muon_momentum} (give a value in [0, 1), e.g. 0.9)")
+    if not 1 <= args.muon_num_ns_steps < 100:
+        bad.append(f"--muon-num-ns-steps {args.muon_num_ns_steps} (torch.optim.Muon takes 1 to 99; 5 is usual)")
+    if not 0.0 < args.muon_extra_scale_factor < float("inf"):
+        bad.append(f"--muon-extra-scale-factor {args.muon_extra_scale_factor} (give a finite value > 0, e.g. 1.0)")
+    return bad
+
+
 def lora_settings_given(args: Args) -> list[str]:
     given = [("--lora-alpha", args.lora_alpha is not None), ("--lora-dropout", args.lora_dropout != 0.0),
              ("--lora-target-modules", bool(args.lora_target_modules))]

@@ -143,7 +143,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
                + recompute_choices(args) + _kernel_choices(args, precision)
                + _host_choices(args, ctx, layout, precision, switches, notes)
                + _data_choices(args, ctx)
-               + [_optimizer_choice(args, ctx, layout, switches)])
+               + [_optimizer_choice(args, ctx, layout, switches, model)])
     if args.cpu_offload:
         notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
                      "selects Adam there")
@@ -297,13 +297,21 @@ def _data_choices(args: argparse.Namespace, ctx: RunContext) -> list[EngineChoic
     return engines
 
 
-def _optimizer_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout, switches: Switches) -> EngineChoice:
+def _optimizer_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout, switches: Switches,
+                      model: ModelConfig | None = None) -> EngineChoice:
     from rapidtrain.optim.optimizers import describe_offload_optimizer, describe_optimizer  # torch: see above
 
     if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
         return EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args)))
     settings = optimizer_settings(args, layout, switches)
-    return EngineChoice("optimizer", describe_optimizer(settings, ctx.device_type),
+    described = describe_optimizer(settings, ctx.device_type)
+    if settings.name == "muon" and model is not None:
+        from rapidtrain.optim.muon import muon_parameter_counts
+
+        (muon_tensors, muon_elements), (adamw_tensors, adamw_elements) = muon_parameter_counts(model)
+        described += (f"; the whole model's parameters: Muon {muon_tensors} tensors ({muon_elements:,} elements), "
+                      f"AdamW {adamw_tensors} tensors ({adamw_elements:,} elements)")
+    return EngineChoice("optimizer", described,
                         "the layout's parameters are " + ("DTensors (tensor parallel / FSDP2 / replicate)"
                                                           if settings.dtensor_parameters else "plain tensors"))
 

@@ -325,6 +325,19 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--skip-mmap-warmup": (NO_EFFECT, "rapidtrain does not warm the memory map unless --mmap-warmup"),
     "--z-loss-weight": (REFUSED, "a z-loss on the output logits is not in rapidtrain (the router's is "
                                  "--moe-z-loss-coeff)"),
+    "--muon-coefficient-type": (REFUSED, "torch.optim.Muon iterates Newton–Schulz with the quintic coefficients "
+                                         "only; leave it at quintic"),
+    "--muon-fp32-matmul-prec": (REFUSED, "torch.optim.Muon runs Newton–Schulz in bfloat16, which is Megatron's "
+                                         "medium; leave it at medium"),
+    "--muon-no-split-qkv": (REFUSED, "the built-in models keep Q, K and V as separate matrices, so Muon "
+                                     "orthogonalizes each on its own (Megatron's default); a fused QKV orthogonalized "
+                                     "whole is not in rapidtrain"),
+    "--muon-scalar-optimizer": (REFUSED, "AdamW steps the parameters Muon does not take; Lion is not in rapidtrain"),
+    "--muon-tp-mode": (REFUSED, "rapidtrain gathers each sharded matrix whole and orthogonalizes it on every rank "
+                                "(Megatron's duplicated, the default); blockwise (each shard on its own) and "
+                                "distributed (Newton–Schulz across ranks) are not in rapidtrain"),
+    "--muon-use-syrk": (REFUSED, "torch.optim.Muon has no symmetric rank-k (SYRK) kernel for its Newton–Schulz "
+                                 "products"),
 }
 
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
@@ -425,9 +438,9 @@ PATTERNS: list[tuple[str, str, str]] = [
      "up-projection; caching the compressed latents (absorbing the up-projections) is not in rapidtrain"),
     (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "that multi-token prediction option is not in rapidtrain "
      "(--mtp-num-layers and --mtp-loss-scaling-factor are)"),
-    (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--apply-wd-to-qk-layernorm|--mup-.*|--use-mup|--muon-.*|"
+    (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--apply-wd-to-qk-layernorm|--mup-.*|--use-mup|"
      r"--lion-.*|--soap-.*|--use-bnb-optimizer|--no-weight-decay-cond-type", REFUSED,
-     "not in rapidtrain (no QK-norm/clip, muP or Muon/Lion); use the defaults and --optimizer adamw"),
+     "not in rapidtrain (no QK-norm/clip, muP, Lion or SOAP); use the defaults and --optimizer adamw or muon"),
     (r"--moe-(router-force-.*|router-quantile-balancing-ema|apply-probs-on-input|latent-size|layer-recompute|"
      r"mlp-glu-interleave-size|shared-expert-gate|shared-expert-glu-interleave-size|single-grouped-.*|"
      r"use-grouped-tensor|use-legacy-grouped-gemm|use-upcycling|upcycling-granularity|enable-routing-replay|"

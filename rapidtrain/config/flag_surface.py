@@ -180,6 +180,8 @@ def _widen(action: argparse.Action, record: dict) -> None:
     if extra:
         action.choices = [*own, *extra]
         action.rapidtrain_choices = own  # type: ignore[attr-defined]
+        if action.metavar is None:  # --help lists rapidtrain's own values; the others are translated or refused
+            action.metavar = "{" + ",".join(map(str, own)) + "}"
 
 
 def megatron_flags_given(args: argparse.Namespace) -> list[tuple[str, object]]:

@@ -175,6 +175,12 @@ def optimizer_state_bytes_per_parameter(model: ModelConfig, settings: OptimizerS
 
     shapes = parameter_shape_counts(model)
     total = sum(math.prod(shape) * count for shape, count in shapes.items())
+    if settings.name == "muon":  # Muon: one fp32 momentum per matrix element; AdamW: two moments and a step
+        from rapidtrain.optim.muon import muon_parameter_counts
+        from rapidtrain.optim.state_bytes import FP32, SCALAR
+
+        (_, muon_elements), (adamw_tensors, adamw_elements) = muon_parameter_counts(model)
+        return (FP32 * muon_elements + 2 * FP32 * adamw_elements + SCALAR * adamw_tensors) / max(total, 1)
     return optimizer_state_bytes(resolve_optimizer(settings, device_type).state, shapes) / max(total, 1)
 
 

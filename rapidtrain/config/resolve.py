@@ -502,6 +502,8 @@ def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, s
     name = args.optimizer or args.optimizers
     if name == "adam":  # Megatron's --optimizer adam is Adam with decoupled weight decay, i.e. AdamW
         name = "adamw"
+    if name == "dist_muon":  # Megatron-Core's Muon with its state sharded; here the layout decides where state lives
+        name = "muon"
     dtensors = layout is not None and switches is not None and parameters_are_dtensors(layout, switches)
     decoupled_lr = getattr(args, "decoupled_lr", None)  # Megatron-Core's flags (config/surface_meanings.py)
     decoupled_min_lr = getattr(args, "decoupled_min_lr", None)
@@ -509,7 +511,10 @@ def optimizer_settings(args: argparse.Namespace, layout: Layout | None = None, s
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              sgd_momentum=args.sgd_momentum, dtensor_parameters=dtensors, decoupled_lr=decoupled_lr,
                              decoupled_min_lr=None if decoupled_lr is None else
-                             (args.min_lr if decoupled_min_lr is None else decoupled_min_lr))
+                             (args.min_lr if decoupled_min_lr is None else decoupled_min_lr),
+                             muon_momentum=args.muon_momentum, muon_nesterov=args.muon_nesterov,
+                             muon_ns_steps=args.muon_num_ns_steps, muon_scale_mode=args.muon_scale_mode,
+                             muon_extra_scale_factor=args.muon_extra_scale_factor)
 
 
 def uses_deepspeed(args: argparse.Namespace, layout: Layout) -> bool:

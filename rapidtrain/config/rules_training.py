@@ -15,6 +15,7 @@ from rapidtrain.config.checks import (
     attention_backend_problem,
     auto_micro_batch_problem,
     bad_lora_values,
+    bad_muon_values,
     batch_schedule_misfits,
     batch_schedule_problem,
     compile_backends,
@@ -34,6 +35,9 @@ from rapidtrain.config.checks import (
     megatron_task_problem,
     min_lr_above_lr,
     mixed_schedule_flags,
+    muon_chosen,
+    muon_options_without_muon,
+    muon_under_fairscale,
     needs_iterations,
     non_finite_or_negative,
     not_positive_counts,
@@ -351,6 +355,56 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "parallelism alone): torch's Adafactor fails on the DTensors of tensor parallelism and FSDP2.",
         adafactor_on_dtensors,
         lambda a, c: f"{optimizer_choice(a)[1]} adafactor: {ADAFACTOR_ON_DTENSORS}.",
+    ),
+    Rule(
+        "muon-not-deepspeed", ("--optimizer", "--zero-1-memory-optimization", "--zero-2-memory-optimization",
+                               "--zero-3-memory-optimization"),
+        "DeepSpeed ZeRO steps flat partitions of parameter groups, and rapidtrain does not run DeepSpeed's own Muon.",
+        lambda a, c: muon_chosen(a) and deepspeed_zero(a),
+        lambda a, c: f"{optimizer_choice(a)[1]} {optimizer_choice(a)[0]} with --zero-{zero_stage(a)}-memory-"
+        "optimization: DeepSpeed ZeRO hands the optimizer flat slices of many parameters, which torch.optim.Muon "
+        "cannot orthogonalize. DeepSpeed 0.19's own Muon (MuonWithAuxAdam, parameters tagged use_muon) runs on a CPU "
+        "but is another algorithm: a Gram Newton–Schulz by default, Nesterov always on, 5 steps, Keller Jordan's "
+        "aspect-ratio scale only (so --muon-nesterov, --muon-num-ns-steps, --muon-scale-mode and "
+        "--muon-extra-scale-factor could not be honoured), and with matched settings (Nesterov, standard "
+        "Newton–Schulz, momentum 0.9, weight decay 0.1, lr 0.05) its weights after 3 ZeRO-2 steps were 6e-2 away from "
+        "torch.optim.Muon's (measured, 2 Linear layers, 1 and 2 ranks): the other layouts' numbers would not be "
+        "matched, so rapidtrain's DeepSpeed engine does not drive it. Use "
+        "--fsdp-memory-optimization or --oss-memory-optimization (state sharded by torch) with Muon, or "
+        "--optimizer adamw with ZeRO.",
+    ),
+    Rule(
+        "muon-builtin-models", ("--optimizer", "--pretrained-model-name-or-path"),
+        "--optimizer muon picks its matrices by the built-in models' parameter names (`layers.N....`).",
+        lambda a, c: muon_chosen(a) and uses_hf_model(a),
+        lambda a, c: f"{optimizer_choice(a)[1]} {optimizer_choice(a)[0]} with a Hugging Face model "
+        "(--pretrained-model-name-or-path): Muon takes the built-in models' transformer-layer matrices, found by "
+        "their names, and a Hugging Face model's fused or differently named ones (GPT-2's c_attn) are not told "
+        "apart from its embeddings and head. Use --optimizer adamw to fine-tune it, or pretrain the built-in model "
+        "(--task pretraining) from its weights.",
+    ),
+    Rule(
+        "muon-not-fairscale", ("--optimizer", "--sharding-backend"),
+        "--optimizer muon is not run under FairScale's OSS.",
+        muon_under_fairscale,
+        lambda a, c: f"{optimizer_choice(a)[1]} {optimizer_choice(a)[0]} with --sharding-backend fairscale: "
+        "FairScale's OSS rebuilds the optimizer's groups itself, without the tags that say which parameters Muon "
+        "steps. Use --sharding-backend torch (--oss-memory-optimization is torch's ZeroRedundancyOptimizer, which "
+        "runs Muon).",
+    ),
+    Rule(
+        "muon-options-need-muon", ("--optimizer", *("--muon-momentum", "--muon-nesterov", "--muon-num-ns-steps",
+                                                    "--muon-scale-mode", "--muon-extra-scale-factor")),
+        "The --muon-* options set Muon; with another optimizer they would change nothing.",
+        lambda a, c: bool(muon_options_without_muon(a)),
+        lambda a, c: f"{', '.join(muon_options_without_muon(a))} with {optimizer_choice(a)[1]} "
+        f"{optimizer_choice(a)[0]}: these set Muon, which this run does not use. Add --optimizer muon, or drop them.",
+    ),
+    Rule(
+        "muon-values", ("--muon-momentum", "--muon-num-ns-steps", "--muon-extra-scale-factor"),
+        "Muon's momentum lies in [0, 1), its Newton–Schulz steps in 1..99, its extra scale factor above 0.",
+        lambda a, c: bool(bad_muon_values(a)),
+        lambda a, c: "; ".join(bad_muon_values(a)) + ".",
     ),
     Rule(
         "lora-values", ("--lora-rank", "--lora-alpha", "--lora-dropout"),

@@ -25,10 +25,12 @@ if TYPE_CHECKING:  # torch is imported where an optimizer is built: the plan res
     Factory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 OptimizerName = Literal[
-    "apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit"
+    "apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit",
+    "muon",
 ]
 OPTIMIZER_NAMES: tuple[str, ...] = (
-    "apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit"
+    "apex_adam", "apex_lamb", "adamw", "adam", "adafactor", "sgd", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit",
+    "muon",
 )
 LOW_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "adamw_4bit")
 
@@ -54,6 +56,13 @@ class OptimizerSettings:
     # schedule from their own peak to their own floor (None: they share --lr / --min-lr).
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
+    # --optimizer muon (Megatron-Core's --muon-* flags; optim/muon.py): the layers' matrices' momentum, Nesterov,
+    # Newton–Schulz steps and update scale.
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    muon_ns_steps: int = 5
+    muon_scale_mode: str = "spectral"
+    muon_extra_scale_factor: float = 1.0
 
     @property
     def decoupled(self) -> tuple[float, float] | None:
@@ -145,26 +154,37 @@ def describe_optimizer(settings: OptimizerSettings, device_type: str) -> str:
     return resolve_optimizer(settings, device_type).description
 
 
+def optimizer_param_groups(model: nn.Module, settings: OptimizerSettings) -> list[dict[str, Any]]:
+    """`param_groups` for the settings' optimizer: under Muon, its matrices in groups of their own (`use_muon`)."""
+    groups = param_groups(model, settings.weight_decay, settings.decoupled)
+    if settings.name != "muon":
+        return groups
+    from rapidtrain.optim.muon import split_for_muon
+
+    return split_for_muon(model, groups, settings.weight_decay, settings.muon_scale_mode,
+                          settings.muon_extra_scale_factor)
+
+
 def build_optimizer(
     model_or_params: ParamsLike, settings: OptimizerSettings, device_type: str
 ) -> tuple[torch.optim.Optimizer, str]:
     """Build the optimizer; returns it with the words `describe_optimizer` gives for it.
 
-    A module is grouped by `param_groups`; a list of tensors becomes one group with the
+    A module is grouped by `optimizer_param_groups`; a list of tensors becomes one group with the
     settings' weight decay; a list of group dicts is used as given (weight decay filled in where
     a group lacks it).
     """
-    groups = _as_param_groups(model_or_params, settings.weight_decay, settings.decoupled)
+    groups = _as_param_groups(model_or_params, settings)
     resolution = resolve_optimizer(settings, device_type)
     return resolution.factory(groups), resolution.description
 
 
-def _as_param_groups(model_or_params: ParamsLike, weight_decay: float,
-                     decoupled: tuple[float, float] | None = None) -> list[dict[str, Any]]:
+def _as_param_groups(model_or_params: ParamsLike, settings: OptimizerSettings) -> list[dict[str, Any]]:
     from torch import nn
 
+    weight_decay = settings.weight_decay
     if isinstance(model_or_params, nn.Module):
-        groups = param_groups(model_or_params, weight_decay, decoupled)
+        groups = optimizer_param_groups(model_or_params, settings)
     else:
         items: list[Any] = list(model_or_params)  # tensors or param-group dicts, told apart below
         if items and all(isinstance(item, dict) for item in items):
@@ -216,6 +236,8 @@ def resolve_optimizer(settings: OptimizerSettings, device_type: str) -> Resoluti
         return _resolve_apex(s, device_type)
     if s.name in LOW_BIT_OPTIMIZERS:
         return _resolve_low_bit(s, device_type)
+    if s.name == "muon":
+        return _resolve_muon(s, device_type)
     adam = {"betas": (s.adam_beta1, s.adam_beta2), "eps": s.adam_eps}
     if s.name == "adamw":
         return _torch_optimizer("AdamW", s.lr, device_type, adam, state="adam")
@@ -275,6 +297,27 @@ def _resolve_apex(s: OptimizerSettings, device_type: str) -> Resolution:
         f"rapidtrain LAMB with apex FusedLAMB's update rule ({why})",
         "adam",
     )
+
+
+def _resolve_muon(s: OptimizerSettings, device_type: str) -> Resolution:
+    """torch.optim.Muon for the layers' matrices, torch's AdamW (fused where it has kernels) for the rest."""
+    from rapidtrain.optim.muon import build_muon_with_adamw
+
+    fused = device_type in FUSED_DEVICES
+    muon = {"lr": s.lr, "momentum": s.muon_momentum, "nesterov": s.muon_nesterov, "ns_steps": s.muon_ns_steps,
+            "adjust_lr_fn": "original"}
+    adamw = {"lr": s.lr, "betas": (s.adam_beta1, s.adam_beta2), "eps": s.adam_eps,
+             **({"fused": True} if fused else {"foreach": True})}
+    description = (
+        f"torch.optim.Muon(momentum={s.muon_momentum}, nesterov={s.muon_nesterov}, ns_steps={s.muon_ns_steps}, "
+        f"quintic Newton–Schulz in bfloat16; update × {s.muon_scale_mode} scale × {s.muon_extra_scale_factor:g}) "
+        "for the transformer layers' 2-D weights and each MoE expert's matrix; torch.optim.AdamW("
+        f"{'fused' if fused else 'foreach'}=True) for the embeddings, output head, norms and biases"
+        + ("; each sharded matrix (DTensor) gathered whole for its step: three all-gathers of it per step (weight, "
+           "gradient, momentum), the Newton–Schulz computed on every rank, each rank keeping its shard "
+           "(Megatron's --muon-tp-mode duplicated)" if s.dtensor_parameters else ""))
+    # "adam" bounds the state of any split (the plan's estimate counts Muon's momentum exactly: config/memory.py).
+    return Resolution(lambda groups: build_muon_with_adamw(groups, muon, adamw), description, "adam")
 
 
 # The first bitsandbytes release verified here to step its 8-bit optimizers and run its 4/8-bit layers on a CPU

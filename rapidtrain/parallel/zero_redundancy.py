@@ -24,7 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.models.transformer import parameter_names
-from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, param_groups
+from rapidtrain.optim.optimizers import OptimizerSettings, build_optimizer, optimizer_param_groups
 from rapidtrain.parallel.mesh import ParallelMesh
 from rapidtrain.parallel.runner import TorchRunner, ensure_optimizer_state
 
@@ -37,7 +37,7 @@ def oss_optimizer(
     from rapidtrain.parallel.experts import expert_parameters
 
     experts = {id(p) for p in expert_parameters(model).values()}
-    groups = param_groups(model, settings.weight_decay, settings.decoupled)
+    groups = optimizer_param_groups(model, settings)
     partitioned = [{**g, "params": [p for p in g["params"] if id(p) not in experts]} for g in groups]
     own = [[p for p in g["params"] if id(p) in experts] for g in groups]
 

@@ -447,6 +447,36 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
+    "muon-not-deepspeed": (
+        ["--optimizer", "dist_muon", "--zero-1-memory-optimization"],
+        ["--optimizer", "dist_muon", "--pipeline-model-parallel-size", "2"],
+        2,
+        "cpu",
+    ),
+    "muon-builtin-models": (
+        ["--optimizer", "muon", "--pretrained-model-name-or-path", "m", "--task", "sequence_classification"],
+        ["--optimizer", "muon"],
+        1,
+        "cpu",
+    ),
+    "muon-not-fairscale": (
+        ["--optimizer", "muon", "--sharding-backend", "fairscale", "--oss-memory-optimization"],
+        ["--optimizer", "muon", "--oss-memory-optimization"],
+        2,
+        "cpu",
+    ),
+    "muon-options-need-muon": (
+        ["--optimizer", "adamw", "--muon-momentum", "0.95"],
+        ["--optimizer", "muon", "--muon-momentum", "0.95", "--muon-nesterov", "--muon-scale-mode", "shape_scaling"],
+        1,
+        "cpu",
+    ),
+    "muon-values": (
+        ["--optimizer", "muon", "--muon-num-ns-steps", "0"],
+        ["--optimizer", "muon", "--muon-num-ns-steps", "3", "--muon-extra-scale-factor", "0.2"],
+        1,
+        "cpu",
+    ),
     "adafactor-plain-tensors": (  # measured: torch's Adafactor raises on FSDP2's and TP's DTensors
         ["--optimizer", "adafactor", "--fsdp-memory-optimization"],
         ["--optimizer", "adafactor", "--oss-memory-optimization"],
