@@ -1,0 +1,146 @@
+"""--load of another tool's checkpoint (Megatron-LM legacy, DeepSpeed / Megatron-DeepSpeed) into this run's layout.
+
+Every rank reads the whole model from the files (data only, foreign_pickle), merged from the saved tensor and
+pipeline ranks into the built-in GPT's names (megatron_layout), checks the saved run's model flags against this
+run's, and fills its runner's load template from it: each parameter whole, or the shard this rank holds (a DTensor
+under tensor parallelism or FSDP, a ZeRO partition), as resuming a rapidtrain checkpoint in another layout does.
+The position (iteration, consumed samples) and the learning-rate schedule carry over with --load; --finetune
+(and a `release` checkpoint, as in Megatron) takes the weights only, from iteration 0. The optimizer's state is not
+mapped (Megatron's is kept per rank in its own flat or per-parameter layouts): the optimizer starts fresh, and the
+log says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from rapidtrain.checkpoint.compatibility import CheckpointError
+from rapidtrain.checkpoint.foreign_formats import ForeignCheckpoint
+from rapidtrain.checkpoint.megatron_layout import fit_vocabulary, merge_stages
+from rapidtrain.checkpoint.megatron_legacy import ForeignState
+from rapidtrain.models.config import ModelConfig
+
+# The saved run's Megatron args that fix the model's shape: (arg, this run's value from its ModelConfig, the flag).
+_SHAPE_ARGS: tuple[tuple[str, typing.Callable[[ModelConfig], Any], str], ...] = (
+    ("num_layers", lambda c: c.num_layers, "--num-layers"),
+    ("hidden_size", lambda c: c.hidden_size, "--hidden-size"),
+    ("num_attention_heads", lambda c: c.num_attention_heads, "--num-attention-heads"),
+    ("ffn_hidden_size", lambda c: c.ffn_size, "--ffn-hidden-size"),
+    ("kv_channels", lambda c: c.head_dim, "--kv-channels"),
+    ("swiglu", lambda c: c.swiglu, "--swiglu"),
+    ("normalization", lambda c: c.normalization, "--normalization"),
+    ("position_embedding_type", lambda c: c.position_embedding_type, "--position-embedding-type"),
+    ("untie_embeddings_and_output_weights", lambda c: not c.tie_embeddings, "--untie-embeddings-and-output-weights"),
+    ("add_bias_linear", lambda c: c.add_bias_linear, "--disable-bias-linear"),
+    ("qk_layernorm", lambda c: c.qk_layernorm, "--qk-layernorm"),
+)
+
+
+def model_config(plan_model: dict[str, Any]) -> ModelConfig:
+    """This run's ModelConfig from the plan's model settings as JSON values (lists back to tuples)."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in plan_model.items() if k in names})
+
+
+def read_foreign(checkpoint: ForeignCheckpoint) -> ForeignState:
+    if checkpoint.kind == "megatron-legacy":
+        from rapidtrain.checkpoint.megatron_legacy import read_megatron_legacy
+
+        return read_megatron_legacy(checkpoint)
+    if checkpoint.kind == "deepspeed":
+        from rapidtrain.checkpoint.deepspeed_folder import read_deepspeed
+
+        return read_deepspeed(checkpoint)
+    raise CheckpointError(f"--load {checkpoint.root}: a {checkpoint.describe()}, which this rapidtrain does not read "
+                          "yet: save it in Megatron-LM's legacy format (--ckpt-format torch) and load that")
+
+
+def shape_differences(args: dict[str, Any], config: ModelConfig) -> list[str]:
+    """`--flag (checkpoint A, now B)` for each shape flag the saved args record with another value."""
+    differing = []
+    for name, ours, flag in _SHAPE_ARGS:
+        saved = args.get(name)
+        if saved is None or (name == "kv_channels" and saved == config.hidden_size // max(
+                config.num_attention_heads, 1) and config.kv_channels is None):
+            continue
+        if saved != ours(config):
+            differing.append(f"{flag} (checkpoint {saved!r}, now {ours(config)!r})")
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else args.get("num_attention_heads")
+    if groups is not None and groups != config.query_groups:
+        differing.append(f"--num-query-groups (checkpoint {groups}, now {config.query_groups})")
+    if args.get("position_embedding_type", "learned_absolute") == "learned_absolute" and args.get(
+            "max_position_embeddings") not in (None, config.max_position_embeddings):
+        differing.append(f"--max-position-embeddings (checkpoint {args['max_position_embeddings']}, now "
+                         f"{config.max_position_embeddings})")
+    return differing
+
+
+def whole_model(state: ForeignState, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The saved model in the built-in GPT's names and this run's padded vocabulary; refused when its shape is not
+    the flags' (naming each flag)."""
+    if config.model_type != "gpt" or any(config.num_experts):
+        raise CheckpointError(f"--load {state.source}: checkpoints of other tools load into the built-in GPT/Llama "
+                              "model without experts only (no --model-type bert, no --num-experts) for now")
+    differing = shape_differences(state.args, config)
+    if differing:
+        raise CheckpointError(f"--load {state.source}: the checkpoint holds another model than the flags describe: "
+                              + "; ".join(differing) + ". Give the checkpoint's values.")
+    whole = merge_stages(state.stages, config, state.source)
+    tensor_parallel = len(state.stages[0])
+    divisible = state.args.get("make_vocab_size_divisible_by") or 128
+    fit_vocabulary(whole, config.vocab_size, int(divisible) * tensor_parallel, state.source)
+    if "output.weight" not in whole and config.tie_embeddings:
+        whole["output.weight"] = whole["embedding.word_embeddings.weight"]
+    elif "output.weight" in whole and config.tie_embeddings:
+        raise CheckpointError(f"--load {state.source}: the checkpoint has an output layer of its own: give "
+                              "--untie-embeddings-and-output-weights")
+    return whole
+
+
+def fill_template(template: dict[str, Any], whole: dict[str, torch.Tensor], source: str) -> None:
+    """Copy each whole value into the template's tensor: all of it, or this rank's shard of a DTensor."""
+    missing = sorted(name for name in template if name not in whole)
+    unused = sorted(set(whole) - set(template) - {"output.weight"})
+    if missing or (unused and not _stage_of_pipeline(template)):
+        raise CheckpointError(f"--load {source}: the checkpoint and this run's model differ: "
+                              + (f"missing {', '.join(missing[:5])}" if missing else "")
+                              + ("; " if missing and unused else "")
+                              + (f"not in this model {', '.join(unused[:5])}" if unused else "")
+                              + ". Give the checkpoint's model flags (--num-layers, --swiglu, --normalization, ...).")
+    with torch.no_grad():
+        for name, slot in template.items():
+            value = whole[name]
+            if not isinstance(slot, torch.Tensor):
+                continue
+            if tuple(value.shape) != tuple(slot.shape):
+                raise CheckpointError(f"--load {source}: {name} has shape {tuple(value.shape)} in the checkpoint, "
+                                      f"{tuple(slot.shape)} in this run's model: give the checkpoint's model flags")
+            if isinstance(slot, DTensor):
+                local = distribute_tensor(value.to(slot.device, slot.dtype), slot.device_mesh, slot.placements,
+                                          src_data_rank=None).to_local()
+                slot.to_local().copy_(local)
+            else:
+                slot.copy_(value.to(slot.dtype))
+
+
+def _stage_of_pipeline(template: dict[str, Any]) -> bool:
+    """Whether the template is one pipeline stage's (it then lacks the other stages' layers)."""
+    return "embedding.word_embeddings.weight" not in template or "final_norm.weight" not in template
+
+
+def scheduler_state(saved: dict[str, Any] | None, consumed_samples: int) -> dict[str, Any]:
+    """The learning-rate schedule's state in rapidtrain's (Megatron-Core's) keys; older Megatron releases named
+    them warmup_steps / decay_steps / decay_style. Without one, the schedule stands at the consumed samples (what
+    Megatron's scheduler counts)."""
+    if not saved:
+        return {"num_steps": consumed_samples}
+    renamed = {"warmup_steps": "lr_warmup_steps", "decay_steps": "lr_decay_steps", "decay_style": "lr_decay_style"}
+    state = {renamed.get(key, key): value for key, value in saved.items()}
+    if not isinstance(state.get("num_steps"), int) or isinstance(state.get("num_steps"), bool):
+        state["num_steps"] = consumed_samples
+    return state
