@@ -813,7 +813,8 @@ def load_foreign_checkpoint(checkpoint: Any, runner: RunnerState, lr_scheduler: 
     template = runner.state_dict_for_loading(False)
     fill_template(template["model"], whole, state.source)
     runner.load_state_dict(template, load_optimizer=False)
-    notes = [*state.notes, "its optimizer state is not mapped: the optimizer starts fresh (model weights only)",
+    notes = [*state.notes, "model weights only: its optimizer state is not mapped (Megatron's per-rank optimizer "
+             "layouts and ZeRO's flat partitions are not this run's), so the optimizer starts fresh",
              "random state not restored: dropout and sampling continue from this run's seed"]
     if finetune or state.release:
         if _rank() == 0:

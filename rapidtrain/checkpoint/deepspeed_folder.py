@@ -92,10 +92,7 @@ def read_deepspeed(checkpoint: ForeignCheckpoint) -> ForeignState:
     iteration = _count(first.get("iteration", first.get("global_steps", 0)))
     consumed = _count(args.get("consumed_train_samples", first.get("global_samples", 0)))
     scheduler = first.get("lr_scheduler")
-    optimizer_files = sorted(p.name for p in directory.glob("*optim_states.pt"))
-    notes = [f"{checkpoint.describe()}: tensor parallel {len(shards)}"
-             + (f"; its optimizer state ({optimizer_files[0]}, ...) is not read: ZeRO's flat partitions are not "
-                "mapped to this run's optimizer, which starts fresh" if optimizer_files else "")]
+    notes = [f"{checkpoint.describe()}: tensor parallel {len(shards)}"]
     return ForeignState(str(directory), [shards], args, iteration, consumed,
                         scheduler if isinstance(scheduler, dict) else None, False, notes)
 

@@ -26,6 +26,7 @@ _DANGEROUS_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "__b
                       "shutil", "socket", "pickle", "_pickle", "marshal", "code", "codeop", "ctypes", "pty",
                       "multiprocessing", "webbrowser", "types", "functools", "operator", "io", "pathlib", "inspect")
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_BLOCKED = re.compile(r"unsupported GLOBAL ([\w.]+) whose module [\w.]+ is blocked")
 _MAX_FOREIGN_CLASSES = 64  # one read per class found: a file naming more is not a checkpoint
 
 
@@ -63,6 +64,11 @@ def load_foreign_pickle(path: Path) -> Any:
             with torch.serialization.safe_globals(allowed):
                 return torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
+            blocked = _BLOCKED.search(str(error))
+            if blocked is not None:  # torch's own deny-list (os, subprocess, ...)
+                raise CheckpointError(f"{path}: refused: it asks to call {blocked.group(1)}, which no checkpoint "
+                                      "holds (a crafted file). Nothing from it was run; use a checkpoint from a "
+                                      "source you trust.") from None
             found = _UNSUPPORTED.search(str(error))
             if found is None:
                 raise CheckpointError(f"{path}: refused: it holds objects other than data ({_first_line(error)}). "
@@ -81,7 +87,7 @@ def load_foreign_pickle(path: Path) -> Any:
 
 
 def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).splitlines() if "Unsupported" in line or "error" in line.lower()]
+    lines = [line for line in str(error).splitlines() if "nsupported" in line or "error" in line.lower()]
     text = (lines or str(error).strip().splitlines() or [type(error).__name__])[-1]
     return text.strip()[:300]
 

@@ -163,6 +163,12 @@ def _checkpoint_lines(plan: Plan) -> list[str]:
         ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
          if ck.save else [])
         + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else []))]
+    if ck.load and ck.load_format:
+        kept = "its model weights only, from iteration 0" if ck.finetune or ck.load_format.endswith("release") else (
+            "its model weights, iteration, consumed samples and learning-rate schedule")
+        lines.append(f"    {ck.load_format}: {kept}; read as data, no stored code runs. Its optimizer state is not "
+                     "mapped (Megatron's per-rank optimizer layouts and ZeRO's flat partitions): the optimizer starts "
+                     "fresh, and the random state is this run's")
     if ck.async_save and ck.save:
         lines.append("    async save: written by a background thread (torch.distributed.checkpoint async_save) "
                      "from a copy in host memory; published once every rank has finished writing")

@@ -1,0 +1,78 @@
+"""Write a Megatron-DeepSpeed-style checkpoint with a real DeepSpeed engine, for the --load tests.
+
+Usage: `python tests/distributed/write_deepspeed_checkpoint.py MODEL.pt OUT ITERATION CONSUMED_SAMPLES [ARGS.pt]`:
+MODEL.pt holds the state dict to save in Megatron-DeepSpeed's GPT names (`language_model.embedding.
+word_embeddings.weight`, `language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...);
+a module with exactly those parameters goes through `deepspeed.initialize` (ZeRO stage 1, one process, gloo on
+the CPU) and `engine.save_checkpoint`, with the client state Megatron-DeepSpeed adds (args, iteration,
+checkpoint_version) and the learning-rate scheduler it hands DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def module_with(state: dict[str, torch.Tensor]) -> nn.Module:
+    """A module whose named_parameters() are exactly `state`'s names and values."""
+    root = nn.Module()
+    for name, value in state.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(value.clone()))
+    return root
+
+
+class Schedule:
+    """Megatron's OptimizerParamScheduler as DeepSpeed sees it: a state_dict it saves beside the module."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = dict(state)
+
+
+def main(argv: list[str]) -> None:
+    import deepspeed
+
+    source, out, iteration, consumed = Path(argv[0]), Path(argv[1]), int(argv[2]), int(argv[3])
+    saved = torch.load(source, weights_only=False)  # written by the test itself
+    state, args, scheduler = saved["model"], saved["args"], saved["scheduler"]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    module = module_with(state)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
+                                      lr_scheduler=Schedule(scheduler))
+    engine.global_steps, engine.global_samples = iteration, consumed
+    client = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration,
+              "tokens": consumed * args.get("seq_length", 0)}
+    engine.save_checkpoint(str(out), tag=f"global_step{iteration}", client_state=client)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
