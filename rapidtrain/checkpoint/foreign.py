@@ -44,7 +44,8 @@ _SHAPE_ARGS: tuple[tuple[str, typing.Callable[[ModelConfig], Any], str], ...] = 
 def model_config(plan_model: dict[str, Any]) -> ModelConfig:
     """This run's ModelConfig from the plan's model settings as JSON values (lists back to tuples)."""
     names = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in plan_model.items() if k in names})
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in plan_model.items() if k in names}
+    return ModelConfig(**values)
 
 
 def read_foreign(checkpoint: ForeignCheckpoint) -> ForeignState:

@@ -1,0 +1,191 @@
+"""`--load` of a Megatron-LM legacy checkpoint (written as Megatron's save_checkpoint lays it out, at TP 2 × PP 2:
+four model_optim_rng.pt) and of a DeepSpeed checkpoint (written by a real DeepSpeed engine) into other layouts:
+the weights are the source's, iteration, consumed samples and the learning-rate schedule carry over, and the next
+iteration's loss and gradient norm are the ones the source model gives when it resumes itself.
+
+The sources are rapidtrain runs (2 iterations, one process) whose weights are re-laid in Megatron's layouts; the
+2-rank loads share one torchrun launch (tests/distributed/pretrain_runs.py), the one-process ones run here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidtrain.checkpoint.checkpointer import read_common
+from rapidtrain.checkpoint.megatron_layout import flatten, legacy_nested, split_for_megatron
+from rapidtrain.checkpoint.megatron_legacy import megatron_args, write_megatron_legacy
+from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state
+from rapidtrain.config.saved_checkpoint import saved_model_config
+from tests.distributed.parallel_runs import RUNS, train_here
+from tests.launch import PRETRAIN, REPO, child_env, read_grad_norms, read_losses, relative_difference, torchrun
+
+TOLERANCE = 1e-5  # fp32, relative: a layout's reductions in another order
+GPT = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32").split()
+LLAMA = GPT + ("--normalization RMSNorm --swiglu --group-query-attention --num-query-groups 2 --disable-bias-linear "
+               "--position-embedding-type rope --untie-embeddings-and-output-weights").split()
+TRAINING = ("--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --eval-iters 0 --micro-batch-size 2 "
+            "--global-batch-size 4 --lr 1e-3 --lr-warmup-iters 1 --lr-decay-iters 10 --log-interval 1").split()
+WRITER = Path(__file__).with_name("write_deepspeed_checkpoint.py")
+
+
+def data_flags(demo_data) -> list[str]:
+    # The demo vocabulary (8000) pads to 8192 at TP 1 and 2.
+    return ["--data-path", demo_data.data_prefix, "--tokenizer-type", demo_data.tokenizer_type,
+            "--tokenizer-model", demo_data.tokenizer_model, "--make-vocab-size-divisible-by", "512"]
+
+
+@dataclass
+class Source:
+    """A rapidtrain run's checkpoint at iteration 2: its weights, position and schedule."""
+
+    state: dict[str, torch.Tensor]
+    config: object
+    common: dict
+
+
+def source_run(out: Path, name: str, flags: list[str]) -> Source:
+    """2 iterations saved; then the run resumed for a 3rd, whose loss is the reference."""
+    train_here(flags + ["--train-iters", "2", "--save", str(out / name)])
+    train_here(flags + ["--train-iters", "3", "--load", str(out / name), "--save", str(out / f"{name}_resumed"),
+                        "--loss-log-file", str(out / f"{name}_resumed.txt")])
+    directory = checkpoint_directory(out / name)
+    return Source(consolidated_model_state(directory), saved_model_config(directory), read_common(directory))
+
+
+def write_megatron(source: Source, folder: Path) -> None:
+    """Megatron-LM's legacy layout at TP 2 × PP 2 (the model's padded vocabulary is Megatron's at TP 2 too)."""
+    write_megatron_legacy(folder, source.state, source.config, tensor_parallel=2, pipeline_parallel=2,
+                          iteration=source.common["iteration"], consumed_samples=source.common["consumed_samples"],
+                          vocab_rows=source.config.vocab_size, scheduler=source.common["lr_scheduler"],
+                          extra_args={"make_vocab_size_divisible_by": 512, "lr": 1e-3, "min_lr": 0.0,
+                                      "lr_decay_style": "linear", "lr_decay_iters": 10, "lr_warmup_iters": 1})
+
+
+def write_deepspeed(source: Source, folder: Path, scratch: Path) -> None:
+    """Megatron-DeepSpeed's GPT names through a real DeepSpeed engine's save_checkpoint (a separate process: it
+    starts its own process group)."""
+    config = source.config
+    module = flatten(legacy_nested(split_for_megatron(source.state, config, 1, 1, config.vocab_size)[0][0]))
+    args = vars(megatron_args(config, 1, 1, config.vocab_size, make_vocab_size_divisible_by=512,
+                              consumed_train_samples=source.common["consumed_samples"]))
+    torch.save({"model": module, "args": args, "scheduler": source.common["lr_scheduler"]}, scratch)
+    result = subprocess.run([sys.executable, str(WRITER), str(scratch), str(folder), str(source.common["iteration"]),
+                             str(source.common["consumed_samples"])], capture_output=True, text=True, timeout=300,
+                            env=child_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@dataclass
+class Runs:
+    out: Path
+    llama: Source
+    gpt: Source
+    launch_output: str
+
+    def losses(self, name: str) -> dict[int, float]:
+        return read_losses(self.out / f"{name}.txt")
+
+    def norms(self, name: str) -> dict[int, float]:
+        return read_grad_norms(self.out / f"{name}.txt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, demo_data) -> Runs:
+    out = tmp_path_factory.mktemp("foreign_checkpoints")
+    llama_flags, gpt_flags = LLAMA + TRAINING + data_flags(demo_data), GPT + TRAINING + data_flags(demo_data)
+    llama, gpt = source_run(out, "llama", llama_flags), source_run(out, "gpt", gpt_flags)
+    write_megatron(llama, out / "megatron")
+    write_deepspeed(gpt, out / "deepspeed", out / "deepspeed_source.pt")
+
+    def load(flags: list[str], folder: str, name: str, *more: str) -> list[str]:
+        return flags + ["--load", str(out / folder), "--train-iters", "3", "--loss-log-file", str(out / f"{name}.txt"),
+                        *more]
+
+    tp2 = ("--tensor-model-parallel-size", "2")
+    two_ranks = [
+        load(llama_flags, "megatron", "megatron_tp2", *tp2, "--save", str(out / "megatron_tp2")),
+        load(llama_flags, "megatron", "megatron_dp2"),
+        load(llama_flags, "megatron", "megatron_pp2", "--pipeline-model-parallel-size", "2"),
+        load(gpt_flags, "deepspeed", "deepspeed_tp2", *tp2),
+        # lr 0 (the saved schedule overridden): the weights saved at iteration 3 are the loaded ones
+        load(llama_flags, "megatron", "megatron_lr0", *tp2, "--lr", "0", "--min-lr", "0",
+             "--override-opt_param-scheduler", "--save", str(out / "megatron_lr0")),
+        load(llama_flags, "megatron", "megatron_finetune", *tp2, "--finetune", "--save", str(out / "finetune")),
+    ]
+    (out / "runs.json").write_text(json.dumps(two_ranks))
+    result = torchrun(2, RUNS, [str(out / "runs.json")], timeout=900, warm=True)
+    train_here(load(llama_flags, "megatron", "megatron_tp1"))
+    train_here(load(gpt_flags, "deepspeed", "deepspeed_tp1"))
+    return Runs(out, llama, gpt, result.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["megatron_tp1", "megatron_tp2", "megatron_dp2", "megatron_pp2"])
+def test_megatron_checkpoint_continues_as_its_source_in_any_layout(runs, name):
+    """Saved at TP 2 × PP 2, loaded at TP 1, TP 2, DP 2 and PP 2: iteration 3 is the next one (the position carried
+    over), and its loss and gradient norm are the source's own resumed run's."""
+    assert sorted(runs.losses(name)) == [3]
+    assert relative_difference(runs.losses(name), runs.losses("llama_resumed")) < TOLERANCE
+    assert relative_difference(runs.norms(name), runs.norms("llama_resumed")) < TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2"])
+def test_deepspeed_checkpoint_continues_as_its_source(runs, name):
+    assert sorted(runs.losses(name)) == [3]
+    assert relative_difference(runs.losses(name), runs.losses("gpt_resumed")) < TOLERANCE
+    assert relative_difference(runs.norms(name), runs.norms("gpt_resumed")) < TOLERANCE
+    assert "DeepSpeed / Megatron-DeepSpeed checkpoint, global_step2" in runs.launch_output
+
+
+@pytest.mark.slow
+def test_loaded_weights_are_the_sources_and_the_schedule_goes_on(runs):
+    """The TP 2 run trained at rate 0 saves exactly the Megatron checkpoint's weights; the one at the flags' rate
+    saves the position and schedule the source's own resumed run saved (12 samples)."""
+    saved = consolidated_model_state(checkpoint_directory(runs.out / "megatron_lr0"))
+    assert sorted(saved) == sorted(runs.llama.state)
+    for name, value in runs.llama.state.items():
+        assert torch.equal(saved[name], value), name
+    common = read_common(checkpoint_directory(runs.out / "megatron_tp2"))
+    reference = read_common(checkpoint_directory(runs.out / "llama_resumed"))
+    assert (common["iteration"], common["consumed_samples"]) == (3, 12)
+    assert common["lr_scheduler"] == reference["lr_scheduler"]
+    assert "model weights only: its optimizer state is not mapped" in runs.launch_output
+
+
+@pytest.mark.slow
+def test_finetune_takes_the_weights_from_iteration_zero(runs):
+    common = read_common(checkpoint_directory(runs.out / "finetune"))
+    assert (common["iteration"], common["consumed_samples"]) == (3, 12)
+    assert sorted(runs.losses("megatron_finetune")) == [1, 2, 3]
+    assert runs.losses("megatron_finetune")[1] != pytest.approx(runs.losses("llama_resumed")[3])
+
+
+@pytest.mark.slow
+def test_other_model_flags_and_unknown_folders_are_refused_in_one_line(runs, tmp_path, demo_data):
+    """A process started on the Megatron checkpoint with another --num-layers, and one on a folder of model files
+    of no known kind: exit 2, one message naming the flag or what the folder holds, no traceback."""
+    flags = LLAMA + TRAINING + data_flags(demo_data) + ["--train-iters", "3"]
+    wrong = [a if a != "2" or flags[i - 1] != "--num-layers" else "4" for i, a in enumerate(flags)]
+    result = one_process(wrong + ["--load", str(runs.out / "megatron")])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--num-layers (checkpoint 2, now 4)" in result.stderr
+    assert "Traceback" not in result.stderr
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    result = one_process(flags + ["--load", str(tmp_path)])
+    assert result.returncode == 2 and "no checkpoint of a known kind there, but it holds pytorch_model.bin" in (
+        result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def one_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`python rapidtrain/pretrain.py ARGS`, as a user starts one process (torchrun would report its own status)."""
+    return subprocess.run([sys.executable, str(PRETRAIN), *args], capture_output=True, text=True, timeout=300,
+                          env=child_env(), cwd=REPO)
