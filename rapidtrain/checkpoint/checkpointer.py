@@ -822,7 +822,7 @@ def load_foreign_checkpoint(checkpoint: Any, runner: RunnerState, lr_scheduler: 
                 print(f" note: {note}", flush=True)
         return LoadedState(0, 0, {}, notes)
     if load_optimizer and hasattr(lr_scheduler, "load_state_dict"):
-        changed = changed_schedule_flags(state.args, flags or {})
+        changed = changed_schedule_flags(state.saved_args, flags or {})
         load_schedule(lr_scheduler, scheduler_state(state.scheduler, state.consumed_samples), schedule_from,
                       checkpoint.directory, changed)
     if _rank() == 0:

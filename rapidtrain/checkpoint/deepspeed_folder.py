@@ -4,7 +4,7 @@ ROOT/latest names the tag (`global_stepN`); ROOT/TAG/mp_rank_{TT:02d}_model_stat
 `module` (the model's state dict: Megatron-DeepSpeed's GPT in the legacy model's names), DeepSpeed's own fields
 (`global_steps`, `global_samples`, `lr_scheduler`, `ds_config`, ...) and the client state Megatron-DeepSpeed adds
 (`args`, `iteration`, `checkpoint_version`, RNG states). Under DeepSpeed's pipeline engine `module` is None and each
-layer is in `layer_{LL:02d}-model_{TT:02d}-model_states.pt`, named as its layer class names them (the embedding's
+layer is in `layer_{LL:02d}[-model_{TT:02d}]-model_states.pt`, named as its layer class names them (the embedding's
 `word_embeddings.weight`, a transformer layer's `input_layernorm.weight`, ..., the final norm's `weight`), numbered
 by position in the pipeline's layer list. The optimizer's state is in `*_optim_states.pt`, cut as ZeRO cut its flat
 buffers: it is not read (the model weights are, and the optimizer starts fresh; the plan says so).
@@ -27,7 +27,7 @@ def _files(directory: Path, pattern: Any) -> list[tuple[tuple[int, ...], Path]]:
     for path in sorted(directory.iterdir()):
         match = pattern.match(path.name)
         if match:
-            found.append((tuple(int(g) for g in match.groups()), path))
+            found.append((tuple(int(g or 0) for g in match.groups()), path))
     return found
 
 
@@ -88,11 +88,11 @@ def read_deepspeed(checkpoint: ForeignCheckpoint) -> ForeignState:
             shards.append(core_names(_pipeline_model(directory, rank)))
     if not any(shards):
         raise CheckpointError(f"{directory}: no model weights in it (DeepSpeed saved no module and no layer files)")
-    args = plain_args(first.get("args"))
+    saved_args = plain_args(first.get("args"))
     iteration = _count(first.get("iteration", first.get("global_steps", 0)))
-    consumed = _count(args.get("consumed_train_samples", first.get("global_samples", 0)))
+    consumed = _count(saved_args.get("consumed_train_samples", first.get("global_samples", 0)))
     scheduler = first.get("lr_scheduler")
     notes = [f"{checkpoint.describe()}: tensor parallel {len(shards)}"]
-    return ForeignState(str(directory), [shards], args, iteration, consumed,
+    return ForeignState(str(directory), [shards], saved_args, iteration, consumed,
                         scheduler if isinstance(scheduler, dict) else None, False, notes)
 

@@ -1,4 +1,5 @@
-"""--load of another tool's checkpoint (Megatron-LM legacy, DeepSpeed / Megatron-DeepSpeed) into this run's layout.
+"""--load of another tool's checkpoint (Megatron-LM legacy and torch_dist, DeepSpeed / Megatron-DeepSpeed) into this
+run's layout.
 
 Every rank reads the whole model from the files (data only, foreign_pickle), merged from the saved tensor and
 pipeline ranks into the built-in GPT's names (megatron_layout), checks the saved run's model flags against this
@@ -57,26 +58,30 @@ def read_foreign(checkpoint: ForeignCheckpoint) -> ForeignState:
         from rapidtrain.checkpoint.deepspeed_folder import read_deepspeed
 
         return read_deepspeed(checkpoint)
-    raise CheckpointError(f"--load {checkpoint.root}: a {checkpoint.describe()}, which this rapidtrain does not read "
-                          "yet: save it in Megatron-LM's legacy format (--ckpt-format torch) and load that")
+    if checkpoint.kind == "megatron-torch-dist":
+        from rapidtrain.checkpoint.megatron_dist import read_megatron_dist
+
+        return read_megatron_dist(checkpoint)
+    raise CheckpointError(f"--load {checkpoint.root}: a {checkpoint.describe()}, which this rapidtrain does not read")
 
 
-def shape_differences(args: dict[str, Any], config: ModelConfig) -> list[str]:
+def shape_differences(saved_args: dict[str, Any], config: ModelConfig) -> list[str]:
     """`--flag (checkpoint A, now B)` for each shape flag the saved args record with another value."""
     differing = []
     for name, ours, flag in _SHAPE_ARGS:
-        saved = args.get(name)
+        saved = saved_args.get(name)
         if saved is None or (name == "kv_channels" and saved == config.hidden_size // max(
                 config.num_attention_heads, 1) and config.kv_channels is None):
             continue
         if saved != ours(config):
             differing.append(f"{flag} (checkpoint {saved!r}, now {ours(config)!r})")
-    groups = args.get("num_query_groups") if args.get("group_query_attention") else args.get("num_attention_heads")
+    grouped = saved_args.get("group_query_attention")
+    groups = saved_args.get("num_query_groups") if grouped else saved_args.get("num_attention_heads")
     if groups is not None and groups != config.query_groups:
         differing.append(f"--num-query-groups (checkpoint {groups}, now {config.query_groups})")
-    if args.get("position_embedding_type", "learned_absolute") == "learned_absolute" and args.get(
+    if saved_args.get("position_embedding_type", "learned_absolute") == "learned_absolute" and saved_args.get(
             "max_position_embeddings") not in (None, config.max_position_embeddings):
-        differing.append(f"--max-position-embeddings (checkpoint {args['max_position_embeddings']}, now "
+        differing.append(f"--max-position-embeddings (checkpoint {saved_args['max_position_embeddings']}, now "
                          f"{config.max_position_embeddings})")
     return differing
 
@@ -87,13 +92,14 @@ def whole_model(state: ForeignState, config: ModelConfig) -> dict[str, torch.Ten
     if config.model_type != "gpt" or any(config.num_experts):
         raise CheckpointError(f"--load {state.source}: checkpoints of other tools load into the built-in GPT/Llama "
                               "model without experts only (no --model-type bert, no --num-experts) for now")
-    differing = shape_differences(state.args, config)
+    differing = shape_differences(state.saved_args, config)
     if differing:
         raise CheckpointError(f"--load {state.source}: the checkpoint holds another model than the flags describe: "
                               + "; ".join(differing) + ". Give the checkpoint's values.")
     whole = merge_stages(state.stages, config, state.source)
-    tensor_parallel = len(state.stages[0])
-    divisible = state.args.get("make_vocab_size_divisible_by") or 128
+    saved_tensor_parallel = state.saved_args.get("tensor_model_parallel_size")
+    tensor_parallel = max(len(state.stages[0]), saved_tensor_parallel if isinstance(saved_tensor_parallel, int) else 1)
+    divisible = state.saved_args.get("make_vocab_size_divisible_by") or 128
     fit_vocabulary(whole, config.vocab_size, int(divisible) * tensor_parallel, state.source)
     if "output.weight" not in whole and config.tie_embeddings:
         whole["output.weight"] = whole["embedding.word_embeddings.weight"]

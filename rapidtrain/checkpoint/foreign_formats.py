@@ -4,7 +4,7 @@ rapidtrain's own: `latest_checkpointed_iteration.txt` → `iter_N/` with `.metad
 Megatron-LM legacy: the same tracker (a number or `release`) → `iter_N/mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt`.
 Megatron-LM torch_dist: the tracker → `iter_N/` with `metadata.json` (its `sharded_backend`), `common.pt`, `*.distcp`.
 DeepSpeed / Megatron-DeepSpeed: `latest` (a tag) → `TAG/mp_rank_TT_model_states.pt` (and, under its pipeline
-engine, `layer_LL-model_TT-model_states.pt`), `*_optim_states.pt`.
+engine, `layer_LL[-model_TT]-model_states.pt`), `*_optim_states.pt`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from rapidtrain.checkpoint.compatibility import LATEST_FILE, CheckpointError
 
 MEGATRON_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 DEEPSPEED_MODEL_FILE = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
-DEEPSPEED_LAYER_FILE = re.compile(r"^layer_(\d{2,})-model_(\d{2})-model_states\.pt$")
+# `-model_TT` names the tensor rank when the pipeline's topology has a model axis (none without tensor parallelism).
+DEEPSPEED_LAYER_FILE = re.compile(r"^layer_(\d{2,})(?:-model_(\d{2}))?-model_states\.pt$")
 MEGATRON_FILE = "model_optim_rng.pt"
 
 

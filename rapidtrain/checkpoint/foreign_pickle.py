@@ -35,14 +35,14 @@ class Stored:
 
     qualified_name = "?"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
+    def __init__(self, *arguments: Any, **kwargs: Any) -> None:
+        self.arguments, self.kwargs = arguments, kwargs
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
     def __repr__(self) -> str:
-        return f"<stored {self.qualified_name}{getattr(self, 'args', ())!r}>"
+        return f"<stored {self.qualified_name}{getattr(self, 'arguments', ())!r}>"
 
 
 def _stand_in(qualified_name: str) -> type:
@@ -92,10 +92,10 @@ def _first_line(error: BaseException) -> str:
     return text.strip()[:300]
 
 
-def plain_args(args: Any) -> dict[str, Any]:
+def plain_args(saved_args: Any) -> dict[str, Any]:
     """A stored `args` (argparse.Namespace, or a dict) as a dict of its values; {} when there is none."""
-    if isinstance(args, argparse.Namespace):
-        return dict(vars(args))
-    if isinstance(args, dict):
-        return dict(args)
+    if isinstance(saved_args, argparse.Namespace):
+        return dict(vars(saved_args))
+    if isinstance(saved_args, dict):
+        return dict(saved_args)
     return {}

@@ -33,7 +33,7 @@ class ForeignState:
 
     source: str
     stages: list[list[Shard]]
-    args: dict[str, Any]
+    saved_args: dict[str, Any]
     iteration: int
     consumed_samples: int
     scheduler: dict[str, Any] | None
@@ -99,14 +99,14 @@ def read_megatron_legacy(checkpoint: ForeignCheckpoint) -> ForeignState:
     virtual = len(chunks[(0, 0)])
     # Virtual stage v of pipeline rank p holds the model's (v × pipeline + p)-th chunk of layers.
     stages = [[chunks[(t, p)][v] for t in range(tensor)] for v in range(virtual) for p in range(pipeline)]
-    args = plain_args(first.get("args"))
+    saved_args = plain_args(first.get("args"))
     release = checkpoint.tag == "release"
-    iteration = 0 if release else _count(first.get("iteration", args.get("iteration", 0)))
+    iteration = 0 if release else _count(first.get("iteration", saved_args.get("iteration", 0)))
     scheduler = first.get("opt_param_scheduler", first.get("lr_scheduler"))
     notes = [f"{checkpoint.describe()}: tensor parallel {tensor} × pipeline parallel {pipeline}"
              + (f" × {virtual} virtual stages" if virtual > 1 else "")]
-    return ForeignState(str(checkpoint.directory), stages, args, iteration,
-                        _count(args.get("consumed_train_samples", 0)), scheduler if isinstance(scheduler, dict)
+    return ForeignState(str(checkpoint.directory), stages, saved_args, iteration,
+                        _count(saved_args.get("consumed_train_samples", 0)), scheduler if isinstance(scheduler, dict)
                         else None, release, notes)
 
 
@@ -140,7 +140,7 @@ def write_megatron_legacy(root: str | Path, state: dict[str, torch.Tensor], conf
     root = Path(root)
     directory = root / f"iter_{iteration:07d}"
     stages = split_for_megatron(state, config, tensor_parallel, pipeline_parallel, vocab_rows)
-    args = megatron_args(config, tensor_parallel, pipeline_parallel, vocab_rows, iteration=iteration,
+    saved_args = megatron_args(config, tensor_parallel, pipeline_parallel, vocab_rows, iteration=iteration,
                          consumed_train_samples=consumed_samples, consumed_valid_samples=0, **(extra_args or {}))
     for p, stage in enumerate(stages):
         for t, shard in enumerate(stage):
@@ -149,7 +149,7 @@ def write_megatron_legacy(root: str | Path, state: dict[str, torch.Tensor], conf
             if not core_names and config.tie_embeddings and pipeline_parallel > 1 and p == pipeline_parallel - 1:
                 model["word_embeddings_for_head"] = {"weight": stages[0][t]["embedding.word_embeddings.weight"].clone()}
             saved = {
-                "args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model,
+                "args": saved_args, "checkpoint_version": 3.0, "iteration": iteration, "model": model,
                 "optimizer": {"optimizer": {"state": {}, "param_groups": [{"params": list(range(len(shard)))}]},
                               "fp32_from_fp16_params": []},
                 "opt_param_scheduler": scheduler or {},

@@ -1,5 +1,6 @@
 """`--load` of a Megatron-LM legacy checkpoint (written as Megatron's save_checkpoint lays it out, at TP 2 × PP 2:
-four model_optim_rng.pt) and of a DeepSpeed checkpoint (written by a real DeepSpeed engine) into other layouts:
+four model_optim_rng.pt) and of DeepSpeed checkpoints (written by a real DeepSpeed engine and pipeline engine) into
+other layouts:
 the weights are the source's, iteration, consumed samples and the learning-rate schedule carry over, and the next
 iteration's loss and gradient norm are the ones the source model gives when it resumes itself.
 
@@ -25,6 +26,7 @@ from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_mode
 from rapidtrain.config.saved_checkpoint import saved_model_config
 from tests.distributed.parallel_runs import RUNS, train_here
 from tests.launch import PRETRAIN, REPO, child_env, read_grad_norms, read_losses, relative_difference, torchrun
+from tests.unit.test_foreign_checkpoints import write_torch_dist
 
 TOLERANCE = 1e-5  # fp32, relative: a layout's reductions in another order
 GPT = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32").split()
@@ -68,16 +70,17 @@ def write_megatron(source: Source, folder: Path) -> None:
                                       "lr_decay_style": "linear", "lr_decay_iters": 10, "lr_warmup_iters": 1})
 
 
-def write_deepspeed(source: Source, folder: Path, scratch: Path) -> None:
+def write_deepspeed(source: Source, folder: Path, scratch: Path, pipeline: bool = False) -> None:
     """Megatron-DeepSpeed's GPT names through a real DeepSpeed engine's save_checkpoint (a separate process: it
-    starts its own process group)."""
+    starts its own process group); `pipeline`: its pipeline engine, one file per layer."""
     config = source.config
     module = flatten(legacy_nested(split_for_megatron(source.state, config, 1, 1, config.vocab_size)[0][0]))
     args = vars(megatron_args(config, 1, 1, config.vocab_size, make_vocab_size_divisible_by=512,
                               consumed_train_samples=source.common["consumed_samples"]))
     torch.save({"model": module, "args": args, "scheduler": source.common["lr_scheduler"]}, scratch)
     result = subprocess.run([sys.executable, str(WRITER), str(scratch), str(folder), str(source.common["iteration"]),
-                             str(source.common["consumed_samples"])], capture_output=True, text=True, timeout=300,
+                             str(source.common["consumed_samples"]), *(["--pipeline"] if pipeline else [])],
+                            capture_output=True, text=True, timeout=300,
                             env=child_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -103,6 +106,9 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     llama, gpt = source_run(out, "llama", llama_flags), source_run(out, "gpt", gpt_flags)
     write_megatron(llama, out / "megatron")
     write_deepspeed(gpt, out / "deepspeed", out / "deepspeed_source.pt")
+    write_deepspeed(gpt, out / "deepspeed_pipe", out / "deepspeed_source.pt", pipeline=True)
+    write_torch_dist(out / "torch_dist", llama.state, llama.config, llama.common["iteration"],
+                     llama.common["consumed_samples"])
 
     def load(flags: list[str], folder: str, name: str, *more: str) -> list[str]:
         return flags + ["--load", str(out / folder), "--train-iters", "3", "--loss-log-file", str(out / f"{name}.txt"),
@@ -122,23 +128,26 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     (out / "runs.json").write_text(json.dumps(two_ranks))
     result = torchrun(2, RUNS, [str(out / "runs.json")], timeout=900, warm=True)
     train_here(load(llama_flags, "megatron", "megatron_tp1"))
+    train_here(load(llama_flags, "torch_dist", "torch_dist_tp1"))
     train_here(load(gpt_flags, "deepspeed", "deepspeed_tp1"))
+    train_here(load(gpt_flags, "deepspeed_pipe", "deepspeed_pipe_tp1"))
     return Runs(out, llama, gpt, result.stdout)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["megatron_tp1", "megatron_tp2", "megatron_dp2", "megatron_pp2"])
+@pytest.mark.parametrize("name", ["megatron_tp1", "megatron_tp2", "megatron_dp2", "megatron_pp2", "torch_dist_tp1"])
 def test_megatron_checkpoint_continues_as_its_source_in_any_layout(runs, name):
-    """Saved at TP 2 × PP 2, loaded at TP 1, TP 2, DP 2 and PP 2: iteration 3 is the next one (the position carried
-    over), and its loss and gradient norm are the source's own resumed run's."""
+    """Saved at TP 2 × PP 2, loaded at TP 1, TP 2, DP 2 and PP 2 (and a torch_dist folder at TP 1): iteration 3 is
+    the next one (the position carried over), and its loss and gradient norm are the source's own resumed run's."""
     assert sorted(runs.losses(name)) == [3]
     assert relative_difference(runs.losses(name), runs.losses("llama_resumed")) < TOLERANCE
     assert relative_difference(runs.norms(name), runs.norms("llama_resumed")) < TOLERANCE
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2"])
+@pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2", "deepspeed_pipe_tp1"])
 def test_deepspeed_checkpoint_continues_as_its_source(runs, name):
+    """Saved by DeepSpeed's engine (its pipeline engine: layer_LL-model_states.pt files), loaded at TP 1 and 2."""
     assert sorted(runs.losses(name)) == [3]
     assert relative_difference(runs.losses(name), runs.losses("gpt_resumed")) < TOLERANCE
     assert relative_difference(runs.norms(name), runs.norms("gpt_resumed")) < TOLERANCE

@@ -1,11 +1,13 @@
 """Write a Megatron-DeepSpeed-style checkpoint with a real DeepSpeed engine, for the --load tests.
 
-Usage: `python tests/distributed/write_deepspeed_checkpoint.py MODEL.pt OUT ITERATION CONSUMED_SAMPLES [ARGS.pt]`:
+Usage: `python tests/distributed/write_deepspeed_checkpoint.py MODEL.pt OUT ITERATION CONSUMED_SAMPLES [--pipeline]`:
 MODEL.pt holds the state dict to save in Megatron-DeepSpeed's GPT names (`language_model.embedding.
-word_embeddings.weight`, `language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...);
-a module with exactly those parameters goes through `deepspeed.initialize` (ZeRO stage 1, one process, gloo on
-the CPU) and `engine.save_checkpoint`, with the client state Megatron-DeepSpeed adds (args, iteration,
-checkpoint_version) and the learning-rate scheduler it hands DeepSpeed.
+word_embeddings.weight`, `language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...), its args
+and its schedule's state; a module with exactly those parameters goes through `deepspeed.initialize` (ZeRO stage 1,
+one process, gloo on the CPU) and `engine.save_checkpoint`, with the client state Megatron-DeepSpeed adds (args,
+iteration, checkpoint_version) and the learning-rate scheduler it hands DeepSpeed. With --pipeline the module is a
+DeepSpeed PipelineModule laid out as Megatron-DeepSpeed's GPTModelPipe (a function first, the embedding, a
+function, the transformer layers, the final norm), which DeepSpeed saves one layer file each.
 """
 
 from __future__ import annotations
@@ -51,6 +53,20 @@ class Schedule:
         self.state = dict(state)
 
 
+def pipeline_module(state: dict[str, torch.Tensor]) -> nn.Module:
+    """GPTModelPipe's layer list over `state`'s tensors, as a DeepSpeed PipelineModule of one stage."""
+    from deepspeed.pipe import PipelineModule
+
+    def part(prefix: str) -> nn.Module:
+        return module_with({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+
+    layers = sorted({int(k.split(".")[3]) for k in state if k.startswith("language_model.encoder.layers.")})
+    specs: list[Any] = [lambda x: x, part("language_model.embedding."), lambda x: x]
+    specs += [part(f"language_model.encoder.layers.{i}.") for i in layers]
+    specs.append(part("language_model.encoder.final_norm."))
+    return PipelineModule(layers=specs, num_stages=1, loss_fn=lambda output, labels: output.sum())
+
+
 def main(argv: list[str]) -> None:
     import deepspeed
 
@@ -62,7 +78,7 @@ def main(argv: list[str]) -> None:
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    module = module_with(state)
+    module = pipeline_module(state) if "--pipeline" in argv else module_with(state)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     config = {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,

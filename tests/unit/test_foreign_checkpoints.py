@@ -220,6 +220,8 @@ def test_unknown_folders_are_refused_naming_what_is_there(tmp_path):
 
 
 PAYLOAD_MODULE = '''
+from pathlib import Path
+
 MARK = Path(__file__).with_name("ran")
 
 def touch(path):
@@ -256,3 +258,48 @@ def test_foreign_classes_are_built_as_inert_records_and_crafted_calls_refused(tm
         load_foreign_pickle(tmp_path / "crafted.pt")
     assert not (tmp_path / "ran").exists()
     assert "foreign_payload" not in sys.modules  # nothing imported the module the files name
+
+
+def write_torch_dist(root, state: dict[str, torch.Tensor], config: ModelConfig, iteration: int, consumed: int,
+                     stacked: bool = True) -> None:
+    """A folder as Megatron-Core's dist_checkpointing writes with --ckpt-format torch_dist: torch.distributed.checkpoint
+    files of whole Core-named tensors (layers stacked on a leading axis, or one key per layer), common.pt with the
+    args and position, metadata.json naming the backend, optimizer entries beside the model's."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    shard = split_for_megatron(state, config, 1, 1, config.vocab_size)[0][0]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in shard.items():
+        if stacked and name.startswith("decoder.layers."):
+            rest = name.split(".", 3)[3]
+            tensors.setdefault(f"decoder.layers.{rest}", torch.stack(
+                [shard[f"decoder.layers.{i}.{rest}"] for i in range(config.num_layers)]))
+        else:
+            tensors[name] = value
+    tensors["optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(3)
+    directory = root / f"iter_{iteration:07d}"
+    dcp.save(tensors, checkpoint_id=str(directory), no_dist=True)
+    args = argparse.Namespace(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                              consumed_train_samples=consumed, tensor_model_parallel_size=2)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "opt_param_scheduler": {"num_steps": consumed}}, directory / "common.pt")
+    (directory / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
+                                                        "sharded_backend_version": 1, "common_backend": "torch"}))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked_layers", "layer_keys"])
+def test_megatron_torch_dist_folder_gives_the_whole_model(tmp_path, stacked):
+    """Read with torch's FileSystemReader (through the safe reader), no megatron-core: layers unstacked, the fused
+    q/k/v and SwiGLU halves split as in the legacy format, position and schedule from common.pt."""
+    from rapidtrain.checkpoint.megatron_dist import read_megatron_dist
+
+    config, state = model_state(LLAMA)
+    write_torch_dist(tmp_path, state, config, iteration=6, consumed=48, stacked=stacked)
+    found = detect_foreign(tmp_path)
+    assert found is not None and found.kind == "megatron-torch-dist"
+    saved = read_megatron_dist(found)
+    assert (saved.iteration, saved.consumed_samples, saved.scheduler) == (6, 48, {"num_steps": 48})
+    assert_same(whole_model(saved, config), expected(config, state))
