@@ -21,6 +21,10 @@ from rapidtrain.checkpoint.foreign_pickle import load_foreign_pickle, plain_args
 from rapidtrain.checkpoint.megatron_layout import Shard, core_names, flatten
 from rapidtrain.checkpoint.megatron_legacy import ForeignState, _count
 
+_ZERO3_REFUSAL = ("{directory}: a ZeRO stage 3 checkpoint: its weights are cut among the zero_pp_rank_* files, which "
+                  "are not read. Save the run once with ZeRO stage 1 or 2 (or consolidate it with the zero_to_fp32.py "
+                  "DeepSpeed wrote beside it into a plain state dict)")
+
 
 def _files(directory: Path, pattern: Any) -> list[tuple[tuple[int, ...], Path]]:
     found = []
@@ -67,6 +71,8 @@ def _pipeline_model(directory: Path, tensor: int) -> Shard:
 def read_deepspeed(checkpoint: ForeignCheckpoint) -> ForeignState:
     directory = checkpoint.directory
     model_files = _files(directory, DEEPSPEED_MODEL_FILE)
+    if not model_files and any(directory.glob("zero_pp_rank_*_model_states.pt")):
+        raise CheckpointError(_ZERO3_REFUSAL.format(directory=directory))
     if not model_files:
         raise CheckpointError(f"{directory}: no mp_rank_*_model_states.pt: the DeepSpeed checkpoint is incomplete "
                               "(or its files were moved)")
@@ -86,6 +92,8 @@ def read_deepspeed(checkpoint: ForeignCheckpoint) -> ForeignState:
             shards.append(core_names(flatten({k: v for k, v in module.items() if isinstance(k, str)})))
         else:
             shards.append(core_names(_pipeline_model(directory, rank)))
+    if any(value.numel() == 0 for shard in shards for value in shard.values()):
+        raise CheckpointError(_ZERO3_REFUSAL.format(directory=directory))
     if not any(shards):
         raise CheckpointError(f"{directory}: no model weights in it (DeepSpeed saved no module and no layer files)")
     saved_args = plain_args(first.get("args"))

@@ -70,16 +70,16 @@ def write_megatron(source: Source, folder: Path) -> None:
                                       "lr_decay_style": "linear", "lr_decay_iters": 10, "lr_warmup_iters": 1})
 
 
-def write_deepspeed(source: Source, folder: Path, scratch: Path, pipeline: bool = False) -> None:
+def write_deepspeed(source: Source, folder: Path, scratch: Path, *options: str) -> None:
     """Megatron-DeepSpeed's GPT names through a real DeepSpeed engine's save_checkpoint (a separate process: it
-    starts its own process group); `pipeline`: its pipeline engine, one file per layer."""
+    starts its own process group); `--pipeline`: its pipeline engine, one file per layer; `--zero3`: ZeRO stage 3."""
     config = source.config
     module = flatten(legacy_nested(split_for_megatron(source.state, config, 1, 1, config.vocab_size)[0][0]))
     args = vars(megatron_args(config, 1, 1, config.vocab_size, make_vocab_size_divisible_by=512,
                               consumed_train_samples=source.common["consumed_samples"]))
     torch.save({"model": module, "args": args, "scheduler": source.common["lr_scheduler"]}, scratch)
     result = subprocess.run([sys.executable, str(WRITER), str(scratch), str(folder), str(source.common["iteration"]),
-                             str(source.common["consumed_samples"]), *(["--pipeline"] if pipeline else [])],
+                             str(source.common["consumed_samples"]), *options],
                             capture_output=True, text=True, timeout=300,
                             env=child_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -106,7 +106,8 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     llama, gpt = source_run(out, "llama", llama_flags), source_run(out, "gpt", gpt_flags)
     write_megatron(llama, out / "megatron")
     write_deepspeed(gpt, out / "deepspeed", out / "deepspeed_source.pt")
-    write_deepspeed(gpt, out / "deepspeed_pipe", out / "deepspeed_source.pt", pipeline=True)
+    write_deepspeed(gpt, out / "deepspeed_pipe", out / "deepspeed_source.pt", "--pipeline")
+    write_deepspeed(gpt, out / "deepspeed_zero3", out / "deepspeed_source.pt", "--zero3")
     write_torch_dist(out / "torch_dist", llama.state, llama.config, llama.common["iteration"],
                      llama.common["consumed_samples"])
 
@@ -198,3 +199,15 @@ def one_process(args: list[str]) -> subprocess.CompletedProcess:
     """`python rapidtrain/pretrain.py ARGS`, as a user starts one process (torchrun would report its own status)."""
     return subprocess.run([sys.executable, str(PRETRAIN), *args], capture_output=True, text=True, timeout=300,
                           env=child_env(), cwd=REPO)
+
+
+@pytest.mark.slow
+def test_zero3_deepspeed_checkpoint_is_refused_naming_the_way_round(runs):
+    """ZeRO stage 3 keeps the weights only in its partitions (DeepSpeed 0.19 names the model file
+    zero_pp_rank_0_mp_rank_00_model_states.pt): refused, naming stage 1/2 and zero_to_fp32.py."""
+    from rapidtrain.checkpoint.checkpointer import CheckpointError
+    from rapidtrain.checkpoint.deepspeed_folder import read_deepspeed
+    from rapidtrain.checkpoint.foreign_formats import detect_foreign
+
+    with pytest.raises(CheckpointError, match="ZeRO stage 3 checkpoint.*stage 1 or 2.*zero_to_fp32.py"):
+        read_deepspeed(detect_foreign(runs.out / "deepspeed_zero3"))

@@ -1,13 +1,15 @@
 """Write a Megatron-DeepSpeed-style checkpoint with a real DeepSpeed engine, for the --load tests.
 
-Usage: `python tests/distributed/write_deepspeed_checkpoint.py MODEL.pt OUT ITERATION CONSUMED_SAMPLES [--pipeline]`:
+Usage: `python tests/distributed/write_deepspeed_checkpoint.py MODEL.pt OUT ITERATION CONSUMED_SAMPLES [--pipeline]
+[--zero3]`:
 MODEL.pt holds the state dict to save in Megatron-DeepSpeed's GPT names (`language_model.embedding.
 word_embeddings.weight`, `language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...), its args
 and its schedule's state; a module with exactly those parameters goes through `deepspeed.initialize` (ZeRO stage 1,
 one process, gloo on the CPU) and `engine.save_checkpoint`, with the client state Megatron-DeepSpeed adds (args,
 iteration, checkpoint_version) and the learning-rate scheduler it hands DeepSpeed. With --pipeline the module is a
 DeepSpeed PipelineModule laid out as Megatron-DeepSpeed's GPTModelPipe (a function first, the embedding, a
-function, the transformer layers, the final norm), which DeepSpeed saves one layer file each.
+function, the transformer layers, the final norm), which DeepSpeed saves one layer file each; with --zero3, ZeRO
+stage 3 (the weights then live in the partitioned files only).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def main(argv: list[str]) -> None:
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
     module = pipeline_module(state) if "--pipeline" in argv else module_with(state)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    config = {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    stage = 3 if "--zero3" in argv else 1
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                       lr_scheduler=Schedule(scheduler))
     engine.global_steps, engine.global_samples = iteration, consumed

@@ -303,3 +303,16 @@ def test_megatron_torch_dist_folder_gives_the_whole_model(tmp_path, stacked):
     saved = read_megatron_dist(found)
     assert (saved.iteration, saved.consumed_samples, saved.scheduler) == (6, 48, {"num_steps": 48})
     assert_same(whole_model(saved, config), expected(config, state))
+
+
+def test_export_and_generation_name_a_foreign_folder(tmp_path):
+    """The one-process reader (rapidtrain generate, convert_checkpoint.py) says what the folder is and what reads it,
+    instead of calling a Megatron-LM folder incomplete."""
+    from rapidtrain.checkpoint.reader import checkpoint_directory
+
+    config, state = model_state(GPT)
+    write_megatron_legacy(tmp_path, state, config, tensor_parallel=1, pipeline_parallel=1, iteration=2,
+                          consumed_samples=8, vocab_rows=256)
+    with pytest.raises(CheckpointError, match=r"Megatron-LM checkpoint \(legacy format\), iter_0000002.*--load"):
+        checkpoint_directory(tmp_path)
+
