@@ -816,6 +816,10 @@ def load_foreign_checkpoint(checkpoint: Any, runner: RunnerState, lr_scheduler: 
     notes = [*state.notes, "model weights only: its optimizer state is not mapped (Megatron's per-rank optimizer "
              "layouts and ZeRO's flat partitions are not this run's), so the optimizer starts fresh",
              "random state not restored: dropout and sampling continue from this run's seed"]
+    saved_dtypes = sorted({str(value.dtype).removeprefix("torch.") for value in whole.values()} - {"float32"})
+    if saved_dtypes:
+        notes.append(f"its weights were saved in {', '.join(saved_dtypes)} and are loaded as saved (a mixed-precision "
+                     "run's fp32 master copy, kept with the optimizer state, is not read)")
     if finetune or state.release:
         if _rank() == 0:
             for note in notes:

@@ -316,3 +316,21 @@ def test_export_and_generation_name_a_foreign_folder(tmp_path):
     with pytest.raises(CheckpointError, match=r"Megatron-LM checkpoint \(legacy format\), iter_0000002.*--load"):
         checkpoint_directory(tmp_path)
 
+
+
+@pytest.mark.parametrize("finetune", [False, True], ids=["load", "finetune"])
+def test_the_plan_names_the_foreign_checkpoint_and_what_carries_over(tmp_path, finetune):
+    from rapidtrain.config import arguments, plan
+    from rapidtrain.config.describe import describe_plan
+    from rapidtrain.config.settings import RunContext
+
+    config, state = model_state(GPT)
+    write_megatron_legacy(tmp_path, state, config, tensor_parallel=2, pipeline_parallel=1, iteration=4,
+                          consumed_samples=16, vocab_rows=256)
+    argv = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+            "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--load", str(tmp_path),
+            *(["--finetune"] if finetune else [])]
+    text = describe_plan(plan.from_args(arguments.parse_args(argv), RunContext(1, "cpu")))
+    assert "Megatron-LM checkpoint (legacy format), iter_0000004: its model weights" in text
+    carried = "only, from iteration 0" if finetune else ", iteration, consumed samples and learning-rate schedule"
+    assert carried in text and "the optimizer starts fresh" in text
