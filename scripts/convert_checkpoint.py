@@ -12,7 +12,8 @@ consolidated model, and the built-in GPT, Llama-family, MoE or BERT model as a H
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
     # export/gpt/megatron/: Megatron-LM's legacy checkpoint (latest_checkpointed_iteration.txt,
     #   iter_N/mp_rank_TT_PPP/model_optim_rng.pt) of the built-in GPT/Llama model, with its iteration, consumed
-    #   samples and learning-rate schedule (no optimizer moments), which Megatron-LM and rapidtrain --load read
+    #   samples and learning-rate schedule (no optimizer or random state, as Megatron's own converters write:
+    #   Megatron-LM loads it with --finetune, or --no-load-optim --no-load-rng), which rapidtrain --load reads too
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def export_megatron(state: dict[str, torch.Tensor], config: ModelConfig | None, 
                           iteration=int(common.get("iteration", 0)), vocab_rows=rows,
                           consumed_samples=int(common.get("consumed_samples", 0)),
                           scheduler=common.get("lr_scheduler"),
-                          extra_args={"make_vocab_size_divisible_by": multiple // tensor_parallel})
+                          extra_args={"make_vocab_size_divisible_by": multiple // tensor_parallel},
+                          optimizer_and_rng=False)
     print(f"Megatron-LM legacy checkpoint (tensor parallel {tensor_parallel} × pipeline parallel "
           f"{pipeline_parallel}) in {output}")
     return output

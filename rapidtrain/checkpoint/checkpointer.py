@@ -749,9 +749,9 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     from rapidtrain.checkpoint.foreign_formats import detect_foreign, refuse_unknown_folder
 
     foreign = detect_foreign(root)
-    if foreign is not None:
-        return load_foreign_checkpoint(foreign, runner, lr_scheduler, model, finetune=finetune,
-                                       load_optimizer=load_optimizer, schedule_from=schedule_from, flags=flags)
+    if foreign is not None:  # the callers route these to checkpoint.foreign.load_foreign_checkpoint
+        raise CheckpointError(f"--load {root}: a {foreign.describe()}: read it with "
+                              "rapidtrain.checkpoint.foreign.load_foreign_checkpoint, as a training run's --load does")
     iteration = latest_iteration(root)
     if iteration is None:
         refuse_unknown_folder(root)
@@ -796,43 +796,6 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     if finetune:
         return LoadedState(0, 0, {}, notes)
     return LoadedState(iteration, common["consumed_samples"], common.get("extra", {}), notes)
-
-
-def load_foreign_checkpoint(checkpoint: Any, runner: RunnerState, lr_scheduler: Any, model: dict[str, Any] | None, *,
-                            finetune: bool, load_optimizer: bool, schedule_from: str,
-                            flags: dict[str, Any] | None) -> LoadedState:
-    """Fill the runner from another tool's checkpoint (checkpoint/foreign.py): the model's weights, and with --load
-    the position and learning-rate schedule; the optimizer starts fresh and the RNG is this run's own."""
-    from rapidtrain.checkpoint.foreign import fill_template, model_config, read_foreign, scheduler_state, whole_model
-
-    if model is None:
-        raise CheckpointError(f"--load {checkpoint.root}: a {checkpoint.describe()} loads into the built-in GPT "
-                              "model only (not a Hugging Face model or a user script's own)")
-    state = read_foreign(checkpoint)
-    whole = whole_model(state, model_config(model))
-    template = runner.state_dict_for_loading(False)
-    fill_template(template["model"], whole, state.source)
-    runner.load_state_dict(template, load_optimizer=False)
-    notes = [*state.notes, "model weights only: its optimizer state is not mapped (Megatron's per-rank optimizer "
-             "layouts and ZeRO's flat partitions are not this run's), so the optimizer starts fresh",
-             "random state not restored: dropout and sampling continue from this run's seed"]
-    saved_dtypes = sorted({str(value.dtype).removeprefix("torch.") for value in whole.values()} - {"float32"})
-    if saved_dtypes:
-        notes.append(f"its weights were saved in {', '.join(saved_dtypes)} and are loaded as saved (a mixed-precision "
-                     "run's fp32 master copy, kept with the optimizer state, is not read)")
-    if finetune or state.release:
-        if _rank() == 0:
-            for note in notes:
-                print(f" note: {note}", flush=True)
-        return LoadedState(0, 0, {}, notes)
-    if load_optimizer and hasattr(lr_scheduler, "load_state_dict"):
-        changed = changed_schedule_flags(state.saved_args, flags or {})
-        load_schedule(lr_scheduler, scheduler_state(state.scheduler, state.consumed_samples), schedule_from,
-                      checkpoint.directory, changed)
-    if _rank() == 0:
-        for note in notes:
-            print(f" note: {note}", flush=True)
-    return LoadedState(state.iteration, state.consumed_samples, {}, notes)
 
 
 def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tuple[SaveLock, list[str]]:

@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from rapidtrain.checkpoint.checkpointer import LoadedState, RunnerState
 from rapidtrain.checkpoint.compatibility import CheckpointError
 from rapidtrain.checkpoint.foreign_formats import ForeignCheckpoint
 from rapidtrain.checkpoint.megatron_layout import fit_vocabulary, merge_stages
 from rapidtrain.checkpoint.megatron_legacy import ForeignState
+from rapidtrain.checkpoint.resume import changed_schedule_flags, load_schedule
 from rapidtrain.models.config import ModelConfig
 
 # The saved run's Megatron args that fix the model's shape: (arg, this run's value from its ModelConfig, the flag).
@@ -151,3 +153,45 @@ def scheduler_state(saved: dict[str, Any] | None, consumed_samples: int) -> dict
     if not isinstance(state.get("num_steps"), int) or isinstance(state.get("num_steps"), bool):
         state["num_steps"] = consumed_samples
     return state
+
+
+def load_foreign_checkpoint(checkpoint: ForeignCheckpoint, runner: RunnerState, lr_scheduler: Any,
+                            model: dict[str, Any] | None, *, finetune: bool, load_optimizer: bool, schedule_from: str,
+                            flags: dict[str, Any] | None) -> LoadedState:
+    """Fill the runner from another tool's checkpoint (every rank calls this; `model`: the plan's model settings):
+    the model's weights, and with --load the position and learning-rate schedule; the optimizer starts fresh and
+    the RNG is this run's own."""
+    if model is None:
+        raise CheckpointError(f"--load {checkpoint.root}: a {checkpoint.describe()} loads into the built-in GPT "
+                              "model only (not a Hugging Face model or a user script's own)")
+    state = read_foreign(checkpoint)
+    whole = whole_model(state, model_config(model))
+    template = runner.state_dict_for_loading(False)
+    fill_template(template["model"], whole, state.source)
+    runner.load_state_dict(template, load_optimizer=False)
+    notes = [*state.notes, "model weights only: its optimizer state is not mapped (Megatron's per-rank optimizer "
+             "layouts and ZeRO's flat partitions are not this run's), so the optimizer starts fresh",
+             "random state not restored: dropout and sampling continue from this run's seed"]
+    saved_dtypes = sorted({str(value.dtype).removeprefix("torch.") for value in whole.values()} - {"float32"})
+    if saved_dtypes:
+        notes.append(f"its weights were saved in {', '.join(saved_dtypes)} and are loaded as saved (a mixed-precision "
+                     "run's fp32 master copy, kept with the optimizer state, is not read)")
+    if finetune or state.release:
+        if _first_rank():
+            for note in notes:
+                print(f" note: {note}", flush=True)
+        return LoadedState(0, 0, {}, notes)
+    if load_optimizer and hasattr(lr_scheduler, "load_state_dict"):
+        changed = changed_schedule_flags(state.saved_args, flags or {})
+        load_schedule(lr_scheduler, scheduler_state(state.scheduler, state.consumed_samples), schedule_from,
+                      checkpoint.directory, changed)
+    if _first_rank():
+        for note in notes:
+            print(f" note: {note}", flush=True)
+    return LoadedState(state.iteration, state.consumed_samples, {}, notes)
+
+
+def _first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0

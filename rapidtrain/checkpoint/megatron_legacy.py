@@ -133,10 +133,14 @@ def megatron_args(config: ModelConfig, tensor_parallel: int, pipeline_parallel: 
 def write_megatron_legacy(root: str | Path, state: dict[str, torch.Tensor], config: ModelConfig, *,
                           tensor_parallel: int, pipeline_parallel: int, iteration: int, consumed_samples: int,
                           vocab_rows: int, scheduler: dict[str, Any] | None = None, core_names: bool = False,
-                          extra_args: dict[str, Any] | None = None) -> Path:
+                          extra_args: dict[str, Any] | None = None, optimizer_and_rng: bool = True) -> Path:
     """Write the whole built-in model `state` as Megatron-LM's save_checkpoint lays it out (legacy format,
-    checkpoint_version 3.0): one model_optim_rng.pt per (tensor, pipeline) rank and the tracker file. The
-    optimizer field holds the state of a Megatron optimizer that has not stepped (no moments to carry)."""
+    checkpoint_version 3.0): one model_optim_rng.pt per (tensor, pipeline) rank and the tracker file.
+
+    `optimizer_and_rng`: also the fields a training run saves, with the state of an fp32 Megatron optimizer that has
+    not stepped and this process's random state (CPU stand-ins where Megatron saves CUDA states). Without them the
+    folder is what Megatron's own converters write (--no-save-optim --no-save-rng): Megatron loads it with
+    --finetune, or --no-load-optim --no-load-rng."""
     root = Path(root)
     directory = root / f"iter_{iteration:07d}"
     stages = split_for_megatron(state, config, tensor_parallel, pipeline_parallel, vocab_rows)
@@ -148,15 +152,18 @@ def write_megatron_legacy(root: str | Path, state: dict[str, torch.Tensor], conf
             model: dict[str, Any] = dict(shard) if core_names else legacy_nested(shard)
             if not core_names and config.tie_embeddings and pipeline_parallel > 1 and p == pipeline_parallel - 1:
                 model["word_embeddings_for_head"] = {"weight": stages[0][t]["embedding.word_embeddings.weight"].clone()}
-            saved = {
+            saved: dict[str, Any] = {
                 "args": saved_args, "checkpoint_version": 3.0, "iteration": iteration, "model": model,
-                "optimizer": {"optimizer": {"state": {}, "param_groups": [{"params": list(range(len(shard)))}]},
-                              "fp32_from_fp16_params": []},
-                "opt_param_scheduler": scheduler or {},
-                "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-                               "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
-                "num_floating_point_operations_so_far": 0,
+                "opt_param_scheduler": scheduler or {}, "num_floating_point_operations_so_far": 0,
             }
+            if optimizer_and_rng:
+                saved["optimizer"] = {"state": {}, "param_groups": [  # Megatron's two groups: with and without decay
+                    {"wd_mult": 1.0, "lr_mult": 1.0, "params": list(range(len(shard)))},
+                    {"wd_mult": 0.0, "lr_mult": 1.0, "params": []}]}
+                saved["rng_state"] = [{
+                    "random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                    "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
+                    "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()}}]
             (directory / name).mkdir(parents=True, exist_ok=True)
             torch.save(saved, directory / name / MEGATRON_FILE)
     (root / LATEST_FILE).write_text(f"{iteration}\n")
