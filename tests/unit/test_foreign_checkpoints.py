@@ -334,3 +334,18 @@ def test_the_plan_names_the_foreign_checkpoint_and_what_carries_over(tmp_path, f
     assert "Megatron-LM checkpoint (legacy format), iter_0000004: its model weights" in text
     carried = "only, from iteration 0" if finetune else ", iteration, consumed samples and learning-rate schedule"
     assert carried in text and "the optimizer starts fresh" in text
+
+
+def test_deepspeed_tensor_parallel_model_files_are_merged(tmp_path):
+    """Megatron-DeepSpeed at TP 2: mp_rank_00_model_states.pt and mp_rank_01_model_states.pt, each `module` one tensor
+    rank's part in the legacy model's nesting; without args the position comes from DeepSpeed's own counters."""
+    config, state = model_state(LLAMA)
+    folder = tmp_path / "global_step6"
+    folder.mkdir()
+    (tmp_path / "latest").write_text("global_step6\n")
+    for rank, shard in enumerate(split_for_megatron(state, config, 2, 1, 256)[0]):
+        torch.save({"module": legacy_nested(shard), "global_steps": 6, "global_samples": 24, "dp_world_size": 1,
+                    "mp_world_size": 2}, folder / f"mp_rank_{rank:02d}_model_states.pt")
+    saved = read_deepspeed(detect_foreign(tmp_path))
+    assert (saved.iteration, saved.consumed_samples) == (6, 24) and len(saved.stages[0]) == 2
+    assert_same(whole_model(saved, config), expected(config, state))
