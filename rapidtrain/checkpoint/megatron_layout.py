@@ -241,7 +241,7 @@ def split_for_megatron(state: Mapping[str, torch.Tensor], config: ModelConfig, t
         raise CheckpointError(f"--num-layers {config.num_layers} and {config.query_groups} query groups must divide "
                               f"by the pipeline ({pipeline_parallel}) and tensor ({tensor_parallel}) parallel sizes")
     state = dict(state)
-    fit_vocabulary(state, vocab_rows, vocab_rows + 1, "the model")
+    fit_vocabulary(state, vocab_rows, 1, "the model")  # padding rows added, none cut
     per_stage = config.num_layers // pipeline_parallel
     stages: list[list[Shard]] = []
     for stage in range(pipeline_parallel):

@@ -1,11 +1,12 @@
 """`--load` of a Megatron-LM legacy checkpoint (written as Megatron's save_checkpoint lays it out, at TP 2 × PP 2:
-four model_optim_rng.pt) and of DeepSpeed checkpoints (written by a real DeepSpeed engine and pipeline engine) into
-other layouts:
-the weights are the source's, iteration, consumed samples and the learning-rate schedule carry over, and the next
-iteration's loss and gradient norm are the ones the source model gives when it resumes itself.
+four model_optim_rng.pt), of a torch_dist one and of DeepSpeed checkpoints (written by real DeepSpeed engines: ZeRO
+stage 1, the pipeline engine, ZeRO stage 3) into other layouts: the weights are the source's, iteration, consumed
+samples and the learning-rate schedule carry over, and the next iteration's loss and gradient norm are the ones the
+source run had there.
 
-The sources are rapidtrain runs (2 iterations, one process) whose weights are re-laid in Megatron's layouts; the
-2-rank loads share one torchrun launch (tests/distributed/pretrain_runs.py), the one-process ones run here.
+The sources are rapidtrain runs (3 iterations, one process, saved at 2 and 3) whose iteration-2 weights are re-laid
+in the other tools' layouts; the 2-rank loads share one torchrun launch (tests/distributed/pretrain_runs.py), the
+one-process ones run here.
 """
 
 from __future__ import annotations
@@ -53,11 +54,11 @@ class Source:
 
 
 def source_run(out: Path, name: str, flags: list[str]) -> Source:
-    """2 iterations saved; then the run resumed for a 3rd, whose loss is the reference."""
-    train_here(flags + ["--train-iters", "2", "--save", str(out / name)])
-    train_here(flags + ["--train-iters", "3", "--load", str(out / name), "--save", str(out / f"{name}_resumed"),
-                        "--loss-log-file", str(out / f"{name}_resumed.txt")])
-    directory = checkpoint_directory(out / name)
+    """3 iterations, saved at 2 and 3: iteration 2's checkpoint is the source, iteration 3's loss the reference (a run
+    resumed from iteration 2 gives the same: tests/distributed/test_exact_resume.py)."""
+    train_here(flags + ["--train-iters", "3", "--save-interval", "2", "--save", str(out / name), "--loss-log-file",
+                        str(out / f"{name}.txt")])
+    directory = checkpoint_directory(out / name, 2)
     return Source(consolidated_model_state(directory), saved_model_config(directory), read_common(directory))
 
 
@@ -70,18 +71,18 @@ def write_megatron(source: Source, folder: Path) -> None:
                                       "lr_decay_style": "linear", "lr_decay_iters": 10, "lr_warmup_iters": 1})
 
 
-def write_deepspeed(source: Source, folder: Path, scratch: Path, *options: str) -> None:
-    """Megatron-DeepSpeed's GPT names through a real DeepSpeed engine's save_checkpoint (a separate process: it
-    starts its own process group); `--pipeline`: its pipeline engine, one file per layer; `--zero3`: ZeRO stage 3."""
+def write_deepspeed(source: Source, scratch: Path, **folders: Path) -> None:
+    """Megatron-DeepSpeed's GPT names through real DeepSpeed engines' save_checkpoint, one folder per kind (plain,
+    pipeline, zero3), in a separate process: it starts its own process group."""
     config = source.config
     module = flatten(legacy_nested(split_for_megatron(source.state, config, 1, 1, config.vocab_size)[0][0]))
     args = vars(megatron_args(config, 1, 1, config.vocab_size, make_vocab_size_divisible_by=512,
                               consumed_train_samples=source.common["consumed_samples"]))
     torch.save({"model": module, "args": args, "scheduler": source.common["lr_scheduler"]}, scratch)
-    result = subprocess.run([sys.executable, str(WRITER), str(scratch), str(folder), str(source.common["iteration"]),
-                             str(source.common["consumed_samples"]), *options],
-                            capture_output=True, text=True, timeout=300,
-                            env=child_env(), cwd=REPO)
+    kinds = [f"{kind}={folder}" for kind, folder in folders.items()]
+    result = subprocess.run([sys.executable, str(WRITER), str(scratch), str(source.common["iteration"]),
+                             str(source.common["consumed_samples"]), *kinds], capture_output=True, text=True,
+                            timeout=300, env=child_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -98,6 +99,10 @@ class Runs:
     def norms(self, name: str) -> dict[int, float]:
         return read_grad_norms(self.out / f"{name}.txt")
 
+    def third(self, values: dict[int, float]) -> dict[int, float]:
+        """A source run's iteration 3, the one after its saved iteration 2."""
+        return {3: values[3]}
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, demo_data) -> Runs:
@@ -105,9 +110,8 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     llama_flags, gpt_flags = LLAMA + TRAINING + data_flags(demo_data), GPT + TRAINING + data_flags(demo_data)
     llama, gpt = source_run(out, "llama", llama_flags), source_run(out, "gpt", gpt_flags)
     write_megatron(llama, out / "megatron")
-    write_deepspeed(gpt, out / "deepspeed", out / "deepspeed_source.pt")
-    write_deepspeed(gpt, out / "deepspeed_pipe", out / "deepspeed_source.pt", "--pipeline")
-    write_deepspeed(gpt, out / "deepspeed_zero3", out / "deepspeed_source.pt", "--zero3")
+    write_deepspeed(gpt, out / "deepspeed_source.pt", plain=out / "deepspeed", pipeline=out / "deepspeed_pipe",
+                    zero3=out / "deepspeed_zero3")
     write_torch_dist(out / "torch_dist", llama.state, llama.config, llama.common["iteration"],
                      llama.common["consumed_samples"])
 
@@ -139,10 +143,10 @@ def runs(tmp_path_factory, demo_data) -> Runs:
 @pytest.mark.parametrize("name", ["megatron_tp1", "megatron_tp2", "megatron_dp2", "megatron_pp2", "torch_dist_tp1"])
 def test_megatron_checkpoint_continues_as_its_source_in_any_layout(runs, name):
     """Saved at TP 2 × PP 2, loaded at TP 1, TP 2, DP 2 and PP 2 (and a torch_dist folder at TP 1): iteration 3 is
-    the next one (the position carried over), and its loss and gradient norm are the source's own resumed run's."""
+    the next one (the position carried over), and its loss and gradient norm are the source run's own iteration 3."""
     assert sorted(runs.losses(name)) == [3]
-    assert relative_difference(runs.losses(name), runs.losses("llama_resumed")) < TOLERANCE
-    assert relative_difference(runs.norms(name), runs.norms("llama_resumed")) < TOLERANCE
+    assert relative_difference(runs.losses(name), runs.third(runs.losses("llama"))) < TOLERANCE
+    assert relative_difference(runs.norms(name), runs.third(runs.norms("llama"))) < TOLERANCE
 
 
 @pytest.mark.slow
@@ -150,21 +154,21 @@ def test_megatron_checkpoint_continues_as_its_source_in_any_layout(runs, name):
 def test_deepspeed_checkpoint_continues_as_its_source(runs, name):
     """Saved by DeepSpeed's engine (its pipeline engine: layer_LL-model_states.pt files), loaded at TP 1 and 2."""
     assert sorted(runs.losses(name)) == [3]
-    assert relative_difference(runs.losses(name), runs.losses("gpt_resumed")) < TOLERANCE
-    assert relative_difference(runs.norms(name), runs.norms("gpt_resumed")) < TOLERANCE
+    assert relative_difference(runs.losses(name), runs.third(runs.losses("gpt"))) < TOLERANCE
+    assert relative_difference(runs.norms(name), runs.third(runs.norms("gpt"))) < TOLERANCE
     assert "DeepSpeed / Megatron-DeepSpeed checkpoint, global_step2" in runs.launch_output
 
 
 @pytest.mark.slow
 def test_loaded_weights_are_the_sources_and_the_schedule_goes_on(runs):
     """The TP 2 run trained at rate 0 saves exactly the Megatron checkpoint's weights; the one at the flags' rate
-    saves the position and schedule the source's own resumed run saved (12 samples)."""
+    saves the position and schedule the source run saved at iteration 3 (12 samples)."""
     saved = consolidated_model_state(checkpoint_directory(runs.out / "megatron_lr0"))
     assert sorted(saved) == sorted(runs.llama.state)
     for name, value in runs.llama.state.items():
         assert torch.equal(saved[name], value), name
     common = read_common(checkpoint_directory(runs.out / "megatron_tp2"))
-    reference = read_common(checkpoint_directory(runs.out / "llama_resumed"))
+    reference = read_common(checkpoint_directory(runs.out / "llama", 3))
     assert (common["iteration"], common["consumed_samples"]) == (3, 12)
     assert common["lr_scheduler"] == reference["lr_scheduler"]
     assert "model weights only: its optimizer state is not mapped" in runs.launch_output
@@ -175,7 +179,7 @@ def test_finetune_takes_the_weights_from_iteration_zero(runs):
     common = read_common(checkpoint_directory(runs.out / "finetune"))
     assert (common["iteration"], common["consumed_samples"]) == (3, 12)
     assert sorted(runs.losses("megatron_finetune")) == [1, 2, 3]
-    assert runs.losses("megatron_finetune")[1] != pytest.approx(runs.losses("llama_resumed")[3])
+    assert runs.losses("megatron_finetune")[1] != pytest.approx(runs.losses("llama")[3])
 
 
 @pytest.mark.slow

@@ -1,15 +1,15 @@
-"""Write a Megatron-DeepSpeed-style checkpoint with a real DeepSpeed engine, for the --load tests.
+"""Write Megatron-DeepSpeed-style checkpoints with real DeepSpeed engines, for the --load tests.
 
-Usage: `python tests/distributed/write_deepspeed_checkpoint.py MODEL.pt OUT ITERATION CONSUMED_SAMPLES [--pipeline]
-[--zero3]`:
+Usage: `python tests/distributed/write_deepspeed_checkpoint.py MODEL.pt ITERATION CONSUMED_SAMPLES KIND=OUT ...`:
 MODEL.pt holds the state dict to save in Megatron-DeepSpeed's GPT names (`language_model.embedding.
 word_embeddings.weight`, `language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...), its args
-and its schedule's state; a module with exactly those parameters goes through `deepspeed.initialize` (ZeRO stage 1,
-one process, gloo on the CPU) and `engine.save_checkpoint`, with the client state Megatron-DeepSpeed adds (args,
-iteration, checkpoint_version) and the learning-rate scheduler it hands DeepSpeed. With --pipeline the module is a
-DeepSpeed PipelineModule laid out as Megatron-DeepSpeed's GPTModelPipe (a function first, the embedding, a
-function, the transformer layers, the final norm), which DeepSpeed saves one layer file each; with --zero3, ZeRO
-stage 3 (the weights then live in the partitioned files only).
+and its schedule's state. For each KIND=OUT a module with exactly those parameters goes through
+`deepspeed.initialize` (one process, gloo on the CPU) and `engine.save_checkpoint` into OUT, with the client state
+Megatron-DeepSpeed adds (args, iteration, checkpoint_version) and the learning-rate scheduler it hands DeepSpeed.
+KIND: `plain` (ZeRO stage 1), `pipeline` (a DeepSpeed PipelineModule laid out as Megatron-DeepSpeed's GPTModelPipe:
+a function first, the embedding, a function, the transformer layers, the final norm; DeepSpeed saves one file per
+layer) or `zero3` (ZeRO stage 3: the weights then live in the partitioned files only). One process writes them all,
+paying for DeepSpeed's import once.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def pipeline_module(state: dict[str, torch.Tensor]) -> nn.Module:
 def main(argv: list[str]) -> None:
     import deepspeed
 
-    source, out, iteration, consumed = Path(argv[0]), Path(argv[1]), int(argv[2]), int(argv[3])
+    source, iteration, consumed = Path(argv[0]), int(argv[1]), int(argv[2])
     saved = torch.load(source, weights_only=False)  # written by the test itself
     state, args, scheduler = saved["model"], saved["args"], saved["scheduler"]
     if not dist.is_initialized():
@@ -80,16 +80,19 @@ def main(argv: list[str]) -> None:
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    module = pipeline_module(state) if "--pipeline" in argv else module_with(state)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    stage = 3 if "--zero3" in argv else 1
-    config = {"train_batch_size": 1, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
-    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
-                                      lr_scheduler=Schedule(scheduler))
-    engine.global_steps, engine.global_samples = iteration, consumed
-    client = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration,
-              "tokens": consumed * args.get("seq_length", 0)}
-    engine.save_checkpoint(str(out), tag=f"global_step{iteration}", client_state=client)
+    for request in argv[3:]:
+        kind, _, out = request.partition("=")
+        module = pipeline_module(state) if kind == "pipeline" else module_with(state)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        config = {"train_batch_size": 1, "zero_optimization": {"stage": 3 if kind == "zero3" else 1},
+                  "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
+                                          lr_scheduler=Schedule(scheduler))
+        engine.global_steps, engine.global_samples = iteration, consumed
+        client = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration,
+                  "tokens": consumed * args.get("seq_length", 0)}
+        engine.save_checkpoint(out, tag=f"global_step{iteration}", client_state=client)
+        engine.destroy()
     dist.destroy_process_group()
 
 
