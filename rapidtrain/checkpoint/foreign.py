@@ -6,9 +6,10 @@ pipeline ranks into the built-in GPT's names (megatron_layout), checks the saved
 run's, and fills its runner's load template from it: each parameter whole, or the shard this rank holds (a DTensor
 under tensor parallelism or FSDP, a ZeRO partition), as resuming a rapidtrain checkpoint in another layout does.
 The position (iteration, consumed samples) and the learning-rate schedule carry over with --load; --finetune
-(and a `release` checkpoint, as in Megatron) takes the weights only, from iteration 0. The optimizer's state is not
-mapped (Megatron's is kept per rank in its own flat or per-parameter layouts): the optimizer starts fresh, and the
-log says so.
+(and a `release` checkpoint, as in Megatron) takes the weights only, from iteration 0. Adam's moments carry over
+where the format keeps them by parameter name (DeepSpeed ZeRO stage 1/2's optimizer files), merged as the weights
+are and put into this run's optimizer state template; Megatron-LM's optimizer state (kept per rank in its own flat
+or per-parameter orders) is not mapped, and the optimizer then starts fresh; the log says which.
 """
 
 from __future__ import annotations
@@ -99,16 +100,21 @@ def whole_model(state: ForeignState, config: ModelConfig) -> dict[str, torch.Ten
         raise CheckpointError(f"--load {state.source}: the checkpoint holds another model than the flags describe: "
                               + "; ".join(differing) + ". Give the checkpoint's values.")
     whole = merge_stages(state.stages, config, state.source)
-    saved_tensor_parallel = state.saved_args.get("tensor_model_parallel_size")
-    tensor_parallel = max(len(state.stages[0]), saved_tensor_parallel if isinstance(saved_tensor_parallel, int) else 1)
-    divisible = state.saved_args.get("make_vocab_size_divisible_by") or 128
-    fit_vocabulary(whole, config.vocab_size, int(divisible) * tensor_parallel, state.source)
+    fit_vocabulary(whole, config.vocab_size, padding_multiple(state), state.source)
     if "output.weight" not in whole and config.tie_embeddings:
         whole["output.weight"] = whole["embedding.word_embeddings.weight"]
     elif "output.weight" in whole and config.tie_embeddings:
         raise CheckpointError(f"--load {state.source}: the checkpoint has an output layer of its own: give "
                               "--untie-embeddings-and-output-weights")
     return whole
+
+
+def padding_multiple(state: ForeignState) -> int:
+    """What the saved run padded its vocabulary to a multiple of: --make-vocab-size-divisible-by × its TP size."""
+    saved_tensor_parallel = state.saved_args.get("tensor_model_parallel_size")
+    tensor_parallel = max(len(state.stages[0]), saved_tensor_parallel if isinstance(saved_tensor_parallel, int) else 1)
+    divisible = state.saved_args.get("make_vocab_size_divisible_by")
+    return (divisible if isinstance(divisible, int) and divisible > 0 else 128) * tensor_parallel
 
 
 def fill_template(template: dict[str, Any], whole: dict[str, torch.Tensor], source: str) -> None:
@@ -159,36 +165,84 @@ def load_foreign_checkpoint(checkpoint: ForeignCheckpoint, runner: RunnerState, 
                             model: dict[str, Any] | None, *, finetune: bool, load_optimizer: bool, schedule_from: str,
                             flags: dict[str, Any] | None) -> LoadedState:
     """Fill the runner from another tool's checkpoint (every rank calls this; `model`: the plan's model settings):
-    the model's weights, and with --load the position and learning-rate schedule; the optimizer starts fresh and
-    the RNG is this run's own."""
+    the model's weights, and with --load the position, the learning-rate schedule and, where the format keeps them
+    by parameter (DeepSpeed ZeRO stage 1/2), Adam's moments; the RNG is this run's own."""
     if model is None:
         raise CheckpointError(f"--load {checkpoint.root}: a {checkpoint.describe()} loads into the built-in GPT "
                               "model only (not a Hugging Face model or a user script's own)")
     state = read_foreign(checkpoint)
-    whole = whole_model(state, model_config(model))
-    template = runner.state_dict_for_loading(False)
+    config = model_config(model)
+    whole = whole_model(state, config)
+    resume = not (finetune or state.release)
+    notes = [*state.notes, "random state not restored: dropout and sampling continue from this run's seed"]
+    moments = whole_moments(state, config) if resume and load_optimizer else None
+    template = runner.state_dict_for_loading(moments is not None)
     fill_template(template["model"], whole, state.source)
-    runner.load_state_dict(template, load_optimizer=False)
-    notes = [*state.notes, "model weights only: its optimizer state is not mapped (Megatron's per-rank optimizer "
-             "layouts and ZeRO's flat partitions are not this run's), so the optimizer starts fresh",
-             "random state not restored: dropout and sampling continue from this run's seed"]
+    if moments is not None and not fill_optimizer_template(template.get("optimizer"), moments, state, notes):
+        moments = None
+        template = {"model": template["model"]}
+    runner.load_state_dict(template, load_optimizer=moments is not None)
+    if moments is not None:
+        notes.append(f"Adam's moments and step count ({state.optimizer_step}) loaded from its optimizer files")
+    else:
+        notes.append("model weights only: its optimizer state is not mapped (Megatron's per-rank optimizer layouts "
+                     "are not this run's), so the optimizer starts fresh")
     saved_dtypes = sorted({str(value.dtype).removeprefix("torch.") for value in whole.values()} - {"float32"})
     if saved_dtypes:
         notes.append(f"its weights were saved in {', '.join(saved_dtypes)} and are loaded as saved (a mixed-precision "
                      "run's fp32 master copy, kept with the optimizer state, is not read)")
-    if finetune or state.release:
-        if _first_rank():
-            for note in notes:
-                print(f" note: {note}", flush=True)
-        return LoadedState(0, 0, {}, notes)
-    if load_optimizer and hasattr(lr_scheduler, "load_state_dict"):
+    if resume and load_optimizer and hasattr(lr_scheduler, "load_state_dict"):
         changed = changed_schedule_flags(state.saved_args, flags or {})
         load_schedule(lr_scheduler, scheduler_state(state.scheduler, state.consumed_samples), schedule_from,
                       checkpoint.directory, changed)
     if _first_rank():
         for note in notes:
             print(f" note: {note}", flush=True)
+    if not resume:
+        return LoadedState(0, 0, {}, notes)
     return LoadedState(state.iteration, state.consumed_samples, {}, notes)
+
+
+def whole_moments(state: ForeignState, config: ModelConfig) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Each Adam moment of every built-in parameter, merged as the weights are; None when the checkpoint has none."""
+    if state.moments is None:
+        return None
+    merged = {}
+    for key, stages in state.moments.items():
+        values = merge_stages(stages, config, state.source)
+        fit_vocabulary(values, config.vocab_size, padding_multiple(state), state.source)  # added padding rows: 0
+        merged[key] = values
+    return merged
+
+
+def fill_optimizer_template(template: Any, moments: dict[str, dict[str, torch.Tensor]], state: ForeignState,
+                            notes: list[str]) -> bool:
+    """Put the moments and step into this run's optimizer state template (torch's get_state_dict form: `state`
+    by parameter name); False (and a note) when this run's optimizer keeps other state than Adam's."""
+    entries = template.get("state") if isinstance(template, dict) else None
+    if not isinstance(entries, dict) or not entries:
+        notes.append("this run's optimizer state has no per-parameter form to fill: the optimizer starts fresh")
+        return False
+    wanted = {*moments, "step"}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or set(entry) != wanted:
+            kept = ", ".join(sorted(entry)) if isinstance(entry, dict) else type(entry).__name__
+            notes.append(f"this run's optimizer keeps {kept} for {name}, not Adam's {', '.join(sorted(wanted))}: "
+                         "the optimizer starts fresh")
+            return False
+        if any(name not in values for values in moments.values()):
+            notes.append(f"its optimizer files hold no moments of {name}: the optimizer starts fresh")
+            return False
+    with torch.no_grad():
+        for name, entry in entries.items():
+            fill_template({key: entry[key] for key in moments}, {key: moments[key][name] for key in moments},
+                          state.source)
+            step = entry["step"]
+            if isinstance(step, torch.Tensor):
+                step.fill_(float(state.optimizer_step or 0))
+            else:
+                entry["step"] = state.optimizer_step
+    return True
 
 
 def _first_rank() -> bool:

@@ -39,6 +39,10 @@ class ForeignState:
     scheduler: dict[str, Any] | None
     release: bool = False
     notes: list[str] = field(default_factory=list)
+    # Adam's moments where the format keeps them by parameter: {"exp_avg" | "exp_avg_sq": shards laid out as
+    # `stages`}, and the step count; None when they are not read (the optimizer then starts fresh).
+    moments: dict[str, list[list[Shard]]] | None = None
+    optimizer_step: int | None = None
 
 
 def _rank_files(checkpoint: ForeignCheckpoint) -> dict[tuple[int, int], Path]:

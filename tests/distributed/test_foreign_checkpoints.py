@@ -53,13 +53,25 @@ class Source:
     common: dict
 
 
-def source_run(out: Path, name: str, flags: list[str]) -> Source:
-    """3 iterations, saved at 2 and 3: iteration 2's checkpoint is the source, iteration 3's loss the reference (a run
-    resumed from iteration 2 gives the same: tests/distributed/test_exact_resume.py)."""
-    train_here(flags + ["--train-iters", "3", "--save-interval", "2", "--save", str(out / name), "--loss-log-file",
-                        str(out / f"{name}.txt")])
+def source_run(out: Path, name: str, flags: list[str], iterations: int = 3) -> Source:
+    """`iterations` iterations, saved every 2: iteration 2's checkpoint is the source, the later iterations' losses
+    the reference (a run resumed from iteration 2 gives the same: tests/distributed/test_exact_resume.py)."""
+    train_here(flags + ["--train-iters", str(iterations), "--save-interval", "2", "--save", str(out / name),
+                        "--loss-log-file", str(out / f"{name}.txt")])
     directory = checkpoint_directory(out / name, 2)
     return Source(consolidated_model_state(directory), saved_model_config(directory), read_common(directory))
+
+
+def adam_state(folder: Path, scratch: Path) -> dict:
+    """The AdamW state (exp_avg, exp_avg_sq by parameter, and the step) of a rapidtrain checkpoint's iteration 2."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint_directory(folder, 2), scratch)
+    state = torch.load(scratch, weights_only=False)["optimizer"]["state"]  # written by this test
+    steps = {float(entry["step"]) for entry in state.values()}
+    assert len(steps) == 1
+    return {key: {name: entry[key] for name, entry in state.items()} for key in ("exp_avg", "exp_avg_sq")} | {
+        "step": int(steps.pop())}
 
 
 def write_megatron(source: Source, folder: Path) -> None:
@@ -71,14 +83,21 @@ def write_megatron(source: Source, folder: Path) -> None:
                                       "lr_decay_style": "linear", "lr_decay_iters": 10, "lr_warmup_iters": 1})
 
 
-def write_deepspeed(source: Source, scratch: Path, **folders: Path) -> None:
+def legacy_names(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Built-in names → Megatron-DeepSpeed's GPT names (the legacy model's, fused q/k/v), one tensor rank."""
+    return flatten(legacy_nested(split_for_megatron(state, config, 1, 1, config.vocab_size)[0][0]))
+
+
+def write_deepspeed(source: Source, scratch: Path, adam: dict | None, **folders: Path) -> None:
     """Megatron-DeepSpeed's GPT names through real DeepSpeed engines' save_checkpoint, one folder per kind (plain,
-    pipeline, zero3), in a separate process: it starts its own process group."""
+    pipeline, zero3), in a separate process: it starts its own process group. `adam`: the source's AdamW state,
+    which the plain engine's optimizer is given before it saves."""
     config = source.config
-    module = flatten(legacy_nested(split_for_megatron(source.state, config, 1, 1, config.vocab_size)[0][0]))
     args = vars(megatron_args(config, 1, 1, config.vocab_size, make_vocab_size_divisible_by=512,
                               consumed_train_samples=source.common["consumed_samples"]))
-    torch.save({"model": module, "args": args, "scheduler": source.common["lr_scheduler"]}, scratch)
+    moments = None if adam is None else {key: legacy_names(adam[key], config) for key in ("exp_avg", "exp_avg_sq")}
+    torch.save({"model": legacy_names(source.state, config), "args": args, "scheduler": source.common["lr_scheduler"],
+                "moments": moments and moments | {"step": adam["step"]}}, scratch)
     kinds = [f"{kind}={folder}" for kind, folder in folders.items()]
     result = subprocess.run([sys.executable, str(WRITER), str(scratch), str(source.common["iteration"]),
                              str(source.common["consumed_samples"]), *kinds], capture_output=True, text=True,
@@ -108,10 +127,10 @@ class Runs:
 def runs(tmp_path_factory, demo_data) -> Runs:
     out = tmp_path_factory.mktemp("foreign_checkpoints")
     llama_flags, gpt_flags = LLAMA + TRAINING + data_flags(demo_data), GPT + TRAINING + data_flags(demo_data)
-    llama, gpt = source_run(out, "llama", llama_flags), source_run(out, "gpt", gpt_flags)
+    llama, gpt = source_run(out, "llama", llama_flags), source_run(out, "gpt", gpt_flags, iterations=4)
     write_megatron(llama, out / "megatron")
-    write_deepspeed(gpt, out / "deepspeed_source.pt", plain=out / "deepspeed", pipeline=out / "deepspeed_pipe",
-                    zero3=out / "deepspeed_zero3")
+    write_deepspeed(gpt, out / "deepspeed_source.pt", adam_state(out / "gpt", out / "gpt_iteration2.pt"),
+                    plain=out / "deepspeed", pipeline=out / "deepspeed_pipe", zero3=out / "deepspeed_zero3")
     write_torch_dist(out / "torch_dist", llama.state, llama.config, llama.common["iteration"],
                      llama.common["consumed_samples"])
 
@@ -124,7 +143,7 @@ def runs(tmp_path_factory, demo_data) -> Runs:
         load(llama_flags, "megatron", "megatron_tp2", *tp2, "--save", str(out / "megatron_tp2")),
         load(llama_flags, "megatron", "megatron_dp2"),
         load(llama_flags, "megatron", "megatron_pp2", "--pipeline-model-parallel-size", "2"),
-        load(gpt_flags, "deepspeed", "deepspeed_tp2", *tp2),
+        load(gpt_flags, "deepspeed", "deepspeed_tp2", *tp2, "--train-iters", "4"),
         # lr 0 (the saved schedule overridden): the weights saved at iteration 3 are the loaded ones
         load(llama_flags, "megatron", "megatron_lr0", *tp2, "--lr", "0", "--min-lr", "0",
              "--override-opt_param-scheduler", "--save", str(out / "megatron_lr0")),
@@ -134,8 +153,8 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     result = torchrun(2, RUNS, [str(out / "runs.json")], timeout=900, warm=True)
     train_here(load(llama_flags, "megatron", "megatron_tp1"))
     train_here(load(llama_flags, "torch_dist", "torch_dist_tp1"))
-    train_here(load(gpt_flags, "deepspeed", "deepspeed_tp1"))
-    train_here(load(gpt_flags, "deepspeed_pipe", "deepspeed_pipe_tp1"))
+    train_here(load(gpt_flags, "deepspeed", "deepspeed_tp1", "--train-iters", "4"))
+    train_here(load(gpt_flags, "deepspeed_pipe", "deepspeed_pipe_tp1", "--train-iters", "4"))
     return Runs(out, llama, gpt, result.stdout)
 
 
@@ -150,13 +169,25 @@ def test_megatron_checkpoint_continues_as_its_source_in_any_layout(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2", "deepspeed_pipe_tp1"])
-def test_deepspeed_checkpoint_continues_as_its_source(runs, name):
-    """Saved by DeepSpeed's engine (its pipeline engine: layer_LL-model_states.pt files), loaded at TP 1 and 2."""
-    assert sorted(runs.losses(name)) == [3]
-    assert relative_difference(runs.losses(name), runs.third(runs.losses("gpt"))) < TOLERANCE
-    assert relative_difference(runs.norms(name), runs.third(runs.norms("gpt"))) < TOLERANCE
+@pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2"])
+def test_deepspeed_checkpoint_continues_as_its_source_adam_state_included(runs, name):
+    """Saved by DeepSpeed's engine (ZeRO stage 1) with the source's AdamW state in its optimizer, loaded at TP 1 and
+    2: iterations 3 and 4 are the source's, the 4th only because Adam's moments and step count carried over."""
+    assert sorted(runs.losses(name)) == [3, 4]
+    later = {i: runs.losses("gpt")[i] for i in (3, 4)}
+    assert relative_difference(runs.losses(name), later) < TOLERANCE
+    assert relative_difference(runs.norms(name), {i: runs.norms("gpt")[i] for i in (3, 4)}) < TOLERANCE
     assert "DeepSpeed / Megatron-DeepSpeed checkpoint, global_step2" in runs.launch_output
+    assert "Adam's moments and step count (2) loaded from its optimizer files" in runs.launch_output
+
+
+@pytest.mark.slow
+def test_deepspeed_pipeline_engine_checkpoint_gives_the_weights(runs):
+    """DeepSpeed's pipeline engine (layer_LL-model_states.pt files): the weights, hence iteration 3, are the
+    source's; its optimizer files are not read, so iteration 4 (after a fresh Adam's first step) is not."""
+    losses, source = runs.losses("deepspeed_pipe_tp1"), runs.losses("gpt")
+    assert relative_difference({3: losses[3]}, {3: source[3]}) < TOLERANCE
+    assert relative_difference({4: losses[4]}, {4: source[4]}) > 1e-4
 
 
 @pytest.mark.slow

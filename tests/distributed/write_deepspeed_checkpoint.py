@@ -2,10 +2,11 @@
 
 Usage: `python tests/distributed/write_deepspeed_checkpoint.py MODEL.pt ITERATION CONSUMED_SAMPLES KIND=OUT ...`:
 MODEL.pt holds the state dict to save in Megatron-DeepSpeed's GPT names (`language_model.embedding.
-word_embeddings.weight`, `language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...), its args
-and its schedule's state. For each KIND=OUT a module with exactly those parameters goes through
-`deepspeed.initialize` (one process, gloo on the CPU) and `engine.save_checkpoint` into OUT, with the client state
-Megatron-DeepSpeed adds (args, iteration, checkpoint_version) and the learning-rate scheduler it hands DeepSpeed.
+word_embeddings.weight`, `language_model.encoder.layers.0.self_attention.query_key_value.weight`, ...), its args,
+its schedule's state and, optionally, Adam's state by parameter name (`moments`). For each KIND=OUT a module with
+exactly those parameters goes through `deepspeed.initialize` (one process, gloo on the CPU) and
+`engine.save_checkpoint` into OUT, with the client state Megatron-DeepSpeed adds (args, iteration,
+checkpoint_version) and the learning-rate scheduler it hands DeepSpeed.
 KIND: `plain` (ZeRO stage 1), `pipeline` (a DeepSpeed PipelineModule laid out as Megatron-DeepSpeed's GPTModelPipe:
 a function first, the embedding, a function, the transformer layers, the final norm; DeepSpeed saves one file per
 layer) or `zero3` (ZeRO stage 3: the weights then live in the partitioned files only). One process writes them all,
@@ -69,6 +70,24 @@ def pipeline_module(state: dict[str, torch.Tensor]) -> nn.Module:
     return PipelineModule(layers=specs, num_stages=1, loss_fn=lambda output, labels: output.sum())
 
 
+def set_adam_state(engine: Any, module: nn.Module, moments: dict[str, Any]) -> None:
+    """Give the engine's optimizer the Adam state `moments` holds by parameter name (exp_avg, exp_avg_sq, and the
+    step count): one step at rate 0 with zero gradients creates the state (weights unchanged: no weight decay in
+    this optimizer), then DeepSpeed's own safe_set_full_optimizer_state writes each parameter's part."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    for group in engine.optimizer.optimizer.param_groups:
+        group["lr"] = 0.0
+    loss = sum((param * 0).sum() for param in module.parameters())
+    engine.backward(loss)
+    engine.step()
+    for name, param in module.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(param, moments[key][name].clone(), key)
+    for state in engine.optimizer.optimizer.state.values():
+        state["step"] = torch.tensor(float(moments["step"]))
+
+
 def main(argv: list[str]) -> None:
     import deepspeed
 
@@ -83,11 +102,13 @@ def main(argv: list[str]) -> None:
     for request in argv[3:]:
         kind, _, out = request.partition("=")
         module = pipeline_module(state) if kind == "pipeline" else module_with(state)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.0)
         config = {"train_batch_size": 1, "zero_optimization": {"stage": 3 if kind == "zero3" else 1},
                   "zero_allow_untested_optimizer": True}
         engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                           lr_scheduler=Schedule(scheduler))
+        if kind == "plain" and saved.get("moments"):
+            set_adam_state(engine, module, saved["moments"])
         engine.global_steps, engine.global_samples = iteration, consumed
         client = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration,
                   "tokens": consumed * args.get("seq_length", 0)}
