@@ -144,6 +144,7 @@ def runs(tmp_path_factory, demo_data) -> Runs:
         load(llama_flags, "megatron", "megatron_dp2"),
         load(llama_flags, "megatron", "megatron_pp2", "--pipeline-model-parallel-size", "2"),
         load(gpt_flags, "deepspeed", "deepspeed_tp2", *tp2, "--train-iters", "4"),
+        load(gpt_flags, "deepspeed", "deepspeed_zero1_dp2", "--zero-1-memory-optimization", "--train-iters", "4"),
         # lr 0 (the saved schedule overridden): the weights saved at iteration 3 are the loaded ones
         load(llama_flags, "megatron", "megatron_lr0", *tp2, "--lr", "0", "--min-lr", "0",
              "--override-opt_param-scheduler", "--save", str(out / "megatron_lr0")),
@@ -169,10 +170,11 @@ def test_megatron_checkpoint_continues_as_its_source_in_any_layout(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2"])
+@pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2", "deepspeed_zero1_dp2"])
 def test_deepspeed_checkpoint_continues_as_its_source_adam_state_included(runs, name):
-    """Saved by DeepSpeed's engine (ZeRO stage 1) with the source's AdamW state in its optimizer, loaded at TP 1 and
-    2: iterations 3 and 4 are the source's, the 4th only because Adam's moments and step count carried over."""
+    """Saved by DeepSpeed's engine (ZeRO stage 1) with the source's AdamW state in its optimizer, loaded at TP 1, TP 2
+    and into rapidtrain's own ZeRO-1 over 2 ranks (DeepSpeed's partitions): iterations 3 and 4 are the source's, the
+    4th only because Adam's moments and step count carried over."""
     assert sorted(runs.losses(name)) == [3, 4]
     later = {i: runs.losses("gpt")[i] for i in (3, 4)}
     assert relative_difference(runs.losses(name), later) < TOLERANCE
