@@ -6,8 +6,10 @@ ROOT/latest names the tag (`global_stepN`); ROOT/TAG/mp_rank_{TT:02d}_model_stat
 (`args`, `iteration`, `checkpoint_version`, RNG states). Under DeepSpeed's pipeline engine `module` is None and each
 layer is in `layer_{LL:02d}[-model_{TT:02d}]-model_states.pt`, named as its layer class names them (the embedding's
 `word_embeddings.weight`, a transformer layer's `input_layernorm.weight`, ..., the final norm's `weight`), numbered
-by position in the pipeline's layer list. The optimizer's state is in `*_optim_states.pt`, cut as ZeRO cut its flat
-buffers: it is not read (the model weights are, and the optimizer starts fresh; the plan says so).
+by position in the pipeline's layer list. ZeRO stage 1/2 keeps the optimizer's state in
+`zero_pp_rank_D_mp_rank_TT_optim_states.pt`, one per data-parallel rank, as flat partitions with a map of where each
+parameter's part lies: Adam's moments are read from them by parameter name (read_zero_moments). ZeRO stage 3 keeps
+even the weights partitioned: refused, naming the way round.
 """
 
 from __future__ import annotations
