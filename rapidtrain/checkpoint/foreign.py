@@ -45,6 +45,28 @@ _SHAPE_ARGS: tuple[tuple[str, typing.Callable[[ModelConfig], Any], str], ...] = 
 )
 
 
+# Saved args that change what the model computes, not its shape: (args, this run's value, the flag). A difference is
+# said in the log (the weights still load: a user may mean it, as when extending the context by the rope base).
+_FUNCTION_ARGS: tuple[tuple[tuple[str, ...], typing.Callable[[ModelConfig], Any], str], ...] = (
+    (("rotary_base",), lambda c: c.rotary_base, "--rotary-base"),
+    (("rotary_percent",), lambda c: c.rotary_percent, "--rotary-percent"),
+    (("norm_epsilon", "layernorm_epsilon"), lambda c: c.layernorm_epsilon, "--norm-epsilon"),
+)
+
+
+def function_differences(saved_args: dict[str, Any], config: ModelConfig) -> list[str]:
+    """`--flag (checkpoint A, now B)` for each flag that changes the model's function (not its shape)."""
+    differing = []
+    rope = config.position_embedding_type == "rope"
+    for names, ours, flag in _FUNCTION_ARGS:
+        saved = next((saved_args[n] for n in names if isinstance(saved_args.get(n), (int, float))), None)
+        if saved is None or (flag.startswith("--rotary") and not rope):
+            continue
+        if abs(float(saved) - float(ours(config))) > 1e-12 * max(1.0, abs(float(saved))):
+            differing.append(f"{flag} (checkpoint {saved}, now {ours(config)})")
+    return differing
+
+
 def model_config(plan_model: dict[str, Any]) -> ModelConfig:
     """This run's ModelConfig from the plan's model settings as JSON values (lists back to tuples)."""
     names = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -175,6 +197,11 @@ def load_foreign_checkpoint(checkpoint: ForeignCheckpoint, runner: RunnerState, 
     whole = whole_model(state, config)
     resume = not (finetune or state.release)
     notes = [*state.notes, "random state not restored: dropout and sampling continue from this run's seed"]
+    differing = function_differences(state.saved_args, config)
+    if differing:
+        notes.append(f"the checkpoint was trained with other values of {'; '.join(differing)}: its weights load, but "
+                     "the model computes another function than the one it learned; give the checkpoint's values "
+                     "unless that is meant")
     moments = whole_moments(state, config) if resume and load_optimizer else None
     template = runner.state_dict_for_loading(moments is not None)
     fill_template(template["model"], whole, state.source)

@@ -349,3 +349,15 @@ def test_deepspeed_tensor_parallel_model_files_are_merged(tmp_path):
     saved = read_deepspeed(detect_foreign(tmp_path))
     assert (saved.iteration, saved.consumed_samples) == (6, 24) and len(saved.stages[0]) == 2
     assert_same(whole_model(saved, config), expected(config, state))
+
+
+def test_flags_that_change_the_function_but_not_the_shape_are_named():
+    """--rotary-base, --rotary-percent and the norm's epsilon leave the shapes alone (the weights load) but change
+    what the model computes: named for the log, with both values; the rotary flags only where rope is used."""
+    from rapidtrain.checkpoint.foreign import function_differences
+
+    llama = ModelConfig(**dict(LLAMA, rotary_base=10000))
+    saved = {"rotary_base": 500000, "rotary_percent": 1.0, "norm_epsilon": 1e-6}
+    assert function_differences(saved, llama) == ["--rotary-base (checkpoint 500000, now 10000)",
+                                                  "--norm-epsilon (checkpoint 1e-06, now 1e-05)"]
+    assert function_differences({"rotary_base": 500000, "layernorm_epsilon": 1e-5}, ModelConfig(**GPT)) == []
