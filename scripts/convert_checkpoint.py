@@ -8,6 +8,12 @@ consolidated model, and the built-in GPT, Llama-family, MoE or BERT model as a H
     # export/gpt/hf/: config.json + safetensors for transformers' from_pretrained: GPT2LMHeadModel,
     #   LlamaForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, BertFor*/MegatronBertFor* by the model's shape
     #   (and the Hugging Face tokenizer the run used, when it used one)
+    python scripts/convert_checkpoint.py --load checkpoints/gpt --output export/gpt --megatron \
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    # export/gpt/megatron/: Megatron-LM's legacy checkpoint (latest_checkpointed_iteration.txt,
+    #   iter_N/mp_rank_TT_PPP/model_optim_rng.pt) of the built-in GPT/Llama model, with its iteration, consumed
+    #   samples and learning-rate schedule (no optimizer or random state, as Megatron's own converters write:
+    #   Megatron-LM loads it with --finetune, or --no-load-optim --no-load-rng), which rapidtrain --load reads too
 """
 
 from __future__ import annotations
@@ -48,6 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Also write a Hugging Face save_pretrained folder (OUTPUT/hf); built-in models only.")
     parser.add_argument("--hf-max-shard-size", default="5GB",
                         help="Split the Hugging Face safetensors into files of at most this size (default 5GB).")
+    parser.add_argument("--megatron", action="store_true",
+                        help="Also write Megatron-LM's legacy checkpoint layout (OUTPUT/megatron) of the built-in "
+                             "GPT/Llama model, cut for --target-tensor-parallel-size × "
+                             "--target-pipeline-parallel-size.")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                        help="With --megatron: the tensor-parallel size to cut the model for (default 1).")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1,
+                        help="With --megatron: the pipeline-parallel size to cut the model for (default 1).")
     return parser.parse_args(argv)
 
 
@@ -78,6 +92,33 @@ def export_hf(state: dict[str, torch.Tensor], config: ModelConfig | None, direct
     return output
 
 
+def export_megatron(state: dict[str, torch.Tensor], config: ModelConfig | None, directory: Path, output: Path,
+                    tensor_parallel: int, pipeline_parallel: int) -> Path:
+    """Megatron-LM's legacy layout; the vocabulary padded to its --make-vocab-size-divisible-by × the target TP."""
+    from rapidtrain.checkpoint.checkpointer import read_common
+    from rapidtrain.checkpoint.megatron_legacy import write_megatron_legacy
+
+    if config is None or config.model_type != "gpt" or any(config.num_experts):
+        raise ExportError("--megatron writes the built-in GPT/Llama model without experts only")
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        raise ExportError("--target-tensor-parallel-size and --target-pipeline-parallel-size must be at least 1")
+    if output.exists() and any(output.iterdir()):
+        raise ExportError(f"{output} is not empty: --megatron writes a new checkpoint folder; remove it or choose "
+                          "another --output")
+    common = read_common(directory)
+    multiple = (getattr(saved_args(directory), "make_vocab_size_divisible_by", None) or 128) * tensor_parallel
+    rows = -(-config.vocab_size // multiple) * multiple
+    write_megatron_legacy(output, state, config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                          iteration=int(common.get("iteration", 0)), vocab_rows=rows,
+                          consumed_samples=int(common.get("consumed_samples", 0)),
+                          scheduler=common.get("lr_scheduler"),
+                          extra_args={"make_vocab_size_divisible_by": multiple // tensor_parallel},
+                          optimizer_and_rng=False)
+    print(f"Megatron-LM legacy checkpoint (tensor parallel {tensor_parallel} × pipeline parallel "
+          f"{pipeline_parallel}) in {output}")
+    return output
+
+
 def convert(args: argparse.Namespace) -> list[Path]:
     directory = checkpoint_directory(args.load, args.iteration)
     state = consolidated_model_state(directory)
@@ -89,6 +130,9 @@ def convert(args: argparse.Namespace) -> list[Path]:
         written.append(output / "rapidtrain_config.json")
     if args.hf:
         written.append(export_hf(state, config, directory, output / "hf", args.hf_max_shard_size))
+    if args.megatron:
+        written.append(export_megatron(state, config, directory, output / "megatron",
+                                       args.target_tensor_parallel_size, args.target_pipeline_parallel_size))
     return written
 
 

@@ -746,8 +746,15 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
                     schedule_from: str = "same", flags: dict[str, Any] | None = None) -> LoadedState | None:
     """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none.
     `flags`: this run's flags, to name the ones that differ from the saved run's when the schedule does."""
+    from rapidtrain.checkpoint.foreign_formats import detect_foreign, refuse_unknown_folder
+
+    foreign = detect_foreign(root)
+    if foreign is not None:  # the callers route these to checkpoint.foreign.load_foreign_checkpoint
+        raise CheckpointError(f"--load {root}: a {foreign.describe()}: read it with "
+                              "rapidtrain.checkpoint.foreign.load_foreign_checkpoint, as a training run's --load does")
     iteration = latest_iteration(root)
     if iteration is None:
+        refuse_unknown_folder(root)
         if finetune:
             raise CheckpointError(f"--finetune --load {root}: no {LATEST_FILE} there; nothing to fine-tune from.")
         return None

@@ -28,6 +28,13 @@ def checkpoint_directory(load: str | Path, iteration: int | None = None) -> Path
     """The iter_* folder to read (`load` is a --save folder or one iter_* folder), refused with a clear
     error when missing, not completely written, or damaged (its manifest's checksums)."""
     load = Path(load)
+    from rapidtrain.checkpoint.foreign_formats import detect_foreign
+
+    foreign = detect_foreign(load) if not (load / METADATA_FILE).exists() else None
+    if foreign is not None:
+        raise CheckpointError(f"--load {load}: a {foreign.describe()}. This reads rapidtrain's own checkpoints; a "
+                              "training run's --load reads that one (--finetune for its weights only), and its next "
+                              "--save is a rapidtrain checkpoint.")
     if (load / METADATA_FILE).exists():
         directory = load
     else:

@@ -726,7 +726,10 @@ def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpointing", "Save and load (torch.distributed.checkpoint, atomic)")
     g.add_argument("--save", default=None, help="Folder where checkpoints (and the fine-tuned model) are saved.")
     g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoints.")
-    g.add_argument("--load", default=None, help="Folder to resume from (its latest_checkpointed_iteration.txt).")
+    g.add_argument("--load", default=None,
+                   help="Folder to resume from (its latest_checkpointed_iteration.txt): rapidtrain's checkpoints, "
+                        "Megatron-LM's (legacy mp_rank_* files or torch_dist) and DeepSpeed's / Megatron-DeepSpeed's "
+                        "(latest → global_stepN), read into this run's layout.")
     g.add_argument("--finetune", action="store_true", help="Load the model only and start at iteration 0.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer and scheduler state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")

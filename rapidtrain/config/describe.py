@@ -182,6 +182,17 @@ def _checkpoint_lines(plan: Plan) -> list[str]:
         ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
          if ck.save else [])
         + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else []))]
+    if ck.load and ck.load_format:
+        weights_only = ck.finetune or ck.load_format.endswith("release")
+        kept = "its model weights only, from iteration 0" if weights_only else (
+            "its model weights, iteration, consumed samples and learning-rate schedule")
+        optimizer = ("Adam's moments come from its ZeRO stage 1/2 optimizer files (the optimizer starts fresh where "
+                     "they hold none)" if ck.load_format.startswith("DeepSpeed") and ck.load_optimizer else
+                     "its optimizer state is not mapped (Megatron's per-rank optimizer layouts are not this run's): "
+                     "the optimizer starts fresh")
+        lines.append(f"    {ck.load_format}: {kept}; read as data, no stored code runs. "
+                     + ("The optimizer starts fresh" if weights_only else optimizer[0].upper() + optimizer[1:])
+                     + "; the random state is this run's")
     if ck.async_save and ck.save:
         lines.append("    async save: written by a background thread (torch.distributed.checkpoint async_save) "
                      "from a copy in host memory; published once every rank has finished writing")

@@ -444,6 +444,8 @@ class CheckpointSettings:
     # --pretrained-checkpoint of Megatron's tasks (--task MNLI/RACE): the rapidtrain BERT checkpoint whose encoder
     # and pooler the task's model starts from (its head is new); --load stays the task run's own resume folder.
     pretrained_checkpoint: str | None = None
+    # --load names another tool's checkpoint (Megatron-LM, DeepSpeed): what it is, for the plan; None for rapidtrain's.
+    load_format: str | None = None
     # The flags as JSON values, recorded in each checkpoint beside the plan (Megatron's checkpoints carry their
     # args; Megatron-format loading and generation read the model's shape back from them).
     flags: dict[str, Any] = field(default_factory=dict)

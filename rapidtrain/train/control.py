@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from rapidtrain.checkpoint.checkpointer import (
+    LoadedState,
     async_save_done,
     background_save_group,
     load_checkpoint,
@@ -20,6 +21,7 @@ from rapidtrain.checkpoint.checkpointer import (
     save_checkpoint,
     start_async_save,
 )
+from rapidtrain.checkpoint.foreign_formats import detect_foreign
 from rapidtrain.checkpoint.save_folder import check_resume_safety, check_save_shared
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
 from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, RUN, first_to_report
@@ -198,9 +200,18 @@ class Checkpointer:
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
         finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)
         assert s.load is not None  # returned above without --load
-        loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=finetune,
-                                 load_optimizer=s.load_optimizer, load_rng=s.load_rng, schedule_from=s.schedule_from,
-                                 flags=s.flags)
+        foreign = detect_foreign(s.load)  # Megatron-LM's or DeepSpeed's folder
+        loaded: LoadedState | None
+        if foreign is not None:
+            from rapidtrain.checkpoint.foreign import load_foreign_checkpoint
+
+            loaded = load_foreign_checkpoint(foreign, engine.runner, engine.lr_scheduler, model, finetune=finetune,
+                                             load_optimizer=s.load_optimizer, schedule_from=s.schedule_from,
+                                             flags=s.flags)
+        else:
+            loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=finetune,
+                                     load_optimizer=s.load_optimizer, load_rng=s.load_rng,
+                                     schedule_from=s.schedule_from, flags=s.flags)
         if loaded is None:
             engine.print_rank0(f" no checkpoint in {s.load}; starting from scratch")
         else:

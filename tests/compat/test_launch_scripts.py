@@ -55,8 +55,6 @@ REFUSED = {
     "mlm-ft-cp4-a2a-p2p-2024": ["--hierarchical-context-parallel-sizes"],  # issue 42: context parallelism
     "mlm-ft-cp4-a2a-p2p-2026": ["--hierarchical-context-parallel-sizes"],
     "mlm-ft-moe-cp2-ep2-2025": ["--context-parallel-size 2", "sinkhorn"],
-    "mlm-ft-muon-2026-01": ["--optimizer muon"],
-    "mlm-ft-dist-muon-2026-07": ["--optimizer muon"],
     "mlm-ft-pp-embed-split-2026": ["--account-for-embedding-in-pipeline-split"],
     "mlm-gptoss-2026-03": ["--fp8-format hybrid"],
     "mlm-modelopt-dsv2lite-sft-2026": ["--finetune-hf-dataset"],  # issue 43: SFT data
@@ -72,8 +70,9 @@ REFUSED = {
 }
 # Flags of today's models those scripts pass: none may be among what stops them.
 TODAYS_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-                "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--moe-router-score-function",
-                "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "--moe-router-num-groups",
+                "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
+                "--moe-router-score-function", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+                "--moe-router-num-groups",
                 "--moe-router-group-topk", "--moe-router-topk-scaling-factor", "--moe-shared-expert-intermediate-size",
                 "--moe-ffn-hidden-size", "--moe-router-pre-softmax", "--mtp-num-layers", "--mtp-loss-scaling-factor",
                 "--softmax-type", "--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",

@@ -90,8 +90,9 @@ LAYOUTS = {
                      "--moe-shared-expert-intermediate-size", "64", "--moe-router-score-function", "sigmoid",
                      "--moe-router-enable-expert-bias", "--disable-moe-token-dropping", "--mtp-num-layers", "1"],
     "gpt_oss": ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--num-experts", "4",
-                "--moe-router-topk", "2", "--disable-moe-token-dropping", "--softmax-type", "learnable", "--quick-geglu",
-                "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--window-size", "15,0",
+                "--moe-router-topk", "2", "--disable-moe-token-dropping", "--softmax-type", "learnable",
+                "--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--window-size",
+                "15,0",
                 "--window-attn-skip-freq", "2"],
 }
 
