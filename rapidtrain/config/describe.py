@@ -111,13 +111,14 @@ def _attention_details(m: ModelConfig) -> str:
     parts = [f"head size {m.head_dim} (--kv-channels)"] if m.kv_channels else []
     if m.qk_layernorm and not m.multi_latent_attention:  # MLA's latent norms are in its own words
         parts.append(f"q/k {m.normalization} per head (--qk-layernorm)")
-    if m.position_embedding_type == "rope" and m.rope_scaling == "llama3":
+    rotary = m.position_embedding_type == "rope" or m.multi_latent_attention
+    if rotary and m.rope_scaling == "llama3":
         parts.append(f"Llama 3.1 rope scaling ×{m.rope_scaling_factor:g} (low/high frequency factors "
                      f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original "
                      f"{m.rope_original_max_positions})")
-    if m.position_embedding_type == "rope" and m.rope_scaling == "yarn":
+    if rotary and m.rope_scaling == "yarn":
         parts.append(_yarn_words(m))
-    if m.position_embedding_type == "rope" and m.rotary_interpolation_factor != 1:
+    if rotary and m.rotary_interpolation_factor != 1:
         parts.append(f"rope positions / {m.rotary_interpolation_factor:g} (linear interpolation)")
     return "".join(f", {part}" for part in parts)
 

@@ -183,7 +183,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
         "rotary-flags-need-rope", ("--rotary-base", "--rotary-percent", "--position-embedding-type"),
         "--rotary-base and --rotary-percent apply to rotary position embeddings.",
-        lambda a, c: a.position_embedding_type != "rope" and (a.rotary_base is not None
+        lambda a, c: a.position_embedding_type != "rope" and not a.multi_latent_attention and (a.rotary_base is not None
                                                               or a.rotary_percent is not None),
         lambda a, c: "--rotary-base / --rotary-percent configure rotary embeddings, but --position-embedding-type is "
         f"{a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
@@ -223,7 +223,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "rope-scaling-needs-rope", ("--use-rope-scaling", "--rotary-seq-len-interpolation-factor",
                                     "--position-embedding-type"),
         "Rope scaling and position interpolation apply to rotary position embeddings.",
-        lambda a, c: a.position_embedding_type != "rope"
+        lambda a, c: a.position_embedding_type != "rope" and not a.multi_latent_attention
         and (a.use_rope_scaling or a.rotary_seq_len_interpolation_factor not in (None, 1)),
         lambda a, c: "--use-rope-scaling / --rotary-seq-len-interpolation-factor scale rotary embeddings, but "
         f"--position-embedding-type is {a.position_embedding_type}. Add --position-embedding-type rope or drop them.",
@@ -231,7 +231,8 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
         "yarn-needs-rope", ("--rope-type", "--use-rope-scaling", "--position-embedding-type"),
         "YaRN scales rotary embeddings, and is one rope scaling (not with Llama 3.1's --use-rope-scaling).",
-        lambda a, c: a.rope_type == "yarn" and (a.position_embedding_type != "rope" or a.use_rope_scaling),
+        lambda a, c: a.rope_type == "yarn" and ((a.position_embedding_type != "rope" and not a.multi_latent_attention)
+                                                or a.use_rope_scaling),
         lambda a, c: "--rope-type yarn scales rotary embeddings: give --position-embedding-type rope"
         + (" and drop --use-rope-scaling (Llama 3.1's scaling; one rope scaling at a time)." if a.use_rope_scaling
            else f", not {a.position_embedding_type}."),
@@ -247,12 +248,11 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "mla-needs-rope", ("--multi-latent-attention", "--position-embedding-type", "--group-query-attention"),
         "Multi-head latent attention rotates part of each head (rope) and makes every head's key and value from the "
         "latent (no grouped-query attention).",
-        lambda a, c: a.multi_latent_attention and (a.position_embedding_type != "rope" or a.group_query_attention),
+        lambda a, c: a.multi_latent_attention and (a.position_embedding_type == "alibi" or a.group_query_attention),
         lambda a, c: "--multi-latent-attention "
         + ("makes each head's key and value from the shared latent: drop --group-query-attention."
-           if a.position_embedding_type == "rope" else
-           f"rotates a --qk-pos-emb-head-dim part of each head: give --position-embedding-type rope, not "
-           f"{a.position_embedding_type}."),
+           if a.position_embedding_type != "alibi" else
+           "rotates a --qk-pos-emb-head-dim part of each head (rope): drop --position-embedding-type alibi."),
     ),
     Rule(
         "mla-sizes", ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",

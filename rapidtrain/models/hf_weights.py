@@ -549,6 +549,7 @@ def _deepseek_export(config: ModelConfig) -> str:
         (config.normalization == "RMSNorm" and config.swiglu and not config.add_bias_linear,
          "--normalization RMSNorm, --swiglu and --disable-bias-linear"),
         (config.qk_layernorm, "--qk-layernorm (DeepSeek's RMSNorms on the latents)"),
+        (config.position_embedding_type == "rope", "--position-embedding-type rope (no learned position table)"),
         (config.layernorm_epsilon == 1e-6, "--norm-epsilon 1e-6 (transformers' DeepSeek normalises the latents "
                                            "with it whatever rms_norm_eps says)"),
         *_deepseek_moe_needs(config),

@@ -72,9 +72,9 @@ def check_model_config(config: ModelConfig) -> None:
 
 def _check_latent_attention(config: ModelConfig) -> None:
     """Multi-head latent attention's own shape: rotary positions, even rotary head part, sizes of at least 1."""
-    if config.position_embedding_type != "rope":
-        raise ValueError(f"--multi-latent-attention rotates part of each head: it needs --position-embedding-type "
-                         f"rope, not {config.position_embedding_type}")
+    if config.position_embedding_type == "alibi":
+        raise ValueError("--multi-latent-attention rotates part of each head (rope): drop --position-embedding-type "
+                         "alibi")
     if config.num_query_groups is not None:
         raise ValueError("--multi-latent-attention makes each head's key and value from a shared latent: drop "
                          "--group-query-attention / --num-query-groups")
@@ -395,7 +395,7 @@ def run_layers(
     """
     seq_length = hidden.shape[1]
     rope = None
-    if config.position_embedding_type == "rope":
+    if config.position_embedding_type == "rope" or config.multi_latent_attention:  # MLA rotates its own part always
         if position_ids is None:
             position_ids = cached_positions(hidden, cache)
         rope = rotary_cos_sin(position_ids, inverse_frequency(config, hidden.device), rope_attention_factor(config))

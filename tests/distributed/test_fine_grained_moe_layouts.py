@@ -2,10 +2,10 @@
 DeepSeek-V3-style model (multi-head latent attention with YaRN; a sigmoid router with aux-loss-free expert bias,
 group-limited routing and routed scaling; routed experts of their own size, a shared expert, the sequence-wise balancing
 loss, a dense first layer) and a gpt-oss-style one (sinks, alternating window, clamped quick-GEGLU, biased router and
-experts, YaRN) under TP 2, PP 2, EP 2, ZeRO-2 and FSDP; a Qwen2-MoE-style one (softmax kept as it is, a gated shared
-expert) under TP 2 and EP 2; DeepSeek with two multi-token prediction depths under TP 2, EP 2, ZeRO-2. DeepSeek at
-PP 2 × EP 2 and gpt-oss at PP 2 stopped at iteration 3 resume bitwise (the expert biases come back from the
-checkpoint), and the one-process checkpoint continues at EP 2."""
+experts, YaRN) and a Qwen2-MoE-style one (softmax kept as it is, a gated shared expert) under TP 2, PP 2, EP 2, ZeRO-2
+and FSDP; DeepSeek with two multi-token prediction depths under TP 2, EP 2, ZeRO-2. DeepSeek at PP 2 × EP 2, gpt-oss
+and Qwen at PP 2 stopped at iteration 3 resume bitwise (the expert biases come back from the checkpoint), and the
+one-process checkpoint continues at EP 2."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ GPT_OSS = BASE + (
 ).split()
 # Multi-token prediction (two depths, the second layer's MoE kind) under the layouts it runs in (not PP).
 MTP = DEEPSEEK + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
-RUNS_OF = {"deepseek": (DEEPSEEK, list(LAYOUTS)), "gptoss": (GPT_OSS, list(LAYOUTS)), "qwen": (QWEN, ["tp2", "ep2"]),
-           "mtp": (MTP, ["tp2", "ep2", "zero2"])}
+RUNS_OF = {"deepseek": (DEEPSEEK, list(LAYOUTS)), "gptoss": (GPT_OSS, list(LAYOUTS)),
+           "qwen": (QWEN, list(LAYOUTS)), "mtp": (MTP, ["tp2", "ep2", "zero2"])}
 PARITY = 1e-5  # relative, fp32
 
 
@@ -91,6 +91,9 @@ def trained(tmp_path_factory, demo_data) -> Path:
              resumable + log("deepseek_pp2_ep2_resumed") + ["--load", str(out / "at3")],
              gpt_oss_pp2 + log("gptoss_pp2_resumed") + ["--exit-interval", "3", "--save", str(out / "oss_at3")],
              gpt_oss_pp2 + log("gptoss_pp2_resumed") + ["--load", str(out / "oss_at3")],
+             QWEN + LAYOUTS["pp2"] + log("qwen_pp2_resumed") + ["--exit-interval", "3",
+                                                                 "--save", str(out / "qwen_at3")],
+             QWEN + LAYOUTS["pp2"] + log("qwen_pp2_resumed") + ["--load", str(out / "qwen_at3")],
              DEEPSEEK + LAYOUTS["ep2"] + log("deepseek_ep2_from_single") + ["--load", str(out / "single_at3")]]
     (out / "runs.json").write_text(json.dumps(runs))
     torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800, warm=True)
@@ -134,8 +137,10 @@ def test_expert_biases_resume_bitwise_and_load_across_layouts(trained):
         resumed, uninterrupted = read(trained / "deepseek_pp2_ep2_resumed.txt"), read(trained / "deepseek_pp2_ep2.txt")
         assert sorted(resumed) == list(range(1, 7))
         assert [resumed[i] for i in (4, 5, 6)] == [uninterrupted[i] for i in (4, 5, 6)]
-    resumed, uninterrupted = read_losses(trained / "gptoss_pp2_resumed.txt"), read_losses(trained / "gptoss_pp2.txt")
-    assert [resumed[i] for i in (4, 5, 6)] == [uninterrupted[i] for i in (4, 5, 6)]
+    for model in ("gptoss", "qwen"):
+        resumed = read_losses(trained / f"{model}_pp2_resumed.txt")
+        uninterrupted = read_losses(trained / f"{model}_pp2.txt")
+        assert [resumed[i] for i in (4, 5, 6)] == [uninterrupted[i] for i in (4, 5, 6)], model
     found = differences(trained, "deepseek_ep2_from_single", "deepseek_single")
     assert sorted(read_losses(trained / "deepseek_ep2_from_single.txt")) == [4, 5, 6]
     assert all(value < PARITY for value in found.values()), found

@@ -143,7 +143,7 @@ def test_yarn_flags_work_for_a_llama_model_too():
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--position-embedding-type", "learned_absolute"], "--multi-latent-attention rotates"),
+    (["--position-embedding-type", "alibi"], "--multi-latent-attention rotates"),
     (["--group-query-attention", "--num-query-groups", "2"], "drop --group-query-attention"),
     (["--qk-pos-emb-head-dim", "5"], "--qk-pos-emb-head-dim 5: rope rotates pairs"),
     (["--kv-lora-rank", "0"], "--kv-lora-rank 0: give at least 1"),
@@ -299,3 +299,32 @@ def test_flash_and_cudnn_kernels_get_equal_head_sizes_and_the_same_logits(v_head
             logits[kernel] = build_model(config, seed=1).eval()(ids)
     torch.testing.assert_close(logits["sdpa_flash"], logits["sdpa"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits["eager"], logits["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_mla_with_learned_positions_rotates_its_own_part_as_megatron():
+    """Megatron-Core's MLA always rotates its --qk-pos-emb-head-dim part (its own rotary embedding), and a GPT with
+    the default --position-embedding-type learned_absolute adds the learned table too (Megatron's MLA test script
+    passes no position type): both act, and the export to DeepSeek (no learned table) is refused."""
+    from rapidtrain.models.hf_config import UnsupportedModel
+    from rapidtrain.models.hf_weights import export_family
+
+    args = arguments.parse_args([*[f for f in FLAGS if f not in ("--position-embedding-type", "rope")],
+                                 "--position-embedding-type", "learned_absolute"])
+    rules.validate(args, settings.RunContext(1, "cpu"))
+    config = model_config_from_args(args, 128)
+    model = build_model(config, seed=1).eval()
+    assert model.embedding.position_embeddings is not None
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    import dataclasses
+
+    other_base = build_model(dataclasses.replace(config, rotary_base=7.0), seed=1).eval()
+    other_base.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        plain = model(ids)
+        model.embedding.position_embeddings.weight.zero_()
+        unlearned = model(ids)
+    assert (plain - unlearned).abs().max() > 1e-4  # the learned table acts
+    with torch.no_grad():  # and the rotation does: another rotary base, the same weights, other logits
+        assert (other_base(ids) - plain).abs().max() > 1e-4
+    with pytest.raises(UnsupportedModel, match="--position-embedding-type rope"):
+        export_family(config)
