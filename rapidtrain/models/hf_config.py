@@ -203,6 +203,22 @@ def _yarn_flags(config: dict[str, Any], parameters: dict[str, Any]) -> dict[str,
             "yarn_correction_range_round_to_int": bool(parameters.get("truncate", True))}
 
 
+def _rotary_decoder(config: dict[str, Any]) -> dict[str, Any]:
+    """The flags every rotary decoder family (Llama-shaped, DeepSeek, gpt-oss) takes from config.json alike: the GPT's
+    sizes and its rope over whole heads."""
+    return {
+        "model_type": "gpt",
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": config["hidden_size"],
+        "num_attention_heads": config["num_attention_heads"],
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        **_rope_flags(config),
+        "rotary_percent": 1.0,
+    }
+
+
 def _head_dim(config: dict[str, Any], hidden: int, heads: int) -> int | None:
     """--kv-channels for config.json's head_dim: None where it is hidden / heads (the built-in default)."""
     head_dim = config.get("head_dim")
@@ -277,15 +293,7 @@ def _llama_flags(config: dict[str, Any]) -> dict[str, Any]:
         )
     groups = config.get("num_key_value_heads") or heads
     flags: dict[str, Any] = {
-        "model_type": "gpt",
-        "num_layers": config["num_hidden_layers"],
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "ffn_hidden_size": config["intermediate_size"],
-        "max_position_embeddings": config["max_position_embeddings"],
-        "position_embedding_type": "rope",
-        **_rope_flags(config),
-        "rotary_percent": 1.0,
+        **_rotary_decoder(config),
         "kv_channels": _head_dim(config, hidden, heads),
         "qk_layernorm": kind in ("qwen3", "qwen3_moe"),  # Qwen3's q_norm / k_norm: RMSNorm over head_dim
         "normalization": "RMSNorm",
@@ -390,7 +398,7 @@ def deepseek_moe_flags(config: dict[str, Any]) -> dict[str, Any]:
 def _deepseek_flags(config: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V2/V3: a Llama-shaped dense model (RMSNorm, SwiGLU, no biases) whose attention is MLA with its
     latent RMSNorms (--qk-layernorm)."""
-    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
     moe = deepseek_moe_flags(config)
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"config.json hidden_act {config['hidden_act']!r}: DeepSeek's MLPs use SwiGLU (silu)")
@@ -405,18 +413,10 @@ def _deepseek_flags(config: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModel(f"config.json rms_norm_eps {epsilon}: transformers' DeepSeek normalises the latents "
                                "with epsilon 1e-6 whatever rms_norm_eps says, the built-in model every norm with "
                                "--norm-epsilon")
-    rope = _rope_flags(config)
+    decoder = _rotary_decoder(config)
     return {
-        "model_type": "gpt",
-        "num_layers": layers,
-        "hidden_size": config["hidden_size"],
-        "num_attention_heads": heads,
-        "ffn_hidden_size": config["intermediate_size"],
-        "max_position_embeddings": config["max_position_embeddings"],
-        "position_embedding_type": "rope",
-        **rope,
-        "rope_type": rope.get("rope_type", "rope"),
-        "rotary_percent": 1.0,
+        **decoder,
+        "rope_type": decoder.get("rope_type", "rope"),
         "normalization": "RMSNorm",
         "layernorm_epsilon": epsilon,
         "swiglu": True,
@@ -487,15 +487,7 @@ def _gpt_oss_flags(config: dict[str, Any]) -> dict[str, Any]:
     if skip == 1:  # every layer attends to the whole sequence: the window is never used
         window, skip = None, None
     return {
-        "model_type": "gpt",
-        "num_layers": config["num_hidden_layers"],
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "ffn_hidden_size": config["intermediate_size"],
-        "max_position_embeddings": config["max_position_embeddings"],
-        "position_embedding_type": "rope",
-        **_rope_flags(config),
-        "rotary_percent": 1.0,
+        **_rotary_decoder(config),
         "kv_channels": _head_dim(config, hidden, heads),
         "normalization": "RMSNorm",
         "layernorm_epsilon": config.get("rms_norm_eps", 1e-5),

@@ -135,6 +135,13 @@ def _stacked_experts(ours: str, theirs: list[str]) -> Link:
                 to_theirs=lambda t: [m.t() for m in t[0].unbind(0)])
 
 
+def _llama_outer_links(config: ModelConfig) -> list[Link]:
+    """What every Llama-shaped family names alike outside its layers: the embedding, the final norm, the untied head."""
+    links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+             one("final_norm.weight", "model.norm.weight")]
+    return links + ([] if config.tie_embeddings else [one("output.weight", "lm_head.weight")])
+
+
 def _qwen_moe_links(config: ModelConfig, ours: str, theirs: str, experts: int,
                     shared_name: str = "shared_expert") -> list[Link]:
     """One Qwen-MoE (or DeepSeek) layer's MLP: the router (`gate`), the experts' gate/up/down projections, the
@@ -153,10 +160,7 @@ def _qwen_moe_links(config: ModelConfig, ours: str, theirs: str, experts: int,
 
 
 def _llama_links(config: ModelConfig, hf_model_type: str = "llama") -> list[Link]:
-    links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-             one("final_norm.weight", "model.norm.weight")]
-    if not config.tie_embeddings:
-        links.append(one("output.weight", "lm_head.weight"))
+    links = _llama_outer_links(config)
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         links += [one(f"{ours}.ln1.weight", f"{theirs}.input_layernorm.weight"),
@@ -223,10 +227,7 @@ def _interleaved(ours: tuple[str, str], theirs: str) -> Link:
 
 
 def _gpt_oss_links(config: ModelConfig) -> list[Link]:
-    links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-             one("final_norm.weight", "model.norm.weight")]
-    if not config.tie_embeddings:
-        links.append(one("output.weight", "lm_head.weight"))
+    links = _llama_outer_links(config)
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         links += [one(f"{ours}.ln1.weight", f"{theirs}.input_layernorm.weight"),
@@ -245,10 +246,7 @@ def _gpt_oss_links(config: ModelConfig) -> list[Link]:
 
 def _deepseek_links(config: ModelConfig, interleaved: bool) -> list[Link]:
     """DeepSeek-V2/V3 with dense layers: Llama's names outside attention, MLA's q_a/q_b/kv_a/kv_b inside."""
-    links = [one("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-             one("final_norm.weight", "model.norm.weight")]
-    if not config.tie_embeddings:
-        links.append(one("output.weight", "lm_head.weight"))
+    links = _llama_outer_links(config)
     heads, rotary = config.num_attention_heads, config.qk_pos_emb_head_dim
     query_rows = config.qk_head_dim + rotary
     for i in range(config.num_layers):
