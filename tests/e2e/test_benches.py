@@ -1,7 +1,8 @@
 """Every bench under bench/ keeps running: each is run as a user runs it (`python bench/X.py`, cwd the repository) at
 the smallest sizes its flags allow, and must exit 0 and print its table with numbers that parse. The values are
 not checked (they are timings on a shared machine); generation.py and startup.py have smoke tests of their own,
-machine.py is the module the others import. About 85 s on 2 cores, so the slowest benches run one part each:
+machine.py is the module the others import; moe_layer.py at a tiny shape. About 85 s on 2 cores, so the slowest
+benches run one part each:
 memory.py its state section (ddp and zero-2; not --section startup / save, ~100M-parameter models),
 parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without its memory modes (and its --profile
 with one system), head_loss.py at a tiny shape,
@@ -178,3 +179,13 @@ def test_efficient_training_bench_prints_each_row_it_ran(demo_data):
         cells = re.fullmatch(rf".{{75}}\s*({NUMBER})\s+({NUMBER})M\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})  (.+)", line)
         assert cells and [number(cell) for cell in cells.groups()[:5]], line
         assert re.match(r"(loss|dev loss) \d", cells.group(6)), line
+
+
+def test_moe_layer_bench_prints_grouped_beside_capacity_and_hugging_face():
+    stdout = run_bench("moe_layer.py", "--experts", "4", "--topk", "2", "--hidden", "32", "--ffn", "16", "--shared",
+                       "16", "--tokens", "64", "--rounds", "2", "--steps", "1")
+    rows = lines_after(stdout, "system")
+    assert [row[:42].strip() for row in rows] == ["rapidtrain grouped (dropless)",
+                                                  "rapidtrain capacity buffers (dropless)",
+                                                  "HF Qwen2MoeSparseMoeBlock"], stdout
+    assert all(len(row[42:].split()) == 4 and [number(cell) for cell in row[42:].split()] for row in rows), stdout
