@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rapidtrain.models.counting import count_parameters  # noqa: E402
-from rapidtrain.models.moe import collect_expert_load  # noqa: E402
 from rapidtrain.pretrain import MegatronPreTrainer  # noqa: E402
 from rapidtrain.train.engine import Engine  # noqa: E402
 
@@ -88,7 +87,12 @@ def train_one(o: argparse.Namespace, name: str, model_flags: list[str]) -> Row:
     trainer.train()
     # The same --eval-iters batches for every model; evaluate returns each reported loss by name.
     validation = trainer.evaluate(trainer.valid_ds)[trainer.loss_name]
-    load = collect_expert_load(engine.runner.module)  # every training forward since the start
+    trainer.expert_load()  # the forwards since the last log line join the run's total
+    total_load = trainer.expert_load_total
+    load = {} if total_load is None else {  # every training forward since the start, per MoE layer
+        f"layers.{row}.mlp": counts[:experts].round().long() for row, counts in enumerate(total_load)
+        if row < engine.plan.model.num_layers and (experts := engine.plan.model.experts_in_layer(row))
+        and counts.sum() > 0}
     steady = step_seconds[o.warmup :] or step_seconds
     tokens_per_step = engine.plan.batches.global_batch_size * o.seq
     total, active = count_parameters(engine.plan.model)

@@ -47,7 +47,8 @@ class GPTModel(nn.Module):
         self.output: OutputLayer | None = OutputLayer(config.hidden_size, config.vocab_size, tied, bias=False)
         self.loss = TokenCrossEntropy()
         # Multi-token prediction's depths (mtp.py), after the head so that parameter order keeps the main model's.
-        self.mtp: MultiTokenPrediction | None = MultiTokenPrediction(config) if config.mtp_num_layers else None
+        self.mtp: MultiTokenPrediction | None
+        self.register_module("mtp", MultiTokenPrediction(config) if config.mtp_num_layers else None)
 
     def forward(
         self,

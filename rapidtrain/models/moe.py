@@ -117,12 +117,9 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     Set it to what the main loss is multiplied by before backward, e.g. 1 / accumulation steps
     (times the fp16 loss scale), so both gradients carry the same factor. Read at forward time; a plain
     float attribute, so torch.compile guards on its value."""
-    for layer in moe_layers(model).values():
-        layer.aux_loss_scale = float(scale)
-    from rapidtrain.models.mtp import mtp_modules  # mtp.py builds on this module
-
-    for module in mtp_modules(model):  # multi-token prediction's loss takes the same factor
-        module.loss_scale = float(scale)
+    for module in model.modules():  # MoE layers, and multi-token prediction's loss (mtp.py, which builds on this)
+        if hasattr(module, "aux_loss_scale"):
+            setattr(module, "aux_loss_scale", float(scale))  # noqa: B010 (any module with the attribute)
 
 
 class AuxLossInjector(torch.autograd.Function):

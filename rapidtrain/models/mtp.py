@@ -50,7 +50,7 @@ class MultiTokenPrediction(nn.Module):
         self.config = config
         self.depths = nn.ModuleList([MTPDepth(config) for _ in range(config.mtp_num_layers)])
         self.scaling_factor = config.mtp_loss_scaling_factor
-        self.loss_scale = 1.0  # set_aux_loss_scale: the factor the main loss carries into backward
+        self.aux_loss_scale = 1.0  # moe.set_aux_loss_scale: the factor the main loss carries into backward
         # [sum of per-forward losses, forwards] since the last collect_mtp_loss (fp64, not a buffer)
         self.recorded: torch.Tensor | None = None
         self.collected_from: torch.Tensor | None = None
@@ -79,7 +79,7 @@ class MultiTokenPrediction(nn.Module):
 
     def inject(self, output: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
         """`output` unchanged; its backward also sends the scaled MTP loss's gradient."""
-        return AuxLossInjector.apply(output, mtp_loss * self.loss_scale)
+        return AuxLossInjector.apply(output, mtp_loss * self.aux_loss_scale)
 
 
 def _shifted(tokens: torch.Tensor) -> torch.Tensor:

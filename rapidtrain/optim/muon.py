@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from rapidtrain.optim.param_names import STACKED_BIAS_SUFFIXES, WRAPPER_NAMES
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -60,8 +62,6 @@ def lr_mult(shape: tuple[int, ...], mode: str, extra_scale_factor: float) -> flo
 
 def bare_name(name: str) -> str:
     """`name` without the prefixes of wrappers (DDP, torch.compile, activation checkpointing)."""
-    from rapidtrain.optim.optimizers import WRAPPER_NAMES
-
     return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
@@ -75,8 +75,6 @@ def is_expert_weight(name: str, param: torch.Tensor) -> bool:
 def takes_muon(name: str, param: torch.Tensor) -> bool:
     """Whether Muon steps this parameter: a 2-D weight of a transformer layer or an MoE layer's stacked expert
     weights (biases, norms, the embeddings and the heads go to AdamW)."""
-    from rapidtrain.optim.optimizers import STACKED_BIAS_SUFFIXES
-
     bare = bare_name(name)
     # The transformer layers, and the multi-token prediction depths (each a layer and its [h, 2h] projection).
     if bare.split(".")[0] not in ("layers", "mtp") or bare.endswith(".bias") or bare.endswith(STACKED_BIAS_SUFFIXES):

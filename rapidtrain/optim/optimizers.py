@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from rapidtrain.optim.param_names import STACKED_BIAS_SUFFIXES, WRAPPER_NAMES  # noqa: F401 (names read from here)
 from rapidtrain.optim.state_bytes import StateKind
 
 if TYPE_CHECKING:  # torch is imported where an optimizer is built: the plan resolves one without it
@@ -72,12 +73,6 @@ class OptimizerSettings:
         return self.decoupled_lr, self.decoupled_min_lr if self.decoupled_min_lr is not None else 0.0
 
 
-# MoE experts keep their biases stacked per expert ([E, f], [E, h]): 2-D, yet biases, so no weight decay.
-STACKED_BIAS_SUFFIXES = ("experts.b1", "experts.b_gate", "experts.b2")
-
-
-# Wrappers that prefix parameter names (DDP, torch.compile, activation checkpointing, FairScale).
-WRAPPER_NAMES = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 # The built-in models' word embedding and output layers (GPT's head, BERT's masked-LM decoder; a pipeline stage's
 # copy of a tied embedding is its `output.weight`): Megatron-Core's `is_embedding_or_output_parameter`.
 EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output.weight", "lm_head.output.weight")

@@ -313,11 +313,13 @@ class Trainer:
             if logging.timers_to_tensorboard:
                 self.timers.write(self.writer, self.iteration, interval.iterations)
 
+    expert_load_total: torch.Tensor | None = None  # [layers + MTP depths, experts]: every log line's loads summed
+
     def expert_load(self) -> tuple[dict[str, str], dict[str, float]]:
         """Routing load since the last log line, per MoE layer (of every pipeline stage, and multi-token prediction's
         depths after the layers): the busiest expert's assignments over the mean, summed over data-parallel ranks.
         The log line names the worst layer; TensorBoard gets every layer (moe/load_max_over_mean/layer_N). Every
-        rank joins the two all-reduces; one host read per log line."""
+        rank joins the two all-reduces; one host read per log line. `expert_load_total` keeps the sum over the run."""
         model = self.plan.model
         if model is None or not any(model.num_experts):
             return {}, {}
@@ -333,6 +335,7 @@ class Trainer:
                 table[row, :counts.numel()] = counts.to(table.device, torch.float64)
         self.engine.all_reduce_data_parallel(table)
         self.engine.all_reduce_pipeline(table)
+        self.expert_load_total = table if self.expert_load_total is None else self.expert_load_total + table
         ratios: dict[int, float] = {}
         for row, counts in enumerate(table.tolist()):
             experts = model.experts_in_layer(row) if row < model.num_layers else \
