@@ -443,17 +443,17 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "mtp-layout", ("--mtp-num-layers", "--pipeline-model-parallel-size", "--sequence-parallel", "--model-type"),
-        "Multi-token prediction runs in the built-in GPT without pipeline parallelism and without sequence "
-        "parallelism, with at least one depth.",
+        "Multi-token prediction runs in the built-in GPT, with at least one depth, without sequence parallelism; "
+        "under pipeline parallelism (its depths on the last stage, which embeds the tokens ahead with the tied head's "
+        "copy of the word embeddings) with tied embeddings, no learned positions or --embed-layernorm, and no "
+        "tensor parallelism.",
         lambda a, c: bool((a.mtp_num_layers is not None or a.use_multi_token_prediction) and (
-            mtp_depths(a) < 1 or a.model_type != "gpt" or pp_size(a) > 1 or a.sequence_parallel)),
+            mtp_depths(a) < 1 or a.model_type != "gpt" or a.sequence_parallel or mtp_pipeline_problem(a))),
         lambda a, c: f"--mtp-num-layers {mtp_depths(a)}: "
         + ("give 1 or more depths (or leave the flag out)" if mtp_depths(a) < 1 else
            "multi-token prediction is a GPT feature here; drop it for BERT" if a.model_type != "gpt" else
-           "under --pipeline-model-parallel-size the last stage receives hidden states only, not the labels its "
-           "depths predict from; train it with tensor, expert or data parallelism and ZeRO/FSDP instead"
-           if pp_size(a) > 1 else
-           "with --sequence-parallel the depths' inputs would be sequence-sharded; drop --sequence-parallel") + ".",
+           "with --sequence-parallel the depths' inputs would be sequence-sharded; drop --sequence-parallel"
+           if a.sequence_parallel else str(mtp_pipeline_problem(a))) + ".",
     ),
     Rule(
         "router-values-positive", ("--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate",
@@ -497,6 +497,24 @@ def mtp_depths(a: argparse.Namespace) -> int:
     from rapidtrain.config.resolve import mtp_depths as depths
 
     return depths(a)
+
+
+def mtp_pipeline_problem(a: argparse.Namespace) -> str | None:
+    """Why multi-token prediction cannot run under these pipeline flags (its last stage has no embedding module),
+    or None."""
+    if pp_size(a) == 1:
+        return None
+    needs = [what for wrong, what in (
+        (a.untie_embeddings_and_output_weights, "drop --untie-embeddings-and-output-weights"),
+        (a.position_embedding_type == "learned_absolute" and not a.multi_latent_attention,
+         "use rotary positions (--position-embedding-type rope)"),
+        (a.embed_layernorm, "drop --embed-layernorm"),
+        (tp_size(a) > 1, "use --tensor-model-parallel-size 1"),
+    ) if wrong]
+    if not needs:
+        return None
+    return ("under --pipeline-model-parallel-size the depths sit on the last stage, which embeds the tokens ahead "
+            "with the tied head's copy of the word embeddings (whole, plain): " + ", ".join(needs))
 
 
 def shared_expert_problem(a: argparse.Namespace) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
@@ -103,11 +104,18 @@ class GPTModel(nn.Module):
         return self.loss(self.output(hidden), labels)
 
     def _embed_ahead(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Multi-token prediction's embeddings of the tokens ahead: the model's own embedding module."""
-        if self.embedding is None:
-            raise ValueError("multi-token prediction embeds the tokens ahead with the model's embedding, which this "
-                             "part of the model does not hold")
-        return self.embedding(tokens)
+        """Multi-token prediction's embeddings of the tokens ahead: the model's own embedding module, or on a last
+        pipeline stage without it the tied head's copy of the word embeddings (kept equal to them by the pipeline;
+        its gradient joins theirs), with the embedding's dropout."""
+        if self.embedding is not None:
+            return self.embedding(tokens)
+        config = self.config
+        if self.output is None or self.output.tied_to is None or config.position_embedding_type == "learned_absolute" \
+                or config.embed_layernorm:
+            raise ValueError("multi-token prediction on a pipeline stage without the embedding takes the word "
+                             "embeddings from the tied head: it needs tied embeddings, no learned positions and no "
+                             "--embed-layernorm")
+        return F.dropout(F.embedding(tokens, self.output.weight), config.hidden_dropout, self.training)
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> GPTModel:
         """Materialize from meta, then restore the embedding/output tie that new Parameters break."""

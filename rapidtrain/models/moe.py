@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from fractions import Fraction
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -144,7 +144,9 @@ class AuxLossInjector(torch.autograd.Function):
 def routing_stats_paused(model: nn.Module) -> Iterator[None]:
     """Forwards of `model` inside do not count in the routing statistics: forwards that are no training step,
     such as a pipeline stage's shape inference on placeholder inputs."""
-    layers = list(moe_layers(model).values())
+    from rapidtrain.models.mtp import mtp_modules  # mtp.py builds on this module
+
+    layers: list[Any] = [*moe_layers(model).values(), *mtp_modules(model)]  # MTP records its loss likewise
     before = [layer.stats_paused for layer in layers]
     for layer in layers:
         layer.stats_paused = True

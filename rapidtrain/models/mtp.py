@@ -54,6 +54,7 @@ class MultiTokenPrediction(nn.Module):
         # [sum of per-forward losses, forwards] since the last collect_mtp_loss (fp64, not a buffer)
         self.recorded: torch.Tensor | None = None
         self.collected_from: torch.Tensor | None = None
+        self.stats_paused = False  # moe.routing_stats_paused: forwards that are no training step
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
              head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], position_ids: torch.Tensor | None,
@@ -72,7 +73,7 @@ class MultiTokenPrediction(nn.Module):
             per_depth.append(head_loss(depth.final_norm(hidden), targets).sum() / counted)
             tokens = targets
         mean = torch.stack(per_depth).mean()
-        if not _recomputing():
+        if not (self.stats_paused or _recomputing()):
             value = torch.stack([mean.detach().double(), torch.ones((), dtype=torch.float64, device=mean.device)])
             self.recorded = value if self.recorded is None else self.recorded + value
         return self.scaling_factor * mean

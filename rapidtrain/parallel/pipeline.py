@@ -51,7 +51,7 @@ from rapidtrain.parallel.runner import (
 )
 
 FIRST_STAGE_PARTS = ("embedding",)
-LAST_STAGE_PARTS = ("final_norm", "output", "lm_head", "pooler", "binary_head")
+LAST_STAGE_PARTS = ("final_norm", "output", "lm_head", "pooler", "binary_head", "mtp")
 
 
 # ---- splitting ----

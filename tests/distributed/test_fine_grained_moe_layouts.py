@@ -3,9 +3,9 @@ DeepSeek-V3-style model (multi-head latent attention with YaRN; a sigmoid router
 group-limited routing and routed scaling; routed experts of their own size, a shared expert, the sequence-wise balancing
 loss, a dense first layer) and a gpt-oss-style one (sinks, alternating window, clamped quick-GEGLU, biased router and
 experts, YaRN) and a Qwen2-MoE-style one (softmax kept as it is, a gated shared expert) under TP 2, PP 2, EP 2, ZeRO-2
-and FSDP; DeepSeek with two multi-token prediction depths under TP 2, EP 2, ZeRO-2. DeepSeek at PP 2 × EP 2, gpt-oss
-and Qwen at PP 2 stopped at iteration 3 resume bitwise (the expert biases come back from the checkpoint), and the
-one-process checkpoint continues at EP 2."""
+and FSDP; DeepSeek with two multi-token prediction depths under TP 2, PP 2, EP 2, ZeRO-2. DeepSeek at PP 2 x EP 2,
+gpt-oss and Qwen at PP 2 stopped at iteration 3 resume bitwise (the expert biases come back from the checkpoint), and
+the one-process checkpoint continues at EP 2."""
 
 from __future__ import annotations
 
@@ -54,10 +54,11 @@ GPT_OSS = BASE + (
     "--glu-linear-offset 1 --activation-func-clamp-value 7 --window-size 15,0 --window-attn-skip-freq 2 "
     "--group-query-attention --num-query-groups 2 --enable-gpt-oss"
 ).split()
-# Multi-token prediction (two depths, the second layer's MoE kind) under the layouts it runs in (not PP).
+# Multi-token prediction (two depths, the second layer's MoE kind; on the last of two pipeline stages, embedding the
+# tokens ahead with the tied head's copy of the word embeddings).
 MTP = DEEPSEEK + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 RUNS_OF = {"deepseek": (DEEPSEEK, list(LAYOUTS)), "gptoss": (GPT_OSS, list(LAYOUTS)),
-           "qwen": (QWEN, list(LAYOUTS)), "mtp": (MTP, ["tp2", "ep2", "zero2"])}
+           "qwen": (QWEN, list(LAYOUTS)), "mtp": (MTP, ["tp2", "pp2", "ep2", "zero2"])}
 PARITY = 1e-5  # relative, fp32
 
 

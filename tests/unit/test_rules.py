@@ -152,7 +152,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     ),
     "mtp-layout": (
         ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
-        ["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--num-layers", "2"],
+        ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2",
+         "--position-embedding-type", "rope"],
         2,
         "cpu",
     ),
