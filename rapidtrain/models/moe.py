@@ -144,9 +144,8 @@ class AuxLossInjector(torch.autograd.Function):
 def routing_stats_paused(model: nn.Module) -> Iterator[None]:
     """Forwards of `model` inside do not count in the routing statistics: forwards that are no training step,
     such as a pipeline stage's shape inference on placeholder inputs."""
-    from rapidtrain.models.mtp import mtp_modules  # mtp.py builds on this module
-
-    layers: list[Any] = [*moe_layers(model).values(), *mtp_modules(model)]  # MTP records its loss likewise
+    # MoE layers, and multi-token prediction (mtp.py, which builds on this module), which records its loss likewise
+    layers: list[Any] = [module for module in model.modules() if hasattr(module, "stats_paused")]
     before = [layer.stats_paused for layer in layers]
     for layer in layers:
         layer.stats_paused = True
