@@ -255,6 +255,29 @@ def _latent_and_yarn_without_effect(args: Args, given: set[str]) -> list[str]:
     return notes
 
 
+# The fine-grained MoE flags that shape routed experts (what they change needs MoE layers).
+ROUTER_FLAGS = ("moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+                "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+                "moe_router_bias_update_rate", "moe_router_force_load_balancing", "moe_ffn_hidden_size")
+
+
+def _router_and_mtp_without_effect(args: Args, given: set[str]) -> list[str]:
+    """Router and multi-token prediction values given where nothing reads them (Megatron ignores them too)."""
+    notes = []
+    dense = not args.num_experts or not any(args.num_experts)
+    unread = [f"--{dest.replace('_', '-')}" for dest in ROUTER_FLAGS if dest in given and dense]
+    if unread:
+        notes.append(f"{', '.join(unread)}: no effect without --num-experts (no MoE layer routes)")
+    if "moe_router_bias_update_rate" in given and not dense and not args.moe_router_enable_expert_bias:
+        notes.append("--moe-router-bias-update-rate: no effect without --moe-router-enable-expert-bias")
+    if args.mtp_num_layers is None and not args.use_multi_token_prediction:
+        for dest in ("mtp_loss_scaling_factor", "num_mtp_predictor"):
+            if dest in given:
+                notes.append(f"--{dest.replace('_', '-')}: no effect without --mtp-num-layers (or Pai's "
+                             "--use-multi-token-prediction)")
+    return notes
+
+
 def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> list[str]:
     """A line for each flag given that is accepted for compatibility but changes nothing here, and why."""
     notes = []
@@ -286,6 +309,7 @@ def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> lis
         notes.append(f"--rope-scaling-factor {args.rope_scaling_factor:g}: no effect without --use-rope-scaling (as "
                      "in Megatron)")
     notes += _latent_and_yarn_without_effect(args, given)
+    notes += _router_and_mtp_without_effect(args, given)
     moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")
     if any(flag in given for flag in moe_options):
         notes.append("--router-type 0 / --moe-linear-layer-type standard / --top-k-linear-strategy normal: the "

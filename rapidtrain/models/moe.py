@@ -66,6 +66,14 @@ def expert_capacity(
     return min(num_tokens, max(min_capacity, capacity))
 
 
+def expert_counts(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (int64 [E]) of expert_index [T, k], by scatter_add: no [T, k, E] one-hot (64 MB per
+    layer at 256 experts, 4096 tokens and top-8) and no host read (bincount's size would need one)."""
+    chosen = expert_index.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=chosen.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen))
+
+
 def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """E · Σ_e (mean router probability of e) · (share of the k·T assignments that went to e)."""
     num_experts = probs.shape[-1]
@@ -78,7 +86,9 @@ def sequence_load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor
     """DeepSeek-V3's sequence-wise balancing loss: `load_balancing_loss` of each of `sequences` equal runs of tokens
     (probs [T, E], expert_index [T, k], sequence-major), averaged over the sequences."""
     num_experts = probs.shape[-1]
-    counts = F.one_hot(expert_index, num_experts).sum(dim=1).view(sequences, -1, num_experts).float().sum(dim=1)
+    chosen = expert_index.reshape(sequences, -1)  # each sequence's k·(T / sequences) assignments
+    counts = torch.zeros(sequences, num_experts, device=probs.device).scatter_add_(
+        1, chosen, torch.ones(chosen.shape, device=probs.device))
     mean_prob = probs.float().view(sequences, -1, num_experts).mean(dim=1)
     fraction = counts / counts.sum(dim=-1, keepdim=True)
     return (num_experts * (mean_prob * fraction).sum(dim=-1)).mean()
@@ -371,17 +381,15 @@ class MoELayer(nn.Module):
         weight = weights.t().reshape(-1) * kept
         return Routing(token_index, slot, weight, num_tokens, self.num_experts, capacity), expert_index
 
-    def grouped(self, tokens: torch.Tensor, weights: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+    def grouped(self, tokens: torch.Tensor, weights: torch.Tensor, expert_index: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
         """Dropless routing without capacity buffers: the k·T assignments sorted by expert (stable: token order
         inside an expert), one grouped matmul per projection over them, each output weighted and added to its
         token. Computes k·T rows, where [E, C = T, h] buffers would compute E·T. No host read: the counts and
-        offsets stay on the device."""
+        offsets stay on the device. `counts`: expert_counts(expert_index)."""
         num_tokens, hidden = tokens.shape
-        chosen = expert_index.reshape(-1)  # token-major: token t's choices at [t·k, (t+1)·k)
-        order = torch.argsort(chosen, stable=True)
+        order = torch.argsort(expert_index.reshape(-1), stable=True)  # token-major: token t's choices at t·k...
         token_of = torch.arange(num_tokens, device=tokens.device).repeat_interleave(self.topk)[order]
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=tokens.device).scatter_add_(
-            0, chosen, torch.ones_like(chosen))
         rows = self.experts(tokens[token_of], counts.cumsum(0).to(torch.int32))
         weighted = rows * weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
         return rows.new_zeros(num_tokens, hidden).index_add(0, token_of, weighted)
@@ -409,9 +417,11 @@ class MoELayer(nn.Module):
         scores, probs = self.scores(logits)
         if not self.token_dropping and self.experts.takes_grouped_rows:
             weights, expert_index = self.choose(scores)
-            output = self.grouped(tokens, weights, expert_index).view(shape)
+            tokens_per_expert = expert_counts(expert_index, self.num_experts)
+            output = self.grouped(tokens, weights, expert_index, tokens_per_expert).view(shape)
         else:
             routing, expert_index = self.route(scores)
+            tokens_per_expert = expert_counts(expert_index, self.num_experts)
             output = self.combine(self.experts(self.dispatch(tokens, routing)), routing).view(shape)
         if self.residual_mlp is not None and self.residual_coefficient is not None:
             coefficients = self.residual_coefficient(hidden_states).softmax(dim=-1)
@@ -423,10 +433,6 @@ class MoELayer(nn.Module):
             output = output + shared
         if not self.training:
             return output
-        # Counted by scatter_add, not a [T, k, E] one-hot (64 MB per layer at 256 experts, 4096 tokens, top-8).
-        chosen = expert_index.reshape(-1)
-        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=chosen.device).scatter_add_(
-            0, chosen, torch.ones_like(chosen))
         if self.per_sequence_aux_loss:
             aux_loss = sequence_load_balancing_loss(probs, expert_index, shape[0] if len(shape) == 3 else 1)
         else:

@@ -92,13 +92,13 @@ def mtp_modules(model: nn.Module) -> list[MultiTokenPrediction]:
     return [module for module in model.modules() if isinstance(module, MultiTokenPrediction)]
 
 
-def collect_mtp_loss(model: nn.Module) -> tuple[torch.Tensor | None, int]:
-    """(Σ of the recorded per-forward MTP losses, how many forwards) since the last call, as a [2] fp64 tensor read
-    without a host sync; (None, 0) where the model has no MTP or it did not run in training."""
+def collect_mtp_loss(model: nn.Module) -> torch.Tensor | None:
+    """[Σ of the recorded per-forward MTP losses, how many forwards] since the last call, fp64, read without a host
+    sync; None where the model has no MTP or it did not run in training."""
     for module in mtp_modules(model):
         if module.recorded is not None and module.recorded is not module.collected_from:
             value = module.recorded.clone()
             module.recorded.zero_()
             module.collected_from = module.recorded
-            return value, 1
-    return None, 0
+            return value
+    return None

@@ -389,36 +389,29 @@ class Trainer:
         moe.set_aux_loss_scale(self.engine.runner.module, self.engine.runner.backward_scale / steps)
 
     def _moe_extras(self) -> dict[str, torch.Tensor]:
-        """The MoE balancing loss: the mean over all MoE layers (of every pipeline stage) and data-parallel ranks;
-        with multi-token prediction its loss too."""
-        extras = self._mtp_extras()
+        """The MoE balancing loss (the mean over all MoE layers of every pipeline stage and data-parallel ranks) and
+        multi-token prediction's loss (the mean over its depths, unscaled, over the iteration's micro-batches), in one
+        [4] tensor and one all-reduce per group: every stage joins, also one with neither."""
+        model = self.plan.model
+        with_mtp = model is not None and model.mtp_num_layers > 0
         total, layers = moe.collect_aux_loss_sum(self.engine.runner.module)
-        pipeline = self.engine.mesh.group("pp")
         # Under pipelining every stage joins the sum, also one whose layers are all dense.
-        staged = pipeline is not None and self.plan.model is not None and any(self.plan.model.num_experts)
-        if total is None and not staged:
-            return extras
-        device = self.engine.device if total is None else total.device
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        staged = self.engine.mesh.group("pp") is not None and model is not None and any(model.num_experts)
+        balancing = total is not None or staged
+        if not (balancing or with_mtp):
+            return {}
+        totals = torch.zeros(4, dtype=torch.float64, device=self.engine.device)
         if total is not None:
             totals[0], totals[1] = total.detach(), layers
-        self.engine.all_reduce_pipeline(totals)
-        self.engine.all_reduce_data_parallel(totals)
-        return {"load balancing loss": (totals[0] / totals[1]).float(), **extras}
-
-    def _mtp_extras(self) -> dict[str, torch.Tensor]:
-        """Multi-token prediction's loss (the mean over its depths, unscaled), over this iteration's micro-batches
-        and the data-parallel ranks; the stage holding it sends it to the logging rank (every stage joins)."""
-        model = self.plan.model
-        if model is None or not model.mtp_num_layers:
-            return {}
-        recorded, _ = mtp.collect_mtp_loss(self.engine.runner.module)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        recorded = mtp.collect_mtp_loss(self.engine.runner.module) if with_mtp else None
         if recorded is not None:
-            totals += recorded.to(totals.device)
+            totals[2:] = recorded.to(totals.device)
         self.engine.all_reduce_pipeline(totals)
         self.engine.all_reduce_data_parallel(totals)
-        return {"mtp loss": (totals[0] / totals[1].clamp(min=1)).float()}
+        extras = {"load balancing loss": (totals[0] / totals[1]).float()} if balancing else {}
+        if with_mtp:
+            extras["mtp loss"] = (totals[2] / totals[3].clamp(min=1)).float()
+        return extras
 
     # ---- the general template's data: epochs over a map-style dataset ----
     def setup(self) -> None:

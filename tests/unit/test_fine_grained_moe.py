@@ -241,3 +241,21 @@ def test_wsd_decay_style_shapes_the_final_phase():
     assert halfway("linear") == pytest.approx(5e-4)
     assert halfway("cosine") == pytest.approx(5e-4)  # cos at the middle is the mean too
     assert halfway("minus_sqrt") == pytest.approx(1e-3 * (1 - 0.5**0.5))
+
+
+def test_router_and_mtp_values_nothing_reads_are_said_to_do_nothing():
+    from rapidtrain.config import arguments, plan, settings
+    from rapidtrain.config.describe import describe_plan
+
+    def notes(*flags: str) -> str:
+        args = arguments.parse_args(["--train-iters", "2", "--lr", "1e-3", *flags])
+        return describe_plan(plan.from_args(args, settings.RunContext(1, "cpu")))
+
+    assert "--moe-router-score-function: no effect without --num-experts" in notes(
+        "--moe-router-score-function", "sigmoid")
+    assert "--moe-router-bias-update-rate: no effect without --moe-router-enable-expert-bias" in notes(
+        "--num-experts", "4", "--moe-router-bias-update-rate", "0.01")
+    assert "--mtp-loss-scaling-factor: no effect without --mtp-num-layers" in notes("--mtp-loss-scaling-factor", "0.3")
+    assert "no effect without" not in notes("--num-experts", "4", "--moe-router-enable-expert-bias",
+                                            "--moe-router-bias-update-rate", "0.01", "--mtp-num-layers", "1",
+                                            "--mtp-loss-scaling-factor", "0.3")
