@@ -36,6 +36,10 @@ Beyond the paper, which assumes 16-bit weights (Megatron's): a 16-bit run over f
 Measured on CPU runs of every layout, fp32 and bf16 (tests/distributed/test_memory_estimate.py): without the copies
 the bf16 estimates were 35-55% under.
 
+Context parallelism of size c (Layout.context_parallel_size) splits each sequence over c ranks: every per-token
+term above holds s/c tokens, the kept scores a·(s/c)·s·b (a rank's queries against every key), and attention's
+exchange adds its buffers to the layer in flight (context_exchange_bytes).
+
 Pipelining: under 1F1B stage i keeps min(p - i, m) micro-batches in flight (stage 0 holds p: the pipeline depth;
 with m < p the schedule is GPipe and every stage keeps all m);
 the interleaved schedule keeps 2·(p - i - 1) + (v - 1)·p + 1 model chunks of L/(p·v) layers, which for stage 0 is
@@ -97,10 +101,15 @@ def routed_rows_per_token(model: ModelConfig, layout: Layout, experts: int) -> f
     return float(experts if layout.expert_parallel_size > 1 else model.moe_router_topk)
 
 
+def local_sequence(model: ModelConfig, layout: Layout) -> float:
+    """The tokens of each sequence one rank holds: context parallelism splits the sequence over its ranks."""
+    return model.seq_length / layout.context_parallel_size
+
+
 def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext,
                 granularity: str = "none", experts: int = 0) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
-    s, h, b = model.seq_length, model.hidden_size, micro
+    s, h, b = local_sequence(model, layout), model.hidden_size, micro
     t = layout.tensor_parallel_size
     split_all = t if layout.sequence_parallel else 1
     e, r = act.element_bytes, act.residual_bytes
@@ -124,11 +133,11 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     scores = 0.0
     if act.scores_kept and granularity not in ("selective", "op"):
         heads = model.num_attention_heads
-        scores = heads * s * s * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
+        scores = heads * s * model.seq_length * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
     if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
         # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
         # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
-        scores += model.num_attention_heads * s * (s + 1) * e / t
+        scores += model.num_attention_heads * s * (model.seq_length + 1) * e / t
     return s * b * per_token + scores
 
 
@@ -176,12 +185,12 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
       gradient in the matmul's dtype unless it becomes the weight's .grad itself
       (`weight_gradient_is_a_temporary`, head_gradient_is_a_temporary); the plain path's backward (without tensor
       parallelism; the vocab-parallel loss keeps to its forward's) holds three fp32 [tokens, vocabulary] tensors."""
-    s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
-    e, tokens, vocab = act.element_bytes, model.seq_length * micro, model.vocab_size
+    s, h, b, t = local_sequence(model, layout), model.hidden_size, micro, layout.tensor_parallel_size
+    e, tokens, vocab = act.element_bytes, local_sequence(model, layout) * micro, model.vocab_size
     norms = s * b * h * (act.residual_bytes + e) / (t if layout.sequence_parallel else 1)
     weight = e * vocab * h / t if act.weight_copies != "none" else 0.0
     if act.chunked_loss:
-        block = min(block_size(vocab, tokens, act.device_type), vocab)
+        block = min(block_size(vocab, math.ceil(tokens), act.device_type), vocab)
         kept = e <= 2 or block >= vocab
         weight_gradient = e * vocab * h if weight_gradient_is_a_temporary else 0.0
         gradients = ((e * tokens * block if e < 4 else 0) + weight_gradient) if backward else 0.0
@@ -234,7 +243,7 @@ def embedding_bytes(model: ModelConfig, micro: int, layout: Layout, act: Activat
     if not act.hidden_dropout:
         return 0.0
     split = layout.tensor_parallel_size if layout.sequence_parallel else 1
-    return model.seq_length * micro * model.hidden_size * act.mask_bytes / split
+    return local_sequence(model, layout) * micro * model.hidden_size * act.mask_bytes / split
 
 
 def chunks_in_flight(stage: int, layout: Layout, micro_batches: int) -> float:
@@ -267,7 +276,7 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
     and in a 16-bit run that copies fp32 weights, the 16-bit gradient of its widest matrix before it is cast to
     fp32. Attention's own (its inputs' gradients, or two fp32 score-sized gradients where the scores are kept)
     comes after the MLP's wide tensors are freed, and is no larger where measured."""
-    s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
+    s, h, b, t = local_sequence(model, layout), model.hidden_size, micro, layout.tensor_parallel_size
     e = act.element_bytes
     wide: float = (3 if model.gated_linear_unit else 1) * model.ffn_size
     if experts:
@@ -275,6 +284,26 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
             * routed_rows_per_token(model, layout, experts)
     weight_gradient = e * h * model.ffn_size / t if act.weight_copies != "none" and e < 4 else 0.0
     return e * s * b * (wide / t + h) + weight_gradient
+
+
+def context_exchange_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
+    """The buffers context parallelism's attention exchange holds while one layer of one micro-batch runs, beside
+    what the layers keep (Layout.cp_comm_type): "p2p" (ring attention) two K/V blocks of s/c tokens in flight, the
+    one attended to and the one arriving; "allgather" the whole sequence's K/V (gathered for the layer, gathered
+    again in its backward); "a2a" (Ulysses) the attention inputs after the all-to-all, the whole sequence for heads/c
+    of the heads (as many elements as the s/c tokens of every head it replaces, held beside them). K/V are the
+    rank's key/value heads under tensor parallelism (at least one: grouped-query heads are replicated)."""
+    c = layout.context_parallel_size
+    if c == 1:
+        return 0.0
+    tokens = local_sequence(model, layout) * micro
+    kv = 2 * model.head_dim * max(model.query_groups // layout.tensor_parallel_size, 1)
+    if layout.cp_comm_type == "a2a":
+        query = model.head_dim * model.num_attention_heads / layout.tensor_parallel_size
+        return act.element_bytes * tokens * (query + kv)
+    if layout.cp_comm_type == "allgather":
+        return act.element_bytes * tokens * c * kv
+    return act.element_bytes * 2 * tokens * kv
 
 
 def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, layout: Layout,
@@ -307,7 +336,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             # tensors (as the main head's forward keeps them: its loss is computed before the main one's backward)
             last = model.experts_in_layer(model.num_layers - 1)
             extra = layer_bytes(model, micro, layout, act, "none", last) \
-                + 3 * model.seq_length * micro * model.hidden_size * act.element_bytes \
+                + 3 * local_sequence(model, layout) * micro * model.hidden_size * act.element_bytes \
                 + head_bytes(model, micro, layout, act)
             layers += model.mtp_num_layers * extra
             copies += model.mtp_num_layers * weight_copy_bytes(model, layout, act, last)
@@ -318,7 +347,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
         if stage == p - 1:
             temporary = head_gradient_is_a_temporary(model, micro_batches, layout, act)
             at_loss = head_bytes(model, micro, layout, act, backward=True, weight_gradient_is_a_temporary=temporary)
-        total += max(again + working, at_loss)
+        total += max(again + working + context_exchange_bytes(model, micro, layout, act), at_loss)
         if stage == 0 and embedding_gradient_is_a_temporary(model, micro_batches, layout):
             total = max(total, embedding_gradient_bytes(model, layout, act))
         stages.append(total)

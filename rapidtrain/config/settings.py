@@ -147,6 +147,8 @@ class Layout:
     expert_parallel_size: int = 1
     virtual_pipeline_stages: int = 1
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
 
     def rank_grid(self) -> list[list[list[int]]]:
         """Megatron order: pipeline outermost, then data, tensor innermost (tensor ranks are neighbours)."""
