@@ -106,9 +106,11 @@ def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batc
 def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: ModelConfig, memory: MemoryEstimate,
                           recompute: RecomputeSettings, act: ActivationContext) -> tuple[int, str]:
     """The largest micro batch (at most --micro-batch-size) dividing global / data-parallel whose largest rank
-    (model states + activations of the micro-batches its pipeline stage keeps in flight, under the layout's tensor
-    and sequence parallelism and recompute) fits --memory-budget-gb; 1 when none fits (the rules refuse that
-    case). Returns it and the arithmetic in words."""
+    (model states + activations of the micro-batches its pipeline stage keeps in flight, under the layout's tensor,
+    sequence and context parallelism and recompute) fits --memory-budget-gb; 1 when none fits (the rules refuse
+    that case). Context parallelism of size c leaves each rank s/c tokens of every sequence (with its K/V exchange
+    buffers, config/activations.py), so a larger micro batch fits; its ranks share their samples, so the data-
+    parallel size that divides the global batch is world / (TP·PP·CP). Returns it and the arithmetic in words."""
     per_rank = (args.global_batch_size or args.micro_batch_size * layout.data_parallel_size) \
         // layout.data_parallel_size
     budget = args.memory_budget_gb * 2**30
@@ -123,6 +125,10 @@ def auto_micro_batch_size(args: argparse.Namespace, layout: Layout, model: Model
     stage = max(range(len(chosen.stage_state_bytes)),
                 key=lambda i: chosen.stage_state_bytes[i] + chosen.stage_activation_bytes[i])
     where = f" (pipeline stage {stage}, the largest)" if layout.pipeline_parallel_size > 1 else ""
+    c = layout.context_parallel_size
+    if c > 1:
+        where += (f" with {model.seq_length // c:,} of each sequence's {model.seq_length:,} tokens (context parallel "
+                  f"{c}, {layout.cp_comm_type} exchange)")
     return micro, (f"--auto-micro-batch-size: {micro}, the largest divisor of {per_rank} (global / data parallel) "
                    f"up to --micro-batch-size {args.micro_batch_size} whose largest rank{where} holds model state "
                    f"{mib_text(chosen.stage_state_bytes[stage])} + activations "
