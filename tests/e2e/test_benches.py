@@ -8,7 +8,7 @@ parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without i
 with one system), head_loss.py at a tiny shape,
 pretrain_throughput.py three of its seven rows in fp32 over two interleaved rounds (not the tuned-malloc row nor the
 two torch.compile rows, nor bf16),
-efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one)."""
+efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one), long_sequence.py at seq 256."""
 
 from __future__ import annotations
 
@@ -195,3 +195,12 @@ def test_moe_layer_bench_prints_grouped_beside_capacity_and_hugging_face():
                                                   "rapidtrain capacity buffers (dropless)",
                                                   "HF Qwen2MoeSparseMoeBlock"], stdout
     assert all(len(row[42:].split()) == 4 and [number(cell) for cell in row[42:].split()] for row in rows), stdout
+
+
+def test_long_sequence_bench_prints_rapidtrain_beside_hugging_face_sdpa():
+    stdout = run_bench("long_sequence.py", "--seq", "256", "--layers", "1", "--hidden", "32", "--heads", "2",
+                       "--kv-heads", "1", "--ffn", "64", "--vocab", "128", "--steps", "1", "--rounds", "2")
+    rows = lines_after(stdout, "system")
+    assert [row[:30].strip() for row in rows] == ["rapidtrain Llama (SDPA)", "HF LlamaForCausalLM (sdpa)"], stdout
+    assert all(len(row[30:].split()) == 5 and [number(cell) for cell in row[30:].split()] for row in rows), stdout
+    assert number(rows[1][30:].split()[3]) == 1.0, stdout  # Hugging Face against itself, per round
