@@ -5,7 +5,9 @@ AdamW and batch size, in fp32 and bf16. Prints tokens/s of each, the ratios, and
 matrix-multiply peak measured first on this machine.
 
 Each system runs in a process of its own (allocator state, caches and compiled kernels do not leak from
-one into the next); with `--repeats N` each runs N times, in rotated order, and its best run counts.
+one into the next); the systems run interleaved in `--rounds N` rounds (A B C, B C A, C A B, ...), each row is
+the median of its rounds with the spread beside it, and each ratio is the median of the per-round ratios (on a shared
+host a single run moves by ±20%; the two sides of a ratio taken in one round saw the same host).
 Rows:
   rapidtrain                 the product as shipped (on CPU it tunes glibc malloc: rapidtrain/core/cpu_allocator.py)
   rapidtrain, glibc default  the same with --no-cpu-allocator-tuning: the loop and model alone
@@ -16,7 +18,7 @@ Rows:
   HF Trainer, best           Trainer's fastest equivalent: torch_compile=True and rapidtrain's allocator setting
 Each row also shows the child process's peak resident memory (ru_maxrss: model, optimizer, activations, logits).
 
-    python bench/pretrain_throughput.py [--iters 20] [--warmup 3] [--repeats 1] [--layers 6 --hidden 384 ...]
+    python bench/pretrain_throughput.py [--iters 20] [--warmup 3] [--rounds 3] [--layers 6 --hidden 384 ...]
         [--systems "plain loop" rapidtrain ...] [--precisions fp32]
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -172,11 +175,21 @@ def child_seconds(o: argparse.Namespace, system: str, precision: str) -> tuple[f
     return report["seconds"], report["peak_mib"]
 
 
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def spread(values: list[float]) -> float:
+    """Half the range over the median (± this fraction covers every round): how much the host moved the system."""
+    return (max(values) - min(values)) / 2 / statistics.median(values) if len(values) > 1 else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each system; the best counts")
+    parser.add_argument("--rounds", "--repeats", type=int, default=3, dest="rounds",
+                        help="interleaved rounds (A B C, B C A, ...): every row is the median of its rounds")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--heads", type=int, default=6)
@@ -201,43 +214,54 @@ def main() -> None:
     flops = model_flops_per_iteration(config, o.batch)
     tokens = o.batch * o.seq
     print(f"GPT {o.layers} layers, hidden {o.hidden}, {o.heads} heads, seq {o.seq}, vocab {vocab}, batch {o.batch}; "
-          f"{torch.get_num_threads()} threads; {o.iters} steps, first {o.warmup} excluded; best of {o.repeats}",
-          flush=True)
+          f"{torch.get_num_threads()} threads; {o.iters} steps, first {o.warmup} excluded; {o.rounds} interleaved "
+          f"rounds, medians", flush=True)
     rows = []
-    ceilings: dict[str, float] = {}
     for precision in o.precisions:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
         peak = measure_peak_tflops(dtype, torch.device("cpu"))
-        # The same products at this model's shapes (its linear layers, forward and backward): no implementation
-        # of this model's step runs its GEMMs faster than this: MFU stays near or below ceiling / peak.
-        ceiling = measure_gemm_tflops(linear_gemm_shapes(o.hidden, 4 * o.hidden, vocab, o.layers, tokens), dtype,
-                                      torch.device("cpu"))
-        ceilings[precision] = ceiling
+        gemm_shapes = linear_gemm_shapes(o.hidden, 4 * o.hidden, vocab, o.layers, tokens)
+        seconds: dict[str, list[float]] = {system: [] for system in o.systems}
+        peaks: dict[str, list[float]] = {system: [] for system in o.systems}
+        ceilings: list[float] = []
+        for round_ in range(o.rounds):
+            # The ceiling is this model's own linear-layer GEMMs run back to back, timed inside the same round as
+            # the systems, so that a host that slows down slows both: no implementation of this step runs its GEMMs
+            # faster, so "of GEMM ceiling" is how much of the step is matrix work.
+            ceilings.append(measure_gemm_tflops(gemm_shapes, dtype, torch.device("cpu")))
+            order = o.systems[round_ % len(o.systems):] + o.systems[:round_ % len(o.systems)]
+            for system in order:
+                step, mib = child_seconds(o, system, precision)
+                seconds[system].append(step)
+                peaks[system].append(mib)
+                print(f"    round {round_ + 1} {precision} {system}: {step * 1000:.1f} ms/step, peak {mib:.0f} MiB",
+                      flush=True)
+        ceiling = median(ceilings)
         print(f"  {precision}: matmul peak {peak * 1000:.0f} GFLOP/s (2048² products); this model's linear-layer "
               f"GEMMs alone run at {ceiling * 1000:.0f} GFLOP/s ({ceiling / peak:.0%} of the peak)", flush=True)
-        runs: dict[str, list[tuple[float, float]]] = {system: [] for system in o.systems}
-        for repeat in range(o.repeats):
-            order = o.systems[repeat % len(o.systems):] + o.systems[:repeat % len(o.systems)]
-            for system in order:
-                runs[system].append(child_seconds(o, system, precision))
-                print(f"    {system}: {runs[system][-1][0] * 1000:.1f} ms/step, peak {runs[system][-1][1]:.0f} MiB",
-                      flush=True)
-        best = {system: min(results) for system, results in runs.items()}
-        fastest_hf = min((best[system][0] for system in HF_ROWS if system in best), default=float("nan"))
-        plain = best["plain loop"][0] if "plain loop" in best else float("nan")
-        for system, (s, mib) in best.items():
-            rows.append((precision, system, tokens / s, flops / s / 1e12 / peak * 100,
-                         flops / s / 1e12 / ceilings[precision] * 100, s / plain, fastest_hf / s, mib))
-    print(f"\n{'precision':<9} {'system':<25} {'tokens/s':>9} {'MFU %':>6} {'of GEMM ceiling %':>17} "
+        hf_rows = [system for system in HF_ROWS if system in seconds]
+        for system in o.systems:
+            runs = seconds[system]
+            # Ratios are medians of per-round ratios: both sides of each ratio saw the same host in that round.
+            vs_plain = (median([a / b for a, b in zip(runs, seconds["plain loop"], strict=True)])
+                        if "plain loop" in seconds else float("nan"))
+            vs_hf = (median([min(seconds[h][r] for h in hf_rows) / runs[r] for r in range(o.rounds)])
+                     if hf_rows else float("nan"))
+            of_ceiling = median([flops / s / 1e12 / c * 100 for s, c in zip(runs, ceilings, strict=True)])
+            step = median(runs)
+            rows.append((precision, system, tokens / step, spread(runs) * 100, flops / step / 1e12 / peak * 100,
+                         of_ceiling, vs_plain, vs_hf, max(peaks[system])))
+    print(f"\n{'precision':<9} {'system':<25} {'tokens/s':>9} {'± %':>5} {'MFU %':>6} {'of GEMM ceiling %':>17} "
           f"{'time vs plain':>14} {'vs fastest HF':>13} {'peak MiB':>9}")
-    for precision, system, tokens_per_s, mfu, of_ceiling, vs_plain, vs_hf, mib in rows:
-        print(f"{precision:<9} {system:<25} {tokens_per_s:9.0f} {mfu:6.1f} {of_ceiling:17.1f} {vs_plain:14.3f} "
-              f"{vs_hf:13.3f} {mib:9.0f}")
-    print("\nMFU: model FLOPs per second over the 2048² matmul peak; of GEMM ceiling: over the rate of this model's "
-          "own linear-layer GEMMs run back to back (what a step with no other work would reach);"
-          "\ntime vs plain: seconds per step relative to the plain loop;"
-          "\nvs fastest HF: the fastest Hugging Face row's seconds per step divided by this system's (> 1 is faster);"
-          "\npeak MiB: the process's peak resident memory (ru_maxrss).")
+    for precision, system, tokens_per_s, moved, mfu, of_ceiling, vs_plain, vs_hf, mib in rows:
+        print(f"{precision:<9} {system:<25} {tokens_per_s:9.0f} {moved:5.1f} {mfu:6.1f} {of_ceiling:17.1f} "
+              f"{vs_plain:14.3f} {vs_hf:13.3f} {mib:9.0f}")
+    print("\ntokens/s: at the median step time of the rounds; ± %: half the range of the rounds over the median;"
+          "\nMFU: model FLOPs per second over the 2048² matmul peak; of GEMM ceiling: over the rate of this model's "
+          "own linear-layer GEMMs run back to back in the same round (what a step with no other work would reach);"
+          "\ntime vs plain: seconds per step relative to the plain loop, the median of the rounds' ratios;"
+          "\nvs fastest HF: the fastest Hugging Face row's seconds per step divided by this system's, per round, "
+          "median (> 1 is faster);\npeak MiB: the process's largest peak resident memory (ru_maxrss) over the rounds.")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ benches run one part each:
 memory.py its state section (ddp and zero-2; not --section startup / save, ~100M-parameter models),
 parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without its memory modes (and its --profile
 with one system), head_loss.py at a tiny shape,
-pretrain_throughput.py three of its seven rows in fp32 (not the tuned-malloc row nor the two torch.compile rows, nor
-bf16),
-efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one)."""
+pretrain_throughput.py three of its seven rows in fp32 over two interleaved rounds (not the tuned-malloc row nor the
+two torch.compile rows, nor bf16),
+efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one), long_sequence.py at seq 256."""
 
 from __future__ import annotations
 
@@ -162,10 +162,16 @@ def test_head_loss_bench_prints_plain_beside_chunked():
 def test_pretrain_throughput_bench_prints_systems_side_by_side(demo_data):
     systems = ["rapidtrain", "plain loop", "HF Trainer"]
     stdout = run_bench("pretrain_throughput.py", "--iters", "3", "--warmup", "1", "--layers", "1", "--hidden", "32",
-                       "--heads", "2", "--seq", "16", "--batch", "1", "--precisions", "fp32", "--systems", *systems)
+                       "--heads", "2", "--seq", "16", "--batch", "1", "--precisions", "fp32", "--rounds", "2",
+                       "--systems", *systems)
     rows = lines_after(stdout, "precision system")
     assert [(row[:9].strip(), row[10:35].strip()) for row in rows] == [("fp32", system) for system in systems], stdout
-    assert all(len(row[35:].split()) == 6 and [number(cell) for cell in row[35:].split()] for row in rows), stdout
+    assert all(len(row[35:].split()) == 7 and [number(cell) for cell in row[35:].split()] for row in rows), stdout
+    # Interleaved: each system ran once per round, rounds in rotated order.
+    rounds = re.findall(r"round (\d) fp32 (.+?): [\d.]+ ms/step", stdout)
+    assert rounds == [("1", s) for s in systems] + [("2", s) for s in systems[1:] + systems[:1]], stdout
+    plain = next(row for row in rows if row[10:35].strip() == "plain loop")
+    assert number(plain[35:].split()[4]) == 1.0, stdout  # the plain loop against itself, per round
     assert re.search(r"fp32: matmul peak \d+ GFLOP/s .* GEMMs alone run at \d+ GFLOP/s", stdout), stdout
 
 
@@ -189,3 +195,12 @@ def test_moe_layer_bench_prints_grouped_beside_capacity_and_hugging_face():
                                                   "rapidtrain capacity buffers (dropless)",
                                                   "HF Qwen2MoeSparseMoeBlock"], stdout
     assert all(len(row[42:].split()) == 4 and [number(cell) for cell in row[42:].split()] for row in rows), stdout
+
+
+def test_long_sequence_bench_prints_rapidtrain_beside_hugging_face_sdpa():
+    stdout = run_bench("long_sequence.py", "--seq", "256", "--layers", "1", "--hidden", "32", "--heads", "2",
+                       "--kv-heads", "1", "--ffn", "64", "--vocab", "128", "--steps", "1", "--rounds", "2")
+    rows = lines_after(stdout, "system")
+    assert [row[:30].strip() for row in rows] == ["rapidtrain Llama (SDPA)", "HF LlamaForCausalLM (sdpa)"], stdout
+    assert all(len(row[30:].split()) == 5 and [number(cell) for cell in row[30:].split()] for row in rows), stdout
+    assert number(rows[1][30:].split()[3]) == 1.0, stdout  # Hugging Face against itself, per round
