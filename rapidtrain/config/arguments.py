@@ -355,7 +355,9 @@ def _add_training_controls(g: argparse._ArgumentGroup) -> None:
     """The training group's second half: length (iterations or epochs), seed and evaluation, the user script, LoRA
     and k-bit bases, exit conditions, Rapidformer's app flags and the distributed backend."""
     g.add_argument("--train-iters", type=int, default=None, help="Iterations (iteration-based training).")
-    g.add_argument("--epochs", type=int, default=None, help="Epochs (epoch-based fine-tuning).")
+    g.add_argument("--epochs", type=int, default=None,
+                   help="Epochs (epoch-based fine-tuning: the Hugging Face tasks, a Finetuner, and the built-in "
+                        "model on Pai's SFT JSON, --dataset JSON-SFT / LLama-SFT, whole global batches an epoch).")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (weights, data order, dropout).")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="Iterations between evaluations (default: 1000 in pretraining, as Megatron; in fine-tuning "

@@ -105,11 +105,14 @@ HANDLED: dict[str, str] = {
                               "--tokenizer-type HuggingFaceTokenizer from --tokenizer-model, else the --load folder",
     "--dataset": "Pai-Megatron-Patch's dataset kind: the *-Idxmap kinds (and MMAP) are Megatron indexed data; "
                  "LLama-Pretrain-Raw and LLama-SFT read JSON instruction/output records from --train-data-path, "
-                 "tokenized at start with the prompt masked out of the loss; other raw kinds are refused",
+                 "tokenized at start with the prompt masked out of the loss; JSON-SFT renders each record "
+                 "(messages, conversations, instruction/input/output) with the tokenizer's chat template, the "
+                 "assistant turns carrying loss (packed with --reset-position-ids / --reset-attention-mask); "
+                 "other raw kinds are refused",
     "--max-padding-length": "with a raw JSON --dataset, the tokens of each sample (padded; Pai's pretraining kind "
                             "adds one for the shift); pretraining samples are --seq-length tokens otherwise",
-    "--train-mode": "Pai-Megatron-Patch's mode: pretrain works; finetune (its sequence/label-pair indexed data or "
-                    "chat-template JSON) is refused; --dataset LLama-SFT trains on instruction/output JSON",
+    "--train-mode": "Pai-Megatron-Patch's mode: pretrain; finetune with --dataset JSON-SFT (chat-template JSON) "
+                    "or LLama-SFT; finetune on indexed data (its SFT builder's sequence/label pairs) is refused",
     "--transformer-impl": "rapidtrain's layers are its own torch modules (SDPA attention); local or "
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "

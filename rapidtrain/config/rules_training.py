@@ -63,6 +63,8 @@ from rapidtrain.config.resolve import zero_by_fsdp2
 from rapidtrain.models import hf_config
 from rapidtrain.optim.optimizers import ADAFACTOR_ON_DTENSORS
 
+EPOCH_SFT_KINDS = ("JSON-SFT", "LLama-SFT")  # Pai's SFT JSON: epochs count passes over its records
+
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
         "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -101,9 +103,10 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "pretraining-needs-iters", ("--epochs", "--task"),
         "Pretraining (--task pretraining, without --user-script) is iteration-based.",
         lambda a, c: needs_iterations(a, c) and a.epochs is not None and a.train_iters is None
-        and a.train_samples is None,
+        and a.train_samples is None and getattr(a, "raw_json_dataset", None) not in EPOCH_SFT_KINDS,
         lambda a, c: "--epochs with --task pretraining: Megatron-style pretraining counts iterations over a "
-        "sample stream. Use --train-iters N (or --train-samples N).",
+        "sample stream (Pai's SFT JSON, --dataset JSON-SFT or LLama-SFT, trains by epochs). Use --train-iters N "
+        "(or --train-samples N).",
     ),
     Rule(
         "schedule-counts-as-training", ("--train-samples", "--lr-decay-samples", "--lr-decay-iters"),

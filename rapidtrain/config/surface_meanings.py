@@ -331,58 +331,98 @@ def _patch_tokenizer(args: Args, value: str, notes: list[str], refusals: list[st
 
 
 def _pai_dataset(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    from rapidtrain.data.chat_sft import CHAT_SFT_KINDS
     from rapidtrain.data.raw_json import RAW_JSON_KINDS
 
     if "idxmap" in value.lower() or value.upper() == "MMAP":
         notes.append(f"--dataset {value}: Megatron indexed data (--data-path)")
-    elif value in RAW_JSON_KINDS:
+    elif value in RAW_JSON_KINDS + CHAT_SFT_KINDS:
         _raw_json(args, value, notes, refusals)
     else:
-        kinds = ", ".join(RAW_JSON_KINDS)
-        refusals.append(f"--dataset {value}: not read by rapidtrain's pretraining (it reads {kinds} JSON and Megatron "
-                        "indexed data); make indexed data with scripts/preprocess_data.py and pass --dataset "
-                        "...-Idxmap")
+        kinds = ", ".join(RAW_JSON_KINDS + CHAT_SFT_KINDS)
+        refusals.append(f"--dataset {value}: not read by rapidtrain (it reads {kinds} JSON and Megatron indexed "
+                        "data); make indexed data with scripts/preprocess_data.py and pass --dataset ...-Idxmap")
 
 
 def _raw_json(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
-    """Pai's raw JSON kinds: instruction/output records from --train-data-path, tokenized at start, padded."""
+    """Pai's raw JSON kinds: records from --train-data-path, tokenized at start, padded."""
+    chat = value == "JSON-SFT"
     length = args.max_padding_length or args.seq_length
     if not args.train_data_path:
-        refusals.append(f"--dataset {value}: give the JSON file of instruction/output records with --train-data-path")
+        refusals.append(f"--dataset {value}: give the JSON file of records with --train-data-path")
     elif length > args.seq_length:
         refusals.append(f"--max-padding-length {length}: samples longer than --seq-length {args.seq_length}; give "
                         "at most --seq-length")
+    elif chat and getattr(args, "train_mode", "pretrain") != "finetune":
+        refusals.append(f"--dataset {value}: Pai's chat-template fine-tuning data; add --train-mode finetune (Pai "
+                        "refuses it in its default pretrain mode too)")
     else:
         args.raw_json_dataset, args.max_padding_length = value, length
         source = "the training file (as Pai)" if not args.valid_data_path else "--valid-data-path"
-        notes.append(f"--dataset {value}: Pai's raw JSON records tokenized at start (prompt = instruction + input, "
-                     f"masked out of the loss; answer = output + end of document), {length} tokens a sample (padded, "
-                     f"longer records dropped); validation reads {source}")
+        if chat:
+            packed = args.reset_position_ids or args.reset_attention_mask
+            notes.append(f"--dataset {value}: Pai's chat-template SFT: each record (messages, conversations, or "
+                         "instruction/input/output) rendered by the tokenizer's chat template, only the assistant "
+                         "turns (after their header, their end token included) carrying loss, each "
+                         "conversation's loss its answer tokens' mean and the batch's the "
+                         f"conversations' mean (Pai's per-sequence average); {length} tokens a sample (a prompt "
+                         "longer than that drops its record, a longer answer is cut)"
+                         + ("; conversations packed to a row" if packed else "")
+                         + f"; validation reads {source}")
+        else:
+            notes.append(f"--dataset {value}: Pai's raw JSON records tokenized at start (prompt = instruction + "
+                         "input, masked out of the loss; answer = output + end of document), "
+                         f"{length} tokens a sample (padded, longer records dropped); validation reads {source}")
         if args.data_path:
             notes.append(f"--data-path {' '.join(args.data_path)}: no effect here; --dataset {value} reads "
                          "--train-data-path")
             args.data_path = None
-        for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
-            if getattr(args, dest):
-                notes.append(f"--{dest.replace('_', '-')}: no effect here; a raw JSON sample is one record, whose "
-                             "answer and end-of-document token carry the loss (Pai's raw datasets mask the prompt "
-                             "only)")
-                setattr(args, dest, False)
+        _sft_packing_flags(args, value, chat, notes)
+
+
+def _sft_packing_flags(args: Args, value: str, chat: bool, notes: list[str]) -> None:
+    """JSON-SFT packs with the resets (each conversation its own positions and attention); --eod-mask-loss, and the
+    resets of the instruction/output kinds, change nothing there: the loss mask is the answers' already."""
+    dests = ("eod_mask_loss",) if chat else ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+    for dest in dests:
+        if getattr(args, dest):
+            reason = ("the loss already covers the assistant turns only, their end token included, as Pai's SFT "
+                      "batches (its mask comes from the labels)" if chat else
+                      "a raw JSON sample is one record, whose answer and end-of-document token carry the loss "
+                      "(Pai's raw datasets mask the prompt only)")
+            notes.append(f"--{dest.replace('_', '-')}: no effect here; {reason}")
+            setattr(args, dest, False)
+    if chat and (args.reset_position_ids or args.reset_attention_mask):
+        kept = " and ".join(f"--{d.replace('_', '-')}" for d in ("reset_position_ids", "reset_attention_mask")
+                            if getattr(args, d))
+        notes.append(f"{kept}: --dataset {value} packs whole conversations into each row; "
+                     + ("positions restart at each conversation" if args.reset_position_ids else
+                        "positions run on across the row")
+                     + ("; attention stays within each conversation" if args.reset_attention_mask else
+                        "; attention reaches earlier conversations of the row"))
 
 
 def _max_padding_length(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    from rapidtrain.data.chat_sft import CHAT_SFT_KINDS
     from rapidtrain.data.raw_json import RAW_JSON_KINDS
 
-    if getattr(args, "dataset", None) not in RAW_JSON_KINDS:
+    if getattr(args, "dataset", None) not in RAW_JSON_KINDS + CHAT_SFT_KINDS:
         notes.append(f"--max-padding-length {value}: no effect here; " + note_of("--max-padding-length"))
 
 
 def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
-    if value != "pretrain":
-        refusals.append(f"--train-mode {value}: Pai's SFT mode (its sequence/label-pair indexed data, chat-template "
-                        "JSON) is not in rapidtrain; train on instruction/output JSON with --dataset LLama-SFT "
-                        "--train-data-path FILE (the prompt masked out of the loss), or fine-tune with --task "
-                        "casual_lm")
+    dataset = getattr(args, "dataset", None)
+    if value == "pretrain":
+        return
+    if value != "finetune":
+        refusals.append(f"--train-mode {value}: Pai's modes are pretrain and finetune")
+    elif dataset in ("JSON-SFT", "LLama-SFT"):
+        notes.append(f"--train-mode finetune: supervised fine-tuning on --dataset {dataset}")
+    else:
+        refusals.append(f"--train-mode finetune with --dataset {dataset}: Pai's fine-tuning on indexed data reads "
+                        "its SFT builder's sequence/label pairs (2 x --seq-length ids a sample), which rapidtrain "
+                        "does not read; give the JSON records with --dataset JSON-SFT --train-data-path FILE (the "
+                        "tokenizer's chat template) or --dataset LLama-SFT")
 
 
 # What Megatron-LM's --enable-gpt-oss sets (its model builder): gpt-oss's YaRN, as flag destinations.

@@ -376,6 +376,18 @@ class HuggingFaceTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
 
+    @property
+    def chat_template(self) -> str | None:
+        """The folder's chat template (tokenizer_config.json or chat_template.jinja), None when it has none."""
+        return getattr(self._tokenizer, "chat_template", None) or None
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+        """The ids of `messages` rendered by the folder's chat template (with the assistant's header after them when
+        `add_generation_prompt`)."""
+        ids = self._tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return [int(i) for i in ids]  # type: ignore[arg-type]  # one conversation: a flat list of ids
+
 
 class NullTokenizer(Tokenizer):
     """Text that is already token ids separated by spaces; eod is `--vocab-size`, one past the ids
