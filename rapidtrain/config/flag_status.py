@@ -481,13 +481,23 @@ PATTERNS: list[tuple[str, str, str]] = [
      REFUSED, "not in rapidtrain's loop; leave it out"),
     (r"--(train|valid|test)-(desc|doc-idx|idx|sample-idx|shuffle-idx)-path|--(data|per-split-data)-args-path|"
      r"--dataset-config|--per-dataset-sequences-path|--num-tokens-from-file|--input-data-sizes-file|"
-     r"--finetune-(data-files|data-split|hf-dataset)|--sft(-tokenizer-prompt-format)?|--chat-template|"
-     r"--tokenizer-prompt-format|--use-npy-data-loader|--use-tfrecords|--val-data-path|--data-loader|"
+     r"--finetune-(data-files|data-split|hf-dataset)|--use-npy-data-loader|--use-tfrecords|--val-data-path|--data-loader|"
      r"--s3-cache-path|--object-storage-cache-path|--enable-msc|--disable-msc|--dataloader-(save|fast-cache-load|"
      r"inter-document-masking|seq-length|defer-npy-index-mmap)|--mid-level-dataset-surplus|--sample-rate|"
      r"--return-data-index|--dataset-name-or-path|--split-transformers-data", REFUSED,
      "that data source is not in rapidtrain: give Megatron indexed data (--data-path, made by "
      "scripts/preprocess_data.py)"),
+    (r"--sft|--sft-tokenizer-prompt-format", REFUSED,
+     "Megatron-LM's SFT dataset renders each JSONL 'messages' line with its own prompt formats (nemotron-h-aligned "
+     "and the others of --sft-tokenizer-prompt-format), which rapidtrain does not have; the same JSONL trains with "
+     "--dataset JSON-SFT --train-mode finetune --train-data-path FILE (the tokenizer folder's chat template; "
+     "--reset-position-ids --reset-attention-mask pack conversations as --sft does)"),
+    (r"--chat-template", REFUSED,
+     "a chat template given apart from the tokenizer is not read: --dataset JSON-SFT renders with the chat template "
+     "of the --tokenizer-model folder (its tokenizer_config.json or chat_template.jinja); put the template there"),
+    (r"--tokenizer-prompt-format", REFUSED,
+     "Pai-Megatron-Patch's LLaVA prompt format (mistral, llama3, chatml) for its multimodal data; vision and "
+     "multimodal models are not in rapidtrain"),
     (r"--(presplit-sentences|loose-json|text-key|delim|shuffle|max-preds-per-seq|cache-dir|tokenizer-model-type|"
      r"num-dataset-builder-threads|dataloader-.*)", NO_EFFECT,
      "a data-loading option of Megatron's 2019 loader or its dataset builder; rapidtrain reads indexed data made by "

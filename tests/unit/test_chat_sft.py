@@ -152,10 +152,18 @@ def test_epoch_based_json_sft_trains_the_builtin_gpt(tmp_path, tokenizer_folder,
              "--eval-iters", "0", "--lr", "3e-3", "--log-interval", "1", "--tokenizer-type", "HuggingFaceTokenizer",
              "--tokenizer-model", tokenizer_folder, "--dataset", "JSON-SFT", "--train-mode", "finetune",
              "--train-data-path", path, "--max-padding-length", "32", "--epochs", "2", "--seed", "3"]
-    main(flags)
+    main([*flags, "--save", str(tmp_path / "sft"), "--save-interval", "4"])
     out = capsys.readouterr().out
     assert "--epochs 2: 8 samples an epoch, 2 iterations of 4 each (0 left out), 4 iterations in all" in out
-    losses = [float(line.split("lm loss: ")[1].split()[0]) for line in out.splitlines() if "lm loss: " in line]
+    losses = lm_losses(out)
     assert len(losses) == 4 and losses[-1] < losses[0]
-    main([*flags, "--reset-position-ids", "--reset-attention-mask"])
-    assert "iterations in all" in capsys.readouterr().out
+    # --finetune: the saved weights, from iteration 0 with a fresh optimizer and schedule: packed this time.
+    main([*flags, "--load", str(tmp_path / "sft"), "--finetune", "--reset-position-ids", "--reset-attention-mask"])
+    out = capsys.readouterr().out
+    assert "--epochs 2: 4 samples an epoch, 1 iterations of 4 each" in out
+    assert f"iteration {1:8d}/{2:8d}" in out and f"iteration {5:8d}/" not in out
+    assert lm_losses(out)[0] < losses[0]
+
+
+def lm_losses(out: str) -> list[float]:
+    return [float(line.split("lm loss: ")[1].split()[0]) for line in out.splitlines() if "lm loss: " in line]
