@@ -365,7 +365,10 @@ def _add_training_controls(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")
     g.add_argument("--user-script", default=None,
                    help="White-box script subclassing Finetuner / PreTrainer / Trainer, run under torchrun.")
-    g.add_argument("--lora-rank", type=int, default=0, help="Fine-tuning: LoRA adapters of this rank (peft); 0 = off.")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA adapters of this rank, the rest frozen: peft's on a Hugging Face model, rapidtrain's on "
+                        "the built-in model (split with their layers under tensor parallelism, folded into the "
+                        "weights on export); 0 = off.")
     g.add_argument("--lora-alpha", type=float, default=None,
                    help="LoRA scaling numerator: adapters add (alpha / rank) · B·A·x (peft lora_alpha). "
                         "Default 2 × --lora-rank.")
