@@ -79,9 +79,9 @@ def merged_lora(model: dict[str, torch.Tensor], directory: Path) -> dict[str, to
 
     if not any(is_adapter_weight(name) for name in model):
         return model
-    args = read_common(directory).get("args") or {}
-    rank = int(args.get("lora_rank") or 0)
+    saved_flags = read_common(directory).get("args") or {}
+    rank = int(saved_flags.get("lora_rank") or 0)
     if rank <= 0:
         raise CheckpointError(f"{directory}: LoRA adapters without the --lora-rank that made them in its saved flags")
-    alpha = args.get("lora_alpha")
+    alpha = saved_flags.get("lora_alpha")
     return merge_adapters(model, (float(alpha) if alpha is not None else 2.0 * rank) / rank)

@@ -16,6 +16,7 @@ from rapidtrain.config.flag_surface import (
     FlagRefused,
     classify,
     megatron_flags_given,
+    record_of,
     refusal_applies,
 )
 from rapidtrain.config.settings import MEGATRON_TASKS
@@ -49,6 +50,7 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] |
     _megatron_deepspeed_config(args, given, notes, refusals, defaults)
     _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
+    _moe_dropping_by_origin(args, parser, given, notes)
     _weighted_splits(args, given, notes, refusals)
     if getattr(args, "raw_json_dataset", None) and "split" in given:
         notes.append(f"--split {args.split}: no effect here; each split reads its own JSON file")
@@ -161,7 +163,19 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
                      "ZeRO, which does not run this layout")
     notes.append(f"--deepspeed_config {path}: DeepSpeed does not run this layout (ZeRO stage {stage} with tensor-"
                  f"parallel {args.tensor_model_parallel_size}, pipeline {args.pipeline_model_parallel_size}: DDP, or "
-                 f"FSDP2 for ZeRO-1/2); read as flags: {', '.join(read) or 'none'}; its other keys have no effect")
+                 f"FSDP2 for ZeRO-1/2); read as flags: {', '.join(read) or 'none'}; each other key follows")
+    from rapidtrain.config.deepspeed_keys import audit_keys
+
+    try:
+        audit_keys(args, config, path, {key for key in DEEPSPEED_KEYS if _has_key(config, key)}, notes, refusals)
+    except (ValueError, TypeError) as error:
+        refusals.append(f"--deepspeed_config {path}: a value has the wrong type ({error}); fix the file")
+
+
+def _has_key(config: dict, key: str) -> bool:
+    section, _, name = key.rpartition(".")
+    holder = config.get(section) if section else config
+    return isinstance(holder, dict) and name in holder
 
 
 def _deepspeed_keys_as_flags(args: Args, config: dict, given: set[str], path: str,
@@ -423,6 +437,55 @@ def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -
                         "its SFT builder's sequence/label pairs (2 x --seq-length ids a sample), which rapidtrain "
                         "does not read; give the JSON records with --dataset JSON-SFT --train-data-path FILE (the "
                         "tokenizer's chat template) or --dataset LLama-SFT")
+
+
+CORE_ORIGINS = {"Megatron-LM", "Megatron-LM-extras"}
+DEEPSPEED_MOE_ORIGINS = {"microsoft/Megatron-DeepSpeed", "bigscience/Megatron-DeepSpeed", "DeepSpeedExamples",
+                         "rapidformer"}
+
+
+def moe_flag_origins(args: Args, parser: argparse.ArgumentParser, given: set[str]) -> tuple[list[str], list[str]]:
+    """(MoE flags typed that only Megatron-Core has, those only DeepSpeed-MoE's parsers have: Megatron-DeepSpeed,
+    Rapidformer). A flag rapidtrain parses under several spellings counts only when every spelling says the same."""
+    spelled = {flag for flag, _ in megatron_flags_given(args)}  # other origins' flags, as typed
+    spelled |= {" ".join(action.option_strings) for action in parser._actions  # rapidtrain's own, by destination
+                if action.dest in given and action.option_strings and classify(action.option_strings[0]) is None}
+    core, deepspeed = [], []
+    for spelling in sorted(spelled):
+        flags = spelling.split()
+        if not any("moe" in flag or flag in ("--topk", "--expert-interval") for flag in flags):
+            continue
+        origins = [set((record_of(flag) or {}).get("origins") or ()) for flag in flags]
+        if origins and all(o and o <= CORE_ORIGINS for o in origins):
+            core.append(flags[0])
+        elif origins and all(o and not o & CORE_ORIGINS and o & DEEPSPEED_MOE_ORIGINS for o in origins):
+            deepspeed.append(flags[0])
+    return core, deepspeed
+
+
+def _moe_dropping_by_origin(args: Args, parser: argparse.ArgumentParser, given: set[str], notes: list[str]) -> None:
+    """Token dropping as the MoE flags' origin means it. Megatron-Core is dropless unless a capacity factor is
+    given (--moe-expert-capacity-factor); DeepSpeed-MoE (Megatron-DeepSpeed) and Rapidformer drop at capacity
+    factor 1 unless --disable-moe-token-dropping. Flags only one of them has tell which the command line is written
+    for; with none, rapidtrain keeps DeepSpeed-MoE's and Rapidformer's capacity 1 (the command line it takes)."""
+    if not args.num_experts or max(args.num_experts) <= 1 or args.disable_moe_token_dropping:
+        return
+    typed = {flag for flag, _ in megatron_flags_given(args)}
+    if "--moe-expert-capacity-factor" in typed or "--moe-train-capacity-factor" in typed \
+            or "moe_capacity_factor" in given:
+        notes.append(f"MoE token dropping: capacity factor {args.moe_capacity_factor:g} as given (every origin drops "
+                     "tokens over capacity when a capacity factor is given)")
+        return
+    core, deepspeed = moe_flag_origins(args, parser, given)
+    if core and not deepspeed:
+        args.disable_moe_token_dropping = True
+        notes.append(f"MoE token dropping: Megatron-Core's meaning (its flags {', '.join(sorted(core))}): dropless, "
+                     "every token reaches its experts, since no --moe-expert-capacity-factor is given")
+    else:
+        why = (f"its flags {', '.join(sorted(deepspeed))}" if deepspeed else
+               "no flag only Megatron-Core has; give --disable-moe-token-dropping for Megatron-Core's dropless")
+        notes.append(f"MoE token dropping: DeepSpeed-MoE's and Rapidformer's meaning ({why}): capacity factor "
+                     f"{args.moe_capacity_factor:g}, tokens over an expert's capacity dropped")
 
 
 # What Megatron-LM's --enable-gpt-oss sets (its model builder): gpt-oss's YaRN, as flag destinations.

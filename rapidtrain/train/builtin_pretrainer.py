@@ -217,8 +217,10 @@ class MegatronPreTrainer(PreTrainer):
         reason = demo_sample_unavailable(self.plan)
         if reason:
             save = self.plan.checkpoint.save
+            ids = self.plan.tokenizer is not None and self.plan.tokenizer.tokenizer_type == "NullTokenizer"
+            prompt = "ID ID ..." if ids else DEMO_PROMPT  # the NullTokenizer's prompt: token ids
             self.engine.print_rank0(f" sample: not generated here ({reason}); "
-                                    + (f"`rapidtrain generate --load {save} --prompt '{DEMO_PROMPT}'` loads the "
+                                    + (f"`rapidtrain generate --load {save} --prompt '{prompt}'` loads the "
                                        "checkpoint whole in one process" if save else
                                        "save with --save, then `rapidtrain generate --load SAVE --prompt ...`"))
             return
@@ -284,6 +286,9 @@ def demo_sample_unavailable(plan: Any) -> str:
     """Why the demo's closing sample cannot be generated under this layout, or "" when it can."""
     if plan.model is None or plan.model.model_type != "gpt":
         return "only the GPT generates text"
+    if plan.tokenizer is not None and plan.tokenizer.tokenizer_type == "NullTokenizer":
+        return "the NullTokenizer reads token ids, not the prompt's text (--mock-data with --tokenizer-type " \
+               "NullTokenizer has no text tokenizer)"
     if plan.layout.pipeline_parallel_size > 1:
         return "pipeline parallelism: each stage holds some layers only"
     if plan.switches.partitioning in ("fsdp", "sdp", "zero-3") or (
