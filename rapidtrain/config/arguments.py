@@ -93,7 +93,8 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="Tokenizer of the pretraining data (rapidtrain.data.tokenizer). Default: the demo corpus's "
                         "SentencePiece model when no --data-path is given.")
-    g.add_argument("--vocab-file", default=None, help="Vocabulary file (GPT2BPETokenizer json, BertWordPiece txt).")
+    g.add_argument("--vocab-file", default=None,
+                   help="Vocabulary file (GPT2BPETokenizer json, BertWordPiece txt, JiebaBPETokenizer tokenizer.json).")
     g.add_argument("--merge-file", default=None, help="BPE merges file (GPT2BPETokenizer).")
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece model file, or a local Hugging Face tokenizer directory.")

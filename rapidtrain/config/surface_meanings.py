@@ -338,6 +338,11 @@ def _pretrained_checkpoint(args: Args, value: str, notes: list[str], refusals: l
 
 
 def _patch_tokenizer(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    if value == "JiebaBPETokenizer":  # Pai's Chinese BPE from a tokenizer.json, not a Hugging Face folder
+        args.tokenizer_type = value
+        notes.append(f"--patch-tokenizer-type {value}: --tokenizer-type {value} (jieba's words through the BPE of "
+                     f"--vocab-file {args.vocab_file})")
+        return
     folder = args.tokenizer_model or args.load or getattr(args, "pretrained_checkpoint", None)
     args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", folder
     notes.append(f"--patch-tokenizer-type {value}: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {folder} "
