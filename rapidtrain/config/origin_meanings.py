@@ -66,4 +66,4 @@ def origin_meanings_markdown() -> str:
     rows = "\n".join(f"| {flags} | {origins} | {taken} |" for flags, origins, taken in DIFFERING_MEANINGS)
     return ("Where the parsers users come from give one flag different meanings, rapidtrain takes one origin's by "
             "what the command line shows, and the plan says which.\n\n| flags | the origins' meanings | what "
-            "rapidtrain takes, and how it tells |\n|---|---|---|\n" + rows.replace("\\|", "|"))
+            "rapidtrain takes, and how it tells |\n|---|---|---|\n" + rows)
