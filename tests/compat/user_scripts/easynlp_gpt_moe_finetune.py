@@ -35,7 +35,7 @@ class MegatronGPTMoEFinetuner(GPTFinetuner):
     def train_valid_test_datasets_provider(self):
         args = get_args()
         tokenizer = get_tokenizer()
-        label_map = dict(zip(args.label_enumerate_values.split(","), args.label_desc.split(",")))
+        label_map = dict(zip(args.label_enumerate_values.split(","), args.label_desc.split(","), strict=True))
         train = Dataset("clue", "training", args.train_data, tokenizer, args.seq_length, args.input_schema,
                         args.pattern, label_map)
         valid = Dataset("clue", "validation", args.valid_data, tokenizer, args.seq_length, args.input_schema,
