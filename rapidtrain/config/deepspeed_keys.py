@@ -170,3 +170,15 @@ def _optimizer(args: argparse.Namespace, leaf: str, value: Any, where: str, note
         notes.append(f"{where} {value}: --adam-beta1 {value[0]} --adam-beta2 {value[1]}")
     else:
         refusals.append(f"{where}: an optimizer parameter rapidtrain has no flag for; remove it")
+
+
+def refuse_engine_data_features(config: dict[str, Any], path: str, refusals: list[str]) -> None:
+    """Where DeepSpeed's engine runs the layout: its curriculum learning and data efficiency would change the
+    sequence length of rapidtrain's batches (the engine passes `curriculum_seqlen` into the model's forward), which
+    neither rapidtrain's data nor its model takes: refused by name."""
+    for section in ("curriculum_learning", "data_efficiency"):
+        block = config.get(section)
+        if isinstance(block, dict) and block.get("enabled"):
+            refusals.append(f"--deepspeed_config {path}: {section}.enabled: DeepSpeed's curriculum learning (sequence "
+                            "length growing with the difficulty schedule) is not in rapidtrain's data or model; "
+                            "remove the block, or set enabled false")

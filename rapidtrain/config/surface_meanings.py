@@ -152,7 +152,12 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
         refusals.append(f"--deepspeed_config {path}: a value has the wrong type ({error}); fix the file")
         return
     if zero_stage(args) and not zero_by_fsdp2(args):
-        return  # DeepSpeed runs it: the file is merged with the generated config (a key both set must agree)
+        from rapidtrain.config.deepspeed_keys import refuse_engine_data_features
+
+        # DeepSpeed runs it: the file is merged with the generated config (a key both set must agree), but the
+        # engine's data features would reach into rapidtrain's data and model
+        refuse_engine_data_features(config, path, refusals)
+        return
     args.deepspeed_config = None
     tuning = [dest for dest in ZERO_TUNING if dest in given]
     for dest in tuning:  # DeepSpeed's own knobs, for an engine this layout does not start

@@ -78,3 +78,15 @@ def test_each_key_of_a_deepspeed_config_deepspeed_does_not_run_is_named(tmp_path
 def test_keys_that_would_change_the_run_are_refused_by_name(tmp_path, config, named):
     with pytest.raises(FlagRefused, match=named.replace(".", r"\.")):
         parse_args(deepspeed_flags(tmp_path, config))
+
+
+def test_curriculum_learning_is_refused_where_deepspeed_runs_the_layout_too(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "steps_per_print": 1,
+                                "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}))
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--lr",
+             "1e-3", "--train-iters", "1", "--deepspeed", "--deepspeed_config", str(path)]
+    with pytest.raises(FlagRefused, match=r"curriculum_learning\.enabled: DeepSpeed's curriculum learning"):
+        parse_args(flags)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "curriculum_learning": {"enabled": False}}))
+    assert parse_args(flags).zero_2_memory_optimization
