@@ -75,6 +75,8 @@ SETS: dict[str, tuple[str, object, str]] = {
     "--disable-bias-attn-fc": ("add_bias_linear", False, "a fork's switch: no biases in attention "
                                "(with --disable-bias-linear-fc, --disable-bias-linear)"),
     "--causal-lm": ("model_type", "gpt", "a fork's switch: the causal (GPT) model"),
+    "--no-load-lr-state": ("override_opt_param_scheduler", True, "Megatron-DeepSpeed's switch: the learning-rate "
+                           "schedule from the flags, not the checkpoint's: --override-opt_param-scheduler"),
     "--use-flash-attn-v2": ("attention_backend", "auto", "torch scaled_dot_product_attention, which runs a flash "
                             "kernel on CUDA where the shapes allow (--attention-backend flash pins it)"),
 }
@@ -382,8 +384,8 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"--exp-avg(-sq)?-dtype|--use-precision-aware-optimizer|--disable-bf16-reduced-precision-matmul|--eval-fp32|"
      r"--output-logit-dtype|--min-scale", NO_EFFECT, _PRECISION),
     (r"--(no-)?ckpt-.*|--dist-ckpt-.*|--auto-detect-ckpt-format|--use-dist-ckpt|--async-ckpt-.*|--async-strategy|"
-     r"--non-persistent-.*|--use-persistent-ckpt-worker|--load-main-params-from-ckpt|--no-load-lr-state|"
-     r"--exit-on-missing-checkpoint|--no-strict-fsdp-dtensor-load|--verify-integrity|--load-tag|"
+     r"--non-persistent-.*|--use-persistent-ckpt-worker|--load-main-params-from-ckpt|"
+     r"--no-strict-fsdp-dtensor-load|--verify-integrity|"
      r"--save-retain-interval|--dist-ckpt-save-pre-mcore-014|--no-use-layer-wise-param-layout", NO_EFFECT, _CKPT),
     (r"--inprocess-.*|--fault-injector-.*|--straggler-.*|--log-straggler|--disable-straggler-on-startup|"
      r"--enable-ft-package|--calc-ft-timeouts|--ft-num-warmup-iters|--one-logger-.*|--enable-one-logger|"
@@ -487,6 +489,12 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"--return-data-index|--dataset-name-or-path|--split-transformers-data", REFUSED,
      "that data source is not in rapidtrain: give Megatron indexed data (--data-path, made by "
      "scripts/preprocess_data.py)"),
+    (r"--load-tag", REFUSED,
+     "DeepSpeed's tag to load instead of the one its `latest` file names: rapidtrain reads the tag `latest` names; "
+     "write the tag there (echo global_stepN > DIR/latest), or leave --load-tag out"),
+    (r"--exit-on-missing-checkpoint", REFUSED,
+     "rapidtrain starts from scratch when --load holds no checkpoint (and the plan says so), as Megatron does "
+     "without this flag; check the folder before launching, or leave the flag out"),
     (r"--sft|--sft-tokenizer-prompt-format", REFUSED,
      "Megatron-LM's SFT dataset renders each JSONL 'messages' line with its own prompt formats (nemotron-h-aligned "
      "and the others of --sft-tokenizer-prompt-format), which rapidtrain does not have; the same JSONL trains with "
