@@ -478,6 +478,16 @@ def drop_state_never_saved(state: dict[str, Any], directory: Path) -> list[str]:
     return missing
 
 
+def adapters_not_saved(state: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """Take out of the load template the LoRA adapters a checkpoint of the base model does not hold (--finetune from
+    a run without them); returns them, to be put back as they are."""
+    from rapidtrain.models.lora import is_adapter_weight
+
+    saved = set(read_metadata_file(directory / METADATA_FILE).state_dict_metadata)
+    missing = [name for name in state["model"] if is_adapter_weight(name) and f"model.{name}" not in saved]
+    return {name: state["model"].pop(name) for name in missing}
+
+
 # ---- save ----
 
 def publish_folder(tmp: Path, final: Path) -> None:
@@ -779,7 +789,9 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     state = runner.state_dict_for_loading(load_optimizer)
     if load_optimizer:
         drop_state_never_saved(state, directory)
+    new_adapters = adapters_not_saved(state, directory) if finetune else {}
     safe_dcp_load(state, directory)
+    state["model"].update(new_adapters)  # as they start: the checkpoint is the base model's
     runner.load_state_dict(state, load_optimizer=load_optimizer)
     if load_optimizer and common.get("optimizer_stepped") is False and hasattr(runner, "forget_optimizer_state"):
         runner.forget_optimizer_state()  # saved before any step (fp16 skipped them all): resume with none taken

@@ -140,7 +140,11 @@ def padding_multiple(state: ForeignState) -> int:
 
 
 def fill_template(template: dict[str, Any], whole: dict[str, torch.Tensor], source: str) -> None:
-    """Copy each whole value into the template's tensor: all of it, or this rank's shard of a DTensor."""
+    """Copy each whole value into the template's tensor: all of it, or this rank's shard of a DTensor. LoRA adapters
+    of the built-in model (another tool's checkpoint has none) keep the values they start with."""
+    from rapidtrain.models.lora import is_adapter_weight
+
+    template = {name: slot for name, slot in template.items() if not (is_adapter_weight(name) and name not in whole)}
     missing = sorted(name for name in template if name not in whole)
     unused = sorted(set(whole) - set(template) - {"output.weight"})
     if missing or (unused and not _stage_of_pipeline(template)):

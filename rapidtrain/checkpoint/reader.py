@@ -18,6 +18,7 @@ from rapidtrain.checkpoint.checkpointer import (
     check_complete,
     iteration_dir,
     latest_iteration,
+    read_common,
     read_metadata_file,
     safe_dcp_load,
     verify_checkpoint,
@@ -52,10 +53,11 @@ def checkpoint_directory(load: str | Path, iteration: int | None = None) -> Path
     return directory
 
 
-def consolidated_model_state(directory: Path) -> dict[str, torch.Tensor]:
+def consolidated_model_state(directory: Path, merge_lora: bool = True) -> dict[str, torch.Tensor]:
     """Every model tensor of a DCP checkpoint, whole, read in this one process: shards written by
     FSDP/TP/PP/EP ranks are stitched by torch.distributed.checkpoint from its metadata (read by an
-    allow-list unpickler: nothing stored in the file runs)."""
+    allow-list unpickler: nothing stored in the file runs). LoRA adapters of the built-in model are folded into
+    their weights unless `merge_lora` is False."""
     metadata = read_metadata_file(directory / METADATA_FILE)
     model: dict[str, torch.Tensor] = {}
     for key, path in metadata.planner_data.items():
@@ -67,4 +69,19 @@ def consolidated_model_state(directory: Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_dcp_load({"model": model}, directory, no_dist=True)
-    return model
+    return merged_lora(model, directory) if merge_lora else model
+
+
+def merged_lora(model: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+    """The plain model of a run that trained LoRA adapters on the built-in model: each adapted weight with its
+    adapter folded in (scale --lora-alpha / --lora-rank, from the saved flags), the adapters left out."""
+    from rapidtrain.models.lora import is_adapter_weight, merge_adapters
+
+    if not any(is_adapter_weight(name) for name in model):
+        return model
+    saved_flags = read_common(directory).get("args") or {}
+    rank = int(saved_flags.get("lora_rank") or 0)
+    if rank <= 0:
+        raise CheckpointError(f"{directory}: LoRA adapters without the --lora-rank that made them in its saved flags")
+    alpha = saved_flags.get("lora_alpha")
+    return merge_adapters(model, (float(alpha) if alpha is not None else 2.0 * rank) / rank)

@@ -109,10 +109,23 @@ class PETDataset(torch.utils.data.Dataset):
     ('sent,label,sid'), each turned into the text `pattern` spells ('sent,这句话表达的主题是,label': a part that
     names a column is that column's value, the label column is its word from `label_desc`, any other part is
     literal), tokenized with an end of document, cut or padded with it to `seq_length` + 1: {"text": ids,
-    "label": index of the row's label in `label_enumerate_values`}."""
+    "label": index of the row's label in `label_enumerate_values`}.
 
-    def __init__(self, datapaths: Sequence[str] | str, tokenizer: Any, seq_length: int, input_schema: str,
-                 pattern: str, label_desc: str, label_enumerate_values: str) -> None:
+    Rapidformer's own signature is taken too: `PETDataset(task_name, split, datapaths, tokenizer, seq_length,
+    input_schema, pattern, label_map)` (`label_map`: each label value → its word, or None for the values as they
+    are), as EasyNLP's ZeroCLUE scripts call it."""
+
+    def __init__(self, datapaths: Sequence[str] | str, tokenizer: Any, *rest: Any) -> None:
+        if isinstance(tokenizer, str):  # Rapidformer's order: (task, split, datapaths, tokenizer, length, ...)
+            datapaths, tokenizer, seq_length, input_schema, pattern, label_map = rest
+            label_map = dict(label_map or {})
+            label_desc, label_enumerate_values = ",".join(label_map.values()), ",".join(label_map)
+        else:
+            seq_length, input_schema, pattern, label_desc, label_enumerate_values = rest
+        self._build(datapaths, tokenizer, seq_length, input_schema, pattern, label_desc, label_enumerate_values)
+
+    def _build(self, datapaths: Sequence[str] | str, tokenizer: Any, seq_length: int, input_schema: str,
+               pattern: str, label_desc: str, label_enumerate_values: str) -> None:
         values, words = label_enumerate_values.split(","), label_desc.split(",")
         if len(values) != len(words):
             raise UserError(f"PETDataset: --label_enumerate_values has {len(values)} labels and --label_desc "

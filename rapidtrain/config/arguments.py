@@ -93,7 +93,8 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="Tokenizer of the pretraining data (rapidtrain.data.tokenizer). Default: the demo corpus's "
                         "SentencePiece model when no --data-path is given.")
-    g.add_argument("--vocab-file", default=None, help="Vocabulary file (GPT2BPETokenizer json, BertWordPiece txt).")
+    g.add_argument("--vocab-file", default=None,
+                   help="Vocabulary file (GPT2BPETokenizer json, BertWordPiece txt, JiebaBPETokenizer tokenizer.json).")
     g.add_argument("--merge-file", default=None, help="BPE merges file (GPT2BPETokenizer).")
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece model file, or a local Hugging Face tokenizer directory.")
@@ -355,7 +356,9 @@ def _add_training_controls(g: argparse._ArgumentGroup) -> None:
     """The training group's second half: length (iterations or epochs), seed and evaluation, the user script, LoRA
     and k-bit bases, exit conditions, Rapidformer's app flags and the distributed backend."""
     g.add_argument("--train-iters", type=int, default=None, help="Iterations (iteration-based training).")
-    g.add_argument("--epochs", type=int, default=None, help="Epochs (epoch-based fine-tuning).")
+    g.add_argument("--epochs", type=int, default=None,
+                   help="Epochs (epoch-based fine-tuning: the Hugging Face tasks, a Finetuner, and the built-in "
+                        "model on Pai's SFT JSON, --dataset JSON-SFT / LLama-SFT, whole global batches an epoch).")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (weights, data order, dropout).")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="Iterations between evaluations (default: 1000 in pretraining, as Megatron; in fine-tuning "
@@ -363,7 +366,10 @@ def _add_training_controls(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")
     g.add_argument("--user-script", default=None,
                    help="White-box script subclassing Finetuner / PreTrainer / Trainer, run under torchrun.")
-    g.add_argument("--lora-rank", type=int, default=0, help="Fine-tuning: LoRA adapters of this rank (peft); 0 = off.")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA adapters of this rank, the rest frozen: peft's on a Hugging Face model, rapidtrain's on "
+                        "the built-in model (split with their layers under tensor parallelism, folded into the "
+                        "weights on export); 0 = off.")
     g.add_argument("--lora-alpha", type=float, default=None,
                    help="LoRA scaling numerator: adapters add (alpha / rank) · B·A·x (peft lora_alpha). "
                         "Default 2 × --lora-rank.")

@@ -75,6 +75,8 @@ SETS: dict[str, tuple[str, object, str]] = {
     "--disable-bias-attn-fc": ("add_bias_linear", False, "a fork's switch: no biases in attention "
                                "(with --disable-bias-linear-fc, --disable-bias-linear)"),
     "--causal-lm": ("model_type", "gpt", "a fork's switch: the causal (GPT) model"),
+    "--no-load-lr-state": ("override_opt_param_scheduler", True, "Megatron-DeepSpeed's switch: the learning-rate "
+                           "schedule from the flags, not the checkpoint's: --override-opt_param-scheduler"),
     "--use-flash-attn-v2": ("attention_backend", "auto", "torch scaled_dot_product_attention, which runs a flash "
                             "kernel on CUDA where the shapes allow (--attention-backend flash pins it)"),
 }
@@ -105,11 +107,14 @@ HANDLED: dict[str, str] = {
                               "--tokenizer-type HuggingFaceTokenizer from --tokenizer-model, else the --load folder",
     "--dataset": "Pai-Megatron-Patch's dataset kind: the *-Idxmap kinds (and MMAP) are Megatron indexed data; "
                  "LLama-Pretrain-Raw and LLama-SFT read JSON instruction/output records from --train-data-path, "
-                 "tokenized at start with the prompt masked out of the loss; other raw kinds are refused",
+                 "tokenized at start with the prompt masked out of the loss; JSON-SFT renders each record "
+                 "(messages, conversations, instruction/input/output) with the tokenizer's chat template, the "
+                 "assistant turns carrying loss (packed with --reset-position-ids / --reset-attention-mask); "
+                 "other raw kinds are refused",
     "--max-padding-length": "with a raw JSON --dataset, the tokens of each sample (padded; Pai's pretraining kind "
                             "adds one for the shift); pretraining samples are --seq-length tokens otherwise",
-    "--train-mode": "Pai-Megatron-Patch's mode: pretrain works; finetune (its sequence/label-pair indexed data or "
-                    "chat-template JSON) is refused; --dataset LLama-SFT trains on instruction/output JSON",
+    "--train-mode": "Pai-Megatron-Patch's mode: pretrain; finetune with --dataset JSON-SFT (chat-template JSON) "
+                    "or LLama-SFT; finetune on indexed data (its SFT builder's sequence/label pairs) is refused",
     "--transformer-impl": "rapidtrain's layers are its own torch modules (SDPA attention); local or "
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "
@@ -379,8 +384,8 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"--exp-avg(-sq)?-dtype|--use-precision-aware-optimizer|--disable-bf16-reduced-precision-matmul|--eval-fp32|"
      r"--output-logit-dtype|--min-scale", NO_EFFECT, _PRECISION),
     (r"--(no-)?ckpt-.*|--dist-ckpt-.*|--auto-detect-ckpt-format|--use-dist-ckpt|--async-ckpt-.*|--async-strategy|"
-     r"--non-persistent-.*|--use-persistent-ckpt-worker|--load-main-params-from-ckpt|--no-load-lr-state|"
-     r"--exit-on-missing-checkpoint|--no-strict-fsdp-dtensor-load|--verify-integrity|--load-tag|"
+     r"--non-persistent-.*|--use-persistent-ckpt-worker|--load-main-params-from-ckpt|"
+     r"--no-strict-fsdp-dtensor-load|--verify-integrity|"
      r"--save-retain-interval|--dist-ckpt-save-pre-mcore-014|--no-use-layer-wise-param-layout", NO_EFFECT, _CKPT),
     (r"--inprocess-.*|--fault-injector-.*|--straggler-.*|--log-straggler|--disable-straggler-on-startup|"
      r"--enable-ft-package|--calc-ft-timeouts|--ft-num-warmup-iters|--one-logger-.*|--enable-one-logger|"
@@ -478,13 +483,29 @@ PATTERNS: list[tuple[str, str, str]] = [
      REFUSED, "not in rapidtrain's loop; leave it out"),
     (r"--(train|valid|test)-(desc|doc-idx|idx|sample-idx|shuffle-idx)-path|--(data|per-split-data)-args-path|"
      r"--dataset-config|--per-dataset-sequences-path|--num-tokens-from-file|--input-data-sizes-file|"
-     r"--finetune-(data-files|data-split|hf-dataset)|--sft(-tokenizer-prompt-format)?|--chat-template|"
-     r"--tokenizer-prompt-format|--use-npy-data-loader|--use-tfrecords|--val-data-path|--data-loader|"
+     r"--finetune-(data-files|data-split|hf-dataset)|--use-npy-data-loader|--use-tfrecords|--val-data-path|--data-loader|"
      r"--s3-cache-path|--object-storage-cache-path|--enable-msc|--disable-msc|--dataloader-(save|fast-cache-load|"
      r"inter-document-masking|seq-length|defer-npy-index-mmap)|--mid-level-dataset-surplus|--sample-rate|"
      r"--return-data-index|--dataset-name-or-path|--split-transformers-data", REFUSED,
      "that data source is not in rapidtrain: give Megatron indexed data (--data-path, made by "
      "scripts/preprocess_data.py)"),
+    (r"--load-tag", REFUSED,
+     "DeepSpeed's tag to load instead of the one its `latest` file names: rapidtrain reads the tag `latest` names; "
+     "write the tag there (echo global_stepN > DIR/latest), or leave --load-tag out"),
+    (r"--exit-on-missing-checkpoint", REFUSED,
+     "rapidtrain starts from scratch when --load holds no checkpoint (and the plan says so), as Megatron does "
+     "without this flag; check the folder before launching, or leave the flag out"),
+    (r"--sft|--sft-tokenizer-prompt-format", REFUSED,
+     "Megatron-LM's SFT dataset renders each JSONL 'messages' line with its own prompt formats (nemotron-h-aligned "
+     "and the others of --sft-tokenizer-prompt-format), which rapidtrain does not have; the same JSONL trains with "
+     "--dataset JSON-SFT --train-mode finetune --train-data-path FILE (the tokenizer folder's chat template; "
+     "--reset-position-ids --reset-attention-mask pack conversations as --sft does)"),
+    (r"--chat-template", REFUSED,
+     "a chat template given apart from the tokenizer is not read: --dataset JSON-SFT renders with the chat template "
+     "of the --tokenizer-model folder (its tokenizer_config.json or chat_template.jinja); put the template there"),
+    (r"--tokenizer-prompt-format", REFUSED,
+     "Pai-Megatron-Patch's LLaVA prompt format (mistral, llama3, chatml) for its multimodal data; vision and "
+     "multimodal models are not in rapidtrain"),
     (r"--(presplit-sentences|loose-json|text-key|delim|shuffle|max-preds-per-seq|cache-dir|tokenizer-model-type|"
      r"num-dataset-builder-threads|dataloader-.*)", NO_EFFECT,
      "a data-loading option of Megatron's 2019 loader or its dataset builder; rapidtrain reads indexed data made by "

@@ -596,13 +596,16 @@ def load_in_bits(args: argparse.Namespace) -> Literal[4, 8] | None:
 
 
 def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
-    """The adapters' and k-bit base's settings of a Hugging Face fine-tune (None for the built-in models)."""
-    if trains_builtin_model(args):
+    """The adapters' and k-bit base's settings of a Hugging Face fine-tune, or the built-in model's adapters (None
+    for a built-in model without them)."""
+    builtin = trains_builtin_model(args)
+    if builtin and args.lora_rank <= 0:
         return None
     from rapidtrain.models.lora import LoraSettings
 
     return LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                        target_modules=tuple(args.lora_target_modules or ()), load_in_bits=load_in_bits(args))
+                        target_modules=tuple(args.lora_target_modules or ()), load_in_bits=load_in_bits(args),
+                        builtin=builtin)
 
 
 def ort_status() -> tuple[bool, str]:

@@ -63,6 +63,24 @@ from rapidtrain.config.resolve import zero_by_fsdp2
 from rapidtrain.models import hf_config
 from rapidtrain.optim.optimizers import ADAFACTOR_ON_DTENSORS
 
+EPOCH_SFT_KINDS = ("JSON-SFT", "LLama-SFT")  # Pai's SFT JSON: epochs count passes over its records
+
+
+def builtin_lora_problem(args) -> str:
+    """What the built-in model's LoRA adapters do not serve (empty: nothing)."""
+    if args.load_in_4bit or args.load_in_8bit:
+        return ("--load-in-4bit / --load-in-8bit with the built-in model: its base is not quantised here (QLoRA's "
+                "bitsandbytes layers hold no tensor-parallel shards); QLoRA runs on a Hugging Face model "
+                "(--pretrained-model-name-or-path DIR --task casual_lm), or drop the flag for LoRA on a full-precision "
+                "base")
+    if args.lora_dropout and args.tensor_model_parallel_size > 1:
+        return ("--lora-dropout with --tensor-model-parallel-size > 1: the adapters' dropout would draw its masks "
+                "on split inputs; give --lora-dropout 0 (the default) or tensor-parallel size 1")
+    if deepspeed_zero(args):
+        return ("--lora-rank with DeepSpeed ZeRO on the built-in model: give torch's engines (DDP, "
+                "--fsdp-memory-optimization, --oss-memory-optimization) for its adapters")
+    return ""
+
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
         "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -101,9 +119,10 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "pretraining-needs-iters", ("--epochs", "--task"),
         "Pretraining (--task pretraining, without --user-script) is iteration-based.",
         lambda a, c: needs_iterations(a, c) and a.epochs is not None and a.train_iters is None
-        and a.train_samples is None,
+        and a.train_samples is None and getattr(a, "raw_json_dataset", None) not in EPOCH_SFT_KINDS,
         lambda a, c: "--epochs with --task pretraining: Megatron-style pretraining counts iterations over a "
-        "sample stream. Use --train-iters N (or --train-samples N).",
+        "sample stream (Pai's SFT JSON, --dataset JSON-SFT or LLama-SFT, trains by epochs). Use --train-iters N "
+        "(or --train-samples N).",
     ),
     Rule(
         "schedule-counts-as-training", ("--train-samples", "--lr-decay-samples", "--lr-decay-iters"),
@@ -241,11 +260,11 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "one indexed dataset. Give a single prefix, or drop --data-iterator dynamic-shape.",
     ),
     Rule(
-        "lora-needs-hf-model", ("--lora-rank", "--pretrained-model-name-or-path"),
-        "LoRA adapters are for fine-tuning a Hugging Face model.",
-        lambda a, c: a.lora_rank > 0 and not uses_hf_model(a),
-        lambda a, c: "--lora-rank adds peft LoRA adapters to a Hugging Face model; give "
-        "--pretrained-model-name-or-path DIR or drop --lora-rank.",
+        "builtin-lora-scope", ("--lora-rank", "--load-in-4bit", "--load-in-8bit", "--lora-dropout"),
+        "The built-in model's adapters: a full-precision base (bitsandbytes' 4/8-bit layers hold no tensor-parallel "
+        "shards), no adapter dropout beside tensor parallelism, torch's engines (not DeepSpeed ZeRO).",
+        lambda a, c: a.lora_rank > 0 and not uses_hf_model(a) and bool(builtin_lora_problem(a)),
+        lambda a, c: builtin_lora_problem(a),
     ),
     Rule(
         "zero-elementwise-optimizer", ("--zero-1-memory-optimization", "--zero-2-memory-optimization",

@@ -16,6 +16,7 @@ from rapidtrain.config.flag_surface import (
     FlagRefused,
     classify,
     megatron_flags_given,
+    record_of,
     refusal_applies,
 )
 from rapidtrain.config.settings import MEGATRON_TASKS
@@ -49,6 +50,7 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] |
     _megatron_deepspeed_config(args, given, notes, refusals, defaults)
     _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
+    _moe_dropping_by_origin(args, parser, given, notes)
     _weighted_splits(args, given, notes, refusals)
     if getattr(args, "raw_json_dataset", None) and "split" in given:
         notes.append(f"--split {args.split}: no effect here; each split reads its own JSON file")
@@ -150,7 +152,12 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
         refusals.append(f"--deepspeed_config {path}: a value has the wrong type ({error}); fix the file")
         return
     if zero_stage(args) and not zero_by_fsdp2(args):
-        return  # DeepSpeed runs it: the file is merged with the generated config (a key both set must agree)
+        from rapidtrain.config.deepspeed_keys import refuse_engine_data_features
+
+        # DeepSpeed runs it: the file is merged with the generated config (a key both set must agree), but the
+        # engine's data features would reach into rapidtrain's data and model
+        refuse_engine_data_features(config, path, refusals)
+        return
     args.deepspeed_config = None
     tuning = [dest for dest in ZERO_TUNING if dest in given]
     for dest in tuning:  # DeepSpeed's own knobs, for an engine this layout does not start
@@ -161,7 +168,19 @@ def _megatron_deepspeed_config(args: Args, given: set[str], notes: list[str], re
                      "ZeRO, which does not run this layout")
     notes.append(f"--deepspeed_config {path}: DeepSpeed does not run this layout (ZeRO stage {stage} with tensor-"
                  f"parallel {args.tensor_model_parallel_size}, pipeline {args.pipeline_model_parallel_size}: DDP, or "
-                 f"FSDP2 for ZeRO-1/2); read as flags: {', '.join(read) or 'none'}; its other keys have no effect")
+                 f"FSDP2 for ZeRO-1/2); read as flags: {', '.join(read) or 'none'}; each other key follows")
+    from rapidtrain.config.deepspeed_keys import audit_keys
+
+    try:
+        audit_keys(args, config, path, {key for key in DEEPSPEED_KEYS if _has_key(config, key)}, notes, refusals)
+    except (ValueError, TypeError) as error:
+        refusals.append(f"--deepspeed_config {path}: a value has the wrong type ({error}); fix the file")
+
+
+def _has_key(config: dict, key: str) -> bool:
+    section, _, name = key.rpartition(".")
+    holder = config.get(section) if section else config
+    return isinstance(holder, dict) and name in holder
 
 
 def _deepspeed_keys_as_flags(args: Args, config: dict, given: set[str], path: str,
@@ -324,6 +343,11 @@ def _pretrained_checkpoint(args: Args, value: str, notes: list[str], refusals: l
 
 
 def _patch_tokenizer(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    if value == "JiebaBPETokenizer":  # Pai's Chinese BPE from a tokenizer.json, not a Hugging Face folder
+        args.tokenizer_type = value
+        notes.append(f"--patch-tokenizer-type {value}: --tokenizer-type {value} (jieba's words through the BPE of "
+                     f"--vocab-file {args.vocab_file})")
+        return
     folder = args.tokenizer_model or args.load or getattr(args, "pretrained_checkpoint", None)
     args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", folder
     notes.append(f"--patch-tokenizer-type {value}: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {folder} "
@@ -331,58 +355,147 @@ def _patch_tokenizer(args: Args, value: str, notes: list[str], refusals: list[st
 
 
 def _pai_dataset(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
+    from rapidtrain.data.chat_sft import CHAT_SFT_KINDS
     from rapidtrain.data.raw_json import RAW_JSON_KINDS
 
     if "idxmap" in value.lower() or value.upper() == "MMAP":
         notes.append(f"--dataset {value}: Megatron indexed data (--data-path)")
-    elif value in RAW_JSON_KINDS:
+    elif value in RAW_JSON_KINDS + CHAT_SFT_KINDS:
         _raw_json(args, value, notes, refusals)
     else:
-        kinds = ", ".join(RAW_JSON_KINDS)
-        refusals.append(f"--dataset {value}: not read by rapidtrain's pretraining (it reads {kinds} JSON and Megatron "
-                        "indexed data); make indexed data with scripts/preprocess_data.py and pass --dataset "
-                        "...-Idxmap")
+        kinds = ", ".join(RAW_JSON_KINDS + CHAT_SFT_KINDS)
+        refusals.append(f"--dataset {value}: not read by rapidtrain (it reads {kinds} JSON and Megatron indexed "
+                        "data); make indexed data with scripts/preprocess_data.py and pass --dataset ...-Idxmap")
 
 
 def _raw_json(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
-    """Pai's raw JSON kinds: instruction/output records from --train-data-path, tokenized at start, padded."""
+    """Pai's raw JSON kinds: records from --train-data-path, tokenized at start, padded."""
+    chat = value == "JSON-SFT"
     length = args.max_padding_length or args.seq_length
     if not args.train_data_path:
-        refusals.append(f"--dataset {value}: give the JSON file of instruction/output records with --train-data-path")
+        refusals.append(f"--dataset {value}: give the JSON file of records with --train-data-path")
     elif length > args.seq_length:
         refusals.append(f"--max-padding-length {length}: samples longer than --seq-length {args.seq_length}; give "
                         "at most --seq-length")
+    elif chat and getattr(args, "train_mode", "pretrain") != "finetune":
+        refusals.append(f"--dataset {value}: Pai's chat-template fine-tuning data; add --train-mode finetune (Pai "
+                        "refuses it in its default pretrain mode too)")
     else:
         args.raw_json_dataset, args.max_padding_length = value, length
         source = "the training file (as Pai)" if not args.valid_data_path else "--valid-data-path"
-        notes.append(f"--dataset {value}: Pai's raw JSON records tokenized at start (prompt = instruction + input, "
-                     f"masked out of the loss; answer = output + end of document), {length} tokens a sample (padded, "
-                     f"longer records dropped); validation reads {source}")
+        if chat:
+            packed = args.reset_position_ids or args.reset_attention_mask
+            notes.append(f"--dataset {value}: Pai's chat-template SFT: each record (messages, conversations, or "
+                         "instruction/input/output) rendered by the tokenizer's chat template, only the assistant "
+                         "turns (after their header, their end token included) carrying loss, each "
+                         "conversation's loss its answer tokens' mean and the batch's the "
+                         f"conversations' mean (Pai's per-sequence average); {length} tokens a sample (a prompt "
+                         "longer than that drops its record, a longer answer is cut)"
+                         + ("; conversations packed to a row" if packed else "")
+                         + f"; validation reads {source}")
+        else:
+            notes.append(f"--dataset {value}: Pai's raw JSON records tokenized at start (prompt = instruction + "
+                         "input, masked out of the loss; answer = output + end of document), "
+                         f"{length} tokens a sample (padded, longer records dropped); validation reads {source}")
         if args.data_path:
             notes.append(f"--data-path {' '.join(args.data_path)}: no effect here; --dataset {value} reads "
                          "--train-data-path")
             args.data_path = None
-        for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
-            if getattr(args, dest):
-                notes.append(f"--{dest.replace('_', '-')}: no effect here; a raw JSON sample is one record, whose "
-                             "answer and end-of-document token carry the loss (Pai's raw datasets mask the prompt "
-                             "only)")
-                setattr(args, dest, False)
+        _sft_packing_flags(args, value, chat, notes)
+
+
+def _sft_packing_flags(args: Args, value: str, chat: bool, notes: list[str]) -> None:
+    """JSON-SFT packs with the resets (each conversation its own positions and attention); --eod-mask-loss, and the
+    resets of the instruction/output kinds, change nothing there: the loss mask is the answers' already."""
+    dests = ("eod_mask_loss",) if chat else ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+    for dest in dests:
+        if getattr(args, dest):
+            reason = ("the loss already covers the assistant turns only, their end token included, as Pai's SFT "
+                      "batches (its mask comes from the labels)" if chat else
+                      "a raw JSON sample is one record, whose answer and end-of-document token carry the loss "
+                      "(Pai's raw datasets mask the prompt only)")
+            notes.append(f"--{dest.replace('_', '-')}: no effect here; {reason}")
+            setattr(args, dest, False)
+    if chat and (args.reset_position_ids or args.reset_attention_mask):
+        kept = " and ".join(f"--{d.replace('_', '-')}" for d in ("reset_position_ids", "reset_attention_mask")
+                            if getattr(args, d))
+        notes.append(f"{kept}: --dataset {value} packs whole conversations into each row; "
+                     + ("positions restart at each conversation" if args.reset_position_ids else
+                        "positions run on across the row")
+                     + ("; attention stays within each conversation" if args.reset_attention_mask else
+                        "; attention reaches earlier conversations of the row"))
 
 
 def _max_padding_length(args: Args, value: int, notes: list[str], refusals: list[str]) -> None:
+    from rapidtrain.data.chat_sft import CHAT_SFT_KINDS
     from rapidtrain.data.raw_json import RAW_JSON_KINDS
 
-    if getattr(args, "dataset", None) not in RAW_JSON_KINDS:
+    if getattr(args, "dataset", None) not in RAW_JSON_KINDS + CHAT_SFT_KINDS:
         notes.append(f"--max-padding-length {value}: no effect here; " + note_of("--max-padding-length"))
 
 
 def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
-    if value != "pretrain":
-        refusals.append(f"--train-mode {value}: Pai's SFT mode (its sequence/label-pair indexed data, chat-template "
-                        "JSON) is not in rapidtrain; train on instruction/output JSON with --dataset LLama-SFT "
-                        "--train-data-path FILE (the prompt masked out of the loss), or fine-tune with --task "
-                        "casual_lm")
+    dataset = getattr(args, "dataset", None)
+    if value == "pretrain":
+        return
+    if value != "finetune":
+        refusals.append(f"--train-mode {value}: Pai's modes are pretrain and finetune")
+    elif dataset in ("JSON-SFT", "LLama-SFT"):
+        notes.append(f"--train-mode finetune: supervised fine-tuning on --dataset {dataset}")
+    else:
+        refusals.append(f"--train-mode finetune with --dataset {dataset}: Pai's fine-tuning on indexed data reads "
+                        "its SFT builder's sequence/label pairs (2 x --seq-length ids a sample), which rapidtrain "
+                        "does not read; give the JSON records with --dataset JSON-SFT --train-data-path FILE (the "
+                        "tokenizer's chat template) or --dataset LLama-SFT")
+
+
+CORE_ORIGINS = {"Megatron-LM", "Megatron-LM-extras"}
+DEEPSPEED_MOE_ORIGINS = {"microsoft/Megatron-DeepSpeed", "bigscience/Megatron-DeepSpeed", "DeepSpeedExamples",
+                         "rapidformer"}
+
+
+def moe_flag_origins(args: Args, parser: argparse.ArgumentParser, given: set[str]) -> tuple[list[str], list[str]]:
+    """(MoE flags typed that only Megatron-Core has, those only DeepSpeed-MoE's parsers have: Megatron-DeepSpeed,
+    Rapidformer). A flag rapidtrain parses under several spellings counts only when every spelling says the same."""
+    spelled = {flag for flag, _ in megatron_flags_given(args)}  # other origins' flags, as typed
+    spelled |= {" ".join(action.option_strings) for action in parser._actions  # rapidtrain's own, by destination
+                if action.dest in given and action.option_strings and classify(action.option_strings[0]) is None}
+    core, deepspeed = [], []
+    for spelling in sorted(spelled):
+        flags = spelling.split()
+        if not any("moe" in flag or flag in ("--topk", "--expert-interval") for flag in flags):
+            continue
+        origins = [set((record_of(flag) or {}).get("origins") or ()) for flag in flags]
+        if origins and all(o and o <= CORE_ORIGINS for o in origins):
+            core.append(flags[0])
+        elif origins and all(o and not o & CORE_ORIGINS and o & DEEPSPEED_MOE_ORIGINS for o in origins):
+            deepspeed.append(flags[0])
+    return core, deepspeed
+
+
+def _moe_dropping_by_origin(args: Args, parser: argparse.ArgumentParser, given: set[str], notes: list[str]) -> None:
+    """Token dropping as the MoE flags' origin means it. Megatron-Core is dropless unless a capacity factor is
+    given (--moe-expert-capacity-factor); DeepSpeed-MoE (Megatron-DeepSpeed) and Rapidformer drop at capacity
+    factor 1 unless --disable-moe-token-dropping. Flags only one of them has tell which the command line is written
+    for; with none, rapidtrain keeps DeepSpeed-MoE's and Rapidformer's capacity 1 (the command line it takes)."""
+    if not args.num_experts or max(args.num_experts) <= 1 or args.disable_moe_token_dropping:
+        return
+    typed = {flag for flag, _ in megatron_flags_given(args)}
+    if "--moe-expert-capacity-factor" in typed or "--moe-train-capacity-factor" in typed \
+            or "moe_capacity_factor" in given:
+        notes.append(f"MoE token dropping: capacity factor {args.moe_capacity_factor:g} as given (every origin drops "
+                     "tokens over capacity when a capacity factor is given)")
+        return
+    core, deepspeed = moe_flag_origins(args, parser, given)
+    if core and not deepspeed:
+        args.disable_moe_token_dropping = True
+        notes.append(f"MoE token dropping: Megatron-Core's meaning (its flags {', '.join(sorted(core))}): dropless, "
+                     "every token reaches its experts, since no --moe-expert-capacity-factor is given")
+    else:
+        why = (f"its flags {', '.join(sorted(deepspeed))}" if deepspeed else
+               "no flag only Megatron-Core has; give --disable-moe-token-dropping for Megatron-Core's dropless")
+        notes.append(f"MoE token dropping: DeepSpeed-MoE's and Rapidformer's meaning ({why}): capacity factor "
+                     f"{args.moe_capacity_factor:g}, tokens over an expert's capacity dropped")
 
 
 # What Megatron-LM's --enable-gpt-oss sets (its model builder): gpt-oss's YaRN, as flag destinations.

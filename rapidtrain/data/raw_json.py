@@ -4,7 +4,7 @@ tokenized when the run starts, the prompt masked out of the loss, each sample pa
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,22 +79,37 @@ def encode_file(path: str, tokenizer: Any, length: int) -> tuple[np.ndarray, np.
     return np.stack(rows), np.stack(masks), dropped
 
 
+@dataclass(frozen=True)
+class SampleLayout:
+    """How a raw JSON row becomes a sample: packed conversations' resets (Megatron's --reset-position-ids,
+    --reset-attention-mask, the latter as document ids for FlexAttention), and the samples one pass over the
+    rows takes (an epoch-based run drops the pass's last incomplete global batch; None: every row)."""
+
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    document_ids: bool = False
+    samples_per_pass: int | None = None
+
+
 class RawJsonDataset:
-    """`num_samples` samples cycling over the encoded records, reshuffled each pass (seeded): GPT batches whose
+    """`num_samples` samples cycling over the encoded rows, reshuffled each pass (seeded): GPT batches whose
     loss mask keeps the answer tokens only. A map-style dataset (torch's DataLoader takes it as it is); `dropped`
-    counts the records longer than the padded length."""
+    counts the records longer than the padded length. `segments` (packed rows) numbers each position's
+    conversation."""
 
     def __init__(self, ids: np.ndarray, loss_positions: np.ndarray, num_samples: int, seed: int,
-                 dropped: int = 0) -> None:
-        self.ids, self.loss_positions, self.dropped = ids, loss_positions, dropped
-        self.num_samples, self.seed = max(int(num_samples), len(ids)), seed
+                 dropped: int = 0, segments: np.ndarray | None = None, layout: SampleLayout | None = None) -> None:
+        self.ids, self.loss_positions, self.dropped, self.segments = ids, loss_positions, dropped, segments
+        self.layout = layout = layout or SampleLayout()
+        self.per_pass = layout.samples_per_pass or len(ids)
+        self.num_samples, self.seed = max(int(num_samples), self.per_pass), seed
         self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.num_samples
 
     def _record(self, idx: int) -> int:
-        epoch, position = divmod(idx, len(self.ids))
+        epoch, position = divmod(idx, self.per_pass)
         if epoch not in self._orders:
             self._orders[epoch] = np.random.RandomState(self.seed + epoch).permutation(len(self.ids))
         return int(self._orders[epoch][position])
@@ -102,24 +117,24 @@ class RawJsonDataset:
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         record = self._record(idx)
         ids, mask = self.ids[record], self.loss_positions[record]
-        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": mask[1:],
-                "position_ids": np.arange(len(ids) - 1, dtype=np.int64)}
+        sample = {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": mask[1:],
+                  "position_ids": np.arange(len(ids) - 1, dtype=np.int64)}
+        if self.segments is not None:
+            sample.update(segment_inputs(self.segments[record][:-1], self.layout))
+        return sample
 
 
-def build_raw_json_datasets(paths: Sequence[Sequence[str] | None], kind: str, max_padding_length: int,
-                            tokenizer: Any, counts: Sequence[int], seed: int) -> tuple[Any, Any, Any]:
-    """(train, valid, test) from the splits' JSON files; a split without its own file reads the training file,
-    as Pai's raw pretraining dataset does."""
-    length = max_padding_length + 1 if "-Pretrain" in kind else max_padding_length
-    train_path = paths[0][0] if paths[0] else None
-    if train_path is None:
-        raise RawJsonError(f"--dataset {kind}: give the JSON file with --train-data-path")
-    encoded: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
-    datasets = []
-    for split_paths, count in zip(paths, counts, strict=True):
-        path = split_paths[0] if split_paths else train_path
-        if path not in encoded:
-            encoded[path] = encode_file(path, tokenizer, length)
-        ids, masks, dropped = encoded[path]
-        datasets.append(RawJsonDataset(ids, masks, count, seed, dropped) if count else None)
-    return datasets[0], datasets[1], datasets[2]
+def segment_inputs(segments: np.ndarray, layout: SampleLayout) -> dict[str, np.ndarray]:
+    """Positions counted from each conversation's start, and attention kept within it (Megatron's resets, from the
+    packing's own boundaries rather than end-of-document tokens: a chat template's end token need not be last)."""
+    out: dict[str, np.ndarray] = {}
+    positions = np.arange(len(segments), dtype=np.int64)
+    if layout.reset_position_ids:
+        starts = np.maximum.accumulate(np.where(np.diff(segments, prepend=-1) != 0, positions, 0))
+        out["position_ids"] = positions - starts
+    if layout.reset_attention_mask and layout.document_ids:
+        out["document_ids"] = segments.astype(np.int64)
+    elif layout.reset_attention_mask:
+        allowed = (positions[None, :] <= positions[:, None]) & (segments[None, :] == segments[:, None])
+        out["attention_mask"] = ~allowed[None]
+    return out

@@ -24,6 +24,7 @@ TokenizerType = Literal[
     "Llama2Tokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
+    "JiebaBPETokenizer",
 ]
 TOKENIZER_TYPES: tuple[str, ...] = get_args(TokenizerType)
 
@@ -123,6 +124,8 @@ def build_tokenizer(settings: TokenizerSettings) -> Tokenizer:
         )
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(_required_folder(settings.tokenizer_model, "--tokenizer-model", kind))
+    if kind == "JiebaBPETokenizer":
+        return JiebaBPETokenizer(_required_file(settings.vocab_file, "--vocab-file", kind, "tokenizer.json"))
     if kind == "NullTokenizer":
         if settings.vocab_size is None or settings.vocab_size <= 0:
             raise TokenizerSettingsError("--tokenizer-type NullTokenizer needs --vocab-size N (N > 0)")
@@ -375,6 +378,75 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The folder's chat template (tokenizer_config.json or chat_template.jinja), None when it has none."""
+        return getattr(self._tokenizer, "chat_template", None) or None
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+        """The ids of `messages` rendered by the folder's chat template (with the assistant's header after them when
+        `add_generation_prompt`)."""
+        ids = self._tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return [int(i) for i in ids]  # type: ignore[arg-type]  # one conversation: a flat list of ids
+
+
+class JiebaBPETokenizer(Tokenizer):
+    """Pai-Megatron-Patch's (RapidformerPro's) Chinese BPE: the text is first cut into words by jieba (rjieba, the
+    binding of jieba-rs, or the jieba package), and the words are encoded as pre-split input by the BPE of a
+    `tokenizers` tokenizer.json (--vocab-file); `<|endoftext|>` ends a document. Ids match Pai's tokenizer."""
+
+    END_OF_DOCUMENT = "<|endoftext|>"
+
+    def __init__(self, tokenizer_file: str) -> None:
+        from tokenizers import Tokenizer as BPE
+
+        self._cut = _jieba_cut()
+        try:
+            self._tokenizer = BPE.from_file(tokenizer_file)
+        except Exception as error:  # noqa: BLE001 - tokenizers raises its own Exception for a damaged file
+            raise TokenizerSettingsError(
+                f"--vocab-file {tokenizer_file}: not a tokenizers tokenizer.json ({str(error).strip()[:200]}); "
+                "JiebaBPETokenizer reads the tokenizer.json its model was trained with") from None
+        eod = self._tokenizer.token_to_id(self.END_OF_DOCUMENT)
+        if eod is None:
+            raise TokenizerSettingsError(f"--vocab-file {tokenizer_file}: no {self.END_OF_DOCUMENT} token, which "
+                                         "JiebaBPETokenizer ends each document with")
+        self._eod: int = eod
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        words = list(self._cut(text))
+        return self._tokenizer.encode(words, is_pretokenized=True, add_special_tokens=True).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _jieba_cut():
+    """jieba's word cutter: rjieba's (what Pai imports), else the jieba package's."""
+    try:
+        import rjieba
+
+        return rjieba.cut
+    except ImportError:
+        pass
+    try:
+        import jieba
+
+        return jieba.cut
+    except ImportError:
+        raise TokenizerSettingsError(
+            "--tokenizer-type JiebaBPETokenizer cuts Chinese text into words with jieba before its BPE, and neither "
+            "rjieba nor jieba is installed: `pip install rjieba` (what Pai-Megatron-Patch uses)") from None
 
 
 class NullTokenizer(Tokenizer):

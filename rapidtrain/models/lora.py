@@ -1,4 +1,7 @@
-"""LoRA adapters (peft) and k-bit loading of the frozen base (bitsandbytes, QLoRA) for the black-box fine-tuning.
+"""LoRA adapters (peft) and k-bit loading of the frozen base (bitsandbytes, QLoRA) for the black-box fine-tuning, and
+rapidtrain's own adapters on the built-in GPT/Llama/MoE models (`add_builtin_lora`), which tensor, pipeline and data
+parallelism split and wrap as they do the layers beside them (parallel/tensor_parallel.py), and which are folded into
+the weights when a checkpoint is read whole (`merge_adapters`).
 
 `LoraSettings` is the plan's part (flags `--lora-rank`, `--lora-alpha`, `--lora-dropout`, `--lora-target-modules`,
 `--load-in-4bit`, `--load-in-8bit`); `quantization_config` and `add_lora` do what it says.
@@ -27,6 +30,7 @@ class LoraSettings:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ()
     load_in_bits: Literal[4, 8] | None = None
+    builtin: bool = False  # rapidtrain's adapters on the built-in model, not peft's on a Hugging Face one
 
     @property
     def scaling_alpha(self) -> float:
@@ -34,6 +38,13 @@ class LoraSettings:
 
     def describe(self) -> str:
         """In words, for the plan."""
+        if self.builtin:
+            targets = ", ".join(self.target_modules) if self.target_modules and self.target_modules != (
+                "all-linear",) else "linear layers of attention and the MLPs"
+            return (f"LoRA r={self.rank}, alpha={self.scaling_alpha:g} (scale {self.scaling_alpha / self.rank:g}), "
+                    f"dropout={self.dropout:g} on the built-in model's {targets}: A [r, in] from the base's init, "
+                    "B [out, r] zero; everything else frozen; split with its layer under tensor parallelism; folded "
+                    "into the weights when a checkpoint is exported")
         targets = ", ".join(self.target_modules) if self.target_modules else (
             "peft's default modules for the architecture (every linear layer where peft has none)")
         text = (f"peft LoRA r={self.rank}, alpha={self.scaling_alpha:g} (scale {self.scaling_alpha / self.rank:g}), "
@@ -169,3 +180,93 @@ def dequantised_state(model: nn.Module) -> dict[str, torch.Tensor]:
         elif leaf == "bias":
             state[name] = value.detach().float()
     return state
+
+
+# ---- rapidtrain's adapters on the built-in models ----
+
+# The built-in layers' linear projections by their leaf names (attention, multi-head latent attention, MLPs and
+# shared experts); routed experts are grouped weights, not linear layers, and the router stays as it is.
+BUILTIN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj",
+                   "fc1", "gate", "fc2")
+
+
+class LoraAdapter(nn.Module):
+    """scale · B(A(dropout(x))): the low-rank update beside a linear layer. A plain module of two linear layers, so
+    tensor parallelism splits them as it splits their layer (A whole and B by rows beside a column-split layer, A by
+    columns and B whole beside a row-split one) and DTensor computes the same sum."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, scale: float, dropout: float,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.lora_a = nn.Linear(in_features, rank, bias=False, device=device)
+        self.lora_b = nn.Linear(rank, out_features, bias=False, device=device)
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lora_b(self.lora_a(self.dropout(x))) * self.scale
+
+
+class LoraLinear(nn.Linear):
+    """A linear layer with its adapter (`lora`): the base's weight and bias stay the layer's own parameters, under
+    their own names, so a checkpoint of the base model loads into it and tensor parallelism splits it as a linear."""
+
+    lora: LoraAdapter
+
+    @classmethod
+    def wrapping(cls, base: nn.Linear, rank: int, scale: float, dropout: float) -> LoraLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = base.in_features, base.out_features
+        layer.weight = base.weight
+        layer.bias = base.bias
+        layer.lora = LoraAdapter(base.in_features, base.out_features, rank, scale, dropout, base.weight.device)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.lora(x)
+
+
+def add_builtin_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
+    """Adapters on the built-in model's target layers, in place, and every other parameter frozen; returns the names
+    of the adapted layers. Refuses target names the model has no linear layer by."""
+    targets = set(settings.target_modules) - {"all-linear"} or set(BUILTIN_TARGETS)
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError("built-in LoRA adapts a built-in GPT/BERT (its `layers`)")
+    scale = settings.scaling_alpha / settings.rank
+    adapted, seen = [], set()
+    for parent_name, parent in list(layers.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                seen.add(name)
+                if name in targets:
+                    setattr(parent, name, LoraLinear.wrapping(child, settings.rank, scale, settings.dropout))
+                    adapted.append(f"layers.{parent_name}.{name}")
+    unknown = sorted(targets - seen) if set(settings.target_modules) - {"all-linear"} else []
+    if unknown or not adapted:
+        from rapidtrain.core.errors import UserError
+
+        raise UserError(f"--lora-target-modules {' '.join(settings.target_modules)}: the built-in model has no "
+                         f"linear layer named {', '.join(unknown) or 'so'}; its layers' linear layers are "
+                         f"{', '.join(sorted(seen))} (or all-linear)")
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora." in f".{name}")
+    return adapted
+
+
+def is_adapter_weight(name: str) -> bool:
+    return ".lora.lora_a." in name or ".lora.lora_b." in name
+
+
+def merge_adapters(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The state of the plain model: each adapted layer's weight W + scale · B A, the adapters left out (what the
+    Hugging Face export, generation and the Megatron export read)."""
+    merged = {name: value for name, value in state.items() if not is_adapter_weight(name)}
+    for name in state:
+        if name.endswith(".lora.lora_a.weight"):
+            layer = name[: -len(".lora.lora_a.weight")]
+            a, b = state[name].float(), state[f"{layer}.lora.lora_b.weight"].float()
+            weight = merged[f"{layer}.weight"]
+            merged[f"{layer}.weight"] = (weight.float() + scale * (b @ a)).to(weight.dtype)
+    return merged

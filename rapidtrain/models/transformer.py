@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -560,7 +560,7 @@ def initial_value(
     leaf = name.rsplit(".", 1)[-1]
     if isinstance(module, NORMS):
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
-    if leaf in _BIASES:
+    if leaf in _BIASES or name.endswith(".lora.lora_b.weight"):  # a LoRA adapter starts as no change (B = 0)
         return torch.zeros(shape)
     std = config.init_method_std
     if name.endswith(_RESIDUAL_OUTPUTS):
@@ -607,7 +607,7 @@ def set_parameter(param: nn.Parameter, value: torch.Tensor) -> None:
     param.copy_(value)
 
 
-def init_weights(model: nn.Module, seed: int) -> None:
+def init_weights(model: nn.Module, seed: int, only: Callable[[str], bool] | None = None) -> None:
     """Set every parameter from a generator seeded by (seed, its name), whatever the layout.
 
     A whole model, one built on meta and materialized with `to_empty`, a pipeline stage with some
@@ -618,7 +618,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
     config: ModelConfig = model.config  # type: ignore[assignment]
     with torch.no_grad():
         for name, module, param in canonical_parameters(model):
-            set_parameter(param, initial_value(name, module, param.shape, config, seed))
+            if only is None or only(name):  # `only`: the parameters added after the model was built (LoRA)
+                set_parameter(param, initial_value(name, module, param.shape, config, seed))
         for module in model.modules():  # buffers that start at zero (materialized from meta they hold garbage)
             if isinstance(module, MoELayer) and module.expert_bias is not None:
                 module.expert_bias.zero_()

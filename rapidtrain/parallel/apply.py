@@ -33,6 +33,7 @@ def parallelize(
     model_factory: Callable[[], nn.Module] | None = None,
 ) -> Runner:
     """Wrap `model` as the plan says and return its runner (TorchRunner or DeepSpeedRunner)."""
+    check_adapters(model, plan)
     if plan.optimizer is not None and plan.optimizer.decoupled_lr is not None:
         check_decoupled_lr(model, optimizer)
     switches = plan.switches
@@ -57,6 +58,19 @@ def parallelize(
 
         add_expert_parallelism(runner, mesh)
     return runner
+
+
+def check_adapters(model: nn.Module, plan: Plan) -> None:
+    """--lora-rank on a built-in model: the model composed must carry the adapters (the built-in pretraining adds
+    them; a user script's own model has none, and training it whole would ignore the flag)."""
+    lora = plan.lora
+    if lora is None or not lora.builtin or lora.rank <= 0:
+        return
+    if not any(".lora." in f".{name}" for name, _ in model.named_parameters()):
+        raise UserError(f"--lora-rank {lora.rank}: the model given to Engine.compose ({type(model).__name__}) has no "
+                        "LoRA adapters; rapidtrain adds them to the built-in model it builds (rapidtrain/pretrain.py, "
+                        "MegatronPreTrainer) and to Hugging Face models (--pretrained-model-name-or-path); add your "
+                        "own in the script, or drop --lora-rank")
 
 
 def check_decoupled_lr(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -25,8 +25,23 @@ def build_model_for(plan: Plan) -> nn.Module:
     assert plan.model is not None, "the plan trains no built-in model"
     if plan.switches.build_on_meta:
         with torch.device("meta"):
-            return build_model(plan.model, seed=None)
-    return build_model(plan.model, seed=plan.training.seed)
+            return with_adapters(build_model(plan.model, seed=None), plan)
+    return with_adapters(build_model(plan.model, seed=plan.training.seed), plan)
+
+
+def with_adapters(model: nn.Module, plan: Plan) -> nn.Module:
+    """The built-in model with the plan's LoRA adapters, the rest frozen; adapters on a model that holds values get
+    them now, from their names (as materialize gives them to one built on meta), so every layout starts alike."""
+    lora = plan.lora
+    if lora is None or not lora.builtin or lora.rank <= 0:
+        return model
+    from rapidtrain.models.lora import add_builtin_lora, is_adapter_weight
+    from rapidtrain.models.transformer import init_weights
+
+    add_builtin_lora(model, lora)
+    if not is_on_meta(model):
+        init_weights(model, plan.training.seed, only=is_adapter_weight)
+    return model
 
 
 def is_on_meta(model: nn.Module) -> bool:

@@ -122,7 +122,8 @@ class VocabParallelEmbedding(nn.Module):
         if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
             raise ValueError("tensor parallelism splits a plain nn.Embedding (no padding_idx, max_norm or sparse)")
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.weight = nn.Parameter(distribute_tensor(embedding.weight, tp_mesh, [Shard(0)]))
+        self.weight = nn.Parameter(distribute_tensor(embedding.weight, tp_mesh, [Shard(0)]),
+                                   requires_grad=embedding.weight.requires_grad)  # frozen beside LoRA adapters
         self.group = tp_mesh.get_group()
         rows = -(-self.num_embeddings // tp_mesh.size())  # torch.chunk's: every rank but the last holds this many
         self.first_row = min(tp_mesh.get_local_rank() * rows, self.num_embeddings)
@@ -192,7 +193,39 @@ def _split_layer(layer: TransformerLayer, tp_mesh: DeviceMesh, residual, sequenc
             desired_input_layouts=(Replicate(), None, None, None),
             use_local_output=True,
         )
+    adapters = _detach_adapters(layer, plan)
     parallelize_module(layer, tp_mesh, plan)
+    _attach_split_adapters(layer, adapters, tp_mesh)
+
+
+def _detach_adapters(layer: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, tuple[nn.Module, bool]]:
+    """LoRA adapters (models/lora.py) of the layers the plan splits, taken off them while their layer is split
+    (a linear layer's style splits every parameter under it): {layer path: (adapter, split by columns)}."""
+    adapters = {}
+    for path, style in plan.items():
+        if not isinstance(style, ColwiseParallel | RowwiseParallel):
+            continue
+        linear = layer.get_submodule(path)
+        adapter = linear._modules.pop("lora", None)
+        if adapter is not None:
+            adapters[path] = (adapter, isinstance(style, ColwiseParallel))
+    return adapters
+
+
+def _attach_split_adapters(layer: nn.Module, adapters: dict[str, tuple[nn.Module, bool]], tp_mesh: DeviceMesh) -> None:
+    """Each adapter split with its layer: beside a column-split layer A whole and B's rows (the layer's output
+    columns) split, so B A x comes out split as the layer's output; beside a row-split layer A's columns (the
+    layer's input, split) split and B whole, so B A x comes out as a partial sum that the layer's own reduction
+    adds up with its output. The layer's forward computes both on DTensors."""
+    for path, (adapter, by_columns) in adapters.items():
+        placements = {"lora_a": Replicate() if by_columns else Shard(1),
+                      "lora_b": Shard(0) if by_columns else Replicate()}
+        for name, placement in placements.items():
+            linear = cast(nn.Linear, getattr(adapter, name))
+            weight = linear.weight
+            linear.weight = nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [placement]),
+                                         requires_grad=weight.requires_grad)
+        layer.get_submodule(path)._modules["lora"] = adapter
 
 
 def _column_split_attention(attention: nn.Module, tp_mesh: DeviceMesh) -> list[str]:

@@ -11,6 +11,7 @@ import torch
 
 from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
 from rapidtrain.data.blending import parse_data_path
+from rapidtrain.data.chat_sft import SampleLayout, build_raw_json_datasets, encoded_rows
 from rapidtrain.data.demo import prepare_demo_data
 from rapidtrain.data.dynamic_shape import (
     BertTrimCollator,
@@ -20,7 +21,6 @@ from rapidtrain.data.dynamic_shape import (
 )
 from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets, build_weighted_group
 from rapidtrain.data.indexed import warm_up
-from rapidtrain.data.raw_json import build_raw_json_datasets
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer
 from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
@@ -37,6 +37,7 @@ class MegatronPreTrainer(PreTrainer):
         super().__init__(engine)
         self.data_prefix = self.prepare_data()
         self.tokenizer = self.build_tokenizer()
+        self._encoded: dict[str, Any] = {}  # raw JSON files' rows, by path (an epoch-based run reads them first)
 
     def prepare_data(self) -> list[str]:
         """The --data-path prefixes (a blend keeps its weights), or the demo corpus, built on first use (BERT with
@@ -117,12 +118,32 @@ class MegatronPreTrainer(PreTrainer):
         data = self.plan.data
         assert data.raw_json is not None and data.max_padding_length is not None  # the plan sets both together
         datasets = build_raw_json_datasets(data.split_paths or (None, None, None), data.raw_json,
-                                           data.max_padding_length, self.tokenizer, counts, data.seed)
+                                           data.max_padding_length, self.tokenizer, counts, data.seed,
+                                           self.raw_json_layout(), self._encoded)
         train = datasets[0]
-        self.engine.print_rank0(f" --dataset {data.raw_json}: {len(train.ids):,} records tokenized"
-                                + (f", {train.dropped:,} longer than the padded length dropped" if train.dropped
-                                   else ""))
+        self.engine.print_rank0(f" --dataset {data.raw_json}: {len(train.ids):,} rows tokenized"
+                                + (f", {train.dropped:,} records longer than the padded length dropped"
+                                   if train.dropped else ""))
         return datasets
+
+    def raw_json_layout(self, whole_passes: bool = True) -> SampleLayout:
+        data = self.plan.data
+        per_pass = None
+        if whole_passes and self.plan.training.epochs and self.steps_per_epoch:  # an epoch: whole global batches
+            per_pass = self.steps_per_epoch * self.plan.batches.global_batch_size
+        return SampleLayout(data.reset_position_ids, data.reset_attention_mask, self.plan.attention.document_ids,
+                            per_pass)
+
+    def samples_per_epoch_of_data(self) -> int:
+        """Pai's SFT JSON: an epoch is a pass over the training file's rows (records, or packed rows)."""
+        data = self.plan.data
+        if data.raw_json is None or not data.split_paths or not data.split_paths[0]:
+            return super().samples_per_epoch_of_data()
+        assert data.max_padding_length is not None  # the plan sets it with raw_json
+        path = data.split_paths[0][0]
+        self._encoded[path] = encoded_rows(path, data.raw_json, data.max_padding_length, self.tokenizer,
+                                           self.raw_json_layout(whole_passes=False))
+        return len(self._encoded[path][0])
 
     @staticmethod
     def _named_groups(splits: tuple, counts: list[int], config: Any) -> list[dict[str, Any] | None]:
@@ -196,8 +217,10 @@ class MegatronPreTrainer(PreTrainer):
         reason = demo_sample_unavailable(self.plan)
         if reason:
             save = self.plan.checkpoint.save
+            ids = self.plan.tokenizer is not None and self.plan.tokenizer.tokenizer_type == "NullTokenizer"
+            prompt = "ID ID ..." if ids else DEMO_PROMPT  # the NullTokenizer's prompt: token ids
             self.engine.print_rank0(f" sample: not generated here ({reason}); "
-                                    + (f"`rapidtrain generate --load {save} --prompt '{DEMO_PROMPT}'` loads the "
+                                    + (f"`rapidtrain generate --load {save} --prompt '{prompt}'` loads the "
                                        "checkpoint whole in one process" if save else
                                        "save with --save, then `rapidtrain generate --load SAVE --prompt ...`"))
             return
@@ -263,6 +286,9 @@ def demo_sample_unavailable(plan: Any) -> str:
     """Why the demo's closing sample cannot be generated under this layout, or "" when it can."""
     if plan.model is None or plan.model.model_type != "gpt":
         return "only the GPT generates text"
+    if plan.tokenizer is not None and plan.tokenizer.tokenizer_type == "NullTokenizer":
+        return "the NullTokenizer reads token ids, not the prompt's text (--mock-data with --tokenizer-type " \
+               "NullTokenizer has no text tokenizer)"
     if plan.layout.pipeline_parallel_size > 1:
         return "pipeline parallelism: each stage holds some layers only"
     if plan.switches.partitioning in ("fsdp", "sdp", "zero-3") or (

@@ -8,6 +8,7 @@ with Megatron's log line, evaluation over --eval-iters, checkpoints and exact re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -74,7 +75,9 @@ class PreTrainer(Trainer):
                             "samples by length (the built-in pretraining, rapidtrain/pretrain.py, does). Override "
                             "supports_dynamic_shape(), train_batch_sampler() and collate_fn(), or drop the flag.")
         iterations = training.train_iters
-        assert iterations is not None  # the rules give pretraining --train-iters (or --train-samples, resolved)
+        if iterations is None:  # the rules allow --epochs only for data whose length is known once it is read
+            iterations = self.iterations_of_epochs()
+            training = self.plan.training
         counts = list(train_valid_test_num_samples(iterations, training.eval_interval or iterations,
                                                    training.eval_iters, plan.batches.global_batch_size))
         # Sample-based training or a ramp-up: the samples the iterations really take (Megatron's update_train_iters
@@ -88,6 +91,28 @@ class PreTrainer(Trainer):
         self.load()
         self.plan = self.engine.plan  # compose describes the model it was given
         self.engine.print_rank0(describe_plan(self.plan))
+
+    def samples_per_epoch_of_data(self) -> int:
+        """The training samples one epoch holds (read from the data); a template with epoch-based data says."""
+        raise UserError(f"--epochs: {type(self).__name__} trains over a sample stream, counted in iterations; give "
+                        "--train-iters N (or --train-samples N)")
+
+    def iterations_of_epochs(self) -> int:
+        """--epochs over data read now: whole global batches per epoch (an epoch's last, incomplete one is dropped,
+        as Pai's fine-tuning loader drops it), the run's length written into the plan, which says so."""
+        plan = self.plan
+        samples, batch = self.samples_per_epoch_of_data(), plan.batches.global_batch_size
+        if samples < batch:
+            raise UserError(f"--epochs {plan.training.epochs}: an epoch holds {samples} samples, fewer than one "
+                            f"global batch of {batch}; lower --global-batch-size or add data")
+        self.steps_per_epoch = samples // batch
+        iterations = self.steps_per_epoch * (plan.training.epochs or 1)
+        self.plan = self.engine.plan = dataclasses.replace(
+            plan, training=dataclasses.replace(plan.training, train_iters=iterations))
+        self.engine.print_rank0(f" --epochs {plan.training.epochs}: {samples:,} samples an epoch, "
+                                f"{self.steps_per_epoch} iterations of {batch} each "
+                                f"({samples - self.steps_per_epoch * batch} left out), {iterations} iterations in all")
+        return iterations
 
     def data_loader(self, dataset: Any, consumed_samples: int, train: bool = False) -> DataLoader:
         data = self.plan.data

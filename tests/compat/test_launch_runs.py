@@ -157,6 +157,28 @@ def test_easynlp_zeroclue_prompt_fine_tuning_under_deepspeed_zero2(local_files, 
     assert all("moe loss:" in line for line in log_lines(run.stdout) if "lm loss:" in line)
 
 
+@pytest.mark.parametrize("experts", [["0", "2", "0", "2"], ["0"]])
+def test_easynlp_gpt_moe_finetuner_runs_as_written(local_files, tmp_path, experts):
+    """EasyNLP's ZeroCLUE GPT-MoE fine-tuning script as its users wrote it (user_scripts/easynlp_gpt_moe_finetune.py):
+    Rapidformer's PETDataset signature, and a loss function that adds its layers' balancing losses, or the plain 0
+    that `sum([])` gives without experts; validation and the log line both come out."""
+    values = BY_ID["ez-rf-gpt-moe-ft-2022"]["argv"]
+    labels = values[values.index("--label_enumerate_values") + 1].split(",")[:3]
+    for name, count in (("train", 16), ("dev", 8)):
+        rows = (f"sentence number {i} about {labels[i % 3]}\t{labels[i % 3]}\t{i}\n" for i in range(count))
+        (tmp_path / f"{name}.tsv").write_text("".join(rows))
+    changes = {"--tokenizer-type": "GPT2BPETokenizer", "--vocab-file": local_files.gpt_vocab,
+               "--merge-file": local_files.gpt_merges, "--num-experts": experts, "--epochs": "1",
+               "--pretrained-model-name-or-path": None, "--train-data": str(tmp_path / "train.tsv"),
+               "--valid-data": str(tmp_path / "dev.tsv"), "--save": str(tmp_path / "out"), "--micro-batch-size": "4",
+               "--zero-2-memory-optimization": None, **({"--mlp-type": None} if experts == ["0"] else {})}
+    run = python(USER_SCRIPTS / "easynlp_gpt_moe_finetune.py", tiny(BY_ID["ez-rf-gpt-moe-ft-2022"], local_files,
+                                                                     changes))
+    assert re.search(r"epoch 1 \| iteration 4 \| validation lm loss: \S+", run.stdout)
+    lines = [line for line in log_lines(run.stdout) if "lm loss:" in line]
+    assert lines and all(("moe loss:" in line) == (experts != ["0"]) for line in lines)
+
+
 def test_easynlp_bert_pretraining_of_a_hugging_face_model_on_megatron_data(local_files, tmp_path):
     """EasyNLP's Rapidformer BERT pretraining (2022): a Hugging Face BertForPreTraining trained on Megatron's
     sentence-split indexed data through build_pretrain_huggingface_bert_datasets."""

@@ -42,7 +42,22 @@ def resolved(argv: list[str], world: int = 2) -> settings.Plan:
     (["--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
     (["--fsdp-memory-optimization"], "fsdp partitioning shards the parameters"),
     (["--zero-3-memory-optimization"], "zero-3 partitioning shards the parameters"),
+    (["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192"], "the NullTokenizer reads token ids"),
 ])
 def test_layouts_that_cannot_sample_on_one_rank_say_why(flags, reason):
     found = demo_sample_unavailable(resolved(flags))
     assert (reason in found and found) if reason else found == ""
+
+
+def test_a_mock_data_run_with_the_null_tokenizer_ends_cleanly(tmp_path, capsys):
+    """--mock-data --tokenizer-type NullTokenizer trains and saves, then says why it prints no sample (it ended in a
+    traceback: the NullTokenizer cannot read the demo prompt's text)."""
+    from rapidtrain.pretrain import main
+
+    main(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+          "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "2",
+          "--num-workers", "0", "--eval-iters", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+          "--vocab-size", "8192", "--save", str(tmp_path / "ck")], entry="pretrain")
+    out = capsys.readouterr().out
+    assert "saved checkpoint at iteration       2" in out
+    assert "sample: not generated here (the NullTokenizer reads token ids" in out and "--prompt 'ID ID ...'" in out

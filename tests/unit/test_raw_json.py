@@ -10,7 +10,8 @@ import pytest
 
 from rapidtrain.config.arguments import parse_args
 from rapidtrain.config.flag_surface import FlagRefused
-from rapidtrain.data.raw_json import RawJsonError, build_raw_json_datasets, read_records
+from rapidtrain.data.chat_sft import build_raw_json_datasets
+from rapidtrain.data.raw_json import RawJsonError, read_records
 from rapidtrain.data.tokenizer import build_tokenizer
 
 RECORDS = [

@@ -282,10 +282,10 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
-    "lora-needs-hf-model": (
-        ["--lora-rank", "8"],
-        ["--lora-rank", "8", "--pretrained-model-name-or-path", "m", "--task", "sequence_classification"],
-        1,
+    "builtin-lora-scope": (
+        ["--lora-rank", "8", "--load-in-4bit"],
+        ["--lora-rank", "8", "--tensor-model-parallel-size", "2", "--num-attention-heads", "4"],
+        2,
         "cpu",
     ),
     "rates-finite": (["--lr", "-1e-3", "--min-lr", "-1"], ["--lr", "3e-4", "--min-lr", "0"], 1, "cpu"),
