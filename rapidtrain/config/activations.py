@@ -283,18 +283,21 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
     layer being recomputed with backward's working set in it and (last stage) the head's tensors at the loss's
     backward; on the first stage at least the word embedding's gradient."""
     p = layout.pipeline_parallel_size
-    per_stage = model.num_layers // p
-    recomputed = len(recompute.layers_of(per_stage)) if recompute.enabled else 0
+    # layers per rank: the same on each, or an uneven split's (config/pipeline_split.py)
+    per_rank = layout.layers_per_rank(model.num_layers) if layout.stage_layers else [model.num_layers // p] * p
     stages = []
     for stage in range(p):
+        per_stage, start = per_rank[stage], sum(per_rank[:stage])
+        recomputed = len(recompute.layers_of(per_stage)) if recompute.enabled else 0
         if model.num_experts:  # layer kinds differ: count each layer (MoE models have tens of layers)
-            kinds = model.num_experts[stage * per_stage:(stage + 1) * per_stage]
+            kinds = model.num_experts[start:start + per_stage]
             layers = sum(layer_bytes(model, micro, layout, act, recompute.granularity if i < recomputed else "none",
                                      experts) for i, experts in enumerate(kinds))
             copies = sum(weight_copy_bytes(model, layout, act, experts) for experts in kinds)
             again = max((recomputed_again(model, micro, layout, act, recompute.granularity, experts)
                          for experts in kinds[:recomputed]), default=0.0)
-            working = max(backward_working_bytes(model, micro, layout, act, experts) for experts in kinds)
+            working = max((backward_working_bytes(model, micro, layout, act, experts) for experts in kinds),
+                          default=0.0)
         else:  # dense: two kinds at most, counted by arithmetic (a plan of 10^8 layers answers at once)
             layers = recomputed * layer_bytes(model, micro, layout, act, recompute.granularity) \
                 + (per_stage - recomputed) * layer_bytes(model, micro, layout, act)

@@ -3,7 +3,8 @@ they go (GEMMs, memory-bound element-wise work, tensor-parallel collectives, the
 sends, data-parallel collectives, the optimizer step).
 
 One iteration on the slowest pipeline stage (the last: it also runs the head):
-  (m + (p - 1)/v) × one micro-batch's time on a stage      the 1F1B pipeline with its bubble (p - 1)/(v·m)
+  m × (1 + bubble) × one micro-batch's time on a stage     the schedule's bubble (pipeline_split.bubble_fraction:
+                                                            1F1B (p - 1)/(v·m), zero bubble a third of it, ...)
   + data-parallel gradient collectives, not overlapped      as Megatron-LM (2021) reduces after backward
   + the optimizer step, bound by memory bandwidth
 A micro-batch's time on a stage: its GEMM FLOPs at GEMM_EFFICIENCY of the 16-bit peak, its element-wise work as
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rapidtrain.config.activations import ActivationContext, layer_bytes
+from rapidtrain.config.pipeline_split import bubble_fraction
 from rapidtrain.config.settings import Layout, Plan, RecomputeSettings, StepEstimate
 from rapidtrain.core.devices import DeviceSpec, device_spec, known_device_names
 from rapidtrain.models.config import ModelConfig
@@ -144,8 +146,10 @@ def estimate_step(inputs: StepInputs, spec: DeviceSpec) -> StepEstimate:
     per_micro = micro_batch_seconds(inputs, spec)
     micro = sum(per_micro.values())
     parts = [(name, m * seconds) for name, seconds in per_micro.items() if seconds]
-    if p > 1:
-        parts.append((f"pipeline bubble (p - 1)/(v·m) = {p - 1}/({v}·{m})", (p - 1) / v * micro))
+    if p > 1:  # the idle share of the schedule that runs, of the m micro-batches' time
+        bubble = bubble_fraction(layout.pipeline_schedule, p, m, v)
+        parts.append((f"pipeline bubble ({layout.pipeline_schedule}) {bubble:.1%} of {m} micro-batches",
+                      bubble * m * micro))
     parts.append(("data-parallel collectives", data_parallel_seconds(inputs, spec)))
     parts.append(("optimizer step", 2 * inputs.state_bytes_per_rank / (spec.hbm_gb_per_s * 1e9)))
     seconds = sum(part for _, part in parts)

@@ -68,13 +68,15 @@ def small_gpt(**overrides) -> torch.nn.Module:
 
 
 def test_stages_split_layers_evenly_and_interleave():
-    assert stage_layers(4, 2) == [["0", "1"], ["2", "3"]]
+    assert stage_layers((2, 2)) == [["0", "1"], ["2", "3"]]
+    assert stage_layers((1, 3, 0)) == [["0"], ["1", "2", "3"], []]
     assert local_stage_indices(pipeline_rank=1, pipeline_size=2, virtual_stages=2) == [1, 3]
+    assert local_stage_indices(pipeline_rank=1, pipeline_size=2, virtual_stages=2, schedule="zbv") == [1, 2]
 
 
 def test_stages_keep_their_parts_under_the_full_models_names():
     full = small_gpt().state_dict()  # tied: both names
-    first, last = keep_stages(small_gpt(), [0], 2), keep_stages(small_gpt(), [1], 2)
+    first, last = keep_stages(small_gpt(), [0], (2, 2)), keep_stages(small_gpt(), [1], (2, 2))
     assert first.final_norm is None and first.output is None and list(first.layers) == ["0", "1"]
     assert last.embedding is None and list(last.layers) == ["2", "3"]
     names = set(first.state_dict()) | set(last.state_dict())
@@ -85,12 +87,12 @@ def test_stages_keep_their_parts_under_the_full_models_names():
     assert torch.equal(last.output.weight, first.embedding.word_embeddings.weight)
     assert [name for name, _ in tied_copies(first)] == ["embedding.word_embeddings.weight"]
     assert [name for name, _ in tied_copies(last)] == ["output.weight"]
-    assert tied_copies(keep_stages(small_gpt(tie_embeddings=False), [1], 2)) == []
+    assert tied_copies(keep_stages(small_gpt(tie_embeddings=False), [1], (2, 2))) == []
 
 
 def test_interleaved_stage_views_share_the_rank_model():
-    model = keep_stages(small_gpt(), [0, 2], 4)  # pipeline rank 0 of 2, two virtual stages
-    views = [stage_view(model, stage, 4) for stage in (0, 2)]
+    model = keep_stages(small_gpt(), [0, 2], (1, 1, 1, 1))  # pipeline rank 0 of 2, two virtual stages
+    views = [stage_view(model, stage, (1, 1, 1, 1)) for stage in (0, 2)]
     assert (
         list(views[0].layers) == ["0"] and views[0].embedding is model.embedding and views[0].output is None
     )
