@@ -106,6 +106,9 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     from rapidtrain.config.meanings import hugging_face_notes
 
     notes += hugging_face_notes(args, has_script=bool(ctx.script))
+    if args.pp_partition_method and layout.pipeline_parallel_size == 1:
+        notes.append(f"--pp-partition-method {args.pp_partition_method}: no effect here; without pipeline "
+                     "parallelism one stage holds every layer")
     if args.padding_free and ctx.script:
         notes.append("--padding-free: rapidtrain's casual_lm task packs its own micro-batches; a user script's "
                      "collate_fn decides how its batches are built (rapidtrain.tasks.base.FlattenCollator packs "

@@ -671,6 +671,7 @@ def pipeline_split_of(args: argparse.Namespace, model: ModelConfig | None = None
     pp, virtual = args.pipeline_model_parallel_size, virtual_stages_of(args)
     uneven = uneven_split_flags(args)
     if pp < 2:
+        uneven = [flag for flag in uneven if flag != "--pp-partition-method"]  # DeepSpeed's: one stage holds all
         if uneven:
             raise SplitError(f"{', '.join(uneven)} split pipeline stages: they need --pipeline-model-parallel-size "
                              f"≥ 2 (it is {pp}). Drop them or pipeline the model.")
