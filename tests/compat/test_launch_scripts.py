@@ -56,7 +56,8 @@ REFUSED = {
     "mlm-ft-dsv3-proxy-2025": ["--mtp-num-layers 1: under --pipeline-model-parallel-size the depths sit on the last "
                                "stage"],
     "mlm-ft-dsv3-proxy-2026": ["--mtp-num-layers 1: with --sequence-parallel"],
-    "pai-dsv3-mcore-2025-02": ["--global-batch-size 8 is not divisible", "--mtp-num-layers 1: with --sequence-parallel"],
+    "pai-dsv3-mcore-2025-02": ["--global-batch-size 8 is not divisible",
+                               "--mtp-num-layers 1: with --sequence-parallel"],
     "mds-ulysses-30b-32k-2023": ["--ds-sequence-parallel-size 4"],
     "mds-fpdt-6.7b-256k-2024": ["--ds-sequence-parallel-size 4"],
     "tt-llama3-debug-cp4-allgather-2025": ["--context-parallel-size 4"],
