@@ -1,0 +1,90 @@
+"""Uneven pipeline splits and the zero-bubble family of schedules train as 1F1B on the even split does: PP 2 × DP 2
+(4 ranks, one torchrun launch for every run), a 6-layer GPT with tied embeddings, 4 micro-batches per rank. Every
+split (Megatron-LM's first/last stage sizes, embedding/loss accounting with virtual stages, a layout string with a
+stage holding only the loss) and schedule (GPipe, ZB-H1, interleaved ZB1P, ZBV and DualPipeV with uneven V stages)
+gives 1F1B's losses and gradient norms; so do MoE layers with experts sharded over the data-parallel ranks under zero
+bubble, and recomputed layers; a zero-bubble run resumes exactly, and its checkpoint loads into another split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.parallel_runs import RUNS, gpt_flags
+from tests.launch import read_grad_norms, read_losses, relative_difference, torchrun
+
+TOLERANCE = 1e-5  # fp32, relative
+SHAPE = "--num-layers 6 --global-batch-size 16 --train-iters 6 --log-interval 1 --pipeline-model-parallel-size 2"
+ZERO_BUBBLE = ["--pipeline-schedule", "zero-bubble"]
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+# name → flags beside the shared ones; each is compared with the reference its name says (REFERENCE below)
+RUN_FLAGS: dict[str, list[str]] = {
+    "1f1b": [],
+    "first2": ["--decoder-first-pipeline-num-layers", "2"],  # (2, 4)
+    "last2": ["--decoder-last-pipeline-num-layers", "2"],  # (4, 2)
+    # (6 + 2) / 2 ranks / 2 chunks, one fewer on the first and last stage: (1, 2, 2, 1)
+    "accounted_virtual": ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                          "--num-virtual-stages-per-pipeline-rank", "2"],
+    "interleaved_first2": ["--decoder-first-pipeline-num-layers", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
+    "layout_loss_stage": ["--pipeline-model-parallel-layout", "Ettt|tt|t|L"],  # (3, 2, 1, 0): a stage of the head
+    "gpipe": ["--pipeline-schedule", "gpipe"],
+    "zbh1": ["--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"],
+    "zb_interleaved": ZERO_BUBBLE + ["--num-layers-per-virtual-pipeline-stage", "1"],  # 3 chunks per rank
+    "zb_first2": ZERO_BUBBLE + ["--decoder-first-pipeline-num-layers", "2"],
+    "zb_recompute": ZERO_BUBBLE + ["--checkpoint-activations"],
+    "zbv": ["--pipeline-schedule", "zbv", "--pipeline-model-parallel-layout", "Ett|tt|t|tL"],  # (2, 2, 1, 1)
+    "dualpipev": ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-layout", "Et|tt|tt|tL"],
+    "moe_1f1b": MOE,
+    "moe_zb": MOE + ZERO_BUBBLE,
+}
+REFERENCE = {name: "moe_1f1b" if name.startswith("moe_") else "1f1b" for name in RUN_FLAGS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, demo_data) -> Path:
+    out = tmp_path_factory.mktemp("pipeline_schedules")
+    shared = gpt_flags(demo_data) + SHAPE.split()
+    launch = [shared + flags + ["--loss-log-file", str(out / f"{name}.txt")] for name, flags in RUN_FLAGS.items()]
+    saved = out / "zb_at3"
+    launch.append(shared + ZERO_BUBBLE + ["--exit-interval", "3", "--save", str(saved),
+                                          "--loss-log-file", str(out / "zb_resumed.txt")])
+    launch.append(shared + ZERO_BUBBLE + ["--load", str(saved), "--loss-log-file", str(out / "zb_resumed.txt")])
+    # the zero-bubble checkpoint of the even split, loaded by the first-stage-of-2 split under 1F1B
+    launch.append(shared + ["--decoder-first-pipeline-num-layers", "2", "--load", str(saved),
+                            "--loss-log-file", str(out / "first2_from_zb.txt")])
+    (out / "runs.json").write_text(json.dumps(launch))
+    result = torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800, warm=True)
+    (out / "launch.log").write_text(result.stdout)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in RUN_FLAGS if REFERENCE[name] != name])
+def test_split_and_schedule_match_1f1b(runs, name):
+    losses, reference = read_losses(runs / f"{name}.txt"), read_losses(runs / f"{REFERENCE[name]}.txt")
+    assert sorted(losses) == list(range(1, 7))
+    assert relative_difference(losses, reference) < TOLERANCE
+    norms = read_grad_norms(runs / f"{name}.txt")
+    assert relative_difference(norms, read_grad_norms(runs / f"{REFERENCE[name]}.txt")) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_the_plan_names_each_split_and_schedule(runs):
+    log = (runs / "launch.log").read_text()
+    for words in ("uneven split, transformer layers per stage 2, 4", "per stage 1, 2, 2, 1",
+                  "rank 1: stage 1 layers 3–4 (2), stage 3 head (0)", "zero bubble ZB-H1",
+                  "interleaved zero bubble (ZB1P), 3 model chunks per rank", "zero bubble V (ZBV)", "DualPipeV"):
+        assert words in log, words
+
+
+@pytest.mark.slow
+def test_zero_bubble_resumes_exactly_and_its_checkpoint_loads_into_another_split(runs):
+    """Stopped after iteration 3 and resumed, the zero-bubble run's 6 losses are the uninterrupted run's, bit for
+    bit; the first-stage-of-2 split under 1F1B continues from the same checkpoint to the same losses."""
+    resumed, whole = read_losses(runs / "zb_resumed.txt"), read_losses(runs / "zbh1.txt")
+    assert sorted(resumed) == list(range(1, 7)) and resumed == whole
+    other_split = read_losses(runs / "first2_from_zb.txt")
+    assert sorted(other_split) == [4, 5, 6]
+    assert relative_difference(other_split, {i: whole[i] for i in (4, 5, 6)}) < TOLERANCE
