@@ -719,10 +719,11 @@ def pipeline_schedule_problem(args: Args, ctx: RunContext) -> str | None:
         if args.torch_compile:
             return (f"{flag} splits each backward into input and weight gradients, which torch.distributed.pipelining "
                     "does not do for compiled stages: drop --torch-compile or choose --pipeline-schedule 1f1b")
-        if tp_size(args) > 1:
-            return (f"{flag} with --tensor-model-parallel-size {tp_size(args)}: the split backward of "
-                    "torch.distributed.pipelining is not verified with DTensor stages here; choose "
-                    "--pipeline-schedule 1f1b (interleaved with virtual stages)")
+        if tp_size(args) > 1 and layout_divides(args, ctx) and dp_size(args, ctx) > 1:
+            return (f"{flag} with --tensor-model-parallel-size {tp_size(args)} and data-parallel size "
+                    f"{dp_size(args, ctx)}: the split backward writes weight gradients past replicate()'s hooks, "
+                    "and reducing tensor-parallel gradients over data parallelism apart from them is not in "
+                    "rapidtrain; choose --pipeline-schedule 1f1b, or tensor × pipeline parallelism alone")
         if chosen_partitioning(args):
             return (f"{flag} with {', '.join(flag_name(d) for d in chosen_partitioning(args))}: the split backward "
                     "writes weight gradients itself, past FSDP2's reduce-scatter hooks; choose --pipeline-schedule "

@@ -3,7 +3,8 @@
 split (Megatron-LM's first/last stage sizes, embedding/loss accounting with virtual stages, a layout string with a
 stage holding only the loss) and schedule (GPipe, ZB-H1, interleaved ZB1P, ZBV and DualPipeV with uneven V stages)
 gives 1F1B's losses and gradient norms; so do MoE layers with experts sharded over the data-parallel ranks under zero
-bubble, and recomputed layers; a zero-bubble run resumes exactly, and its checkpoint loads into another split."""
+bubble, recomputed layers, and TP 2 × PP 2 (sequence parallel too); a zero-bubble run resumes exactly, and its
+checkpoint loads into another split."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ TOLERANCE = 1e-5  # fp32, relative
 SHAPE = "--num-layers 6 --global-batch-size 16 --train-iters 6 --log-interval 1 --pipeline-model-parallel-size 2"
 ZERO_BUBBLE = ["--pipeline-schedule", "zero-bubble"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+TP2 = ["--tensor-model-parallel-size", "2"]
 # name → flags beside the shared ones; each is compared with the reference its name says (REFERENCE below)
 RUN_FLAGS: dict[str, list[str]] = {
     "1f1b": [],
@@ -38,8 +40,14 @@ RUN_FLAGS: dict[str, list[str]] = {
     "dualpipev": ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-layout", "Et|tt|tt|tL"],
     "moe_1f1b": MOE,
     "moe_zb": MOE + ZERO_BUBBLE,
+    # TP 2 × PP 2 (no data parallelism): the split backward on DTensor stages, with and without sequence parallelism
+    "tp2_1f1b": TP2,
+    "tp2_zb": TP2 + ZERO_BUBBLE,
+    "tp2_zbv": TP2 + ["--pipeline-schedule", "zbv", "--pipeline-model-parallel-layout", "Ett|tt|t|tL"],
+    "tp2_sequence_parallel_zb": TP2 + ZERO_BUBBLE + ["--sequence-parallel"],
 }
-REFERENCE = {name: "moe_1f1b" if name.startswith("moe_") else "1f1b" for name in RUN_FLAGS}
+REFERENCE = {name: next((group + "_1f1b" for group in ("moe", "tp2") if name.startswith(group)), "1f1b")
+             for name in RUN_FLAGS}
 
 
 @pytest.fixture(scope="module")

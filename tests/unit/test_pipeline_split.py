@@ -261,7 +261,8 @@ def test_step_time_uses_the_schedules_bubble():
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
       "--decoder-first-pipeline-num-layers", "2"], "give --pipeline-model-parallel-layout instead"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble",
-      "--tensor-model-parallel-size", "2"], "--pipeline-schedule zero-bubble with --tensor-model-parallel-size 2"),
+      "--tensor-model-parallel-size", "2"], "--pipeline-schedule zero-bubble with --tensor-model-parallel-size 2 "
+                                            "and data-parallel size 2"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--torch-compile"],
      "drop --torch-compile"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--enable-zbh1-exact-semantics"],
@@ -271,7 +272,7 @@ def test_step_time_uses_the_schedules_bubble():
       "--num-virtual-stages-per-pipeline-rank", "4"], "runs exactly two stages per pipeline rank"),
 ])
 def test_the_rules_refuse_what_cannot_run(flags, words):
-    world = 4 if "--tensor-model-parallel-size" in flags else 2
+    world = 8 if "--tensor-model-parallel-size" in flags else 2
     assert words in refusal(flags + ["--global-batch-size", "8"], world)
 
 
