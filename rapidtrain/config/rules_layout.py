@@ -149,7 +149,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "pipeline-schedule", ("--pipeline-schedule", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
         "The pipeline schedule fits the layout: ZBV and DualPipeV run two stages per rank (DualPipeV at least as "
         "many micro-batches as stages); the split-backward schedules (zero bubble, ZBV, DualPipeV) run without "
-        "torch.compile, tensor parallelism or FSDP2.",
+        "torch.compile, FSDP2, or tensor parallelism beside data parallelism.",
         lambda a, c: pipeline_schedule_problem(a, c) is not None,
         lambda a, c: str(pipeline_schedule_problem(a, c)),
     ),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.parallel_runs import RUNS, gpt_flags
+from tests.distributed.parallel_runs import RUNS, gpt_flags, train_here
 from tests.launch import read_grad_norms, read_losses, relative_difference, torchrun
 
 TOLERANCE = 1e-5  # fp32, relative
@@ -21,6 +21,9 @@ SHAPE = "--num-layers 6 --global-batch-size 16 --train-iters 6 --log-interval 1 
 ZERO_BUBBLE = ["--pipeline-schedule", "zero-bubble"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2"]
 TP2 = ["--tensor-model-parallel-size", "2"]
+# 5 layers + 2 embeddings (the tied head an EmbeddingPipe) balanced over 2 stages: (3, 2)
+BLOOM = ("--num-layers 5 --global-batch-size 16 --train-iters 4 --log-interval 1 --position-embedding-type alibi "
+         "--embed-layernorm --checkpoint-activations --pp-partition-method type:transformer|embedding").split()
 # name → flags beside the shared ones; each is compared with the reference its name says (REFERENCE below)
 RUN_FLAGS: dict[str, list[str]] = {
     "1f1b": [],
@@ -62,6 +65,12 @@ def runs(tmp_path_factory, demo_data) -> Path:
     # the zero-bubble checkpoint of the even split, loaded by the first-stage-of-2 split under 1F1B
     launch.append(shared + ["--decoder-first-pipeline-num-layers", "2", "--load", str(saved),
                             "--loss-log-file", str(out / "first2_from_zb.txt")])
+    # A tiny BLOOM (ALiBi, embedding LayerNorm, recompute) split as BigScience's run splits it, against one process
+    bloom = gpt_flags(demo_data) + BLOOM
+    train_here(bloom + ["--loss-log-file", str(out / "bloom_single.txt")])
+    launch.append(bloom + ["--pipeline-model-parallel-size", "2", "--loss-log-file", str(out / "bloom_pp2.txt")])
+    launch.append(bloom + ["--pipeline-model-parallel-size", "2", *ZERO_BUBBLE,
+                           "--loss-log-file", str(out / "bloom_zb.txt")])
     (out / "runs.json").write_text(json.dumps(launch))
     result = torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800, warm=True)
     (out / "launch.log").write_text(result.stdout)
@@ -109,3 +118,14 @@ def test_zero_bubble_has_1f1b_exact_semantics(runs):
     order, so the weight gradients accumulate as under 1F1B and the losses and norms are 1F1B's bit for bit."""
     one_f_one_b = (runs / "exact_1f1b.txt").read_text()
     assert one_f_one_b.count("\n") == 3 and (runs / "exact_zbh1.txt").read_text() == one_f_one_b
+
+
+@pytest.mark.slow
+def test_a_tiny_bloom_trains_on_deepspeeds_split(runs):
+    """BigScience's split (--pp-partition-method type:transformer|embedding) of a 5-layer BLOOM-style model over
+    PP 2 × DP 2, under 1F1B and zero bubble, reproduces one process's losses."""
+    assert "uneven split, transformer layers per stage 3, 2" in (runs / "launch.log").read_text()
+    single = read_losses(runs / "bloom_single.txt")
+    assert sorted(single) == [1, 2, 3, 4]
+    for name in ("bloom_pp2", "bloom_zb"):
+        assert relative_difference(read_losses(runs / f"{name}.txt"), single) < TOLERANCE, name
