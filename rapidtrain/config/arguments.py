@@ -420,7 +420,8 @@ def _add_parallelism(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="Tensor-parallel size: Megatron column/row splits by DTensor parallelize_module.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="Pipeline stages split by layers: torch.distributed.pipelining, 1F1B schedule.")
+                   help="Pipeline stages split by layers: torch.distributed.pipelining, the schedule of "
+                        "--pipeline-schedule (1F1B by default), evenly unless a split flag says otherwise.")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="Interleaved schedules: layers per virtual stage (virtual stages per rank = layers per "
                         "pipeline rank / this).")
