@@ -724,6 +724,12 @@ def pipeline_schedule_problem(args: Args, ctx: RunContext) -> str | None:
                     f"{dp_size(args, ctx)}: the split backward writes weight gradients past replicate()'s hooks, "
                     "and reducing tensor-parallel gradients over data parallelism apart from them is not in "
                     "rapidtrain; choose --pipeline-schedule 1f1b, or tensor × pipeline parallelism alone")
+        from rapidtrain.config.resolve import mtp_depths
+
+        if mtp_depths(args):
+            return (f"{flag} with --mtp-num-layers {mtp_depths(args)}: the multi-token prediction loss takes a "
+                    "backward of its own through the last stage, which the split backward (input, then weight "
+                    "gradients) has already freed (measured: torch stops on it); choose --pipeline-schedule 1f1b")
         if chosen_partitioning(args):
             return (f"{flag} with {', '.join(flag_name(d) for d in chosen_partitioning(args))}: the split backward "
                     "writes weight gradients itself, past FSDP2's reduce-scatter hooks; choose --pipeline-schedule "

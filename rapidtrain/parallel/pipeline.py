@@ -132,6 +132,9 @@ def stage_view(model: nn.Module, stage: int, split: Sequence[int]) -> nn.Module:
         elif name in FIRST_STAGE_PARTS and stage != 0 or name in LAST_STAGE_PARTS and stage != num_stages - 1:
             child = None
         setattr(view, name, child)
+    for name in FIRST_STAGE_PARTS + LAST_STAGE_PARTS:  # parts the model holds as None (BERT without its binary
+        if name not in view._modules and hasattr(model, name):  # head): plain attributes its forward reads
+            setattr(view, name, None)
     view.train(model.training)
     return view
 

@@ -139,3 +139,19 @@ def test_head_copy_is_saved_under_the_embedding_name():
     assert set(renamed["state"]) == {"embedding.word_embeddings.weight", "layers.2.ln1.weight"}
     assert renamed["param_groups"][0]["params"][0] == "embedding.word_embeddings.weight"
     assert _rename(renamed, "embedding.word_embeddings.weight", "output.weight") == state
+
+
+def test_a_v_shaped_rank_runs_its_first_and_last_stage_as_views_of_one_model():
+    """ZBV/DualPipeV put stages 0 and 3 of 4 on pipeline rank 0: one model keeps the embedding and the head (the tied
+    weight shared, no copy), its views run one stage each; a BERT without its binary head keeps that attribute None
+    in the head's view (its forward reads it)."""
+    split = (1, 1, 1, 1)
+    model = keep_stages(small_gpt(), [0, 3], split)
+    first, last = (stage_view(model, stage, split) for stage in (0, 3))
+    assert list(first.layers) == ["0"] and first.output is None and last.embedding is None
+    assert last.output.weight is first.embedding.word_embeddings.weight  # tied within the rank
+    assert [name for name, _ in tied_copies(model)] == ["embedding.word_embeddings.weight"]
+    hidden = first(torch.zeros(1, 8, dtype=torch.long))
+    assert last(hidden).shape == (1, 8, 32)  # logits
+    bert = keep_stages(small_gpt(model_type="bert", bert_binary_head=False), [0, 3], split)
+    assert stage_view(bert, 3, split).binary_head is None

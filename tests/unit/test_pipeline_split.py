@@ -265,6 +265,8 @@ def test_step_time_uses_the_schedules_bubble():
                                             "and data-parallel size 2"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--torch-compile"],
      "drop --torch-compile"),
+    (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+      "--position-embedding-type", "rope", "--mtp-num-layers", "1"], "choose --pipeline-schedule 1f1b"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--enable-zbh1-exact-semantics"],
      "--enable-zbh1-exact-semantics tunes the zero-bubble schedule"),
     (["--num-layers", "8", "--pipeline-schedule", "zbv"], "needs --pipeline-model-parallel-size ≥ 2"),
