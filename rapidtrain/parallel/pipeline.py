@@ -44,9 +44,10 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 from torch.distributed.tensor import DTensor
 
-from rapidtrain.config.pipeline_split import SPLIT_BACKWARD, rank_of_stage, stages_of_rank
+from rapidtrain.config.pipeline_split import SPLIT_BACKWARD, V_SHAPED, rank_of_stage, stages_of_rank
 from rapidtrain.config.settings import Layout, Plan, even_split
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
@@ -231,14 +232,17 @@ def pipeline_runner(
         data_parallel_group=mesh.group("dp") if schedule_name in SPLIT_BACKWARD else None,
     )
 
-    def make_schedule(micro_batches: int) -> Any:
+    def make_schedule(micro_batches: int, evaluation: bool = False) -> Any:
         pipeline_stages = [
             Stage(module, stage, num_stages, device, group=pipeline_group)
             for module, stage in zip(stage_modules, stages, strict=True)
         ]
+        if evaluation:
+            return v_forward_schedule(pipeline_stages, micro_batches, runner.microbatch_loss)
         return build_schedule(pipeline_stages, micro_batches, runner.microbatch_loss, schedule_name)
 
     runner.make_schedule = make_schedule
+    runner.evaluates_apart = schedule_name in V_SHAPED
     runner.schedule = runner.schedule_for(plan.batches.accumulation_steps)
     return runner
 
@@ -302,6 +306,26 @@ def build_schedule(stages: Sequence[PipelineStage], micro_batches: int, loss_fn:
         return ScheduleInterleaved1F1B(list(stages), micro_batches, **kwargs)
     single = Schedule1F1B if schedule == "1f1b" and micro_batches >= stages[0].num_stages else ScheduleGPipe
     return single(stages[0], micro_batches, **kwargs)
+
+
+def v_forward_schedule(stages: Sequence[PipelineStage], micro_batches: int, loss_fn: Callable) -> Any:
+    """Evaluation on a V (ZBV, DualPipeV): torch's V schedules keep their backward actions in `eval` (measured:
+    ZBV stops on "can't steal_bwd_input"), so evaluation runs forwards alone on the same stages: each rank takes
+    micro-batch i through its first stage r, then its second stage 2P-1-r (which waits for the ranks below it).
+    torch's schedule lowering validates a backward per micro-batch, so the V's stage → rank map is set here and
+    torch's _add_send_recv adds the communication."""
+    from torch.distributed.pipelining.schedules import _add_send_recv
+
+    schedule = _PipelineScheduleRuntime(list(stages), micro_batches, loss_fn=loss_fn, scale_grads=False)
+    p, forward = stages[0].group_size, _ComputationType.FORWARD
+    to_rank = {stage: rank_of_stage(stage, p, "zbv") for stage in range(2 * p)}
+    schedule.stage_index_to_group_rank = to_rank
+    for stage in stages:
+        stage.stage_index_to_group_rank = to_rank
+    order = {rank: [_Action(stage, forward, i) for i in range(micro_batches) for stage in (rank, 2 * p - 1 - rank)]
+             for rank in range(p)}
+    schedule.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=to_rank.__getitem__, num_stages=2 * p)
+    return schedule
 
 
 # ---- running whole iterations ----
@@ -382,7 +406,8 @@ class PipelineRunner(TorchRunner):
     data_parallel_group: dist.ProcessGroup | None = None
     schedule: Any = None
     # A schedule for another number of micro-batches (a batch-size ramp-up changes it between iterations).
-    make_schedule: Callable[[int], Any] | None = None
+    make_schedule: Callable[..., Any] | None = None
+    evaluates_apart: bool = False  # evaluation runs a forward-only schedule of its own (the V schedules)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -391,7 +416,7 @@ class PipelineRunner(TorchRunner):
         self._loss_sums: dict[int, torch.Tensor] = {}
         self._counts: dict[int, Any] = {}
         self._reported: dict[int, dict[str, torch.Tensor]] = {}
-        self._schedules: dict[int, Any] = {}
+        self._schedules: dict[tuple[int, bool], Any] = {}
         self._scale: torch.Tensor | float = 1.0
         self._targets: torch.Tensor | None = None  # the micro-batch indices the schedule splits
         copies = tied_copies(self.module)
@@ -435,7 +460,7 @@ class PipelineRunner(TorchRunner):
         recorded = [_record_micro_batch(forward_step, batch, names) for batch in micro_batches]
         self._loss_fns = [loss_fn for _, loss_fn in recorded]
         self._loss_sums, self._counts, self._reported = {}, {}, {}
-        schedule = self.schedule_for(len(micro_batches))
+        schedule = self.schedule_for(len(micro_batches), evaluation=not train)
         self._scale = scale if scale is not None else 1.0 / len(micro_batches)
         args, kwargs = _concatenate([call for call, _ in recorded])
         args = args if self.is_first else ()  # later stages take their input from the previous stage
@@ -446,13 +471,15 @@ class PipelineRunner(TorchRunner):
             else:
                 schedule.eval(*args, target=target, **kwargs)
 
-    def schedule_for(self, micro_batches: int) -> Any:
-        """The schedule for this many micro-batches (its stages built for it), kept for later iterations."""
-        if micro_batches not in self._schedules:
+    def schedule_for(self, micro_batches: int, evaluation: bool = False) -> Any:
+        """The schedule for this many micro-batches (its stages built for it), kept for later iterations; for
+        evaluation, the training one unless the layout evaluates apart."""
+        key = (micro_batches, evaluation and self.evaluates_apart)
+        if key not in self._schedules:
             if self.make_schedule is None:
                 return self.schedule
-            self._schedules[micro_batches] = self.make_schedule(micro_batches)
-        return self._schedules[micro_batches]
+            self._schedules[key] = self.make_schedule(*key)
+        return self._schedules[key]
 
     def forward_backward(
         self, micro_batches: list[Any], forward_step: Callable, global_tokens: torch.Tensor | int | None

@@ -75,10 +75,13 @@ def runs(tmp_path_factory, demo_data) -> Path:
     result = torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800, warm=True)
     (out / "launch.log").write_text(result.stdout)
     # PP 2 alone (no data-parallel reduction, whose order DDP and the runner choose apart): 1F1B against ZB-H1
-    exact = [shared + flags + ["--train-iters", "3", "--loss-log-file", str(out / f"exact_{name}.txt")]
-             for name, flags in (("1f1b", []), ("zbh1", ["--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"]))]
+    # evaluation too (validation at iteration 3, the test set at the end), which the V schedules run forward-only
+    exact = [shared + flags + ["--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
+                               "--loss-log-file", str(out / f"exact_{name}.txt")]
+             for name, flags in (("1f1b", []), ("zbh1", ["--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"]),
+                                 ("zbv", RUN_FLAGS["zbv"]))]
     (out / "exact.json").write_text(json.dumps(exact))
-    torchrun(2, RUNS, [str(out / "exact.json")], timeout=900, warm=True)
+    (out / "exact.log").write_text(torchrun(2, RUNS, [str(out / "exact.json")], timeout=900, warm=True).stdout)
     return out
 
 
@@ -129,3 +132,14 @@ def test_a_tiny_bloom_trains_on_deepspeeds_split(runs):
     assert sorted(single) == [1, 2, 3, 4]
     for name in ("bloom_pp2", "bloom_zb"):
         assert relative_difference(read_losses(runs / f"{name}.txt"), single) < TOLERANCE, name
+
+
+@pytest.mark.slow
+def test_v_schedules_evaluate_as_1f1b(runs):
+    """Evaluation under ZBV (a forward-only schedule over its V stages): the validation and test losses printed are
+    1F1B's, and so are ZB-H1's."""
+    sections = (runs / "exact.log").read_text().split("rapidtrain plan —")[1:]
+    values = [[line.split("lm loss value:")[1].split("|")[0].strip() for line in section.splitlines()
+               if "lm loss value:" in line] for section in sections]
+    assert len(values) == 3 and len(values[0]) == 2
+    assert values[1] == values[0] and values[2] == values[0]
