@@ -285,6 +285,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
     p = layout.pipeline_parallel_size
     # layers per rank: the same on each, or an uneven split's (config/pipeline_split.py)
     per_rank = layout.layers_per_rank(model.num_layers) if layout.stage_layers else [model.num_layers // p] * p
+    head_rank = layout.head_rank()  # the last stage's rank: p - 1, or 0 on a V (ZBV, DualPipeV)
     stages = []
     for stage in range(p):
         per_stage, start = per_rank[stage], sum(per_rank[:stage])
@@ -304,7 +305,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             copies = per_stage * weight_copy_bytes(model, layout, act)
             again = recomputed_again(model, micro, layout, act, recompute.granularity) if recomputed else 0.0
             working = backward_working_bytes(model, micro, layout, act)
-        if stage == p - 1 and model.mtp_num_layers and model.model_type == "gpt":
+        if stage == head_rank and model.mtp_num_layers and model.model_type == "gpt":
             # multi-token prediction's depths run after the last layer: each keeps a layer of the last layer's kind,
             # its [s, b, 2h] concatenated input, the embeddings of the tokens ahead, and its own head and loss's
             # tensors (as the main head's forward keeps them: its loss is computed before the main one's backward)
@@ -318,7 +319,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)
         at_loss = 0.0
-        if stage == p - 1:
+        if stage == head_rank:
             temporary = head_gradient_is_a_temporary(model, micro_batches, layout, act)
             at_loss = head_bytes(model, micro, layout, act, backward=True, weight_gradient_is_a_temporary=temporary)
         total += max(again + working, at_loss)

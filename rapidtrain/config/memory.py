@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int,
-                           layers_per_rank: list[int] | None = None) -> list[float]:
+                           layers_per_rank: list[int] | None = None, head_rank: int = -1) -> list[float]:
     """Each pipeline stage's parameters over the average stage's (the model's total / p): the first stage holds
     the embeddings, the last the final norm and the head (with tied embeddings, beyond one stage, its own copy
     of the word embedding), the others only their layers — the same number each, or `layers_per_rank` of an
@@ -51,7 +51,9 @@ def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int,
     else:
         shares = [outside / pipeline_parallel / average] * pipeline_parallel
     shares[0] += embedding / average
-    shares[-1] += head / average
+    if head_rank % pipeline_parallel == 0 and model.tie_embeddings:  # a V: the head shares the embedding itself
+        head -= model.vocab_size * model.hidden_size
+    shares[head_rank] += head / average  # the last stage's rank (rank 0 on a V schedule)
     return shares
 
 
@@ -96,7 +98,7 @@ def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batc
     """`memory` with each pipeline stage's model states and activations, and the largest rank's peak."""
     activations = stage_activation_bytes(model, micro, micro_batches, layout, act, recompute)
     shares = stage_parameter_shares(model, layout.pipeline_parallel_size, layout.layers_per_rank(model.num_layers)
-                                    if layout.stage_layers else None)
+                                    if layout.stage_layers else None, layout.head_rank())
     # What the engine holds per stage where it is known (FSDP2's gathered parameters), else in proportion.
     engine = memory.engine_bytes_by_stage or tuple(memory.engine_bytes * share for share in shares)
     # FSDP2 accumulates whole gradients until the last micro-batch's backward reduce-scatters them (measured: the

@@ -163,6 +163,11 @@ class Layout:
         start = sum(counts[:stage])
         return range(start, start + counts[stage])
 
+    def head_rank(self) -> int:
+        """The pipeline rank of the last stage (the head and the loss): the last rank, or the first on a V."""
+        p = self.pipeline_parallel_size
+        return rank_of_stage(p * self.virtual_pipeline_stages - 1, p, self.pipeline_schedule)
+
     def layers_per_rank(self, num_layers: int) -> list[int]:
         """Transformer layers each pipeline rank holds (all its stages)."""
         p = self.pipeline_parallel_size

@@ -214,6 +214,11 @@ def test_v_schedules_put_stages_r_and_2p_minus_1_minus_r_on_rank_r():
     text = describe_plan(planned)
     assert "rank 0: stage 0 embedding + layers 0–1 (2), stage 3 layers 6–7 + head (2)" in text
     assert "zero bubble V (ZBV), 2 stages per rank in a V" in text
+    # memory: rank 0 holds the embedding and the head (sharing the tied weight), rank 1 layers alone
+    assert planned.layout.head_rank() == 0
+    states = planned.memory.stage_state_bytes
+    one_f_one_b = plan_of(["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], 2)
+    assert states[1] < states[0] and states[1] < min(one_f_one_b.memory.stage_state_bytes)
 
 
 @pytest.mark.parametrize(("flags", "title"), [
