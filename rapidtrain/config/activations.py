@@ -312,25 +312,29 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
     layer being recomputed with backward's working set in it and (last stage) the head's tensors at the loss's
     backward; on the first stage at least the word embedding's gradient."""
     p = layout.pipeline_parallel_size
-    per_stage = model.num_layers // p
-    recomputed = len(recompute.layers_of(per_stage)) if recompute.enabled else 0
+    # layers per rank: the same on each, or an uneven split's (config/pipeline_split.py)
+    per_rank = layout.layers_per_rank(model.num_layers) if layout.stage_layers else [model.num_layers // p] * p
+    head_rank = layout.head_rank()  # the last stage's rank: p - 1, or 0 on a V (ZBV, DualPipeV)
     stages = []
     for stage in range(p):
+        per_stage, start = per_rank[stage], sum(per_rank[:stage])
+        recomputed = len(recompute.layers_of(per_stage)) if recompute.enabled else 0
         if model.num_experts:  # layer kinds differ: count each layer (MoE models have tens of layers)
-            kinds = model.num_experts[stage * per_stage:(stage + 1) * per_stage]
+            kinds = model.num_experts[start:start + per_stage]
             layers = sum(layer_bytes(model, micro, layout, act, recompute.granularity if i < recomputed else "none",
                                      experts) for i, experts in enumerate(kinds))
             copies = sum(weight_copy_bytes(model, layout, act, experts) for experts in kinds)
             again = max((recomputed_again(model, micro, layout, act, recompute.granularity, experts)
                          for experts in kinds[:recomputed]), default=0.0)
-            working = max(backward_working_bytes(model, micro, layout, act, experts) for experts in kinds)
+            working = max((backward_working_bytes(model, micro, layout, act, experts) for experts in kinds),
+                          default=0.0)
         else:  # dense: two kinds at most, counted by arithmetic (a plan of 10^8 layers answers at once)
             layers = recomputed * layer_bytes(model, micro, layout, act, recompute.granularity) \
                 + (per_stage - recomputed) * layer_bytes(model, micro, layout, act)
             copies = per_stage * weight_copy_bytes(model, layout, act)
             again = recomputed_again(model, micro, layout, act, recompute.granularity) if recomputed else 0.0
             working = backward_working_bytes(model, micro, layout, act)
-        if stage == p - 1 and model.mtp_num_layers and model.model_type == "gpt":
+        if stage == head_rank and model.mtp_num_layers and model.model_type == "gpt":
             # multi-token prediction's depths run after the last layer: each keeps a layer of the last layer's kind,
             # its [s, b, 2h] concatenated input, the embeddings of the tokens ahead, and its own head and loss's
             # tensors (as the main head's forward keeps them: its loss is computed before the main one's backward)
@@ -344,7 +348,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
         if stage == 0:
             total += min(p, micro_batches) * embedding_bytes(model, micro, layout, act)
         at_loss = 0.0
-        if stage == p - 1:
+        if stage == head_rank:
             temporary = head_gradient_is_a_temporary(model, micro_batches, layout, act)
             at_loss = head_bytes(model, micro, layout, act, backward=True, weight_gradient_is_a_temporary=temporary)
         total += max(again + working + context_exchange_bytes(model, micro, layout, act), at_loss)

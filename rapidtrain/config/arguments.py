@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 # The tokenizer module owns the list of types (it imports only the standard library at load time).
 from rapidtrain.config.flag_parser import FlagParser
+from rapidtrain.config.pipeline_split import SCHEDULES
 from rapidtrain.config.settings import MEGATRON_TASKS
 from rapidtrain.data.tokenizer import TOKENIZER_TYPES
 from rapidtrain.optim.muon import MUON_SCALE_MODES
@@ -425,9 +426,46 @@ def _add_parallelism(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="Tensor-parallel size: Megatron column/row splits by DTensor parallelize_module.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="Pipeline stages split by layers: torch.distributed.pipelining, 1F1B schedule.")
+                   help="Pipeline stages split by layers: torch.distributed.pipelining, the schedule of "
+                        "--pipeline-schedule (1F1B by default), evenly unless a split flag says otherwise.")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="Interleaved 1F1B: layers per virtual stage.")
+                   help="Interleaved schedules: layers per virtual stage (virtual stages per rank = layers per "
+                        "pipeline rank / this).")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="Interleaved schedules: model chunks (virtual stages) per pipeline rank, Megatron-Core's "
+                        "form of --num-layers-per-virtual-pipeline-stage.")
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
+                   help="The pipeline schedule (torch.distributed.pipelining): 1f1b (interleaved with virtual "
+                        "stages; GPipe when there are fewer micro-batches than stages), gpipe, zero-bubble (ZB-H1; "
+                        "the interleaved ZB1P with virtual stages: backward split into input and weight gradients, "
+                        "weight passes filling the bubble), zbv (zero bubble V: two stages per rank in a V), "
+                        "dualpipev (DeepSeek's DualPipeV, two stages per rank in a V). Default 1f1b.")
+    g.add_argument("--enable-zbh1-pipeline", action="store_true",
+                   help="Megatron-DeepSpeed's zero-bubble ZB-H1 schedule: --pipeline-schedule zero-bubble.")
+    g.add_argument("--enable-zbh1-exact-semantics", action="store_true",
+                   help="Megatron-DeepSpeed's ZB-H1 with 1F1B's order of weight-gradient accumulation: torch's "
+                        "zero-bubble schedules run each stage's weight passes in micro-batch order, so "
+                        "--pipeline-schedule zero-bubble has it always (needs --enable-zbh1-pipeline).")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Megatron-LM's uneven split: transformer layers on the first pipeline rank (over its virtual "
+                        "stages equally); the middle ranks share the rest equally.")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Megatron-LM's uneven split: transformer layers on the last pipeline rank.")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Megatron-LM: the embedding counts as a layer of the pipeline split, so the first stage "
+                        "holds one transformer layer fewer.")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Megatron-LM: the loss (final norm and head) counts as a layer of the pipeline split, so the "
+                        "last stage holds one transformer layer fewer.")
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="Megatron-Core's explicit layout: each stage's parts, E embedding, t transformer layer, m MTP "
+                        "depth, L loss, '|' between stages (virtual stages after the P ranks' first), 'x*n' and "
+                        "'(...)*n' repeat, e.g. 'Et*3|(tt|)*29,m|L'.")
+    g.add_argument("--pp-partition-method", default=None,
+                   help="DeepSpeed's PipelineModule partitioning over Megatron-DeepSpeed's GPT layer list (cast, "
+                        "embedding, layers, final norm, head): uniform (items evenly), parameters (balanced by "
+                        "parameter counts), type:REGEX (balanced by the items whose class name matches, e.g. "
+                        "type:transformer|embedding, BLOOM's).")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Shard norms and dropout along the sequence over tensor-parallel ranks (DTensor).")
 

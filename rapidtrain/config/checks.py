@@ -163,7 +163,7 @@ def batch_schedule_misfits(args: Args, ctx: RunContext) -> list[int]:
     if schedule is None:
         return []
     per_step = args.micro_batch_size * dp_size(args, ctx)
-    if args.num_layers_per_virtual_pipeline_stage and pp_size(args) > 1:
+    if pp_size(args) > 1 and interleaved(args):
         per_step *= pp_size(args)
     final = args.global_batch_size or per_step
     return [size for size in schedule.sizes(final) if size % per_step]
@@ -657,3 +657,81 @@ def pad_vocab_problem(args: Args) -> str | None:
         return None
     return (f"--pad-vocab-size-to {wanted} is smaller than the tokenizer's vocabulary of {vocab} ids "
             f"(--tokenizer-type {settings.tokenizer_type if settings else ''}); give at least {vocab}")
+
+
+def interleaved(args: Args) -> bool:
+    """Several loop-ordered stages per rank under 1F1B: Megatron's interleaving, in rounds of P micro-batches."""
+    from rapidtrain.config.resolve import pipeline_schedule_of, virtual_stages_of
+
+    return virtual_stages_of(args) > 1 and pipeline_schedule_of(args) == "1f1b"
+
+
+def pipeline_split_problem(args: Args) -> str | None:
+    """Why the flags' pipeline split cannot be made (config/pipeline_split.py names the flags and numbers)."""
+    from rapidtrain.config.pipeline_split import SplitError
+    from rapidtrain.config.resolve import pipeline_split_of
+
+    if args.num_layers < 1 or pp_size(args) < 1:
+        return None
+    try:
+        pipeline_split_of(args)
+    except SplitError as error:
+        return str(error)
+    return None
+
+
+def pipeline_schedule_problem(args: Args, ctx: RunContext) -> str | None:
+    """Why the pipeline schedule the flags ask for cannot run this layout (None: it can)."""
+    from rapidtrain.config.pipeline_split import SPLIT_BACKWARD, V_SHAPED
+    from rapidtrain.config.resolve import pipeline_schedule_of, virtual_stages_of
+
+    schedule, pp = pipeline_schedule_of(args), pp_size(args)
+    flag = f"--pipeline-schedule {schedule}" if args.pipeline_schedule else "--enable-zbh1-pipeline"
+    if args.enable_zbh1_pipeline and args.pipeline_schedule not in (None, "zero-bubble"):
+        return (f"--enable-zbh1-pipeline asks for the zero-bubble schedule, --pipeline-schedule "
+                f"{args.pipeline_schedule} for another: give one")
+    if args.enable_zbh1_exact_semantics and schedule != "zero-bubble":
+        return ("--enable-zbh1-exact-semantics tunes the zero-bubble schedule: give --enable-zbh1-pipeline (or "
+                "--pipeline-schedule zero-bubble) with it, or drop it")
+    if schedule == "1f1b":
+        return None
+    if pp < 2:
+        return f"{flag} schedules pipeline stages: it needs --pipeline-model-parallel-size ≥ 2 (it is {pp})"
+    virtual_flags = [name for name, given in (
+        ("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage),
+        ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank)) if given]
+    if schedule in V_SHAPED and virtual_flags:
+        named = virtual_stages_of(args)
+        if args.num_virtual_stages_per_pipeline_rank not in (None, 2) or (
+                args.num_layers_per_virtual_pipeline_stage and named != 2 and not args.pipeline_model_parallel_layout):
+            return (f"{flag} runs exactly two stages per pipeline rank (a V); {' and '.join(virtual_flags)} ask(s) "
+                    "for another number: drop it")
+    if schedule == "gpipe" and virtual_stages_of(args) > 1:
+        return f"{flag} runs one stage per pipeline rank: drop the virtual stages or choose 1f1b / zero-bubble"
+    steps = accumulation_steps(args, ctx)
+    if schedule == "dualpipev" and steps is not None and steps < 2 * pp:
+        return (f"{flag} needs at least as many micro-batches per iteration as stages (2 × --pipeline-model-parallel-"
+                f"size {pp} = {2 * pp}); the batch flags give {steps}. Raise --global-batch-size.")
+    if schedule == "zero-bubble" and steps is not None and steps % max(1, steps // pp):
+        return (f"{flag} runs micro-batches in rounds of --pipeline-model-parallel-size {pp}: {steps} micro-batches "
+                f"per iteration are not a whole number of rounds. Make them a multiple of {pp}.")
+    if schedule in SPLIT_BACKWARD:
+        if args.torch_compile:
+            return (f"{flag} splits each backward into input and weight gradients, which torch.distributed.pipelining "
+                    "does not do for compiled stages: drop --torch-compile or choose --pipeline-schedule 1f1b")
+        if tp_size(args) > 1 and layout_divides(args, ctx) and dp_size(args, ctx) > 1:
+            return (f"{flag} with --tensor-model-parallel-size {tp_size(args)} and data-parallel size "
+                    f"{dp_size(args, ctx)}: the split backward writes weight gradients past replicate()'s hooks, "
+                    "and reducing tensor-parallel gradients over data parallelism apart from them is not in "
+                    "rapidtrain; choose --pipeline-schedule 1f1b, or tensor × pipeline parallelism alone")
+        from rapidtrain.config.resolve import mtp_depths
+
+        if mtp_depths(args):
+            return (f"{flag} with --mtp-num-layers {mtp_depths(args)}: the multi-token prediction loss takes a "
+                    "backward of its own through the last stage, which the split backward (input, then weight "
+                    "gradients) has already freed (measured: torch stops on it); choose --pipeline-schedule 1f1b")
+        if chosen_partitioning(args):
+            return (f"{flag} with {', '.join(flag_name(d) for d in chosen_partitioning(args))}: the split backward "
+                    "writes weight gradients itself, past FSDP2's reduce-scatter hooks; choose --pipeline-schedule "
+                    "1f1b or plain data parallelism")
+    return None

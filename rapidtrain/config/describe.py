@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rapidtrain.config.memory import mib_text
+from rapidtrain.config.pipeline_split import stages_of_rank
 from rapidtrain.config.settings import (
     DataSettings,
     Layout,
@@ -80,6 +81,8 @@ def describe_plan(plan: Plan) -> str:
     ]
     if lay.world_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1):
         lines += _rank_lines(lay)
+    if lay.pipeline_parallel_size > 1 and plan.model is not None:
+        lines += pipeline_stage_lines(lay, plan.model.num_layers, plan.model.mtp_num_layers)
     lines += [
         *([f"  micro batch: {bat.micro_batch_choice}"] if bat.micro_batch_choice else []),
         f"  batches: micro {bat.micro_batch_size} × accumulation steps {bat.accumulation_steps} × data parallel "
@@ -255,6 +258,34 @@ def _ranks(group: list[int]) -> str:
         return str(group)
     stride = group[1] - group[0]
     return f"[{group[0]}, {group[1]}, …, {group[-1]}] (stride {stride})"
+
+
+def pipeline_stage_lines(layout: Layout, num_layers: int, mtp_layers: int = 0) -> list[str]:
+    """Each pipeline rank's stages and the transformer layers of each (the full model's layer numbers), the
+    embedding on the first stage and the head (with any MTP depths) on the last; ranks between alike elided when
+    there are many."""
+    p, v = layout.pipeline_parallel_size, layout.virtual_pipeline_stages
+    last = p * v - 1
+
+    def stage_text(stage: int) -> str:
+        layers = layout.layers_of_stage(stage, num_layers)
+        parts = ["embedding"] if stage == 0 else []
+        if len(layers):
+            parts.append(f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}–{layers[-1]}")
+        if stage == last:
+            parts.append(f"{mtp_layers} MTP depth(s) + head" if mtp_layers else "head")
+        return f"stage {stage} " + " + ".join(parts) + f" ({len(layers)})"
+
+    counts = layout.stage_layers or (num_layers // (p * v),) * (p * v)
+    even = len(set(counts)) == 1
+    rows = [f"      rank {r}: " + ", ".join(stage_text(s) for s in stages_of_rank(r, p, v, layout.pipeline_schedule))
+            for r in range(p)]
+    if len(rows) > 8:
+        rows = rows[:3] + [f"      … ranks 3–{p - 3} alike in form"] + rows[-2:]
+    split = f"even split, {counts[0]} transformer layers per stage" if even \
+        else f"uneven split, transformer layers per stage {', '.join(map(str, counts))}"
+    head = f"    pipeline stages ({split}; layer names stay the full model's, so checkpoints reshard):"
+    return [head, *rows]
 
 
 # What MemoryEstimate.engine_bytes holds, by engine (config/memory.py).

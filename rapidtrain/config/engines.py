@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from rapidtrain.config.memory import expert_second_dims, experts_sharded_by_fsdp2
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
+from rapidtrain.config.pipeline_split import SPLIT_BACKWARD, V_SHAPED, bubble_fraction, schedule_title
 from rapidtrain.config.resolve import (
     attention_settings,
     is_pretraining,
@@ -120,15 +121,30 @@ def describe_compile(args: argparse.Namespace) -> str:
 
 
 def pipeline_schedule(layout: Layout, micro_batches: int) -> str:
-    """The schedule parallel/pipeline.py runs, named by what it is, with the micro-batches and stages."""
+    """The schedule parallel/pipeline.py runs, named by what it is, with the micro-batches, stages and bubble."""
     p, v, m = layout.pipeline_parallel_size, layout.virtual_pipeline_stages, micro_batches
-    if v > 1:
-        return (f"interleaved 1F1B, {v} model chunks per rank, {m} micro-batches over {p} stages "
-                f"(bubble (p - 1)/(v·m) = {(p - 1) / (v * m):.1%})")
-    if m >= p:
-        return f"1F1B, {m} micro-batches over {p} stages (bubble (p - 1)/m = {(p - 1) / m:.1%})"
-    return (f"GPipe, {m} micro-batches over {p} stages (1F1B needs at least as many micro-batches as stages; "
-            f"bubble (p - 1)/m = {(p - 1) / m:.0%})")
+    schedule = running_schedule(layout, micro_batches)
+    bubble = bubble_fraction(schedule, p, m, v)
+    title = schedule_title(schedule, v)
+    chunks = f", {v} model chunks per rank" if v > 1 else ""
+    if schedule in V_SHAPED:
+        chunks = ", 2 stages per rank in a V (rank r runs stages r and 2p-1-r)"
+    formula = {"1f1b": "(p - 1)/(v·m)" if v > 1 else "(p - 1)/m", "gpipe": "(p - 1)/m"}.get(
+        schedule, "(p - 1)/(3·v·m)" if bubble < (p - 1) / (v * m) else "(p - 1)/(v·m), too few micro-batches to fill")
+    why = (" (1F1B needs at least as many micro-batches as stages)" if schedule == "gpipe"
+           and layout.pipeline_schedule == "1f1b" else "")
+    split = ("; backward split into input and weight gradients (torch's stage_backward_input / _weight)"
+             if schedule in SPLIT_BACKWARD else "")
+    return (f"{title}{chunks}, {m} micro-batches over {p} ranks{why} (bubble {formula} = {bubble:.1%}){split}")
+
+
+def running_schedule(layout: Layout, micro_batches: int) -> str:
+    """The schedule that runs: the layout's, with 1F1B on one stage per rank falling back to GPipe when there are
+    fewer micro-batches than stages (the result is the same)."""
+    if layout.pipeline_schedule == "1f1b" and layout.virtual_pipeline_stages == 1 \
+            and micro_batches < layout.pipeline_parallel_size:
+        return "gpipe"
+    return layout.pipeline_schedule
 
 
 def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,

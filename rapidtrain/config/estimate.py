@@ -3,7 +3,8 @@ they go (GEMMs, memory-bound element-wise work, tensor-parallel collectives, the
 pipeline bubble, pipeline sends, data-parallel collectives, the optimizer step).
 
 One iteration on the slowest pipeline stage (the last: it also runs the head):
-  (m + (p - 1)/v) × one micro-batch's time on a stage      the 1F1B pipeline with its bubble (p - 1)/(v·m)
+  m × (1 + bubble) × one micro-batch's time on a stage     the schedule's bubble (pipeline_split.bubble_fraction:
+                                                            1F1B (p - 1)/(v·m), zero bubble a third of it, ...)
   + data-parallel gradient collectives, not overlapped      as Megatron-LM (2021) reduces after backward
   + the optimizer step, bound by memory bandwidth
 A micro-batch's time on a stage (its s/c tokens of each sequence under context parallelism c): its GEMM FLOPs at
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rapidtrain.config.activations import ActivationContext, layer_bytes
+from rapidtrain.config.pipeline_split import bubble_fraction
 from rapidtrain.config.settings import Layout, Plan, RecomputeSettings, StepEstimate
 from rapidtrain.core.devices import DeviceSpec, device_spec, known_device_names
 from rapidtrain.models.config import ModelConfig
@@ -210,10 +212,12 @@ def data_parallel_seconds(inputs: StepInputs, spec: DeviceSpec) -> float:
 
 
 def pipeline_bubble(layout: Layout, micro_batches: int, micro_seconds: float) -> tuple[str, float]:
-    """The pipeline's idle time per iteration, in words and seconds: 1F1B (interleaved over v virtual stages)
-    fills and drains p - 1 stage-slots of a micro-batch's time divided by v (Narayanan et al. 2021, section 2.2)."""
+    """The pipeline's idle time per iteration, in words and seconds: the share of the m micro-batches' time the
+    schedule that runs leaves idle (pipeline_split.bubble_fraction: 1F1B over v virtual stages fills and drains
+    p - 1 stage-slots of a micro-batch's time divided by v, Narayanan et al. 2021 section 2.2; zero bubble a third)."""
     p, v, m = layout.pipeline_parallel_size, layout.virtual_pipeline_stages, micro_batches
-    return f"pipeline bubble (p - 1)/(v·m) = {p - 1}/({v}·{m})", (p - 1) / v * micro_seconds
+    bubble = bubble_fraction(layout.pipeline_schedule, p, m, v)
+    return f"pipeline bubble ({layout.pipeline_schedule}) {bubble:.1%} of {m} micro-batches", bubble * m * micro_seconds
 
 
 def estimate_step(inputs: StepInputs, spec: DeviceSpec) -> StepEstimate:

@@ -197,7 +197,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--distribute-saved-activations": (NO_EFFECT, _DS_AC),
     "--zero-reduce-scatter": (NO_EFFECT, "DeepSpeed ZeRO reduces gradients by reduce-scatter already"),
     "--deepspeed_mpi": (NO_EFFECT, "rapidtrain starts processes with torchrun (or Slurm's srun)"),
-    "--pp-partition-method": (NO_EFFECT, "pipeline stages are split by transformer layers, evenly"),
     "--use-contiguous-buffers-in-ddp": (NO_EFFECT, "torch DDP keeps gradients in its own contiguous buckets"),
     "--no-async-tensor-model-parallel-allreduce": (NO_EFFECT, _OVERLAP),
     "--moe-grouped-gemm": (NO_EFFECT, "dropless experts always run as grouped matrix products (torch's grouped_mm), "
@@ -239,7 +238,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--weight-decay-incr-style": (REFUSED, "weight decay is constant (--weight-decay)"),
     "--head-lr-mult": (REFUSED, "per-layer learning-rate multipliers are not in rapidtrain"),
     "--lr-mult-router": (REFUSED, "per-layer learning-rate multipliers are not in rapidtrain"),
-    "--num-virtual-stages-per-pipeline-rank": (REFUSED, "give --num-layers-per-virtual-pipeline-stage instead"),
     "--moe-router-dtype": (NO_EFFECT, "the router computes its scores in fp32"),
     "--moe-shared-expert-overlap": (NO_EFFECT, _OVERLAP),
     "--moe-permute-fusion": (NO_EFFECT, _FUSION),
@@ -257,9 +255,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--split-transformers": (NO_EFFECT, "DeepSpeed ZeRO-3's layer partitioning; ZeRO-3 shards every parameter here"),
     "--scattered-embeddings": (NO_EFFECT, "DeepSpeed ZeRO-3's embedding partitioning; ZeRO-3 shards every parameter"),
     "--memory-centric-tiled-linear": (NO_EFFECT, "DeepSpeed ZeRO-3's tiled linear layers; not used"),
-    "--enable-zbh1-pipeline": (NO_EFFECT, "pipelines run 1F1B (interleaved with virtual stages); the zero-bubble "
-                                          "schedule computes the same numbers"),
-    "--enable-zbh1-exact-semantics": (NO_EFFECT, "pipelines run 1F1B with exact semantics already"),
     "--overlapped-distributed-optimizer": (NO_EFFECT, _OVERLAP),
     "--reduce-bucket-size": (NO_EFFECT, "the bucket size of Megatron-LLaMA's overlapped optimizer; " + _OVERLAP),
     "--num-microbatches-in-minibatch": (NO_EFFECT, "micro-batches per step follow from --global-batch-size"),
@@ -454,10 +449,11 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"token-drop-policy)|--use-grouped-gemm-for-.*|--normalize-router-logits|--moe-router-topk-limited-devices",
      REFUSED, "that Megatron-Core MoE option is not in rapidtrain's MoE layer (top-k softmax router, load-balancing "
               "and z-loss, capacity with token dropping or dropless)"),
-    (r"--(decoder-first|decoder-last)-pipeline-num-layers|--pipeline-model-parallel-(layout|split-rank)|"
-     r"--account-for-(embedding|loss)-in-pipeline-split|--standalone-embedding-stage|"
+    (r"--pipeline-model-parallel-split-rank|--standalone-embedding-stage|"
      r"--encoder-(pipeline|tensor)-model-parallel-size", REFUSED,
-     "pipeline stages are split evenly by layers; uneven or custom splits are not in rapidtrain"),
+     "encoder-decoder splits and the legacy standalone embedding stage are not in rapidtrain; a stage of its own "
+     "for the embedding is --pipeline-model-parallel-layout 'E|...' (other splits: --decoder-first/last-pipeline-"
+     "num-layers, --account-for-embedding/loss-in-pipeline-split, --pp-partition-method)"),
     (r"--(hierarchical-context-parallel-sizes|hybrid-context-parallel|max-seqlen-per-dp-cp-rank|cp-comm-type)|"
      r"--ds-sequence-parallel-fpdt.*|--force-ds-sequence-parallel", REFUSED,
      "context / Ulysses sequence parallelism is not in rapidtrain; use --sequence-parallel with tensor parallelism"),

@@ -28,22 +28,32 @@ if TYPE_CHECKING:
     from rapidtrain.optim.state_bytes import StateKind
 
 
-def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int) -> list[float]:
+def stage_parameter_shares(model: ModelConfig, pipeline_parallel: int,
+                           layers_per_rank: list[int] | None = None, head_rank: int = -1) -> list[float]:
     """Each pipeline stage's parameters over the average stage's (the model's total / p): the first stage holds
     the embeddings, the last the final norm and the head (with tied embeddings, beyond one stage, its own copy
-    of the word embedding), the others only their layers."""
-    from rapidtrain.models.counting import count_parameters
+    of the word embedding), the others only their layers — the same number each, or `layers_per_rank` of an
+    uneven split (each layer's own parameters, the multi-token-prediction depths on the last)."""
+    from rapidtrain.models.counting import count_parameters, pipeline_unit_parameters
 
     if pipeline_parallel == 1:
         return [1.0]
     total = count_parameters(model)[0]
     embedding, head = edge_parameters(model)
-    layers = (total - embedding - head + (model.vocab_size * model.hidden_size if model.tie_embeddings else 0)) \
-        / pipeline_parallel
+    outside = total - embedding - head + (model.vocab_size * model.hidden_size if model.tie_embeddings else 0)
     average = total / pipeline_parallel
-    shares = [layers / average] * pipeline_parallel
+    if layers_per_rank is not None and len(set(layers_per_rank)) > 1:
+        per_layer = pipeline_unit_parameters(model)[1]
+        starts = [sum(layers_per_rank[:r]) for r in range(pipeline_parallel)]
+        held = [float(sum(per_layer[start:start + n])) for start, n in zip(starts, layers_per_rank, strict=True)]
+        held[-1] += outside - sum(per_layer)  # the MTP depths
+        shares = [layers / average for layers in held]
+    else:
+        shares = [outside / pipeline_parallel / average] * pipeline_parallel
     shares[0] += embedding / average
-    shares[-1] += head / average
+    if head_rank % pipeline_parallel == 0 and model.tie_embeddings:  # a V: the head shares the embedding itself
+        head -= model.vocab_size * model.hidden_size
+    shares[head_rank] += head / average  # the last stage's rank (rank 0 on a V schedule)
     return shares
 
 
@@ -87,7 +97,8 @@ def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batc
               recompute: RecomputeSettings, act: ActivationContext) -> MemoryEstimate:
     """`memory` with each pipeline stage's model states and activations, and the largest rank's peak."""
     activations = stage_activation_bytes(model, micro, micro_batches, layout, act, recompute)
-    shares = stage_parameter_shares(model, layout.pipeline_parallel_size)
+    shares = stage_parameter_shares(model, layout.pipeline_parallel_size, layout.layers_per_rank(model.num_layers)
+                                    if layout.stage_layers else None, layout.head_rank())
     # What the engine holds per stage where it is known (FSDP2's gathered parameters), else in proportion.
     engine = memory.engine_bytes_by_stage or tuple(memory.engine_bytes * share for share in shares)
     # FSDP2 accumulates whole gradients until the last micro-batch's backward reduce-scatters them (measured: the

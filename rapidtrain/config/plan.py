@@ -21,6 +21,7 @@ from rapidtrain.config.memory import (
     size_multiple_warnings,
     with_peak,
 )
+from rapidtrain.config.pipeline_split import SplitError
 from rapidtrain.config.resolve import (
     attention_settings,
     batch_schedule_of,
@@ -33,6 +34,8 @@ from rapidtrain.config.resolve import (
     loss_scale_settings,
     model_config_from_args,
     optimizer_settings,
+    pipeline_schedule_of,
+    pipeline_split_of,
     precision_of,
     precision_warnings,
     profile_settings,
@@ -40,9 +43,11 @@ from rapidtrain.config.resolve import (
     switches_of,
     tokenizer_settings_of,
     training_settings,
+    virtual_stages_of,
     zero_settings,
 )
 from rapidtrain.config.settings import Batches, Layout, Plan, RunContext, data_parallel_size
+from rapidtrain.models.config import ModelConfig
 
 
 def template_of(args: argparse.Namespace, ctx: RunContext) -> str:
@@ -56,23 +61,31 @@ def template_of(args: argparse.Namespace, ctx: RunContext) -> str:
     return "Finetuner (Hugging Face model)"
 
 
-def layout_of(args: argparse.Namespace, ctx: RunContext) -> Layout:
+def layout_of(args: argparse.Namespace, ctx: RunContext, model: ModelConfig | None = None,
+              strict: bool = False) -> Layout:
+    """The parallel layout; its pipeline split where the flags make one (`strict`: raise the split's SplitError, as
+    the plan does after the rules have run; otherwise an impossible split is left empty for the rule to name)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    virtual = 1
-    if args.num_layers_per_virtual_pipeline_stage:
-        virtual = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
+    try:
+        virtual = virtual_stages_of(args)
+        split = pipeline_split_of(args, model) if pp > 1 else ()
+    except SplitError:
+        if strict:
+            raise
+        virtual, split = 1, ()
     return Layout(ctx.world_size, data_parallel_size(ctx.world_size, tp, pp), tp, pp,
-                  args.expert_model_parallel_size, virtual, args.sequence_parallel)
+                  args.expert_model_parallel_size, virtual, args.sequence_parallel, stage_layers=split,
+                  pipeline_schedule=pipeline_schedule_of(args))
 
 
 def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     """Resolve validated flags into the Plan, once: every component's settings, the padded vocabulary of the
     built-in model included (read from the tokenizer files; the demo corpus's is known without building it)."""
-    layout = layout_of(args, ctx)
     precision = precision_of(args, ctx)
     tokenizer = tokenizer_settings_of(args)
     vocab_size = builtin_vocab_size(args, tokenizer)
     model = model_config_from_args(args, vocab_size) if vocab_size else None
+    layout = layout_of(args, ctx, model, strict=True)
     switches = switches_of(args, layout, ctx)
     memory = memory_estimate(args, model, layout, precision, ctx, switches) if model else None
     # The micro batch is chosen before the batch arithmetic, which every later setting follows.
@@ -93,6 +106,9 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     from rapidtrain.config.meanings import hugging_face_notes
 
     notes += hugging_face_notes(args, has_script=bool(ctx.script))
+    if args.pp_partition_method and layout.pipeline_parallel_size == 1:
+        notes.append(f"--pp-partition-method {args.pp_partition_method}: no effect here; without pipeline "
+                     "parallelism one stage holds every layer")
     if args.padding_free and ctx.script:
         notes.append("--padding-free: rapidtrain's casual_lm task packs its own micro-batches; a user script's "
                      "collate_fn decides how its batches are built (rapidtrain.tasks.base.FlattenCollator packs "

@@ -17,6 +17,15 @@ from rapidtrain.config.partitioning import (  # noqa: F401 (read_user_config: re
     zero_by_fsdp2,
     zero_stage,
 )
+from rapidtrain.config.pipeline_split import (
+    V_SHAPED,
+    SplitError,
+    deepspeed_split,
+    deepspeed_units,
+    layout_split,
+    megatron_split,
+    parse_layout,
+)
 from rapidtrain.config.settings import (
     Batches,
     BatchSchedule,
@@ -619,3 +628,92 @@ def ort_status() -> tuple[bool, str]:
     except Exception as error:  # any failure means it cannot serve; say why
         return False, f"onnxruntime.training does not import with this torch: {type(error).__name__}: {error}"
     return True, ""
+
+
+# ---- the pipeline: schedule, virtual stages, layers per stage (config/pipeline_split.py's arithmetic) ----
+
+
+def pipeline_schedule_of(args: argparse.Namespace) -> str:
+    """--pipeline-schedule, or Megatron-DeepSpeed's --enable-zbh1-pipeline (zero bubble), else 1F1B."""
+    return args.pipeline_schedule or ("zero-bubble" if args.enable_zbh1_pipeline else "1f1b")
+
+
+def virtual_stages_of(args: argparse.Namespace) -> int:
+    """Stages per pipeline rank: a layout's stages over P, two for the V schedules, or the virtual-stage flags."""
+    pp = args.pipeline_model_parallel_size
+    if pp < 2:
+        return 1
+    if args.pipeline_model_parallel_layout:
+        return max(len(parse_layout(args.pipeline_model_parallel_layout)) // pp, 1)
+    if pipeline_schedule_of(args) in V_SHAPED:
+        return 2
+    if args.num_virtual_stages_per_pipeline_rank:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage:
+        layers = args.num_layers + args.account_for_embedding_in_pipeline_split \
+            + args.account_for_loss_in_pipeline_split
+        return max(layers // pp // args.num_layers_per_virtual_pipeline_stage, 1)
+    return 1
+
+
+def uneven_split_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given that split the pipeline other than evenly."""
+    flags = [("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers is not None),
+             ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None),
+             ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+             ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
+             ("--pipeline-model-parallel-layout", bool(args.pipeline_model_parallel_layout)),
+             ("--pp-partition-method", bool(args.pp_partition_method))]
+    return [flag for flag, given in flags if given]
+
+
+def pipeline_split_of(args: argparse.Namespace, model: ModelConfig | None = None) -> tuple[int, ...]:
+    """Transformer layers per pipeline stage, in model order (one entry without pipelining). Raises SplitError,
+    naming the flags and numbers, for a split that cannot be made. DeepSpeed's `parameters` method weighs each layer
+    by its parameters, which needs `model`; without it every layer weighs alike."""
+    pp, virtual = args.pipeline_model_parallel_size, virtual_stages_of(args)
+    uneven = uneven_split_flags(args)
+    if pp < 2:
+        uneven = [flag for flag in uneven if flag != "--pp-partition-method"]  # DeepSpeed's: one stage holds all
+        if uneven:
+            raise SplitError(f"{', '.join(uneven)} split pipeline stages: they need --pipeline-model-parallel-size "
+                             f"≥ 2 (it is {pp}). Drop them or pipeline the model.")
+        return (args.num_layers,)
+    if len([f for f in uneven if f in ("--pipeline-model-parallel-layout", "--pp-partition-method")]) > 1 or (
+            (args.pipeline_model_parallel_layout or args.pp_partition_method) and len(uneven) > 1):
+        raise SplitError(f"{' and '.join(uneven)} each decide the pipeline split: give one of them")
+    schedule = pipeline_schedule_of(args)
+    if args.pipeline_model_parallel_layout:
+        split = layout_split(args.pipeline_model_parallel_layout, pp, args.num_layers, mtp_depths(args))
+    elif args.pp_partition_method:
+        if virtual > 1:
+            raise SplitError(f"--pp-partition-method {args.pp_partition_method} splits one stage per pipeline rank "
+                             "(DeepSpeed's pipeline has no virtual stages): drop the virtual stages or give "
+                             "--pipeline-model-parallel-layout")
+        split = deepspeed_split(args.pp_partition_method, _deepspeed_units(args, model), pp)
+    else:
+        if schedule in V_SHAPED and uneven:
+            raise SplitError(f"{', '.join(uneven)} with --pipeline-schedule {schedule}: its V puts stages r and "
+                             f"2P-1-r on rank r, so Megatron's first/last pipeline rank is no stage; give "
+                             "--pipeline-model-parallel-layout instead")
+        split = megatron_split(args.num_layers, pp, virtual, first=args.decoder_first_pipeline_num_layers,
+                               last=args.decoder_last_pipeline_num_layers,
+                               embedding=args.account_for_embedding_in_pipeline_split,
+                               loss=args.account_for_loss_in_pipeline_split)
+    if schedule in V_SHAPED and len(split) != 2 * pp:
+        raise SplitError(f"--pipeline-schedule {schedule} runs two stages per pipeline rank ({2 * pp}); the split has "
+                         f"{len(split)}")
+    return split
+
+
+def _deepspeed_units(args: argparse.Namespace, model: ModelConfig | None) -> list[tuple[str, int]]:
+    from rapidtrain.models.counting import pipeline_unit_parameters
+
+    sixteen_bit = bool(args.fp16 or args.bf16)
+    if model is None:
+        return deepspeed_units(args.num_layers, tied=not args.untie_embeddings_and_output_weights,
+                               rmsnorm=args.normalization == "RMSNorm", sixteen_bit=sixteen_bit)
+    embedding, layers, norm, head = pipeline_unit_parameters(model)
+    return deepspeed_units(model.num_layers, tied=model.tie_embeddings, rmsnorm=model.normalization == "RMSNorm",
+                           sixteen_bit=sixteen_bit, embedding_parameters=embedding, layer_parameters=layers,
+                           norm_parameters=norm, head_parameters=head)

@@ -14,10 +14,13 @@ from rapidtrain.config.checks import (
     dp_size,
     experts_of,
     flag_name,
+    interleaved,
     layout_divides,
     mla_problems,
     num_experts_length_ok,
     partitioning_flags,
+    pipeline_schedule_problem,
+    pipeline_split_problem,
     positive_sizes,
     pp_size,
     query_groups,
@@ -26,6 +29,7 @@ from rapidtrain.config.checks import (
     tp_size,
     yarn_problems,
 )
+from rapidtrain.config.resolve import uneven_split_flags, virtual_stages_of
 from rapidtrain.models import hf_config
 
 LAYOUT_RULES: tuple[Rule, ...] = (
@@ -104,34 +108,50 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         f"batch that is a multiple of {a.micro_batch_size * dp_size(a, c)} (accumulation steps = global / that).",
     ),
     Rule(
-        "layers-divisible-by-pp", ("--num-layers", "--pipeline-model-parallel-size"),
-        "The number of layers is divisible by the pipeline-parallel size.",
-        lambda a, c: pp_size(a) >= 1 and a.num_layers % pp_size(a) != 0,
-        lambda a, c: f"--num-layers {a.num_layers} is not divisible by --pipeline-model-parallel-size {pp_size(a)}: "
-        "each stage holds the same number of layers. Change one of them.",
+        "pipeline-split", ("--num-layers", "--pipeline-model-parallel-size", "--decoder-first-pipeline-num-layers",
+                           "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
+                           "--account-for-loss-in-pipeline-split", "--pipeline-model-parallel-layout",
+                           "--pp-partition-method"),
+        "The layers split over the pipeline stages as the flags ask: evenly (Megatron's default), by Megatron-LM's "
+        "first/last stage sizes or embedding/loss accounting, by Megatron-Core's layout string, or by DeepSpeed's "
+        "partition method; every virtual stage of a rank alike.",
+        lambda a, c: pipeline_split_problem(a) is not None,
+        lambda a, c: str(pipeline_split_problem(a)),
     ),
     Rule(
-        "virtual-stages", ("--num-layers-per-virtual-pipeline-stage", "--pipeline-model-parallel-size"),
-        "Interleaved pipelining needs pipeline parallelism and layers per stage divisible by layers per virtual stage.",
-        lambda a, c: a.num_layers_per_virtual_pipeline_stage is not None and (
-            pp_size(a) < 2 or a.num_layers_per_virtual_pipeline_stage < 1
-            or (a.num_layers // max(pp_size(a), 1)) % a.num_layers_per_virtual_pipeline_stage != 0),
-        lambda a, c: f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} needs "
-        "--pipeline-model-parallel-size ≥ 2 and must divide the layers per stage "
-        f"({a.num_layers} / {pp_size(a)}). Adjust it or drop it for the plain 1F1B schedule.",
+        "virtual-stages", ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+                           "--pipeline-model-parallel-size"),
+        "Interleaved pipelining needs pipeline parallelism and a positive number of virtual stages.",
+        lambda a, c: bool(a.num_layers_per_virtual_pipeline_stage or a.num_virtual_stages_per_pipeline_rank) and (
+            pp_size(a) < 2 or (a.num_layers_per_virtual_pipeline_stage or 1) < 1
+            or (a.num_virtual_stages_per_pipeline_rank or 1) < 1
+            or (a.num_layers_per_virtual_pipeline_stage is not None and not uneven_split_flags(a)
+                and (a.num_layers // max(pp_size(a), 1)) % a.num_layers_per_virtual_pipeline_stage != 0)),
+        lambda a, c: f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} / "
+        f"--num-virtual-stages-per-pipeline-rank {a.num_virtual_stages_per_pipeline_rank} need "
+        "--pipeline-model-parallel-size ≥ 2 and a positive value; layers per virtual stage must divide the layers per "
+        f"stage ({a.num_layers} / {pp_size(a)}). Adjust it or drop it for the plain 1F1B schedule.",
     ),
     Rule(
         "interleaved-micro-batches", ("--num-layers-per-virtual-pipeline-stage", "--global-batch-size",
                                       "--micro-batch-size"),
         "The interleaved schedule needs the micro-batches per iteration (accumulation steps) to be a multiple of the "
         "pipeline size, as in Megatron.",
-        lambda a, c: pp_size(a) > 1 and a.num_layers_per_virtual_pipeline_stage is not None
+        lambda a, c: pp_size(a) > 1 and interleaved(a)
         and (steps := accumulation_steps(a, c)) is not None and steps % pp_size(a) != 0,
-        lambda a, c: f"--num-layers-per-virtual-pipeline-stage with {accumulation_steps(a, c)} micro-batches per "
-        f"iteration (--global-batch-size / (--micro-batch-size × data-parallel size {dp_size(a, c)})): the interleaved "
-        f"schedule runs micro-batches in rounds of --pipeline-model-parallel-size {pp_size(a)}. Make "
-        f"--global-batch-size "
+        lambda a, c: f"{virtual_stages_of(a)} virtual stages per pipeline rank with {accumulation_steps(a, c)} "
+        f"micro-batches per iteration (--global-batch-size / (--micro-batch-size × data-parallel size "
+        f"{dp_size(a, c)})): the interleaved schedule runs micro-batches in rounds of --pipeline-model-parallel-size "
+        f"{pp_size(a)}. Make --global-batch-size "
         f"a multiple of {pp_size(a) * a.micro_batch_size * dp_size(a, c)}, or drop the virtual stages.",
+    ),
+    Rule(
+        "pipeline-schedule", ("--pipeline-schedule", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
+        "The pipeline schedule fits the layout: ZBV and DualPipeV run two stages per rank (DualPipeV at least as "
+        "many micro-batches as stages); the split-backward schedules (zero bubble, ZBV, DualPipeV) run without "
+        "torch.compile, FSDP2, or tensor parallelism beside data parallelism.",
+        lambda a, c: pipeline_schedule_problem(a, c) is not None,
+        lambda a, c: str(pipeline_schedule_problem(a, c)),
     ),
     Rule(
         "pipeline-per-token-loss", ("--pipeline-model-parallel-size", "--bert-binary-head"),

@@ -27,6 +27,7 @@ from rapidtrain.config.checks import (
     dp_size,
     experts_of,
     flag_name,
+    interleaved,
     k_bit_flag,
     k_bit_problem,
     lengths,
@@ -167,7 +168,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: f"global batch sizes {', '.join(map(str, batch_schedule_misfits(a, c)))} of the batch schedule "
         f"are not divisible by --micro-batch-size {a.micro_batch_size} × data-parallel size {dp_size(a, c)}"
         + (f" × --pipeline-model-parallel-size {pp_size(a)} (interleaved schedule)"
-           if a.num_layers_per_virtual_pipeline_stage else "")
+           if interleaved(a) else "")
         + ": each iteration runs whole micro-batches on every rank. Choose a start, increment and final batch (or "
         "schedule sizes) that are multiples of it.",
     ),

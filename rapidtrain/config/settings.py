@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from rapidtrain.config.pipeline_split import rank_of_stage
 from rapidtrain.data.tokenizer import TokenizerSettings
 from rapidtrain.data.weighted_splits import WeightedGroup
 from rapidtrain.models.attention_backends import AttentionSettings
@@ -138,6 +139,11 @@ class Precision:
     reason: str
 
 
+def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Megatron's default split: the same number of layers on every stage (the rules refuse a remainder)."""
+    return (num_layers // stages,) * stages
+
+
 @dataclass(frozen=True)
 class Layout:
     world_size: int
@@ -147,8 +153,31 @@ class Layout:
     expert_parallel_size: int = 1
     virtual_pipeline_stages: int = 1
     sequence_parallel: bool = False
+    # Transformer layers per pipeline stage in model order (config/pipeline_split.py); () before it is known
+    stage_layers: tuple[int, ...] = ()
+    pipeline_schedule: str = "1f1b"  # config/pipeline_split.py's SCHEDULES
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
+
+    def layers_of_stage(self, stage: int, num_layers: int) -> range:
+        """The indices of the transformer layers stage `stage` runs (the names the full model gives them)."""
+        counts = self.stage_layers or even_split(num_layers, self.pipeline_parallel_size * self.virtual_pipeline_stages)
+        start = sum(counts[:stage])
+        return range(start, start + counts[stage])
+
+    def head_rank(self) -> int:
+        """The pipeline rank of the last stage (the head and the loss): the last rank, or the first on a V."""
+        p = self.pipeline_parallel_size
+        return rank_of_stage(p * self.virtual_pipeline_stages - 1, p, self.pipeline_schedule)
+
+    def layers_per_rank(self, num_layers: int) -> list[int]:
+        """Transformer layers each pipeline rank holds (all its stages)."""
+        p = self.pipeline_parallel_size
+        counts = self.stage_layers or even_split(num_layers, p * self.virtual_pipeline_stages)
+        ranks = [0] * p
+        for stage, layers in enumerate(counts):
+            ranks[rank_of_stage(stage, p, self.pipeline_schedule)] += layers
+        return ranks
 
     def rank_grid(self) -> list[list[list[int]]]:
         """Megatron order: pipeline outermost, then data, tensor innermost (tensor ranks are neighbours)."""

@@ -181,6 +181,18 @@ def expert_parameter_count(config: ModelConfig) -> int:
                                         for experts, layers in _layers_by_experts(config).items())
 
 
+def pipeline_unit_parameters(config: ModelConfig) -> tuple[int, list[int], int, int]:
+    """(embedding, each transformer layer, final norm, output matrix) parameters, as DeepSpeed's `parameters`
+    partitioning weighs Megatron-DeepSpeed's layer list (a tied head is an EmbeddingPipe of its own, counted again)."""
+    def elements(tensors: Tensors) -> int:
+        return _elements([shape for shape, _ in tensors])
+
+    kinds = {experts: elements(_layer(config, experts)) for experts in _layers_by_experts(config)}
+    embedding = elements(_embedding(config))
+    return (embedding, [kinds[config.experts_in_layer(i)] for i in range(config.num_layers)], elements(_norm(config)),
+            embedding if config.tie_embeddings else config.vocab_size * config.hidden_size)
+
+
 def count_parameters(config: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters; active counts only the top-k experts of each MoE layer.
 

@@ -1,18 +1,25 @@
 """Pipeline parallelism for the built-in models with `torch.distributed.pipelining`.
 
 The model is split by layers into --pipeline-model-parallel-size stages (× virtual stages for the
-interleaved schedule): the first stage keeps the embedding, the last the final norm and the head, every
-other part is deleted. `layers` keeps its keys ("0", "1", ...), so a stage's parameter names are the
-full model's and torch.distributed.checkpoint reshards between pipeline sizes.
+interleaved and V schedules), as many layers to each stage as the plan's split says (config/pipeline_split.py:
+even, Megatron's uneven first/last or embedding/loss accounting, a layout string, DeepSpeed's partition methods):
+the first stage keeps the embedding, the last the final norm and the head, every other part is deleted. `layers`
+keeps its keys ("0", "1", ...), so a stage's parameter names are the full model's and torch.distributed.checkpoint
+reshards between pipeline sizes and splits.
 
 Tied embeddings stay tied, as in Megatron: the last stage keeps its own copy of the word embedding
 (same initial values) and, after every backward, the first and last stage sum the two copies'
 gradients over their embedding group, so both copies take the same steps. The copy is left out of
 the gradient norm and saved under the embedding's name in the optimizer state.
 
-`PipelineRunner` runs a whole iteration with one `schedule.step` (micro-batches = accumulation steps,
-1F1B or interleaved 1F1B); loss and evaluation come from the last stage, which broadcasts them to
-the other stages of its pipeline.
+`PipelineRunner` runs a whole iteration with one `schedule.step` (micro-batches = accumulation steps): 1F1B
+(interleaved with virtual stages), GPipe, zero bubble (ZB-H1; ZB1P interleaved), ZBV or DualPipeV (two stages per
+rank in a V: rank r runs stages r and 2P-1-r, so the first rank also holds the head and ties the embedding within
+itself). The zero-bubble family splits backward into input and weight gradients (torch's stage_backward_input /
+stage_backward_weight), which write `.grad` themselves, past DistributedDataParallel's hooks: under those schedules
+the stages are not wrapped in DDP, and their gradients are all-reduced over the data-parallel group before the step
+(as DDP would, averaged). Loss and evaluation come from the last stage, which broadcasts them to the other stages of
+its pipeline.
 
 Expert parallelism shards each stage's experts over that stage's expert-parallel group (apply.py
 shards them before the split); the ranks of a group run the same schedule, so their all-to-alls meet.
@@ -28,10 +35,20 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 from torch.distributed.tensor import DTensor
 
-from rapidtrain.config.settings import Plan
+from rapidtrain.config.pipeline_split import SPLIT_BACKWARD, V_SHAPED, rank_of_stage, stages_of_rank
+from rapidtrain.config.settings import Layout, Plan, even_split
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.transformer import TIED_EMBEDDING_NAME, OutputLayer
 from rapidtrain.optim.grad_scaler import LossScaler
@@ -57,25 +74,33 @@ LAST_STAGE_PARTS = ("final_norm", "output", "lm_head", "pooler", "binary_head", 
 # ---- splitting ----
 
 
-def stage_layers(num_layers: int, num_stages: int) -> list[list[str]]:
-    """Layer names of each stage, in order: stage s holds layers [s·L/S, (s+1)·L/S)."""
-    per_stage = num_layers // num_stages
-    return [[str(i) for i in range(s * per_stage, (s + 1) * per_stage)] for s in range(num_stages)]
+def stage_layers(split: Sequence[int]) -> list[list[str]]:
+    """Layer names of each stage, in order, from the layers per stage (the full model's names)."""
+    starts = [sum(split[:s]) for s in range(len(split))]
+    return [[str(i) for i in range(start, start + count)] for start, count in zip(starts, split, strict=True)]
 
 
-def local_stage_indices(pipeline_rank: int, pipeline_size: int, virtual_stages: int) -> list[int]:
-    """Megatron's interleaving: model chunk c of pipeline rank r is stage c·P + r."""
-    return [chunk * pipeline_size + pipeline_rank for chunk in range(virtual_stages)]
+def split_of(layout: Layout, num_layers: int) -> tuple[int, ...]:
+    """The plan's layers per stage (the even split where the layout predates it)."""
+    stages = layout.pipeline_parallel_size * layout.virtual_pipeline_stages
+    return layout.stage_layers or even_split(num_layers, stages)
 
 
-def keep_stages(model: nn.Module, stages: list[int], num_stages: int) -> nn.Module:
-    """Delete, in place, every part of the built-in model that `stages` do not run."""
+def local_stage_indices(pipeline_rank: int, pipeline_size: int, virtual_stages: int,
+                        schedule: str = "1f1b") -> list[int]:
+    """The stages a pipeline rank runs: Megatron's interleaving (chunk c of rank r is stage c·P + r), or the V
+    schedules' (stages r and 2P-1-r)."""
+    return stages_of_rank(pipeline_rank, pipeline_size, virtual_stages, schedule)
+
+
+def keep_stages(model: nn.Module, stages: list[int], split: Sequence[int]) -> nn.Module:
+    """Delete, in place, every part of the built-in model that `stages` do not run (`split`: layers per stage)."""
     if not isinstance(getattr(model, "layers", None), nn.ModuleDict) or not hasattr(model, "config"):
         raise ValueError(
             f"--pipeline-model-parallel-size splits the built-in GPT/BERT by layers; "
             f"{type(model).__name__} has no `layers` ModuleDict. Use --pipeline-model-parallel-size 1."
         )
-    names = stage_layers(_config_of(model).num_layers, num_stages)
+    names, num_stages = stage_layers(split), len(split)
     mine = {name for s in stages for name in names[s]}
     layers = cast(nn.ModuleDict, model.layers)  # checked above (nn.Module's __getattr__ types it Tensor | Module)
     for name in [n for n in layers if n not in mine]:
@@ -94,19 +119,23 @@ def _config_of(model: nn.Module) -> ModelConfig:
     return cast(ModelConfig, model.config)
 
 
-def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+def stage_view(model: nn.Module, stage: int, split: Sequence[int]) -> nn.Module:
     """A module of the model's class that runs one stage, sharing its submodules with `model`
     (with interleaving a rank runs several stages of one model whose names stay the full model's)."""
     view = object.__new__(type(model))
     nn.Module.__init__(view)
     view.config = model.config
-    layer_names = set(stage_layers(_config_of(model).num_layers, num_stages)[stage])
+    num_stages = len(split)
+    layer_names = set(stage_layers(split)[stage])
     for name, child in model._modules.items():  # with the parts set to None, which named_children skips
         if name == "layers":
             child = nn.ModuleDict({k: v for k, v in cast(nn.ModuleDict, child).items() if k in layer_names})
         elif name in FIRST_STAGE_PARTS and stage != 0 or name in LAST_STAGE_PARTS and stage != num_stages - 1:
             child = None
         setattr(view, name, child)
+    for name in FIRST_STAGE_PARTS + LAST_STAGE_PARTS:  # parts the model holds as None (BERT without its binary
+        if name not in view._modules and hasattr(model, name):  # head): plain attributes its forward reads
+            setattr(view, name, None)
     view.train(model.training)
     return view
 
@@ -170,12 +199,13 @@ def pipeline_runner(
 ) -> PipelineRunner:
     """This rank's stage(s) of `model`, wrapped as the plan says, with their optimizer and schedule."""
     layout = plan.layout
-    num_stages = layout.pipeline_parallel_size * layout.virtual_pipeline_stages
+    split = split_of(layout, _config_of(model).num_layers)
+    num_stages, schedule_name = len(split), layout.pipeline_schedule
     stages = local_stage_indices(
-        mesh.pipeline_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_stages
+        mesh.pipeline_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_stages, schedule_name
     )
     model, views, stage_modules = parallelize_stages(
-        keep_stages(model, stages, num_stages), stages, num_stages, plan, mesh, device
+        keep_stages(model, stages, split), stages, split, plan, mesh, device
     )
     if optimizer is None:
         assert plan.optimizer is not None  # a training plan has its optimizer settings
@@ -194,24 +224,31 @@ def pipeline_runner(
         stage_modules=stage_modules,
         is_first=0 in stages,
         is_last=num_stages - 1 in stages,
-        last_stage_rank=mesh.pipeline_global_rank(layout.pipeline_parallel_size - 1),
-        embedding_group=mesh.embedding_group() if _config_of(model).tie_embeddings else None,
+        last_stage_rank=mesh.pipeline_global_rank(
+            rank_of_stage(num_stages - 1, layout.pipeline_parallel_size, schedule_name)),
+        # a V keeps the first and the last stage on one rank, whose views share the tied embedding itself
+        embedding_group=mesh.embedding_group() if _config_of(model).tie_embeddings
+        and rank_of_stage(num_stages - 1, layout.pipeline_parallel_size, schedule_name) != 0 else None,
+        data_parallel_group=mesh.group("dp") if schedule_name in SPLIT_BACKWARD else None,
     )
 
-    def make_schedule(micro_batches: int) -> Any:
+    def make_schedule(micro_batches: int, evaluation: bool = False) -> Any:
         pipeline_stages = [
             Stage(module, stage, num_stages, device, group=pipeline_group)
             for module, stage in zip(stage_modules, stages, strict=True)
         ]
-        return build_schedule(pipeline_stages, micro_batches, runner.microbatch_loss)
+        if evaluation:
+            return v_forward_schedule(pipeline_stages, micro_batches, runner.microbatch_loss)
+        return build_schedule(pipeline_stages, micro_batches, runner.microbatch_loss, schedule_name)
 
     runner.make_schedule = make_schedule
+    runner.evaluates_apart = schedule_name in V_SHAPED
     runner.schedule = runner.schedule_for(plan.batches.accumulation_steps)
     return runner
 
 
 def parallelize_stages(
-    model: nn.Module, stages: list[int], num_stages: int, plan: Plan, mesh: ParallelMesh, device: torch.device
+    model: nn.Module, stages: list[int], split: Sequence[int], plan: Plan, mesh: ParallelMesh, device: torch.device
 ) -> tuple[nn.Module, list[nn.Module], list[nn.Module]]:
     """apply.py's order on the rank's model: tensor parallel → activation checkpointing → compile → data
     parallel; the last wraps each stage's view (with several virtual stages, one view per stage). Returns the
@@ -231,7 +268,8 @@ def parallelize_stages(
     on_meta = is_on_meta(model)  # built on meta: wrapped first, then each rank allocates its stage's shards
     if not on_meta:
         model.to(device)
-    views = [model] if len(stages) == 1 else [stage_view(model, s, num_stages) for s in stages]
+    num_stages = len(split)
+    views = [model] if len(stages) == 1 else [stage_view(model, s, split) for s in stages]
     for view, stage in zip(views, stages, strict=True):
         if layout.sequence_parallel:
             _sequence_parallel_boundaries(view, mesh.submesh("tp"), stage == 0, stage == num_stages - 1)
@@ -244,19 +282,50 @@ def parallelize_stages(
             apply_replicate(view, mesh)
     if on_meta:
         materialize(model, device, plan, parts=views)
-    ddp = mesh.group("dp") is not None and switches.partitioning_engine != "fsdp2" and layout.tensor_parallel_size == 1
+    # DDP's hooks miss the split backward's weight gradients: those schedules reduce them in PipelineRunner instead
+    ddp = mesh.group("dp") is not None and switches.partitioning_engine != "fsdp2" \
+        and layout.tensor_parallel_size == 1 and layout.pipeline_schedule not in SPLIT_BACKWARD
     # DDP after the parameters exist (it broadcasts them); each view its own reducer
     stage_modules = [apply_ddp(view, mesh, device) for view in views] if ddp else list(views)
     return model, views, stage_modules
 
 
-def build_schedule(stages: Sequence[PipelineStage], micro_batches: int, loss_fn: Callable) -> Any:
-    """Interleaved 1F1B with several stages per rank; 1F1B, or GPipe when there are fewer micro-batches
-    than stages (1F1B needs one per stage; the result is the same). Losses are summed, not averaged."""
+def build_schedule(stages: Sequence[PipelineStage], micro_batches: int, loss_fn: Callable,
+                   schedule: str = "1f1b") -> Any:
+    """The plan's schedule over this rank's stages. 1F1B: interleaved with several stages per rank; with one, GPipe
+    when there are fewer micro-batches than stages (1F1B needs one per stage; the result is the same). Zero bubble:
+    torch's interleaved ZB1P, which with one stage per rank is ZB-H1. Losses are summed, not averaged."""
+    kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+    if schedule == "zero-bubble":
+        return ScheduleInterleavedZeroBubble(list(stages), micro_batches, **kwargs)
+    if schedule == "zbv":
+        return ScheduleZBVZeroBubble(list(stages), micro_batches, **kwargs)
+    if schedule == "dualpipev":
+        return ScheduleDualPipeV(list(stages), micro_batches, **kwargs)
     if len(stages) > 1:
-        return ScheduleInterleaved1F1B(list(stages), micro_batches, loss_fn=loss_fn, scale_grads=False)
-    schedule = Schedule1F1B if micro_batches >= stages[0].num_stages else ScheduleGPipe
-    return schedule(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
+        return ScheduleInterleaved1F1B(list(stages), micro_batches, **kwargs)
+    single = Schedule1F1B if schedule == "1f1b" and micro_batches >= stages[0].num_stages else ScheduleGPipe
+    return single(stages[0], micro_batches, **kwargs)
+
+
+def v_forward_schedule(stages: Sequence[PipelineStage], micro_batches: int, loss_fn: Callable) -> Any:
+    """Evaluation on a V (ZBV, DualPipeV): torch's V schedules keep their backward actions in `eval` (measured:
+    ZBV stops on "can't steal_bwd_input"), so evaluation runs forwards alone on the same stages: each rank takes
+    micro-batch i through its first stage r, then its second stage 2P-1-r (which waits for the ranks below it).
+    torch's schedule lowering validates a backward per micro-batch, so the V's stage → rank map is set here and
+    torch's _add_send_recv adds the communication."""
+    from torch.distributed.pipelining.schedules import _add_send_recv
+
+    schedule = _PipelineScheduleRuntime(list(stages), micro_batches, loss_fn=loss_fn, scale_grads=False)
+    p, forward = stages[0].group_size, _ComputationType.FORWARD
+    to_rank = {stage: rank_of_stage(stage, p, "zbv") for stage in range(2 * p)}
+    schedule.stage_index_to_group_rank = to_rank
+    for stage in stages:
+        stage.stage_index_to_group_rank = to_rank
+    order = {rank: [_Action(stage, forward, i) for i in range(micro_batches) for stage in (rank, 2 * p - 1 - rank)]
+             for rank in range(p)}
+    schedule.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=to_rank.__getitem__, num_stages=2 * p)
+    return schedule
 
 
 # ---- running whole iterations ----
@@ -333,9 +402,12 @@ class PipelineRunner(TorchRunner):
     is_last: bool = False
     last_stage_rank: int = 0
     embedding_group: dist.ProcessGroup | None = None
+    # Set under the split-backward schedules, whose stages DDP does not wrap: the gradients are averaged over it
+    data_parallel_group: dist.ProcessGroup | None = None
     schedule: Any = None
     # A schedule for another number of micro-batches (a batch-size ramp-up changes it between iterations).
-    make_schedule: Callable[[int], Any] | None = None
+    make_schedule: Callable[..., Any] | None = None
+    evaluates_apart: bool = False  # evaluation runs a forward-only schedule of its own (the V schedules)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -344,7 +416,7 @@ class PipelineRunner(TorchRunner):
         self._loss_sums: dict[int, torch.Tensor] = {}
         self._counts: dict[int, Any] = {}
         self._reported: dict[int, dict[str, torch.Tensor]] = {}
-        self._schedules: dict[int, Any] = {}
+        self._schedules: dict[tuple[int, bool], Any] = {}
         self._scale: torch.Tensor | float = 1.0
         self._targets: torch.Tensor | None = None  # the micro-batch indices the schedule splits
         copies = tied_copies(self.module)
@@ -355,6 +427,8 @@ class PipelineRunner(TorchRunner):
         self.grad_norm = GradNorm([p for p in self.parameters if id(p) not in copy_ids], self.pipeline_group)
         if self.embedding_group is not None:
             self.before_step.append(self._sum_tied_gradients)
+        if self.data_parallel_group is not None:
+            self.before_step.append(self._average_data_parallel_gradients)
 
     def microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: `target` is the micro-batch's index; its loss function came from the trainer.
@@ -386,7 +460,7 @@ class PipelineRunner(TorchRunner):
         recorded = [_record_micro_batch(forward_step, batch, names) for batch in micro_batches]
         self._loss_fns = [loss_fn for _, loss_fn in recorded]
         self._loss_sums, self._counts, self._reported = {}, {}, {}
-        schedule = self.schedule_for(len(micro_batches))
+        schedule = self.schedule_for(len(micro_batches), evaluation=not train)
         self._scale = scale if scale is not None else 1.0 / len(micro_batches)
         args, kwargs = _concatenate([call for call, _ in recorded])
         args = args if self.is_first else ()  # later stages take their input from the previous stage
@@ -397,13 +471,15 @@ class PipelineRunner(TorchRunner):
             else:
                 schedule.eval(*args, target=target, **kwargs)
 
-    def schedule_for(self, micro_batches: int) -> Any:
-        """The schedule for this many micro-batches (its stages built for it), kept for later iterations."""
-        if micro_batches not in self._schedules:
+    def schedule_for(self, micro_batches: int, evaluation: bool = False) -> Any:
+        """The schedule for this many micro-batches (its stages built for it), kept for later iterations; for
+        evaluation, the training one unless the layout evaluates apart."""
+        key = (micro_batches, evaluation and self.evaluates_apart)
+        if key not in self._schedules:
             if self.make_schedule is None:
                 return self.schedule
-            self._schedules[micro_batches] = self.make_schedule(micro_batches)
-        return self._schedules[micro_batches]
+            self._schedules[key] = self.make_schedule(*key)
+        return self._schedules[key]
 
     def forward_backward(
         self, micro_batches: list[Any], forward_step: Callable, global_tokens: torch.Tensor | int | None
@@ -463,6 +539,30 @@ class PipelineRunner(TorchRunner):
             dist.all_reduce(
                 grad.to_local() if isinstance(grad, DTensor) else grad, group=self.embedding_group
             )
+
+    @torch.no_grad()
+    def _average_data_parallel_gradients(self) -> None:
+        """DDP's reduction, for the stages it does not wrap: every gradient but the sharded experts' (reduced over
+        their own group, parallel/experts.py) averaged over the data-parallel group, one flat all-reduce per dtype."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        from rapidtrain.parallel.experts import expert_parameters
+
+        experts = {id(p) for p in expert_parameters(self.module).values()}
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for param in self.module.parameters():
+            if param.requires_grad and id(param) not in experts:
+                if param.grad is None:  # keep the collective matched across ranks
+                    param.grad = torch.zeros_like(param)
+                by_dtype.setdefault(param.grad.dtype, []).append(param)
+        size = dist.get_world_size(self.data_parallel_group)
+        for params in by_dtype.values():
+            grads = [cast(torch.Tensor, p.grad) for p in params]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.data_parallel_group)
+            flat.div_(size)
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(reduced)
 
     def backward(self, loss: torch.Tensor) -> None:
         raise RuntimeError(

@@ -28,9 +28,6 @@ REFUSED = {
     "pai-deepseekv3-2025": ["--num-layers 61 is not divisible by --pipeline-model-parallel-size 8"],
     "bmds-gpt-cl-2021": ["argument --lr-decay-tokens: expected one argument"],  # its shell arithmetic fails
     "bsw-tr1-13b-2021": ["of the batch schedule are not divisible by --micro-batch-size 1 × data-parallel size"],
-    # DeepSpeed's --pp-partition-method type:transformer|embedding counts the embeddings as stages' layers (70 + 2 =
-    # 12 × 6); rapidtrain splits the transformer layers evenly only
-    "bsw-tr11-176b-2022": ["--num-layers 70 is not divisible by --pipeline-model-parallel-size 12"],
     "dse-gpt2-mp-2020": ["--global-batch-size 16 is not divisible"],  # its DeepSpeed config's 16 vs 8 × DP 8
     "dse-zero-offload-10b-2020": ["needs --vocab-file"],
     "dse-zero2-2020": ["--global-batch-size 16 is not divisible"],  # its DeepSpeed config's 16 vs 8 × DP 4
@@ -45,22 +42,24 @@ REFUSED = {
     "pai-llama-pretrain-2023": ["a JSON file, not Megatron indexed data", "--dataset LLama-Pretrain-Raw"],
     "mds-finetune-llama-2024": ["a JSON file, not Megatron indexed data", "--dataset LLama-Pretrain-Raw"],
     # 2024-26 scripts (gathered for issue 41): today's models plan; each stops on what is still missing, named
-    "mlm-ft-dsv3-proxy-2025": ["--pipeline-model-parallel-layout"],  # issue 42: custom pipeline layouts
-    "mlm-ft-dsv3-proxy-2026": ["--pipeline-model-parallel-layout"],
     "mlm-ft-mtp-fp8-2025": ["--fp8-format hybrid"],
     "mlm-ft-mtp-fp8-2026": ["--fp8-format hybrid"],
     "mlm-ft-cp4-a2a-p2p-2024": ["--hierarchical-context-parallel-sizes"],  # issue 42: context parallelism
     "mlm-ft-cp4-a2a-p2p-2026": ["--hierarchical-context-parallel-sizes"],
     "mlm-ft-moe-cp2-ep2-2025": ["--context-parallel-size 2", "sinkhorn"],
-    "mlm-ft-pp-embed-split-2026": ["--account-for-embedding-in-pipeline-split"],
     "mlm-gptoss-2026-03": ["--fp8-format hybrid"],
     "mlm-modelopt-dsv2lite-sft-2026": ["--finetune-hf-dataset"],  # issue 43: SFT data
     "mlm-modelopt-qwen3-30b-a3b-sft-2026": ["--finetune-hf-dataset"],
-    "pai-dsv3-mcore-2025-02": ["--decoder-first-pipeline-num-layers 5"],
     "pai-qwen3-moe-a3b-sft-2025-09": ["--train-mode finetune"],
+    # their pipeline layout (issue 42) and first-stage size plan now; multi-token prediction beside sequence
+    # parallelism or an untied head under PP, and a batch the layout cannot divide, stop them
+    "mlm-ft-dsv3-proxy-2025": ["--mtp-num-layers 1: under --pipeline-model-parallel-size the depths sit on the last "
+                               "stage"],
+    "mlm-ft-dsv3-proxy-2026": ["--mtp-num-layers 1: with --sequence-parallel"],
+    "pai-dsv3-mcore-2025-02": ["--global-batch-size 8 is not divisible",
+                               "--mtp-num-layers 1: with --sequence-parallel"],
     "mds-ulysses-30b-32k-2023": ["--ds-sequence-parallel-size 4"],
     "mds-fpdt-6.7b-256k-2024": ["--ds-sequence-parallel-size 4"],
-    "bsw-tr11-176b-2022-03": ["--num-layers 70 is not divisible by --pipeline-model-parallel-size 12"],
     "tt-llama3-debug-cp4-allgather-2025": ["--context-parallel-size 4"],
     "tt-llama3-debug-cp4-alltoall-2025": ["--context-parallel-size 4"],
     "tt-llama3-debug-hsdp-cp2-fp8-2025": ["--context-parallel-size 2", "--fp8-format e4m3"],
@@ -78,6 +77,9 @@ TODAYS_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "
 
 # Flags these scripts pass that rapidtrain now serves: their refusal messages must no longer name them.
 NOT_REFUSED = {
+    "mlm-ft-dsv3-proxy-2025": ["--pipeline-model-parallel-layout"],
+    "mlm-ft-dsv3-proxy-2026": ["--pipeline-model-parallel-layout"],
+    "pai-dsv3-mcore-2025-02": ["--decoder-first-pipeline-num-layers"],
     "mlm-llama3-8b-fp8-2025": ["--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss"],
     "mlm-llama3-8b-fp8-2026": ["--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss"],
 }
@@ -145,3 +147,17 @@ OWN = own_flags_help(build_parser())
 def _no_effect(flag: str) -> bool:
     treatment = classify(flag, OWN)
     return treatment is not None and treatment.status == "no_effect"
+
+
+def test_bloom_176b_and_zero_bubble_scripts_plan_their_pipelines(planned):
+    """BigScience's BLOOM-176B: 70 layers on 12 stages by DeepSpeed's type:transformer|embedding (70 + 2 embeddings =
+    12 × 6: the first and last stage hold 5); Megatron-DeepSpeed's ZB-H1 example runs torch's zero-bubble
+    schedule; the Megatron-LM scripts' uneven splits are no longer what stops them."""
+    for script_id in ("bsw-tr11-176b-2022", "bsw-tr11-176b-2022-03"):
+        output = planned[script_id].output
+        assert planned[script_id].status == 0, output[-2000:]
+        assert "transformer layers per stage 5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5" in output
+        assert "rank 11: stage 11 layers 65–69 + head (5)" in output
+    zero_bubble = planned["mds-zbpp-2024"]
+    assert zero_bubble.status == 0, zero_bubble.output[-2000:]
+    assert "zero bubble ZB-H1" in zero_bubble.output

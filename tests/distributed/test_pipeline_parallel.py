@@ -68,13 +68,15 @@ def small_gpt(**overrides) -> torch.nn.Module:
 
 
 def test_stages_split_layers_evenly_and_interleave():
-    assert stage_layers(4, 2) == [["0", "1"], ["2", "3"]]
+    assert stage_layers((2, 2)) == [["0", "1"], ["2", "3"]]
+    assert stage_layers((1, 3, 0)) == [["0"], ["1", "2", "3"], []]
     assert local_stage_indices(pipeline_rank=1, pipeline_size=2, virtual_stages=2) == [1, 3]
+    assert local_stage_indices(pipeline_rank=1, pipeline_size=2, virtual_stages=2, schedule="zbv") == [1, 2]
 
 
 def test_stages_keep_their_parts_under_the_full_models_names():
     full = small_gpt().state_dict()  # tied: both names
-    first, last = keep_stages(small_gpt(), [0], 2), keep_stages(small_gpt(), [1], 2)
+    first, last = keep_stages(small_gpt(), [0], (2, 2)), keep_stages(small_gpt(), [1], (2, 2))
     assert first.final_norm is None and first.output is None and list(first.layers) == ["0", "1"]
     assert last.embedding is None and list(last.layers) == ["2", "3"]
     names = set(first.state_dict()) | set(last.state_dict())
@@ -85,12 +87,12 @@ def test_stages_keep_their_parts_under_the_full_models_names():
     assert torch.equal(last.output.weight, first.embedding.word_embeddings.weight)
     assert [name for name, _ in tied_copies(first)] == ["embedding.word_embeddings.weight"]
     assert [name for name, _ in tied_copies(last)] == ["output.weight"]
-    assert tied_copies(keep_stages(small_gpt(tie_embeddings=False), [1], 2)) == []
+    assert tied_copies(keep_stages(small_gpt(tie_embeddings=False), [1], (2, 2))) == []
 
 
 def test_interleaved_stage_views_share_the_rank_model():
-    model = keep_stages(small_gpt(), [0, 2], 4)  # pipeline rank 0 of 2, two virtual stages
-    views = [stage_view(model, stage, 4) for stage in (0, 2)]
+    model = keep_stages(small_gpt(), [0, 2], (1, 1, 1, 1))  # pipeline rank 0 of 2, two virtual stages
+    views = [stage_view(model, stage, (1, 1, 1, 1)) for stage in (0, 2)]
     assert (
         list(views[0].layers) == ["0"] and views[0].embedding is model.embedding and views[0].output is None
     )
@@ -137,3 +139,19 @@ def test_head_copy_is_saved_under_the_embedding_name():
     assert set(renamed["state"]) == {"embedding.word_embeddings.weight", "layers.2.ln1.weight"}
     assert renamed["param_groups"][0]["params"][0] == "embedding.word_embeddings.weight"
     assert _rename(renamed, "embedding.word_embeddings.weight", "output.weight") == state
+
+
+def test_a_v_shaped_rank_runs_its_first_and_last_stage_as_views_of_one_model():
+    """ZBV/DualPipeV put stages 0 and 3 of 4 on pipeline rank 0: one model keeps the embedding and the head (the tied
+    weight shared, no copy), its views run one stage each; a BERT without its binary head keeps that attribute None
+    in the head's view (its forward reads it)."""
+    split = (1, 1, 1, 1)
+    model = keep_stages(small_gpt(), [0, 3], split)
+    first, last = (stage_view(model, stage, split) for stage in (0, 3))
+    assert list(first.layers) == ["0"] and first.output is None and last.embedding is None
+    assert last.output.weight is first.embedding.word_embeddings.weight  # tied within the rank
+    assert [name for name, _ in tied_copies(model)] == ["embedding.word_embeddings.weight"]
+    hidden = first(torch.zeros(1, 8, dtype=torch.long))
+    assert last(hidden).shape == (1, 8, 32)  # logits
+    bert = keep_stages(small_gpt(model_type="bert", bert_binary_head=False), [0, 3], split)
+    assert stage_view(bert, 3, split).binary_head is None

@@ -55,9 +55,17 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
-    "layers-divisible-by-pp": (
+    "pipeline-split": (
         ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
-        ["--num-layers", "4", "--pipeline-model-parallel-size", "2"],
+        ["--num-layers", "3", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
+        2,
+        "cpu",
+    ),
+    "pipeline-schedule": (
+        ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+         "--micro-batch-size", "1", "--global-batch-size", "3"],
+        ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+         "--micro-batch-size", "1", "--global-batch-size", "4"],
         2,
         "cpu",
     ),
