@@ -141,7 +141,7 @@ def check_inputs_before_launch(args: argparse.Namespace) -> None:
     the built-in pretraining the tokenizer and data files (a UserError names the flag or file)."""
     from rapidtrain.checkpoint.save_folder import check_resume_safety, check_save_writable
 
-    check_resume_safety(args.save, args.load)
+    check_resume_safety(args.save, args.load, bool(args.finetune))
     if args.save:
         check_save_writable(args.save)
     if args.task == "pretraining" and not args.user_script:

@@ -798,10 +798,12 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     return LoadedState(iteration, common["consumed_samples"], common.get("extra", {}), notes)
 
 
-def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tuple[SaveLock, list[str]]:
+def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None,
+                        restarts_count: bool = False) -> tuple[SaveLock, list[str]]:
     """Everything a run does with --save before its first iteration, on rank 0 only (a second rank taking the
-    lock would be refused): writable, locked, nothing it would overwrite, leftovers of killed saves cleaned.
-    Returns the lock (keep it for the run) and what was cleaned, for the log."""
-    check_resume_safety(save_dir, load_dir)
+    lock would be refused): writable, locked, nothing it would overwrite (`restarts_count`: the run starts at
+    iteration 0 whatever it loads), leftovers of killed saves cleaned. Returns the lock (keep it for the run) and
+    what was cleaned, for the log."""
+    check_resume_safety(save_dir, load_dir, restarts_count)
     lock = acquire_save_lock(save_dir)
     return lock, remove_stale_partial_checkpoints(save_dir)

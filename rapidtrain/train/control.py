@@ -117,7 +117,7 @@ class Checkpointer:
         if not self.enabled or self._lock is not None or self._shared:
             return
         if self.trainer.engine.rank == 0:
-            self._lock, cleaned = prepare_save_folder(self.save_dir, self.settings.load)
+            self._lock, cleaned = prepare_save_folder(self.save_dir, self.settings.load, self.settings.finetune)
             for line in cleaned:
                 print(f" {line}", flush=True)
         check_save_shared(self.save_dir)  # every node sees the folder rank 0 prepared
@@ -195,7 +195,7 @@ class Checkpointer:
         if not self.settings.load:
             return None
         # A mistyped --load is refused with or without --save (a torchrun started by hand has no launcher check).
-        check_resume_safety(self.settings.save, self.settings.load)
+        check_resume_safety(self.settings.save, self.settings.load, self.settings.finetune)
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
         finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)
