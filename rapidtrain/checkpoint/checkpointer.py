@@ -49,7 +49,13 @@ from rapidtrain.checkpoint.compatibility import (
     check_format_version,
     check_same_model,
 )
-from rapidtrain.checkpoint.resume import changed_schedule_flags, check_optimizer_groups, load_schedule
+from rapidtrain.checkpoint.resume import (
+    changed_schedule_flags,
+    check_optimizer_groups,
+    data_changes,
+    load_schedule,
+    resolved_flags,
+)
 from rapidtrain.checkpoint.save_folder import SaveLock, acquire_save_lock, check_resume_safety, write_file_exclusively
 
 _TRUST_HINT = "Nothing from it was run. Use a checkpoint from a source you trust, or one this run's rapidtrain wrote."
@@ -743,9 +749,12 @@ def _read_rng(directory: Path, notes: list[str]) -> dict[str, Any] | None:
 
 def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, model: dict[str, Any] | None, *,
                     finetune: bool = False, load_optimizer: bool = True, load_rng: bool = True,
-                    schedule_from: str = "same", flags: dict[str, Any] | None = None) -> LoadedState | None:
+                    schedule_from: str = "same", flags: dict[str, Any] | None = None,
+                    data: tuple[dict[str, Any], dict[str, str]] | None = None) -> LoadedState | None:
     """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none.
-    `flags`: this run's flags, to name the ones that differ from the saved run's when the schedule does."""
+    `flags`: this run's flags, to name the ones that differ from the saved run's when the schedule does. `data`:
+    this run's plan (as JSON) and data files' identities, to say what changed in the data since the save (and
+    refuse another tokenizer) before anything is loaded."""
     from rapidtrain.checkpoint.foreign_formats import detect_foreign, refuse_unknown_folder
 
     foreign = detect_foreign(root)
@@ -773,6 +782,8 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
                               "resume continues from); resume from another iteration or --load folder.")
     check_format_version(common.get("format", 1), directory / COMMON_FILE)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
+    if data is not None and not finetune:
+        notes += data_changes(common, *data, directory, iteration)
     load_optimizer = load_optimizer and not finetune
     if load_optimizer and flags is not None:
         check_optimizer_groups(common.get("args") or {}, flags, directory)
@@ -784,7 +795,7 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     if load_optimizer and common.get("optimizer_stepped") is False and hasattr(runner, "forget_optimizer_state"):
         runner.forget_optimizer_state()  # saved before any step (fp16 skipped them all): resume with none taken
     if load_optimizer and common.get("lr_scheduler") and hasattr(lr_scheduler, "load_state_dict"):
-        changed = changed_schedule_flags(common.get("args") or {}, flags or {})
+        changed = changed_schedule_flags(resolved_flags(common), flags or {})
         load_schedule(lr_scheduler, common["lr_scheduler"], schedule_from, directory, changed)
     if load_rng and not finetune:
         rng = _read_rng(directory, notes)

@@ -183,6 +183,11 @@ def _checkpoint_lines(plan: Plan) -> list[str]:
         ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
          if ck.save else [])
         + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else []))]
+    if ck.load and not ck.finetune and not ck.load_format:
+        lines.append("  resume: what changed since the save in the data (paths, files, split, sequence length, seed) "
+                     "or the global batch is said in one line each, and the consumed samples carry over (Megatron); "
+                     "another tokenizer is refused (stricter than Megatron: the embeddings would read other text), "
+                     "as is a changed learning-rate schedule without --override-opt-param-scheduler")
     if ck.load and ck.load_format:
         weights_only = ck.finetune or ck.load_format.endswith("release")
         kept = "its model weights only, from iteration 0" if weights_only else (

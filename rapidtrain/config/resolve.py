@@ -336,7 +336,8 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
                             on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
 
 
-def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None) -> CheckpointSettings:
+def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None,
+                        batches: Batches | None = None) -> CheckpointSettings:
     schedule_from: ScheduleFrom = "flags" if args.override_opt_param_scheduler else (
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
     pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
@@ -348,7 +349,7 @@ def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None)
                               pretrained_model=args.pretrained_model_name_or_path,
                               pretrained_checkpoint=megatron_task_checkpoint(args),
                               load_format=foreign_checkpoint_kind(args.load),
-                              flags=recorded_flags(args, vocab_size))
+                              flags=recorded_flags(args, vocab_size, batches))
 
 
 def foreign_checkpoint_kind(load: str | None) -> str | None:
@@ -365,13 +366,16 @@ def megatron_task_checkpoint(args: argparse.Namespace) -> str | None:
     return getattr(args, "pretrained_checkpoint", None) if is_megatron_task(args) else None
 
 
-def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:
-    """The flags as plain JSON values, with the built-in model's padded vocabulary (as Megatron's args carry it)."""
+def recorded_flags(args: argparse.Namespace, vocab_size: int | None, batches: Batches | None = None) -> dict[str, Any]:
+    """The flags as plain JSON values, with the built-in model's padded vocabulary and the global batch the run
+    resolved (as Megatron's args carry them: a resume compares values, not whether a flag was typed)."""
     from rapidtrain.config.arguments import flag_values
 
     flags = json.loads(json.dumps(flag_values(args), default=str))
     if vocab_size:
         flags["padded_vocab_size"] = vocab_size
+    if batches is not None:
+        flags["global_batch_size"] = batches.global_batch_size
     return flags
 
 

@@ -23,6 +23,7 @@ from rapidtrain.checkpoint.checkpointer import (
 )
 from rapidtrain.checkpoint.foreign_formats import detect_foreign
 from rapidtrain.checkpoint.save_folder import check_resume_safety, check_save_shared
+from rapidtrain.config.job_identity import data_files
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
 from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, RUN, first_to_report
 
@@ -157,7 +158,9 @@ class Checkpointer:
             return
 
         trainer, engine = self.trainer, self.trainer.engine
-        config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json())}
+        # The data files' sizes and times beside the plan: a resume says what changed under it (checkpoint/resume.py).
+        config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json()),
+                  "data_files": data_files(engine.plan, with_mtime=True)}
         state = (self.save_dir, iteration, engine.runner, engine.lr_scheduler, trainer.consumed_samples, config,
                  trainer.checkpoint_extra())
         self.saved_at = iteration
@@ -209,9 +212,10 @@ class Checkpointer:
                                              load_optimizer=s.load_optimizer, schedule_from=s.schedule_from,
                                              flags=s.flags)
         else:
+            data = (json.loads(engine.plan.to_json()), data_files(engine.plan, with_mtime=True))
             loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=finetune,
                                      load_optimizer=s.load_optimizer, load_rng=s.load_rng,
-                                     schedule_from=s.schedule_from, flags=s.flags)
+                                     schedule_from=s.schedule_from, flags=s.flags, data=data)
         if loaded is None:
             engine.print_rank0(f" no checkpoint in {s.load}; starting from scratch")
         else:
