@@ -40,6 +40,17 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
+# Megatron-LM's --exit-signal choices (signal names), and those a run can catch and stop on: SIGKILL and SIGSTOP
+# cannot be caught, SIGCHLD/SIGCONT/SIGWINCH/SIGURG come with normal operation (a child ending, a job resumed, a
+# resized terminal), and the fault signals (SIGSEGV, SIGBUS, ...) mean the process is already broken.
+MEGATRON_SIGNAL_NAMES = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL",
+                         "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGSTKFLT", "SIGCHLD",
+                         "SIGCONT", "SIGSTOP", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGXCPU", "SIGXFSZ",
+                         "SIGVTALRM", "SIGPROF", "SIGWINCH", "SIGIO", "SIGPWR", "SIGSYS", "SIGRTMIN", "SIGRTMAX")
+CATCHABLE_EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGXCPU",
+                          "SIGPWR")
+
+
 
 def canonical_task(value: str) -> str:
     """`--task` value in Rapidformer's spelling; unknown values pass through for the rules to report."""
@@ -386,8 +397,14 @@ def _add_training_controls(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--user-defined-parameters", default=None,
                    help="Rapidformer/EasyNLP 'key=value ...' string, for user scripts (get_args()).")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="On SIGTERM, stop at the end of the iteration and exit 0, saving a checkpoint when --save "
-                        "is given (with --save this is always on; without either, SIGTERM ends the process at once).")
+                   help="On SIGTERM (and --exit-signal), stop at the end of the iteration and exit 0, saving a "
+                        "checkpoint when --save is given (with --save this is always on; without either, SIGTERM "
+                        "ends the process at once).")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=MEGATRON_SIGNAL_NAMES, metavar="SIGNAL",
+                   help="A signal that stops the run as SIGTERM does (Megatron's), such as SIGUSR1 from Slurm's "
+                        "--signal=B:USR1@120: the `rapidtrain` launcher forwards it to the ranks, which save (with "
+                        "--save) and exit 0, and waits for them. Caught with --save or --exit-signal-handler; one of "
+                        f"{', '.join(CATCHABLE_EXIT_SIGNALS)}.")
 
 
 def _add_distributed(parser: argparse.ArgumentParser) -> None:

@@ -96,7 +96,11 @@ def describe_plan(plan: Plan) -> str:
         lines.append(f"    {choice.switch:<30} → {choice.engine}" + (f"\n{'':36}because {choice.reason}"
                                                                         if choice.reason else ""))
     lines += _model_lines(plan) + _checkpoint_lines(plan) + _reporting_lines(plan)
-    lines.append("  on SIGTERM: " + ON_SIGTERM[plan.training.on_sigterm])
+    exit_signal = plan.training.exit_signal
+    also = f" and {exit_signal} (--exit-signal)" if exit_signal not in ("SIGTERM", "SIGINT") else ""
+    if also and plan.training.on_sigterm == "default":
+        also = f" ({exit_signal}, --exit-signal, is caught only with --save or --exit-signal-handler: it ends the run)"
+    lines.append(f"  on SIGTERM{also}: " + ON_SIGTERM[plan.training.on_sigterm])
     lines.append(f"  distributed: process-group backend {_backends(plan.distributed.backend)}, collectives time "
                  f"out after {plan.distributed.timeout_minutes:g} minutes (--distributed-timeout-minutes)")
     lines.append("  MFU: " + (f"against {plan.logging.peak_tflops:g} TFLOP/s per device ({plan.logging.peak_source})"

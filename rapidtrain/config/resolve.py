@@ -333,7 +333,8 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
                             eval_iters=args.eval_iters, seed=args.seed, exit_interval=args.exit_interval,
                             exit_duration_in_mins=args.exit_duration_in_mins, train_samples=args.train_samples,
                             per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
-                            on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
+                            on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"),
+                            exit_signal=args.exit_signal)
 
 
 def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None,

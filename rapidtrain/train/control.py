@@ -37,11 +37,17 @@ class StopSignal:
     process exits (then ignored through the interpreter's finalization), as a repeat must not kill the exit. A
     process forked from this one (a multiprocessing pool, whose terminate() sends SIGTERM) still ends on
     SIGTERM as usual."""
-    def __init__(self) -> None:
+    def __init__(self, exit_signal: str = "SIGTERM") -> None:
         self.received = False
         self._owner = os.getpid()
         self._interrupted_at: float | None = None
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGTERM, signal.SIGINT)}
+        # --exit-signal (Megatron's): one more signal that stops the run as SIGTERM does (SIGUSR1 from Slurm's
+        # --signal, ...). An inherited "ignore" is kept for it: a run started under nohup stays deaf to SIGHUP.
+        extra = getattr(signal, exit_signal)
+        handled = [signal.SIGTERM, signal.SIGINT]
+        if extra not in handled and signal.getsignal(extra) is not signal.SIG_IGN:
+            handled.append(extra)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in handled}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._owner:  # inherited by a fork: not the trainer, so the default action
@@ -67,7 +73,9 @@ class StopSignal:
         # The process is on its way out. The interpreter puts back the default action for Python handlers when
         # it finalizes, which a late repeat would turn into death by SIGTERM after a good save: from the
         # atexit hooks on, repeats are ignored by the kernel instead.
-        atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+        for signum in self._previous:
+            if signum != signal.SIGINT:
+                atexit.register(signal.signal, signum, signal.SIG_IGN)
         signal.signal(signal.SIGINT, self._previous[signal.SIGINT])  # the save is done: Ctrl-C may end the exit
 
 
@@ -79,7 +87,7 @@ class StopConditions:
     def __init__(self, settings: TrainingSettings) -> None:
         self.settings = settings
         self.started = time.time()
-        self.signal = StopSignal() if settings.on_sigterm != "default" else None
+        self.signal = StopSignal(settings.exit_signal) if settings.on_sigterm != "default" else None
 
     def requested(self) -> bool:
         minutes = self.settings.exit_duration_in_mins
