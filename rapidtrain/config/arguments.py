@@ -572,7 +572,11 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="Optimizer (beyond Rapidformer), overrides --optimizers: adamw (adam is accepted for it, as "
                         "in Megatron: decoupled weight decay), adafactor (torch.optim.Adafactor, factored second "
-                        "moment), sgd; adamw_8bit: 8-bit AdamW (~2 bytes of state per parameter instead of 8), "
+                        "moment; --lr is relative to each parameter's RMS, capped by 1/sqrt(step), unlike Hugging "
+                        "Face Trainer's Adafactor, whose --lr is the step itself: about 50x larger steps at the same "
+                        "--lr for weights of RMS 0.02), sgd; the low-bit ones need bitsandbytes or torchao and are "
+                        "refused, naming why, where neither serves the layout and device (`rapidtrain plan` tells "
+                        "before a run); adamw_8bit: 8-bit AdamW (~2 bytes of state per parameter instead of 8), "
                         "bitsandbytes AdamW8bit for plain-tensor layouts, torchao AdamW8bit for DTensor layouts "
                         "(TP, FSDP, SDP, 3D); paged_adamw_8bit: bitsandbytes PagedAdamW8bit (CUDA, plain tensors); "
                         "adamw_4bit: torchao AdamW4bit (plain tensors); muon (Megatron-Core's dist_muon is the same "
