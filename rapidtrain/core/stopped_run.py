@@ -196,7 +196,7 @@ def _short(error: BaseException) -> str:
 # A DataLoader worker's death as torch reports it to the rank ("exited unexpectedly", "is killed by signal: Killed").
 _WORKER_DIED = re.compile(r"DataLoader worker \(pids?\(?s?\)? ?([\d, ]+)\) (exited unexpectedly|is killed by signal: "
                           r"[\w ]+)")
-_TIMED_OUT = re.compile(r"Timed out waiting|timed out after|Timeout|timed out", re.IGNORECASE)
+_TIMED_OUT = re.compile(r"Timed out waiting|timed out after|Timeout waiting|operation timed out", re.IGNORECASE)
 # Cache folders that libraries write under the home directory, and the variable that moves each.
 CACHE_VARIABLES = (("torch_extensions", "TORCH_EXTENSIONS_DIR", "DeepSpeed's and torch's compiled ops"),
                    ("triton", "TRITON_CACHE_DIR", "Triton's compiled kernels"),
