@@ -1,6 +1,7 @@
 """Every signal a scheduler or a shell sends has a tested outcome through the `rapidtrain` launcher, table-driven:
 the signal, the flags, what is sent to whom, and the outcome (exit status, what is saved, what is said). SIGTERM
-and Ctrl-C (SIGINT) at every target and moment are tests/e2e/test_signals.py's; this table adds the rest.
+and Ctrl-C (SIGINT) at every target and moment are tests/e2e/test_signals.py's and test_stopped_run.py's (SIGTERM
+beside another --exit-signal is the same handler: tests/unit/test_exit_signal.py); this table adds the rest.
 
 One tiny model, 2 ranks, 0 loader workers, one launch per row. Each launch runs in its own session, is signalled
 after its first log line, and every process it had must be gone at its end (test_signals.Launch)."""
@@ -47,8 +48,6 @@ CASES = [
          ignore_hangup=True),
     Case("SIGSTOP then SIGCONT pauses the launcher only", (signal.SIGSTOP, signal.SIGCONT), (), SHORT, 0, False,
          f"iteration        {SHORT}/"),
-    Case("SIGTERM still saves beside another exit signal", (signal.SIGTERM,),
-         ("--exit-signal-handler", "--exit-signal", "SIGUSR1"), LONG, 0, True, "stopped by SIGTERM"),
 ]
 
 
