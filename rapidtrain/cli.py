@@ -125,7 +125,7 @@ def launch(argv: list[str]) -> int:
     rules.exit_on_conflicts(args, ctx)
     check_inputs_before_launch(args)
     check_rendezvous_before_launch()
-    from rapidtrain.core.shutdown import run_forwarding_signals
+    from rapidtrain.core.shutdown import run_forwarding_signals, stop_signals
     from rapidtrain.core.stopped_run import COMMAND_ENV
 
     # torchrun in its own session, each stop signal forwarded once, waited for (rapidtrain/core/shutdown.py). The
@@ -133,7 +133,8 @@ def launch(argv: list[str]) -> int:
     env = dict(os.environ, **{COMMAND_ENV: shlex.join(["rapidtrain", *argv])})
     command = torchrun_command(args, script, argv, ctx.device_type)
     # The same torchrun as a fork of this process, which has imported torch already (core/shutdown.py).
-    return run_forwarding_signals(command, env, fork_main=lambda: main(command[command.index(TORCHRUN):]))
+    return run_forwarding_signals(command, env, fork_main=lambda: main(command[command.index(TORCHRUN):]),
+                                  signals=stop_signals(args.exit_signal))
 
 
 def check_inputs_before_launch(args: argparse.Namespace) -> None:
@@ -141,7 +142,7 @@ def check_inputs_before_launch(args: argparse.Namespace) -> None:
     the built-in pretraining the tokenizer and data files (a UserError names the flag or file)."""
     from rapidtrain.checkpoint.save_folder import check_resume_safety, check_save_writable
 
-    check_resume_safety(args.save, args.load)
+    check_resume_safety(args.save, args.load, bool(args.finetune))
     if args.save:
         check_save_writable(args.save)
     if args.task == "pretraining" and not args.user_script:
@@ -257,15 +258,19 @@ def quiet_torchrun(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     from rapidtrain.core.shutdown import PARENT_PID_ENV, RankSignalForwarder, parent_pid_from_env, stop_with_parent
+    from rapidtrain.core.stopped_run import flag_value
 
     stop_with_parent(parent_pid_from_env())  # the launcher SIGKILLed: stop the ranks (they save), not orphan them
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the ranks' parent, for their own parent-death check
     options = parse_args(argv)
     forwarder = RankSignalForwarder()
-    if RankSignalForwarder.available():
-        forwarder.install()  # torchrun then leaves SIGTERM and SIGINT alone; it handles the others its own way
+    if RankSignalForwarder.available():  # torchrun then leaves those alone; it handles the others its own way
+        import signal
+
+        handled = forwarder.install(flag_value(list(options.training_script_args), "--exit-signal"))
+        names = {signal.Signals(signum).name for signum in handled}
         options.signals_to_handle = ",".join(
-            name for name in options.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGINT"))
+            name for name in options.signals_to_handle.split(",") if name.strip() not in names)
     # Its per-worker "failed (exitcode: N)" log line; a real crash is still reported in full below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
@@ -296,10 +301,14 @@ def stopped_launch_status(failures: dict, options: argparse.Namespace, forwarded
             print(f"rapidtrain: stopped by Ctrl-C. {resume_line(save)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if forwarded and codes <= {-signum for signum in forwarded}:
-        print("rapidtrain: the ranks ended on SIGTERM without saving (a run saves on SIGTERM when it has "
-              "--save, or stops cleanly with --exit-signal-handler, once its training has started)",
+        ended_by = signal.Signals(-min(codes)).name
+        how = ("a run saves on SIGTERM when it has --save, or stops cleanly with --exit-signal-handler"
+               if ended_by == "SIGTERM" else
+               f"{ended_by} is not this run's --exit-signal: give --exit-signal {ended_by} with --save or "
+               "--exit-signal-handler to save and stop on it")
+        print(f"rapidtrain: the ranks ended on {ended_by} without saving ({how}, once its training has started)",
               file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return 128 - min(codes)
     print(launcher_story(failures, save, str(options.node_rank)), file=sys.stderr, flush=True)
     return 1
 

@@ -49,7 +49,13 @@ from rapidtrain.checkpoint.compatibility import (
     check_format_version,
     check_same_model,
 )
-from rapidtrain.checkpoint.resume import changed_schedule_flags, check_optimizer_groups, load_schedule
+from rapidtrain.checkpoint.resume import (
+    changed_schedule_flags,
+    check_optimizer_groups,
+    data_changes,
+    load_schedule,
+    resolved_flags,
+)
 from rapidtrain.checkpoint.save_folder import SaveLock, acquire_save_lock, check_resume_safety, write_file_exclusively
 
 _TRUST_HINT = "Nothing from it was run. Use a checkpoint from a source you trust, or one this run's rapidtrain wrote."
@@ -753,9 +759,12 @@ def _read_rng(directory: Path, notes: list[str]) -> dict[str, Any] | None:
 
 def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, model: dict[str, Any] | None, *,
                     finetune: bool = False, load_optimizer: bool = True, load_rng: bool = True,
-                    schedule_from: str = "same", flags: dict[str, Any] | None = None) -> LoadedState | None:
+                    schedule_from: str = "same", flags: dict[str, Any] | None = None,
+                    data: tuple[dict[str, Any], dict[str, str]] | None = None) -> LoadedState | None:
     """Fill the runner (and schedule, RNG) from the latest checkpoint in `root`; None when there is none.
-    `flags`: this run's flags, to name the ones that differ from the saved run's when the schedule does."""
+    `flags`: this run's flags, to name the ones that differ from the saved run's when the schedule does. `data`:
+    this run's plan (as JSON) and data files' identities, to say what changed in the data since the save (and
+    refuse another tokenizer) before anything is loaded."""
     from rapidtrain.checkpoint.foreign_formats import detect_foreign, refuse_unknown_folder
 
     foreign = detect_foreign(root)
@@ -783,6 +792,8 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
                               "resume continues from); resume from another iteration or --load folder.")
     check_format_version(common.get("format", 1), directory / COMMON_FILE)
     check_same_model((common.get("plan") or {}).get("model"), model, directory)
+    if data is not None and not finetune:
+        notes += data_changes(common, *data, directory, iteration)
     load_optimizer = load_optimizer and not finetune
     if load_optimizer and flags is not None:
         check_optimizer_groups(common.get("args") or {}, flags, directory)
@@ -796,7 +807,7 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     if load_optimizer and common.get("optimizer_stepped") is False and hasattr(runner, "forget_optimizer_state"):
         runner.forget_optimizer_state()  # saved before any step (fp16 skipped them all): resume with none taken
     if load_optimizer and common.get("lr_scheduler") and hasattr(lr_scheduler, "load_state_dict"):
-        changed = changed_schedule_flags(common.get("args") or {}, flags or {})
+        changed = changed_schedule_flags(resolved_flags(common), flags or {})
         load_schedule(lr_scheduler, common["lr_scheduler"], schedule_from, directory, changed)
     if load_rng and not finetune:
         rng = _read_rng(directory, notes)
@@ -810,10 +821,12 @@ def load_checkpoint(root: str | Path, runner: RunnerState, lr_scheduler: Any, mo
     return LoadedState(iteration, common["consumed_samples"], common.get("extra", {}), notes)
 
 
-def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None) -> tuple[SaveLock, list[str]]:
+def prepare_save_folder(save_dir: str | Path, load_dir: str | Path | None,
+                        restarts_count: bool = False) -> tuple[SaveLock, list[str]]:
     """Everything a run does with --save before its first iteration, on rank 0 only (a second rank taking the
-    lock would be refused): writable, locked, nothing it would overwrite, leftovers of killed saves cleaned.
-    Returns the lock (keep it for the run) and what was cleaned, for the log."""
-    check_resume_safety(save_dir, load_dir)
+    lock would be refused): writable, locked, nothing it would overwrite (`restarts_count`: the run starts at
+    iteration 0 whatever it loads), leftovers of killed saves cleaned. Returns the lock (keep it for the run) and
+    what was cleaned, for the log."""
+    check_resume_safety(save_dir, load_dir, restarts_count)
     lock = acquire_save_lock(save_dir)
     return lock, remove_stale_partial_checkpoints(save_dir)

@@ -2,7 +2,8 @@
 
 `acquire_save_lock` takes an exclusive `flock` on SAVE/.rapidtrain.lock (the kernel drops it when the process
 ends, however it ends, so a lock is never stale) and writes the holder's host and pid into it for the next
-run's error message. `check_resume_safety` refuses a run that would overwrite checkpoints it did not load;
+run's error message. `check_resume_safety` refuses a run that would overwrite checkpoints it did not load, or,
+restarting its count (--finetune), the ones it loaded;
 `check_save_writable` finds a read-only or misplaced folder before the first iteration instead of at the first
 save. Rank 0 calls these at start, before the process group's first collective.
 """
@@ -99,9 +100,10 @@ def _same_folder(a: Path, b: Path) -> bool:
         return False
 
 
-def check_resume_safety(save_dir: str | Path | None, load_dir: str | Path | None) -> None:
-    """Refuse, before training, a run that would overwrite checkpoints in --save it did not load, and a
-    --load folder that does not exist (a typo would otherwise start from scratch)."""
+def check_resume_safety(save_dir: str | Path | None, load_dir: str | Path | None, restarts_count: bool = False) -> None:
+    """Refuse, before training, a run that would overwrite checkpoints in --save it did not load, a run that
+    restarts its iteration count (`restarts_count`: --finetune) in the folder it loads from, and a --load folder
+    that does not exist (a typo would otherwise start from scratch)."""
     if load_dir is not None and not Path(load_dir).exists() and not (
             save_dir is not None and _same_folder(Path(load_dir), Path(save_dir))):
         raise SaveFolderError(f"--load {load_dir}: no such folder. Give the --save folder of the run to resume "
@@ -110,9 +112,17 @@ def check_resume_safety(save_dir: str | Path | None, load_dir: str | Path | None
         return
     save = Path(save_dir)
     existing = saved_iterations(save)
-    if not existing or (load_dir is not None and _same_folder(save, Path(load_dir))):
-        return
     shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+    loads_save = load_dir is not None and _same_folder(save, Path(load_dir))
+    if existing and loads_save and restarts_count:
+        # Refused rather than saved beside: a folder chosen for the user would leave --save naming one place and
+        # the checkpoints in another, and the resume line, scripts and --load of the next job would miss them.
+        raise SaveFolderError(
+            f"--finetune --load {load_dir} --save {save}: the fine-tune starts again at iteration 0, so its saves "
+            f"(iter_0000001, ..., and {LATEST_FILE}) would overwrite the checkpoints it loads from ({shown}). Give "
+            "the fine-tune a --save folder of its own; the loaded checkpoints stay as they are.")
+    if not existing or loads_save:
+        return
     loaded = f"--load {load_dir}" if load_dir is not None else "no --load"
     raise SaveFolderError(
         f"--save {save} already holds checkpoints ({shown}) that this run does not load ({loaded}): its own "

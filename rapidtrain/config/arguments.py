@@ -41,6 +41,17 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
+# Megatron-LM's --exit-signal choices (signal names), and those a run can catch and stop on: SIGKILL and SIGSTOP
+# cannot be caught, SIGCHLD/SIGCONT/SIGWINCH/SIGURG come with normal operation (a child ending, a job resumed, a
+# resized terminal), and the fault signals (SIGSEGV, SIGBUS, ...) mean the process is already broken.
+MEGATRON_SIGNAL_NAMES = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL",
+                         "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGSTKFLT", "SIGCHLD",
+                         "SIGCONT", "SIGSTOP", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGXCPU", "SIGXFSZ",
+                         "SIGVTALRM", "SIGPROF", "SIGWINCH", "SIGIO", "SIGPWR", "SIGSYS", "SIGRTMIN", "SIGRTMAX")
+CATCHABLE_EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGXCPU",
+                          "SIGPWR")
+
+
 
 def canonical_task(value: str) -> str:
     """`--task` value in Rapidformer's spelling; unknown values pass through for the rules to report."""
@@ -393,8 +404,14 @@ def _add_training_controls(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--user-defined-parameters", default=None,
                    help="Rapidformer/EasyNLP 'key=value ...' string, for user scripts (get_args()).")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="On SIGTERM, stop at the end of the iteration and exit 0, saving a checkpoint when --save "
-                        "is given (with --save this is always on; without either, SIGTERM ends the process at once).")
+                   help="On SIGTERM (and --exit-signal), stop at the end of the iteration and exit 0, saving a "
+                        "checkpoint when --save is given (with --save this is always on; without either, SIGTERM "
+                        "ends the process at once).")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=MEGATRON_SIGNAL_NAMES, metavar="SIGNAL",
+                   help="A signal that stops the run as SIGTERM does (Megatron's), such as SIGUSR1 from Slurm's "
+                        "--signal=B:USR1@120: the `rapidtrain` launcher forwards it to the ranks, which save (with "
+                        "--save) and exit 0, and waits for them. Caught with --save or --exit-signal-handler; one of "
+                        f"{', '.join(CATCHABLE_EXIT_SIGNALS)}.")
 
 
 def _add_distributed(parser: argparse.ArgumentParser) -> None:
@@ -599,7 +616,11 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="Optimizer (beyond Rapidformer), overrides --optimizers: adamw (adam is accepted for it, as "
                         "in Megatron: decoupled weight decay), adafactor (torch.optim.Adafactor, factored second "
-                        "moment), sgd; adamw_8bit: 8-bit AdamW (~2 bytes of state per parameter instead of 8), "
+                        "moment; --lr is relative to each parameter's RMS, capped by 1/sqrt(step), unlike Hugging "
+                        "Face Trainer's Adafactor, whose --lr is the step itself: about 50x larger steps at the same "
+                        "--lr for weights of RMS 0.02), sgd; the low-bit ones need bitsandbytes or torchao and are "
+                        "refused, naming why, where neither serves the layout and device (`rapidtrain plan` tells "
+                        "before a run); adamw_8bit: 8-bit AdamW (~2 bytes of state per parameter instead of 8), "
                         "bitsandbytes AdamW8bit for plain-tensor layouts, torchao AdamW8bit for DTensor layouts "
                         "(TP, FSDP, SDP, 3D); paged_adamw_8bit: bitsandbytes PagedAdamW8bit (CUDA, plain tensors); "
                         "adamw_4bit: torchao AdamW4bit (plain tensors); muon (Megatron-Core's dist_muon is the same "

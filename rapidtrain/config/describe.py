@@ -99,7 +99,11 @@ def describe_plan(plan: Plan) -> str:
         lines.append(f"    {choice.switch:<30} → {choice.engine}" + (f"\n{'':36}because {choice.reason}"
                                                                         if choice.reason else ""))
     lines += _model_lines(plan) + _checkpoint_lines(plan) + _reporting_lines(plan)
-    lines.append("  on SIGTERM: " + ON_SIGTERM[plan.training.on_sigterm])
+    exit_signal = plan.training.exit_signal
+    also = f" and {exit_signal} (--exit-signal)" if exit_signal not in ("SIGTERM", "SIGINT") else ""
+    if also and plan.training.on_sigterm == "default":
+        also = f" ({exit_signal}, --exit-signal, is caught only with --save or --exit-signal-handler: it ends the run)"
+    lines.append(f"  on SIGTERM{also}: " + ON_SIGTERM[plan.training.on_sigterm])
     lines.append(f"  distributed: process-group backend {_backends(plan.distributed.backend)}, collectives time "
                  f"out after {plan.distributed.timeout_minutes:g} minutes (--distributed-timeout-minutes)")
     lines.append("  MFU: " + (f"against {plan.logging.peak_tflops:g} TFLOP/s per device ({plan.logging.peak_source})"
@@ -186,6 +190,11 @@ def _checkpoint_lines(plan: Plan) -> list[str]:
         ([f"save to {ck.save}" + (f" every {ck.save_interval} iterations" if ck.save_interval else "")]
          if ck.save else [])
         + ([f"load from {ck.load}" + (" (model only, --finetune)" if ck.finetune else "")] if ck.load else []))]
+    if ck.load and not ck.finetune and not ck.load_format:
+        lines.append("  resume: what changed since the save in the data (paths, files, split, sequence length, seed) "
+                     "or the global batch is said in one line each, and the consumed samples carry over (Megatron); "
+                     "another tokenizer is refused (stricter than Megatron: the embeddings would read other text), "
+                     "as is a changed learning-rate schedule without --override-opt-param-scheduler")
     if ck.load and ck.load_format:
         weights_only = ck.finetune or ck.load_format.endswith("release")
         kept = "its model weights only, from iteration 0" if weights_only else (

@@ -111,6 +111,13 @@ def _partitioning_choice(args: argparse.Namespace, layout: Layout, model: ModelC
                             "state and gradients partitioned)" + (f"; {experts}" if experts else ""))
     if args.sharding_backend == "fairscale" and dest in FAIRSCALE_ENGINES:
         return EngineChoice(_flag(dest), FAIRSCALE_ENGINES[dest], "--sharding-backend fairscale")
+    if layout.data_parallel_size == 1 and not args.cpu_offload and not getattr(args, "nvme_offload_dir", None):
+        # Partitioning over one data-parallel rank keeps every state whole: the engine still runs (its checkpoint
+        # format, its buffers), which a user expecting savings should hear from the plan, not from a memory profile.
+        experts = "; ".join(filter(None, [experts, "one data-parallel rank: nothing is partitioned, every rank holds "
+                                          "whole parameters, gradients and optimizer state (as without the switch), "
+                                          "plus the engine's buffers; it saves memory only with more data-parallel "
+                                          "ranks or with --cpu-offload"]))
     return EngineChoice(_flag(dest), PARTITIONING_ENGINES[dest], experts)
 
 

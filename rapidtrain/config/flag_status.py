@@ -268,8 +268,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--label_desc": (WORKS, "EasyNLP's labels, for the user script (get_args())"),
     "--label_enumerate_values": (WORKS, "EasyNLP's label values, for the user script (get_args())"),
     "--pattern": (WORKS, "EasyNLP's PET pattern, for the user script (get_args())"),
-    "--exit-signal": (NO_EFFECT, "SIGTERM saves and ends the run (--exit-signal-handler); other signals are not "
-                                 "caught"),
     "--trust-remote-code": (NO_EFFECT, "rapidtrain never runs code from a model or tokenizer folder"),
     "--vocab-extra-ids": (REFUSED, "T5's sentinel tokens: T5 is not in rapidtrain"),
     "--squared-relu": (REFUSED, "squared ReLU is not in rapidtrain's models: GELU or --swiglu"),

@@ -119,7 +119,7 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
                     switches, training_settings(args, batches),
                     dataclasses.replace(data_settings(args, ctx), micro_batch_size=batches.micro_batch_size),
                     tokenizer, optimizer_settings(args, layout, switches), schedule_settings(args),
-                    loss_scale_settings(args), args.clip_grad, checkpoint_settings(args, vocab_size),
+                    loss_scale_settings(args), args.clip_grad, checkpoint_settings(args, vocab_size, batches),
                     logging_settings(args, ctx, precision, switches.tf32), tuple(notes),
                     lora_settings(args), zero_settings(args, layout, ctx), profile_settings(args),
                     distributed_settings(args, ctx), tuple(warnings), attention_settings(args))

@@ -90,7 +90,15 @@ EMULATED_BF16_COST = ("bf16 would be emulated in fp32 and be far slower, not fas
 
 
 def precision_warnings(args: argparse.Namespace, ctx: RunContext, precision: Precision) -> list[str]:
-    """An explicit --bf16 on a device that only emulates bf16 runs, but at a cost the user should know."""
+    """An explicit --bf16 on a device that only emulates bf16, or --fp16 on a CPU, runs, but at a cost the user
+    should know."""
+    if precision.dtype == "fp16" and ctx.device_type == "cpu":
+        scale = f"{args.loss_scale:g} (--loss-scale)" if args.loss_scale else (
+            f"2^{int(args.initial_loss_scale).bit_length() - 1} (--initial-loss-scale)")
+        return [f"--fp16 on a CPU runs fp16 autocast, but CPU fp16 kernels are slow (measured here: ~30x the fp32 "
+                f"step of a tiny GPT) and the loss scale starts at {scale}: the first iterations overflow and are "
+                "skipped, logged with no loss, until the scale has backed off (about one iteration per halving). "
+                "Use fp32 (no flag) or --bf16 on a CPU with native bf16; for fp16 give a lower --initial-loss-scale"]
     if precision.dtype != "bf16" or ctx.capability.native_bf16:
         return []
     if ctx.device_type == "cuda":
@@ -342,10 +350,12 @@ def training_settings(args: argparse.Namespace, batches: Batches) -> TrainingSet
                             eval_iters=args.eval_iters, seed=args.seed, exit_interval=args.exit_interval,
                             exit_duration_in_mins=args.exit_duration_in_mins, train_samples=args.train_samples,
                             per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
-                            on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"))
+                            on_sigterm="save" if args.save else ("stop" if args.exit_signal_handler else "default"),
+                            exit_signal=args.exit_signal)
 
 
-def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None) -> CheckpointSettings:
+def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None,
+                        batches: Batches | None = None) -> CheckpointSettings:
     schedule_from: ScheduleFrom = "flags" if args.override_opt_param_scheduler else (
         "checkpoint" if args.use_checkpoint_opt_param_scheduler else "same")
     pretrained = is_megatron_checkpoint(args) and args.load == args.pretrained_model_name_or_path \
@@ -357,7 +367,7 @@ def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None)
                               pretrained_model=args.pretrained_model_name_or_path,
                               pretrained_checkpoint=megatron_task_checkpoint(args),
                               load_format=foreign_checkpoint_kind(args.load),
-                              flags=recorded_flags(args, vocab_size))
+                              flags=recorded_flags(args, vocab_size, batches))
 
 
 def foreign_checkpoint_kind(load: str | None) -> str | None:
@@ -374,13 +384,16 @@ def megatron_task_checkpoint(args: argparse.Namespace) -> str | None:
     return getattr(args, "pretrained_checkpoint", None) if is_megatron_task(args) else None
 
 
-def recorded_flags(args: argparse.Namespace, vocab_size: int | None) -> dict[str, Any]:
-    """The flags as plain JSON values, with the built-in model's padded vocabulary (as Megatron's args carry it)."""
+def recorded_flags(args: argparse.Namespace, vocab_size: int | None, batches: Batches | None = None) -> dict[str, Any]:
+    """The flags as plain JSON values, with the built-in model's padded vocabulary and the global batch the run
+    resolved (as Megatron's args carry them: a resume compares values, not whether a flag was typed)."""
     from rapidtrain.config.arguments import flag_values
 
     flags = json.loads(json.dumps(flag_values(args), default=str))
     if vocab_size:
         flags["padded_vocab_size"] = vocab_size
+    if batches is not None:
+        flags["global_batch_size"] = batches.global_batch_size
     return flags
 
 

@@ -3,6 +3,7 @@ bases, compile, ZeRO options, numeric ranges and profiling (the second part of t
 
 from __future__ import annotations
 
+from rapidtrain.config.arguments import CATCHABLE_EXIT_SIGNALS
 from rapidtrain.config.checks import (
     INDEX_BYTES_PER_SAMPLE,
     MAX_TRAIN_SAMPLES,
@@ -83,6 +84,17 @@ def builtin_lora_problem(args) -> str:
     return ""
 
 TRAINING_RULES: tuple[Rule, ...] = (
+    Rule(
+        "exit-signal-catchable", ("--exit-signal",),
+        "--exit-signal names a signal a run can catch and stop on (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1/2, "
+        "SIGALRM, SIGXCPU, SIGPWR).",
+        lambda a, c: a.exit_signal not in CATCHABLE_EXIT_SIGNALS,
+        lambda a, c: f"--exit-signal {a.exit_signal}: "
+        + ("it cannot be caught, so no run can save on it" if a.exit_signal in ("SIGKILL", "SIGSTOP") else
+           "it comes with normal operation or a fault, not as a request to stop")
+        + f". Give one of {', '.join(CATCHABLE_EXIT_SIGNALS)} (a scheduler's warning signal is usually SIGUSR1 "
+        "or SIGTERM).",
+    ),
     Rule(
         "3d-builtin-models-only", ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                                    "--pretrained-model-name-or-path"),

@@ -447,6 +447,7 @@ class TrainingSettings:
     # --exit-signal-handler: end cleanly at the end of the iteration, exit 0), "default" (the process ends
     # at once, as in Megatron without --exit-signal-handler).
     on_sigterm: Literal["save", "stop", "default"] = "default"
+    exit_signal: str = "SIGTERM"  # --exit-signal: a second signal that stops the run as SIGTERM does
     train_samples: int | None = None  # sample-based training (--train-samples); train_iters then follows from it
     # --calculate-per-token-loss: the forward step must return (loss sum, token count); a mean loss stops the run
     per_token_loss: bool = False

@@ -34,7 +34,16 @@ from typing import NoReturn
 # The process that started this one, exported by the launcher (for torchrun) and by the launcher's torchrun
 # (for the ranks), so a child can tell whether its parent died before it asked to be told.
 PARENT_PID_ENV = "RAPIDTRAIN_PARENT_PID"
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# What a scheduler or a shell sends to stop or warn a job. SIGUSR1/2 are forwarded too, so that the launcher never
+# dies of one before its ranks (Slurm's --signal=B:USR1@N reaches the launcher only): a rank saves on it when it is
+# the run's --exit-signal, and otherwise ends of it, which the launcher then tells.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def stop_signals(exit_signal: str | None) -> tuple[int, ...]:
+    """The signals a launcher forwards: the usual ones and the run's --exit-signal (SIGALRM, SIGXCPU, ...)."""
+    extra = getattr(signal, exit_signal, None) if exit_signal else None
+    return FORWARDED_SIGNALS + ((extra,) if extra is not None and extra not in FORWARDED_SIGNALS else ())
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -103,7 +112,8 @@ def exit_status(returncode: int) -> int:
 
 
 def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = None,
-                           fork_main: Callable[[], int] | None = None) -> int:
+                           fork_main: Callable[[], int] | None = None,
+                           signals: Sequence[int] = FORWARDED_SIGNALS) -> int:
     """Run `command` in its own session, forward every stop signal this process receives to it, and wait for
     it however long it takes; its exit status. The child learns this process's pid (PARENT_PID_ENV).
 
@@ -116,7 +126,10 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     `kill`) reaching it while its interpreter finalizes, when Python handlers no longer run, would turn the
     child's clean exit after its save into a death by signal. A signal that was forwarded stays ignored here
     afterwards too: this process is about to exit with the child's status, and a repeat arriving in between
-    must not replace that status with its own death. SIGKILL remains the way to end a run at once."""
+    must not replace that status with its own death. SIGKILL remains the way to end a run at once.
+
+    A signal this process was started ignoring (`nohup`'s SIGHUP, a shell's `trap '' USR1`) stays ignored, here and
+    in the child: the person who started it asked for that."""
     env = dict(os.environ if env is None else env, **{PARENT_PID_ENV: str(os.getpid())})
     process: subprocess.Popen | ForkedChild | None = None
     received: list[int] = []
@@ -134,10 +147,11 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    previous = {signum: signal.signal(signum, forward) for signum in signals
+                if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         if fork_main is not None and single_threaded():
-            process = ForkedChild(fork_main, env)
+            process = ForkedChild(fork_main, env, tuple(previous))
         else:
             process = subprocess.Popen(list(command), env=env, start_new_session=True)
         for signum in list(received):  # arrived while it was being started
@@ -163,22 +177,23 @@ class ForkedChild:
     of a Popen. The child gets the signal dispositions a new interpreter would: handlers back to the defaults
     (Ctrl-C raising KeyboardInterrupt), ignored signals still ignored."""
 
-    def __init__(self, main: Callable[[], int], env: dict[str, str]) -> None:
+    def __init__(self, main: Callable[[], int], env: dict[str, str],
+                 handled: Sequence[int] = FORWARDED_SIGNALS) -> None:
         from rapidtrain.core.process import flush_standard_streams
 
         flush_standard_streams()
         self.pid = os.fork()
         if self.pid == 0:
-            self._run_child(main, env)
+            self._run_child(main, env, handled)
 
     @staticmethod
-    def _run_child(main: Callable[[], int], env: dict[str, str]) -> NoReturn:
+    def _run_child(main: Callable[[], int], env: dict[str, str], handled: Sequence[int]) -> NoReturn:
         from rapidtrain.core.process import end_process, exit_code
 
         status = 1
         try:
             os.setsid()
-            for signum in FORWARDED_SIGNALS:
+            for signum in handled:  # the parent's forwarding handlers: back to what a new interpreter has
                 if signal.getsignal(signum) is not signal.SIG_IGN:
                     signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
             os.environ.clear()
@@ -239,9 +254,17 @@ class RankSignalForwarder:
     def available() -> bool:
         return sys.platform.startswith("linux") and Path("/proc/self/stat").exists()
 
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._forward)
-        signal.signal(signal.SIGINT, self._forward)  # Ctrl-C stops like SIGTERM: the ranks save (status 130)
+    def install(self, exit_signal: str | None = None) -> tuple[int, ...]:
+        """Forward SIGTERM, Ctrl-C (the ranks save, status 130), SIGUSR1/2 and the run's --exit-signal to the
+        ranks; the signals now handled here (torchrun must leave them alone). An ignored one stays ignored."""
+        wanted = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2]
+        extra = getattr(signal, exit_signal, None) if exit_signal else None
+        if extra is not None and extra not in wanted:
+            wanted.append(extra)
+        handled = tuple(signum for signum in wanted if signal.getsignal(signum) is not signal.SIG_IGN)
+        for signum in handled:
+            signal.signal(signum, self._forward)
+        return handled
 
     def _forward(self, signum: int, _frame: FrameType | None) -> None:
         ranks = child_pids()

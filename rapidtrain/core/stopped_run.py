@@ -193,15 +193,116 @@ def _short(error: BaseException) -> str:
     return text[:200] or type(error).__name__
 
 
+# A DataLoader worker's death as torch reports it to the rank ("exited unexpectedly", "is killed by signal: Killed").
+_WORKER_DIED = re.compile(r"DataLoader worker \(pids?\(?s?\)? ?([\d, ]+)\) (exited unexpectedly|is killed by signal: "
+                          r"[\w ]+)")
+_TIMED_OUT = re.compile(r"Timed out waiting|timed out after|Timeout waiting|operation timed out", re.IGNORECASE)
+# Cache folders that libraries write under the home directory, and the variable that moves each.
+CACHE_VARIABLES = (("torch_extensions", "TORCH_EXTENSIONS_DIR", "DeepSpeed's and torch's compiled ops"),
+                   ("triton", "TRITON_CACHE_DIR", "Triton's compiled kernels"),
+                   ("torchinductor", "TORCHINDUCTOR_CACHE_DIR", "torch.compile's kernels"),
+                   ("huggingface", "HF_HOME", "Hugging Face's downloads and datasets"),
+                   ("rapidtrain", "XDG_CACHE_HOME", "rapidtrain's demo corpus and index caches"))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    seen, found = [error], []
+    while seen:
+        current = seen.pop()
+        found.append(current)
+        seen += [e for e in (current.__cause__, current.__context__) if e is not None and e not in found]
+    return found
+
+
+def worker_death(error: BaseException) -> str | None:
+    """'pid 4482 exited unexpectedly' when a DataLoader worker of this rank died, else None."""
+    for current in _chain(error):
+        found = _WORKER_DIED.search(str(current))
+        if found:
+            return f"pid {found.group(1).strip()} {found.group(2)}"
+    return None
+
+
+def collective_timeout(error: BaseException) -> str | None:
+    """The collective this rank timed out in and where rapidtrain called it ('all_reduce, called from
+    rapidtrain/train/step.py:120 (agree)'), read from the traceback; None when the error is no timeout."""
+    for current in _chain(error):
+        if not (_TIMED_OUT.search(str(current)) or type(current).__name__ == "DistTimeoutError"):
+            continue
+        frames = traceback.extract_tb(current.__traceback__) if current.__traceback__ is not None else []
+        collective = next((f.name for f in frames if f.filename.endswith("distributed_c10d.py")  # the one called
+                           and not f.name.startswith("_")), None)
+        if collective is None:
+            continue
+        caller = next((f for f in reversed(frames) if "/rapidtrain/" in f.filename.replace("\\", "/")), None)
+        at = ""
+        if caller is not None:
+            path = caller.filename.replace("\\", "/")
+            at = f", called from rapidtrain/{path.rsplit('/rapidtrain/', 1)[1]}:{caller.lineno} ({caller.name})"
+        return f"{collective}{at}"
+    return None
+
+
+def unwritable_cache(error: BaseException) -> str | None:
+    """The message for a cache folder this process may not write (a read-only home directory), naming the
+    variable that moves it; None for any other error."""
+    import errno
+
+    for current in _chain(error):
+        if not (isinstance(current, OSError) and current.errno in (errno.EACCES, errno.EROFS, errno.EPERM)):
+            continue
+        path = str(current.filename or "")
+        home_cache = os.path.join(os.path.expanduser("~"), ".cache")
+        segments = [segment.lstrip(".") for segment in path.split(os.sep)]  # ~/.triton, /tmp/torchinductor_user
+        for part, variable, what in CACHE_VARIABLES:
+            if any(segment.startswith(part) for segment in segments) or (
+                    path.startswith(home_cache) and variable == "XDG_CACHE_HOME"):
+                moved = f"{variable}=/a/writable/folder" + (
+                    "" if variable == "XDG_CACHE_HOME" else " (or XDG_CACHE_HOME for everything under ~/.cache)")
+                return (f"cannot write {path} ({current.strerror or current}): the cache folder of {what} is not "
+                        f"writable here (a read-only or shared home directory). Set {moved} for the run.")
+    return None
+
+
 def rank_failed(error: BaseException) -> int:
     """A rank's exception under torchrun, told once; its exit status. Lost contact with another rank → exit 3
-    (the launcher names the rank that died); Ctrl-C before training → 130; anything else is a bug: one traceback."""
+    (the launcher names the rank that died); Ctrl-C before training → 130; a DataLoader worker that died, a
+    collective that timed out and a cache folder that cannot be written are told as what they are (the last a user
+    error, exit 2); anything else is a bug: one traceback."""
     where, save = rank_and_node(), RUN.save
     if isinstance(error, KeyboardInterrupt):
         line = f"rapidtrain: stopped by Ctrl-C{at_iteration()} ({where}). {resume_line(save)}"
         write_error_file("interrupted", line)
         report("signal", line)
         return EXIT_INTERRUPTED
+    cache = unwritable_cache(error)
+    if cache is not None:
+        line = f"rapidtrain: error: {where}: {cache}"
+        write_error_file("user_error", line)
+        if first_to_report("user_error"):
+            print(line, file=sys.stderr, flush=True)
+        return 2
+    worker = worker_death(error)
+    if worker is not None:
+        line = (f"rapidtrain: the run stopped{at_iteration()}: a DataLoader worker of {where} died ({worker}): it "
+                "was killed from outside (the kernel's out-of-memory killer: see `dmesg`; a user) or crashed in the "
+                "data pipeline. Give fewer --num-workers (or 0: the rank loads its data itself) if memory is short. "
+                f"{resume_line(save)}")
+        write_error_file("loader_worker", line)
+        if first_to_report("loader_worker"):
+            print(line, file=sys.stderr, flush=True)
+        return 1
+    timeout = collective_timeout(error)
+    if timeout is not None:
+        line = (f"rapidtrain: the run stopped{at_iteration()}: {where} waited longer than the timeout "
+                f"(--distributed-timeout-minutes) in {timeout} for a rank that never joined it: that rank is hung "
+                "(stuck in I/O, a deadlock, or on another code path), not dead (a dead rank breaks the connection at "
+                "once); the launcher's summary names the ranks that did not answer. If a long wait is expected (a "
+                f"slow save or evaluation on one rank), raise --distributed-timeout-minutes. {resume_line(save)}")
+        write_error_file("collective_timeout", line)
+        if first_to_report("collective_timeout"):
+            print(line, file=sys.stderr, flush=True)
+        return EXIT_LOST_CONTACT
     if is_lost_contact(error):
         line = (f"rapidtrain: the run stopped{at_iteration()}: {where} lost contact with another rank "
                 f"({_short(error)}); a rank died or the network between nodes failed, and torchrun's summary "
@@ -243,7 +344,16 @@ def _failure_text(rank: int, failure: object, node: str) -> str:
     told = (getattr(failure, "error_file_data", None) or {}).get("rapidtrain")
     if told and told.get("kind") == "bug":
         return f"{who} stopped on an error in rapidtrain (its traceback is above)"
+    if told and told.get("kind") == "loader_worker":
+        return f"{who} lost a DataLoader worker (said above)"
     return f"{who} exited with status {code}"
+
+
+def _timed_out(failures: dict) -> list[int]:
+    """The ranks that stopped because a collective timed out (their error files say so)."""
+    return sorted(rank for rank, f in failures.items()
+                  if ((getattr(f, "error_file_data", None) or {}).get("rapidtrain") or {}).get("kind")
+                  == "collective_timeout")
 
 
 def launcher_story(failures: dict, save: str | None, node: str) -> str:
@@ -256,7 +366,13 @@ def launcher_story(failures: dict, save: str | None, node: str) -> str:
                   for f in failures.values()]
     reached = max((i for i in iterations if i is not None), default=None)
     at = f" at iteration {reached}" if reached is not None else ""
-    if causes:
+    waited = _timed_out(failures)
+    hung = sorted(rank for rank, f in failures.items() if f.exitcode in (-signal.SIGKILL, -signal.SIGTERM))
+    if waited and hung:  # torchrun ended the ranks that never joined the collective: they hung, nothing killed them
+        what = (f"rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))} timed out in a collective "
+                f"(said above) waiting for rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} of node "
+                f"{node}, which never joined it (hung, not dead) and which torchrun then stopped")
+    elif causes:
         what = "; ".join(_failure_text(rank, f, node) for rank, f in sorted(causes.items()))
         if victims:
             what += f"; the other ranks of this node ({', '.join(map(str, victims))}) stopped when they lost it"

@@ -67,11 +67,35 @@ def refuse_remote_code(folder: str | Path, flag: str = "--pretrained-model-name-
             "model folder. Use a model whose architecture transformers has built in.")
 
 
+PICKLED_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def pickled_file_in(folder: Path) -> Path | None:
+    """The first weights file in `folder` that weights-only loading refuses (what transformers' error, raised from
+    inside its loader, does not name); None if none is. Only read, as the loader did: nothing in it runs."""
+    import pickle
+
+    import torch
+
+    for path in sorted(p for p in folder.iterdir() if p.suffix in PICKLED_WEIGHT_SUFFIXES and p.is_file()):
+        try:
+            torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            return path
+        except (OSError, RuntimeError, ValueError, EOFError):
+            continue  # damaged or not a torch file: not the one weights-only loading refused
+    return None
+
+
 def refuse_pickled_weights(file: str | Path, error: BaseException) -> UnsafeModelFolder:
     """torch.load(weights_only=True) refused a weights file holding more than tensors: one line, not torch's
-    traceback that suggests weights_only=False (which would run what the file holds)."""
+    traceback that suggests weights_only=False (which would run what the file holds). Given a model folder, the
+    line names the file in it that was refused."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return UnsafeModelFolder(f"{file}: refused, it holds pickled objects beyond plain tensors and nothing in it ran "
+    named = Path(file)
+    if named.is_dir():
+        named = pickled_file_in(named) or named
+    return UnsafeModelFolder(f"{named}: refused, it holds pickled objects beyond plain tensors and nothing in it ran "
                              f"({reason[:160]}). Save the weights as safetensors (save_pretrained's default).")
 
 

@@ -255,8 +255,16 @@ def resolve_optimizer(settings: OptimizerSettings, device_type: str) -> Resoluti
         raise OptimizerUnavailable(f"--optimizer adafactor: {ADAFACTOR_ON_DTENSORS}")
     # torch's Adafactor has no fused kernel; foreach is its fast path on every device.
     return _torch_optimizer(
-        "Adafactor", s.lr, device_type, {}, state="adafactor", has_fused_kernel=False
+        "Adafactor", s.lr, device_type, {}, state="adafactor", has_fused_kernel=False, note=ADAFACTOR_LR_MEANING
     )
+
+
+# What --lr means to torch's Adafactor, said in the plan and --help: users coming from Hugging Face Trainer (whose
+# Adafactor runs with scale_parameter=False, relative_step=False) would otherwise take ~1/RMS smaller steps unawares.
+ADAFACTOR_LR_MEANING = (
+    ": each step moves a parameter by min(--lr, 1/sqrt(step)) x max(1e-3, the parameter's RMS) (torch's rule: --lr is "
+    "relative to the weights' size), where Hugging Face Trainer's Adafactor (scale_parameter=False, "
+    "relative_step=False) moves by --lr itself; at weights of RMS 0.02 the same --lr is a 50x smaller step here")
 
 
 def _resolve_apex(s: OptimizerSettings, device_type: str) -> Resolution:

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from rapidtrain.parallel.mesh import ParallelMesh
 
 
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks: the built-in models' `layers`, or a Hugging Face model's largest ModuleList."""
     layers = getattr(model, "layers", None)
@@ -22,11 +26,42 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not candidates:
         return []
-    return list(max(candidates, key=lambda m: sum(p.numel() for p in cast(nn.Module, m).parameters())))
+    return list(max(candidates, key=lambda m: _parameter_count(cast(nn.Module, m))))
 
 
-def _replace_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> None:
-    blocks = set(map(id, transformer_blocks(model)))
+def recompute_blocks(model: nn.Module) -> list[nn.Module]:
+    """What --checkpoint-activations recomputes: the transformer blocks, else (a user's own model) the largest
+    nn.Sequential of one repeated module class, else the instances of the model's own class it repeats most by
+    parameters (a user's `Block` held as separate attributes); [] when nothing repeats."""
+    blocks = transformer_blocks(model)
+    if blocks:
+        return blocks
+    sequences = [m for m in model.modules() if isinstance(m, nn.Sequential) and len(m) > 1
+                 and len({type(child) for child in m}) == 1 and _parameter_count(m) > 0]
+    if sequences:
+        return list(max(sequences, key=lambda m: _parameter_count(cast(nn.Module, m))))
+    return repeated_module_type(model)
+
+
+def repeated_module_type(model: nn.Module) -> list[nn.Module]:
+    """The outermost instances of the model's own module class (torch.nn's building blocks aside) used at least
+    twice, the class holding the most parameters chosen; [] when no such class repeats."""
+    by_type: dict[type, list[nn.Module]] = {}
+    for module in model.modules():
+        kind = type(module)
+        if module is model or kind.__module__.startswith("torch.") or _parameter_count(module) == 0:
+            continue
+        by_type.setdefault(kind, []).append(module)
+    repeated = {kind: found for kind, found in by_type.items() if len(found) > 1}
+    if not repeated:
+        return []
+    kind = max(repeated, key=lambda k: sum(_parameter_count(m) for m in repeated[k]))
+    inner = {id(sub) for block in repeated[kind] for sub in block.modules() if sub is not block}
+    return [block for block in repeated[kind] if id(block) not in inner]
+
+
+def _replace_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module], chosen: list[nn.Module]) -> None:
+    blocks = set(map(id, chosen))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in blocks:
@@ -44,8 +79,15 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    blocks = recompute_blocks(model)
+    if not blocks:  # accepted and doing nothing would be a silent switch
+        from rapidtrain.core.errors import UserError
+
+        raise UserError(f"--checkpoint-activations: {type(model).__name__} has no repeated blocks to recompute (no "
+                        "nn.ModuleList or nn.Sequential of layers, and no module class of its own used twice). Hold "
+                        "the model's layers in an nn.ModuleList (as `layers`), or drop --checkpoint-activations.")
     # The wrapper's prefix is stripped by torch.distributed.checkpoint, so checkpoints keep their names.
-    _replace_blocks(model, checkpoint_wrapper)
+    _replace_blocks(model, checkpoint_wrapper, blocks)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> None:
@@ -92,7 +134,7 @@ def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Mod
     elif recompute.enabled:
         from rapidtrain.parallel.recompute import apply_recompute
 
-        apply_recompute(model, transformer_blocks(model), recompute)
+        apply_recompute(model, recompute_blocks(model), recompute)
     if switches.compile != "none":
         model = apply_graph_optimization(model, switches)
     return model

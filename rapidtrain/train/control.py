@@ -23,6 +23,7 @@ from rapidtrain.checkpoint.checkpointer import (
 )
 from rapidtrain.checkpoint.foreign_formats import detect_foreign
 from rapidtrain.checkpoint.save_folder import check_resume_safety, check_save_shared
+from rapidtrain.config.job_identity import data_files
 from rapidtrain.config.settings import CheckpointSettings, TrainingSettings
 from rapidtrain.core.stopped_run import EXIT_INTERRUPTED, RUN, first_to_report
 
@@ -36,11 +37,17 @@ class StopSignal:
     process exits (then ignored through the interpreter's finalization), as a repeat must not kill the exit. A
     process forked from this one (a multiprocessing pool, whose terminate() sends SIGTERM) still ends on
     SIGTERM as usual."""
-    def __init__(self) -> None:
+    def __init__(self, exit_signal: str = "SIGTERM") -> None:
         self.received = False
         self._owner = os.getpid()
         self._interrupted_at: float | None = None
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGTERM, signal.SIGINT)}
+        # --exit-signal (Megatron's): one more signal that stops the run as SIGTERM does (SIGUSR1 from Slurm's
+        # --signal, ...). An inherited "ignore" is kept for it: a run started under nohup stays deaf to SIGHUP.
+        extra = getattr(signal, exit_signal)
+        handled = [signal.SIGTERM, signal.SIGINT]
+        if extra not in handled and signal.getsignal(extra) is not signal.SIG_IGN:
+            handled.append(extra)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in handled}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._owner:  # inherited by a fork: not the trainer, so the default action
@@ -66,7 +73,9 @@ class StopSignal:
         # The process is on its way out. The interpreter puts back the default action for Python handlers when
         # it finalizes, which a late repeat would turn into death by SIGTERM after a good save: from the
         # atexit hooks on, repeats are ignored by the kernel instead.
-        atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+        for signum in self._previous:
+            if signum != signal.SIGINT:
+                atexit.register(signal.signal, signum, signal.SIG_IGN)
         signal.signal(signal.SIGINT, self._previous[signal.SIGINT])  # the save is done: Ctrl-C may end the exit
 
 
@@ -78,7 +87,7 @@ class StopConditions:
     def __init__(self, settings: TrainingSettings) -> None:
         self.settings = settings
         self.started = time.time()
-        self.signal = StopSignal() if settings.on_sigterm != "default" else None
+        self.signal = StopSignal(settings.exit_signal) if settings.on_sigterm != "default" else None
 
     def requested(self) -> bool:
         minutes = self.settings.exit_duration_in_mins
@@ -117,7 +126,7 @@ class Checkpointer:
         if not self.enabled or self._lock is not None or self._shared:
             return
         if self.trainer.engine.rank == 0:
-            self._lock, cleaned = prepare_save_folder(self.save_dir, self.settings.load)
+            self._lock, cleaned = prepare_save_folder(self.save_dir, self.settings.load, self.settings.finetune)
             for line in cleaned:
                 print(f" {line}", flush=True)
         check_save_shared(self.save_dir)  # every node sees the folder rank 0 prepared
@@ -157,7 +166,9 @@ class Checkpointer:
             return
 
         trainer, engine = self.trainer, self.trainer.engine
-        config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json())}
+        # The data files' sizes and times beside the plan: a resume says what changed under it (checkpoint/resume.py).
+        config = {"args": self.settings.flags, "plan": json.loads(engine.plan.to_json()),
+                  "data_files": data_files(engine.plan, with_mtime=True)}
         state = (self.save_dir, iteration, engine.runner, engine.lr_scheduler, trainer.consumed_samples, config,
                  trainer.checkpoint_extra())
         self.saved_at = iteration
@@ -195,7 +206,7 @@ class Checkpointer:
         if not self.settings.load:
             return None
         # A mistyped --load is refused with or without --save (a torchrun started by hand has no launcher check).
-        check_resume_safety(self.settings.save, self.settings.load)
+        check_resume_safety(self.settings.save, self.settings.load, self.settings.finetune)
         engine, s = self.trainer.engine, self.settings
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
         finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)
@@ -209,9 +220,10 @@ class Checkpointer:
                                              load_optimizer=s.load_optimizer, schedule_from=s.schedule_from,
                                              flags=s.flags)
         else:
+            data = (json.loads(engine.plan.to_json()), data_files(engine.plan, with_mtime=True))
             loaded = load_checkpoint(s.load, engine.runner, engine.lr_scheduler, model, finetune=finetune,
                                      load_optimizer=s.load_optimizer, load_rng=s.load_rng,
-                                     schedule_from=s.schedule_from, flags=s.flags)
+                                     schedule_from=s.schedule_from, flags=s.flags, data=data)
         if loaded is None:
             engine.print_rank0(f" no checkpoint in {s.load}; starting from scratch")
         else:

@@ -42,6 +42,7 @@ from rapidtrain.parallel.deepspeed import ensure_process_group, forget_process_g
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
 from rapidtrain.parallel.op_build import use_interpreter_ninja
 from rapidtrain.parallel.runner import Runner, StepOutcome
+from rapidtrain.train.agreement import agree_on_configuration
 from rapidtrain.train.own_loop import compose_own_loop, rebind_optimizer
 from rapidtrain.train.step import StepContext, finish_step
 
@@ -207,6 +208,7 @@ class Engine:
             start_worker_server()  # before the process group's threads exist (data/worker_start.py)
         use_interpreter_ninja()  # before anything loads a DeepSpeed op (parallel/op_build.py)
         init_distributed(self.plan.distributed, self.context.device_type)
+        agree_on_configuration(self.plan)  # one collective: a rank with other flags or data stops every rank here
         atexit.unregister(settle_collective_threads)  # once per process, however many Engines it creates
         atexit.register(settle_collective_threads)  # for a script's normal exit (core/process.py)
         apply_tf32(self.plan.switches.tf32)

@@ -16,6 +16,7 @@ over the tokens of the whole global batch, so the result does not depend on how 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -457,6 +458,25 @@ class Trainer:
         if loaded is not None:
             self.iteration, self.consumed_samples = loaded.iteration, loaded.consumed_samples
             self.restore_checkpoint_extra(loaded.extra)
+            self.rederive_train_iters()
+
+    def rederive_train_iters(self) -> None:
+        """A sample-based run (--train-samples) resumed with another --global-batch-size ends when its samples are
+        used, not after the iterations the new batch would have taken from the start: the iterations left are
+        re-derived from the samples left (Megatron's update_train_iters counts from zero, which would stop early
+        or late). The plan's count changes with it, so the log line and `finished` agree."""
+        training, batches = self.engine.plan.training, self.engine.plan.batches
+        if training.train_samples is None or batches.schedule is not None:
+            return
+        left = max(training.train_samples - self.consumed_samples, 0) // batches.global_batch_size
+        if self.iteration + left == training.train_iters:
+            return
+        self.engine.print_rank0(f" note: --train-samples {training.train_samples} with a global batch of "
+                                f"{batches.global_batch_size} from consumed sample {self.consumed_samples}: the run "
+                                f"ends at iteration {self.iteration + left} (not {training.train_iters})")
+        self.engine.plan = dataclasses.replace(
+            self.engine.plan, training=dataclasses.replace(training, train_iters=self.iteration + left))
+        self.plan = self.engine.plan
 
     def finished(self) -> bool:
         training = self.plan.training

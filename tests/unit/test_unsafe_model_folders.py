@@ -53,6 +53,22 @@ def test_pickled_weights_are_refused_and_nothing_runs(gpt2_folder, tmp_path):
     marker = tmp_path / "ran"
     with open(folder / "pytorch_model.bin", "wb") as handle:
         pickle.dump({"transformer.wte.weight": torch.zeros(2), "x": Payload(str(marker))}, handle)
-    with pytest.raises(UnsafeModelFolder, match=r"refused, it holds pickled objects beyond plain tensors"):
+    with pytest.raises(UnsafeModelFolder, match=r"refused, it holds pickled objects beyond plain tensors") as refused:
         load_model("AutoModelForCausalLM", str(folder))
+    assert str(refused.value).startswith(f"{folder / 'pytorch_model.bin'}: refused")  # the file, not the folder
+    assert not marker.exists()
+
+
+def test_the_pickled_shard_of_a_sharded_folder_is_the_one_named(gpt2_folder, tmp_path):
+    """Two .bin shards, the second holding an object: the message names that shard (transformers' error names
+    neither), found by weights-only reading again, which runs nothing."""
+    from rapidtrain.models.hf_config import refuse_pickled_weights
+
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    torch.save({"a": torch.zeros(2)}, folder / "pytorch_model-00001-of-00002.bin")
+    torch.save({"b": torch.zeros(2), "x": Payload(str(marker))}, folder / "pytorch_model-00002-of-00002.bin")
+    error = refuse_pickled_weights(folder, pickle.UnpicklingError("Weights only load failed"))
+    assert str(error).startswith(f"{folder / 'pytorch_model-00002-of-00002.bin'}: refused")
     assert not marker.exists()
