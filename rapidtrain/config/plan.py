@@ -42,7 +42,7 @@ from rapidtrain.config.resolve import (
     training_settings,
     zero_settings,
 )
-from rapidtrain.config.settings import Batches, Layout, Plan, RunContext, data_parallel_size
+from rapidtrain.config.settings import Batches, Layout, Plan, RunContext, context_parallel_of, data_parallel_size
 
 
 def template_of(args: argparse.Namespace, ctx: RunContext) -> str:
@@ -61,8 +61,9 @@ def layout_of(args: argparse.Namespace, ctx: RunContext) -> Layout:
     virtual = 1
     if args.num_layers_per_virtual_pipeline_stage:
         virtual = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
-    return Layout(ctx.world_size, data_parallel_size(ctx.world_size, tp, pp), tp, pp,
-                  args.expert_model_parallel_size, virtual, args.sequence_parallel)
+    cp, comm = context_parallel_of(args)
+    return Layout(ctx.world_size, data_parallel_size(ctx.world_size, tp, pp, cp), tp, pp,
+                  args.expert_model_parallel_size, virtual, args.sequence_parallel, cp, comm)
 
 
 def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:

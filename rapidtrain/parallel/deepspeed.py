@@ -63,7 +63,7 @@ def deepspeed_config(
         "gradient_accumulation_steps": batches.accumulation_steps,
         "train_batch_size": batches.micro_batch_size
         * batches.accumulation_steps
-        * plan.layout.data_parallel_size,
+        * plan.layout.data_context_parallel_size,  # DeepSpeed counts context-parallel ranks as data ranks
         "gradient_clipping": float(clip_grad),
         "zero_optimization": zero_optimization_config(zero_settings_of(plan)),
         # Which optimizers may run under ZeRO is decided by rapidtrain's conflict table (elementwise ones).
@@ -350,10 +350,10 @@ def deepspeed_runner(
     clear_stale_op_build_locks()  # a killed first build of cpu_adam / shm_comm would make DeepSpeed wait for ever
     announce_op_builds(["deepspeed_shm_comm"] * (device.type == "cpu") + ["cpu_adam"] * optimizer_offloaded(plan))
     ensure_process_group()
-    if plan.layout.data_parallel_size != dist.get_world_size():
+    if plan.layout.data_context_parallel_size != dist.get_world_size():
         raise ValueError(
             f"DeepSpeed ZeRO runs data parallel over all {dist.get_world_size()} ranks, but the plan "
-            f"has data-parallel size {plan.layout.data_parallel_size}"
+            f"has data × context parallel size {plan.layout.data_context_parallel_size}"
         )
     optimizer_settings = plan.optimizer
     assert optimizer_settings is not None and plan.loss_scale is not None
@@ -381,7 +381,7 @@ def deepspeed_runner(
         engine=engine,
         precision=plan.precision,
         device_type=device.type,
-        gradient_average=plan.layout.data_parallel_size,
+        gradient_average=plan.layout.data_context_parallel_size,  # context ranks reduce gradients with the data ranks
         checkpoint_state=ZeroState(engine, [g for g in trainable if g]),
     )
 

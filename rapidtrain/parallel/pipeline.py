@@ -235,7 +235,7 @@ def parallelize_stages(
     for view, stage in zip(views, stages, strict=True):
         if layout.sequence_parallel:
             _sequence_parallel_boundaries(view, mesh.submesh("tp"), stage == 0, stage == num_stages - 1)
-        if mesh.group("dp") is None:
+        if mesh.gradient_group() is None:
             continue
         if switches.partitioning_engine == "fsdp2":  # ZeRO-1/2 in 3D: unsharded between forward and backward
             apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp",
@@ -244,7 +244,8 @@ def parallelize_stages(
             apply_replicate(view, mesh)
     if on_meta:
         materialize(model, device, plan, parts=views)
-    ddp = mesh.group("dp") is not None and switches.partitioning_engine != "fsdp2" and layout.tensor_parallel_size == 1
+    ddp = (mesh.gradient_group() is not None and switches.partitioning_engine != "fsdp2"
+           and layout.tensor_parallel_size == 1)
     # DDP after the parameters exist (it broadcasts them); each view its own reducer
     stage_modules = [apply_ddp(view, mesh, device) for view in views] if ddp else list(views)
     return model, views, stage_modules
