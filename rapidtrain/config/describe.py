@@ -75,10 +75,13 @@ def describe_plan(plan: Plan) -> str:
     lines = [
         f"rapidtrain plan — template: {plan.template}, task: {plan.task}",
         f"  layout: world {lay.world_size} = data {lay.data_parallel_size} × tensor {lay.tensor_parallel_size} × "
-        f"pipeline {lay.pipeline_parallel_size}" + (f", expert parallel {lay.expert_parallel_size}"
-                                                    if lay.expert_parallel_size > 1 else ""),
+        f"pipeline {lay.pipeline_parallel_size}"
+        + (f" × context {lay.context_parallel_size} (--cp-comm-type {lay.cp_comm_type})"
+           if lay.context_parallel_size > 1 else "")
+        + (f", expert parallel {lay.expert_parallel_size}" if lay.expert_parallel_size > 1 else ""),
     ]
-    if lay.world_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1):
+    if lay.world_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1
+                               or lay.context_parallel_size > 1):
         lines += _rank_lines(lay)
     lines += [
         *([f"  micro batch: {bat.micro_batch_choice}"] if bat.micro_batch_choice else []),
@@ -236,7 +239,9 @@ def _rank_lines(layout: Layout) -> list[str]:
     """Which ranks form each group: the whole grid for a few ranks, else each kind of group summarized."""
     grid = layout.rank_grid()
     if layout.world_size <= FULL_RANK_GRID_UP_TO:
-        return [f"    pipeline stage {stage}: " + "  ".join(f"dp{d}→ranks {row}" for d, row in enumerate(rows))
+        cp = layout.context_parallel_size
+        name = (lambda d: f"dp{d // cp}cp{d % cp}") if cp > 1 else (lambda d: f"dp{d}")
+        return [f"    pipeline stage {stage}: " + "  ".join(f"{name(d)}→ranks {row}" for d, row in enumerate(rows))
                 for stage, rows in enumerate(grid)]
     tp, dp, pp = layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size
     kinds = [("tensor-parallel", tp, dp * pp, [grid[0][0], grid[-1][-1]]),
