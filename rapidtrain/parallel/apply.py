@@ -35,10 +35,6 @@ def parallelize(
     """Wrap `model` as the plan says and return its runner (TorchRunner or DeepSpeedRunner)."""
     if plan.optimizer is not None and plan.optimizer.decoupled_lr is not None:
         check_decoupled_lr(model, optimizer)
-    if plan.layout.context_parallel_size > 1:  # before any split or wrapper: the attention cores and the hook
-        from rapidtrain.parallel.context_parallel import apply_to_plan
-
-        apply_to_plan(model, plan, mesh)
     switches = plan.switches
     if switches.partitioning_engine == "deepspeed":
         from rapidtrain.parallel.deepspeed import deepspeed_runner

@@ -113,6 +113,22 @@ class ContextParallelState:
         """Global positions of a rank-ordered all-gather of every rank's local tokens."""
         return torch.cat([self.positions(local_length, device, r) for r in range(self.size)])
 
+    def attach(self, model: nn.Module) -> None:
+        """A pre-forward hook on `model` (a whole model or a pipeline stage's view): the document ids leave its
+        call for this state (gathered into global order for the cores), and the global position ids are given
+        where the caller gave none."""
+        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError("context parallelism builds the attention mask from global positions and document "
+                             "ids: a dense attention_mask cannot be split over the sequence")
+        self.set_documents(kwargs.pop("document_ids", None))
+        tokens = args[0] if args else kwargs.get("input_ids")
+        if kwargs.get("position_ids") is None and len(args) < 2 and tokens is not None and tokens.dim() >= 2:
+            kwargs["position_ids"] = self.positions(tokens.shape[1], tokens.device)[None]
+        return args, kwargs
+
     def set_documents(self, local: torch.Tensor | None) -> None:
         """Gather this forward's local document ids [b, s] into global order (no gradient: ids)."""
         if local is None:
@@ -381,17 +397,8 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, size: int
                              "is not served; drop --context-parallel-size")
         module.core = ContextParallelCore(state, window_of_layer(layer))
 
-    def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("attention_mask") is not None:
-            raise ValueError("context parallelism builds the attention mask from global positions and document "
-                             "ids: a dense attention_mask cannot be split over the sequence")
-        state.set_documents(kwargs.pop("document_ids", None))
-        tokens = args[0] if args else kwargs.get("input_ids")
-        if kwargs.get("position_ids") is None and len(args) < 2 and tokens is not None and tokens.dim() == 2:
-            kwargs["position_ids"] = state.positions(tokens.shape[1], tokens.device)[None]
-        return args, kwargs
-
-    model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    state.attach(model)
+    model.context_parallel = state  # type: ignore[assignment]  # pipeline stage views attach it too
     return state
 
 

@@ -32,7 +32,7 @@ class ParallelMesh:
         return dist.get_rank() if dist.is_initialized() else 0
 
     def _coordinate(self, name: str) -> int:
-        if self.mesh is None:
+        if self.mesh is None or name not in (self.mesh.mesh_dim_names or ()):  # no "cp" dimension without CP
             return 0
         return self.mesh.get_local_rank(name)
 

@@ -187,7 +187,7 @@ def pipeline_runner(
         precision=plan.precision,
         device_type=device.type,
         clip_grad=plan.clip_grad,
-        gradient_average=layout.data_parallel_size,
+        gradient_average=layout.data_context_parallel_size,  # DDP/FSDP average over data × context ranks
         pipeline_group=pipeline_group,
         scaler=LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None,
         views=views,
@@ -232,6 +232,10 @@ def parallelize_stages(
     if not on_meta:
         model.to(device)
     views = [model] if len(stages) == 1 else [stage_view(model, s, num_stages) for s in stages]
+    context_parallel = getattr(model, "context_parallel", None)  # parallel/context_parallel.py's hook, per view
+    for view in views:
+        if context_parallel is not None and view is not model:
+            context_parallel.attach(view)
     for view, stage in zip(views, stages, strict=True):
         if layout.sequence_parallel:
             _sequence_parallel_boundaries(view, mesh.submesh("tp"), stage == 0, stage == num_stages - 1)
