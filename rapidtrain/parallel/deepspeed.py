@@ -63,7 +63,7 @@ def deepspeed_config(
         "gradient_accumulation_steps": batches.accumulation_steps,
         "train_batch_size": batches.micro_batch_size
         * batches.accumulation_steps
-        * plan.layout.data_context_parallel_size,  # DeepSpeed counts context-parallel ranks as data ranks
+        * plan.layout.data_parallel_size,
         "gradient_clipping": float(clip_grad),
         "zero_optimization": zero_optimization_config(zero_settings_of(plan)),
         # Which optimizers may run under ZeRO is decided by rapidtrain's conflict table (elementwise ones).
@@ -71,6 +71,10 @@ def deepspeed_config(
         "wall_clock_breakdown": False,
     }
     config.update(precision_config(plan.precision, loss_scale))
+    if plan.layout.context_parallel_size > 1:
+        # DeepSpeed's batch check counts world / sequence_parallel_size data ranks (Megatron-DeepSpeed's Ulysses
+        # config); its gradients are still averaged over every rank, data × context (no mpu is given).
+        config["sequence_parallel_size"] = plan.layout.context_parallel_size
     if optimizer_offloaded(plan):
         config["optimizer"] = offload_optimizer_config(optimizer_settings)
     if zero_settings_of(plan).nvme_path:
