@@ -44,6 +44,7 @@ p micro-batches × (1 + (p - 1)/(p·v)).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -122,14 +123,50 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
         replicated = h * r  # the layer's input
     per_token = replicated / split_all + split / t
     scores = 0.0
-    if act.scores_kept and granularity not in ("selective", "op"):
+    cp = layout.context_parallel_size  # `model` is a context-parallel rank's (its seq_length the local part)
+    if _kernel_keeps_scores(act, layout) and granularity not in ("selective", "op"):
         heads = model.num_attention_heads
-        scores = heads * s * s * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
+        # under context parallelism the local queries see every key (a2a: heads/CP of the whole sequence's)
+        scores = heads * s * s * cp * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
     if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
         # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
         # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
         scores += model.num_attention_heads * s * (s + 1) * e / t
+    if cp > 1:
+        scores += context_parallel_bytes(model, micro, layout, act) if granularity not in ("full",) else 0.0
     return s * b * per_token + scores
+
+
+def _kernel_keeps_scores(act: ActivationContext, layout: Layout) -> bool:
+    """Whether the attention kernel keeps its scores: under context parallelism the ring computes its own blocks
+    (counted in context_parallel_bytes), and allgather's SDPA call takes a mask, which a CPU's SDPA serves with its
+    math kernel."""
+    if layout.context_parallel_size == 1 or layout.cp_comm_type == "a2a":
+        return act.scores_kept
+    return layout.cp_comm_type == "allgather" and (act.scores_kept or act.device_type == "cpu")
+
+
+def context_parallel_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
+    """What one layer's attention exchange keeps for backward on a context-parallel rank (parallel/
+    context_parallel.py), for `model` of the rank's local sequence part s:
+    - p2p: the K/V blocks received from the other CP - 1 ranks (autograd keeps each; Megatron-Core keeps two in
+      flight and recomputes the rest in its own backward) and, the ring's attention being written out, each computed
+      block pair's fp32 scores and probabilities with its mask: 2·CP + 1 pairs of (s/2)² per head;
+    - allgather: the gathered K/V of the whole sequence (CP · s tokens);
+    - a2a: the whole sequence's Q, K, V and output of heads/CP heads (as many elements as the local ones)."""
+    s, b, t, cp = model.seq_length, micro, layout.tensor_parallel_size, layout.context_parallel_size
+    e = act.element_bytes
+    attention, _ = _attention_widths(model)
+    if model.multi_latent_attention:
+        kv = model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
+    else:
+        kv = 2 * model.head_dim * model.query_groups
+    if layout.cp_comm_type == "a2a":
+        return s * b * attention * e / t
+    if layout.cp_comm_type == "allgather":
+        return cp * s * b * kv * e / t
+    pairs = (2 * cp + 1) * (s / 2) ** 2
+    return (cp - 1) * s * b * kv * e / t + model.num_attention_heads * b * pairs * (4 + 4 + 1) / t
 
 
 def _attention_widths(model: ModelConfig) -> tuple[int, int]:
@@ -285,6 +322,8 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
     p = layout.pipeline_parallel_size
     per_stage = model.num_layers // p
     recomputed = len(recompute.layers_of(per_stage)) if recompute.enabled else 0
+    if layout.context_parallel_size > 1:  # each rank holds its part of every sequence: counted per local token
+        model = dataclasses.replace(model, seq_length=model.seq_length // layout.context_parallel_size)
     stages = []
     for stage in range(p):
         if model.num_experts:  # layer kinds differ: count each layer (MoE models have tens of layers)
