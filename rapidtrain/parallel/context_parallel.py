@@ -395,7 +395,7 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, size: int
         if not module.causal:
             raise ValueError("context parallelism splits a causal model's sequence: bidirectional (BERT) attention "
                              "is not served; drop --context-parallel-size")
-        module.core = ContextParallelCore(state, window_of_layer(layer))
+        module.core = ContextParallelCore(state, window_of_layer(layer))  # type: ignore[assignment]
 
     state.attach(model)
     model.context_parallel = state  # type: ignore[assignment]  # pipeline stage views attach it too

@@ -125,12 +125,14 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
         return ParallelMesh(layout, None)
     cp = layout.context_parallel_size
     if cp > 1:
-        shape = (layout.pipeline_parallel_size, layout.data_parallel_size, cp, layout.tensor_parallel_size)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "cp", "tp"))
+        mesh = init_device_mesh(
+            device_type, (layout.pipeline_parallel_size, layout.data_parallel_size, cp, layout.tensor_parallel_size),
+            mesh_dim_names=("pp", "dp", "cp", "tp"))
         mesh["dp", "cp"]._flatten("dp_cp")  # torchtitan's way to the gradient group (dp_shard_cp)
     else:
-        shape = (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(
+            device_type, (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size),
+            mesh_dim_names=("pp", "dp", "tp"))
     expert_mesh = None
     ep = layout.expert_parallel_size
     if ep > 1:  # gradient rank d·cp + c = expert_dp · ep + ep rank: the same ranks as the main mesh's dp (× cp)
