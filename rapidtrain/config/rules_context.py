@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from rapidtrain.config.checks import Rule, cp_size, partitioning_flags, pp_size, query_groups, tp_size, uses_hf_model
-from rapidtrain.config.resolve import mtp_depths
+from rapidtrain.config.resolve import mtp_depths, recompute_of
 
 
 def cp_flag(a: argparse.Namespace) -> str:
@@ -126,6 +126,19 @@ CONTEXT_RULES: tuple[Rule, ...] = (
         lambda a, c: split(a) and mtp_depths(a) > 0,
         lambda a, c: f"{cp_flag(a)} with --mtp-num-layers: multi-token prediction shifts each sequence by its "
         "depth, which crosses the ranks' parts. Drop one of them.",
+    ),
+    Rule(
+        "cp-documents-recompute-pipeline", ("--context-parallel-size", "--reset-attention-mask",
+                                            "--pipeline-model-parallel-size", "--recompute-granularity"),
+        "Under context parallelism a micro-batch's document ids are gathered once per forward; a pipeline schedule "
+        "runs later micro-batches' forwards before a layer recomputed whole (full or op-level) in backward, which "
+        "would read theirs.",
+        lambda a, c: split(a) and a.reset_attention_mask and pp_size(a) > 1
+        and recompute_of(a).granularity in ("full", "op"),
+        lambda a, c: f"{cp_flag(a)} with --reset-attention-mask, --pipeline-model-parallel-size {pp_size(a)} and "
+        f"--recompute-granularity {recompute_of(a).granularity}: recomputing a whole layer in a pipeline's backward "
+        "would mask it with another micro-batch's documents. Use --recompute-granularity selective (the attention "
+        "core keeps its mask), or drop one of the others.",
     ),
     Rule(
         "cp-not-fairscale", ("--context-parallel-size", "--sharding-backend"),

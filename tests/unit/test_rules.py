@@ -201,6 +201,11 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
                         ["--context-parallel-size", "2"], 2, "cpu"),
     "cp-without-mtp": (["--context-parallel-size", "2", "--mtp-num-layers", "1"], ["--context-parallel-size", "2"], 2,
                        "cpu"),
+    "cp-documents-recompute-pipeline": (
+        ["--context-parallel-size", "2", "--reset-attention-mask", "--pipeline-model-parallel-size", "2",
+         "--num-layers", "4", "--recompute-granularity", "full"],
+        ["--context-parallel-size", "2", "--reset-attention-mask", "--pipeline-model-parallel-size", "2",
+         "--num-layers", "4", "--recompute-granularity", "selective"], 4, "cpu"),
     "cp-not-fairscale": (["--context-parallel-size", "2", "--sharding-backend", "fairscale",
                           "--oss-memory-optimization"], ["--context-parallel-size", "2", "--oss-memory-optimization"],
                          2, "cpu"),
