@@ -17,6 +17,7 @@ Calibrated: GEMM_EFFICIENCY alone, on Narayanan et al. 2021's Table 1 (A100); th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rapidtrain.config.activations import ActivationContext, layer_bytes
@@ -103,7 +104,10 @@ def all_reduce_seconds(nbytes: float, ranks: int, gb_per_s: float) -> float:
 def micro_batch_seconds(inputs: StepInputs, spec: DeviceSpec) -> dict[str, float]:
     """One micro-batch's forward and backward on the last pipeline stage (its layers and the head), per part."""
     model, layout = inputs.model, inputs.layout
-    t, p = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    t, p, cp = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.context_parallel_size
+    whole = model
+    if cp > 1:  # a context-parallel rank computes its part of the sequence (its queries over every key: ~1/CP)
+        model = dataclasses.replace(model, seq_length=model.seq_length // cp)
     tokens = inputs.micro_batch_size * model.seq_length
     layers = model.num_layers // p
     kinds = list(model.num_experts[-layers:]) if model.num_experts else [0] * min(layers, 1)
@@ -124,14 +128,33 @@ def micro_batch_seconds(inputs: StepInputs, spec: DeviceSpec) -> dict[str, float
     sends = 2 * tokens * model.hidden_size * element / t / (spec.inter_node_gb_per_s * 1e9) if p > 1 else 0.0
     return {"GEMMs": flops / (spec.peak_tflops_16bit * 1e12 * GEMM_EFFICIENCY),
             "element-wise (memory-bound)": NON_GEMM_PASSES * layers * kept / (spec.hbm_gb_per_s * 1e9),
-            "tensor-parallel collectives": tp, "expert all-to-all": a2a, "pipeline sends": sends}
+            "tensor-parallel collectives": tp, "expert all-to-all": a2a, "pipeline sends": sends,
+            "context-parallel exchange": context_parallel_seconds(whole, inputs, layers, element, spec)}
+
+
+def context_parallel_seconds(model: ModelConfig, inputs: StepInputs, layers: int, element: int,
+                             spec: DeviceSpec) -> float:
+    """Per micro-batch, the attention exchange of a context-parallel rank's layers, forward and backward, at the
+    intra-node link (not overlapped with compute): p2p and allgather move the other ranks' K/V (and their gradients
+    back), a2a four all-to-alls of Q, K, V and the output each way."""
+    layout = inputs.layout
+    cp, t = layout.context_parallel_size, layout.tensor_parallel_size
+    if cp == 1:
+        return 0.0
+    tokens = inputs.micro_batch_size * model.seq_length  # the whole sequence's
+    kv = 2 * model.head_dim * model.query_groups
+    if layout.cp_comm_type == "a2a":
+        moved = 2 * (cp - 1) / cp * tokens / cp * (2 * model.head_dim * model.num_attention_heads + kv)
+    else:
+        moved = 2 * (cp - 1) / cp * tokens * kv
+    return layers * moved * element / t / (spec.intra_node_gb_per_s * 1e9)
 
 
 def data_parallel_seconds(inputs: StepInputs, spec: DeviceSpec) -> float:
     """Gradient all-reduce (ZeRO-1/2, OSS, SDP: reduce-scatter + all-gather, the same bytes; ZeRO-3 and FSDP
     gather the parameters once more for backward) over NVLink when the group fits a node, else InfiniBand."""
     layout = inputs.layout
-    d = layout.data_parallel_size
+    d = layout.data_context_parallel_size  # context-parallel ranks reduce gradients with the data-parallel ones
     within_node = d * layout.tensor_parallel_size <= spec.gpus_per_node
     bandwidth = spec.intra_node_gb_per_s if within_node else spec.inter_node_gb_per_s
     seconds = all_reduce_seconds(inputs.params_per_rank * inputs.grad_bytes, d, bandwidth)

@@ -20,7 +20,10 @@ is the same exchange written for the [b, h, s, d] layout and the global masks be
 - p2p (ring): the K/V blocks travel around the CP ring (one send/recv per step, `RingShift`); each step's partial
   attention (with its log-sum-exp) is merged by log-sum-exp. Causal chunk pairs wholly in the future are skipped,
   the diagonal chunk is causal. Autograd keeps each received block for backward (the blocks' memory of allgather,
-  the ring's communication pattern); the backward passes the gradients back around the ring.
+  the ring's communication pattern); the backward passes the gradients back around the ring. Each block's attention
+  is written out (`block_attention`: its scores are kept, fp32), because the merge needs the gradient through each
+  block's log-sum-exp, which SDPA's fused kernels return without one; a fused block kernel with its own backward
+  (Megatron-Core's, through Transformer Engine) is what long sequences on GPUs want next.
 - allgather: K/V (and document ids) all-gathered, one attention of the local queries over all keys under the
   global causal/document/window mask.
 - a2a (Ulysses): all-to-all from the sequence split to a head split, attention over the whole sequence for
@@ -163,18 +166,64 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
                     dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention written out: (output fp32 [b, h, sq, dv], log-sum-exp fp32 [b, h, sq, 1]). A row with
     no allowed key gives output 0 and log-sum-exp -inf, with finite gradients (its scores are made finite before
-    the log-sum-exp and its probabilities multiplied by 0), so the merge can add such blocks."""
+    the log-sum-exp and its probabilities multiplied by 0), so the merge can add such blocks.
+
+    Without dropout the scores are not kept for backward (`_BlockAttention` recomputes them there, one block at a
+    time, as flash attention does); with dropout autograd keeps them (its masks are drawn once)."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
-    if alibi is not None:
-        scores = scores - alibi[:, None, None] * (q_pos[:, None] - k_pos[None, :]).abs().float()
-    any_allowed = allowed.any(dim=-1, keepdim=True)
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~any_allowed, 0.0)
+    if dropout_p == 0:
+        out, lse = _BlockAttention.apply(q, k, v, allowed, q_pos, k_pos, alibi)
+        return out, lse
+    scores, any_allowed = _block_scores(q, k, allowed, q_pos, k_pos, alibi)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(scores - lse) * any_allowed
     out = F.dropout(probs, dropout_p).to(v.dtype) @ v
     return out.float(), lse.masked_fill(~any_allowed, float("-inf"))
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  alibi: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scores of a block, -inf where not allowed and 0 across a row with no allowed key; and that row flag."""
+    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    if alibi is not None:
+        scores = scores - alibi[:, None, None] * (q_pos[:, None] - k_pos[None, :]).abs().float()
+    any_allowed = allowed.any(dim=-1, keepdim=True)
+    return scores.masked_fill(~allowed, float("-inf")).masked_fill(~any_allowed, 0.0), any_allowed
+
+
+class _BlockAttention(torch.autograd.Function):
+    """A block's attention and log-sum-exp whose backward recomputes the block's scores instead of keeping them,
+    and takes the log-sum-exp's gradient too (the merge's): with P = softmax(S), out = P·V and lse = logsumexp(S),
+    dS = P ∘ (dP - rowsum(dout ∘ out) + dlse) where dP = dout·Vᵀ."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                q_pos: torch.Tensor, k_pos: torch.Tensor,
+                alibi: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, any_allowed = _block_scores(q, k, allowed, q_pos, k_pos, alibi)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        out = ((torch.exp(scores - lse) * any_allowed).to(v.dtype) @ v).float()
+        ctx.alibi = alibi
+        ctx.save_for_backward(q, k, v, allowed, q_pos, k_pos, out, lse)
+        return out, lse.masked_fill(~any_allowed, float("-inf"))
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
+        q, k, v, allowed, q_pos, k_pos, out, lse = ctx.saved_tensors
+        scores, any_allowed = _block_scores(q, k, allowed, q_pos, k_pos, ctx.alibi)
+        probs = torch.exp(scores - lse) * any_allowed
+        dtype = probs.dtype  # fp32 (fp64 where the inputs are)
+        grad_out = grad_out.to(dtype)
+        grad_v = probs.transpose(-2, -1) @ grad_out
+        grad_probs = grad_out @ v.to(dtype).transpose(-2, -1)
+        row = (grad_out * out).sum(dim=-1, keepdim=True)
+        if grad_lse is not None:
+            row = row - torch.where(any_allowed, grad_lse.to(dtype), 0.0)
+        grad_scores = probs * (grad_probs - row) * q.shape[-1] ** -0.5
+        grad_q = grad_scores @ k.to(dtype)
+        grad_k = grad_scores.transpose(-2, -1) @ q.to(dtype)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

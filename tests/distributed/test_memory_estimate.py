@@ -119,6 +119,8 @@ CONTEXT_PARALLEL_LAYOUTS = {
     "cp2_p2p": [*CP2, "--cp-comm-type", "p2p"],
     "cp2_allgather": [*CP2, "--cp-comm-type", "allgather"],
     "cp2_a2a": [*CP2, "--cp-comm-type", "a2a"],
+    # with attention dropout the ring's blocks keep their scores and masks (written out, not recomputed)
+    "cp2_p2p_dropout": [*CP2, "--cp-comm-type", "p2p", "--attention-dropout", "0.1"],
 }
 
 
