@@ -121,6 +121,10 @@ CONTEXT_PARALLEL_LAYOUTS = {
     "cp2_a2a": [*CP2, "--cp-comm-type", "a2a"],
     # with attention dropout the ring's blocks keep their scores and masks (written out, not recomputed)
     "cp2_p2p_dropout": [*CP2, "--cp-comm-type", "p2p", "--attention-dropout", "0.1"],
+    # model state partitioned over data × context ranks (2 here, with data parallel 1)
+    "cp2_fsdp": [*CP2, "--fsdp-memory-optimization"],
+    "cp2_zero2": [*CP2, "--zero-2-memory-optimization", *SMALL_BUCKETS],
+    "cp2_oss": [*CP2, "--cp-comm-type", "a2a", "--oss-memory-optimization"],
 }
 
 
