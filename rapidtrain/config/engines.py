@@ -154,8 +154,8 @@ CP_EXCHANGES = {
     "p2p": "ring: K/V blocks passed around the context-parallel ranks (send/recv), each step's partial attention "
            "merged by log-sum-exp, causal chunk pairs wholly in the future skipped",
     "allgather": "K/V all-gathered over the context-parallel ranks, local queries attend over the whole sequence",
-    "a2a": "DeepSpeed-Ulysses: all-to-all from the sequence split to a head split, attention over the whole "
-           "sequence on heads/CP, all-to-all back",
+    "a2a": "DeepSpeed-Ulysses (deepspeed.sequence.layer.DistributedAttention): all-to-all from the sequence split "
+           "to a head split, the attention kernel over the whole sequence on heads/CP, all-to-all back",
 }
 
 
@@ -165,8 +165,9 @@ def context_parallel_choice(args: argparse.Namespace, layout: Layout) -> EngineC
             else f"--context-parallel-size {cp}")
     split = (f"{cp} contiguous parts" if comm == "a2a"
              else f"{2 * cp} chunks, rank r keeping chunks r and {2 * cp - 1}-r (Megatron-Core's load balance)")
+    how = "" if comm == "a2a" else " (torch.distributed collectives with autograd)"
     return EngineChoice(flag, f"rapidtrain context parallelism, --cp-comm-type {comm}: each sequence split into "
-                        f"{split}; {CP_EXCHANGES[comm]} (torch.distributed collectives with autograd)",
+                        f"{split}; {CP_EXCHANGES[comm]}{how}",
                         "torch's context_parallel patches CUDA's SDPA kernels only and takes no document mask; the "
                         "global causal, document and window masks are built from the ranks' positions")
 

@@ -10,12 +10,12 @@ parts (every rank attends over the whole sequence for its heads, so the split ne
 the global ones (rope and learned positions read them); the loss is the per-token sum over the local tokens, reduced
 with the token counts over the data × context ranks by the step (train/step.py).
 
-Exchanges, written here on torch.distributed's collectives with autograd (`torch.autograd.Function` where a
-collective has no autograd of its own), because torch's `torch.distributed.tensor.experimental.context_parallel`
-only runs on CUDA's SDPA flash/efficient/cuDNN kernels (it patches those aten ops; CPU/gloo and the explicit and
-masked kernels have none) and takes no document mask; DeepSpeed's `DistributedAttention` is an all-to-all around a
-local attention over [s, b, h, d] tensors with the model's own mask, which is the local one here, so the a2a path
-is the same exchange written for the [b, h, s, d] layout and the global masks below:
+Exchanges: p2p and allgather written here on torch.distributed's collectives with autograd
+(`torch.autograd.Function` where a collective has none of its own), because torch's
+`torch.distributed.tensor.experimental.context_parallel` only runs on CUDA's SDPA flash/efficient/cuDNN kernels (it
+patches those aten ops; CPU/gloo and the explicit and masked kernels have none) and takes no document mask; a2a is
+DeepSpeed's `deepspeed.sequence.layer.DistributedAttention` (it runs on gloo too), around the model's kernel under
+the global mask built here:
 
 - p2p (ring): the K/V blocks travel around the CP ring (one send/recv per step, `RingShift`); each step's partial
   attention (with its log-sum-exp) is merged by log-sum-exp. Causal chunk pairs wholly in the future are skipped,
@@ -287,26 +287,6 @@ class _AllGather(torch.autograd.Function):
         return received.sum(dim=0), None
 
 
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all along dim 0 (chunk j to rank j); its adjoint is the same exchange. (parallel/experts.py
-    has the same for expert parallelism; importing it here would load torch.distributed.optim at start-up.)"""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(output, tensor.contiguous(), group=group)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _AllToAll.apply(grad, ctx.group), None
-
-
-def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return _AllToAll.apply(tensor, group)
-
-
 class ContextParallelCore:
     """An attention core (the signature of models.attention.attend) over the CP group's split sequence. The
     model's local mask and is_causal are not read: the model attends causally (context parallelism is refused for
@@ -315,6 +295,7 @@ class ContextParallelCore:
     def __init__(self, state: ContextParallelState, window: int | None) -> None:
         self.state = state
         self.window = window
+        self._ulysses: nn.Module | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_causal: bool,
                  dropout_p: float, kernel: Any, alibi: torch.Tensor | None = None,
@@ -356,18 +337,33 @@ class ContextParallelCore:
     # ---- a2a (Ulysses) ----
     def ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, kernel: Any,
                 alibi: torch.Tensor | None, sink: torch.Tensor | None) -> torch.Tensor:
+        """DeepSpeed's DistributedAttention over [b, s, h, d] views: all-to-all to heads/CP of the whole sequence
+        (rank order is sequence order under the contiguous split), the model's kernel under the global mask, and
+        back."""
         state = self.state
         heads = q.shape[1]
         mine = slice(state.rank * heads // state.size, (state.rank + 1) * heads // state.size)
-        q_full, k_full, v_full = (_sequence_to_heads(t, state) for t in (q, k, v))
-        length = q_full.shape[2]
+        length = q.shape[2] * state.size
         positions = torch.arange(length, device=q.device)
         plain = state.documents is None and (self.window is None or self.window >= length)
         allowed = None if plain else allowed_mask(positions, positions, state.documents, self.window)
-        out = attend(q_full, k_full, v_full, allowed, plain, dropout_p, kernel,
-                     alibi=None if alibi is None else alibi[mine], sink=None if sink is None else sink[mine])
-        return _heads_to_sequence(out, state)
+        out = self.distributed_attention()(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, allowed=allowed, causal=plain,
+            dropout_p=dropout_p, kernel=kernel, alibi=None if alibi is None else alibi[mine],
+            sink=None if sink is None else sink[mine])
+        return out.transpose(1, 2)
 
+    def distributed_attention(self) -> nn.Module:
+        """deepspeed.sequence.layer.DistributedAttention around the model's kernel, made at the first a2a call
+        (DeepSpeed's import and its communication layer only where Ulysses runs)."""
+        if self._ulysses is None:
+            from deepspeed.sequence.layer import DistributedAttention
+
+            from rapidtrain.parallel.deepspeed import ensure_process_group
+
+            ensure_process_group()  # DeepSpeed's communication layer over torch's process group (gloo or NCCL)
+            self._ulysses = DistributedAttention(_heads_attention, self.state.group, scatter_idx=2, gather_idx=1)
+        return self._ulysses
 
 def ring_attention(q: torch.Tensor, key_size: int, fetch: Callable[[int], torch.Tensor], state: ContextParallelState,
                    window: int | None, dropout_p: float, alibi: torch.Tensor | None,
@@ -405,23 +401,13 @@ def _chunk_index(state: ContextParallelState, which: int, rank: int | None = Non
     return rank if which == 0 else 2 * state.size - 1 - rank
 
 
-def _sequence_to_heads(tensor: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
-    """[b, h, s/CP, d] with the sequence split → [b, h/CP, s, d] with the heads split (rank order = sequence
-    order under the contiguous split)."""
-    b, h, s, d = tensor.shape
-    size = state.size
-    chunks = tensor.reshape(b, size, h // size, s, d).transpose(0, 1)  # chunk j → rank j
-    received = all_to_all(chunks.contiguous(), state.group)  # chunk i: rank i's sequence part for my heads
-    return received.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
-
-
-def _heads_to_sequence(tensor: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
-    """The inverse of `_sequence_to_heads`: [b, h/CP, s, d] → [b, h, s/CP, d]."""
-    b, hh, s, d = tensor.shape
-    size = state.size
-    chunks = tensor.reshape(b, hh, size, s // size, d).permute(2, 0, 1, 3, 4)  # chunk j: rank j's sequence part
-    received = all_to_all(chunks.contiguous(), state.group)  # chunk i: my sequence part of rank i's heads
-    return received.transpose(0, 1).reshape(b, size * hh, s // size, d)
+def _heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allowed: torch.Tensor | None,
+                     causal: bool, dropout_p: float, kernel: Any, alibi: torch.Tensor | None,
+                     sink: torch.Tensor | None) -> torch.Tensor:
+    """Ulysses' local attention: [b, s, heads/CP, d] of the whole sequence through the model's kernel."""
+    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, causal, dropout_p, kernel,
+                 alibi=alibi, sink=sink)
+    return out.transpose(1, 2)
 
 
 def attention_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
