@@ -2,7 +2,8 @@
 a tiny GPT-2 (learned positions, plain causal attention) under CP 2 with each exchange (p2p ring, allgather, a2a), as
 Ulysses 2 (--ds-sequence-parallel-size), CP 4, and CP 2 beside TP 2, PP 2, DeepSpeed ZeRO-2 and FSDP; a tiny Llama
 (rope, grouped-query attention) with packed documents masked (--reset-attention-mask, --reset-position-ids,
---eod-mask-loss) under CP 2 and 4 and beside TP 2 and PP 2; an MoE GPT under CP 2 × EP 2. A CP 2 run stopped at
+--eod-mask-loss) under CP 2 and 4 and beside TP 2 and PP 2; an MoE GPT under CP 2 × EP 2; gpt-oss's attention (sinks,
+a sliding window) and multi-head latent attention under CP 2. A CP 2 run stopped at
 iteration 2 resumes bitwise; its checkpoint continues in one process, and the one-process checkpoint at CP 2."""
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"
 # split changes (as a data-parallel split does); the experts' computation itself is what CP × EP must keep.
 MOE = BASE + "--num-experts 4 --moe-router-topk 2 --disable-moe-token-dropping --moe-aux-loss-coeff 0".split()
 
+# gpt-oss's attention (learnable sinks, a 16-token window in the first layer) and DeepSeek's multi-head latent attention
+# (a value head smaller than the query/key head), dense.
+OSS = BASE + ("--normalization RMSNorm --position-embedding-type rope --softmax-type learnable --window-size 15,0 "
+              "--window-attn-skip-freq 2 --group-query-attention --num-query-groups 2").split()
+MLA = BASE + ("--normalization RMSNorm --position-embedding-type rope --multi-latent-attention --qk-layernorm "
+              "--q-lora-rank 32 --kv-lora-rank 24 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 12 "
+              "--rope-type yarn --rotary-scaling-factor 4 --yarn-original-max-position-embeddings 16").split()
+
 CP2 = ["--context-parallel-size", "2"]
 LAYOUTS = {
     "gpt": {
@@ -53,8 +62,10 @@ LAYOUTS = {
         "cp2_pp2": CP2 + ["--pipeline-model-parallel-size", "2", "--cp-comm-type", "allgather"],
     },
     "moe": {"cp2_ep2": CP2 + ["--expert-model-parallel-size", "2"]},
+    "oss": {"cp2_p2p": CP2, "cp2_a2a": CP2 + ["--cp-comm-type", "a2a"]},
+    "mla": {"cp2_p2p": CP2, "cp2_allgather": CP2 + ["--cp-comm-type", "allgather"]},
 }
-MODELS = {"gpt": GPT, "llama": LLAMA + DOCUMENTS, "moe": MOE}
+MODELS = {"gpt": GPT, "llama": LLAMA + DOCUMENTS, "moe": MOE, "oss": OSS, "mla": MLA}
 PARITY = 1e-5  # relative, fp32
 
 
