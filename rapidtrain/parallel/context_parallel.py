@@ -357,11 +357,11 @@ class ContextParallelCore:
         """deepspeed.sequence.layer.DistributedAttention around the model's kernel, made at the first a2a call
         (DeepSpeed's import and its communication layer only where Ulysses runs)."""
         if self._ulysses is None:
+            import deepspeed
             from deepspeed.sequence.layer import DistributedAttention
 
-            from rapidtrain.parallel.deepspeed import ensure_process_group
-
-            ensure_process_group()  # DeepSpeed's communication layer over torch's process group (gloo or NCCL)
+            # DeepSpeed's communication layer over torch's process group (gloo or NCCL), as the ZeRO runner does
+            deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
             self._ulysses = DistributedAttention(_heads_attention, self.state.group, scatter_idx=2, gather_idx=1)
         return self._ulysses
 
