@@ -25,9 +25,16 @@ def _mesh() -> Any:
 
 
 def _group(name: str) -> dist.ProcessGroup | None:
+    """The mesh's group of dimension `name`; "dp_cp" is data × context (the data dimension without context
+    parallelism), and a dimension the mesh does not have ("cp" without context parallelism) has none."""
     mesh = _mesh()
+    name = mesh._dimension(name)
     device_mesh = mesh._mesh_of(name)
     if device_mesh is None or not dist.is_initialized():
+        return None
+    if name == "dp_cp":
+        return device_mesh["dp_cp"].get_group()
+    if name not in (device_mesh.mesh_dim_names or ()):
         return None
     return device_mesh.get_group(name)
 
@@ -67,17 +74,36 @@ def get_tensor_model_parallel_src_rank() -> int:
     return dist.get_global_rank(group, 0) if group is not None else 0
 
 
-# ---- data parallel ----
+# ---- data parallel (with_context_parallel: Megatron's dp_cp group, the ranks that reduce gradients together) ----
 def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup | None:
-    return _group("dp")
+    return _group("dp_cp" if with_context_parallel else "dp")
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
-    return _size("dp")
+    return _size("dp_cp" if with_context_parallel else "dp")
 
 
 def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
-    return _rank("dp")
+    return _rank("dp_cp" if with_context_parallel else "dp")
+
+
+# ---- context parallel ----
+def get_context_parallel_group() -> dist.ProcessGroup | None:
+    return _group("cp")
+
+
+def get_context_parallel_world_size() -> int:
+    return _size("cp")
+
+
+def get_context_parallel_rank() -> int:
+    return _rank("cp")
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    group = _group("cp")
+    return dist.get_process_group_ranks(group) if group is not None else [dist.get_rank() if dist.is_initialized()
+                                                                             else 0]
 
 
 # ---- pipeline parallel ----

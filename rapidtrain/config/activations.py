@@ -36,10 +36,6 @@ Beyond the paper, which assumes 16-bit weights (Megatron's): a 16-bit run over f
 Measured on CPU runs of every layout, fp32 and bf16 (tests/distributed/test_memory_estimate.py): without the copies
 the bf16 estimates were 35-55% under.
 
-Context parallelism of size c (Layout.context_parallel_size) splits each sequence over c ranks: every per-token
-term above holds s/c tokens, the kept scores a·(s/c)·s·b (a rank's queries against every key), and attention's
-exchange adds its buffers to the layer in flight (context_exchange_bytes).
-
 Pipelining: under 1F1B stage i keeps min(p - i, m) micro-batches in flight (stage 0 holds p: the pipeline depth;
 with m < p the schedule is GPipe and every stage keeps all m);
 the interleaved schedule keeps 2·(p - i - 1) + (v - 1)·p + 1 model chunks of L/(p·v) layers, which for stage 0 is
@@ -48,6 +44,7 @@ p micro-batches × (1 + (p - 1)/(p·v)).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -101,15 +98,10 @@ def routed_rows_per_token(model: ModelConfig, layout: Layout, experts: int) -> f
     return float(experts if layout.expert_parallel_size > 1 else model.moe_router_topk)
 
 
-def local_sequence(model: ModelConfig, layout: Layout) -> float:
-    """The tokens of each sequence one rank holds: context parallelism splits the sequence over its ranks."""
-    return model.seq_length / layout.context_parallel_size
-
-
 def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext,
                 granularity: str = "none", experts: int = 0) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
-    s, h, b = local_sequence(model, layout), model.hidden_size, micro
+    s, h, b = model.seq_length, model.hidden_size, micro
     t = layout.tensor_parallel_size
     split_all = t if layout.sequence_parallel else 1
     e, r = act.element_bytes, act.residual_bytes
@@ -131,14 +123,54 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
         replicated = h * r  # the layer's input
     per_token = replicated / split_all + split / t
     scores = 0.0
-    if act.scores_kept and granularity not in ("selective", "op"):
+    cp = layout.context_parallel_size  # `model` is a context-parallel rank's (its seq_length the local part)
+    if _kernel_keeps_scores(act, layout) and granularity not in ("selective", "op"):
         heads = model.num_attention_heads
-        scores = heads * s * model.seq_length * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
+        # under context parallelism the local queries see every key (a2a: heads/CP of the whole sequence's)
+        scores = heads * s * s * cp * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
     if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
         # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
         # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
-        scores += model.num_attention_heads * s * (model.seq_length + 1) * e / t
+        scores += model.num_attention_heads * s * (s + 1) * e / t
+    if cp > 1:
+        scores += context_parallel_bytes(model, micro, layout, act) if granularity not in ("full",) else 0.0
     return s * b * per_token + scores
+
+
+def _kernel_keeps_scores(act: ActivationContext, layout: Layout) -> bool:
+    """Whether the attention kernel keeps its scores: under context parallelism the ring computes its own blocks
+    (counted in context_parallel_bytes); allgather and a2a call the model's kernel (allgather with a boolean mask,
+    which a CPU's SDPA serves without keeping scores: measured at CP 2)."""
+    if layout.context_parallel_size > 1 and layout.cp_comm_type == "p2p":
+        return False
+    return act.scores_kept
+
+
+def context_parallel_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
+    """What one layer's attention exchange keeps for backward on a context-parallel rank (parallel/
+    context_parallel.py), for `model` of the rank's local sequence part s:
+    - p2p: the K/V blocks received from the other CP - 1 ranks (autograd keeps each; Megatron-Core keeps two in
+      flight and recomputes the rest in its own backward), and for each of the 2·CP + 1 computed block pairs (s/2
+      queries each) its fp32 output kept twice (by the block and by the log-sum-exp merge); with attention dropout
+      also each pair's fp32 scores, probabilities and mask ((s/2)² per head: the block is then written out);
+    - allgather: the gathered K/V of the whole sequence (CP · s tokens);
+    - a2a: the whole sequence's Q, K, V and output of heads/CP heads (as many elements as the local ones)."""
+    s, b, t, cp = model.seq_length, micro, layout.tensor_parallel_size, layout.context_parallel_size
+    e = act.element_bytes
+    attention, _ = _attention_widths(model)
+    if model.multi_latent_attention:
+        kv = model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
+    else:
+        kv = 2 * model.head_dim * model.query_groups
+    if layout.cp_comm_type == "a2a":
+        return s * b * attention * e / t
+    if layout.cp_comm_type == "allgather":
+        return cp * s * b * kv * e / t
+    pairs = 2 * cp + 1
+    value = model.v_head_dim if model.multi_latent_attention else model.head_dim
+    outputs = pairs * (s / 2) * b * model.num_attention_heads * value * 2 * 4 / t
+    scores = pairs * (s / 2) ** 2 * b * model.num_attention_heads * (4 + 4 + 1) / t if model.attention_dropout else 0
+    return (cp - 1) * s * b * kv * e / t + outputs + scores
 
 
 def _attention_widths(model: ModelConfig) -> tuple[int, int]:
@@ -185,8 +217,8 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
       gradient in the matmul's dtype unless it becomes the weight's .grad itself
       (`weight_gradient_is_a_temporary`, head_gradient_is_a_temporary); the plain path's backward (without tensor
       parallelism; the vocab-parallel loss keeps to its forward's) holds three fp32 [tokens, vocabulary] tensors."""
-    s, h, b, t = local_sequence(model, layout), model.hidden_size, micro, layout.tensor_parallel_size
-    e, tokens, vocab = act.element_bytes, local_sequence(model, layout) * micro, model.vocab_size
+    s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
+    e, tokens, vocab = act.element_bytes, model.seq_length * micro, model.vocab_size
     norms = s * b * h * (act.residual_bytes + e) / (t if layout.sequence_parallel else 1)
     weight = e * vocab * h / t if act.weight_copies != "none" else 0.0
     if act.chunked_loss:
@@ -243,7 +275,7 @@ def embedding_bytes(model: ModelConfig, micro: int, layout: Layout, act: Activat
     if not act.hidden_dropout:
         return 0.0
     split = layout.tensor_parallel_size if layout.sequence_parallel else 1
-    return local_sequence(model, layout) * micro * model.hidden_size * act.mask_bytes / split
+    return model.seq_length * micro * model.hidden_size * act.mask_bytes / split
 
 
 def chunks_in_flight(stage: int, layout: Layout, micro_batches: int) -> float:
@@ -276,7 +308,7 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
     and in a 16-bit run that copies fp32 weights, the 16-bit gradient of its widest matrix before it is cast to
     fp32. Attention's own (its inputs' gradients, or two fp32 score-sized gradients where the scores are kept)
     comes after the MLP's wide tensors are freed, and is no larger where measured."""
-    s, h, b, t = local_sequence(model, layout), model.hidden_size, micro, layout.tensor_parallel_size
+    s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     e = act.element_bytes
     wide: float = (3 if model.gated_linear_unit else 1) * model.ffn_size
     if experts:
@@ -284,26 +316,6 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
             * routed_rows_per_token(model, layout, experts)
     weight_gradient = e * h * model.ffn_size / t if act.weight_copies != "none" and e < 4 else 0.0
     return e * s * b * (wide / t + h) + weight_gradient
-
-
-def context_exchange_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
-    """The buffers context parallelism's attention exchange holds while one layer of one micro-batch runs, beside
-    what the layers keep (Layout.cp_comm_type): "p2p" (ring attention) two K/V blocks of s/c tokens in flight, the
-    one attended to and the one arriving; "allgather" the whole sequence's K/V (gathered for the layer, gathered
-    again in its backward); "a2a" (Ulysses) the attention inputs after the all-to-all, the whole sequence for heads/c
-    of the heads (as many elements as the s/c tokens of every head it replaces, held beside them). K/V are the
-    rank's key/value heads under tensor parallelism (at least one: grouped-query heads are replicated)."""
-    c = layout.context_parallel_size
-    if c == 1:
-        return 0.0
-    tokens = local_sequence(model, layout) * micro
-    kv = 2 * model.head_dim * max(model.query_groups // layout.tensor_parallel_size, 1)
-    if layout.cp_comm_type == "a2a":
-        query = model.head_dim * model.num_attention_heads / layout.tensor_parallel_size
-        return act.element_bytes * tokens * (query + kv)
-    if layout.cp_comm_type == "allgather":
-        return act.element_bytes * tokens * c * kv
-    return act.element_bytes * 2 * tokens * kv
 
 
 def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, layout: Layout,
@@ -315,6 +327,8 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
     # layers per rank: the same on each, or an uneven split's (config/pipeline_split.py)
     per_rank = layout.layers_per_rank(model.num_layers) if layout.stage_layers else [model.num_layers // p] * p
     head_rank = layout.head_rank()  # the last stage's rank: p - 1, or 0 on a V (ZBV, DualPipeV)
+    if layout.context_parallel_size > 1:  # each rank holds its part of every sequence: counted per local token
+        model = dataclasses.replace(model, seq_length=model.seq_length // layout.context_parallel_size)
     stages = []
     for stage in range(p):
         per_stage, start = per_rank[stage], sum(per_rank[:stage])
@@ -340,7 +354,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
             # tensors (as the main head's forward keeps them: its loss is computed before the main one's backward)
             last = model.experts_in_layer(model.num_layers - 1)
             extra = layer_bytes(model, micro, layout, act, "none", last) \
-                + 3 * local_sequence(model, layout) * micro * model.hidden_size * act.element_bytes \
+                + 3 * model.seq_length * micro * model.hidden_size * act.element_bytes \
                 + head_bytes(model, micro, layout, act)
             layers += model.mtp_num_layers * extra
             copies += model.mtp_num_layers * weight_copy_bytes(model, layout, act, last)
@@ -351,7 +365,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
         if stage == head_rank:
             temporary = head_gradient_is_a_temporary(model, micro_batches, layout, act)
             at_loss = head_bytes(model, micro, layout, act, backward=True, weight_gradient_is_a_temporary=temporary)
-        total += max(again + working + context_exchange_bytes(model, micro, layout, act), at_loss)
+        total += max(again + working, at_loss)
         if stage == 0 and embedding_gradient_is_a_temporary(model, micro_batches, layout):
             total = max(total, embedding_gradient_bytes(model, layout, act))
         stages.append(total)

@@ -485,6 +485,17 @@ def _add_parallelism(parser: argparse.ArgumentParser) -> None:
                         "type:transformer|embedding, BLOOM's).")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Shard norms and dropout along the sequence over tensor-parallel ranks (DTensor).")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Context parallelism: each micro-batch's sequence split over this many ranks (2·CP chunks, "
+                        "rank r keeps chunks r and 2·CP-1-r, as Megatron-Core), attention exchanged across them "
+                        "(--cp-comm-type); DP = world / (TP × PP × CP), gradients reduced over DP × CP ranks.")
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], choices=("p2p", "a2a", "allgather", "a2a+p2p"),
+                   help="How context-parallel ranks exchange attention: p2p (ring: K/V passed around, partial "
+                        "results merged by log-sum-exp), allgather (all K/V gathered), a2a (DeepSpeed-Ulysses: "
+                        "all-to-all from sequence to head split). One value (a per-layer list must repeat it).")
+    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="Megatron-DeepSpeed's Ulysses sequence parallelism: --context-parallel-size N with "
+                        "--cp-comm-type a2a (DP = world / (TP × PP × SP)).")
 
 
 def _add_memory(parser: argparse.ArgumentParser) -> None:

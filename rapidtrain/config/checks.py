@@ -20,7 +20,13 @@ from rapidtrain.config.resolve import (
     zero_by_fsdp2,
     zero_flag_defaults,
 )
-from rapidtrain.config.settings import Batches, RunContext, data_parallel_size, expand_num_experts
+from rapidtrain.config.settings import (
+    Batches,
+    RunContext,
+    context_parallel_of,
+    data_parallel_size,
+    expand_num_experts,
+)
 from rapidtrain.data.tokenizer import TokenizerSettingsError, tokenizer_vocab_size
 from rapidtrain.models import hf_config
 from rapidtrain.models.attention_backends import KERNEL_OF_NAME
@@ -57,12 +63,17 @@ def three_d(args: Args) -> bool:
     return tp_size(args) > 1 or pp_size(args) > 1
 
 
+def cp_size(args: Args) -> int:
+    return context_parallel_of(args)[0]
+
+
 def dp_size(args: Args, ctx: RunContext) -> int:
-    return data_parallel_size(ctx.world_size, tp_size(args), pp_size(args))
+    return data_parallel_size(ctx.world_size, tp_size(args), pp_size(args), cp_size(args))
 
 
 def layout_divides(args: Args, ctx: RunContext) -> bool:
-    return tp_size(args) >= 1 and pp_size(args) >= 1 and ctx.world_size % (tp_size(args) * pp_size(args)) == 0
+    return tp_size(args) >= 1 and pp_size(args) >= 1 and cp_size(args) >= 1 and \
+        ctx.world_size % (tp_size(args) * pp_size(args) * cp_size(args)) == 0
 
 
 def accumulation_steps(args: Args, ctx: RunContext) -> int | None:

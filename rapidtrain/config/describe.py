@@ -76,10 +76,13 @@ def describe_plan(plan: Plan) -> str:
     lines = [
         f"rapidtrain plan — template: {plan.template}, task: {plan.task}",
         f"  layout: world {lay.world_size} = data {lay.data_parallel_size} × tensor {lay.tensor_parallel_size} × "
-        f"pipeline {lay.pipeline_parallel_size}" + (f", expert parallel {lay.expert_parallel_size}"
-                                                    if lay.expert_parallel_size > 1 else ""),
+        f"pipeline {lay.pipeline_parallel_size}"
+        + (f" × context {lay.context_parallel_size} (--cp-comm-type {lay.cp_comm_type})"
+           if lay.context_parallel_size > 1 else "")
+        + (f", expert parallel {lay.expert_parallel_size}" if lay.expert_parallel_size > 1 else ""),
     ]
-    if lay.world_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1):
+    if lay.world_size > 1 and (lay.tensor_parallel_size > 1 or lay.pipeline_parallel_size > 1
+                               or lay.context_parallel_size > 1):
         lines += _rank_lines(lay)
     if lay.pipeline_parallel_size > 1 and plan.model is not None:
         lines += pipeline_stage_lines(lay, plan.model.num_layers, plan.model.mtp_num_layers)
@@ -246,15 +249,22 @@ FULL_RANK_GRID_UP_TO = 32  # ranks; beyond, the groups are summarized (first, la
 
 def _rank_lines(layout: Layout) -> list[str]:
     """Which ranks form each group: the whole grid for a few ranks, else each kind of group summarized."""
-    grid = layout.rank_grid()
+    grid = layout.rank_grid()  # [stage][data · CP + context][tensor]
+    cp = layout.context_parallel_size
     if layout.world_size <= FULL_RANK_GRID_UP_TO:
-        return [f"    pipeline stage {stage}: " + "  ".join(f"dp{d}→ranks {row}" for d, row in enumerate(rows))
+        def label(d: int) -> str:
+            return f"dp{d // cp}cp{d % cp}" if cp > 1 else f"dp{d}"
+
+        return [f"    pipeline stage {stage}: " + "  ".join(f"{label(d)}→ranks {row}" for d, row in enumerate(rows))
                 for stage, rows in enumerate(grid)]
     tp, dp, pp = layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size
-    kinds = [("tensor-parallel", tp, dp * pp, [grid[0][0], grid[-1][-1]]),
-             ("data-parallel", dp, tp * pp, [[row[0] for row in grid[0]], [row[-1] for row in grid[-1]]]),
-             ("pipeline", pp, tp * dp, [[rows[0][0] for rows in grid], [rows[-1][-1] for rows in grid]])]
-    lines = ["    rank groups (Megatron order: tensor ranks neighbours, then data, pipeline outermost):"]
+    kinds = [("tensor-parallel", tp, dp * cp * pp, [grid[0][0], grid[-1][-1]]),
+             ("context-parallel", cp, tp * dp * pp, [[grid[0][c][0] for c in range(cp)],
+                                                     [grid[-1][(dp - 1) * cp + c][-1] for c in range(cp)]]),
+             ("data-parallel", dp, tp * cp * pp, [[grid[0][d * cp][0] for d in range(dp)],
+                                                  [grid[-1][d * cp + cp - 1][-1] for d in range(dp)]]),
+             ("pipeline", pp, tp * dp * cp, [[rows[0][0] for rows in grid], [rows[-1][-1] for rows in grid]])]
+    lines = ["    rank groups (Megatron order: tensor ranks neighbours, then context, data, pipeline outermost):"]
     for name, size, count, (first, last) in kinds:
         if size > 1:
             lines.append(f"      {count:,} {name} groups of {size}: first {_ranks(first)}, last {_ranks(last)}")

@@ -173,13 +173,36 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
     return engines, notes
 
 
+CP_EXCHANGES = {
+    "p2p": "ring: K/V blocks passed around the context-parallel ranks (send/recv), each step's partial attention "
+           "merged by log-sum-exp, causal chunk pairs wholly in the future skipped",
+    "allgather": "K/V all-gathered over the context-parallel ranks, local queries attend over the whole sequence",
+    "a2a": "DeepSpeed-Ulysses (deepspeed.sequence.layer.DistributedAttention): all-to-all from the sequence split "
+           "to a head split, the attention kernel over the whole sequence on heads/CP, all-to-all back",
+}
+
+
+def context_parallel_choice(args: argparse.Namespace, layout: Layout) -> EngineChoice:
+    cp, comm = layout.context_parallel_size, layout.cp_comm_type
+    flag = (f"--ds-sequence-parallel-size {cp}" if (getattr(args, "ds_sequence_parallel_size", 1) or 1) > 1
+            else f"--context-parallel-size {cp}")
+    split = (f"{cp} contiguous parts" if comm == "a2a"
+             else f"{2 * cp} chunks, rank r keeping chunks r and {2 * cp - 1}-r (Megatron-Core's load balance)")
+    how = "" if comm == "a2a" else " (torch.distributed collectives with autograd)"
+    return EngineChoice(flag, f"rapidtrain context parallelism, --cp-comm-type {comm}: each sequence split into "
+                        f"{split}; {CP_EXCHANGES[comm]}{how}",
+                        "torch's context_parallel patches CUDA's SDPA kernels only and takes no document mask; the "
+                        "global causal, document and window masks are built from the ranks' positions")
+
+
 def _data_parallel_choices(args: argparse.Namespace, ctx: RunContext, layout: Layout,
                            partitioning: EngineChoice | None) -> list[EngineChoice]:
     """Data parallelism, the model-state partitioning, ZeRO's communication and what is offloaded."""
     engines: list[EngineChoice] = []
     backend = args.distributed_backend or ("nccl" if ctx.device_type == "cuda" else "gloo")
     three_d = layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1
-    if layout.data_parallel_size > 1 and (partitioning is None or "DistributedDataParallel" in partitioning.engine):
+    if layout.data_context_parallel_size > 1 and (partitioning is None
+                                                  or "DistributedDataParallel" in partitioning.engine):
         # replicate() under TP only (DDP cannot reduce DTensor parameters): it keeps a second copy of the parameters
         # and accumulates gradients apart from them, which DDP with bucket-view gradients does not
         how = ("composable replicate() over the data-parallel mesh dimension (DDP cannot reduce tensor-parallel "
@@ -188,6 +211,8 @@ def _data_parallel_choices(args: argparse.Namespace, ctx: RunContext, layout: La
                else "DistributedDataParallel")
         unused = ("" if three_d else "; DistributedDataParallel looks for weights a step leaves without a gradient "
                   "(find_unused_parameters) unless the model is the built-in GPT or BERT, which use every weight")
+        if layout.context_parallel_size > 1:
+            how += f" over data × context ranks ({layout.data_context_parallel_size}: Megatron's dp_cp group)"
         engines.append(EngineChoice("data parallel", f"torch {how} ({backend})",
                                     "no all-reduce on accumulation micro-batches (no_sync)" + unused))
     if partitioning:
@@ -226,6 +251,8 @@ def _model_parallel_choices(args: argparse.Namespace, layout: Layout, micro_batc
     if layout.pipeline_parallel_size > 1:
         engines.append(EngineChoice("--pipeline-model-parallel-size", "torch.distributed.pipelining, "
                                     + pipeline_schedule(layout, micro_batches)))
+    if layout.context_parallel_size > 1:
+        engines.append(context_parallel_choice(args, layout))
     if args.num_experts:
         ep = f", experts sharded over {layout.expert_parallel_size} ranks (all-to-all)" \
             if layout.expert_parallel_size > 1 else ""

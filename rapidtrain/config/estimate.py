@@ -27,6 +27,7 @@ same share of its own peak.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rapidtrain.config.activations import ActivationContext, layer_bytes
@@ -181,7 +182,9 @@ def micro_batch_seconds(inputs: StepInputs, spec: DeviceSpec) -> dict[str, float
     flops = (3 * layers * layer_flops + recomputed * recompute_flops(model, tokens, inputs.recompute.granularity)
              + 3 * 2 * tokens * model.hidden_size * model.vocab_size) / t
     act = ActivationContext.of(model, inputs.dtype, "cuda")
-    kept = layer_bytes(model, inputs.micro_batch_size, layout, act)
+    # layer_bytes counts a context-parallel rank's model: its part of the sequence (config/activations.py)
+    local = dataclasses.replace(model, seq_length=model.seq_length // layout.context_parallel_size)
+    kept = layer_bytes(local, inputs.micro_batch_size, layout, act)
     element = 4 if inputs.dtype == "fp32" else 2
     intra = group_bandwidth(spec, t)
     reductions = 4 + (2 if inputs.recompute.granularity == "full" else 0)  # per layer: 2 forward, 2 backward

@@ -215,11 +215,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                             "data loader"),
     "--extra-vocab-size": (NO_EFFECT, "the embedding is sized from the tokenizer's vocabulary (padded to "
                                       "--make-vocab-size-divisible-by); Pai's extra rows are never indexed"),
-    "--context-parallel-size": (REFUSED, "context parallelism (sequence split over ranks in attention) is not in "
-                                         "rapidtrain; use --sequence-parallel with tensor parallelism, or shorter "
-                                         "--seq-length"),
-    "--ds-sequence-parallel-size": (REFUSED, "DeepSpeed-Ulysses sequence parallelism is not in rapidtrain; use "
-                                             "--sequence-parallel with tensor parallelism"),
     "--expert-tensor-parallel-size": (REFUSED, "experts are not split by tensor parallelism; shard them over ranks "
                                                "with --expert-model-parallel-size"),
     "--apply-residual-connection-post-layernorm": (REFUSED, "that residual order is not in rapidtrain's models; "
@@ -341,7 +336,7 @@ FLAGS: dict[str, tuple[str, str]] = {
 
 # Values of refused flags that ask for nothing (besides each flag's default, which never does).
 NEUTRAL: dict[str, tuple] = {
-    "--context-parallel-size": (1,), "--ds-sequence-parallel-size": (1,), "--expert-tensor-parallel-size": (1,),
+    "--expert-tensor-parallel-size": (1,),
 "--weight-decay-incr-style": ("constant",),
     "--attention-head-type": ("multihead",),
 }
@@ -452,9 +447,12 @@ PATTERNS: list[tuple[str, str, str]] = [
      "encoder-decoder splits and the legacy standalone embedding stage are not in rapidtrain; a stage of its own "
      "for the embedding is --pipeline-model-parallel-layout 'E|...' (other splits: --decoder-first/last-pipeline-"
      "num-layers, --account-for-embedding/loss-in-pipeline-split, --pp-partition-method)"),
-    (r"--(hierarchical-context-parallel-sizes|hybrid-context-parallel|max-seqlen-per-dp-cp-rank|cp-comm-type)|"
-     r"--ds-sequence-parallel-fpdt.*|--force-ds-sequence-parallel", REFUSED,
-     "context / Ulysses sequence parallelism is not in rapidtrain; use --sequence-parallel with tensor parallelism"),
+    (r"--(hierarchical-context-parallel-sizes|hybrid-context-parallel|max-seqlen-per-dp-cp-rank)", REFUSED,
+     "hierarchical and hybrid context parallelism are not in rapidtrain; use --context-parallel-size with "
+     "--cp-comm-type p2p, allgather or a2a"),
+    (r"--ds-sequence-parallel-fpdt.*|--force-ds-sequence-parallel", REFUSED,
+     "DeepSpeed's FPDT (chunked, offloaded Ulysses) is not in rapidtrain; --ds-sequence-parallel-size serves "
+     "Ulysses' all-to-all without the chunking"),
     (r"--(cpu-offloading|fine-grained-activation-offloading|activation-offload-fraction|offload-modules|"
      r"fine-grained-offloading-max-inflight-offloads|min-offloaded-tensor-size).*", REFUSED,
      "activation offloading is not in rapidtrain; use --checkpoint-activations"),

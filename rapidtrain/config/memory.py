@@ -81,7 +81,7 @@ def weight_copies(precision: Precision, layout: Layout, switches: Switches) -> W
     applies only over more than one data-parallel rank; with one, the weights stay fp32 under autocast."""
     if precision.dtype == "fp32" or switches.partitioning_engine == "deepspeed":
         return "none"
-    fsdp2 = switches.partitioning_engine == "fsdp2" and layout.data_parallel_size > 1
+    fsdp2 = switches.partitioning_engine == "fsdp2" and layout.data_context_parallel_size > 1
     return "head_and_experts" if fsdp2 else "all"
 
 
@@ -269,19 +269,20 @@ def memory_estimate(args: argparse.Namespace, model: ModelConfig, layout: Layout
         settings = optimizer_settings(args, layout, switches or switches_of(args, layout, ctx))
         state = optimizer_state_bytes_per_parameter(model, settings, ctx.device_type)
     by_rank: tuple[float, ...] = ()
-    one_model_per_rank = layout.data_parallel_size == layout.world_size and layout.expert_parallel_size == 1
+    # Model state is partitioned over the ranks that reduce gradients together: data × context parallel.
+    one_model_per_rank = layout.data_context_parallel_size == layout.world_size and layout.expert_parallel_size == 1
     # (--decoupled-lr splits the embedding and output into groups of their own: not simulated, the average stands)
     # (FairScale's OSS assigns tensors in order, not largest first: not simulated either)
     engine_name = (switches or switches_of(args, layout, ctx)).partitioning_engine
     oss = engine_name == "zero-redundancy"
-    if oss and one_model_per_rank and layout.data_parallel_size > 1 and settings.decoupled is None:
+    if oss and one_model_per_rank and layout.data_context_parallel_size > 1 and settings.decoupled is None:
         from rapidtrain.optim.optimizers import resolve_optimizer
 
         kind = resolve_optimizer(settings, ctx.device_type).state
-        by_rank = oss_optimizer_bytes_by_rank(model, kind, layout.data_parallel_size)
+        by_rank = oss_optimizer_bytes_by_rank(model, kind, layout.data_context_parallel_size)
     # DeepSpeed's optimizer steps an fp32 copy of this rank's partition, beside the model's weights even in fp32.
     optimizer = state + (4 if deepspeed else 0)
-    n = layout.data_parallel_size
+    n = layout.data_context_parallel_size
     shard_optimizer = stage > 0 or args.oss_memory_optimization or args.oss_sdp_memory_optimization \
         or args.fsdp_memory_optimization
     # In 3D mode ZeRO-1/2 is FSDP2 over the data-parallel dimension, which reduce-scatters gradients (ZeRO-2 memory).
@@ -391,7 +392,7 @@ def experts_sharded_by_fsdp2(layout: Layout, second_dims: tuple[int, ...]) -> bo
     where they are replicated DTensors on the tensor-parallel mesh, nor when a second dimension does not
     divide evenly (FSDP2 splits only dimension 0 unevenly): they then stay out of FSDP2 and are all-reduced
     over their group."""
-    holders = layout.data_parallel_size // layout.expert_parallel_size
+    holders = layout.data_context_parallel_size // layout.expert_parallel_size  # the expert_dp ranks
     return (layout.expert_parallel_size > 1 and layout.tensor_parallel_size == 1 and holders > 1
             and all(size % holders == 0 for size in second_dims))
 

@@ -46,7 +46,7 @@ from rapidtrain.config.resolve import (
     virtual_stages_of,
     zero_settings,
 )
-from rapidtrain.config.settings import Batches, Layout, Plan, RunContext, data_parallel_size
+from rapidtrain.config.settings import Batches, Layout, Plan, RunContext, context_parallel_of, data_parallel_size
 from rapidtrain.models.config import ModelConfig
 
 
@@ -73,9 +73,11 @@ def layout_of(args: argparse.Namespace, ctx: RunContext, model: ModelConfig | No
         if strict:
             raise
         virtual, split = 1, ()
-    return Layout(ctx.world_size, data_parallel_size(ctx.world_size, tp, pp), tp, pp,
+    cp, comm = context_parallel_of(args)
+    return Layout(ctx.world_size, data_parallel_size(ctx.world_size, tp, pp, cp), tp, pp,
                   args.expert_model_parallel_size, virtual, args.sequence_parallel, stage_layers=split,
-                  pipeline_schedule=pipeline_schedule_of(args))
+                  pipeline_schedule=pipeline_schedule_of(args), context_parallel_size=cp,
+                  cp_comm_type=comm)
 
 
 def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:

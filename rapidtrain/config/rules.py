@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from rapidtrain.config.checks import Args, Rule
+from rapidtrain.config.rules_context import CONTEXT_RULES
 from rapidtrain.config.rules_layout import LAYOUT_RULES
 from rapidtrain.config.rules_training import TRAINING_RULES
 from rapidtrain.config.settings import RunContext
@@ -93,7 +94,7 @@ def compatibility_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-RULES: tuple[Rule, ...] = LAYOUT_RULES + TRAINING_RULES
+RULES: tuple[Rule, ...] = LAYOUT_RULES + CONTEXT_RULES + TRAINING_RULES
 
 
 if __name__ == "__main__":

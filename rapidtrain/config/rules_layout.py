@@ -10,6 +10,7 @@ from rapidtrain.config.arguments import TASKS
 from rapidtrain.config.checks import (
     Rule,
     accumulation_steps,
+    cp_size,
     deepspeed_zero,
     dp_size,
     experts_of,
@@ -423,12 +424,15 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
         "ep-divides-dp",
         ("--expert-model-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"),
-        "The expert-parallel size divides the data-parallel size, and needs --num-experts.",
+        "The expert-parallel size divides the data-parallel size (× the context-parallel size), and needs "
+        "--num-experts.",
         lambda a, c: a.expert_model_parallel_size > 1 and layout_divides(a, c) and (
-            not experts_of(a) or dp_size(a, c) % a.expert_model_parallel_size != 0),
+            not experts_of(a) or dp_size(a, c) * cp_size(a) % a.expert_model_parallel_size != 0),
         lambda a, c: f"--expert-model-parallel-size {a.expert_model_parallel_size} needs --num-experts and must divide "
-        f"the data-parallel size {dp_size(a, c)} (world {c.world_size} / (TP {tp_size(a)} × PP {pp_size(a)})): "
-        f"experts are sharded over data-parallel ranks. Change the expert-parallel size or the number of processes.",
+        f"the data-parallel size {dp_size(a, c) * cp_size(a)} (world {c.world_size} / (TP {tp_size(a)} × PP "
+        f"{pp_size(a)})"
+        + (", context-parallel ranks counted with the data-parallel ones" if cp_size(a) > 1 else "") + "): "
+        "experts are sharded over data-parallel ranks. Change the expert-parallel size or the number of processes.",
     ),
     Rule(
         "ep-with-zero3-or-fairscale", ("--expert-model-parallel-size", "--zero-3-memory-optimization",

@@ -107,8 +107,21 @@ def default_nproc_per_node(device_type: str, found: Probe | None = None) -> int:
     return 1
 
 
-def data_parallel_size(world_size: int, tensor_parallel: int, pipeline_parallel: int) -> int:
-    return max(world_size // max(tensor_parallel * pipeline_parallel, 1), 1)
+def data_parallel_size(world_size: int, tensor_parallel: int, pipeline_parallel: int, context_parallel: int = 1) -> int:
+    """Megatron's DP = world / (TP × PP × CP): context-parallel ranks share one micro-batch (each a part of its
+    sequence), so they are not data-parallel ranks."""
+    return max(world_size // max(tensor_parallel * pipeline_parallel * context_parallel, 1), 1)
+
+
+def context_parallel_of(args: argparse.Namespace) -> tuple[int, str]:
+    """(context-parallel size, comm type) of the flags: --ds-sequence-parallel-size N is Ulysses, CP N over a2a;
+    --cp-comm-type's one value (a per-layer list repeating it; the rules refuse differing values)."""
+    ulysses = getattr(args, "ds_sequence_parallel_size", 1) or 1
+    if ulysses > 1:
+        return ulysses, "a2a"
+    comm = getattr(args, "cp_comm_type", None) or ["p2p"]
+    comm = [comm] if isinstance(comm, str) else comm
+    return getattr(args, "context_parallel_size", 1) or 1, comm[0]
 
 
 def rope_type_of(args: argparse.Namespace) -> str:
@@ -156,8 +169,16 @@ class Layout:
     # Transformer layers per pipeline stage in model order (config/pipeline_split.py); () before it is known
     stage_layers: tuple[int, ...] = ()
     pipeline_schedule: str = "1f1b"  # config/pipeline_split.py's SCHEDULES
+    # --context-parallel-size (or --ds-sequence-parallel-size: Ulysses, comm type "a2a"): each micro-batch's
+    # sequence split over this many ranks, attention exchanged across them (parallel/context_parallel.py).
     context_parallel_size: int = 1
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str = "p2p"  # p2p (ring), allgather, a2a (Ulysses)
+
+    @property
+    def data_context_parallel_size(self) -> int:
+        """Ranks holding the same weights and reducing gradients together: Megatron's dp_cp group (every CP rank
+        has a gradient from its part of the sequence)."""
+        return self.data_parallel_size * self.context_parallel_size
 
     def layers_of_stage(self, stage: int, num_layers: int) -> range:
         """The indices of the transformer layers stage `stage` runs (the names the full model gives them)."""
@@ -180,9 +201,10 @@ class Layout:
         return ranks
 
     def rank_grid(self) -> list[list[list[int]]]:
-        """Megatron order: pipeline outermost, then data, tensor innermost (tensor ranks are neighbours)."""
-        tp, dp = self.tensor_parallel_size, self.data_parallel_size
-        return [[[(p * dp + d) * tp + t for t in range(tp)] for d in range(dp)]
+        """Megatron order: pipeline outermost, then data, context, tensor innermost (tensor ranks are neighbours,
+        context ranks next). The middle index is the data × context coordinate d · CP + c (d alone without CP)."""
+        tp, dpcp = self.tensor_parallel_size, self.data_context_parallel_size
+        return [[[(p * dpcp + d) * tp + t for t in range(tp)] for d in range(dpcp)]
                 for p in range(self.pipeline_parallel_size)]
 
 

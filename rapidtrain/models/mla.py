@@ -11,6 +11,8 @@ the sum of the shared rotary key's gradient over the ranks, whose heads each use
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +71,7 @@ class MultiLatentAttention(nn.Module):
         self.shared_key_gradient: nn.Module = nn.Identity()
         # Every kernel scales by 1/√(query size); YaRN's extra factor goes into the queries.
         self.query_scale = mla_softmax_scale_factor(config)
+        self.core: Callable[..., torch.Tensor] = attend  # replaced from outside by context parallelism
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_proj is not None:
@@ -105,7 +108,7 @@ class MultiLatentAttention(nn.Module):
         if cache is not None:
             k, v = cache[0].extend(cache[1], k, v)
         q, k, v = self.same_head_sizes(q, k, v)
-        out = attend(
+        out = self.core(
             q, k, v, attention_mask,
             # Decoding one token after cached ones: it may attend to all of them (no mask).
             is_causal=self.causal and attention_mask is None and q.shape[2] == k.shape[2],

@@ -293,6 +293,9 @@ class Attention(nn.Module):
         self.k_norm = make_norm(config, d) if config.qk_layernorm else None
         self.sink = AttentionSink(config.num_attention_heads, config.softmax_type) \
             if config.softmax_type != "vanilla" else None
+        # The attention core (attend's signature): replaced from outside where attention spans ranks (context
+        # parallelism, parallel/context_parallel.py); the model itself always calls attend.
+        self.core: Callable[..., torch.Tensor] = attend
 
     def forward(
         self,
@@ -320,7 +323,7 @@ class Attention(nn.Module):
         if self.alibi_heads:
             slopes = alibi_slopes(self.alibi_heads, q.device)[self.first_head:self.first_head + q.shape[1]]
         sink = None if self.sink is None else self.sink(q.device)[self.first_head:self.first_head + q.shape[1]]
-        out = attend(
+        out = self.core(
             q,
             k,
             v,

@@ -101,14 +101,14 @@ def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, devi
         return fairscale_runner(model, plan, mesh, device, optimizer=optimizer)
     if switches.partitioning_engine == "fsdp2":
         reshard = switches.partitioning == "fsdp"
-        if mesh.group("dp"):
+        if mesh.gradient_group():
             model = apply_fsdp(model, mesh, reshard_after_forward=reshard, precision=plan.precision.dtype)
     else:
         model = apply_ddp(model, mesh, device)
     if on_meta:
         materialize(model, device, plan)
     runner_class = TorchRunner
-    if switches.partitioning_engine == "zero-redundancy" and mesh.group("dp") is not None:
+    if switches.partitioning_engine == "zero-redundancy" and mesh.gradient_group() is not None:
         from rapidtrain.parallel.zero_redundancy import OSSRunner, oss_from_optimizer, oss_optimizer
 
         runner_class = OSSRunner
@@ -118,5 +118,5 @@ def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, devi
         optimizer, _ = build_optimizer(model, plan.optimizer, device.type)
     scaler = LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None
     return runner_class(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
-                        clip_grad=plan.clip_grad, gradient_average=plan.layout.data_parallel_size
-                        if mesh.group("dp") else 1, pipeline_group=mesh.group("pp"), scaler=scaler)
+                        clip_grad=plan.clip_grad, gradient_average=plan.layout.data_context_parallel_size
+                        if mesh.gradient_group() else 1, pipeline_group=mesh.group("pp"), scaler=scaler)

@@ -34,7 +34,7 @@ def unwrap(module: Any) -> nn.Module:
 
 
 def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
-    group = mesh.group("dp")
+    group = mesh.gradient_group()  # data × context ranks
     if group is None:
         return model
     if mesh.layout.tensor_parallel_size > 1:  # DDP cannot reduce DTensor parameters
@@ -70,7 +70,7 @@ def apply_replicate(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
 
     from rapidtrain.parallel.experts import expert_parameters, place_experts_on_mesh_of_others
 
-    replicate(model, mesh=mesh.submesh("dp"), ignored_params=set(expert_parameters(model).values()) or None)
+    replicate(model, mesh=mesh.submesh("dp_cp"), ignored_params=set(expert_parameters(model).values()) or None)
     place_experts_on_mesh_of_others(model)  # one mesh for all parameters: foreach clipping/optimizers need it
     return model
 
@@ -98,7 +98,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_forward: bool
         shard_experts_with_fsdp(model, mesh, reshard_after_forward)
         experts = set()
     ignored = experts or None
-    dp_mesh = mesh.submesh("dp")
+    dp_mesh = mesh.submesh("dp_cp")  # context-parallel ranks hold the same weights: sharded over them too
     blocks_policy = mixed_precision_policy(precision)
     for block in transformer_blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored,

@@ -71,6 +71,10 @@ def deepspeed_config(
         "wall_clock_breakdown": False,
     }
     config.update(precision_config(plan.precision, loss_scale))
+    if plan.layout.context_parallel_size > 1:
+        # DeepSpeed's batch check counts world / sequence_parallel_size data ranks (Megatron-DeepSpeed's Ulysses
+        # config); its gradients are still averaged over every rank, data × context (no mpu is given).
+        config["sequence_parallel_size"] = plan.layout.context_parallel_size
     if optimizer_offloaded(plan):
         config["optimizer"] = offload_optimizer_config(optimizer_settings)
     if zero_settings_of(plan).nvme_path:
@@ -350,10 +354,10 @@ def deepspeed_runner(
     clear_stale_op_build_locks()  # a killed first build of cpu_adam / shm_comm would make DeepSpeed wait for ever
     announce_op_builds(["deepspeed_shm_comm"] * (device.type == "cpu") + ["cpu_adam"] * optimizer_offloaded(plan))
     ensure_process_group()
-    if plan.layout.data_parallel_size != dist.get_world_size():
+    if plan.layout.data_context_parallel_size != dist.get_world_size():
         raise ValueError(
             f"DeepSpeed ZeRO runs data parallel over all {dist.get_world_size()} ranks, but the plan "
-            f"has data-parallel size {plan.layout.data_parallel_size}"
+            f"has data × context parallel size {plan.layout.data_context_parallel_size}"
         )
     optimizer_settings = plan.optimizer
     assert optimizer_settings is not None and plan.loss_scale is not None
@@ -381,7 +385,7 @@ def deepspeed_runner(
         engine=engine,
         precision=plan.precision,
         device_type=device.type,
-        gradient_average=plan.layout.data_parallel_size,
+        gradient_average=plan.layout.data_context_parallel_size,  # context ranks reduce gradients with the data ranks
         checkpoint_state=ZeroState(engine, [g for g in trainable if g]),
     )
 

@@ -200,7 +200,7 @@ def shard_experts_with_fsdp(model: nn.Module, mesh: ParallelMesh, reshard_after_
     for module in expert_modules(model):
         sharded = fully_shard(module, mesh=expert_dp, reshard_after_forward=reshard_after_forward,
                               shard_placement_fn=lambda _param: Shard(1))  # the module itself, now an FSDPModule
-        sharded.set_gradient_divide_factor(float(mesh.layout.data_parallel_size))
+        sharded.set_gradient_divide_factor(float(mesh.layout.data_context_parallel_size))
         if expert_dp.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
             sharded.set_force_sum_reduction_for_comms(True)
 
@@ -313,7 +313,7 @@ def add_expert_parallelism(runner: TorchRunner, mesh: ParallelMesh) -> TorchRunn
     placements: tuple[Placement, Placement]
     if by_fsdp:  # FSDP2 reduces them and splits each slice over expert_dp (shard_experts_with_fsdp)
         checkpoint_mesh, placements = mesh.expert_mesh["expert_dp", "ep"], (Shard(1), Shard(0))
-        norm_group = mesh.group("dp")  # every data-parallel rank holds a different piece
+        norm_group = mesh.gradient_group()  # every data-parallel (× context) rank holds a different piece
     else:
         checkpoint_mesh, placements = mesh.expert_mesh["ep", "tp"], (Shard(0), Replicate())
         norm_group = mesh.group("ep")  # each ep rank holds other experts, the tp ranks the same ones

@@ -217,7 +217,7 @@ def pipeline_runner(
         precision=plan.precision,
         device_type=device.type,
         clip_grad=plan.clip_grad,
-        gradient_average=layout.data_parallel_size,
+        gradient_average=layout.data_context_parallel_size,  # DDP/FSDP average over data × context ranks
         pipeline_group=pipeline_group,
         scaler=LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None,
         views=views,
@@ -229,7 +229,7 @@ def pipeline_runner(
         # a V keeps the first and the last stage on one rank, whose views share the tied embedding itself
         embedding_group=mesh.embedding_group() if _config_of(model).tie_embeddings
         and rank_of_stage(num_stages - 1, layout.pipeline_parallel_size, schedule_name) != 0 else None,
-        data_parallel_group=mesh.group("dp") if schedule_name in SPLIT_BACKWARD else None,
+        data_parallel_group=mesh.gradient_group() if schedule_name in SPLIT_BACKWARD else None,
     )
 
     def make_schedule(micro_batches: int, evaluation: bool = False) -> Any:
@@ -270,10 +270,14 @@ def parallelize_stages(
         model.to(device)
     num_stages = len(split)
     views = [model] if len(stages) == 1 else [stage_view(model, s, split) for s in stages]
+    context_parallel = getattr(model, "context_parallel", None)  # parallel/context_parallel.py's hook, per view
+    for view in views:
+        if context_parallel is not None and view is not model:
+            context_parallel.attach(view)
     for view, stage in zip(views, stages, strict=True):
         if layout.sequence_parallel:
             _sequence_parallel_boundaries(view, mesh.submesh("tp"), stage == 0, stage == num_stages - 1)
-        if mesh.group("dp") is None:
+        if mesh.gradient_group() is None:
             continue
         if switches.partitioning_engine == "fsdp2":  # ZeRO-1/2 in 3D: unsharded between forward and backward
             apply_fsdp(view, mesh, reshard_after_forward=switches.partitioning == "fsdp",
@@ -283,8 +287,8 @@ def parallelize_stages(
     if on_meta:
         materialize(model, device, plan, parts=views)
     # DDP's hooks miss the split backward's weight gradients: those schedules reduce them in PipelineRunner instead
-    ddp = mesh.group("dp") is not None and switches.partitioning_engine != "fsdp2" \
-        and layout.tensor_parallel_size == 1 and layout.pipeline_schedule not in SPLIT_BACKWARD
+    ddp = (mesh.gradient_group() is not None and switches.partitioning_engine != "fsdp2"
+           and layout.tensor_parallel_size == 1 and layout.pipeline_schedule not in SPLIT_BACKWARD)
     # DDP after the parameters exist (it broadcasts them); each view its own reducer
     stage_modules = [apply_ddp(view, mesh, device) for view in views] if ddp else list(views)
     return model, views, stage_modules

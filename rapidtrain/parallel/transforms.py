@@ -120,8 +120,14 @@ def apply_graph_optimization(model: nn.Module, switches: Switches) -> nn.Module:
 
 
 def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Module:
-    """Tensor parallel → activation checkpointing → compile, as the plan says; returns the model to wrap."""
+    """(Context parallel →) tensor parallel → activation checkpointing → compile, as the plan says; returns the
+    model to wrap. Context parallelism replaces the attention cores first, so every later transform (and the
+    recomputation of a checkpointed layer) runs the exchange."""
     layout, switches = plan.layout, plan.switches
+    if layout.context_parallel_size > 1:
+        from rapidtrain.parallel.context_parallel import apply_to_plan
+
+        apply_to_plan(model, plan, mesh)
     if layout.tensor_parallel_size > 1:
         from rapidtrain.parallel.tensor_parallel import apply_tensor_parallel
 

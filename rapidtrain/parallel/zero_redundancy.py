@@ -50,7 +50,7 @@ def oss_optimizer(
     return ZeroRedundancyOptimizer(
         partitioned,
         optimizer_class=cast(type[torch.optim.Optimizer], local_optimizer),
-        process_group=mesh.group("dp"),
+        process_group=mesh.gradient_group(),
         lr=settings.lr,
     )
 
@@ -64,7 +64,7 @@ def oss_from_optimizer(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> 
         )
     groups = [dict(group) for group in optimizer.param_groups]
     return ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=mesh.group("dp"), **constructor_defaults(optimizer)
+        groups, optimizer_class=type(optimizer), process_group=mesh.gradient_group(), **constructor_defaults(optimizer)
     )
 
 

@@ -157,7 +157,10 @@ class MegatronPreTrainer(PreTrainer):
                                 reset_position_ids=data.reset_position_ids,
                                 reset_attention_mask=data.reset_attention_mask, data_impl=data.data_impl,
                                 cache_dir=data.cache_path, vocab_size=model.vocab_size,
-                                document_ids=self.plan.attention.document_ids)
+                                # Context parallelism masks documents by their ids (a dense [s, s] mask cannot
+                                # be split along the sequence).
+                                document_ids=self.plan.attention.document_ids
+                                or self.plan.layout.context_parallel_size > 1)
 
     # ---- --data-iterator dynamic-shape ----
     def supports_dynamic_shape(self) -> bool:
@@ -291,6 +294,8 @@ def demo_sample_unavailable(plan: Any) -> str:
                "NullTokenizer has no text tokenizer)"
     if plan.layout.pipeline_parallel_size > 1:
         return "pipeline parallelism: each stage holds some layers only"
+    if plan.layout.context_parallel_size > 1:
+        return "context parallelism: its attention spans the ranks' parts of one sequence"
     if plan.switches.partitioning in ("fsdp", "sdp", "zero-3") or (
             plan.switches.partitioning in ("zero-1", "zero-2") and plan.switches.partitioning_engine == "fsdp2"):
         return f"{plan.switches.partitioning} partitioning shards the parameters over the ranks"

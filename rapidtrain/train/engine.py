@@ -256,9 +256,11 @@ class Engine:
 
     @property
     def is_logging_rank(self) -> bool:
-        """Megatron prints from the last pipeline stage; among its ranks, the first data- and tensor-parallel."""
+        """Megatron prints from the last pipeline stage; among its ranks, the first data-, context- and
+        tensor-parallel."""
         mesh = self.mesh
-        return mesh.is_last_stage and mesh.data_parallel_rank == 0 and mesh.tensor_parallel_rank == 0
+        return (mesh.is_last_stage and mesh.data_parallel_rank == 0 and mesh.context_parallel_rank == 0
+                and mesh.tensor_parallel_rank == 0)
 
     def _device(self) -> torch.device:
         if self.context.device_type == "cuda":
@@ -373,10 +375,13 @@ class Engine:
     def step_context(self) -> StepContext:
         """What `train.step` needs of this run: the runner, the data-parallel group, the schedule, the timers."""
         plan = self.plan
-        return StepContext(self.runner, self.device, self.mesh.group("dp"), plan.layout.data_parallel_size,
+        # Losses and token counts are reduced over data × context ranks (each context rank has its part of the
+        # sequence); the samples are the data ranks'.
+        return StepContext(self.runner, self.device, self.mesh.gradient_group(), plan.layout.data_parallel_size,
                            plan.data.micro_batch_size, plan.batches.global_batch_size, self.lr_scheduler,
                            self.timers if plan.logging.timers_to_tensorboard else None,
-                           per_token_loss=plan.training.per_token_loss)
+                           per_token_loss=plan.training.per_token_loss,
+                           context_parallel_size=plan.layout.context_parallel_size)
 
     def step(self) -> StepOutcome:
         """An own loop's optimizer step: clip, step (skipped on fp16 overflow) and advance the schedule by one
@@ -387,7 +392,9 @@ class Engine:
         return finish_step(self.step_context(), losses).outcome
 
     def all_reduce_data_parallel(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        group = self.mesh.group("dp")
+        """Over the data × context ranks: a loss or count of context-parallel ranks is of its part of the
+        sequence (Megatron reduces losses over its dp_cp group likewise)."""
+        group = self.mesh.gradient_group()
         if group is not None:
             dist.all_reduce(tensor, op=op, group=group)
         return tensor

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from rapidtrain.core.errors import UserError
 from rapidtrain.data.loaders import ShardedLoader, eval_loader, train_loader
 from rapidtrain.parallel.runner import autocast
 
@@ -96,6 +97,11 @@ def compose_own_loop(
     engine: Any, train_dataloader: Any, eval_dataloader: Any, lr_scheduler_fn: Callable | None
 ) -> tuple[Any, Any, Any, Any, Any]:
     """The rest of `Engine.compose` when the user brings data loaders: see the module docstring."""
+    if engine.plan.layout.context_parallel_size > 1:
+        raise UserError(f"--context-parallel-size {engine.plan.layout.context_parallel_size}: an own training loop's "
+                        "batches reach the model whole, and context parallelism needs each rank's part of every "
+                        "sequence (rapidtrain's templates split them: PreTrainer, the built-in pretraining). Train "
+                        "through a template, or drop the flag.")
     runner = engine.runner
     tracker = AccumulationTracker(engine.plan.batches.accumulation_steps)
     train = None

@@ -24,6 +24,7 @@ from rapidtrain.data.gpt_dataset import train_valid_test_num_samples
 from rapidtrain.data.loaders import shutdown_workers
 from rapidtrain.data.samplers import MegatronPretrainingSampler
 from rapidtrain.data.worker_start import WorkerLoader, worker_context
+from rapidtrain.parallel.context_parallel import split_batch
 from rapidtrain.parallel.runner import add_pairs
 from rapidtrain.train.trainer import Trainer
 
@@ -134,7 +135,14 @@ class PreTrainer(Trainer):
 
     def micro_batches(self, iterator: Iterator[Any]) -> list[Any]:
         """The next global batch's micro-batches: its accumulation steps follow a batch-size ramp-up."""
-        return [next(iterator) for _ in range(self.plan.batches.accumulation_steps_at(self.consumed_samples))]
+        steps = self.plan.batches.accumulation_steps_at(self.consumed_samples)
+        layout = self.plan.layout
+        if layout.context_parallel_size == 1:
+            return [next(iterator) for _ in range(steps)]
+        # Context parallelism: this rank's part of each sequence (the data ranks' samples, split along the sequence).
+        rank = self.engine.mesh.context_parallel_rank
+        return [split_batch(next(iterator), layout.context_parallel_size, rank, layout.cp_comm_type)
+                for _ in range(steps)]
 
     # ---- the loop's template parts ----
     def finished(self) -> bool:

@@ -73,6 +73,9 @@ class StepContext:
     lr_scheduler: Any = None
     timers: Timers | None = None  # the forward-backward and optimizer timers, read only when asked
     per_token_loss: bool = False  # --calculate-per-token-loss: a mean loss from the forward step is refused
+    # Context-parallel ranks share the data ranks' samples, each with a part of every sequence: losses and token
+    # counts are reduced over data × context ranks (`data_parallel_group` is that group then).
+    context_parallel_size: int = 1
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -153,11 +156,12 @@ def train_step(ctx: StepContext, micro_batches: list[Any], forward_step: Callabl
         if ctx.per_token_loss and not total.per_token:
             ctx.runner.zero_grad()
             raise UserError(PER_TOKEN_NEEDS_COUNTS)
-        loss = reduce_loss(total, global_tokens, ctx.data_parallel_group, ctx.data_parallel_size)
+        loss = reduce_loss(total, global_tokens, ctx.data_parallel_group,
+                           ctx.data_parallel_size * ctx.context_parallel_size)
     samples = len(micro_batches) * ctx.micro_batch_size * ctx.data_parallel_size
     with _timed(ctx, "optimizer"):
         decision = finish_step(ctx, loss, stop_requested, where=where, samples=samples)
-    tokens = sum(tokens_fed(b) for b in micro_batches) * ctx.data_parallel_size
+    tokens = sum(tokens_fed(b) for b in micro_batches) * ctx.data_parallel_size * ctx.context_parallel_size
     return StepResult(loss, decision, samples, tokens, total.reported)
 
 

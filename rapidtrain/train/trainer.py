@@ -417,6 +417,11 @@ class Trainer:
     # ---- the general template's data: epochs over a map-style dataset ----
     def setup(self) -> None:
         engine, plan = self.engine, self.plan
+        if plan.layout.context_parallel_size > 1:  # PreTrainer splits its micro-batches; this template does not
+            raise UserError(f"--context-parallel-size {plan.layout.context_parallel_size}: the epoch-based template "
+                            f"({type(self).__name__}) hands the model whole sequences; context parallelism is served "
+                            "by the iteration-based PreTrainer (the built-in pretraining), which splits each "
+                            "micro-batch over the context-parallel ranks. Drop the flag or subclass PreTrainer.")
         self.checkpointer.open()  # --save usable and ours, before minutes go into data and model
         if plan.batches.schedule is not None:
             raise UserError(f"{plan.batches.schedule.describe(plan.batches.global_batch_size)}: a changing global "

@@ -94,8 +94,16 @@ def test_a_refused_flag_given_its_default_asks_for_nothing():
 
 
 def test_refusal_names_the_flag_the_reason_and_what_to_use(capsys):
-    with pytest.raises(FlagRefused, match=r"--context-parallel-size 2: context parallelism .* use --sequence-parallel"):
-        parse_args(["--context-parallel-size", "2"])
+    with pytest.raises(FlagRefused, match=r"--expert-tensor-parallel-size 2: experts are not split .* shard them"):
+        parse_args(["--expert-tensor-parallel-size", "2"])
+
+
+def test_context_parallel_flags_work_and_hierarchical_cp_is_refused():
+    args = parse_args(["--context-parallel-size", "2", "--cp-comm-type", "allgather", "--ds-sequence-parallel-size",
+                       "1"])
+    assert (args.context_parallel_size, args.cp_comm_type) == (2, ["allgather"])
+    with pytest.raises(FlagRefused, match=r"--hierarchical-context-parallel-sizes .*hierarchical"):
+        parse_args(["--hierarchical-context-parallel-sizes", "2", "2"])
 
 
 def test_the_2020_names_and_fork_spellings_land_on_rapidtrains_flags():

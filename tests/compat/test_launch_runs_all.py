@@ -40,7 +40,8 @@ DROPPED = {
 # switched to bf16; fp32 on a CPU without native bf16), as rapidtrain's own message for --fp16 with ZeRO on the CPU
 # asks.
 FP16_ZERO = {"bsw-tr10-13b-2022", "bsw-tr13f-6b3-mtf-2022", "mds-ds-example-2022",
-             "mds-azure-175b-2022", "mds-rope-1.3b-2023", "mds-uc-fp16-2024"}
+             "mds-azure-175b-2022", "mds-rope-1.3b-2023", "mds-uc-fp16-2024",
+             "mds-seqpar-32k-2024", "mds-ulysses-30b-32k-2023"}  # Ulysses' scripts: they plan since issue 42
 # --data-path of alpaca JSON with no --dataset (the JSON reader of Pai's 2023 script, Megatron-DeepSpeed's
 # finetune_llama.py): rapidtrain reads --data-path as a Megatron indexed prefix (its plan refuses a JSON file there,
 # test_launch_scripts.py's REFUSED), so these runs get the local indexed data: a data kind the fold changes.

@@ -36,7 +36,6 @@ REFUSED = {
                        "(--zero-reduce-bucket-size)"],
     "mds-prmoe-2022": ["is not divisible by --expert-model-parallel-size 64"],
     "mds-bert-pile-2022": ["--micro-batch-size must be at least 1"],  # its shell arithmetic gives -512
-    "mds-seqpar-32k-2024": ["--ds-sequence-parallel-size 4"],
     # --data-path of alpaca JSON with no --dataset (Pai's 2023 JSON reader, Megatron-DeepSpeed's finetune_llama.py):
     # indexed data is what --data-path names here, so the plan says how to make it or read the JSON raw
     "pai-llama-pretrain-2023": ["a JSON file, not Megatron indexed data", "--dataset LLama-Pretrain-Raw"],
@@ -44,9 +43,10 @@ REFUSED = {
     # 2024-26 scripts (gathered for issue 41): today's models plan; each stops on what is still missing, named
     "mlm-ft-mtp-fp8-2025": ["--fp8-format hybrid"],
     "mlm-ft-mtp-fp8-2026": ["--fp8-format hybrid"],
-    "mlm-ft-cp4-a2a-p2p-2024": ["--hierarchical-context-parallel-sizes"],  # issue 42: context parallelism
+    # issue 42: context parallelism plans now; hierarchical CP (a2a inside groups, p2p across) does not
+    "mlm-ft-cp4-a2a-p2p-2024": ["--hierarchical-context-parallel-sizes"],
     "mlm-ft-cp4-a2a-p2p-2026": ["--hierarchical-context-parallel-sizes"],
-    "mlm-ft-moe-cp2-ep2-2025": ["--context-parallel-size 2", "sinkhorn"],
+    "mlm-ft-moe-cp2-ep2-2025": ["sinkhorn"],
     "mlm-gptoss-2026-03": ["--fp8-format hybrid"],
     "mlm-modelopt-dsv2lite-sft-2026": ["--finetune-hf-dataset"],  # issue 43: SFT data
     "mlm-modelopt-qwen3-30b-a3b-sft-2026": ["--finetune-hf-dataset"],
@@ -58,11 +58,8 @@ REFUSED = {
     "mlm-ft-dsv3-proxy-2026": ["--mtp-num-layers 1: with --sequence-parallel"],
     "pai-dsv3-mcore-2025-02": ["--global-batch-size 8 is not divisible",
                                "--mtp-num-layers 1: with --sequence-parallel"],
-    "mds-ulysses-30b-32k-2023": ["--ds-sequence-parallel-size 4"],
-    "mds-fpdt-6.7b-256k-2024": ["--ds-sequence-parallel-size 4"],
-    "tt-llama3-debug-cp4-allgather-2025": ["--context-parallel-size 4"],
-    "tt-llama3-debug-cp4-alltoall-2025": ["--context-parallel-size 4"],
-    "tt-llama3-debug-hsdp-cp2-fp8-2025": ["--context-parallel-size 2", "--fp8-format e4m3"],
+    "mds-fpdt-6.7b-256k-2024": ["--ds-sequence-parallel-fpdt"],  # Ulysses plans; FPDT's chunking does not
+    "tt-llama3-debug-hsdp-cp2-fp8-2025": ["--fp8-format e4m3"],
 }
 # Flags of today's models those scripts pass: none may be among what stops them.
 TODAYS_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
@@ -80,6 +77,9 @@ NOT_REFUSED = {
     "mlm-ft-dsv3-proxy-2025": ["--pipeline-model-parallel-layout"],
     "mlm-ft-dsv3-proxy-2026": ["--pipeline-model-parallel-layout"],
     "pai-dsv3-mcore-2025-02": ["--decoder-first-pipeline-num-layers"],
+    "tt-llama3-debug-hsdp-cp2-fp8-2025": ["--context-parallel-size", "--cp-comm-type"],
+    "mlm-ft-moe-cp2-ep2-2025": ["--context-parallel-size"],
+    "mds-fpdt-6.7b-256k-2024": ["--ds-sequence-parallel-size"],
     "mlm-llama3-8b-fp8-2025": ["--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss"],
     "mlm-llama3-8b-fp8-2026": ["--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss"],
 }

@@ -55,6 +55,9 @@ def test_mpu_in_one_process(engine):
     assert (mpu.get_tensor_model_parallel_world_size(), mpu.get_data_parallel_world_size(),
             mpu.get_pipeline_model_parallel_world_size()) == (1, 1, 1)
     assert mpu.get_data_parallel_group() is None and mpu.is_pipeline_first_stage() and mpu.is_pipeline_last_stage()
+    assert (mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank(),
+            mpu.get_data_parallel_world_size(with_context_parallel=True), mpu.get_context_parallel_group()) == (1, 0, 1,
+                                                                                                           None)
     batch = mpu.broadcast_data(["text"], {"text": torch.arange(6).view(2, 3)}, torch.int64)
     assert torch.equal(batch["text"], torch.arange(6).view(2, 3))
     with pytest.raises(TypeError, match="'text' has data type torch.float32"):

@@ -112,6 +112,22 @@ FOUR_RANK_LAYOUTS = {
 }
 
 
+# Context parallelism (issue 42) on 2 ranks: the sequence (256 tokens, so attention's exchange shows) split in two,
+# each exchange's buffers (parallel/context_parallel.py; activations.context_parallel_bytes).
+CP2 = ["--context-parallel-size", "2", "--seq-length", "256"]
+CONTEXT_PARALLEL_LAYOUTS = {
+    "cp2_p2p": [*CP2, "--cp-comm-type", "p2p"],
+    "cp2_allgather": [*CP2, "--cp-comm-type", "allgather"],
+    "cp2_a2a": [*CP2, "--cp-comm-type", "a2a"],
+    # with attention dropout the ring's blocks keep their scores and masks (written out, not recomputed)
+    "cp2_p2p_dropout": [*CP2, "--cp-comm-type", "p2p", "--attention-dropout", "0.1"],
+    # model state partitioned over data × context ranks (2 here, with data parallel 1)
+    "cp2_fsdp": [*CP2, "--fsdp-memory-optimization"],
+    "cp2_zero2": [*CP2, "--zero-2-memory-optimization", *SMALL_BUCKETS],
+    "cp2_oss": [*CP2, "--cp-comm-type", "a2a", "--oss-memory-optimization"],
+}
+
+
 def measure(tmp_path_factory, world: int, layouts: dict[str, list[str]]) -> dict:
     out = tmp_path_factory.mktemp("memory")
     runs = {name: SHAPE + flags for name, flags in layouts.items()}
@@ -149,6 +165,16 @@ def check_every_rank(flags: list[str], world: int, name: str, measured: list[dic
         real = got["state_bytes"] + got["activation_bytes"]
         detail = (name, rank, got, memory.stage_state_bytes[stage], memory.stage_activation_bytes[stage])
         assert real == pytest.approx(estimate, rel=0.15), detail
+
+
+@pytest.fixture(scope="module")
+def measured_context_parallel(tmp_path_factory) -> dict:
+    return measure(tmp_path_factory, 2, CONTEXT_PARALLEL_LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", list(CONTEXT_PARALLEL_LAYOUTS))
+def test_context_parallel_peak_memory_per_rank_is_estimated_within_15_percent(measured_context_parallel, layout):
+    check_every_rank(CONTEXT_PARALLEL_LAYOUTS[layout], 2, layout, measured_context_parallel[layout])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
