@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rapidtrain.config.flag_parser import FlagParser
+from rapidtrain.core.library_warnings import quiet_library_messages
 from rapidtrain.models.attention_backends import NAMES as ATTENTION_NAMES
 from rapidtrain.train.generation.decoding import (
     Decoding,
@@ -72,6 +73,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-compile", action="store_true",
                    help="Decode through a static KV cache (prompt + --max-new-tokens slots) and compile the one-token "
                         "step with torch.compile (CUDA: mode reduce-overhead); built-in GPT, sdpa or eager attention.")
+    g.add_argument("--show-library-warnings", action="store_true",
+                   help="Show every message the libraries log (by default those that do not concern the user are "
+                        "hidden, and repeats shown once: rapidtrain/core/library_warnings.py).")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -164,6 +168,7 @@ def write_rows(path: str, prompts: list[str], texts: list[str]) -> None:
 
 
 def run(options: GenerateOptions, overrides: list[str]) -> int:
+    quiet_library_messages(options.show_library_warnings)
     settings = SamplingSettings(options.max_new_tokens, options.temperature, options.top_k, options.top_p)
     if settings.problems():
         raise GenerateError("rapidtrain generate: " + "; ".join(settings.problems()))

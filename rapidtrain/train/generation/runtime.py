@@ -43,6 +43,7 @@ class GenerateOptions:
     load_in_8bit: bool = False
     load_in_4bit: bool = False
     torch_compile: bool = False
+    show_library_warnings: bool = False
 
 
 @dataclass(frozen=True)
