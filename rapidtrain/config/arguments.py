@@ -126,7 +126,11 @@ def _add_data_streams(g: argparse._ArgumentGroup) -> None:
                         "ids restarting at 0 per sequence and no attention mask (Hugging Face's "
                         "DataCollatorWithFlattening, TRL's padding_free): no padded tokens, and the model's mask "
                         "keeps each sequence to itself.")
-    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank.")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader worker processes per rank. Default: 0 (batches made in the training process) on "
+                        "a CPU reading indexed or demo data, where a sample is a slice of a memory-mapped file and a "
+                        "worker would only add its hand-over and take a core from the computation; else 2. The plan "
+                        "says which and why.")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on end-of-document labels.")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each end of document.")
     g.add_argument("--reset-attention-mask", action="store_true", help="Block attention across end of document.")
@@ -665,6 +669,10 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("logging", "Log lines, TensorBoard, W&B, MLflow, profiling, throughput")
     g.add_argument("--log-interval", type=int, default=100, help="Iterations between Megatron-style log lines.")
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
+    g.add_argument("--show-library-warnings", action="store_true",
+                   help="Show every message the libraries log: by default those about optional pieces rapidtrain "
+                        "does not use are hidden and a message repeated every step is shown once "
+                        "(rapidtrain/core/library_warnings.py lists them).")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="Peak TFLOP/s of one device: log lines then report MFU.")
     g.add_argument("--loss-log-file", default=None,
