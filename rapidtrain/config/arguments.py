@@ -172,7 +172,8 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
                         "flags not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
-    g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
+    g.add_argument("--hidden-size", type=int, default=256,
+                   help="Hidden dimension (default 256; the demo corpus's model: 128).")
     g.add_argument("--num-attention-heads", type=int, default=4, help="Self-attention heads (default 4).")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4 × hidden).")
     g.add_argument("--seq-length", type=int, default=256, help="Sequence length of training samples (default 256).")
@@ -875,9 +876,13 @@ ENTRY_DEFAULTS: dict[str, dict] = {
     "pretrain_bert": {"model_type": "bert"},
     "tasks_main": {"model_type": "bert"},  # Megatron's tasks/main.py: the built-in BERT fine-tuned on --task MNLI/RACE
 }
-DEMO_DEFAULTS = {"train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style": "cosine",
-                 "lr_warmup_fraction": 0.03, "micro_batch_size": 8, "log_interval": 10, "eval_interval": 100,
-                 "eval_iters": 5, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+# The demo learns visibly in about five minutes on 2 CPU cores (docs/first-hour.md): a narrow model (hidden
+# 128, 128-token samples) sees more tokens in that time than a wide one learns from, at a learning rate a model this
+# small takes, with Adam's second moment following the short run (beta2 0.99).
+DEMO_DEFAULTS = {"train_iters": 1600, "hidden_size": 128, "seq_length": 128, "lr": 5e-3, "min_lr": 5e-4,
+                 "lr_decay_style": "cosine", "lr_warmup_fraction": 0.03, "adam_beta2": 0.99, "micro_batch_size": 16,
+                 "log_interval": 50, "eval_interval": 200, "eval_iters": 10, "hidden_dropout": 0.0,
+                 "attention_dropout": 0.0}
 
 
 def uses_demo_data(args: argparse.Namespace) -> bool:
