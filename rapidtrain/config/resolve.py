@@ -242,8 +242,8 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
 
 def loader_choice(args: argparse.Namespace, ctx: RunContext, source: DataSource) -> dict[str, Any]:
     """DataLoader workers and pinned memory by device and data source (--num-workers overrides the count), with the
-    reason the plan prints. Measured on a 2-core EPYC (docs/first-hour.md): the demo's batches cost 1.5 ms in
-    the process against 26-48 ms a batch through two workers, whose processes also take the cores the model needs."""
+    reason the plan prints. Measured on a 2-core EPYC (docs/first-hour.md): the demo's wait for a batch is 2-7 ms
+    in the process against 6-16 ms through two workers, whose processes also take the cores the model needs."""
     pin = ctx.device_type == "cuda"
     pinning = ("pinned memory, so each batch copies to the GPU beside the computation" if pin else
                "no pinned memory (nothing is copied to a GPU)")
