@@ -879,7 +879,7 @@ ENTRY_DEFAULTS: dict[str, dict] = {
 # The demo learns visibly in about five minutes on 2 CPU cores (docs/first-hour.md): a narrow model (hidden
 # 128, 128-token samples) sees more tokens in that time than a wide one learns from, at a learning rate a model this
 # small takes, with Adam's second moment following the short run (beta2 0.99).
-DEMO_DEFAULTS = {"train_iters": 1600, "hidden_size": 128, "seq_length": 128, "lr": 5e-3, "min_lr": 5e-4,
+DEMO_DEFAULTS = {"train_iters": 2000, "hidden_size": 128, "seq_length": 128, "lr": 5e-3, "min_lr": 5e-4,
                  "lr_decay_style": "cosine", "lr_warmup_fraction": 0.03, "adam_beta2": 0.99, "micro_batch_size": 16,
                  "log_interval": 50, "eval_interval": 200, "eval_iters": 10, "hidden_dropout": 0.0,
                  "attention_dropout": 0.0}
