@@ -20,6 +20,7 @@ setup(
         "sentencepiece",
         "tokenizers",
         "tensorboard",
+        "matplotlib",  # the demo's loss curve (PNG)
     ],
     extras_require={
         "deepspeed": ["deepspeed"],

@@ -162,12 +162,12 @@ def hf_trainer_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
 
     optim, *options = flags  # then Trainer options as name=value (gradient_checkpointing=True, ...)
     extra = {name: ast.literal_eval(value) for name, value in (option.split("=", 1) for option in options)}
-    seq, batch = 256, DEMO_DEFAULTS["micro_batch_size"]
+    seq, batch, hidden = DEMO_DEFAULTS["seq_length"], DEMO_DEFAULTS["micro_batch_size"], DEMO_DEFAULTS["hidden_size"]
     demo = prepare_demo_data(progress=False)
     tokenizer = build_tokenizer(TokenizerSettings("SentencePieceTokenizer", tokenizer_model=demo.tokenizer_model))
     dataset, _, _ = build_gpt_datasets(GPTDatasetConfig([demo.data_prefix], "969, 30, 1", seq, 1234, tokenizer.eod),
                                        [o.iters * batch, 0, 0])
-    config = GPT2Config(vocab_size=padded_vocab_size(tokenizer.vocab_size), n_positions=seq, n_embd=256, n_layer=4,
+    config = GPT2Config(vocab_size=padded_vocab_size(tokenizer.vocab_size), n_positions=seq, n_embd=hidden, n_layer=4,
                         n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(1234)
     model = GPT2LMHeadModel(config)
@@ -192,8 +192,9 @@ def hf_trainer_pretrain(o: argparse.Namespace, flags: list[str]) -> dict:
 
     with tempfile.TemporaryDirectory() as work:
         arguments = TrainingArguments(
-            output_dir=work, per_device_train_batch_size=batch, max_steps=o.iters, learning_rate=1e-3,
-            weight_decay=0.01, max_grad_norm=1.0, warmup_steps=10, lr_scheduler_type="cosine", optim=optim,
+            output_dir=work, per_device_train_batch_size=batch, max_steps=o.iters,
+            learning_rate=DEMO_DEFAULTS["lr"], adam_beta2=DEMO_DEFAULTS["adam_beta2"], weight_decay=0.01,
+            max_grad_norm=1.0, warmup_steps=10, lr_scheduler_type="cosine", optim=optim,
             use_cpu=True, report_to=[], logging_steps=10, save_strategy="no", dataloader_num_workers=0,
             disable_tqdm=True, **extra)
         trainer = Trainer(model=model, args=arguments, train_dataset=Samples(), callbacks=[Record()])

@@ -85,11 +85,32 @@ def export_hf(state: dict[str, torch.Tensor], config: ModelConfig | None, direct
     if config is None:
         raise ExportError("--hf exports the built-in models; this checkpoint holds a Hugging Face model, which is "
                          "already in its own format: use its fine-tuning output instead.")
-    args = saved_args(directory)
-    tokenizer = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
-    kind = save_hf_folder(state, config, output, tokenizer_folder=tokenizer, max_shard_size=max_shard_size)
+    kind = save_hf_folder(state, config, output, max_shard_size=max_shard_size)
     print(f"Hugging Face {kind} model in {output}")
+    export_tokenizer(directory, output)
     return output
+
+
+def export_tokenizer(directory: Path, output: Path) -> None:
+    """The run's tokenizer beside the model, in the form AutoTokenizer loads (rapidtrain/data/hf_tokenizer.py), so
+    that the folder is usable alone; the checkpoint's plan names it (the demo corpus's included)."""
+    from rapidtrain.checkpoint.checkpointer import read_common
+    from rapidtrain.data.hf_tokenizer import hf_tokenizer
+    from rapidtrain.data.tokenizer import TokenizerSettings
+
+    saved = (read_common(directory).get("plan") or {}).get("tokenizer")
+    if saved is None:
+        print("  no tokenizer written: the checkpoint names none")
+        return
+    fields = {field.name for field in dataclasses.fields(TokenizerSettings)}
+    settings = TokenizerSettings(**{name: value for name, value in saved.items() if name in fields})
+    tokenizer = hf_tokenizer(settings)
+    if tokenizer is None:
+        print(f"  no tokenizer written: {settings.tokenizer_type} has ids only, no text")
+        return
+    tokenizer.save_pretrained(output)
+    print(f"  with its tokenizer ({settings.tokenizer_type}, {len(tokenizer)} ids): "
+          f"AutoTokenizer.from_pretrained('{output}') loads it")
 
 
 def export_megatron(state: dict[str, torch.Tensor], config: ModelConfig | None, directory: Path, output: Path,

@@ -139,7 +139,11 @@ def _add_data_streams(g: argparse._ArgumentGroup) -> None:
                         "ids restarting at 0 per sequence and no attention mask (Hugging Face's "
                         "DataCollatorWithFlattening, TRL's padding_free): no padded tokens, and the model's mask "
                         "keeps each sequence to itself.")
-    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank.")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader worker processes per rank. Default: 0 (batches made in the training process) on "
+                        "a CPU reading indexed or demo data, where a sample is a slice of a memory-mapped file and a "
+                        "worker would only add its hand-over and take a core from the computation; else 2. The plan "
+                        "says which and why.")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on end-of-document labels.")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each end of document.")
     g.add_argument("--reset-attention-mask", action="store_true", help="Block attention across end of document.")
@@ -181,7 +185,8 @@ def _add_transformer(parser: argparse.ArgumentParser) -> None:
                         "flags not given taken from its config.json.")
     g.add_argument("--model-type", choices=("gpt", "bert"), default="gpt", help="Built-in model to pretrain.")
     g.add_argument("--num-layers", type=int, default=4, help="Transformer layers (default: the demo model's 4).")
-    g.add_argument("--hidden-size", type=int, default=256, help="Hidden dimension (default: the demo model's 256).")
+    g.add_argument("--hidden-size", type=int, default=256,
+                   help="Hidden dimension (default 256; the demo corpus's model: 128).")
     g.add_argument("--num-attention-heads", type=int, default=4, help="Self-attention heads (default 4).")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4 × hidden).")
     g.add_argument("--seq-length", type=int, default=256, help="Sequence length of training samples (default 256).")
@@ -741,6 +746,10 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("logging", "Log lines, TensorBoard, W&B, MLflow, profiling, throughput")
     g.add_argument("--log-interval", type=int, default=100, help="Iterations between Megatron-style log lines.")
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
+    g.add_argument("--show-library-warnings", action="store_true",
+                   help="Show every message the libraries log: by default those about optional pieces rapidtrain "
+                        "does not use are hidden and a message repeated every step is shown once "
+                        "(rapidtrain/core/library_warnings.py lists them).")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="Peak TFLOP/s of one device: log lines then report MFU.")
     g.add_argument("--loss-log-file", default=None,
@@ -943,9 +952,13 @@ ENTRY_DEFAULTS: dict[str, dict] = {
     "pretrain_bert": {"model_type": "bert"},
     "tasks_main": {"model_type": "bert"},  # Megatron's tasks/main.py: the built-in BERT fine-tuned on --task MNLI/RACE
 }
-DEMO_DEFAULTS = {"train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style": "cosine",
-                 "lr_warmup_fraction": 0.03, "micro_batch_size": 8, "log_interval": 10, "eval_interval": 100,
-                 "eval_iters": 5, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+# The demo learns visibly in about five minutes on 2 CPU cores (docs/first-hour.md): a narrow model (hidden
+# 128, 128-token samples) sees more tokens in that time than a wide one learns from, at a learning rate a model this
+# small takes, with Adam's second moment following the short run (beta2 0.99).
+DEMO_DEFAULTS = {"train_iters": 2000, "hidden_size": 128, "seq_length": 128, "lr": 5e-3, "min_lr": 5e-4,
+                 "lr_decay_style": "cosine", "lr_warmup_fraction": 0.03, "adam_beta2": 0.99, "micro_batch_size": 16,
+                 "log_interval": 50, "eval_interval": 200, "eval_iters": 10, "hidden_dropout": 0.0,
+                 "attention_dropout": 0.0}
 
 
 def uses_demo_data(args: argparse.Namespace) -> bool:

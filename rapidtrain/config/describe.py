@@ -68,7 +68,8 @@ def _data_source(data: DataSettings, tokenizer: TokenizerSettings | None) -> str
             for split, groups in zip(("train", "valid", "test"), data.weighted_splits, strict=True) if groups)
     if tokenizer is not None and data.source != "finetune":
         text += f"; tokenizer {tokenizer.tokenizer_type}"
-    return text + f"; {data.num_workers} loader workers per rank"
+    workers = f"{data.num_workers} loader workers per rank" if data.num_workers else "no loader workers"
+    return text + f"; {workers}" + (f": {data.loader_reason}" if data.loader_reason else "")
 
 
 def describe_plan(plan: Plan) -> str:

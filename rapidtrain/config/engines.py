@@ -308,6 +308,10 @@ def _host_choices(args: argparse.Namespace, ctx: RunContext, layout: Layout, pre
                   switches: Switches, notes: list[str]) -> list[EngineChoice]:
     """The CPU allocator, TF32 and how the model is constructed."""
     engines: list[EngineChoice] = []
+    if ctx.device_type == "cpu":
+        from rapidtrain.config.resolve import cpu_threads
+
+        engines.append(EngineChoice("CPU threads", *cpu_threads(ctx)[1:]))
     if ctx.device_type == "cpu" and args.cpu_allocator_tuning:
         from rapidtrain.core.cpu_allocator import DESCRIPTION, glibc_version
 

@@ -246,7 +246,7 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
     return DataSettings(
         source=source, data_path=tuple(args.data_path or ()), split=args.split, data_impl=args.data_impl,
         cache_path=args.data_cache_path, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        num_workers=args.num_workers, seed=args.seed, eod_mask_loss=args.eod_mask_loss,
+        **loader_choice(args, ctx, source), seed=args.seed, eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dynamic_shape=args.data_iterator == "dynamic-shape", data_dir=args.data_dir, data_name=args.data_name,
@@ -255,6 +255,24 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         raw_json=getattr(args, "raw_json_dataset", None), max_padding_length=getattr(args, "max_padding_length", None),
         train_data=tuple(args.train_data or ()) if source == "task" else (),
         valid_data=tuple(args.valid_data or ()) if source == "task" else ())
+
+
+def loader_choice(args: argparse.Namespace, ctx: RunContext, source: DataSource) -> dict[str, Any]:
+    """DataLoader workers and pinned memory by device and data source (--num-workers overrides the count), with the
+    reason the plan prints. Measured on a 2-core EPYC (docs/first-hour.md): the demo's wait for a batch is 2-7 ms
+    in the process against 6-16 ms through two workers, whose processes also take the cores the model needs."""
+    pin = ctx.device_type == "cuda"
+    pinning = ("pinned memory, so each batch copies to the GPU beside the computation" if pin else
+               "no pinned memory (nothing is copied to a GPU)")
+    if args.num_workers is not None:
+        return {"num_workers": args.num_workers, "pin_memory": pin, "loader_reason": f"--num-workers; {pinning}"}
+    if ctx.device_type == "cpu" and source in ("demo", "indexed"):
+        return {"num_workers": 0, "pin_memory": pin, "loader_reason": "a CPU run on memory-mapped tokens: a "
+                "sample is a slice of the file, cheaper made here than handed over by a worker process that would "
+                f"also take a core from the computation; {pinning}"}
+    why = ("a GPU run: workers prepare the next batches while the GPU computes" if ctx.device_type == "cuda" else
+           "samples are tokenized or collated in Python, which workers do beside the computation")
+    return {"num_workers": 2, "pin_memory": pin, "loader_reason": f"{why}; {pinning}"}
 
 
 def split_paths_of(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, ...] | None:
@@ -412,7 +430,7 @@ def logging_settings(args: argparse.Namespace, ctx: RunContext, precision: Preci
         world_size_to_tensorboard=args.log_world_size_to_tensorboard,
         learning_rate_to_tensorboard=args.log_learning_rate_to_tensorboard,
         loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard, params_norm=args.log_params_norm,
-        logging_path=args.logging_path)
+        logging_path=args.logging_path, show_library_warnings=args.show_library_warnings)
 
 
 def tracking_settings(args: argparse.Namespace) -> TrackingSettings | None:
@@ -480,7 +498,7 @@ def switches_of(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> Sw
                     tf32=args.tf32 and ctx.device_type == "cuda",
                     build_on_meta=model_construction(args, ctx, layout, partitioning, engine)[0],
                     cpu_allocator_tuning=args.cpu_allocator_tuning and ctx.device_type == "cpu",
-                    recompute=recompute)
+                    cpu_threads=cpu_threads(ctx)[0], recompute=recompute)
 
 
 def recompute_of(args: argparse.Namespace) -> RecomputeSettings:
@@ -559,15 +577,36 @@ def cores_per_rank(local_ranks: int) -> int:
     return max(cores // max(local_ranks, 1), 1)
 
 
+def local_ranks(ctx: RunContext) -> int:
+    """The ranks on this node: torchrun's LOCAL_WORLD_SIZE, or the planned world over the nodes."""
+    nodes = int(os.environ.get("NNODES", "1"))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", max(ctx.world_size // max(nodes, 1), 1)))
+
+
 def cpu_adam_threads(ctx: RunContext) -> int:
     """DeepSpeedCPUAdam's OpenMP threads: an explicit OMP_NUM_THREADS other than torchrun's default of 1, else
     the cores per rank (torchrun sets 1, which would leave the offloaded optimizer step on one core)."""
     given = os.environ.get("OMP_NUM_THREADS", "")
     if given.isdigit() and int(given) > 1:
         return int(given)
-    nodes = int(os.environ.get("NNODES", "1"))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", max(ctx.world_size // max(nodes, 1), 1)))
-    return cores_per_rank(local_ranks)
+    return cores_per_rank(local_ranks(ctx))
+
+
+def cpu_threads(ctx: RunContext) -> tuple[int, str, str]:
+    """A CPU run's intra-op threads per rank to set (0: leave them), what runs, and why. The node's cores shared
+    among its ranks: more threads than cores make the ranks' threads wait on each other (a loaded 2-core host ran
+    4x slower with 2 threads per rank than with 1). OMP_NUM_THREADS, when the user set it, is kept: torchrun sets 1
+    itself for several local ranks, so a 1 there counts as torchrun's."""
+    if ctx.device_type != "cpu":
+        return 0, "", ""
+    given, ranks = os.environ.get("OMP_NUM_THREADS", ""), local_ranks(ctx)
+    if given.isdigit() and int(given) >= 1 and (int(given) > 1 or ranks == 1):
+        return 0, f"torch intra-op threads: {given} per rank", f"OMP_NUM_THREADS={given}, as given"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = cores_per_rank(ranks)
+    return threads, f"torch intra-op threads: {threads} per rank", (
+        f"this machine's {cores} cores shared among {ranks} local rank{'s' if ranks > 1 else ''}, so no rank's "
+        "threads wait on another's (OMP_NUM_THREADS sets another count)")
 
 
 def zero_settings(args: argparse.Namespace, layout: Layout, ctx: RunContext) -> ZeroSettings | None:

@@ -365,6 +365,9 @@ class Switches:
     tf32: bool = False  # TF32 tensor cores for fp32 matmuls (--tf32 on CUDA; no effect on a CPU)
     build_on_meta: bool = False  # the built-in model is created on meta and each rank materializes its shards
     cpu_allocator_tuning: bool = False  # glibc keeps freed memory on a CPU run (--no-cpu-allocator-tuning: off)
+    # A CPU run's intra-op threads per rank, set at start (torch.set_num_threads); 0: left as they are (a GPU run,
+    # or OMP_NUM_THREADS given, which torch already follows).
+    cpu_threads: int = 0
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)  # what backward recomputes
 
 
@@ -524,6 +527,7 @@ class LoggingSettings:
     loss_scale_to_tensorboard: bool = True
     params_norm: bool = False
     logging_path: str | None = None  # Rapidformer: a file that receives what the logging ranks print
+    show_library_warnings: bool = False  # core/library_warnings.py: every library message, repeats included
 
     peak_source: str = ""  # where the peak comes from (--peak-tflops, the known GPU's datasheet), or why none
 
@@ -586,6 +590,9 @@ class DataSettings:
     seq_length: int = 256
     micro_batch_size: int = 1
     num_workers: int = 2
+    # Page-locked batches, so that the copy to a GPU runs beside the computation (a CPU run has nothing to copy).
+    pin_memory: bool = False
+    loader_reason: str = ""  # why these workers and pinning (the plan says it)
     seed: int = 1234
     eod_mask_loss: bool = False
     reset_position_ids: bool = False

@@ -12,7 +12,7 @@ import torch
 from rapidtrain.data.bert_dataset import BERTDatasetConfig, build_bert_datasets
 from rapidtrain.data.blending import parse_data_path
 from rapidtrain.data.chat_sft import SampleLayout, build_raw_json_datasets, encoded_rows
-from rapidtrain.data.demo import prepare_demo_data
+from rapidtrain.data.demo import prepare_demo_data, unigram_entropy
 from rapidtrain.data.dynamic_shape import (
     BertTrimCollator,
     LengthBucketBatchSampler,
@@ -26,9 +26,14 @@ from rapidtrain.models import build_model
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.counting import model_flops_per_iteration
 from rapidtrain.parallel.meta_init import build_model_for
+from rapidtrain.train import demo_end
+from rapidtrain.train.demo_end import DEMO_PROMPT, DEMO_SAMPLE_TOKENS
 from rapidtrain.train.engine import Engine
-from rapidtrain.train.generation import generate_sample
+from rapidtrain.train.loss_curve import LossCurve
 from rapidtrain.train.pretrainer import PreTrainer
+from rapidtrain.train.tracking import Writers
+
+__all__ = ["DEMO_PROMPT", "DEMO_SAMPLE_TOKENS", "MegatronPreTrainer", "demo_sample_unavailable"]
 
 
 class MegatronPreTrainer(PreTrainer):
@@ -38,6 +43,7 @@ class MegatronPreTrainer(PreTrainer):
         self.data_prefix = self.prepare_data()
         self.tokenizer = self.build_tokenizer()
         self._encoded: dict[str, Any] = {}  # raw JSON files' rows, by path (an epoch-based run reads them first)
+        self.loss_curve: LossCurve | None = None  # the demo's, on its logging rank
 
     def prepare_data(self) -> list[str]:
         """The --data-path prefixes (a blend keeps its weights), or the demo corpus, built on first use (BERT with
@@ -210,13 +216,27 @@ class MegatronPreTrainer(PreTrainer):
     def end_of_training(self, stopped: bool) -> dict[str, Any]:
         results = super().end_of_training(stopped)
         if self.plan.data.source == "demo" and not stopped and self.finished():
-            self.print_demo_sample()
+            self.demo_end()
         return results
 
-    def print_demo_sample(self) -> None:
-        """What the demo's model writes after the prompt: a newcomer sees what training did. Tensor-parallel ranks
-        generate together (each runs its heads); a pipeline stage or a sharded model cannot generate alone."""
+    def open_writers(self) -> Writers:
+        """The demo's logging rank also keeps its losses for the picture it draws at the end."""
+        writers = super().open_writers()
+        if self.plan.data.source == "demo" and self.is_logging_rank:
+            self.loss_curve = LossCurve(self.loss_name)
+            writers.writers.append(self.loss_curve)
+        return writers
 
+    def demo_end(self) -> None:
+        """What the demo prints last (train/demo_end.py): the validation loss against the unigram baseline, a greedy
+        and a sampled continuation, the loss curve and the run's files. Every rank evaluates and generates (tensor
+        parallel ranks together); rank 0 prints."""
+        if self.last_validation[0] != self.iteration and self.valid_ds is not None and self.plan.training.eval_iters:
+            self.last_validation = (self.iteration, self.evaluate_each("validation", self.valid_ds))
+        iteration, validation = self.last_validation
+        if "validation loss" in validation:
+            self.engine.print_rank0(demo_end.baseline_line(validation["validation loss"], self.unigram_entropy(),
+                                                           iteration))
         reason = demo_sample_unavailable(self.plan)
         if reason:
             save = self.plan.checkpoint.save
@@ -226,10 +246,18 @@ class MegatronPreTrainer(PreTrainer):
                                     + (f"`rapidtrain generate --load {save} --prompt '{prompt}'` loads the "
                                        "checkpoint whole in one process" if save else
                                        "save with --save, then `rapidtrain generate --load SAVE --prompt ...`"))
+        else:
+            self.engine.print_rank0("\n".join(demo_end.sample_lines(self.model, self.tokenizer)))
+        if not self.is_logging_rank:
             return
-        text = generate_sample(self.model, self.tokenizer, DEMO_PROMPT, DEMO_SAMPLE_TOKENS)
-        self.engine.print_rank0(f" sample from the trained model (greedy, up to {DEMO_SAMPLE_TOKENS} tokens after the "
-                                "prompt):\n   " + text.replace("\n", "\n   "))
+        save, tensorboard = self.plan.checkpoint.save, self.plan.logging.tensorboard_dir
+        curve = demo_end.loss_curve_path(save, tensorboard)
+        problem = self.loss_curve.draw(curve, demo_end.reference_losses(self.unigram_entropy())) \
+            if curve and self.loss_curve else ""
+        print("\n".join(demo_end.files_lines(save, tensorboard, curve, problem)), flush=True)
+
+    def unigram_entropy(self) -> float:
+        return unigram_entropy(self.data_prefix[0])
 
     def run_forward_step(self, data_iterator: Any, model: Any) -> Any:
         batch = {k: v.to(self.engine.device, non_blocking=True) for k, v in next(data_iterator).items()}
@@ -279,10 +307,6 @@ def per_split_datasets(split_paths: tuple, build: Callable[[list[str], str, list
         wanted = [count if i == index else 0 for i, count in enumerate(counts)]
         datasets.append(build(list(paths), ",".join(map(str, only)), wanted)[index])
     return tuple(datasets)
-
-
-DEMO_PROMPT = "Return a new"  # the demo corpus is the standard library's docstrings
-DEMO_SAMPLE_TOKENS = 24
 
 
 def demo_sample_unavailable(plan: Any) -> str:

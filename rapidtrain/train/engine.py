@@ -29,6 +29,7 @@ from rapidtrain.config.plan import from_args
 from rapidtrain.config.settings import DistributedSettings, Plan, RunContext
 from rapidtrain.core.cpu_allocator import keep_freed_memory
 from rapidtrain.core.launch_env import environment_problems
+from rapidtrain.core.library_warnings import quiet_library_messages
 from rapidtrain.core.metrics import Timers, tee_output
 from rapidtrain.core.process import settle_collective_threads
 from rapidtrain.core.shutdown import stop_rank_with_torchrun
@@ -202,6 +203,7 @@ class Engine:
         rules.exit_on_conflicts(self.args, self.context)
         _GLOBAL_ARGS = self.args
         self.plan: Plan = from_args(self.args, self.context)
+        quiet_library_messages(self.plan.logging.show_library_warnings)
         stop_rank_with_torchrun()  # torchrun gone (even SIGKILLed): SIGTERM, so this rank saves and exits
         self.warn_rank0(self.plan.warnings)
         if self.plan.layout.world_size > 1 and self.plan.data.num_workers > 0:
@@ -215,6 +217,8 @@ class Engine:
         self.device = self._device()
         if self.device.type == "cpu" and self.plan.switches.cpu_allocator_tuning:
             keep_freed_memory()
+        if self.device.type == "cpu" and self.plan.switches.cpu_threads:
+            torch.set_num_threads(self.plan.switches.cpu_threads)  # the plan's "CPU threads" line says why
         seed_everything(self.plan.training.seed)
         self.mesh: ParallelMesh = build_mesh(self.plan.layout, self.context.device_type)
         self._runner: Runner | None = None  # set by compose()
@@ -290,7 +294,7 @@ class Engine:
         data = self.plan.data
         return ShardSettings(data.micro_batch_size, self.mesh.data_parallel_rank,
                              self.plan.layout.data_parallel_size, data.seed, data.num_workers,
-                             self.device.type == "cuda", self.mesh.group("dp"), data.keep_last)
+                             data.pin_memory, self.mesh.group("dp"), data.keep_last)
 
     # ---- composing a model for training ----
 

@@ -37,6 +37,7 @@ class PreTrainer(Trainer):
     def __init__(self, engine: Any = None, **engine_kwargs: Any) -> None:
         super().__init__(engine, **engine_kwargs)
         self._evaluation_loaders: dict[int, DataLoader] = {}  # evaluation_loader(): one per evaluation set
+        self.last_validation: tuple[int, dict[str, float]] = (-1, {})  # (iteration, results) of the latest
 
     # ---- hooks a subclass provides ----
     def train_valid_test_datasets_provider(  # type: ignore[override]
@@ -129,7 +130,7 @@ class PreTrainer(Trainer):
         # its process group's threads run (data/worker_start.py).
         collate_fn = self.collate_fn()
         return WorkerLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers, collate_fn=collate_fn,
-                            pin_memory=self.engine.device.type == "cuda", persistent_workers=data.num_workers > 0,
+                            pin_memory=data.pin_memory, persistent_workers=data.num_workers > 0,
                             generator=torch.Generator().manual_seed(data.seed), worker_init_fn=ignore_sigterm_in_worker,
                             multiprocessing_context=worker_context(dataset, collate_fn, data.num_workers))
 
@@ -158,7 +159,7 @@ class PreTrainer(Trainer):
     def after_iteration(self) -> None:
         interval = self.plan.training.eval_interval
         if interval and self.iteration % interval == 0 and self.valid_ds is not None:
-            self.evaluate_each("validation", self.valid_ds)
+            self.last_validation = (self.iteration, self.evaluate_each("validation", self.valid_ds))
 
     def end_of_training(self, stopped: bool) -> dict[str, Any]:
         if not stopped and self.finished() and self.test_ds is not None and self.plan.training.eval_iters:

@@ -35,7 +35,8 @@ WAIT = 600  # seconds any one wait may take on a slow shared machine; never a ti
 TRAIN_ITERS = 40  # far more than a stop needs, so a signalled run never just finishes
 PRETRAIN_FLAGS = [*TINY_GPT_SHAPE, "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--micro-batch-size",
                   "2", "--global-batch-size", "8", "--lr", "1e-3", "--lr-warmup-iters", "2", "--train-iters",
-                  str(TRAIN_ITERS), "--log-interval", "1", "--eval-iters", "0"]  # --num-workers: the default, 2
+                  str(TRAIN_ITERS), "--log-interval", "1", "--eval-iters", "0",
+                  "--num-workers", "2"]  # workers given: a CPU run on indexed data makes its batches in-process
 
 
 def processes_under(pid: int) -> set[int]:

@@ -6,6 +6,7 @@ what runs (named in the first line) or is refused with the reason."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -179,7 +180,11 @@ def test_bad_prompts_and_folders_are_named_in_one_line(trained, tmp_path, capsys
     assert run(["--load", str(checkpoint), "--input-file", str(bad)], capsys)[2].count(f"{bad}:2: not JSON") == 1
     code, _, err = run(["--load", str(checkpoint), "--prompt", ""], capsys)
     assert code == 2 and "--prompt: the prompt is empty" in err
-    code, _, err = run(["--load", str(hf_folder), "--prompt", "x"], capsys)
+    bare = tmp_path / "bare"  # an export carries its tokenizer (test_export_stands_alone.py); a folder without one
+    shutil.copytree(hf_folder, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    code, _, err = run(["--load", str(bare), "--prompt", "x"], capsys)
     assert code == 2 and "has no tokenizer files" in err and "--tokenizer-model" in err
     code, _, err = run(["--load", str(checkpoint), "--prompt", "x", "--lr", "0.1"], capsys)
     assert code == 2 and "--lr" in err and "training" in err

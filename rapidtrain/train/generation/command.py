@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rapidtrain.config.flag_parser import FlagParser
+from rapidtrain.core.library_warnings import quiet_library_messages
 from rapidtrain.models.attention_backends import NAMES as ATTENTION_NAMES
 from rapidtrain.train.generation.decoding import (
     Decoding,
@@ -23,7 +24,7 @@ from rapidtrain.train.generation.decoding import (
     left_padded,
 )
 from rapidtrain.train.generation.loading import LoadedModel, load_model
-from rapidtrain.train.generation.runtime import GenerateError, GenerateOptions, Runtime, resolve_runtime
+from rapidtrain.train.generation.runtime import COMPUTE_DTYPES, GenerateError, GenerateOptions, Runtime, resolve_runtime
 from rapidtrain.train.generation.static import compile_mode, compiled_step, decode_static
 
 
@@ -68,10 +69,23 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_NAMES, default="auto",
                    help="The attention kernel, as in training: auto/sdpa, flash, eager, flex_attention, ...")
     g.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes LLM.int8() weights.")
-    g.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 4-bit weights.")
+    g.add_argument("--load-in-4bit", action="store_true",
+                   help="bitsandbytes 4-bit weights (NF4 unless --bnb-4bit-quant-type fp4).")
+    g.add_argument("--bnb-4bit-quant-type", choices=("nf4", "fp4"), default="nf4",
+                   help="With --load-in-4bit: the 4-bit number format (transformers' bnb_4bit_quant_type; default "
+                        "nf4, made for normally distributed weights).")
+    g.add_argument("--bnb-4bit-compute-dtype", choices=tuple(COMPUTE_DTYPES),
+                   help="With --load-in-4bit: the dtype the 4-bit matmuls compute in (transformers' "
+                        "bnb_4bit_compute_dtype; default: the model's, --bf16/--fp16 or float32).")
+    g.add_argument("--bnb-4bit-use-double-quant", action="store_true",
+                   help="With --load-in-4bit: quantise the per-block scales too (transformers' "
+                        "bnb_4bit_use_double_quant; about 0.4 bit a weight less).")
     g.add_argument("--torch-compile", action="store_true",
                    help="Decode through a static KV cache (prompt + --max-new-tokens slots) and compile the one-token "
                         "step with torch.compile (CUDA: mode reduce-overhead); built-in GPT, sdpa or eager attention.")
+    g.add_argument("--show-library-warnings", action="store_true",
+                   help="Show every message the libraries log (by default those that do not concern the user are "
+                        "hidden, and repeats shown once: rapidtrain/core/library_warnings.py).")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -151,7 +165,7 @@ def first_line(loaded: LoadedModel, runtime: Runtime) -> str:
                 if runtime.compile else "none")
     return (f"rapidtrain generate: {loaded.name} | device {placement} | dtype {runtime.dtype} | attention "
             f"{loaded.attention} | batch size {runtime.batch_size} | quantization {loaded.quantization} | "
-            f"compile {compiled}")
+            f"weights {weight_bytes(loaded.model) / 2**20:,.2f} MiB | compile {compiled}")
 
 
 def write_rows(path: str, prompts: list[str], texts: list[str]) -> None:
@@ -164,6 +178,7 @@ def write_rows(path: str, prompts: list[str], texts: list[str]) -> None:
 
 
 def run(options: GenerateOptions, overrides: list[str]) -> int:
+    quiet_library_messages(options.show_library_warnings)
     settings = SamplingSettings(options.max_new_tokens, options.temperature, options.top_k, options.top_p)
     if settings.problems():
         raise GenerateError("rapidtrain generate: " + "; ".join(settings.problems()))
@@ -171,6 +186,8 @@ def run(options: GenerateOptions, overrides: list[str]) -> int:
     prompts = [options.prompt] if options.prompt is not None else read_prompts(source)
     loaded, runtime = load_model(options, lambda builtin: resolve_runtime(options, builtin), overrides)
     print(first_line(loaded, runtime), file=sys.stderr, flush=True)
+    if runtime.device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     ids = tokenized(loaded, prompts, source)
     generator = torch.Generator(device=runtime.device if not runtime.split_layers else "cuda:0")
     how = Decoding(settings, loaded.tokenizer.vocab_size, loaded.tokenizer.eod, options.kv_cache,
@@ -183,7 +200,23 @@ def run(options: GenerateOptions, overrides: list[str]) -> int:
     elif not options.output_file:
         for prompt, text in zip(prompts, texts, strict=True):
             print(json.dumps({"prompt": prompt, "completion": text}, ensure_ascii=False))
+    print(f"rapidtrain generate: peak memory {peak_memory(runtime)}", file=sys.stderr, flush=True)
     return 0
+
+
+def peak_memory(runtime: Runtime) -> str:
+    """The process's peak: the GPU's allocations while decoding, or the process's resident set on a CPU."""
+    if runtime.device_type == "cuda":
+        return f"{torch.cuda.max_memory_allocated() / 2**20:,.1f} MiB allocated on the GPU while decoding"
+    import resource
+
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.1f} MiB resident (the whole process)"
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes the model's weights and buffers take as loaded (4-bit weights packed two to a byte)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def generate_command(argv: list[str]) -> int:

@@ -5,7 +5,7 @@ GPT or a Hugging Face model)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -195,8 +195,10 @@ def generate(
     return torch.cat([prompt, new], dim=1)
 
 
-def generate_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 32) -> str:
-    """The prompt and the model's greedy continuation, as text: what a training script prints at its end.
+def generate_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 32,
+                    settings: SamplingSettings | None = None, generator: torch.Generator | None = None) -> str:
+    """The prompt and the model's continuation, as text: what a training script prints at its end. Greedy unless
+    `settings` sample (drawn with `generator`, for a sample that is the same on every run).
 
     `model` may be wrapped (DDP, torch.compile); a tensor-parallel model must be called on every rank of its
     group (each runs its heads); a pipeline stage cannot generate alone.
@@ -214,12 +216,13 @@ def generate_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_token
         if max_new_tokens < 1:
             return prompt
     # The whole length: a briefly trained model often ends the document at once, which would print the prompt alone.
-    settings = SamplingSettings(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+    settings = replace(settings or SamplingSettings(), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
     # Layers compiled for training (--torch-compile) run eagerly here: decoding with a growing KV cache gives
     # the compiled frames new shapes and strides each token, and every one was a compilation (on an H100, eight
     # of them until dynamo's recompile limit, for a 24-token sample).
     with torch.compiler.set_stance("force_eager"):
-        tokens = generate(model, ids, settings, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eod)
+        tokens = generate(model, ids, settings, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eod,
+                          generator=generator)
     return prompt + continuation(tokenizer, tokens[0].tolist(), ids.shape[1])
 
 

@@ -22,7 +22,7 @@ from rapidtrain.models.attention_backends import HF_IMPLEMENTATION_OF_NAME, KERN
 from rapidtrain.models.hf_config import refuse_pickled_weights, refuse_remote_code
 from rapidtrain.models.transformer import KVCache
 from rapidtrain.train.generation.decoding import Forward, builtin_forward
-from rapidtrain.train.generation.runtime import GenerateError, GenerateOptions, Runtime
+from rapidtrain.train.generation.runtime import FourBit, GenerateError, GenerateOptions, Runtime
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -191,7 +191,14 @@ def _hf_load_options(runtime: Runtime) -> dict[str, Any]:
     implementation = HF_IMPLEMENTATION_OF_NAME[runtime.attention]
     if implementation:
         options["attn_implementation"] = implementation
-    if runtime.load_in_bits:
+    if runtime.load_in_bits == 4 and runtime.four_bit:
+        from transformers import BitsAndBytesConfig
+
+        fmt = runtime.four_bit
+        options["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=fmt.quant_type, bnb_4bit_use_double_quant=fmt.double_quant,
+            bnb_4bit_compute_dtype=fmt.torch_compute_dtype)
+    elif runtime.load_in_bits:
         from rapidtrain.models.lora import quantization_config
 
         options["quantization_config"] = quantization_config(runtime.load_in_bits, runtime.torch_dtype)
@@ -241,7 +248,9 @@ def load_hf(folder: Path, runtime: Runtime, overrides: list[str]) -> LoadedModel
     tokenizer = _hf_tokenizer(folder, overrides)
     model = load_hf_model(folder, runtime)
     quantization = "none"
-    if runtime.load_in_bits:
+    if runtime.four_bit:
+        quantization = runtime.four_bit.describe()
+    elif runtime.load_in_bits:
         from rapidtrain.models.lora import describe_quantization
 
         quantization = describe_quantization(runtime.load_in_bits, runtime.dtype).split(" (")[0]
@@ -254,8 +263,10 @@ def load_hf(folder: Path, runtime: Runtime, overrides: list[str]) -> LoadedModel
 # ---- the built-in GPT, placed, cast, quantised ----
 
 
-def quantize_linear_layers(model: nn.Module, bits: int, compute_dtype: torch.dtype) -> int:
-    """Swap every nn.Linear of the transformer layers for its bitsandbytes 4-bit (NF4) or 8-bit (LLM.int8) version;
+def quantize_linear_layers(model: nn.Module, bits: int, compute_dtype: torch.dtype,
+                           four_bit: FourBit | None = None) -> int:
+    """Swap every nn.Linear of the transformer layers for its bitsandbytes 4-bit (`four_bit`'s format, NF4 by
+    default) or 8-bit (LLM.int8) version;
     the embeddings and output head keep their dtype (as transformers does). The weights are quantised when the
     layer moves to its device. Returns how many layers were swapped."""
     import bitsandbytes as bnb
@@ -269,9 +280,12 @@ def quantize_linear_layers(model: nn.Module, bits: int, compute_dtype: torch.dty
             bias = child.bias is not None
             layer: nn.Module
             if bits == 4:
-                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias,
-                                          compute_dtype=compute_dtype, quant_type="nf4")
-                layer.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+                fmt = four_bit or FourBit()
+                compute = fmt.torch_compute_dtype if four_bit else compute_dtype
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias, compute_dtype=compute,
+                                          quant_type=fmt.quant_type, compress_statistics=fmt.double_quant)
+                layer.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type=fmt.quant_type,
+                                                 compress_statistics=fmt.double_quant)
             else:
                 layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias, has_fp16_weights=False)
                 layer.weight = bnb.nn.Int8Params(child.weight.data, requires_grad=False, has_fp16_weights=False)
@@ -311,9 +325,9 @@ def load_builtin(options: GenerateOptions, runtime: Runtime, overrides: list[str
     model.to(runtime.torch_dtype)
     quantization = "none"
     if runtime.load_in_bits:
-        swapped = quantize_linear_layers(model, runtime.load_in_bits, runtime.torch_dtype)
-        kind = "NF4 4-bit" if runtime.load_in_bits == 4 else "LLM.int8() 8-bit"
-        quantization = f"bitsandbytes {kind} weights in {swapped} linear layers (embeddings and head {runtime.dtype})"
+        swapped = quantize_linear_layers(model, runtime.load_in_bits, runtime.torch_dtype, runtime.four_bit)
+        kind = runtime.four_bit.describe() if runtime.four_bit else "bitsandbytes LLM.int8() 8-bit weights"
+        quantization = f"{kind} in {swapped} linear layers (embeddings and head {runtime.dtype})"
     if runtime.split_layers:
         split_layers(model, [torch.device("cuda", i) for i in range(torch.cuda.device_count())])
     else:

@@ -42,7 +42,33 @@ class GenerateOptions:
     attention_backend: str = "auto"
     load_in_8bit: bool = False
     load_in_4bit: bool = False
+    bnb_4bit_quant_type: str = "nf4"
+    bnb_4bit_compute_dtype: str | None = None
+    bnb_4bit_use_double_quant: bool = False
     torch_compile: bool = False
+    show_library_warnings: bool = False
+
+
+@dataclass(frozen=True)
+class FourBit:
+    """bitsandbytes' 4-bit weights, in transformers' BitsAndBytesConfig terms: the number format (NF4 for normally
+    distributed weights, FP4), the dtype the matmuls compute in, and whether the per-block scales are themselves
+    quantised (double quantisation: about 0.4 bit a weight less)."""
+
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    compute_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    double_quant: bool = False
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.compute_dtype]
+
+    def describe(self) -> str:
+        double = ", double quantisation" if self.double_quant else ""
+        return f"bitsandbytes {self.quant_type.upper()} 4-bit weights{double}, computed in {self.compute_dtype}"
+
+
+COMPUTE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # HF's names → rapidtrain's
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,7 @@ class Runtime:
     batch_size: int = 1
     split_layers: bool = False
     compile: bool = False
+    four_bit: FourBit | None = None  # --load-in-4bit's format (HF's bnb_4bit_* names)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -91,6 +118,13 @@ def _precision_problems(options: GenerateOptions, device_type: str) -> list[str]
 
 
 def _quantization_problems(options: GenerateOptions) -> list[str]:
+    four_bit_flags = [flag for flag, given in (
+        ("--bnb-4bit-quant-type", options.bnb_4bit_quant_type != "nf4"),
+        ("--bnb-4bit-compute-dtype", options.bnb_4bit_compute_dtype is not None),
+        ("--bnb-4bit-use-double-quant", options.bnb_4bit_use_double_quant)) if given]
+    if four_bit_flags and not options.load_in_4bit:
+        return [f"{', '.join(four_bit_flags)} set the format of --load-in-4bit's weights: add --load-in-4bit, or drop "
+                "them"]
     if not (options.load_in_4bit or options.load_in_8bit):
         return []
     if options.load_in_4bit and options.load_in_8bit:
@@ -155,5 +189,9 @@ def resolve_runtime(options: GenerateOptions, builtin: bool) -> Runtime:
         raise GenerateError("rapidtrain generate: " + "; ".join(found))
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16" if options.bf16 else "fp16" if options.fp16 else "fp32"
     bits: Literal[4, 8] | None = 4 if options.load_in_4bit else 8 if options.load_in_8bit else None
+    four_bit = None
+    if bits == 4:  # the matmuls compute in the model's dtype unless told otherwise (transformers' default: fp32)
+        compute = COMPUTE_DTYPES[options.bnb_4bit_compute_dtype] if options.bnb_4bit_compute_dtype else dtype
+        four_bit = FourBit(options.bnb_4bit_quant_type, compute, options.bnb_4bit_use_double_quant)  # type: ignore[arg-type]
     return Runtime(device, dtype, options.attention_backend, bits, options.batch_size,
-                   options.split_layers, options.torch_compile)
+                   options.split_layers, options.torch_compile, four_bit)

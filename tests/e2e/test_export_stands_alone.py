@@ -1,0 +1,114 @@
+"""A `scripts/convert_checkpoint.py --hf` export stands alone: transformers loads the model and its tokenizer from
+the folder with nothing of rapidtrain, and continues a prompt greedily as `rapidtrain generate` does from the
+checkpoint, for each model family the export writes (GPT-2, Llama, Mixtral) and for the tokenizers a run uses (the
+demo corpus's SentencePiece with Megatron's appended pieces, GPT-2 BPE)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import ARCHITECTURES, REPO, TINY_GPT_SHAPE, child_env
+
+PROMPTS = ("Return a new", "The history of")
+FAMILIES = {
+    "gpt2": ARCHITECTURES["gpt2"],
+    "llama": ARCHITECTURES["llama"],
+    "mixtral": [*ARCHITECTURES["llama"], "--num-experts", "4", "--moe-router-topk", "2"],
+}
+
+
+def train(folder, flags: list[str]) -> None:
+    from rapidtrain.pretrain import main
+
+    # A high learning rate for a few iterations: a model whose greedy choices are not all the same token.
+    main([*TINY_GPT_SHAPE, "--micro-batch-size", "4", "--num-workers", "0", "--eval-iters", "0", "--lr", "1e-2",
+          "--lr-warmup-iters", "1", "--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0",
+          "--save", str(folder), *flags])
+
+
+def export(checkpoint, output) -> str:
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), "--load",
+                             str(checkpoint), "--output", str(output), "--hf"], cwd=REPO, env=child_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def rapidtrain_greedy(checkpoint, prompt: str, tokens: int) -> str:
+    out = subprocess.run([sys.executable, "-m", "rapidtrain.cli", "generate", "--load", str(checkpoint), "--prompt",
+                          prompt, "--max-new-tokens", str(tokens)], cwd=REPO, env=child_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.rstrip("\n")
+
+
+TRANSFORMERS_ALONE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+tokenizer = AutoTokenizer.from_pretrained(folder)
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+out = []
+for prompt in prompts:
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:]
+    new = new.tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[:new.index(tokenizer.eos_token_id)]
+    text = tokenizer.decode(ids[0].tolist() + new)
+    out.append(prompt + text[len(tokenizer.decode(ids[0].tolist())):])
+print(json.dumps(out))
+"""
+
+
+def transformers_greedy(folder, prompts: tuple[str, ...], tokens: int) -> list[str]:
+    """Continuations by transformers in a process that never imports rapidtrain (no PYTHONPATH to the checkout)."""
+    env = child_env()
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, "-c", TRANSFORMERS_ALONE, str(folder), str(tokens), json.dumps(prompts)],
+                            cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rapidtrain" not in result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_export_with_the_demo_tokenizer_continues_as_rapidtrain_generate(tmp_path, demo_data, family):
+    train(tmp_path / "ck", FAMILIES[family])
+    printed = export(tmp_path / "ck", tmp_path / "out")
+    assert "with its tokenizer (SentencePieceTokenizer, 2005 ids)" in printed
+    folder = tmp_path / "out" / "hf"
+    assert (folder / "tokenizer.json").exists()
+    expected = [rapidtrain_greedy(tmp_path / "ck", prompt, 12) for prompt in PROMPTS]
+    assert all(len(text) > len(prompt) for text, prompt in zip(expected, PROMPTS, strict=True))
+    assert transformers_greedy(folder, PROMPTS, 12) == expected
+
+
+@pytest.mark.slow
+def test_hf_export_with_a_gpt2_bpe_tokenizer_encodes_as_the_run_did(tmp_path, demo_data):
+    """GPT-2 BPE files (vocab.json + merges.txt): the exported tokenizer gives the run's ids and end of document."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoTokenizer
+
+    from rapidtrain.data.hf_tokenizer import hf_tokenizer
+    from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
+
+    texts = [f"The history of {topic} begins with statement number {i}." for i, topic in
+             enumerate(["Python", "loops", "classes", "modules"] * 10)]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save_model(str(tmp_path))
+    settings = TokenizerSettings("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                                 merge_file=str(tmp_path / "merges.txt"))
+    hf_tokenizer(settings).save_pretrained(tmp_path / "hf")
+    ours, theirs = build_tokenizer(settings), AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in [*texts[:5], "  spaces, émigré and 数字 too\n"]:
+        assert theirs.encode(text, add_special_tokens=False) == ours.tokenize(text)
+        assert theirs.decode(ours.tokenize(text)) == ours.detokenize(ours.tokenize(text))
+    assert theirs.eos_token_id == ours.eod
