@@ -33,6 +33,12 @@ FOLDED = {"--tensor-model-parallel-size": "1", "--model-parallel-size": "1", "--
 DROPPED = {
     # Virtual pipeline stages split a rank's pipeline stage further: with no pipeline there is no stage to split.
     "--num-layers-per-virtual-pipeline-stage": None, "--virtual-pipeline-model-parallel-size": None,
+    "--num-virtual-stages-per-pipeline-rank": None,
+    # ... nor stages to size unevenly or to schedule (the rules refuse them without pipeline stages)
+    "--decoder-first-pipeline-num-layers": None, "--decoder-last-pipeline-num-layers": None,
+    "--account-for-embedding-in-pipeline-split": None, "--account-for-loss-in-pipeline-split": None,
+    "--pipeline-model-parallel-layout": None, "--enable-zbh1-pipeline": None, "--enable-zbh1-exact-semantics": None,
+    "--pipeline-schedule": None,
     # Weights & Biases needs the user's account (no network here); tests/e2e/test_tracking.py runs it offline.
     "--wandb-project": None, "--wandb-exp-name": None, "--wandb-save-dir": None,
 }
@@ -65,8 +71,14 @@ def runnable() -> list[str]:
 
 def folded_changes(script_id: str, local_files: LocalFiles) -> dict[str, object]:
     """What shrinks the script to one process and 2 iterations: only flags the script has change."""
-    present = {flag for flag, _ in groups(tiny(BY_ID[script_id], local_files))}
+    argv = tiny(BY_ID[script_id], local_files)
+    present = {flag for flag, _ in groups(argv)}
     changes = {flag: value for flag, value in {**FOLDED, **DROPPED, **TWO_ITERATIONS}.items() if flag in present}
+    values = {flag: value for flag, value in groups(argv)}
+    if "--finetune" in present and values.get("--save") and values.get("--save") == values.get("--load"):
+        # a fine-tune saving into the folder it loads would overwrite what it loaded: refused since issue 44,
+        # naming a --save of its own as the fix, which the fold gives it
+        changes["--save"] = values["--save"][0] + "_finetuned"
     if "--bf16" in present and not _native_bf16():
         changes["--bf16"] = None  # bf16 emulated in fp32 on this CPU is many times slower: fp32 instead
     if script_id in FP16_ZERO:

@@ -2,7 +2,8 @@
 a tiny GPT-2 (learned positions, plain causal attention) under CP 2 with each exchange (p2p ring, allgather, a2a), as
 Ulysses 2 (--ds-sequence-parallel-size), CP 4, and CP 2 beside TP 2, PP 2, DeepSpeed ZeRO-2 and FSDP; a tiny Llama
 (rope, grouped-query attention) with packed documents masked (--reset-attention-mask, --reset-position-ids,
---eod-mask-loss) under CP 2 and 4 and beside TP 2 and PP 2; an MoE GPT under CP 2 × EP 2; gpt-oss's attention (sinks,
+--eod-mask-loss) under CP 2 and 4 and beside TP 2 and PP 2, and at a 1,024-token sequence under the ring at CP 2
+and 4; an MoE GPT under CP 2 × EP 2; gpt-oss's attention (sinks,
 a sliding window) and multi-head latent attention under CP 2. A CP 2 run stopped at
 iteration 2 resumes bitwise; its checkpoint continues in one process, and the one-process checkpoint at CP 2."""
 
@@ -64,8 +65,11 @@ LAYOUTS = {
     "moe": {"cp2_ep2": CP2 + ["--expert-model-parallel-size", "2"]},
     "oss": {"cp2_p2p": CP2, "cp2_a2a": CP2 + ["--cp-comm-type", "a2a"]},
     "mla": {"cp2_p2p": CP2, "cp2_allgather": CP2 + ["--cp-comm-type", "allgather"]},
+    # the Llama with packed documents at a long sequence: 1,024 tokens, the ring over 2 and 4 ranks
+    "long": {"cp2_p2p": CP2, "cp4_p2p": ["--context-parallel-size", "4"]},
 }
-MODELS = {"gpt": GPT, "llama": LLAMA + DOCUMENTS, "moe": MOE, "oss": OSS, "mla": MLA}
+MODELS = {"gpt": GPT, "llama": LLAMA + DOCUMENTS, "moe": MOE, "oss": OSS, "mla": MLA, "long": []}
+LONG = ["--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "4"]
 PARITY = 1e-5  # relative, fp32
 
 
@@ -100,6 +104,7 @@ def short_documents(tmp_path_factory, demo_data) -> list[str]:
 def trained(tmp_path_factory, short_documents) -> Path:
     out = tmp_path_factory.mktemp("context_parallel")
     MODELS["llama"] = LLAMA + DOCUMENTS + short_documents
+    MODELS["long"] = LLAMA + DOCUMENTS + short_documents + LONG
 
     def log(name: str) -> list[str]:
         return ["--loss-log-file", str(out / f"{name}.txt")]

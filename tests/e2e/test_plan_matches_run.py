@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,10 +35,15 @@ def plan_command(flags: list[str], world: int, *extra: str) -> str:
     """What `rapidtrain plan --world-size N [EXTRA] FLAGS` prints, run in this process: the command is pure (no
     process group, no model), so it needs no Python start of its own beside the run it is compared with. With
     EXTRA (--json) the whole output, else the plan block."""
+    from unittest import mock
+
     from rapidtrain import cli
 
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    # The plan names the CPU threads per rank from OMP_NUM_THREADS: the run's ranks get the launch's value
+    # (tests/launch.py child_env), so the command is asked under the same.
+    threads = {"OMP_NUM_THREADS": child_env(nproc=world)["OMP_NUM_THREADS"]}
+    with contextlib.redirect_stdout(printed), mock.patch.dict(os.environ, threads):
         assert cli.main(["plan", "--world-size", str(world), *extra, *flags]) == 0
     return printed.getvalue() if extra else printed_plan(printed.getvalue())
 

@@ -51,6 +51,8 @@ NOT_THE_RUN = {
     "--local-rank": "set by torch.distributed.launch for each process",
     "--debug": "shows tracebacks of user errors",
     "--sequence-parallel": "needs --tensor-model-parallel-size > 1, which one process cannot plan",
+    "--cp-comm-type": "needs --context-parallel-size > 1, which one process cannot plan "
+                      "(tests/unit/test_context_parallel_plan.py and the rules' tests plan each)",
     "--pipeline-schedule": "needs --pipeline-model-parallel-size > 1, which one process cannot plan "
                            "(tests/unit/test_pipeline_split.py plans each schedule)",
     "--use-mcore-models": "Megatron's implementation choice: rapidtrain has one model (its flag status says so)",

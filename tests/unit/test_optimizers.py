@@ -11,6 +11,7 @@ from torch import nn
 
 from rapidtrain.optim.lamb import LAMB
 from rapidtrain.optim.optimizers import (
+    ADAFACTOR_LR_MEANING,
     OPTIMIZER_NAMES,
     OptimizerSettings,
     apex_optimizer_class,
@@ -150,7 +151,7 @@ def expected_resolution(name, device_type):
         f"({why if not apex_lamb else 'apex FusedLAMB needs CUDA'})",
         "adamw": f"torch.optim.AdamW({speed})",
         "adam": f"torch.optim.Adam({speed}) (L2 weight decay; adamw decouples it)",
-        "adafactor": "torch.optim.Adafactor(foreach=True)",
+        "adafactor": f"torch.optim.Adafactor(foreach=True){ADAFACTOR_LR_MEANING}",
         "sgd": "torch.optim.SGD(momentum=0.9, foreach=True)",
         "adamw_8bit": f"bitsandbytes AdamW8bit {bitsandbytes}",
         "paged_adamw_8bit": f"bitsandbytes PagedAdamW8bit {bitsandbytes}",
