@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from rapidtrain.data.demo import TOKENIZER_VOCAB_SIZE
 from tests.launch import ARCHITECTURES, REPO, TINY_GPT_SHAPE, child_env
 
 PROMPTS = ("Return a new", "The history of")
@@ -82,7 +83,7 @@ def transformers_greedy(folder, prompts: tuple[str, ...], tokens: int) -> list[s
 def test_hf_export_with_the_demo_tokenizer_continues_as_rapidtrain_generate(tmp_path, demo_data, family):
     train(tmp_path / "ck", FAMILIES[family])
     printed = export(tmp_path / "ck", tmp_path / "out")
-    assert "with its tokenizer (SentencePieceTokenizer, 2005 ids)" in printed
+    assert f"with its tokenizer (SentencePieceTokenizer, {TOKENIZER_VOCAB_SIZE} ids)" in printed
     folder = tmp_path / "out" / "hf"
     assert (folder / "tokenizer.json").exists()
     expected = [rapidtrain_greedy(tmp_path / "ck", prompt, 12) for prompt in PROMPTS]
