@@ -173,6 +173,13 @@ def write_error_file(kind: str, message: str) -> None:
         pass
 
 
+def tell_once(kind: str, line: str) -> None:
+    """This rank's account in its error file; printed by the one rank that claims the kind first."""
+    write_error_file(kind, line)
+    if first_to_report(kind):
+        print(line, file=sys.stderr, flush=True)
+
+
 def at_iteration() -> str:
     return f" at iteration {RUN.iteration}" if RUN.iteration is not None else " before its first iteration"
 
@@ -278,9 +285,7 @@ def rank_failed(error: BaseException) -> int:
     cache = unwritable_cache(error)
     if cache is not None:
         line = f"rapidtrain: error: {where}: {cache}"
-        write_error_file("user_error", line)
-        if first_to_report("user_error"):
-            print(line, file=sys.stderr, flush=True)
+        tell_once("user_error", line)
         return 2
     worker = worker_death(error)
     if worker is not None:
@@ -288,9 +293,7 @@ def rank_failed(error: BaseException) -> int:
                 "was killed from outside (the kernel's out-of-memory killer: see `dmesg`; a user) or crashed in the "
                 "data pipeline. Give fewer --num-workers (or 0: the rank loads its data itself) if memory is short. "
                 f"{resume_line(save)}")
-        write_error_file("loader_worker", line)
-        if first_to_report("loader_worker"):
-            print(line, file=sys.stderr, flush=True)
+        tell_once("loader_worker", line)
         return 1
     timeout = collective_timeout(error)
     if timeout is not None:
@@ -299,9 +302,7 @@ def rank_failed(error: BaseException) -> int:
                 "(stuck in I/O, a deadlock, or on another code path), not dead (a dead rank breaks the connection at "
                 "once); the launcher's summary names the ranks that did not answer. If a long wait is expected (a "
                 f"slow save or evaluation on one rank), raise --distributed-timeout-minutes. {resume_line(save)}")
-        write_error_file("collective_timeout", line)
-        if first_to_report("collective_timeout"):
-            print(line, file=sys.stderr, flush=True)
+        tell_once("collective_timeout", line)
         return EXIT_LOST_CONTACT
     if is_lost_contact(error):
         line = (f"rapidtrain: the run stopped{at_iteration()}: {where} lost contact with another rank "
