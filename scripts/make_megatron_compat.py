@@ -3,10 +3,12 @@ every Megatron-family flag, the origins and releases that have it, and what it d
 whose meaning differs by origin, from config/origin_meanings.py.
 
     python scripts/make_megatron_compat.py          (tests/compat/test_flag_surface.py checks it is up to date)
+    python scripts/make_megatron_compat.py --check  (exit 1 if the document is out of date; writes nothing)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections import Counter
 from pathlib import Path
@@ -66,6 +68,19 @@ def rendered() -> str:
     return text[:start] + meanings + text[end:]
 
 
-if __name__ == "__main__":
-    DOC.write_text(rendered())
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Regenerate the flag tables of docs/megatron-compat.md.")
+    parser.add_argument("--check", action="store_true", help="only say whether the document is up to date")
+    args = parser.parse_args(argv)
+    text = rendered()
+    if args.check:
+        current = DOC.read_text() == text
+        print(f"{DOC} is {'up to date' if current else 'out of date: run scripts/make_megatron_compat.py'}")
+        return 0 if current else 1
+    DOC.write_text(text)
     print(f"{DOC} written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
