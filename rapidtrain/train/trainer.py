@@ -206,7 +206,13 @@ class Trainer:
 
     # ---- the loop ----
     def train(self) -> dict[str, Any]:
-        self.setup()
+        try:
+            self.setup()
+        except BaseException:
+            # A refusal or failure while setting up (a user's script may catch it and train again in the same
+            # process): --save's lock is this run's, and the kernel drops an flock only when the process ends.
+            self.checkpointer.close()
+            raise
         return self.run()
 
     def run(self) -> dict[str, Any]:

@@ -174,3 +174,19 @@ def test_squared_gradient_norm_is_within_fp64_rounding_on_both_paths(foreach):
     exact = sum(float(g.double().square().sum()) for g in grads)
     got = squared_norm(grads, foreach=foreach)
     assert got.dtype == torch.float64 and float(got) == pytest.approx(exact, rel=1e-6)
+
+
+def test_a_run_that_fails_while_setting_up_gives_back_the_save_folder(tmp_path):
+    """A user's script may catch a refusal and train again in the same process: the failed run's --save lock
+    (an flock, dropped by the kernel only when the process ends) must not outlive it."""
+    from rapidtrain.checkpoint.save_folder import acquire_save_lock
+
+    class BrokenData(TinyTrainer):
+        def train_valid_test_datasets_provider(self):
+            raise ValueError("no data here")
+
+    save = tmp_path / "ck"
+    engine = Engine(argv=BASE + ["--micro-batch-size", "1", "--global-batch-size", "1", "--save", str(save)])
+    with pytest.raises(ValueError, match="no data here"):
+        BrokenData(engine).train()
+    acquire_save_lock(save).release()  # raised "locked by this host's pid …" before the fix
