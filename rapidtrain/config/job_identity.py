@@ -14,9 +14,13 @@ from typing import Any
 
 from rapidtrain.config.settings import Plan
 
-# Plan fields that follow from the others (estimates, the messages about them) or that a rank may legitimately hold
-# differently (none so far): compared, they would only repeat a difference already named, or add float noise.
+# Plan fields that follow from the others (estimates, the messages about them): compared, they would only repeat a
+# difference already named, or add float noise.
 DERIVED_FIELDS = frozenset({"memory", "estimate", "warnings", "notes"})
+# What each node chooses for itself from its own hardware, which may differ in one job (nodes with different core
+# counts): the CPU threads per rank (config/resolve.py's cpu_threads) and the plan's line that says why.
+PER_NODE_FIELDS = frozenset({"switches.cpu_threads"})
+PER_NODE_ENGINE_CHOICES = frozenset({"CPU threads"})
 
 
 def flatten(value: Any, prefix: str, into: dict[str, str]) -> None:
@@ -32,12 +36,16 @@ def flatten(value: Any, prefix: str, into: dict[str, str]) -> None:
 
 
 def plan_fields(plan: Plan) -> dict[str, str]:
-    """The Plan as named fields ("data.micro_batch_size" → "4"), derived estimates left out."""
+    """The Plan as named fields ("data.micro_batch_size" → "4"), derived estimates and each node's own hardware
+    choices left out."""
     fields: dict[str, str] = {}
     for field in dataclasses.fields(plan):
+        value = getattr(plan, field.name)
+        if field.name == "engines":
+            value = tuple(choice for choice in value if choice.switch not in PER_NODE_ENGINE_CHOICES)
         if field.name not in DERIVED_FIELDS:
-            flatten(getattr(plan, field.name), field.name, fields)
-    return fields
+            flatten(value, field.name, fields)
+    return {name: text for name, text in fields.items() if name not in PER_NODE_FIELDS}
 
 
 def _strings(value: Any) -> list[str]:

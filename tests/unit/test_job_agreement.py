@@ -60,6 +60,18 @@ def test_equal_flags_give_equal_digests():
     assert digest_of(job_fields(plan_for([]))) == digest_of(job_fields(plan_for([])))
 
 
+def test_nodes_with_different_core_counts_agree(monkeypatch):
+    """Each node gives its ranks its own cores' worth of CPU threads (config/resolve.py): a job over an 8-core
+    and a 16-core node is one configuration, while the threads each chose still differ in their plans."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    small = plan_for([])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    large = plan_for([])
+    assert small.switches.cpu_threads != large.switches.cpu_threads
+    assert digest_of(job_fields(small)) == digest_of(job_fields(large))
+
+
 def test_a_data_file_of_another_size_on_one_node_is_a_difference(tmp_path):
     """The same --data-path on two nodes, one holding a shorter copy: the sizes differ, the flags do not."""
     prefix = tmp_path / "corpus"
