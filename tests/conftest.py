@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._cpu_time import register as register_cpu_time_report
+
 CACHE = Path(os.environ.get("RAPIDTRAIN_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "tests"))
 os.environ.setdefault("RAPIDTRAIN_CACHE", str(CACHE / "rapidtrain"))
 # Under pytest-xdist (`-n 2`, what scripts/test.sh runs) each worker gets its share of the cores.
@@ -16,6 +18,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // WOR
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than ~20 s (multi-process or long training)")
+    register_cpu_time_report(config)  # RAPIDTRAIN_TEST_CPU_REPORT=PATH: CPU seconds per test file (tests/_cpu_time.py)
 
 
 @pytest.fixture(scope="session")
