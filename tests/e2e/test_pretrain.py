@@ -50,9 +50,9 @@ def test_resume_continues_with_identical_losses(tmp_path, demo_data):
 
 
 def test_loading_a_checkpoint_of_another_model_is_refused(tmp_path, demo_data):
-    pretrain(1, TINY + ["--train-iters", "3", "--save", str(tmp_path / "ck")])
+    pretrain(1, TINY + ["--train-iters", "3", "--save", str(tmp_path / "ck")], warm=True)
     wider = [a if a != "64" else "128" for a in TINY]  # hidden 128 (and seq 128)
-    result = pretrain(1, wider + ["--train-iters", "4", "--load", str(tmp_path / "ck")], check=False)
+    result = pretrain(1, wider + ["--train-iters", "4", "--load", str(tmp_path / "ck")], check=False, warm=True)
     assert result.returncode != 0
     assert "--hidden-size (checkpoint 64, now 128)" in result.stdout + result.stderr
 
