@@ -14,6 +14,11 @@ os.environ.setdefault("RAPIDTRAIN_CACHE", str(CACHE / "rapidtrain"))
 # Under pytest-xdist (`-n 2`, what scripts/test.sh runs) each worker gets its share of the cores.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // WORKERS)))
+# Idle OpenMP threads sleep instead of spinning (every process the tests start inherits it): where a process has more
+# than one thread (`-n 0`, TEST_WORKERS=0, more cores per worker) on a host loaded by other processes, the spinning
+# threads take the cores from the ones working. A 10-iteration tiny-GPT run in-process at 2 threads on the shared
+# 2-core host: 6.8-18.6 CPU-s and 25-57 s by default, 0.5-0.6 CPU-s and 0.6-1.9 s passive (interleaved, 2 rounds).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_configure(config: pytest.Config) -> None:
