@@ -175,6 +175,12 @@ def child_seconds(o: argparse.Namespace, system: str, precision: str) -> tuple[f
     return report["seconds"], report["peak_mib"]
 
 
+def round_order(systems: list[str], round_: int) -> list[str]:
+    """The systems of round `round_` (from 0), rotated by one a round (A B C, B C A, C A B): each system runs first
+    in some round, so that no row always pays for a host that warms up (or is loaded) at the start of a round."""
+    return systems[round_ % len(systems):] + systems[:round_ % len(systems)]
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -229,8 +235,7 @@ def main() -> None:
             # the systems, so that a host that slows down slows both: no implementation of this step runs its GEMMs
             # faster, so "of GEMM ceiling" is how much of the step is matrix work.
             ceilings.append(measure_gemm_tflops(gemm_shapes, dtype, torch.device("cpu")))
-            order = o.systems[round_ % len(o.systems):] + o.systems[:round_ % len(o.systems)]
-            for system in order:
+            for system in round_order(o.systems, round_):
                 step, mib = child_seconds(o, system, precision)
                 seconds[system].append(step)
                 peaks[system].append(mib)

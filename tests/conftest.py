@@ -7,15 +7,23 @@ from pathlib import Path
 
 import pytest
 
+from tests._cpu_time import register as register_cpu_time_report
+
 CACHE = Path(os.environ.get("RAPIDTRAIN_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "tests"))
 os.environ.setdefault("RAPIDTRAIN_CACHE", str(CACHE / "rapidtrain"))
 # Under pytest-xdist (`-n 2`, what scripts/test.sh runs) each worker gets its share of the cores.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // WORKERS)))
+# Idle OpenMP threads sleep instead of spinning (every process the tests start inherits it): where a process has more
+# than one thread (`-n 0`, TEST_WORKERS=0, more cores per worker) on a host loaded by other processes, the spinning
+# threads take the cores from the ones working. A 10-iteration tiny-GPT run in-process at 2 threads on the shared
+# 2-core host: 6.8-18.6 CPU-s and 25-57 s by default, 0.5-0.6 CPU-s and 0.6-1.9 s passive (interleaved, 2 rounds).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than ~20 s (multi-process or long training)")
+    register_cpu_time_report(config)  # RAPIDTRAIN_TEST_CPU_REPORT=PATH: CPU seconds per test file (tests/_cpu_time.py)
 
 
 @pytest.fixture(scope="session")

@@ -82,7 +82,7 @@ def ramp_up_runs(tmp_path_factory, demo_data):
     """The one-process reference, then the three 2-rank layouts one after another in one torchrun launch
     (tests/distributed/pretrain_runs.py): the launch's output, one section per run, each starting with its plan."""
     out = tmp_path_factory.mktemp("ramp_up")
-    pretrain(1, RAMP_UP + ["--loss-log-file", str(out / "single.txt")])
+    pretrain(1, RAMP_UP + ["--loss-log-file", str(out / "single.txt")], warm=True)
     runs = [RAMP_UP + flags + ["--loss-log-file", str(out / f"{name}.txt")] for name, flags in RAMP_UP_LAYOUTS.items()]
     (out / "runs.json").write_text(json.dumps(runs))
     launch = pretrain(2, [str(out / "runs.json")], script=RUNS, warm=True)

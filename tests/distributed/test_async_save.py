@@ -48,13 +48,13 @@ def saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def blocking_run(tmp_path_factory, demo_data):
     root = tmp_path_factory.mktemp("blocking")
-    pretrain(2, ARGS + ["--save", str(root / "ck"), "--loss-log-file", str(root / "losses.txt")])
+    pretrain(2, ARGS + ["--save", str(root / "ck"), "--loss-log-file", str(root / "losses.txt")], warm=True)
     return root
 
 
 def test_background_checkpoints_equal_blocking_ones(blocking_run, tmp_path):
     result = pretrain(2, ARGS + ["--save", str(tmp_path / "ck"), "--async-save",
-                                 "--loss-log-file", str(tmp_path / "losses.txt")])
+                                 "--loss-log-file", str(tmp_path / "losses.txt")], warm=True)
     assert "in the background" in result.stdout and "published at iteration" in result.stdout
     assert read_losses(tmp_path / "losses.txt") == read_losses(blocking_run / "losses.txt")
     assert (tmp_path / "ck" / LATEST_FILE).read_text().strip() == "9"

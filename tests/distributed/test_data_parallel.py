@@ -20,7 +20,10 @@ if __package__ in (None, ""):  # run by torchrun as the probe
 from tests.launch import TINY_GPT_PARITY, read_grad_norms, read_losses, relative_difference, torchrun  # noqa: E402
 
 RUNS = Path(__file__).with_name("pretrain_runs.py")
-# Global batch 8 = micro 2 × accumulation 2 × 2 ranks (accumulation 4 in one process).
+# Global batch 8 = micro 2 × accumulation 2 × 2 ranks (accumulation 4 in one process). Six iterations, stopped
+# and resumed at the third: every iteration accumulates, so more of them prove nothing more (and cost each of the
+# 24 two-rank runs of the launch below).
+ITERS, STOP = 6, 3
 TINY = [
     *TINY_GPT_PARITY,
     "--micro-batch-size",
@@ -28,11 +31,11 @@ TINY = [
     "--global-batch-size",
     "8",
     "--log-interval",
-    "5",
+    str(STOP),
     "--lr",
     "1e-3",
     "--train-iters",
-    "10",
+    str(ITERS),
 ]
 TORCH_MODES = {
     "ddp": [],
@@ -64,9 +67,9 @@ def two_rank_runs(out: Path) -> list[list[str]]:
                 TINY + flags + precision_flags + ["--loss-log-file", str(out / f"{mode}_{precision}.txt")]
             )
         resumed = ["--loss-log-file", str(out / f"{mode}_resumed.txt")]
-        runs.append(TINY + flags + resumed + ["--exit-interval", "5", "--save", str(out / f"{mode}_at5")])
+        runs.append(TINY + flags + resumed + ["--exit-interval", str(STOP), "--save", str(out / f"{mode}_stopped")])
         runs.append(
-            TINY + flags + resumed + ["--load", str(out / f"{mode}_at5"), "--save", str(out / f"{mode}_end")]
+            TINY + flags + resumed + ["--load", str(out / f"{mode}_stopped"), "--save", str(out / f"{mode}_end")]
         )
     return runs
 
@@ -85,11 +88,11 @@ def runs(tmp_path_factory, demo_data) -> Path:
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("mode", MODES)
 def test_layout_matches_single_process_losses_and_grad_norms(runs, mode, precision):
-    """10 iterations, accumulation 2: losses and the logged global gradient norm (which --clip-grad 1.0
+    """6 iterations, accumulation 2: losses and the logged global gradient norm (which --clip-grad 1.0
     uses) equal one process's, fp32 within 1e-5 and bf16 within 1e-2 relative."""
     tolerance = PRECISIONS[precision][1]
     single, layout = runs / f"single_{precision}.txt", runs / f"{mode}_{precision}.txt"
-    assert len(read_losses(layout)) == 10
+    assert len(read_losses(layout)) == ITERS
     assert relative_difference(read_losses(layout), read_losses(single)) < tolerance
     assert relative_difference(read_grad_norms(layout), read_grad_norms(single)) < tolerance
 
@@ -97,23 +100,24 @@ def test_layout_matches_single_process_losses_and_grad_norms(runs, mode, precisi
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_resume_is_bitwise_exact(runs, mode):
-    """Stopped at iteration 5 (checkpoint), resumed with --load: iterations 6..10 are bitwise the
+    """Stopped at iteration 3 (checkpoint), resumed with --load: iterations 4..6 are bitwise the
     uninterrupted run's on the same machine."""
     resumed, uninterrupted = read_losses(runs / f"{mode}_resumed.txt"), read_losses(runs / f"{mode}_fp32.txt")
-    assert sorted(resumed) == list(range(1, 11))
-    assert [resumed[i] for i in range(6, 11)] == [uninterrupted[i] for i in range(6, 11)]
-    assert (runs / f"{mode}_at5" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert sorted(resumed) == list(range(1, ITERS + 1))
+    after = range(STOP + 1, ITERS + 1)
+    assert [resumed[i] for i in after] == [uninterrupted[i] for i in after]
+    assert (runs / f"{mode}_stopped" / "latest_checkpointed_iteration.txt").read_text().strip() == str(STOP)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [m for m in MODES if m in ("fsdp", "oss", "fairscale-sdp")])
 def test_two_rank_checkpoint_continues_in_one_process(runs, mode, tmp_path):
     """FSDP on 2 ranks → one process, and OSS on 2 ranks (each rank saved its own optimizer share; also
-    FairScale's) → plain model on 1: iterations 6..10 continue with the one-process run's losses."""
+    FairScale's) → plain model on 1: iterations 4..6 continue with the one-process run's losses."""
     log = tmp_path / "continued.txt"
-    train_here(TINY + ["--load", str(runs / f"{mode}_at5"), "--loss-log-file", str(log)])
+    train_here(TINY + ["--load", str(runs / f"{mode}_stopped"), "--loss-log-file", str(log)])
     continued, single = read_losses(log), read_losses(runs / "single_fp32.txt")
-    assert sorted(continued) == list(range(6, 11))
+    assert sorted(continued) == list(range(STOP + 1, ITERS + 1))
     assert relative_difference(continued, {i: single[i] for i in continued}) < 1e-5
 
 

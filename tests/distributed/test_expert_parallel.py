@@ -84,9 +84,13 @@ def test_ep2_matches_ep1_resumes_exactly_and_loads_at_ep1(tmp_path, demo_data):
 
 # 4 experts in both layers, global batch 8 of micro-batches of 2: 4 micro-batches in one process, 1 per rank at
 # DP 4, 2 per rank at PP 2 × DP 2. The vocabulary pads to 8192 at TP 1 and TP 2.
-COMPOSED_FLAGS = TINY + NO_DROPOUT + ["--num-experts", "4", "--make-vocab-size-divisible-by", "256"]
+# Four iterations, stopped at the second (argparse: the last --train-iters wins over TINY's 6): each of the launch's
+# 16 four-rank runs pays for every iteration, and a resume past the warm-up checks the same state at either length.
+ITERS, STOP = 4, 2
+COMPOSED_FLAGS = TINY + NO_DROPOUT + ["--num-experts", "4", "--make-vocab-size-divisible-by", "256",
+                                      "--train-iters", str(ITERS)]
 EP2 = ["--expert-model-parallel-size", "2"]
-# The four layouts issue 12 names; each is also stopped at iteration 3 (checkpoint) and, but for OSS, resumed.
+# The four layouts issue 12 names; each is also stopped at iteration 2 (checkpoint) and, but for OSS, resumed.
 COMPOSED = {
     "pp2_ep2": EP2 + ["--pipeline-model-parallel-size", "2"],  # DP 2 = EP 2: each stage's experts over 2 ranks
     "ep2_fsdp": EP2 + ["--fsdp-memory-optimization"],  # DP 4: FSDP2 shards each slice over its 2 holders
@@ -124,14 +128,16 @@ def composed_runs(out: Path) -> list[list[str]]:
     for name, flags in COMPOSED.items():
         runs.append(COMPOSED_FLAGS + flags + log(name))
         halves = log(f"{name}_resumed")
-        runs.append(COMPOSED_FLAGS + flags + halves + ["--exit-interval", "3", "--save", str(out / f"{name}_at3")])
+        runs.append(COMPOSED_FLAGS + flags + halves + ["--exit-interval", str(STOP),
+                                                       "--save", str(out / f"{name}_stopped")])
         if name in RESUMED_ON_FOUR_RANKS:
-            runs.append(COMPOSED_FLAGS + flags + halves + ["--load", str(out / f"{name}_at3")])
+            runs.append(COMPOSED_FLAGS + flags + halves + ["--load", str(out / f"{name}_stopped")])
     for name, flags in BRANCHES.items():
         runs.append(COMPOSED_FLAGS + flags + log(name))
     runs.append(COMPOSED_FLAGS + DENSE_FIRST + ["--pipeline-model-parallel-size", "2"] + log("pp2_dense_first"))
     for name in LOADED_FROM_EP1:
-        runs.append(COMPOSED_FLAGS + COMPOSED[name] + log(f"{name}_from_ep1") + ["--load", str(out / "single_at3")])
+        runs.append(COMPOSED_FLAGS + COMPOSED[name] + log(f"{name}_from_ep1")
+                    + ["--load", str(out / "single_stopped")])
     return runs
 
 
@@ -139,15 +145,15 @@ def composed_runs(out: Path) -> list[list[str]]:
 def composed(tmp_path_factory, demo_data) -> Path:
     out = tmp_path_factory.mktemp("ep_composed")
     train_here(COMPOSED_FLAGS + ["--loss-log-file", str(out / "single.txt"), "--save", str(out / "single_ck"),
-                                 "--save-interval", "3"])
-    (out / "single_at3").mkdir()  # the iteration-3 checkpoint alone, as if the run had stopped there
-    shutil.copytree(out / "single_ck" / "iter_0000003", out / "single_at3" / "iter_0000003")
-    (out / "single_at3" / "latest_checkpointed_iteration.txt").write_text("3\n")
+                                 "--save-interval", str(STOP)])
+    (out / "single_stopped").mkdir()  # the iteration-2 checkpoint alone, as if the run had stopped there
+    shutil.copytree(out / "single_ck" / f"iter_{STOP:07d}", out / "single_stopped" / f"iter_{STOP:07d}")
+    (out / "single_stopped" / "latest_checkpointed_iteration.txt").write_text(f"{STOP}\n")
     train_here(COMPOSED_FLAGS + DENSE_FIRST + ["--loss-log-file", str(out / "single_dense_first.txt")])
     (out / "runs.json").write_text(json.dumps(composed_runs(out)))
     torchrun(4, RUNS, [str(out / "runs.json")], timeout=1800, warm=True)
     for name in LOADED_AT_EP1:
-        train_here(COMPOSED_FLAGS + ["--load", str(out / f"{name}_at3"),
+        train_here(COMPOSED_FLAGS + ["--load", str(out / f"{name}_stopped"),
                                      "--loss-log-file", str(out / f"ep1_from_{name}.txt")])
     return out
 
@@ -173,11 +179,11 @@ def parity(out: Path, name: str, reference: str = "single") -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*COMPOSED, *BRANCHES])
 def test_expert_parallel_composition_matches_one_process(composed, name):
-    """Six iterations on 4 ranks with clipping on: lm loss, gradient norm and the logged load-balancing loss (the
+    """Four iterations on 4 ranks with clipping on: lm loss, gradient norm and the logged load-balancing loss (the
     mean over every MoE layer of every pipeline stage) equal one process's with the same global batch."""
     differences = parity(composed, name)
     print(f"{name}: {differences}")
-    assert sorted(read_losses(composed / f"{name}.txt")) == list(range(1, 7))
+    assert sorted(read_losses(composed / f"{name}.txt")) == list(range(1, ITERS + 1))
     assert all(value < PARITY for value in differences.values()), differences
 
 
@@ -190,16 +196,16 @@ def test_pipeline_stage_without_experts_joins_the_balancing_loss(composed):
 
 
 def assert_resumed_bitwise(resumed: Path, uninterrupted: Path) -> None:
-    assert sorted(read_losses(resumed)) == list(range(1, 7))
+    assert sorted(read_losses(resumed)) == list(range(1, ITERS + 1))
     for read in (read_losses, read_grad_norms, lambda path: read_extra(path, "load_balancing_loss")):
         after, before = read(resumed), read(uninterrupted)
-        assert [after[i] for i in (4, 5, 6)] == [before[i] for i in (4, 5, 6)]
+        assert [after[i] for i in range(STOP + 1, ITERS + 1)] == [before[i] for i in range(STOP + 1, ITERS + 1)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RESUMED_ON_FOUR_RANKS)
 def test_expert_parallel_composition_resumes_bitwise(composed, name):
-    """Stopped at iteration 3 by --exit-interval (checkpoint), resumed with --load: iterations 4..6 are bitwise the
+    """Stopped at iteration 2 by --exit-interval (checkpoint), resumed with --load: iterations 3..4 are bitwise the
     uninterrupted run's, balancing loss and gradient norm included."""
     assert_resumed_bitwise(composed / f"{name}_resumed.txt", composed / f"{name}.txt")
 
@@ -207,12 +213,12 @@ def test_expert_parallel_composition_resumes_bitwise(composed, name):
 @pytest.mark.slow
 def test_ep2_with_oss_resumes_bitwise_on_two_ranks(tmp_path, demo_data):
     """EP 2 + OSS at DP 2: the expert slices' state (each rank's local optimizer) and the partitioned rest come
-    back from the checkpoint, and iterations 4..6 are bitwise the uninterrupted run's."""
+    back from the checkpoint, and iterations 3..4 are bitwise the uninterrupted run's."""
     flags = COMPOSED_FLAGS + COMPOSED["ep2_oss"]
     resumed = ["--loss-log-file", str(tmp_path / "resumed.txt")]
     runs = [flags + ["--loss-log-file", str(tmp_path / "uninterrupted.txt")],
-            flags + resumed + ["--exit-interval", "3", "--save", str(tmp_path / "at3")],
-            flags + resumed + ["--load", str(tmp_path / "at3")]]
+            flags + resumed + ["--exit-interval", str(STOP), "--save", str(tmp_path / "stopped")],
+            flags + resumed + ["--load", str(tmp_path / "stopped")]]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     torchrun(2, RUNS, [str(tmp_path / "runs.json")], warm=True)
     assert_resumed_bitwise(tmp_path / "resumed.txt", tmp_path / "uninterrupted.txt")
@@ -221,11 +227,11 @@ def test_ep2_with_oss_resumes_bitwise_on_two_ranks(tmp_path, demo_data):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LOADED_AT_EP1)
 def test_composed_checkpoint_continues_at_ep1_in_one_process(composed, name):
-    """The iteration-3 checkpoint of EP 2 (+ FSDP2's split slices, OSS's local state, pipeline stages) continues in
+    """The iteration-2 checkpoint of EP 2 (+ FSDP2's split slices, OSS's local state, pipeline stages) continues in
     one process as the one-process run does."""
     differences = parity(composed, f"ep1_from_{name}")
     print(f"ep1_from_{name}: {differences}")
-    assert sorted(read_losses(composed / f"ep1_from_{name}.txt")) == [4, 5, 6]
+    assert sorted(read_losses(composed / f"ep1_from_{name}.txt")) == list(range(STOP + 1, ITERS + 1))
     assert all(value < PARITY for value in differences.values()), differences
 
 
@@ -234,5 +240,5 @@ def test_composed_checkpoint_continues_at_ep1_in_one_process(composed, name):
 def test_one_process_checkpoint_continues_under_composed_ep2(composed, name):
     differences = parity(composed, f"{name}_from_ep1")
     print(f"{name}_from_ep1: {differences}")
-    assert sorted(read_losses(composed / f"{name}_from_ep1.txt")) == [4, 5, 6]
+    assert sorted(read_losses(composed / f"{name}_from_ep1.txt")) == list(range(STOP + 1, ITERS + 1))
     assert all(value < PARITY for value in differences.values()), differences

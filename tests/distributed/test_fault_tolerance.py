@@ -37,7 +37,7 @@ def test_killed_rank_restarts_and_matches_uninterrupted_losses(tmp_path, demo_da
     iteration 10 from the same folder, redo 11 and 12, and all 20 losses are bitwise the uninterrupted run's."""
     args = TINY + ["--train-iters", "20"]
     uninterrupted, faulty, folder = tmp_path / "uninterrupted.txt", tmp_path / "faulty.txt", tmp_path / "ck"
-    pretrain(2, args + ["--loss-log-file", str(uninterrupted)])
+    pretrain(2, args + ["--loss-log-file", str(uninterrupted)], warm=True)  # the reference: not the faulty launch
     result = pretrain(
         2,
         args

@@ -1,6 +1,6 @@
 """--optimizer muon on 2 gloo ranks: DDP, ZeroRedundancyOptimizer (OSS), 2 pipeline stages, FSDP and tensor
 parallelism (whose sharded matrices Muon gathers whole for the step), and an MoE model under DDP, 2 expert-parallel
-ranks and FSDP reach one process's losses; runs stopped at iteration 5 and resumed with --load (DDP, OSS, FSDP, TP, MoE
+ranks and FSDP reach one process's losses; runs stopped at iteration 3 and resumed with --load (DDP, OSS, FSDP, TP, MoE
 under expert parallelism) continue bitwise (Muon's momentum, the experts' stacked momentum and AdamW's moments come back
 from the checkpoint).
 
@@ -17,9 +17,12 @@ import pytest
 from tests.launch import TINY_GPT_PARITY, read_grad_norms, read_losses, relative_difference, torchrun
 
 RUNS = Path(__file__).with_name("pretrain_runs.py")
+# Six iterations, stopped and resumed at the third: the loss has fallen by 1.05 at the sixth (one process), and each
+# of the launch's 20 two-rank runs pays for every iteration.
+ITERS, STOP = 6, 3
 # Global batch 8 = micro 2 × accumulation 2 × 2 ranks (accumulation 4 in one process, and under 2 pipeline stages).
-TINY = [*TINY_GPT_PARITY, "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "5", "--lr",
-        "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "2", "--train-iters", "10", "--weight-decay", "0.1",
+TINY = [*TINY_GPT_PARITY, "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", str(STOP), "--lr",
+        "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "2", "--train-iters", str(ITERS), "--weight-decay", "0.1",
         "--optimizer", "muon", "--muon-momentum", "0.95", "--muon-nesterov", "--muon-extra-scale-factor", "0.2",
         "--make-vocab-size-divisible-by", "512"]  # the vocabulary pads to 8192 at TP 1 and 2: one model
 # MoE: each expert's matrix is orthogonalized on its own (stacked [E, in, out] weights); under expert parallelism
@@ -49,10 +52,10 @@ def two_rank_runs(out: Path) -> list[list[str]]:
     runs = [TINY + flags + ["--loss-log-file", str(out / f"{name}.txt")] for name, flags in LAYOUTS.items()]
     for name in RESUMED:
         flags, resumed = LAYOUTS[name], ["--loss-log-file", str(out / f"{name}_resumed.txt")]
-        runs.append(TINY + flags + resumed + ["--exit-interval", "5", "--save", str(out / f"{name}_at5")])
-        runs.append(TINY + flags + resumed + ["--load", str(out / f"{name}_at5")])
+        runs.append(TINY + flags + resumed + ["--exit-interval", str(STOP), "--save", str(out / f"{name}_stopped")])
+        runs.append(TINY + flags + resumed + ["--load", str(out / f"{name}_stopped")])
     # DDP's checkpoint (whole momentum) continued under FSDP, where Muon gathers each matrix and shards its momentum.
-    runs.append(TINY + LAYOUTS["fsdp"] + ["--load", str(out / "ddp_at5"), "--loss-log-file",
+    runs.append(TINY + LAYOUTS["fsdp"] + ["--load", str(out / "ddp_stopped"), "--loss-log-file",
                                          str(out / "fsdp_from_ddp.txt")])
     return runs
 
@@ -74,8 +77,8 @@ def runs(tmp_path_factory, demo_data) -> Path:
 def test_muon_layout_matches_one_process(runs, layout):
     reference = runs / ("moe_single.txt" if layout.startswith("moe") else "single.txt")
     single, ours = read_losses(reference), read_losses(runs / f"{layout}.txt")
-    assert sorted(ours) == list(range(1, 11))
-    assert single[10] < single[1] - 0.5  # it trains
+    assert sorted(ours) == list(range(1, ITERS + 1))
+    assert single[ITERS] < single[1] - 0.5  # it trains
     loss_tolerance, grad_norm_tolerance = TOLERANCES["moe" if layout.startswith("moe") else "dense"]
     assert relative_difference(ours, single) < loss_tolerance
     assert relative_difference(read_grad_norms(runs / f"{layout}.txt"), read_grad_norms(reference)) \
@@ -94,15 +97,16 @@ def test_muon_under_sharded_state_steps_as_ddp_does(runs, layout):
 @pytest.mark.parametrize("layout", RESUMED)
 def test_muon_resume_is_bitwise_exact(runs, layout):
     resumed, straight = read_losses(runs / f"{layout}_resumed.txt"), read_losses(runs / f"{layout}.txt")
-    assert sorted(resumed) == list(range(1, 11))
-    assert (runs / f"{layout}_at5" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
-    assert [resumed[i] for i in range(6, 11)] == [straight[i] for i in range(6, 11)]
+    assert sorted(resumed) == list(range(1, ITERS + 1))
+    assert (runs / f"{layout}_stopped" / "latest_checkpointed_iteration.txt").read_text().strip() == str(STOP)
+    after = range(STOP + 1, ITERS + 1)
+    assert [resumed[i] for i in after] == [straight[i] for i in after]
 
 
 @pytest.mark.slow
 def test_ddp_checkpoint_continues_under_fsdp(runs):
     """The checkpoint's optimizer groups come from DDP; under FSDP the same groups' matrices are gathered whole for
-    the step: iterations 6..10 are bitwise DDP's uninterrupted run's (FSDP's and DDP's losses agree bitwise)."""
+    the step: iterations 4..6 are bitwise DDP's uninterrupted run's (FSDP's and DDP's losses agree bitwise)."""
     continued, straight = read_losses(runs / "fsdp_from_ddp.txt"), read_losses(runs / "ddp.txt")
-    assert sorted(continued) == list(range(6, 11))
-    assert continued == {i: straight[i] for i in range(6, 11)}
+    assert sorted(continued) == list(range(STOP + 1, ITERS + 1))
+    assert continued == {i: straight[i] for i in range(STOP + 1, ITERS + 1)}

@@ -160,19 +160,34 @@ def test_head_loss_bench_prints_plain_beside_chunked():
 
 
 def test_pretrain_throughput_bench_prints_systems_side_by_side(demo_data):
+    """One round (each system is a child process that imports torch, and the HF one Transformers): the table; the
+    rounds' rotation is checked on the function that orders them."""
     systems = ["rapidtrain", "plain loop", "HF Trainer"]
     stdout = run_bench("pretrain_throughput.py", "--iters", "3", "--warmup", "1", "--layers", "1", "--hidden", "32",
-                       "--heads", "2", "--seq", "16", "--batch", "1", "--precisions", "fp32", "--rounds", "2",
+                       "--heads", "2", "--seq", "16", "--batch", "1", "--precisions", "fp32", "--rounds", "1",
                        "--systems", *systems)
     rows = lines_after(stdout, "precision system")
     assert [(row[:9].strip(), row[10:35].strip()) for row in rows] == [("fp32", system) for system in systems], stdout
     assert all(len(row[35:].split()) == 7 and [number(cell) for cell in row[35:].split()] for row in rows), stdout
-    # Interleaved: each system ran once per round, rounds in rotated order.
+    # Each system ran once in its round, in the order round_order gives round 0.
     rounds = re.findall(r"round (\d) fp32 (.+?): [\d.]+ ms/step", stdout)
-    assert rounds == [("1", s) for s in systems] + [("2", s) for s in systems[1:] + systems[:1]], stdout
+    assert rounds == [("1", s) for s in systems], stdout
     plain = next(row for row in rows if row[10:35].strip() == "plain loop")
     assert number(plain[35:].split()[4]) == 1.0, stdout  # the plain loop against itself, per round
     assert re.search(r"fp32: matmul peak \d+ GFLOP/s .* GEMMs alone run at \d+ GFLOP/s", stdout), stdout
+
+
+def test_pretrain_throughput_rounds_rotate_the_systems():
+    """Interleaved rounds: each system runs once per round, each round starts one later (A B C, B C A, C A B)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_throughput", REPO / "bench" / "pretrain_throughput.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    systems = ["rapidtrain", "plain loop", "HF Trainer"]
+    assert [bench.round_order(systems, r) for r in range(4)] == [
+        systems, systems[1:] + systems[:1], systems[2:] + systems[:2], systems]
 
 
 def test_efficient_training_bench_prints_each_row_it_ran(demo_data):
@@ -199,7 +214,7 @@ def test_moe_layer_bench_prints_grouped_beside_capacity_and_hugging_face():
 
 def test_long_sequence_bench_prints_rapidtrain_beside_hugging_face_sdpa():
     stdout = run_bench("long_sequence.py", "--seq", "256", "--layers", "1", "--hidden", "32", "--heads", "2",
-                       "--kv-heads", "1", "--ffn", "64", "--vocab", "128", "--steps", "1", "--rounds", "2")
+                       "--kv-heads", "1", "--ffn", "64", "--vocab", "128", "--steps", "1", "--rounds", "1")
     rows = lines_after(stdout, "system")
     assert [row[:30].strip() for row in rows] == ["rapidtrain Llama (SDPA)", "HF LlamaForCausalLM (sdpa)"], stdout
     assert all(len(row[30:].split()) == 5 and [number(cell) for cell in row[30:].split()] for row in rows), stdout

@@ -18,7 +18,7 @@ TINY = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--global-batch-size", "4", 
 def test_demo_prints_the_trained_models_greedy_sample(tmp_path, demo_data):
     from rapidtrain.train.generation import generate_sample, load_for_generation
 
-    result = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck")])
+    result = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck")], warm=True)
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith(" sample from the trained model"))
     printed = lines[header + 1].removeprefix("   ")

@@ -2,44 +2,57 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 
-import pytest
-
-from tests.launch import PRETRAIN, REPO, TINY_GPT_SHAPE, child_env, free_port, pretrain, read_losses
+from tests.launch import PRETRAIN, REPO, TINY_GPT_SHAPE, child_env, free_port, pretrain, read_losses, torchrun
 
 TINY = [*TINY_GPT_SHAPE, "--micro-batch-size", "2", "--global-batch-size", "4", "--num-workers", "0",
         "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "1",
         "--lr-decay-style", "cosine"]
 
 
-@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
-def test_resume_continues_with_identical_losses(tmp_path, demo_data, precision):
-    """Interrupted at iteration 4 and resumed with --load: iterations 5..8 print bitwise the same losses.
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
+RUNS = REPO / "tests" / "distributed" / "pretrain_runs.py"
 
-    Dropout stays on (0.1), so the RNG state must be restored too, and accumulation is 2 micro-batches.
+
+def test_resume_continues_with_identical_losses(tmp_path, demo_data):
+    """Interrupted at iteration 4 and resumed with --load in a new process: iterations 5..8 print bitwise the same
+    losses, in fp32 and in bf16.
+
+    Dropout stays on (0.1), so the RNG state must be restored too, and accumulation is 2 micro-batches. Two torchrun
+    launches (pretrain_runs.py, ranks forked warm) instead of six: the uninterrupted and the stopped runs of both
+    precisions in the first, the resumed ones in the second, so each resume still starts in a fresh process.
     """
-    full, resumed = tmp_path / "full.txt", tmp_path / "resumed.txt"
-    pretrain(1, TINY + precision + ["--train-iters", "8", "--loss-log-file", str(full)])
-    first = pretrain(1, TINY + precision + ["--train-iters", "8", "--exit-interval", "4",
-                                            "--save", str(tmp_path / "ck"), "--loss-log-file", str(resumed)])
-    assert "exiting at iteration 4" in first.stdout
-    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    second = pretrain(1, TINY + precision + ["--train-iters", "8", "--load", str(tmp_path / "ck"),
-                                             "--loss-log-file", str(resumed)])
-    assert "loaded checkpoint" in second.stdout
-    expected, got = read_losses(full), read_losses(resumed)
-    assert sorted(got) == list(range(1, 9))
-    assert [got[i] for i in range(5, 9)] == [expected[i] for i in range(5, 9)]
+
+    def log(precision: str, name: str) -> list[str]:
+        return ["--loss-log-file", str(tmp_path / f"{precision}_{name}.txt")]
+
+    def run_all(runs: list[list[str]]) -> str:
+        (tmp_path / "runs.json").write_text(json.dumps(runs))
+        return torchrun(1, RUNS, [str(tmp_path / "runs.json")], warm=True).stdout
+
+    eight = {name: TINY + flags + ["--train-iters", "8"] for name, flags in PRECISIONS.items()}
+    first = run_all([eight[name] + log(name, "full") for name in PRECISIONS]
+                    + [eight[name] + log(name, "resumed") + ["--exit-interval", "4", "--save", str(tmp_path / name)]
+                       for name in PRECISIONS])
+    assert first.count("exiting at iteration 4") == len(PRECISIONS)
+    second = run_all([eight[name] + log(name, "resumed") + ["--load", str(tmp_path / name)] for name in PRECISIONS])
+    assert second.count("loaded checkpoint") == len(PRECISIONS)
+    for name in PRECISIONS:
+        assert (tmp_path / name / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+        expected, got = read_losses(tmp_path / f"{name}_full.txt"), read_losses(tmp_path / f"{name}_resumed.txt")
+        assert sorted(got) == list(range(1, 9)), name
+        assert [got[i] for i in range(5, 9)] == [expected[i] for i in range(5, 9)], name
 
 
 def test_loading_a_checkpoint_of_another_model_is_refused(tmp_path, demo_data):
-    pretrain(1, TINY + ["--train-iters", "3", "--save", str(tmp_path / "ck")])
+    pretrain(1, TINY + ["--train-iters", "3", "--save", str(tmp_path / "ck")], warm=True)
     wider = [a if a != "64" else "128" for a in TINY]  # hidden 128 (and seq 128)
-    result = pretrain(1, wider + ["--train-iters", "4", "--load", str(tmp_path / "ck")], check=False)
+    result = pretrain(1, wider + ["--train-iters", "4", "--load", str(tmp_path / "ck")], check=False, warm=True)
     assert result.returncode != 0
     assert "--hidden-size (checkpoint 64, now 128)" in result.stdout + result.stderr
 

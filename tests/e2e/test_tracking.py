@@ -34,7 +34,7 @@ def tracked_run(tmp_path_factory, demo_data):
         "--wandb-project", "rapidtrain-test", "--wandb-exp-name", "tiny-gpt",
         "--mlflow-experiment", "tiny", "--mlflow-tracking-uri", f"file:{root / 'mlruns'}",
         "--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "1"],
-        env={"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": ""})
+        env={"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": ""}, warm=True)
     return root, result.stdout
 
 
