@@ -33,7 +33,9 @@ the global mask built here:
   heads/CP (and key/value groups/CP) heads, all-to-all back.
 
 Every mask is built from global positions: causal, same document, sliding window; attention sinks (gpt-oss) and
-ALiBi are handled in each path; MLA's value head size may differ from the key's.
+ALiBi are handled in each path; MLA's value head size may differ from the key's. An MoE layer's balancing loss
+counts the experts' assignments of whole sequences (`SequenceCounts`: summed over the CP group, as Megatron-Core
+sums them over TP × CP).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.attention import attend
+from rapidtrain.models.moe import moe_layers
 
 if TYPE_CHECKING:
     from rapidtrain.config.settings import Plan
@@ -549,17 +552,33 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, size: int
                            window_of_layer: Callable[[int], int | None]) -> ContextParallelState:
     """Give every attention module of `model` a context-parallel core and the model a pre-forward hook that takes
     the document ids out of its call (gathered for the cores) and gives it the global position ids where the
-    caller gave none. Returns the shared state."""
+    caller gave none; every MoE layer's balancing loss the whole sequences' expert counts. Returns the shared state."""
     state = ContextParallelState(group, size, rank, comm_type)
     for layer, module in attention_modules(model):
         if not module.causal:
             raise ValueError("context parallelism splits a causal model's sequence: bidirectional (BERT) attention "
                              "is not served; drop --context-parallel-size")
         module.core = ContextParallelCore(state, window_of_layer(layer))  # type: ignore[assignment]
-
+    for moe in moe_layers(model).values():  # their balancing losses count the whole sequences' assignments
+        moe.whole_sequence_counts = SequenceCounts(group)
     state.attach(model)
     model.context_parallel = state  # type: ignore[assignment]  # pipeline stage views attach it too
     return state
+
+
+class SequenceCounts:
+    """An MoE layer's balancing-loss expert counts summed over the CP group, so they are the whole sequences'
+    (Megatron-Core reduces them over TP × CP; a TP rank here routes every token of its sequences already). Each rank's
+    loss then weighs its own tokens' mean router probabilities by the whole sequences' fractions: their mean over the
+    CP ranks, which the gradient reduction takes, is the whole sequences' balancing loss."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        summed = counts.clone()
+        dist.all_reduce(summed, group=self.group)
+        return summed
 
 
 def apply_to_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> ContextParallelState:

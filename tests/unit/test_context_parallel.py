@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from rapidtrain.models.attention import alibi_slopes, eager_attention
+from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.moe import MoELayer
 from rapidtrain.parallel.context_parallel import (
     ContextParallelState,
     local_positions,
@@ -195,3 +197,34 @@ def test_ring_dropout_backward_redraws_the_forward_masks():
     numeric = (objective(1) - objective(-1)) / (2 * step)
     analytic = float(sum((g * u).sum() for g, u in zip(grads, directions, strict=True)))
     assert numeric == pytest.approx(analytic, rel=1e-4)
+
+
+@pytest.mark.parametrize("aux_loss_type", ["aux_loss", "seq_aux_loss"])
+def test_moe_balancing_loss_of_sequence_parts_is_the_whole_sequences(aux_loss_type):
+    """Two CP ranks' parts (the load-balanced split) of 2 sequences of 16 tokens: with each part's expert counts
+    replaced by the whole sequences' (SequenceCounts sums them over the CP group; here the parts' counts are added
+    directly), the mean of the parts' balancing losses and of their router gradients (what the gradient reduction
+    over CP ranks takes) is the whole sequences' loss and gradient, as Megatron-Core's TP × CP count reduction gives;
+    the parts' own counts give another loss."""
+    config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, num_experts=(4,),
+                         moe_router_topk=2, moe_token_dropping=False, moe_aux_loss_type=aux_loss_type,
+                         ffn_hidden_size=24)
+    torch.manual_seed(0)
+    layer = MoELayer(config, 4).train()
+    layer.returns_aux_loss = True  # the loss itself, not its gradient injected into the output
+    x = torch.randn(2, 16, 16)
+
+    def balancing(tokens, reduction):
+        layer.whole_sequence_counts = reduction
+        layer(tokens)
+        loss = layer.last_aux_loss
+        return loss.detach(), torch.autograd.grad(loss, layer.router.weight)[0]
+
+    whole, whole_gradient = balancing(x, None)
+    parts = [x[:, local_positions(16, 2, rank, True)] for rank in range(2)]
+    counts: list[torch.Tensor] = []
+    own = [balancing(part, lambda c: counts.append(c) or c)[0] for part in parts]
+    assert abs(sum(own) / 2 - whole) > 1e-4  # the parts' own balance is not the sequences'
+    summed = [balancing(part, lambda c: counts[0] + counts[1]) for part in parts]
+    torch.testing.assert_close(sum(loss for loss, _ in summed) / 2, whole)
+    torch.testing.assert_close(sum(gradient for _, gradient in summed) / 2, whole_gradient)
