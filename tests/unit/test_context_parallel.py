@@ -15,6 +15,7 @@ from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.moe import MoELayer
 from rapidtrain.parallel.context_parallel import (
     ContextParallelState,
+    fused_blocks,
     local_positions,
     ring_attention,
     split_batch,
@@ -89,7 +90,7 @@ def run_ranks(cp: int, work):
 
 
 def ring_over_ranks(q, k, v, cp, documents=None, window=None, alibi=None, sink=None, dropout_p=0.0, seed=None,
-                    weights=None):
+                    weights=None, fused=None):
     """The ring's output over every simulated rank, assembled in global order, and (with `weights`) the gradients of
     sum(output · weights) for q, k, v, each rank's own part computed by its own backward."""
     length = q.shape[2]
@@ -98,7 +99,7 @@ def ring_over_ranks(q, k, v, cp, documents=None, window=None, alibi=None, sink=N
         mine = local_positions(length, cp, rank, True)
         q_r, k_r, v_r = (t[:, :, mine].detach().requires_grad_() for t in (q, k, v))
         state = ContextParallelState(None, cp, rank, "p2p", documents)
-        out = ring_attention(q_r, k_r, v_r, exchange, state, window, dropout_p, alibi, sink, seed)
+        out = ring_attention(q_r, k_r, v_r, exchange, state, window, dropout_p, alibi, sink, seed, fused)
         grads = None if weights is None else torch.autograd.grad((out * weights[:, :, mine]).sum(), (q_r, k_r, v_r))
         return mine, out.detach(), grads
 
@@ -120,8 +121,11 @@ def _inputs(seed: int, value_size: int = 8, length: int = 32):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("case", ["causal", "documents", "window", "sink", "alibi", "mla_value_size"])
+@pytest.mark.parametrize("case", ["causal", "causal_written_out", "documents", "window", "sink", "alibi",
+                                  "mla_value_size"])
 def test_ring_attention_matches_one_attention_over_the_whole_sequence(cp, case):
+    """Plain causal attention runs each block pair through the CPU's flash kernel (its forward and backward from
+    the whole sequence's output and log-sum-exp), every other case (and causal_written_out) the written-out blocks."""
     q, k, v = _inputs(cp, 6 if case == "mla_value_size" else 8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     heads, length = q.shape[1], q.shape[2]
@@ -132,7 +136,9 @@ def test_ring_attention_matches_one_attention_over_the_whole_sequence(cp, case):
 
     reference = eager_attention(q, k, v, _reference_mask(documents, length, window), False, 0.0, alibi, sink)
     weights = torch.randn_like(reference)
-    outputs, got = ring_over_ranks(q, k, v, cp, documents, window, alibi, sink, weights=weights)
+    assert fused_blocks(q, k, v, documents, window, 0.0, alibi, sink) == case.startswith("causal")
+    outputs, got = ring_over_ranks(q, k, v, cp, documents, window, alibi, sink, weights=weights,
+                                   fused=False if case == "causal_written_out" else None)
     torch.testing.assert_close(outputs, reference.detach(), rtol=1e-5, atol=1e-6)  # both take fp32 scores
     expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
     for g, e in zip(got, expected, strict=True):
