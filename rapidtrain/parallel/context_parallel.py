@@ -292,6 +292,9 @@ class _RingSettings:
     seed: int  # the dropout masks' (one generator per block pair, seeded from it: drawn again in backward)
     alibi: torch.Tensor | None
     fused: bool = False  # block pairs through the CPU's flash kernel (`fused_blocks`)
+    # This forward's document ids (global order), kept for its backward: a pipeline schedule runs other
+    # micro-batches' forwards, which replace the state's, before this one's backward
+    documents: torch.Tensor | None = None
 
 
 def _block_pairs(state: ContextParallelState, step: int, length: int,
@@ -367,7 +370,7 @@ class _RingAttention(torch.autograd.Function):
                     _merge_into(out[:, :, q_at], lse[:, :, q_at], fused_out.to(out.dtype),
                                 fused_lse.unsqueeze(-1).to(out.dtype))
                     continue
-                allowed = allowed_mask(q_pos, k_pos, state.documents, settings.window)
+                allowed = allowed_mask(q_pos, k_pos, settings.documents, settings.window)
                 scores, any_allowed = _block_scores(q[:, :, q_at], block_k[:, :, k_at], allowed, q_pos, k_pos,
                                                     settings.alibi)
                 block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
@@ -415,7 +418,7 @@ class _RingAttention(torch.autograd.Function):
                     for whole, at, part in zip((grad_q, grad_k, grad_v), (q_at, k_at, k_at), parts, strict=True):
                         whole[:, :, at] += part.to(dtype)
                     continue
-                allowed = allowed_mask(q_pos, k_pos, state.documents, settings.window)
+                allowed = allowed_mask(q_pos, k_pos, settings.documents, settings.window)
                 scores, any_allowed = _block_scores(q[:, :, q_at], raw_k[:, :, k_at], allowed, q_pos, k_pos,
                                                     settings.alibi)
                 probs = torch.exp(scores.to(dtype) - lse[:, :, q_at].to(dtype)) * any_allowed
@@ -553,7 +556,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exchange: 
     if dropout_p and seed is None:
         seed = int(torch.randint(2**62, (1,)).item())
     fused = fused_blocks(q, k, v, state.documents, window, dropout_p, alibi, sink) if fused is None else fused
-    settings = _RingSettings(state, exchange, window, dropout_p, seed or 0, alibi, fused)
+    settings = _RingSettings(state, exchange, window, dropout_p, seed or 0, alibi, fused, state.documents)
     out, lse = _RingAttention.apply(q, k, v, settings)
     return with_sink(out, lse, sink).to(q.dtype)
 

@@ -64,6 +64,8 @@ LAYOUTS = {
         "cp2_a2a": CP2 + ["--cp-comm-type", "a2a"],
         "cp2_tp2": CP2 + ["--tensor-model-parallel-size", "2"],
         "cp2_pp2": CP2 + ["--pipeline-model-parallel-size", "2", "--cp-comm-type", "allgather"],
+        # the ring's backward masks each micro-batch by its own documents, after later micro-batches' forwards
+        "cp2_pp2_p2p": CP2 + ["--pipeline-model-parallel-size", "2"],
     },
     "moe": {"cp2_ep2": CP2 + ["--expert-model-parallel-size", "2"]},
     "moeaux": {"cp2_ep2": CP2 + ["--expert-model-parallel-size", "2"]},

@@ -100,6 +100,7 @@ def ring_over_ranks(q, k, v, cp, documents=None, window=None, alibi=None, sink=N
         q_r, k_r, v_r = (t[:, :, mine].detach().requires_grad_() for t in (q, k, v))
         state = ContextParallelState(None, cp, rank, "p2p", documents)
         out = ring_attention(q_r, k_r, v_r, exchange, state, window, dropout_p, alibi, sink, seed, fused)
+        state.documents = None  # as the next micro-batch's forward replaces them, before this one's backward (PP)
         grads = None if weights is None else torch.autograd.grad((out * weights[:, :, mine]).sum(), (q_r, k_r, v_r))
         return mine, out.detach(), grads
 
