@@ -139,8 +139,8 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
 
 def _kernel_keeps_scores(act: ActivationContext, layout: Layout) -> bool:
     """Whether the attention kernel keeps its scores: under context parallelism the ring computes its own blocks
-    (counted in context_parallel_bytes); allgather and a2a call the model's kernel (allgather with a boolean mask,
-    which a CPU's SDPA serves without keeping scores: measured at CP 2)."""
+    and keeps none of their scores (its kept output: context_parallel_bytes); allgather and a2a call the model's
+    kernel (allgather with a boolean mask, which a CPU's SDPA serves without keeping scores: measured at CP 2)."""
     if layout.context_parallel_size > 1 and layout.cp_comm_type == "p2p":
         return False
     return act.scores_kept
