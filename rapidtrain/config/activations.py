@@ -139,8 +139,8 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
 
 def _kernel_keeps_scores(act: ActivationContext, layout: Layout) -> bool:
     """Whether the attention kernel keeps its scores: under context parallelism the ring computes its own blocks
-    (counted in context_parallel_bytes); allgather and a2a call the model's kernel (allgather with a boolean mask,
-    which a CPU's SDPA serves without keeping scores: measured at CP 2)."""
+    and keeps none of their scores (its kept output: context_parallel_bytes); allgather and a2a call the model's
+    kernel (allgather with a boolean mask, which a CPU's SDPA serves without keeping scores: measured at CP 2)."""
     if layout.context_parallel_size > 1 and layout.cp_comm_type == "p2p":
         return False
     return act.scores_kept
@@ -149,10 +149,11 @@ def _kernel_keeps_scores(act: ActivationContext, layout: Layout) -> bool:
 def context_parallel_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext) -> float:
     """What one layer's attention exchange keeps for backward on a context-parallel rank (parallel/
     context_parallel.py), for `model` of the rank's local sequence part s:
-    - p2p: the K/V blocks received from the other CP - 1 ranks (autograd keeps each; Megatron-Core keeps two in
-      flight and recomputes the rest in its own backward), and for each of the 2·CP + 1 computed block pairs (s/2
-      queries each) its fp32 output kept twice (by the block and by the log-sum-exp merge); with attention dropout
-      also each pair's fp32 scores, probabilities and mask ((s/2)² per head: the block is then written out);
+    - p2p: the ring's running output and log-sum-exp in fp32 (s · heads · (dv + 1) per sample). Its forward keeps
+      nothing else beyond the local q, k, v the layer counts anyway: the blocks received from the other ranks are
+      not kept (backward passes them around the ring again, with their dK/dV, and recomputes each block pair's
+      scores and dropout mask), as in Megatron-Core's ring (Transformer Engine) and ring-flash-attention, so the
+      ring keeps the same bytes whatever CP and the attention dropout;
     - allgather: the gathered K/V of the whole sequence (CP · s tokens);
     - a2a: the whole sequence's Q, K, V and output of heads/CP heads (as many elements as the local ones)."""
     s, b, t, cp = model.seq_length, micro, layout.tensor_parallel_size, layout.context_parallel_size
@@ -166,11 +167,8 @@ def context_parallel_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
         return s * b * attention * e / t
     if layout.cp_comm_type == "allgather":
         return cp * s * b * kv * e / t
-    pairs = 2 * cp + 1
     value = model.v_head_dim if model.multi_latent_attention else model.head_dim
-    outputs = pairs * (s / 2) * b * model.num_attention_heads * value * 2 * 4 / t
-    scores = pairs * (s / 2) ** 2 * b * model.num_attention_heads * (4 + 4 + 1) / t if model.attention_dropout else 0
-    return (cp - 1) * s * b * kv * e / t + outputs + scores
+    return s * b * model.num_attention_heads * (value + 1) * 4 / t
 
 
 def _attention_widths(model: ModelConfig) -> tuple[int, int]:

@@ -175,7 +175,10 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
 
 CP_EXCHANGES = {
     "p2p": "ring: K/V blocks passed around the context-parallel ranks (send/recv), each step's partial attention "
-           "merged by log-sum-exp, causal chunk pairs wholly in the future skipped",
+           "merged by log-sum-exp, causal chunk pairs wholly in the future skipped; forward keeps only the local "
+           "K/V, output and log-sum-exp, backward passes the K/V with their dK/dV around again (Megatron-Core's "
+           "memory); block pairs through the CPU's flash kernel for plain causal attention on a CPU, else written "
+           "out",
     "allgather": "K/V all-gathered over the context-parallel ranks, local queries attend over the whole sequence",
     "a2a": "DeepSpeed-Ulysses (deepspeed.sequence.layer.DistributedAttention): all-to-all from the sequence split "
            "to a head split, the attention kernel over the whole sequence on heads/CP, all-to-all back",

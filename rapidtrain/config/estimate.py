@@ -149,8 +149,10 @@ def context_exchange_seconds(model: ModelConfig, micro_batch_size: int, layout: 
                              recompute: str, spec: DeviceSpec) -> float:
     """One layer's attention exchange for one micro-batch under context parallelism of size c, over the link the
     context group spans (Layout.cp_comm_type):
-    - p2p (ring) and allgather move the same bytes: the other (c - 1)/c of the sequence's K/V in forward, and in
-      backward the K/V again and their gradients (the ring passes dK/dV on; allgather reduce-scatters them);
+    - p2p (ring): the other (c - 1)/c of the sequence's K/V in forward, and in backward the K/V again and the dK/dV
+      accumulators c steps around the ring (each returns to its block's owner: all of the sequence's);
+    - allgather: the other (c - 1)/c of the sequence's K/V in forward, and in backward the K/V again and their
+      gradients (reduce-scattered), the count the step-time model was calibrated with (Llama 3's all-gather CP);
     - a2a (Ulysses): all-to-alls of Q, K, V in and the output back, (c - 1)/c of the rank's s/c tokens of each,
       in forward and again in backward.
     Full recomputation runs the forward's exchange once more. Not overlapped with attention (an upper bound for
@@ -165,8 +167,10 @@ def context_exchange_seconds(model: ModelConfig, micro_batch_size: int, layout: 
     if layout.cp_comm_type == "a2a":
         query = model.head_dim * model.num_attention_heads / t * element
         nbytes = (forwards + 1) * share * tokens / c * (2 * query + kv)
-    else:
+    elif layout.cp_comm_type == "allgather":
         nbytes = (forwards + 2) * share * tokens * kv
+    else:
+        nbytes = (forwards + 1) * share * tokens * kv + tokens * kv
     return link_seconds(nbytes, group_bandwidth(spec, t * c))
 
 

@@ -13,7 +13,8 @@ Routing decisions, in one place:
   and it passes through the residual.
 - Balancing loss (Switch/GShard): E · Σ_e mean_prob_e · fraction_e, fraction_e = assignments to e
   (before dropping) / (k · tokens); perfectly even routing gives exactly 1.0. DeepSeek-V3's sequence-wise
-  loss (`seq_aux_loss`) is the same formula per sequence, averaged over the sequences.
+  loss (`seq_aux_loss`) is the same formula per sequence, averaged over the sequences. The fractions are those of
+  whole sequences also where a layer sees a part of each (context parallelism: `whole_sequence_counts`).
 
 Fine-grained MoE (DeepSeek-V2/V3, Qwen-MoE; Megatron-Core's meanings):
 - Scores: softmax (above), sigmoid or sqrt(softplus) (each expert scored on its own); with k > 1 the k chosen
@@ -32,7 +33,7 @@ Fine-grained MoE (DeepSeek-V2/V3, Qwen-MoE; Megatron-Core's meanings):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any, NamedTuple, cast
 
@@ -74,6 +75,11 @@ def expert_counts(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, chosen, torch.ones_like(chosen))
 
 
+# Expert counts of this layer's tokens → those of the whole sequences they are part of (a sum over the ranks that
+# hold the other parts, under context parallelism); set on MoELayer.whole_sequence_counts from outside.
+CountReduction = Callable[[torch.Tensor], torch.Tensor]
+
+
 def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """E · Σ_e (mean router probability of e) · (share of the k·T assignments that went to e)."""
     num_experts = probs.shape[-1]
@@ -82,13 +88,17 @@ def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor) ->
     return num_experts * (mean_prob * fraction).sum()
 
 
-def sequence_load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, sequences: int) -> torch.Tensor:
+def sequence_load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, sequences: int,
+                                 whole_counts: CountReduction | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balancing loss: `load_balancing_loss` of each of `sequences` equal runs of tokens
-    (probs [T, E], expert_index [T, k], sequence-major), averaged over the sequences."""
+    (probs [T, E], expert_index [T, k], sequence-major), averaged over the sequences; `whole_counts` makes the
+    per-sequence counts [sequences, E] those of whole sequences where the layer sees a part of each."""
     num_experts = probs.shape[-1]
     chosen = expert_index.reshape(sequences, -1)  # each sequence's k·(T / sequences) assignments
     counts = torch.zeros(sequences, num_experts, device=probs.device).scatter_add_(
         1, chosen, torch.ones(chosen.shape, device=probs.device))
+    if whole_counts is not None:
+        counts = whole_counts(counts)
     mean_prob = probs.float().view(sequences, -1, num_experts).mean(dim=1)
     fraction = counts / counts.sum(dim=-1, keepdim=True)
     return (num_experts * (mean_prob * fraction).sum(dim=-1)).mean()
@@ -320,6 +330,12 @@ class MoELayer(nn.Module):
         self.load_collected_from: torch.Tensor | None = None  # ... and when collect_expert_load did
         self.aux_loss_scale = 1.0  # set_aux_loss_scale: the factor the main loss carries into backward
         self.stats_paused = False  # routing_stats_paused: forwards that are no training step
+        # The balancing losses' expert counts are the whole sequences' (Megatron-Core sums them over TP × CP): where
+        # the layer sees only a part of each sequence (context parallelism), parallel/ sets this to the sum over the
+        # parts; the mean router probabilities stay this layer's tokens', and the ranks' losses, averaged with their
+        # gradients, are the whole sequences' loss. None: the layer sees whole sequences (under tensor parallelism too:
+        # each TP rank routes every token of its sequences).
+        self.whole_sequence_counts: CountReduction | None = None
 
     def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """fp32 router logits [T, E]; in training, optional multiplicative jitter on the router input."""
@@ -434,9 +450,12 @@ class MoELayer(nn.Module):
         if not self.training:
             return output
         if self.per_sequence_aux_loss:
-            aux_loss = sequence_load_balancing_loss(probs, expert_index, shape[0] if len(shape) == 3 else 1)
+            aux_loss = sequence_load_balancing_loss(probs, expert_index, shape[0] if len(shape) == 3 else 1,
+                                                    self.whole_sequence_counts)
         else:
-            aux_loss = load_balancing_loss(probs, tokens_per_expert)
+            whole = tokens_per_expert if self.whole_sequence_counts is None \
+                else self.whole_sequence_counts(tokens_per_expert)
+            aux_loss = load_balancing_loss(probs, whole)
         if not (self.stats_paused or _recomputing()):
             self._record(aux_loss.detach(), tokens_per_expert.detach())
             if self.expert_bias is not None:

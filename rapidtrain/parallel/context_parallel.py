@@ -17,20 +17,29 @@ patches those aten ops; CPU/gloo and the explicit and masked kernels have none) 
 DeepSpeed's `deepspeed.sequence.layer.DistributedAttention` (it runs on gloo too), around the model's kernel under
 the global mask built here:
 
-- p2p (ring): the K/V blocks travel around the CP ring (one send/recv per step, `RingShift`); each step's partial
-  attention (with its log-sum-exp) is merged by log-sum-exp. Causal chunk pairs wholly in the future are skipped,
-  the diagonal chunk is causal. Autograd keeps each received block for backward (the blocks' memory of allgather,
-  the ring's communication pattern); the backward passes the gradients back around the ring. Each block's attention
-  is written out (`block_attention`: its scores are kept, fp32), because the merge needs the gradient through each
-  block's log-sum-exp, which SDPA's fused kernels return without one; a fused block kernel with its own backward
-  (Megatron-Core's, through Transformer Engine) is what long sequences on GPUs want next.
+- p2p (ring): the K/V blocks travel around the CP ring (one send/recv per step, `RingExchange`, started before the
+  step's compute so the next block arrives while the current one is used); each step's partial attention is merged
+  into a running output and log-sum-exp. Causal chunk pairs wholly in the future are skipped, the diagonal chunk is
+  causal. Memory-efficient as Megatron-Core's (Transformer Engine's) ring and ring-flash-attention: forward keeps for
+  backward only the local q, k, v, the output and the log-sum-exp (`_RingAttention`), never the received blocks;
+  backward runs the ring again, passing each K/V block with its dK/dV accumulator (which returns to the block's
+  owner after CP steps), recomputing each block pair's scores (and its dropout mask, from a per-pair seed). At
+  most two blocks (and two accumulators) are in flight. Plain causal attention on a CPU runs each block pair
+  through aten's flash kernel for CPUs, which returns its log-sum-exp, and its backward, handed the whole
+  sequence's output and log-sum-exp as ring-flash-attention hands flash attention's (`fused_blocks`; measured on
+  this repository's 2-core AMD EPYC, CP 2 simulated, 4,096 tokens, 8 heads of 64: forward and backward in a fifth
+  of the CPU time and half the peak memory of the written-out blocks). Other masks, ALiBi, sinks, dropout and CUDA
+  write the blocks out in torch ops (fp32 scores, one (s/2)² pair at a time); CUDA's flash/efficient kernels with
+  their log-sum-exp (Megatron-Core's through Transformer Engine) are what long sequences on GPUs want next.
 - allgather: K/V (and document ids) all-gathered, one attention of the local queries over all keys under the
   global causal/document/window mask.
 - a2a (Ulysses): all-to-all from the sequence split to a head split, attention over the whole sequence for
   heads/CP (and key/value groups/CP) heads, all-to-all back.
 
 Every mask is built from global positions: causal, same document, sliding window; attention sinks (gpt-oss) and
-ALiBi are handled in each path; MLA's value head size may differ from the key's.
+ALiBi are handled in each path; MLA's value head size may differ from the key's. An MoE layer's balancing loss
+counts the experts' assignments of whole sequences (`SequenceCounts`: summed over the CP group, as Megatron-Core
+sums them over TP × CP).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.attention import attend
+from rapidtrain.models.moe import moe_layers
 
 if TYPE_CHECKING:
     from rapidtrain.config.settings import Plan
@@ -182,10 +192,16 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     return out.float(), lse.masked_fill(~any_allowed, float("-inf"))
 
 
+def _accumulation(q: torch.Tensor) -> torch.dtype:
+    """Scores, outputs and gradients are computed in fp32 (fp64 where the inputs are: the tests' finite
+    differences)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _block_scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                   alibi: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 scores of a block, -inf where not allowed and 0 across a row with no allowed key; and that row flag."""
-    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)).to(_accumulation(q)) * q.shape[-1] ** -0.5
     if alibi is not None:
         scores = scores - alibi[:, None, None] * (q_pos[:, None] - k_pos[None, :]).abs().float()
     any_allowed = allowed.any(dim=-1, keepdim=True)
@@ -226,14 +242,6 @@ class _BlockAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
-def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attentions over disjoint key sets → the attention over their union, by log-sum-exp."""
-    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
-    out = sum(torch.exp(part_lse - lse) * part_out for part_out, part_lse in parts)
-    assert isinstance(out, torch.Tensor)
-    return out, lse
-
-
 def with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
     """Attention sinks from a merged result: the softmax over keys and sink (value 0) is the keys' output times
     Z / (Z + exp(sink)) = sigmoid(lse - sink), as models/attention.py's FlexAttention path does."""
@@ -242,29 +250,204 @@ def with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) -
     return out * torch.sigmoid(lse - sink.float()[None, :, None, None])
 
 
-class RingShift(torch.autograd.Function):
-    """Send a tensor to the next rank of the ring and receive the previous rank's; backward sends the gradient
-    back (to the previous rank, from the next)."""
+class RingExchange:
+    """The ring's transport: `start(tensor, tag)` sends `tensor` to the next rank of the CP group and receives the
+    previous rank's tensor of the same shape, and returns a function that waits for the transfer and gives the
+    received tensor, so the caller computes while the block travels (two blocks in flight: the one computed on and
+    the one arriving). Over torch.distributed's batched isend/irecv; the tag keeps K/V and dK/dV apart where both
+    are in flight (backward)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % size)
+        self.previous = dist.get_global_rank(group, (rank - 1) % size)
+
+    def start(self, tensor: torch.Tensor, tag: int) -> Callable[[], torch.Tensor]:
+        tensor = tensor.contiguous()
+        received = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, received, self.previous, self.group, tag)]
+        requests = dist.batch_isend_irecv(ops)
+
+        def wait() -> torch.Tensor:
+            for request in requests:
+                request.wait()
+            return received
+
+        return wait
+
+
+KV_TAG, GRADIENT_TAG = 0, 1
+
+
+@dataclass(frozen=True)
+class _RingSettings:
+    """What the ring's forward and backward share besides the tensors."""
+
+    state: ContextParallelState
+    exchange: Any  # RingExchange, or the one-process simulation of the unit tests
+    window: int | None
+    dropout_p: float
+    seed: int  # the dropout masks' (one generator per block pair, seeded from it: drawn again in backward)
+    alibi: torch.Tensor | None
+    fused: bool = False  # block pairs through the CPU's flash kernel (`fused_blocks`)
+    # This forward's document ids (global order), kept for its backward: a pipeline schedule runs other
+    # micro-batches' forwards, which replace the state's, before this one's backward
+    documents: torch.Tensor | None = None
+
+
+def _block_pairs(state: ContextParallelState, step: int, length: int,
+                 device: torch.device) -> list[tuple[slice, slice, torch.Tensor, torch.Tensor, bool]]:
+    """Ring step `step`'s (query slice, key slice, query positions, key positions, diagonal) of the local queries'
+    two chunks against the two chunks of the block from rank (r - step) mod CP; a pair whose key chunk (global chunk
+    index) is wholly in the future of its query chunk is left out, the diagonal pair (the same chunk) is causal."""
+    half = length // 2
+    source = (state.rank - step) % state.size
+    q_pos, k_pos = state.positions(length, device), state.positions(length, device, source)
+    halves = (slice(0, half), slice(half, length))
+    return [(q_at, k_at, q_pos[q_at], k_pos[k_at], key_chunk == query_chunk)
+            for which, q_at in enumerate(halves) for key_which, k_at in enumerate(halves)
+            if (key_chunk := _chunk_index(state, key_which, source)) <= (query_chunk := _chunk_index(state, which))]
+
+
+def fused_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
+                 window: int | None, dropout_p: float, alibi: torch.Tensor | None, sink: torch.Tensor | None) -> bool:
+    """Whether the ring's block pairs run through the CPU's flash kernel (aten's
+    `_scaled_dot_product_flash_attention_for_cpu`, which returns its log-sum-exp, and its backward, which takes the
+    whole sequence's output and log-sum-exp as ring-flash-attention hands flash attention's): on a CPU, for plain
+    causal attention (each pair is whole or causal on its diagonal), keys and values of one head size. Masks of
+    documents or windows, ALiBi, sinks (a log-sum-exp gradient) and dropout (masks the kernel cannot draw again)
+    take the written-out blocks; so does CUDA, whose flash and efficient kernels take other signatures."""
+    plain = documents is None and window is None and alibi is None and sink is None and not dropout_p
+    return plain and q.device.type == "cpu" and k.shape[-1] == v.shape[-1]
+
+
+def _dropout_keep(settings: _RingSettings, step: int, pair: int, shape: torch.Size,
+                  device: torch.device) -> torch.Tensor:
+    """Block pair (step, pair)'s dropout scale (kept / (1 - p), dropped 0), drawn from its own seeded generator, so
+    backward draws the same mask instead of keeping it (flash attention's way, its Philox seed and offset)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(settings.seed + 4 * step + pair)
+    keep = torch.rand(shape, generator=generator, device=device) >= settings.dropout_p
+    return keep / (1 - settings.dropout_p)
+
+
+def _grouped(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V of key/value groups repeated to the queries' heads (grouped-query attention)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _ungrouped(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_grouped`: each group's heads summed."""
+    b, heads, s, d = grad.shape
+    return grad if heads == groups else grad.view(b, groups, heads // groups, s, d).sum(dim=2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring's attention of this rank's queries over the whole sequence, memory-efficient as Megatron-Core's
+    (Transformer Engine's) and ring-flash-attention's: forward passes the K/V blocks around the ring and merges each
+    step's partial attention into a running output and log-sum-exp, keeping for backward only the local q, k, v, the
+    output and the log-sum-exp; backward passes the K/V blocks around again with their dK/dV accumulators (each
+    rank adds its queries' share to the block it holds; after CP steps every accumulator is back at its owner) and
+    recomputes each block pair's scores. Returns (output fp32 [b, h, s, dv], log-sum-exp fp32 [b, h, s, 1])."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, forward_step: int) -> torch.Tensor:
-        ctx.group, ctx.step = group, forward_step
-        return _shift(tensor.contiguous(), group, forward_step)
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                settings: _RingSettings) -> tuple[torch.Tensor, torch.Tensor]:
+        state, heads, length, key_size = settings.state, q.shape[1], q.shape[2], k.shape[-1]
+        out = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=_accumulation(q))
+        lse = torch.full((*q.shape[:3], 1), float("-inf"), dtype=out.dtype, device=q.device)
+        block = torch.cat([k, v], dim=-1)  # one message per step (MLA's value size may differ from the key's)
+        for step in range(state.size):
+            arriving = settings.exchange.start(block, KV_TAG) if step + 1 < state.size else None
+            block_k, block_v = (_grouped(t, heads) for t in (block[..., :key_size], block[..., key_size:]))
+            for pair, (q_at, k_at, q_pos, k_pos, diagonal) in enumerate(_block_pairs(state, step, length,
+                                                                                     q.device)):
+                if settings.fused:
+                    fused_out, fused_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                        q[:, :, q_at], block_k[:, :, k_at], block_v[:, :, k_at], 0.0, diagonal)
+                    _merge_into(out[:, :, q_at], lse[:, :, q_at], fused_out.to(out.dtype),
+                                fused_lse.unsqueeze(-1).to(out.dtype))
+                    continue
+                allowed = allowed_mask(q_pos, k_pos, settings.documents, settings.window)
+                scores, any_allowed = _block_scores(q[:, :, q_at], block_k[:, :, k_at], allowed, q_pos, k_pos,
+                                                    settings.alibi)
+                block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+                probs = torch.exp(scores - block_lse) * any_allowed
+                if settings.dropout_p:
+                    probs = probs * _dropout_keep(settings, step, pair, probs.shape, q.device)
+                block_out = (probs.to(v.dtype) @ block_v[:, :, k_at]).to(out.dtype)
+                _merge_into(out[:, :, q_at], lse[:, :, q_at], block_out,
+                            block_lse.masked_fill(~any_allowed, float("-inf")))
+            if arriving is not None:
+                block = arriving()
+        ctx.settings = settings
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _shift(grad.contiguous(), ctx.group, -ctx.step), None, None
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        settings: _RingSettings = ctx.settings
+        state, heads, length, key_size = settings.state, q.shape[1], q.shape[2], k.shape[-1]
+        dtype = out.dtype
+        grad_out = grad_out.to(dtype)
+        # dS = P ∘ (dP - rowsum(dO ∘ O) + dlse) for P = exp(S - lse) of the whole sequence (flash attention's
+        # backward; rowsum(dO ∘ O) = rowsum(P ∘ dP) holds with dropout too)
+        row = (grad_out * out.to(dtype)).sum(dim=-1, keepdim=True)
+        if grad_lse is not None:
+            row = row - grad_lse.to(dtype)
+        scale = q.shape[-1] ** -0.5
+        grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        block = torch.cat([k, v], dim=-1)
+        grad_block = torch.zeros(block.shape, dtype=dtype, device=q.device)  # the held block's dK/dV so far
+        q_dtype = q.to(dtype)
+        for step in range(state.size):
+            arriving = settings.exchange.start(block, KV_TAG) if step + 1 < state.size else None
+            # in the inputs' dtype (the scores as forward computed them), and in the gradients'
+            raw_k, raw_v = _grouped(block[..., :key_size], heads), _grouped(block[..., key_size:], heads)
+            block_k, block_v = raw_k.to(dtype), raw_v.to(dtype)
+            grad_k, grad_v = torch.zeros_like(block_k), torch.zeros_like(block_v)
+            for pair, (q_at, k_at, q_pos, k_pos, diagonal) in enumerate(_block_pairs(state, step, length,
+                                                                                     q.device)):
+                if settings.fused:  # the kernel's backward from the whole sequence's output and log-sum-exp
+                    parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                        grad_out[:, :, q_at].to(q.dtype), q[:, :, q_at], raw_k[:, :, k_at],
+                        raw_v[:, :, k_at], out[:, :, q_at].to(q.dtype), lse[:, :, q_at].squeeze(-1), 0.0, diagonal)
+                    for whole, at, part in zip((grad_q, grad_k, grad_v), (q_at, k_at, k_at), parts, strict=True):
+                        whole[:, :, at] += part.to(dtype)
+                    continue
+                allowed = allowed_mask(q_pos, k_pos, settings.documents, settings.window)
+                scores, any_allowed = _block_scores(q[:, :, q_at], raw_k[:, :, k_at], allowed, q_pos, k_pos,
+                                                    settings.alibi)
+                probs = torch.exp(scores.to(dtype) - lse[:, :, q_at].to(dtype)) * any_allowed
+                grad_probs = grad_out[:, :, q_at] @ block_v[:, :, k_at].transpose(-2, -1)
+                if settings.dropout_p:
+                    keep = _dropout_keep(settings, step, pair, probs.shape, q.device).to(dtype)
+                    grad_probs = grad_probs * keep
+                    grad_v[:, :, k_at] += (probs * keep).transpose(-2, -1) @ grad_out[:, :, q_at]
+                else:
+                    grad_v[:, :, k_at] += probs.transpose(-2, -1) @ grad_out[:, :, q_at]
+                grad_scores = probs * (grad_probs - row[:, :, q_at]) * scale
+                grad_q[:, :, q_at] += grad_scores @ block_k[:, :, k_at]
+                grad_k[:, :, k_at] += grad_scores.transpose(-2, -1) @ q_dtype[:, :, q_at]
+            grad_block += torch.cat([_ungrouped(grad_k, k.shape[1]), _ungrouped(grad_v, v.shape[1])], dim=-1)
+            # the accumulator follows its block to the next rank; after CP steps each rank holds its own
+            grad_block = settings.exchange.start(grad_block, GRADIENT_TAG)()
+            if arriving is not None:
+                block = arriving()
+        grad_k, grad_v = grad_block[..., :key_size], grad_block[..., key_size:]
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
 
 
-def _shift(tensor: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    received = torch.empty_like(tensor)
-    to = dist.get_global_rank(group, (rank + step) % size)
-    source = dist.get_global_rank(group, (rank - step) % size)
-    ops = [dist.P2POp(dist.isend, tensor, to, group), dist.P2POp(dist.irecv, received, source, group)]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Merge a partial attention over more keys into the running (out, lse) in place, by log-sum-exp (rows with no
+    allowed key so far or in the block have lse -inf: their weights are made 0, not NaN)."""
+    merged = torch.logaddexp(lse, block_lse)
+    finite = torch.where(torch.isinf(merged), 0.0, merged)
+    out.mul_(torch.exp(lse - finite)).add_(block_out * torch.exp(block_lse - finite))
+    lse.copy_(merged)
 
 
 class _AllGather(torch.autograd.Function):
@@ -296,6 +479,7 @@ class ContextParallelCore:
         self.state = state
         self.window = window
         self._ulysses: nn.Module | None = None
+        self._exchange: RingExchange | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_causal: bool,
                  dropout_p: float, kernel: Any, alibi: torch.Tensor | None = None,
@@ -324,15 +508,10 @@ class ContextParallelCore:
     # ---- p2p ring ----
     def ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
              alibi: torch.Tensor | None, sink: torch.Tensor | None) -> torch.Tensor:
-        state = self.state
-        current = [torch.cat([k, v], dim=-1)]  # one message per step (MLA's value size may differ from the key's)
-
-        def fetch(step: int) -> torch.Tensor:
-            if step:
-                current[0] = RingShift.apply(current[0], state.group, 1)
-            return current[0]
-
-        return ring_attention(q, k.shape[-1], fetch, state, self.window, dropout_p, alibi, sink)
+        if self._exchange is None:
+            assert self.state.group is not None, "the ring needs the context-parallel process group"
+            self._exchange = RingExchange(self.state.group)
+        return ring_attention(q, k, v, self._exchange, self.state, self.window, dropout_p, alibi, sink)
 
     # ---- a2a (Ulysses) ----
     def ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, kernel: Any,
@@ -365,34 +544,21 @@ class ContextParallelCore:
             self._ulysses = DistributedAttention(_heads_attention, self.state.group, scatter_idx=2, gather_idx=1)
         return self._ulysses
 
-def ring_attention(q: torch.Tensor, key_size: int, fetch: Callable[[int], torch.Tensor], state: ContextParallelState,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exchange: Any, state: ContextParallelState,
                    window: int | None, dropout_p: float, alibi: torch.Tensor | None,
-                   sink: torch.Tensor | None) -> torch.Tensor:
-    """The ring's attention of this rank's queries: `fetch(i)` gives step i's K/V block (keys and values
-    concatenated on the last dimension, `key_size` of it keys), that of rank (r - i) mod CP. Per pair of (query
-    chunk, key chunk) of global chunk indices (a, b), b > a is wholly in the future and skipped; the partial
-    results of each query chunk are merged by log-sum-exp."""
-    length = q.shape[2]
-    half = length // 2
-    q_pos = state.positions(length, q.device)
-    q_chunks = [(q[:, :, :half], q_pos[:half]), (q[:, :, half:], q_pos[half:])]
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
-    for step in range(state.size):
-        block = fetch(step)
-        block_k, block_v = block[..., :key_size], block[..., key_size:]
-        source = (state.rank - step) % state.size
-        k_pos = state.positions(length, q.device, source)
-        k_chunks = [(block_k[:, :, :half], block_v[:, :, :half], k_pos[:half]),
-                    (block_k[:, :, half:], block_v[:, :, half:], k_pos[half:])]
-        for which, (q_part, q_at) in enumerate(q_chunks):
-            query_chunk = _chunk_index(state, which)
-            for key_which, (k_part, v_part, k_at) in enumerate(k_chunks):
-                if _chunk_index(state, key_which, source) > query_chunk:
-                    continue  # wholly in the future
-                allowed = allowed_mask(q_at, k_at, state.documents, window)
-                parts[which].append(block_attention(q_part, k_part, v_part, allowed, q_at, k_at, alibi, dropout_p))
-    halves = [with_sink(*merge(chunk_parts), sink) for chunk_parts in parts]
-    return torch.cat(halves, dim=2).to(q.dtype)
+                   sink: torch.Tensor | None, seed: int | None = None, fused: bool | None = None) -> torch.Tensor:
+    """The ring's attention of this rank's queries q [b, h, s, d] over the whole sequence, from its own keys and
+    values k, v [b, groups, s, d or dv] and those `exchange` passes around the ring (`_RingAttention`); attention
+    sinks applied on the merged result. With attention dropout each block pair's mask comes from a generator seeded
+    from `seed` (drawn from torch's default generator when None, so recompute under activation checkpointing, which
+    restores that generator, draws the same). `fused`: whether block pairs run through the CPU's flash kernel
+    (`fused_blocks` decides when None)."""
+    if dropout_p and seed is None:
+        seed = int(torch.randint(2**62, (1,)).item())
+    fused = fused_blocks(q, k, v, state.documents, window, dropout_p, alibi, sink) if fused is None else fused
+    settings = _RingSettings(state, exchange, window, dropout_p, seed or 0, alibi, fused, state.documents)
+    out, lse = _RingAttention.apply(q, k, v, settings)
+    return with_sink(out, lse, sink).to(q.dtype)
 
 
 def _chunk_index(state: ContextParallelState, which: int, rank: int | None = None) -> int:
@@ -424,17 +590,33 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, size: int
                            window_of_layer: Callable[[int], int | None]) -> ContextParallelState:
     """Give every attention module of `model` a context-parallel core and the model a pre-forward hook that takes
     the document ids out of its call (gathered for the cores) and gives it the global position ids where the
-    caller gave none. Returns the shared state."""
+    caller gave none; every MoE layer's balancing loss the whole sequences' expert counts. Returns the shared state."""
     state = ContextParallelState(group, size, rank, comm_type)
     for layer, module in attention_modules(model):
         if not module.causal:
             raise ValueError("context parallelism splits a causal model's sequence: bidirectional (BERT) attention "
                              "is not served; drop --context-parallel-size")
         module.core = ContextParallelCore(state, window_of_layer(layer))  # type: ignore[assignment]
-
+    for moe in moe_layers(model).values():  # their balancing losses count the whole sequences' assignments
+        moe.whole_sequence_counts = SequenceCounts(group)
     state.attach(model)
     model.context_parallel = state  # type: ignore[assignment]  # pipeline stage views attach it too
     return state
+
+
+class SequenceCounts:
+    """An MoE layer's balancing-loss expert counts summed over the CP group, so they are the whole sequences'
+    (Megatron-Core reduces them over TP × CP; a TP rank here routes every token of its sequences already). Each rank's
+    loss then weighs its own tokens' mean router probabilities by the whole sequences' fractions: their mean over the
+    CP ranks, which the gradient reduction takes, is the whole sequences' balancing loss."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        summed = counts.clone()
+        dist.all_reduce(summed, group=self.group)
+        return summed
 
 
 def apply_to_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> ContextParallelState:

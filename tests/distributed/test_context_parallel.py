@@ -3,7 +3,8 @@ a tiny GPT-2 (learned positions, plain causal attention) under CP 2 with each ex
 Ulysses 2 (--ds-sequence-parallel-size), CP 4, and CP 2 beside TP 2, PP 2, DeepSpeed ZeRO-2 and FSDP; a tiny Llama
 (rope, grouped-query attention) with packed documents masked (--reset-attention-mask, --reset-position-ids,
 --eod-mask-loss) under CP 2 and 4 and beside TP 2 and PP 2, and at a 1,024-token sequence under the ring at CP 2
-and 4; an MoE GPT under CP 2 × EP 2; gpt-oss's attention (sinks,
+and 4; an MoE GPT under CP 2 × EP 2, without and with the balancing loss (its expert counts the whole
+sequences'); gpt-oss's attention (sinks,
 a sliding window) and multi-head latent attention under CP 2. A CP 2 run stopped at
 iteration 2 resumes bitwise; its checkpoint continues in one process, and the one-process checkpoint at CP 2."""
 
@@ -30,9 +31,11 @@ LLAMA = BASE + (
     "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2"
 ).split()
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
-# Dropless and without the balancing loss: capacity and the balancing loss are per rank's tokens, which the sequence
-# split changes (as a data-parallel split does); the experts' computation itself is what CP × EP must keep.
+# Dropless: capacity is per rank's tokens, which the sequence split changes. Without the balancing loss the experts'
+# computation itself is what CP × EP must keep; with it (MOE_AUX), its expert counts are the whole sequences'
+# (summed over the CP ranks, as Megatron-Core sums them over TP × CP), so it matches one process too.
 MOE = BASE + "--num-experts 4 --moe-router-topk 2 --disable-moe-token-dropping --moe-aux-loss-coeff 0".split()
+MOE_AUX = BASE + "--num-experts 4 --moe-router-topk 2 --disable-moe-token-dropping --moe-aux-loss-coeff 0.1".split()
 
 # gpt-oss's attention (learnable sinks, a 16-token window in the first layer) and DeepSeek's multi-head latent attention
 # (a value head smaller than the query/key head), dense.
@@ -61,14 +64,17 @@ LAYOUTS = {
         "cp2_a2a": CP2 + ["--cp-comm-type", "a2a"],
         "cp2_tp2": CP2 + ["--tensor-model-parallel-size", "2"],
         "cp2_pp2": CP2 + ["--pipeline-model-parallel-size", "2", "--cp-comm-type", "allgather"],
+        # the ring's backward masks each micro-batch by its own documents, after later micro-batches' forwards
+        "cp2_pp2_p2p": CP2 + ["--pipeline-model-parallel-size", "2"],
     },
     "moe": {"cp2_ep2": CP2 + ["--expert-model-parallel-size", "2"]},
+    "moeaux": {"cp2_ep2": CP2 + ["--expert-model-parallel-size", "2"]},
     "oss": {"cp2_p2p": CP2, "cp2_a2a": CP2 + ["--cp-comm-type", "a2a"]},
     "mla": {"cp2_p2p": CP2, "cp2_allgather": CP2 + ["--cp-comm-type", "allgather"]},
     # the Llama with packed documents at a long sequence: 1,024 tokens, the ring over 2 and 4 ranks
     "long": {"cp2_p2p": CP2, "cp4_p2p": ["--context-parallel-size", "4"]},
 }
-MODELS = {"gpt": GPT, "llama": LLAMA + DOCUMENTS, "moe": MOE, "oss": OSS, "mla": MLA, "long": []}
+MODELS = {"gpt": GPT, "llama": LLAMA + DOCUMENTS, "moe": MOE, "moeaux": MOE_AUX, "oss": OSS, "mla": MLA, "long": []}
 LONG = ["--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "4"]
 PARITY = 1e-5  # relative, fp32
 

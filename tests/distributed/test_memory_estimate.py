@@ -3,7 +3,9 @@ activations by Korthikanti et al. 2022, per pipeline stage, and what backward ma
 each rank of a real CPU run reaches, for every layout: on 2 ranks DDP, DeepSpeed ZeRO-1/2/3, FSDP, SDP, OSS, TP,
 TP + sequence parallelism, PP and EP, every recompute granularity, bf16 (autocast's fp32 residual stream), and
 BERT; on 4, pipeline stages with ZeRO-1, tensor or plain data parallelism beside them, and data parallelism beside
-tensor parallelism; and a seeded draw of configurations from the space those come from; within ±15% per rank.
+tensor parallelism; context parallelism on 2 ranks (CP 1 and 2, each exchange and engine) and on 4 (CP 4, each
+exchange: at one sequence the peak falls with CP as planned); and a seeded draw of configurations from the space
+those come from; within ±15% per rank.
 And whether the loss ran chunked where the plan says it does.
 
 Measured (tests/distributed/memory_runs.py): the model states are the distinct tensor storages reachable from
@@ -119,12 +121,26 @@ CONTEXT_PARALLEL_LAYOUTS = {
     "cp2_p2p": [*CP2, "--cp-comm-type", "p2p"],
     "cp2_allgather": [*CP2, "--cp-comm-type", "allgather"],
     "cp2_a2a": [*CP2, "--cp-comm-type", "a2a"],
-    # with attention dropout the ring's blocks keep their scores and masks (written out, not recomputed)
+    # with attention dropout the ring keeps no more: backward draws each block pair's mask again from its seed
     "cp2_p2p_dropout": [*CP2, "--cp-comm-type", "p2p", "--attention-dropout", "0.1"],
     # model state partitioned over data × context ranks (2 here, with data parallel 1)
     "cp2_fsdp": [*CP2, "--fsdp-memory-optimization"],
     "cp2_zero2": [*CP2, "--zero-2-memory-optimization", *SMALL_BUCKETS],
     "cp2_oss": [*CP2, "--cp-comm-type", "a2a", "--oss-memory-optimization"],
+    # CP 1 at the same sequence: data parallelism, for the fall with CP (a rank's peak at CP 2 × DP 2 on 4 ranks is
+    # CP 2's here: the same tokens and the same replicated model states)
+    "cp1_seq256": ["--seq-length", "256"],
+}
+
+
+# Context parallelism at CP 4 (issue 42), in the 4-rank launch above: the same 256-token sequence and micro batch
+# of 2 as CP 1 and CP 2 on 2 ranks, each rank holding s/CP tokens of it, so the per-rank peak falls with CP as the
+# plan says; each exchange.
+CP4 = ["--context-parallel-size", "4", "--seq-length", "256"]
+FOUR_RANK_CONTEXT_PARALLEL_LAYOUTS = {
+    "cp4_p2p": [*CP4, "--cp-comm-type", "p2p"],
+    "cp4_allgather": [*CP4, "--cp-comm-type", "allgather"],
+    "cp4_a2a": [*CP4, "--cp-comm-type", "a2a"],
 }
 
 
@@ -144,14 +160,18 @@ def measured(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def measured_on_four_ranks(tmp_path_factory) -> dict:
-    return measure(tmp_path_factory, 4, FOUR_RANK_LAYOUTS)
+    return measure(tmp_path_factory, 4, {**FOUR_RANK_LAYOUTS, **FOUR_RANK_CONTEXT_PARALLEL_LAYOUTS})
 
 
-def check_every_rank(flags: list[str], world: int, name: str, measured: list[dict]) -> None:
+def planned_memory(flags: list[str], world: int):
     ctx = RunContext(world_size=world)
     args = parse_args(SHAPE + flags)
     rules.validate(args, ctx)
-    plan = from_args(args, ctx)
+    return from_args(args, ctx)
+
+
+def check_every_rank(flags: list[str], world: int, name: str, measured: list[dict]) -> None:
+    plan = planned_memory(flags, world)
     memory = plan.memory
     stages = len(memory.stage_state_bytes)
     chunked = loss_is_chunked(plan.model, plan.layout, plan.switches)
@@ -185,6 +205,27 @@ def test_peak_memory_per_rank_is_estimated_within_15_percent(measured, layout):
 @pytest.mark.parametrize("layout", list(FOUR_RANK_LAYOUTS))
 def test_peak_memory_per_rank_on_four_ranks_is_estimated_within_15_percent(measured_on_four_ranks, layout):
     check_every_rank(FOUR_RANK_LAYOUTS[layout], 4, layout, measured_on_four_ranks[layout])
+
+
+@pytest.mark.parametrize("layout", list(FOUR_RANK_CONTEXT_PARALLEL_LAYOUTS))
+def test_context_parallel_peak_memory_on_four_ranks_is_estimated_within_15_percent(measured_on_four_ranks, layout):
+    check_every_rank(FOUR_RANK_CONTEXT_PARALLEL_LAYOUTS[layout], 4, layout, measured_on_four_ranks[layout])
+
+
+def test_ring_peak_memory_falls_with_the_context_parallel_size_as_planned(measured_context_parallel,
+                                                                          measured_on_four_ranks):
+    """The largest rank's peak at CP 1, 2 and 4 (the ring; the same sequence and micro batch per rank): measured and
+    planned fall together, each step's measured ratio within 15% of the plan's."""
+    runs = [(measured_context_parallel, CONTEXT_PARALLEL_LAYOUTS, 2, "cp1_seq256"),
+            (measured_context_parallel, CONTEXT_PARALLEL_LAYOUTS, 2, "cp2_p2p"),
+            (measured_on_four_ranks, FOUR_RANK_CONTEXT_PARALLEL_LAYOUTS, 4, "cp4_p2p")]
+    real = [max(r["state_bytes"] + r["activation_bytes"] for r in measured[name]) for measured, _, _, name in runs]
+    planned = [planned_memory(layouts[name], world).memory.peak_bytes_per_rank for _, layouts, world, name in runs]
+    print("CP 1, 2, 4 peak per rank (MiB), measured:", [round(x / 2**20, 2) for x in real],
+          "planned:", [round(x / 2**20, 2) for x in planned])
+    assert real[0] > real[1] > real[2] and planned[0] > planned[1] > planned[2]
+    for before, after, plan_before, plan_after in zip(real, real[1:], planned, planned[1:], strict=False):
+        assert after / before == pytest.approx(plan_after / plan_before, rel=0.15)
 
 
 # Drawn: the fixed layouts above are the corners; here a seeded draw of 8 configurations from the space they come
