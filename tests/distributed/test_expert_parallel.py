@@ -83,7 +83,7 @@ def test_ep2_matches_ep1_resumes_exactly_and_loads_at_ep1(tmp_path, demo_data):
 # ---- expert parallelism composed with pipeline parallelism and state partitioning (one torchrun launch) ----
 
 # 4 experts in both layers, global batch 8 of micro-batches of 2: 4 micro-batches in one process, 1 per rank at
-# DP 4, 2 per rank at PP 2 × DP 2. The vocabulary pads to 8192 at TP 1 and TP 2.
+# DP 4, 2 per rank at PP 2 × DP 2. The vocabulary (2,005 ids) pads to 2048 at TP 1 and TP 2.
 COMPOSED_FLAGS = TINY + NO_DROPOUT + ["--num-experts", "4", "--make-vocab-size-divisible-by", "256"]
 EP2 = ["--expert-model-parallel-size", "2"]
 # The four layouts issue 12 names; each is also stopped at iteration 3 (checkpoint) and, but for OSS, resumed.

@@ -21,7 +21,7 @@ RUNS = Path(__file__).with_name("pretrain_runs.py")
 TINY = [*TINY_GPT_PARITY, "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "5", "--lr",
         "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "2", "--train-iters", "10", "--weight-decay", "0.1",
         "--optimizer", "muon", "--muon-momentum", "0.95", "--muon-nesterov", "--muon-extra-scale-factor", "0.2",
-        "--make-vocab-size-divisible-by", "512"]  # the vocabulary pads to 8192 at TP 1 and 2: one model
+        "--make-vocab-size-divisible-by", "512"]  # the vocabulary pads to 2048 at TP 1 and 2: one model
 # MoE: each expert's matrix is orthogonalized on its own (stacked [E, in, out] weights); under expert parallelism
 # each rank steps its own experts.
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
