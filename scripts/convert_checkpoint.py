@@ -88,36 +88,36 @@ def export_hf(state: dict[str, torch.Tensor], config: ModelConfig | None, direct
         raise ExportError("--hf exports the built-in models; this checkpoint holds a Hugging Face model, which is "
                          "already in its own format: use its fine-tuning output instead.")
     found = run_tokenizer(directory)
-    token_ids = special_token_ids(*found) if found else None
+    token_ids = special_token_ids(*found) if isinstance(found, tuple) else None
     kind = save_hf_folder(state, config, output, max_shard_size=max_shard_size, token_ids=token_ids)
     print(f"Hugging Face {kind} model in {output}")
-    if found:
+    if isinstance(found, str):
+        print(f"  no tokenizer written: {found}")
+    else:
         settings, tokenizer = found
         tokenizer.save_pretrained(output)
         print(f"  with its tokenizer ({settings.tokenizer_type}, {len(tokenizer)} ids): "
               f"AutoTokenizer.from_pretrained('{output}') loads it; config.json names "
-              + ", ".join(f"{name} {value}" for name, value in (token_ids or {}).items()))
+              + (", ".join(f"{name} {value}" for name, value in (token_ids or {}).items()) or "no special ids"))
     return output
 
 
-def run_tokenizer(directory: Path) -> tuple[Any, Any] | None:
+def run_tokenizer(directory: Path) -> tuple[Any, Any] | str:
     """The run's tokenizer settings (the checkpoint's plan names them, the demo corpus's included) and its form that
-    AutoTokenizer loads (rapidtrain/data/hf_tokenizer.py), so that the exported folder is usable alone; None (and
-    said) when there is no text tokenizer to write."""
+    AutoTokenizer loads (rapidtrain/data/hf_tokenizer.py), so that the exported folder is usable alone; or why there
+    is no text tokenizer to write."""
     from rapidtrain.checkpoint.checkpointer import read_common
     from rapidtrain.data.hf_tokenizer import hf_tokenizer
     from rapidtrain.data.tokenizer import TokenizerSettings
 
     saved = (read_common(directory).get("plan") or {}).get("tokenizer")
     if saved is None:
-        print("  no tokenizer written: the checkpoint names none")
-        return None
+        return "the checkpoint names none"
     fields = {field.name for field in dataclasses.fields(TokenizerSettings)}
     settings = TokenizerSettings(**{name: value for name, value in saved.items() if name in fields})
     tokenizer = hf_tokenizer(settings)
     if tokenizer is None:
-        print(f"  no tokenizer written: {settings.tokenizer_type} has ids only, no text")
-        return None
+        return f"{settings.tokenizer_type} has ids only, no text"
     return settings, tokenizer
 
 
