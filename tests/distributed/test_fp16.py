@@ -37,7 +37,9 @@ LAYOUTS = {
 SKIPPED = {"single": [1], "single_moe": [1, 4]}
 # The forced overflow goes where neither model overflows by itself, so that only rank 3 sees one.
 INJECT = {"iteration": 3, "rank": 3}
-INJECTED_SKIPS = {"single": [1, 3], "single_moe": [1, 3, 4]}
+# Measured: with the scale halved at 3, the MoE model's gradients of iteration 4 stay in range (2^18), so both skip
+# the first and the forced iteration only.
+INJECTED_SKIPS = [1, 3]
 # fp16 matmuls reduce in different orders under each split; the losses agree to ~1e-6, the norms to ~1e-4.
 LOSS_TOLERANCE = 1e-4
 NORM_TOLERANCE = 2e-3
@@ -102,4 +104,4 @@ def test_overflow_on_one_ranks_shard_skips_the_step_everywhere(runs, layout):
         injected = report["injected"]
         assert injected["skipped"] and injected["weights_unchanged"] and injected["parameters"] > 0
         assert injected["scale_after"] == injected["scale_before"] / 2
-        assert report["skipped"] == INJECTED_SKIPS["single_moe" if layout.startswith("ep") else "single"]
+        assert report["skipped"] == INJECTED_SKIPS
