@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     # Run as a file from a checkout: make the package beside scripts/ importable without installing.
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state  # noqa: E402
 from rapidtrain.config.saved_checkpoint import saved_args, saved_model_config  # noqa: E402
 from rapidtrain.core.errors import UserError, user_errors  # noqa: E402
+from rapidtrain.data.hf_tokenizer import special_token_ids  # noqa: E402
 from rapidtrain.models.config import ModelConfig  # noqa: E402
 
 
@@ -85,32 +87,38 @@ def export_hf(state: dict[str, torch.Tensor], config: ModelConfig | None, direct
     if config is None:
         raise ExportError("--hf exports the built-in models; this checkpoint holds a Hugging Face model, which is "
                          "already in its own format: use its fine-tuning output instead.")
-    kind = save_hf_folder(state, config, output, max_shard_size=max_shard_size)
+    found = run_tokenizer(directory)
+    token_ids = special_token_ids(*found) if isinstance(found, tuple) else None
+    kind = save_hf_folder(state, config, output, max_shard_size=max_shard_size, token_ids=token_ids)
     print(f"Hugging Face {kind} model in {output}")
-    export_tokenizer(directory, output)
+    if isinstance(found, str):
+        print(f"  no tokenizer written: {found}")
+    else:
+        settings, tokenizer = found
+        tokenizer.save_pretrained(output)
+        print(f"  with its tokenizer ({settings.tokenizer_type}, {len(tokenizer)} ids): "
+              f"AutoTokenizer.from_pretrained('{output}') loads it; config.json names "
+              + (", ".join(f"{name} {value}" for name, value in (token_ids or {}).items()) or "no special ids"))
     return output
 
 
-def export_tokenizer(directory: Path, output: Path) -> None:
-    """The run's tokenizer beside the model, in the form AutoTokenizer loads (rapidtrain/data/hf_tokenizer.py), so
-    that the folder is usable alone; the checkpoint's plan names it (the demo corpus's included)."""
+def run_tokenizer(directory: Path) -> tuple[Any, Any] | str:
+    """The run's tokenizer settings (the checkpoint's plan names them, the demo corpus's included) and its form that
+    AutoTokenizer loads (rapidtrain/data/hf_tokenizer.py), so that the exported folder is usable alone; or why there
+    is no text tokenizer to write."""
     from rapidtrain.checkpoint.checkpointer import read_common
     from rapidtrain.data.hf_tokenizer import hf_tokenizer
     from rapidtrain.data.tokenizer import TokenizerSettings
 
     saved = (read_common(directory).get("plan") or {}).get("tokenizer")
     if saved is None:
-        print("  no tokenizer written: the checkpoint names none")
-        return
+        return "the checkpoint names none"
     fields = {field.name for field in dataclasses.fields(TokenizerSettings)}
     settings = TokenizerSettings(**{name: value for name, value in saved.items() if name in fields})
     tokenizer = hf_tokenizer(settings)
     if tokenizer is None:
-        print(f"  no tokenizer written: {settings.tokenizer_type} has ids only, no text")
-        return
-    tokenizer.save_pretrained(output)
-    print(f"  with its tokenizer ({settings.tokenizer_type}, {len(tokenizer)} ids): "
-          f"AutoTokenizer.from_pretrained('{output}') loads it")
+        return f"{settings.tokenizer_type} has ids only, no text"
+    return settings, tokenizer
 
 
 def export_megatron(state: dict[str, torch.Tensor], config: ModelConfig | None, directory: Path, output: Path,

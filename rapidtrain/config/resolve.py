@@ -67,14 +67,15 @@ if TYPE_CHECKING:
 
 def precision_of(args: argparse.Namespace, ctx: RunContext) -> Precision:
     """The flags' precision, and for --mixed-precision what the device does natively: fp16 on CUDA (Rapidformer
-    documents --mixed-precision as fp16), bf16 on a CPU with native bf16, else fp32."""
+    documents --mixed-precision as fp16, and DESIGN.md keeps that meaning even on GPUs with native bf16, where the
+    reason names --bf16), bf16 on a CPU with native bf16, else fp32."""
     if args.bf16:
         return Precision("bf16", "none", "--bf16: bf16 autocast, fp32 master weights, no loss scaling")
     if args.fp16:
         return Precision("fp16", _loss_scaling(args), "--fp16: fp16 autocast with loss scaling, fp32 master weights")
     if args.mixed_precision:
         if ctx.device_type == "cuda":
-            return Precision("fp16", _loss_scaling(args), "--mixed-precision: fp16 autocast with dynamic loss scaling")
+            return Precision("fp16", _loss_scaling(args), _cuda_mixed_precision_reason(args, ctx))
         cpu = ctx.capability.name or "this CPU"
         if ctx.capability.native_bf16:
             return Precision("bf16", "none", f"--mixed-precision on a CPU with native bf16 ({cpu} with AVX512-BF16 "
@@ -83,6 +84,18 @@ def precision_of(args: argparse.Namespace, ctx: RunContext) -> Precision:
         return Precision("fp32", "none", f"--mixed-precision on a CPU without native bf16 ({cpu}: no AVX512-BF16 "
                          f"or AMX) resolves to fp32: {EMULATED_BF16_COST}; fp16 is not supported on CPUs")
     return Precision("fp32", "none", "no precision flag: fp32")
+
+
+def _cuda_mixed_precision_reason(args: argparse.Namespace, ctx: RunContext) -> str:
+    """Why --mixed-precision is fp16 on a GPU, and what a GPU with native bf16 offers instead. Kept fp16 (not bf16
+    where the GPU has it, as on a CPU, whose fp16 does not run): Rapidformer's scripts mean fp16 by it, and their
+    runs' checkpoints carry a loss scaler and their loss curves fp16's skipped iterations."""
+    gpu = ctx.capability.name or "this GPU"
+    reason = (f"--mixed-precision on CUDA is fp16 autocast with {_loss_scaling(args)} loss scaling, the meaning "
+              "Rapidformer documents (its scripts and loss-scaled checkpoints train and resume as they did)")
+    if ctx.capability.native_bf16:
+        return reason + f"; {gpu} computes bf16 natively: --bf16 trains without loss scaling or skipped iterations"
+    return reason + f"; {gpu} has no native bf16 (compute capability below 8.0), so fp16 is also its fast choice"
 
 
 EMULATED_BF16_COST = ("bf16 would be emulated in fp32 and be far slower, not faster (measured on an AVX2 EPYC: "

@@ -23,14 +23,14 @@ from rapidtrain.core.errors import UserError
 from rapidtrain.data.preprocess import PreprocessSettings, preprocess
 from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
 
-DEMO_VERSION = "demo-v2"  # v2: the sentence-split corpus for BERT's binary head
-# SentencePiece pieces. 2,000 pieces would let a few CPU minutes of training get further past word frequencies
-# (held-out bigram statistics sit 1.15 nats under the unigram entropy at 2,000 pieces, 0.94 at 8,000: docs/first-
-# hour.md), but the suite's layouts, memory and fp16 expectations are measured on 8,000's model; kept until they move.
-VOCAB_SIZE = 8000
+DEMO_VERSION = "demo-v3"  # v2: the sentence-split corpus for BERT's binary head; v3: 2,000 pieces
+# SentencePiece pieces. The corpus is small (2.2M characters): 2,000 pieces leave each one seen often enough that a
+# few CPU minutes of training get well past word frequencies (held-out bigram statistics sit 1.15 nats under the
+# unigram entropy at 2,000 pieces, 0.94 at 8,000: docs/first-hour.md), and the output layer costs a quarter of 8,000's.
+VOCAB_SIZE = 2000
 # The SentencePieceTokenizer's size over them (Megatron's <CLS> <SEP> <EOD> <MASK> <PAD> appended): the plan
 # sizes the model by it before the corpus is first built; the build checks it.
-TOKENIZER_VOCAB_SIZE = 8005
+TOKENIZER_VOCAB_SIZE = 2005
 SEED = 1234
 MIN_DOCSTRING_CHARS = 80  # shorter docstrings ("Return self.") teach little and bloat the count
 MAX_CORPUS_CHARS = 4_000_000  # bounds the build time whatever the Python version

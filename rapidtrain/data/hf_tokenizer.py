@@ -41,6 +41,24 @@ def hf_tokenizer(settings: TokenizerSettings) -> Any:
     raise ValueError(f"no Hugging Face form for --tokenizer-type {kind}")
 
 
+def special_token_ids(settings: TokenizerSettings, tokenizer: Any) -> dict[str, int]:
+    """The ids an exported model's config.json names (eos_token_id, bos_token_id, pad_token_id), each only where
+    the tokenizer defines it: eos is the run's end of document (what `rapidtrain generate` stops at, and what the
+    data appended after every document), so that transformers' `generate` stops there with no argument; bos and pad
+    are those of `tokenizer`, the Hugging Face form written beside the model (`hf_tokenizer`)."""
+    ids: dict[str, int] = {}
+    eod = None if settings.tokenizer_type == "HuggingFaceTokenizer" else build_tokenizer(settings).eod
+    eos = eod if eod is not None else tokenizer.eos_token_id
+    for name, value in (("eos_token_id", eos), ("bos_token_id", tokenizer.bos_token_id),
+                        ("pad_token_id", tokenizer.pad_token_id)):
+        if isinstance(value, int):
+            ids[name] = value
+    if "eos_token_id" in ids and tokenizer.eos_token_id != ids["eos_token_id"]:
+        raise ValueError(f"the Hugging Face tokenizer's eos ({tokenizer.eos_token_id}) is not the run's end of "
+                         f"document ({ids['eos_token_id']})")
+    return ids
+
+
 def _sentencepiece(model_file: str, ours: Any) -> Any:
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast

@@ -807,16 +807,25 @@ def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, kind: str
 
 
 def save_hf_folder(state: dict[str, torch.Tensor], config: ModelConfig, output: str | Path,
-                   tokenizer_folder: str | None = None, max_shard_size: str = "5GB") -> str:
+                   tokenizer_folder: str | None = None, max_shard_size: str = "5GB",
+                   token_ids: dict[str, int] | None = None) -> str:
     """Write config.json and safetensors (sharded past `max_shard_size`) that transformers' from_pretrained
-    loads; copy the Hugging Face tokenizer the model trained with, when there is one. Returns the family."""
+    loads; copy the Hugging Face tokenizer the model trained with, when there is one. `token_ids` (eos_token_id,
+    bos_token_id, pad_token_id: data/hf_tokenizer.special_token_ids) go into config.json and generation_config.json,
+    so that transformers' generate stops at the run's end of document by itself. Returns the family."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
     kind = export_family(config)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    hf_config_for(config, kind).save_pretrained(output)
+    hf_config = hf_config_for(config, kind)
+    for name, value in (token_ids or {}).items():
+        setattr(hf_config, name, value)
+    hf_config.save_pretrained(output)
+    if token_ids and kind not in ("bert", "megatron-bert"):  # generate reads them from generation_config.json
+        GenerationConfig.from_model_config(hf_config).save_pretrained(output)
     tensors = hf_state_dict(state, config, kind)
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for file, names in split.filename_to_tensors.items():

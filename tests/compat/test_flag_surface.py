@@ -118,7 +118,7 @@ def test_the_2020_names_and_fork_spellings_land_on_rapidtrains_flags():
 
 
 def test_pad_vocab_size_to_gives_exactly_that_many_rows_or_is_refused_naming_it(capsys):
-    """BigScience's --pad-vocab-size-to: N rows for the demo tokenizer's 8,005 ids (plan), refused when the
+    """BigScience's --pad-vocab-size-to: N rows for the demo tokenizer's 2,005 ids (plan), refused when the
     tensor-parallel size does not divide N (parsing) or N is below the tokenizer's ids (the rules)."""
     from rapidtrain.cli import plan_command
 
@@ -129,9 +129,9 @@ def test_pad_vocab_size_to_gives_exactly_that_many_rows_or_is_refused_naming_it(
     with pytest.raises(FlagRefused, match=r"--pad-vocab-size-to 8191: .* a positive multiple of 2"):
         parse_args(["--pad-vocab-size-to", "8191", "--tensor-model-parallel-size", "2"])
     with pytest.raises(SystemExit) as stop:
-        plan_command(["--train-iters", "2", "--pad-vocab-size-to", "8000"])
+        plan_command(["--train-iters", "2", "--pad-vocab-size-to", "2000"])
     assert stop.value.code == 2
-    assert "--pad-vocab-size-to 8000 is smaller than the tokenizer's vocabulary of 8005 ids" in capsys.readouterr().err
+    assert "--pad-vocab-size-to 2000 is smaller than the tokenizer's vocabulary of 2005 ids" in capsys.readouterr().err
 
 
 def test_a_list_flag_written_as_separate_words_is_one_schedule():

@@ -62,7 +62,7 @@ class LayoutRuns:
 
 
 def gpt_flags(demo_data) -> list[str]:
-    # Vocabulary 8000 pads to 8192 at TP 1, 2 and 4 (multiples of 512 · TP).
+    # The demo vocabulary (2,005 ids) pads to 2048 at TP 1, 2 and 4 (multiples of 512 · TP).
     return SMALL + [
         "--data-path",
         demo_data.data_prefix,

@@ -83,7 +83,7 @@ def test_ep2_matches_ep1_resumes_exactly_and_loads_at_ep1(tmp_path, demo_data):
 # ---- expert parallelism composed with pipeline parallelism and state partitioning (one torchrun launch) ----
 
 # 4 experts in both layers, global batch 8 of micro-batches of 2: 4 micro-batches in one process, 1 per rank at
-# DP 4, 2 per rank at PP 2 × DP 2. The vocabulary pads to 8192 at TP 1 and TP 2.
+# DP 4, 2 per rank at PP 2 × DP 2. The vocabulary (2,005 ids) pads to 2048 at TP 1 and TP 2.
 # Four iterations, stopped at the second (argparse: the last --train-iters wins over TINY's 6): each of the launch's
 # 16 four-rank runs pays for every iteration, and a resume past the warm-up checks the same state at either length.
 ITERS, STOP = 4, 2

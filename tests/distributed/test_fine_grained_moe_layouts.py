@@ -153,7 +153,9 @@ def test_mtp_loss_is_logged_and_trains(trained):
     losses leave the plain model's after the first step (same data, same initial main weights)."""
     mtp, plain = read_losses(trained / "mtp_single.txt"), read_losses(trained / "deepseek_single.txt")
     mtp_loss = read_extra(trained / "mtp_single.txt", "mtp_loss")
-    assert sorted(mtp_loss) == list(range(1, 7)) and all(8.0 < value < 10.0 for value in mtp_loss.values())
+    # Near ln 2048 = 7.62, the loss of uniform logits over the demo tokenizer's padded vocabulary, in six iterations
+    # (measured 7.62-7.64 with 2,005 ids; 8.0-10.0 bracketed ln 8192 = 9.01 when the demo tokenizer had 8,005).
+    assert sorted(mtp_loss) == list(range(1, 7)) and all(6.6 < value < 8.6 for value in mtp_loss.values())
     assert mtp[1] == pytest.approx(plain[1], rel=1e-6)  # the depths do not change the main model's forward
     assert relative_difference(mtp, plain) > 1e-6
 

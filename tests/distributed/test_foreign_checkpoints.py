@@ -39,7 +39,7 @@ WRITER = Path(__file__).with_name("write_deepspeed_checkpoint.py")
 
 
 def data_flags(demo_data) -> list[str]:
-    # The demo vocabulary (8000) pads to 8192 at TP 1 and 2.
+    # The demo vocabulary (2,005 ids) pads to 2048 at TP 1 and 2.
     return ["--data-path", demo_data.data_prefix, "--tokenizer-type", demo_data.tokenizer_type,
             "--tokenizer-model", demo_data.tokenizer_model, "--make-vocab-size-divisible-by", "512"]
 

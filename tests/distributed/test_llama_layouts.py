@@ -31,7 +31,7 @@ TRAINING = ("--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --eval-ite
 
 
 def data_flags(demo_data) -> list[str]:
-    # The demo vocabulary (8000) pads to 8192 at TP 1 and 2: every layout builds the same embedding.
+    # The demo vocabulary (2,005 ids) pads to 2048 at TP 1 and 2: every layout builds the same embedding.
     return ["--data-path", demo_data.data_prefix, "--tokenizer-type", demo_data.tokenizer_type,
             "--tokenizer-model", demo_data.tokenizer_model, "--make-vocab-size-divisible-by", "512"]
 
@@ -40,7 +40,7 @@ def save_hf_llama(folder: Path) -> Path:
     """A tiny Llama with the demo tokenizer's padded vocabulary, random weights, written by save_pretrained."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
                          rope_theta=50000.0, tie_word_embeddings=False)
     torch.manual_seed(0)

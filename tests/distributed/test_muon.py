@@ -24,7 +24,7 @@ ITERS, STOP = 6, 3
 TINY = [*TINY_GPT_PARITY, "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", str(STOP), "--lr",
         "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "2", "--train-iters", str(ITERS), "--weight-decay", "0.1",
         "--optimizer", "muon", "--muon-momentum", "0.95", "--muon-nesterov", "--muon-extra-scale-factor", "0.2",
-        "--make-vocab-size-divisible-by", "512"]  # the vocabulary pads to 8192 at TP 1 and 2: one model
+        "--make-vocab-size-divisible-by", "512"]  # the vocabulary pads to 2048 at TP 1 and 2: one model
 # MoE: each expert's matrix is orthogonalized on its own (stacked [E, in, out] weights); under expert parallelism
 # each rank steps its own experts.
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]

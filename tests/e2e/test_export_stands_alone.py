@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from rapidtrain.data.demo import TOKENIZER_VOCAB_SIZE
+from rapidtrain.data.tokenizer import build_tokenizer
 from tests.launch import ARCHITECTURES, REPO, TINY_GPT_SHAPE, child_env
 
 PROMPTS = ("Return a new", "The history of")
@@ -56,19 +57,23 @@ model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 out = []
 for prompt in prompts:
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:]
+    # The folder's own generation settings: it stops at the end of document its config.json names.
+    new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                         do_sample=False)[0, ids.shape[1]:]
     new = new.tolist()
-    if tokenizer.eos_token_id in new:
-        new = new[:new.index(tokenizer.eos_token_id)]
+    if model.generation_config.eos_token_id in new:
+        new = new[:new.index(model.generation_config.eos_token_id)]
     text = tokenizer.decode(ids[0].tolist() + new)
     out.append(prompt + text[len(tokenizer.decode(ids[0].tolist())):])
-print(json.dumps(out))
+ids = {name: [getattr(model.config, name), getattr(model.generation_config, name), getattr(tokenizer, name)]
+       for name in ("eos_token_id", "bos_token_id", "pad_token_id")}
+print(json.dumps({"continuations": out, "ids": ids}))
 """
 
 
-def transformers_greedy(folder, prompts: tuple[str, ...], tokens: int) -> list[str]:
-    """Continuations by transformers in a process that never imports rapidtrain (no PYTHONPATH to the checkout)."""
+def transformers_greedy(folder, prompts: tuple[str, ...], tokens: int) -> dict:
+    """Continuations by transformers in a process that never imports rapidtrain (no PYTHONPATH to the checkout),
+    and the special ids as the model's config, its generation config and the tokenizer name them."""
     env = child_env()
     env.pop("PYTHONPATH", None)
     result = subprocess.run([sys.executable, "-c", TRANSFORMERS_ALONE, str(folder), str(tokens), json.dumps(prompts)],
@@ -88,7 +93,14 @@ def test_hf_export_with_the_demo_tokenizer_continues_as_rapidtrain_generate(tmp_
     assert (folder / "tokenizer.json").exists()
     expected = [rapidtrain_greedy(tmp_path / "ck", prompt, 12) for prompt in PROMPTS]
     assert all(len(text) > len(prompt) for text, prompt in zip(expected, PROMPTS, strict=True))
-    assert transformers_greedy(folder, PROMPTS, 12) == expected
+    theirs = transformers_greedy(folder, PROMPTS, 12)
+    assert theirs["continuations"] == expected
+    # config.json names the run's end of document as eos (Megatron's <EOD>, appended after the model's pieces), the
+    # SentencePiece model's <s> as bos and Megatron's appended <PAD> as pad, and generate reads them from there.
+    ours = build_tokenizer(demo_data.tokenizer_settings())
+    assert ours.eod == TOKENIZER_VOCAB_SIZE - 3 and ours.pad == TOKENIZER_VOCAB_SIZE - 1
+    assert theirs["ids"] == {"eos_token_id": [ours.eod] * 3, "bos_token_id": [1] * 3, "pad_token_id": [ours.pad] * 3}
+    assert f"config.json names eos_token_id {ours.eod}, bos_token_id 1, pad_token_id {ours.pad}" in printed
 
 
 @pytest.mark.slow
@@ -97,7 +109,7 @@ def test_hf_export_with_a_gpt2_bpe_tokenizer_encodes_as_the_run_did(tmp_path, de
     from tokenizers import ByteLevelBPETokenizer
     from transformers import AutoTokenizer
 
-    from rapidtrain.data.hf_tokenizer import hf_tokenizer
+    from rapidtrain.data.hf_tokenizer import hf_tokenizer, special_token_ids
     from rapidtrain.data.tokenizer import TokenizerSettings, build_tokenizer
 
     texts = [f"The history of {topic} begins with statement number {i}." for i, topic in
@@ -113,3 +125,5 @@ def test_hf_export_with_a_gpt2_bpe_tokenizer_encodes_as_the_run_did(tmp_path, de
         assert theirs.encode(text, add_special_tokens=False) == ours.tokenize(text)
         assert theirs.decode(ours.tokenize(text)) == ours.detokenize(ours.tokenize(text))
     assert theirs.eos_token_id == ours.eod
+    # An export's config.json names <|endoftext|> as GPT-2 does (eos and bos) and no pad, which GPT-2 has not.
+    assert special_token_ids(settings, theirs) == {"eos_token_id": ours.eod, "bos_token_id": ours.eod}

@@ -35,7 +35,7 @@ def test_demo_corpus_is_the_documentation_tokenized_with_eod(demo):
     assert 2_000_000 < sum(map(len, documents)) <= 4_000_000 + max(map(len, documents))
     tokenizer = build_tokenizer(demo.tokenizer_settings())
     assert (
-        tokenizer.vocab_size == 8000 + 5
+        tokenizer.vocab_size == 2000 + 5
     )  # the model's pieces, then Megatron's <CLS> <SEP> <EOD> <MASK> <PAD>
     ds = IndexedDataset(demo.data_prefix)
     assert ds.dtype == np.uint16 and len(ds) == demo.num_documents

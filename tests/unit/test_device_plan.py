@@ -43,9 +43,16 @@ def test_mixed_precision_is_fp32_on_a_cpu_without_native_bf16_and_says_why():
 
 
 def test_mixed_precision_is_fp16_with_dynamic_loss_scaling_on_cuda_whatever_the_gpu():
+    """Rapidformer's meaning, kept on GPUs with native bf16 too; the plan says why, and there names --bf16."""
     for gpu in (H100, V100):
-        precision = resolve(["--mixed-precision"], gpu, device="cuda").precision
+        resolved = resolve(["--mixed-precision"], gpu, device="cuda")
+        precision = resolved.precision
         assert (precision.dtype, precision.loss_scaling) == ("fp16", "dynamic")
+        assert "the meaning Rapidformer documents" in precision.reason and precision.reason in describe_plan(resolved)
+        assert ("computes bf16 natively: --bf16 trains without loss scaling" in precision.reason) == gpu.native_bf16
+        assert ("has no native bf16" in precision.reason) != gpu.native_bf16
+    static = resolve(["--mixed-precision", "--loss-scale", "128"], H100, device="cuda").precision
+    assert static.loss_scaling == "static 128" and "fp16 autocast with static 128 loss scaling" in static.reason
 
 
 def test_explicit_bf16_on_a_cpu_without_native_bf16_runs_bf16_and_warns_with_the_cost():

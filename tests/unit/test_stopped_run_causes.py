@@ -68,7 +68,7 @@ def test_a_rank_whose_loader_worker_died_says_so_without_a_traceback(message, ca
 
 @pytest.mark.parametrize(("folder", "variable"), [
     (".cache/torch_extensions/py311_cpu/cpu_adam", "TORCH_EXTENSIONS_DIR"), (".triton/cache", "TRITON_CACHE_DIR"),
-    (".cache/rapidtrain/demo-v2", "XDG_CACHE_HOME")])
+    (".cache/rapidtrain/demo-v3", "XDG_CACHE_HOME")])
 def test_an_unwritable_cache_is_a_user_error_naming_the_variable_that_moves_it(folder, variable, capsys, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     path = os.path.join(os.path.expanduser("~"), folder)
