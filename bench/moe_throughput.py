@@ -31,7 +31,6 @@ import argparse
 import itertools
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
