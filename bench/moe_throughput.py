@@ -21,7 +21,7 @@ the systems interleaved (A B C, B C A, ...) over --rounds, each row the median o
 it, every ratio the median of per-round ratios.
 
     python bench/moe_throughput.py [--rounds 3 --iters 8 --warmup 2 --layers 2 --hidden 256 --heads 4 --seq 256
-        --batch 4 --experts 16 --topk 4 --expert-ffn 128 --shared-ffn 512 --precision fp32|bf16
+        --batch 4 --experts 16 --topk 4 --expert-ffn 128 --shared-ffn 512 --precision fp32|bf16 --threads 1
         --shapes qwen2_moe mixtral --systems rapidtrain "HF loop" ...]
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -67,6 +68,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shared-ffn", type=int, default=512, help="the shared expert's hidden size (qwen2_moe)")
     parser.add_argument("--aux-loss-coeff", type=float, default=0.01, help="load-balancing loss weight of every row")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch intra-op threads of every row (OMP_NUM_THREADS, which rapidtrain keeps as given); "
+                             "on a loaded host 1 is what is fair: each OpenMP barrier of a small kernel costs a "
+                             "timeslice there, so rows with many small kernels lose to the load, not to their code")
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
                         help="rows to run in every shape (default: all); 'vs fastest peer' needs an HF row")
@@ -233,8 +238,9 @@ def child(o: argparse.Namespace, shape: str, system: str) -> dict[str, float]:
         if name in ("system", "shape", "shapes", "systems"):
             continue
         flags.append(f"--{name.replace('_', '-')}={value}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(o.threads)}
     result = subprocess.run([sys.executable, __file__, *flags, "--shape", shape, "--system", system],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{system} ({shape}) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -243,6 +249,7 @@ def child(o: argparse.Namespace, shape: str, system: str) -> dict[str, float]:
 def main() -> None:
     o = parse_args()
     if o.system:
+        torch.set_num_threads(o.threads)
         print(json.dumps(measure(o)))
         return
     if o.warmup + 2 > o.iters:
@@ -250,7 +257,7 @@ def main() -> None:
     tokens = o.batch * o.seq
     print(f"MoE {o.layers} layers, hidden {o.hidden}, {o.heads} heads, {o.experts} experts top-{o.topk}, expert ffn "
           f"{o.expert_ffn} (qwen2_moe: + shared {o.shared_ffn}); batch {o.batch} × seq {o.seq}, {o.precision}; "
-          f"{torch.get_num_threads()} threads, AVX512-BF16 {torch.cpu._is_avx512_bf16_supported()}; {o.iters} steps, "
+          f"{o.threads} threads, AVX512-BF16 {torch.cpu._is_avx512_bf16_supported()}; {o.iters} steps, "
           f"first {o.warmup} excluded; {o.rounds} interleaved rounds, medians", flush=True)
     rows = []
     for shape in o.shapes:
