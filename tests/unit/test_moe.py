@@ -263,3 +263,26 @@ def test_host_read_detector_sees_item_and_nonzero():
         t.nonzero()
         torch.repeat_interleave(torch.tensor([1, 2]))
     assert len(mode.reads) == 3, mode.reads
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_grouped_dropless_path_equals_capacity_buffers_with_biases(swiglu):
+    """The grouped path (assignments sorted by expert, combine weights applied to the down projection's input, its
+    bias weighted apart) computes what the [E, C = T, h] buffers compute, forward and every gradient."""
+    grouped = moe_layer(experts=4, hidden=8, moe_token_dropping=False, moe_router_topk=2, swiglu=swiglu).train()
+    buffers = moe_layer(experts=4, hidden=8, moe_token_dropping=False, moe_router_topk=2, swiglu=swiglu).train()
+    with torch.no_grad():
+        for name, param in grouped.named_parameters():
+            if name.startswith("experts.b"):
+                param.normal_(0, 0.3)
+    buffers.load_state_dict(grouped.state_dict())
+    buffers.experts.takes_grouped_rows = False  # this instance only
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
+    outputs = []
+    for layer in (grouped, buffers):
+        out = layer(x)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+    torch.testing.assert_close(outputs[0], outputs[1])
+    for (name, ours), theirs in zip(grouped.named_parameters(), buffers.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
