@@ -75,6 +75,17 @@ def expert_counts(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, chosen, torch.ones_like(chosen))
 
 
+def rank_in_expert(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each assignment's place among those of its expert, in the order given (int64 [N] of `chosen` [N]): a stable
+    sort by expert, each sorted position minus its expert's first. No [N, E] one-hot cumsum (N·E integers: 64 MB per
+    layer at 256 experts, top-8 and 4096 tokens) and no host read (F.one_hot reads min and max off the device)."""
+    order = torch.argsort(chosen, stable=True)
+    counts = expert_counts(chosen, num_experts)
+    first = counts.cumsum(0) - counts  # the sorted position where each expert's assignments start
+    ranks = torch.arange(chosen.numel(), device=chosen.device) - first[chosen[order]]
+    return torch.empty_like(chosen).scatter_(0, order, ranks)
+
+
 # Expert counts of this layer's tokens → those of the whole sequences they are part of (a sum over the ranks that
 # hold the other parts, under context parallelism); set on MoELayer.whole_sequence_counts from outside.
 CountReduction = Callable[[torch.Tensor], torch.Tensor]
@@ -226,15 +237,18 @@ class Experts(nn.Module):
     # expert-parallel subclass exchanges fixed [E, C, h] buffers instead and sets this False.
     takes_grouped_rows = True
 
-    def forward(self, buffers: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, buffers: torch.Tensor, offsets: torch.Tensor | None = None,
+                row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts; or with
         `offsets` (int32 [E], each expert's end row) rows [N, h] sorted by expert → [N, h], one grouped matmul per
-        projection (torch's grouped_mm: each row meets its own expert's weights, no capacity, no padding)."""
+        projection (torch's grouped_mm: each row meets its own expert's weights, no capacity, no padding), each
+        output row multiplied by its `row_weights` [N] when given."""
         if offsets is not None:
-            return self.run_grouped(buffers, offsets)
+            return self.run_grouped(buffers, offsets, row_weights)
         return self.run_experts(buffers, self.w1, self.w_gate, self.b1, self.w2, self.b2, self.b_gate)
 
-    def run_grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def run_grouped(self, rows: torch.Tensor, offsets: torch.Tensor,
+                    row_weights: torch.Tensor | None = None) -> torch.Tensor:
         # Each row's expert, for the biases, found on the device (no host read of the counts).
         expert = torch.searchsorted(offsets, torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype),
                                     right=True) if any(b is not None for b in (self.b1, self.b_gate, self.b2)) \
@@ -251,7 +265,13 @@ class Experts(nn.Module):
             hidden = self.gated_unit(project(rows, self.w_gate, self.b_gate), hidden)
         else:
             hidden = gelu(hidden, self.openai_gelu)
-        return project(hidden, self.w2, self.b2)
+        if row_weights is None:
+            return project(hidden, self.w2, self.b2)
+        # The down projection is linear: weighting its input (ffn wide) costs less than its output (hidden wide) in
+        # fine-grained MoE, whose experts are narrower than the model; the bias, added after, is weighted apart.
+        scale = row_weights.to(hidden.dtype).unsqueeze(-1)
+        out = F.grouped_mm(hidden * scale, self.w2.to(hidden.dtype), offs=offsets)
+        return out if self.b2 is None or expert is None else out + scale * self.b2.to(out.dtype)[expert]
 
     def run_experts(self, buffers: torch.Tensor, w1: torch.Tensor, w_gate: torch.Tensor | None,
                     b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
@@ -389,8 +409,7 @@ class MoELayer(nn.Module):
             self.token_dropping,
         )
         chosen = expert_index.t().reshape(-1)  # choice-major: first choices outrank second choices
-        one_hot = F.one_hot(chosen, self.num_experts)
-        position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1  # rank inside the chosen expert
+        position = rank_in_expert(chosen, self.num_experts)
         kept = position < capacity
         slot = torch.where(kept, chosen * capacity + position, self.num_experts * capacity)
         token_index = torch.arange(num_tokens, device=probs.device).repeat(self.topk)
@@ -405,10 +424,10 @@ class MoELayer(nn.Module):
         offsets stay on the device. `counts`: expert_counts(expert_index)."""
         num_tokens, hidden = tokens.shape
         order = torch.argsort(expert_index.reshape(-1), stable=True)  # token-major: token t's choices at t·k...
-        token_of = torch.arange(num_tokens, device=tokens.device).repeat_interleave(self.topk)[order]
-        rows = self.experts(tokens[token_of], counts.cumsum(0).to(torch.int32))
-        weighted = rows * weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
-        return rows.new_zeros(num_tokens, hidden).index_add(0, token_of, weighted)
+        token_of = torch.div(order, self.topk, rounding_mode="floor")
+        weighted = self.experts(tokens.index_select(0, token_of), counts.cumsum(0).to(torch.int32),
+                                row_weights=weights.reshape(-1)[order])
+        return weighted.new_zeros(num_tokens, hidden).index_add(0, token_of, weighted)
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Tokens [T, h] → per-expert buffers [E, C, h]; empty slots are zero."""

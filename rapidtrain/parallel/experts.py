@@ -104,9 +104,11 @@ class ExpertParallelExperts(Experts):
     def num_local_experts(self) -> int:
         return self.w1.shape[0]
 
-    def forward(self, buffers: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, buffers: torch.Tensor, offsets: torch.Tensor | None = None,
+                row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """[E, C, h] (this rank's tokens for every expert) → [E, C, h] (those tokens' expert outputs)."""
-        assert offsets is None, "expert parallelism exchanges capacity buffers (takes_grouped_rows is False)"
+        assert offsets is None and row_weights is None, \
+            "expert parallelism exchanges capacity buffers (takes_grouped_rows is False)"
         experts, capacity, hidden = buffers.shape
         local, ep = self.num_local_experts, self.ep_size
         received = all_to_all(buffers, self.group)  # [ep · local, C, h]: chunk i holds rank i's tokens

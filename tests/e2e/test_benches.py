@@ -8,7 +8,8 @@ parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without i
 with one system), head_loss.py at a tiny shape,
 pretrain_throughput.py three of its seven rows in fp32 over two interleaved rounds (not the tuned-malloc row nor the
 two torch.compile rows, nor bf16),
-efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one), long_sequence.py at seq 256."""
+efficient_training.py two of its rows (a pretraining and a causal-LM fine-tuning one), long_sequence.py at seq 256,
+moe_throughput.py one round of two rows (rapidtrain and Hugging Face's Qwen2-MoE loop) at a tiny shape."""
 
 from __future__ import annotations
 
@@ -219,3 +220,19 @@ def test_long_sequence_bench_prints_rapidtrain_beside_hugging_face_sdpa():
     assert [row[:30].strip() for row in rows] == ["rapidtrain Llama (SDPA)", "HF LlamaForCausalLM (sdpa)"], stdout
     assert all(len(row[30:].split()) == 5 and [number(cell) for cell in row[30:].split()] for row in rows), stdout
     assert number(rows[1][30:].split()[3]) == 1.0, stdout  # Hugging Face against itself, per round
+
+
+def test_moe_throughput_bench_prints_rapidtrain_beside_hugging_face_of_the_same_shape(demo_data):
+    """One tiny round of the MoE bench: rapidtrain's product against Hugging Face's Qwen2-MoE in a torch loop (the
+    bench itself stops when the two models' parameter counts differ)."""
+    systems = ["rapidtrain", "HF loop"]
+    stdout = run_bench("moe_throughput.py", "--rounds", "1", "--iters", "4", "--warmup", "1", "--layers", "1",
+                       "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1", "--experts", "4", "--topk", "2",
+                       "--expert-ffn", "16", "--shared-ffn", "32", "--threads", "1", "--shapes", "qwen2_moe",
+                       "--systems", *systems)
+    rows = lines_after(stdout, "shape")
+    assert [(row[:10].strip(), row[11:34].strip()) for row in rows] == [("qwen2_moe", s) for s in systems], stdout
+    cells = [row[35:].split() for row in rows]
+    assert all(len(row) == 9 and [number(cell) for cell in row] for row in cells), stdout
+    assert number(cells[1][3]) == 1.0, stdout  # the only peer against itself
+    assert cells[0][-1] == cells[1][-1], stdout  # the same parameter count

@@ -240,3 +240,33 @@ def test_flash_generation_of_a_padded_batch_is_refused_on_cuda_only():
     assert message and "--attention-backend flash with --batch-size 4" in message and "choose auto" in message
     assert attention_problem("flash", "cuda", True, 0.0, True, training=False) is None
     assert attention_problem("flash", "cpu", True, 0.0, True, training=False, masked_by=padded) is None
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_causal_training_runs_the_cpu_flash_kernel_forward_and_backward(dtype):
+    """The default kernel of a causal model without a padding mask (grouped-query attention too) is SDPA's fused CPU
+    flash kernel, forward and backward, in fp32 and under bf16 autocast: is_causal with no materialized mask, no
+    repeat of the key/value heads, no math fallback (which holds [b, heads, s, s] scores: 4k tokens, 64 MiB a
+    head)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                         seq_length=64, max_position_embeddings=64, vocab_size=64, hidden_dropout=0.0,
+                         attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                         add_bias_linear=False)
+    model = build_model(config, seed=1).train()
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
+    with Ops() as ops, torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        model(tokens, labels=tokens).float().mean().backward()
+    assert {"_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_for_cpu_backward"} <= ops.names
+    assert not {"_scaled_dot_product_attention_math", "repeat_interleave", "_softmax"} & ops.names

@@ -1,5 +1,6 @@
 """The MoE layer: capacity arithmetic, which tokens drop, balancing/z losses by hand, equality with a
-naive per-token reference, gradients (including the injected router-loss gradient), the tracker."""
+naive per-token reference, gradients (including the injected router-loss gradient), the tracker; no host reads in
+routing, dispatch and combine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from rapidtrain.models import ModelConfig, build_model
@@ -209,3 +211,78 @@ def test_tracker_counts_each_forward_once_under_activation_checkpointing():
     model.eval()
     model(ids)
     assert collect_aux_losses(model) is None
+
+
+class HostReads(TorchDispatchMode):
+    """Records the aten ops that bring a value to the host (on a GPU: a synchronisation) or whose output size
+    depends on values (likewise a read): what routing and dispatch must not do in the hot path."""
+
+    READS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+             "unique_consecutive", "bincount", "histc", "equal", "is_nonzero")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func.overloadpacket.__name__
+        # repeat_interleave with a tensor of repeats sums them on the host unless given output_size
+        if name in self.READS or (name == "repeat_interleave" and isinstance(args[0], torch.Tensor)
+                                  and args[0].dtype in (torch.int32, torch.int64)
+                                  and (kwargs or {}).get("output_size") is None and len(args) < 3):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(moe_token_dropping=False, moe_router_topk=2, swiglu=True, add_bias_linear=False,
+         moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True, moe_router_pre_softmax=True),
+    dict(moe_token_dropping=False, moe_router_topk=2),  # the grouped path with biases (each row's expert found)
+    dict(moe_router_topk=2, moe_capacity_factor=0.5),  # capacity buffers, dropping
+    dict(moe_token_dropping=False, moe_router_topk=2, moe_router_score_function="sigmoid",
+         moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+         moe_router_topk_scaling_factor=2.0, moe_aux_loss_type="seq_aux_loss", moe_z_loss_coeff=0.01),
+])
+def test_routing_dispatch_and_combine_read_nothing_to_the_host(overrides):
+    """Forward and backward of a training MoE layer issue no op that reads a tensor's value on the host (no .item(),
+    no nonzero, no bincount, no value-sized output): on a GPU each would stall the step on the device. The CPU
+    grouped_mm kernel reads its offsets inside the kernel (on CPU, no device to wait for; CUDA's bf16 kernel does
+    not read them), which this mode does not see: it sees what rapidtrain's Python asks for."""
+    layer = moe_layer(experts=4, hidden=8, **overrides).train()
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    with HostReads() as mode:
+        layer(x).square().sum().backward()
+    assert x.grad is not None and layer.router.weight.grad is not None
+    assert mode.reads == []
+
+
+def test_host_read_detector_sees_item_and_nonzero():
+    with HostReads() as mode:
+        t = torch.arange(4.0)
+        t.sum().item()
+        t.nonzero()
+        torch.repeat_interleave(torch.tensor([1, 2]))
+    assert len(mode.reads) == 3, mode.reads
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_grouped_dropless_path_equals_capacity_buffers_with_biases(swiglu):
+    """The grouped path (assignments sorted by expert, combine weights applied to the down projection's input, its
+    bias weighted apart) computes what the [E, C = T, h] buffers compute, forward and every gradient."""
+    grouped = moe_layer(experts=4, hidden=8, moe_token_dropping=False, moe_router_topk=2, swiglu=swiglu).train()
+    buffers = moe_layer(experts=4, hidden=8, moe_token_dropping=False, moe_router_topk=2, swiglu=swiglu).train()
+    with torch.no_grad():
+        for name, param in grouped.named_parameters():
+            if name.startswith("experts.b"):
+                param.normal_(0, 0.3)
+    buffers.load_state_dict(grouped.state_dict())
+    buffers.experts.takes_grouped_rows = False  # this instance only
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
+    outputs = []
+    for layer in (grouped, buffers):
+        out = layer(x)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+    torch.testing.assert_close(outputs[0], outputs[1])
+    for (name, ours), theirs in zip(grouped.named_parameters(), buffers.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
