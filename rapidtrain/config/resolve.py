@@ -69,7 +69,8 @@ def precision_of(args: argparse.Namespace, ctx: RunContext) -> Precision:
     """The flags' precision, and for --mixed-precision what the device does natively: fp16 on CUDA (Rapidformer
     documents --mixed-precision as fp16), bf16 on a CPU with native bf16, else fp32."""
     if args.bf16:
-        return Precision("bf16", "none", "--bf16: bf16 autocast, fp32 master weights, no loss scaling")
+        return Precision("bf16", "none", "--bf16: bf16 matmuls under autocast, fp32 master weights, no loss "
+                         "scaling")
     if args.fp16:
         return Precision("fp16", _loss_scaling(args), "--fp16: fp16 autocast with loss scaling, fp32 master weights")
     if args.mixed_precision:

@@ -166,7 +166,7 @@ def test_pretrain_throughput_bench_prints_systems_side_by_side(demo_data):
                        "--systems", *systems)
     rows = lines_after(stdout, "precision system")
     assert [(row[:9].strip(), row[10:35].strip()) for row in rows] == [("fp32", system) for system in systems], stdout
-    assert all(len(row[35:].split()) == 7 and [number(cell) for cell in row[35:].split()] for row in rows), stdout
+    assert all(len(row[35:].split()) == 8 and [number(cell) for cell in row[35:].split()] for row in rows), stdout
     # Interleaved: each system ran once per round, rounds in rotated order.
     rounds = re.findall(r"round (\d) fp32 (.+?): [\d.]+ ms/step", stdout)
     assert rounds == [("1", s) for s in systems] + [("2", s) for s in systems[1:] + systems[:1]], stdout
