@@ -49,28 +49,39 @@ from rapidtrain.models.config import ModelConfig  # noqa: E402
 from rapidtrain.models.counting import model_flops_per_iteration  # noqa: E402
 
 
-def stamp() -> tuple[float, float]:
-    """(wall clock, this process's CPU time) at the end of a step: on a shared host load moves the wall clock of a
-    step far more than the CPU time its threads spend."""
-    return time.perf_counter(), time.process_time()
-
-
-def steady_seconds(stamps: list[tuple[float, float]], warmup: int) -> tuple[float, float]:
-    """Mean (wall, CPU) seconds per step after `warmup` steps (compilation, allocator and cache warm-up excluded)."""
+def steady_seconds(stamps: list[float], warmup: int) -> float:
+    """Mean seconds per step after `warmup` steps (compilation, allocator and cache warm-up excluded)."""
     steady = stamps[warmup:]
-    return tuple((steady[-1][i] - steady[0][i]) / (len(steady) - 1) for i in (0, 1))  # type: ignore[return-value]
+    return (steady[-1] - steady[0]) / (len(steady) - 1)
+
+
+class StepStamps:
+    """The wall clock and this process's CPU time at the end of each step: on a shared host load moves the wall
+    clock of a step far more than the CPU time its threads spend."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def append(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def steady(self, warmup: int) -> tuple[float, float]:
+        """(wall, CPU) seconds per steady step."""
+        return steady_seconds(self.wall, warmup), steady_seconds(self.cpu, warmup)
 
 
 def run_rapidtrain(o: argparse.Namespace, precision: list[str]) -> tuple[float, float]:
     from rapidtrain.pretrain import MegatronPreTrainer
     from rapidtrain.train.engine import Engine
 
-    stamps: list[tuple[float, float]] = []
+    stamps = StepStamps()
 
     class Timed(MegatronPreTrainer):
         def train_step(self, micro_batches, stop_requested=False):
             result = super().train_step(micro_batches, stop_requested=stop_requested)
-            stamps.append(stamp())
+            stamps.append()
             return result
 
     argv = ["--num-layers", str(o.layers), "--hidden-size", str(o.hidden), "--num-attention-heads", str(o.heads),
@@ -79,7 +90,7 @@ def run_rapidtrain(o: argparse.Namespace, precision: list[str]) -> tuple[float, 
             "--eval-interval", str(10**6), "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--clip-grad", "1.0", *precision]
     Timed(Engine(argv=argv)).train()
-    return steady_seconds(stamps, o.warmup)
+    return stamps.steady(o.warmup)
 
 
 def demo_samples(o: argparse.Namespace):
@@ -100,7 +111,7 @@ def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int,
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=3e-4, fused=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=o.batch, shuffle=False)
-    stamps: list[tuple[float, float]] = []
+    stamps = StepStamps()
     # --iters steps, as the other rows run: the dataset holds at least a whole epoch of the corpus.
     for batch in itertools.islice(loader, o.iters):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
@@ -111,8 +122,8 @@ def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        stamps.append(stamp())
-    return steady_seconds(stamps, o.warmup)
+        stamps.append()
+    return stamps.steady(o.warmup)
 
 
 def run_hf_trainer(o: argparse.Namespace, bf16: bool, vocab: int, dataset, workdir: str,
@@ -122,11 +133,11 @@ def run_hf_trainer(o: argparse.Namespace, bf16: bool, vocab: int, dataset, workd
     config = GPT2Config(vocab_size=vocab, n_positions=o.seq, n_embd=o.hidden, n_layer=o.layers, n_head=o.heads,
                         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(config)
-    stamps: list[tuple[float, float]] = []
+    stamps = StepStamps()
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(stamp())
+            stamps.append()
 
     class Samples(torch.utils.data.Dataset):
         def __len__(self):
@@ -141,7 +152,7 @@ def run_hf_trainer(o: argparse.Namespace, bf16: bool, vocab: int, dataset, workd
                                   report_to=[], logging_steps=10**6, save_strategy="no", dataloader_num_workers=0,
                                   lr_scheduler_type="constant", disable_tqdm=True, torch_compile=compile_)
     Trainer(model=model, args=arguments, train_dataset=Samples(), callbacks=[Stamp()]).train()
-    return steady_seconds(stamps, o.warmup)
+    return stamps.steady(o.warmup)
 
 
 SYSTEMS = ("rapidtrain", "rapidtrain, glibc default", "rapidtrain, compiled", "plain loop", "HF Trainer",
