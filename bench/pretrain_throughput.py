@@ -16,7 +16,8 @@ Rows:
   HF Trainer                 GPT2LMHeadModel of the same shape, Trainer defaults (adamw_torch_fused)
   HF Trainer, tuned malloc   the same with rapidtrain's allocator setting, to show what that setting is worth
   HF Trainer, best           Trainer's fastest equivalent: torch_compile=True and rapidtrain's allocator setting
-Each row also shows the child process's peak resident memory (ru_maxrss: model, optimizer, activations, logits).
+Each row also shows the child process's CPU time per step (all its threads: on a shared host load moves it far less
+than the wall clock) and its peak resident memory (ru_maxrss: model, optimizer, activations, logits).
 
     python bench/pretrain_throughput.py [--iters 20] [--warmup 3] [--rounds 3] [--layers 6 --hidden 384 ...]
         [--systems "plain loop" rapidtrain ...] [--precisions fp32]
@@ -54,16 +55,33 @@ def steady_seconds(stamps: list[float], warmup: int) -> float:
     return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
-def run_rapidtrain(o: argparse.Namespace, precision: list[str]) -> float:
+class StepStamps:
+    """The wall clock and this process's CPU time at the end of each step: on a shared host load moves the wall
+    clock of a step far more than the CPU time its threads spend."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def append(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def steady(self, warmup: int) -> tuple[float, float]:
+        """(wall, CPU) seconds per steady step."""
+        return steady_seconds(self.wall, warmup), steady_seconds(self.cpu, warmup)
+
+
+def run_rapidtrain(o: argparse.Namespace, precision: list[str]) -> tuple[float, float]:
     from rapidtrain.pretrain import MegatronPreTrainer
     from rapidtrain.train.engine import Engine
 
-    stamps: list[float] = []
+    stamps = StepStamps()
 
     class Timed(MegatronPreTrainer):
         def train_step(self, micro_batches, stop_requested=False):
             result = super().train_step(micro_batches, stop_requested=stop_requested)
-            stamps.append(time.perf_counter())
+            stamps.append()
             return result
 
     argv = ["--num-layers", str(o.layers), "--hidden-size", str(o.hidden), "--num-attention-heads", str(o.heads),
@@ -72,7 +90,7 @@ def run_rapidtrain(o: argparse.Namespace, precision: list[str]) -> float:
             "--eval-interval", str(10**6), "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--clip-grad", "1.0", *precision]
     Timed(Engine(argv=argv)).train()
-    return steady_seconds(stamps, o.warmup)
+    return stamps.steady(o.warmup)
 
 
 def demo_samples(o: argparse.Namespace):
@@ -83,7 +101,7 @@ def demo_samples(o: argparse.Namespace):
     return train, padded_vocab_size(tokenizer.vocab_size)
 
 
-def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int, dataset) -> float:
+def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int, dataset) -> tuple[float, float]:
     """A hand-written loop: the same built-in model, DataLoader, fused AdamW, clipping and masked mean loss."""
     config = ModelConfig(num_layers=o.layers, hidden_size=o.hidden, num_attention_heads=o.heads, seq_length=o.seq,
                          max_position_embeddings=o.seq, vocab_size=vocab, hidden_dropout=0.0, attention_dropout=0.0)
@@ -93,7 +111,7 @@ def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int,
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=3e-4, fused=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=o.batch, shuffle=False)
-    stamps = []
+    stamps = StepStamps()
     # --iters steps, as the other rows run: the dataset holds at least a whole epoch of the corpus.
     for batch in itertools.islice(loader, o.iters):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
@@ -104,21 +122,22 @@ def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
-    return steady_seconds(stamps, o.warmup)
+        stamps.append()
+    return stamps.steady(o.warmup)
 
 
-def run_hf_trainer(o: argparse.Namespace, bf16: bool, vocab: int, dataset, workdir: str, compile_: bool) -> float:
+def run_hf_trainer(o: argparse.Namespace, bf16: bool, vocab: int, dataset, workdir: str,
+                   compile_: bool) -> tuple[float, float]:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     config = GPT2Config(vocab_size=vocab, n_positions=o.seq, n_embd=o.hidden, n_layer=o.layers, n_head=o.heads,
                         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(config)
-    stamps: list[float] = []
+    stamps = StepStamps()
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
+            stamps.append()
 
     class Samples(torch.utils.data.Dataset):
         def __len__(self):
@@ -133,7 +152,7 @@ def run_hf_trainer(o: argparse.Namespace, bf16: bool, vocab: int, dataset, workd
                                   report_to=[], logging_steps=10**6, save_strategy="no", dataloader_num_workers=0,
                                   lr_scheduler_type="constant", disable_tqdm=True, torch_compile=compile_)
     Trainer(model=model, args=arguments, train_dataset=Samples(), callbacks=[Stamp()]).train()
-    return steady_seconds(stamps, o.warmup)
+    return stamps.steady(o.warmup)
 
 
 SYSTEMS = ("rapidtrain", "rapidtrain, glibc default", "rapidtrain, compiled", "plain loop", "HF Trainer",
@@ -141,8 +160,8 @@ SYSTEMS = ("rapidtrain", "rapidtrain, glibc default", "rapidtrain, compiled", "p
 HF_ROWS = tuple(system for system in SYSTEMS if system.startswith("HF"))
 
 
-def run_one(o: argparse.Namespace) -> float:
-    """Seconds per steady step of one system at one precision (the child process's whole job)."""
+def run_one(o: argparse.Namespace) -> tuple[float, float]:
+    """(Wall, CPU) seconds per steady step of one system at one precision (the child process's whole job)."""
     import tempfile
 
     from rapidtrain.core.cpu_allocator import keep_freed_memory
@@ -163,8 +182,9 @@ def run_one(o: argparse.Namespace) -> float:
         return run_hf_trainer(o, bf16, vocab, dataset, workdir, compile_=o.system == "HF Trainer, best")
 
 
-def child_seconds(o: argparse.Namespace, system: str, precision: str) -> tuple[float, float]:
-    """(seconds per steady step, peak resident MiB) of one system in a process of its own."""
+def child_seconds(o: argparse.Namespace, system: str, precision: str) -> tuple[float, float, float]:
+    """(seconds per steady step, CPU seconds per steady step, peak resident MiB) of one system in a process of its
+    own."""
     shape = ["--iters", str(o.iters), "--warmup", str(o.warmup), "--layers", str(o.layers), "--hidden", str(o.hidden),
              "--heads", str(o.heads), "--seq", str(o.seq), "--batch", str(o.batch)]
     result = subprocess.run([sys.executable, __file__, *shape, "--system", system, "--precision", precision],
@@ -172,7 +192,7 @@ def child_seconds(o: argparse.Namespace, system: str, precision: str) -> tuple[f
     if result.returncode != 0:
         raise RuntimeError(f"{system} ({precision}) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    return report["seconds"], report["peak_mib"]
+    return report["seconds"], report["cpu_seconds"], report["peak_mib"]
 
 
 def round_order(systems: list[str], round_: int) -> list[str]:
@@ -210,8 +230,9 @@ def main() -> None:
     if o.system:
         import resource
 
-        seconds = run_one(o)
-        print(json.dumps({"seconds": seconds, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        seconds, cpu_seconds = run_one(o)
+        print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds,
+                          "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
         return
 
     _, vocab = demo_samples(o)
@@ -229,6 +250,7 @@ def main() -> None:
         gemm_shapes = linear_gemm_shapes(o.hidden, 4 * o.hidden, vocab, o.layers, tokens)
         seconds: dict[str, list[float]] = {system: [] for system in o.systems}
         peaks: dict[str, list[float]] = {system: [] for system in o.systems}
+        cpu: dict[str, list[float]] = {system: [] for system in o.systems}
         ceilings: list[float] = []
         for round_ in range(o.rounds):
             # The ceiling is this model's own linear-layer GEMMs run back to back, timed inside the same round as
@@ -236,11 +258,12 @@ def main() -> None:
             # faster, so "of GEMM ceiling" is how much of the step is matrix work.
             ceilings.append(measure_gemm_tflops(gemm_shapes, dtype, torch.device("cpu")))
             for system in round_order(o.systems, round_):
-                step, mib = child_seconds(o, system, precision)
+                step, cpu_step, mib = child_seconds(o, system, precision)
                 seconds[system].append(step)
+                cpu[system].append(cpu_step)
                 peaks[system].append(mib)
-                print(f"    round {round_ + 1} {precision} {system}: {step * 1000:.1f} ms/step, peak {mib:.0f} MiB",
-                      flush=True)
+                print(f"    round {round_ + 1} {precision} {system}: {step * 1000:.1f} ms/step, CPU "
+                      f"{cpu_step * 1000:.1f} ms/step, peak {mib:.0f} MiB", flush=True)
         ceiling = median(ceilings)
         print(f"  {precision}: matmul peak {peak * 1000:.0f} GFLOP/s (2048² products); this model's linear-layer "
               f"GEMMs alone run at {ceiling * 1000:.0f} GFLOP/s ({ceiling / peak:.0%} of the peak)", flush=True)
@@ -255,18 +278,20 @@ def main() -> None:
             of_ceiling = median([flops / s / 1e12 / c * 100 for s, c in zip(runs, ceilings, strict=True)])
             step = median(runs)
             rows.append((precision, system, tokens / step, spread(runs) * 100, flops / step / 1e12 / peak * 100,
-                         of_ceiling, vs_plain, vs_hf, max(peaks[system])))
+                         of_ceiling, vs_plain, vs_hf, median(cpu[system]) * 1000, max(peaks[system])))
     print(f"\n{'precision':<9} {'system':<25} {'tokens/s':>9} {'± %':>5} {'MFU %':>6} {'of GEMM ceiling %':>17} "
-          f"{'time vs plain':>14} {'vs fastest HF':>13} {'peak MiB':>9}")
-    for precision, system, tokens_per_s, moved, mfu, of_ceiling, vs_plain, vs_hf, mib in rows:
+          f"{'time vs plain':>14} {'vs fastest HF':>13} {'CPU ms/step':>11} {'peak MiB':>9}")
+    for precision, system, tokens_per_s, moved, mfu, of_ceiling, vs_plain, vs_hf, cpu_ms, mib in rows:
         print(f"{precision:<9} {system:<25} {tokens_per_s:9.0f} {moved:5.1f} {mfu:6.1f} {of_ceiling:17.1f} "
-              f"{vs_plain:14.3f} {vs_hf:13.3f} {mib:9.0f}")
+              f"{vs_plain:14.3f} {vs_hf:13.3f} {cpu_ms:11.1f} {mib:9.0f}")
     print("\ntokens/s: at the median step time of the rounds; ± %: half the range of the rounds over the median;"
           "\nMFU: model FLOPs per second over the 2048² matmul peak; of GEMM ceiling: over the rate of this model's "
           "own linear-layer GEMMs run back to back in the same round (what a step with no other work would reach);"
           "\ntime vs plain: seconds per step relative to the plain loop, the median of the rounds' ratios;"
           "\nvs fastest HF: the fastest Hugging Face row's seconds per step divided by this system's, per round, "
-          "median (> 1 is faster);\npeak MiB: the process's largest peak resident memory (ru_maxrss) over the rounds.")
+          "median (> 1 is faster);\nCPU ms/step: the process's CPU time per steady step (all its threads), median "
+          "of the rounds: load moves it far less than the wall clock;\npeak MiB: the process's largest peak resident "
+          "memory (ru_maxrss) over the rounds.")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rapidtrain.config.memory import expert_second_dims, experts_sharded_by_fsdp2
+from rapidtrain.config.memory import bf16_weight_copies, expert_second_dims, experts_sharded_by_fsdp2
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.config.pipeline_split import SPLIT_BACKWARD, V_SHAPED, bubble_fraction, schedule_title
 from rapidtrain.config.resolve import (
@@ -162,7 +162,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
     partitioning = _partitioning_choice(args, layout, model)
     engines = (_data_parallel_choices(args, ctx, layout, partitioning)
                + _model_parallel_choices(args, layout, micro_batches)
-               + _precision_choices(layout, precision, partitioning)
+               + _precision_choices(layout, precision, partitioning, switches)
                + recompute_choices(args) + _kernel_choices(args, precision)
                + _host_choices(args, ctx, layout, precision, switches, notes)
                + _data_choices(args, ctx)
@@ -269,11 +269,18 @@ def _model_parallel_choices(args: argparse.Namespace, layout: Layout, micro_batc
     return engines
 
 
-def _precision_choices(layout: Layout, precision: Precision, partitioning: EngineChoice | None) -> list[EngineChoice]:
+def _precision_choices(layout: Layout, precision: Precision, partitioning: EngineChoice | None,
+                       switches: Switches) -> list[EngineChoice]:
     if precision.dtype == "fp32":
         return []
     deepspeed_own = partitioning is not None and partitioning.engine.startswith("DeepSpeed")
     engine = f"DeepSpeed {precision.dtype} engine" if deepspeed_own else f"torch.autocast({precision.dtype})"
+    if not deepspeed_own and precision.dtype == "bf16":
+        engine += (" over bf16 copies of the linear layers' weights, refreshed from the fp32 masters after each "
+                   "optimizer step; gradients added into the fp32 masters' (parallel/low_precision_weights.py)"
+                   if bf16_weight_copies(precision, layout, switches) else
+                   ", which casts the fp32 linear weights to bf16 in every forward (bf16 copies kept by the step "
+                   "serve one process without --torch-compile only)")
     if precision.loss_scaling != "none":
         engine += f" + {precision.loss_scaling} loss scaling"
     if partitioning is not None and "FSDP2" in partitioning.engine and layout.data_parallel_size > 1:

@@ -85,6 +85,17 @@ def weight_copies(precision: Precision, layout: Layout, switches: Switches) -> W
     return "head_and_experts" if fsdp2 else "all"
 
 
+def bf16_weight_copies(precision: Precision, layout: Layout, switches: Switches) -> bool:
+    """Whether the linear layers compute with bf16 copies of their weights kept by the step instead of autocast's
+    per-forward casts (parallel/low_precision_weights.py): bf16 in one process, eager. Data, tensor and pipeline
+    parallelism keep autocast (DDP and FSDP2 reduce the parameters' own gradients, TP/PP transform the layers, and
+    DeepSpeed's bf16 engine keeps 16-bit weights of its own); so does --torch-compile, whose compiled graph fuses the
+    casts into its kernels. The peak memory is the same either way (one 16-bit copy of the layers' matrices: held by
+    autocast and backward during the step, or kept between steps), so the estimate does not change."""
+    return (precision.dtype == "bf16" and layout.world_size == 1 and switches.compile == "none"
+            and switches.partitioning_engine not in ("deepspeed", "fairscale"))
+
+
 def activation_context(model: ModelConfig, precision: Precision, layout: Layout, switches: Switches,
                        device_type: str) -> ActivationContext:
     """What the activation bytes depend on besides the shapes, for this model, precision, layout and engine."""

@@ -70,7 +70,8 @@ def precision_of(args: argparse.Namespace, ctx: RunContext) -> Precision:
     documents --mixed-precision as fp16, and DESIGN.md keeps that meaning even on GPUs with native bf16, where the
     reason names --bf16), bf16 on a CPU with native bf16, else fp32."""
     if args.bf16:
-        return Precision("bf16", "none", "--bf16: bf16 autocast, fp32 master weights, no loss scaling")
+        return Precision("bf16", "none", "--bf16: bf16 matmuls under autocast, fp32 master weights, no loss "
+                         "scaling")
     if args.fp16:
         return Precision("fp16", _loss_scaling(args), "--fp16: fp16 autocast with loss scaling, fp32 master weights")
     if args.mixed_precision:

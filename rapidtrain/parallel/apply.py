@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from rapidtrain.config.memory import bf16_weight_copies
 from rapidtrain.config.settings import Plan
 from rapidtrain.core.errors import UserError
 from rapidtrain.optim.grad_scaler import LossScaler
@@ -117,6 +118,11 @@ def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, devi
     elif optimizer is None:
         optimizer, _ = build_optimizer(model, plan.optimizer, device.type)
     scaler = LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None
-    return runner_class(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
-                        clip_grad=plan.clip_grad, gradient_average=plan.layout.data_context_parallel_size
-                        if mesh.gradient_group() else 1, pipeline_group=mesh.group("pp"), scaler=scaler)
+    runner = runner_class(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
+                          clip_grad=plan.clip_grad, gradient_average=plan.layout.data_context_parallel_size
+                          if mesh.gradient_group() else 1, pipeline_group=mesh.group("pp"), scaler=scaler)
+    if bf16_weight_copies(plan.precision, plan.layout, switches):
+        from rapidtrain.parallel.low_precision_weights import LowPrecisionWeights
+
+        runner.after_update.append(LowPrecisionWeights(model).refresh)
+    return runner

@@ -378,6 +378,8 @@ class TorchRunner:
     before_step: list[Callable[[], None]] = field(default_factory=list)
     # (to the saved layout, from it) applied to checkpoint state: expert shards, pipeline names.
     state_transforms: list[tuple[Callable[[dict], dict], Callable[[dict], dict]]] = field(default_factory=list)
+    # Run whenever the parameters took new values (an optimizer step, a loaded checkpoint): bf16 copies refreshed.
+    after_update: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.parameters:
@@ -452,8 +454,13 @@ class TorchRunner:
             clip_by_norm([p for p in self.parameters if p.grad is not None], self.clip_grad,
                          norm.to(self._grad_device()))
         self.optimizer.step()
+        self.parameters_updated()
         self.zero_grad()
         return StepOutcome(norm)
+
+    def parameters_updated(self) -> None:
+        for update in self.after_update:
+            update()
 
     def _grad_device(self) -> torch.device:
         return self.parameters[0].device if self.parameters else torch.device("cpu")
@@ -521,6 +528,7 @@ class TorchRunner:
         for _, from_saved in reversed(self.state_transforms):
             state = from_saved(state)
         self._load_own_state_dict(state, load_optimizer)
+        self.parameters_updated()
 
     def _load_own_state_dict(self, state: dict[str, Any], load_optimizer: bool) -> None:
         from torch.distributed.checkpoint.state_dict import (

@@ -169,7 +169,7 @@ def test_pretrain_throughput_bench_prints_systems_side_by_side(demo_data):
                        "--systems", *systems)
     rows = lines_after(stdout, "precision system")
     assert [(row[:9].strip(), row[10:35].strip()) for row in rows] == [("fp32", system) for system in systems], stdout
-    assert all(len(row[35:].split()) == 7 and [number(cell) for cell in row[35:].split()] for row in rows), stdout
+    assert all(len(row[35:].split()) == 8 and [number(cell) for cell in row[35:].split()] for row in rows), stdout
     # Each system ran once in its round, in the order round_order gives round 0.
     rounds = re.findall(r"round (\d) fp32 (.+?): [\d.]+ ms/step", stdout)
     assert rounds == [("1", s) for s in systems], stdout

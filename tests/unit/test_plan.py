@@ -106,6 +106,9 @@ def test_mixed_precision_resolves_to_bf16_on_cpu_and_fp16_on_cuda():
         (["--checkpoint-activations"], 1, "--checkpoint-activations", "torch.utils.checkpoint"),
         (["--onnx-runtime-training"], 1, "--onnx-runtime-training", "torch.compile"),
         (["--cpu-offload", "--zero-2-memory-optimization"], 2, "--cpu-offload", "DeepSpeedCPUAdam"),
+        (["--bf16"], 1, "precision", "over bf16 copies of the linear layers' weights"),
+        (["--bf16"], 2, "precision", "casts the fp32 linear weights to bf16 in every forward"),
+        (["--bf16", "--torch-compile"], 1, "precision", "casts the fp32 linear weights to bf16 in every forward"),
     ],
 )
 def test_engine_per_switch(flags, world, switch, engine_words):
