@@ -16,7 +16,6 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pretrain_throughput import measure_in_child  # noqa: E402
 
 SYSTEMS = ("rapidtrain Llama (SDPA)", "HF LlamaForCausalLM (sdpa)")
 
@@ -96,10 +98,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
 def child(args: argparse.Namespace, system: str) -> dict[str, float]:
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items() if name != "system"]
-    result = subprocess.run([sys.executable, __file__, *flags, "--system", system], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{system} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return measure_in_child(__file__, [*flags, "--system", system], system)
 
 
 def main() -> None:

@@ -32,7 +32,6 @@ import itertools
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pretrain_throughput import demo_samples, median, spread, steady_seconds  # noqa: E402
+from pretrain_throughput import demo_samples, measure_in_child, median, spread, steady_seconds  # noqa: E402
 
 SHAPES = ("qwen2_moe", "mixtral")
 SYSTEMS = ("rapidtrain", "plain loop", "HF loop", "HF loop, eager experts", "HF Trainer")
@@ -239,11 +238,7 @@ def child(o: argparse.Namespace, shape: str, system: str) -> dict[str, float]:
             continue
         flags.append(f"--{name.replace('_', '-')}={value}")
     env = {**os.environ, "OMP_NUM_THREADS": str(o.threads)}
-    result = subprocess.run([sys.executable, __file__, *flags, "--shape", shape, "--system", system],
-                            capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"{system} ({shape}) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return measure_in_child(__file__, [*flags, "--shape", shape, "--system", system], f"{system} ({shape})", env)
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -182,16 +183,22 @@ def run_one(o: argparse.Namespace) -> tuple[float, float]:
         return run_hf_trainer(o, bf16, vocab, dataset, workdir, compile_=o.system == "HF Trainer, best")
 
 
+def measure_in_child(script: str, flags: list[str], label: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `script flags` in a process of its own (one measurement of one system, as every bench here interleaves
+    them) and return the JSON report its last line prints; a failed child raises with the end of its output."""
+    result = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"{label} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def child_seconds(o: argparse.Namespace, system: str, precision: str) -> tuple[float, float, float]:
     """(seconds per steady step, CPU seconds per steady step, peak resident MiB) of one system in a process of its
     own."""
     shape = ["--iters", str(o.iters), "--warmup", str(o.warmup), "--layers", str(o.layers), "--hidden", str(o.hidden),
              "--heads", str(o.heads), "--seq", str(o.seq), "--batch", str(o.batch)]
-    result = subprocess.run([sys.executable, __file__, *shape, "--system", system, "--precision", precision],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{system} ({precision}) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = measure_in_child(__file__, [*shape, "--system", system, "--precision", precision],
+                              f"{system} ({precision})")
     return report["seconds"], report["cpu_seconds"], report["peak_mib"]
 
 
