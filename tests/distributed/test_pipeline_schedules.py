@@ -142,9 +142,13 @@ def test_a_tiny_bloom_trains_on_deepspeeds_split(runs):
 @pytest.mark.slow
 def test_v_schedules_evaluate_as_1f1b(runs):
     """Evaluation under ZBV (a forward-only schedule over its V stages): the validation and test losses printed are
-    1F1B's, and so are ZB-H1's."""
+    1F1B's within the training's tolerance (ZBV trains its weights to 1F1B's within float rounding, not bitwise: at
+    the demo's 2,048-row head the validation loss prints 7.527482 against 7.527481), and ZB-H1's, whose training is
+    bitwise 1F1B's, are 1F1B's digit for digit. Sections: 1F1B, ZB-H1, ZBV."""
     sections = (runs / "exact.log").read_text().split("rapidtrain plan —")[1:]
     values = [[line.split("lm loss value:")[1].split("|")[0].strip() for line in section.splitlines()
                if "lm loss value:" in line] for section in sections]
     assert len(values) == 3 and len(values[0]) == 2
-    assert values[1] == values[0] and values[2] == values[0]
+    one_f_one_b, zbh1, zbv = values
+    assert zbh1 == one_f_one_b
+    assert [float(v) for v in zbv] == pytest.approx([float(v) for v in one_f_one_b], rel=TOLERANCE)

@@ -10,12 +10,16 @@ import sys
 
 import pytest
 
+from rapidtrain.core import library_warnings
 from rapidtrain.core.library_warnings import HIDDEN, ONCE, quiet_library_messages
 from tests.launch import REPO, TINY_GPT_SHAPE, child_env
 
 
 @pytest.fixture
 def quiet():
+    # The filter remembers what it showed for the whole process: another test of this worker (a 4-bit generation)
+    # may already have shown bitsandbytes' cast message once.
+    library_warnings._FILTER.shown.clear()
     quiet_library_messages()
     yield
     quiet_library_messages()  # what every run starts with
