@@ -98,6 +98,17 @@ def routed_rows_per_token(model: ModelConfig, layout: Layout, experts: int) -> f
     return float(experts if layout.expert_parallel_size > 1 else model.moe_router_topk)
 
 
+def mlp_wide_tensors(model: ModelConfig) -> int:
+    """[tokens, ffn] tensors the MLP keeps for backward (models/mlp.py): GELU its fc1 output and the activation's;
+    a gated unit the gate, the linear half, act(gate) and the product; quick GELU's sigmoid output besides (silu keeps
+    only its input); a clamp its clamped gate and linear half besides their inputs (with --glu-linear-offset the
+    shifted linear half takes the clamped one's place). gpt-oss: 7, where SwiGLU keeps 4: the 2,048-row head of the
+    demo tokenizer left the three uncounted ones outside the memory test's 15%."""
+    if not model.gated_linear_unit:
+        return 2
+    return 4 + (1 if model.quick_geglu else 0) + (2 if model.activation_clamp is not None else 0)
+
+
 def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext,
                 granularity: str = "none", experts: int = 0) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
@@ -108,10 +119,11 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
     if granularity == "full":
         return s * b * h * r / split_all
     attention, latents = _attention_widths(model)
-    # fc1 and activation outputs (SwiGLU: + gate, product)
-    mlp_width: float = (4 if model.gated_linear_unit else 2) * model.ffn_size
+    # fc1 and activation outputs (SwiGLU: + gate, product; gpt-oss's clamped quick GEGLU more: mlp_wide_tensors)
+    wide_tensors = mlp_wide_tensors(model)
+    mlp_width: float = wide_tensors * model.ffn_size
     if experts:  # routed copies of each token (routed_rows_per_token); shared experts are a dense MLP beside
-        mlp_width = (4 if model.gated_linear_unit else 2) * (
+        mlp_width = wide_tensors * (
             model.expert_ffn_size * routed_rows_per_token(model, layout, experts)
             + (model.moe_shared_expert_intermediate_size or 0))
     masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
