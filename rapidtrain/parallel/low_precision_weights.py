@@ -17,8 +17,8 @@ bf16 copies of them:
 
 The numbers are autocast's own: a copy holds exactly the bf16 value autocast's cast would give (both round to
 nearest even), and the gradient reaches the fp32 `.grad` through the same bf16 → fp32 conversion. Only one process
-without tensor, pipeline or data parallelism uses it (config/engines.py's `bf16_weight_copies` decides; DDP, FSDP2
-and DeepSpeed reduce or shard the parameters themselves).
+without tensor, pipeline or data parallelism uses it (config/memory.py's `bf16_weight_copies` decides, the plan's
+engine line says it; DDP, FSDP2 and DeepSpeed reduce or shard the parameters themselves).
 """
 
 from __future__ import annotations
@@ -84,11 +84,6 @@ class LowPrecisionWeights:
         """Copy the masters into the bf16 copies: after an optimizer step, after loading a checkpoint."""
         with torch.no_grad():
             self.flat_copy.copy_(self.flat_master)
-
-    def remove(self) -> None:
-        """Give the layers back their own forward (the masters keep their flat storage)."""
-        for module in self.modules:
-            module.__dict__.pop("forward", None)
 
 
 def converted_linears(model: nn.Module) -> list[nn.Linear]:
