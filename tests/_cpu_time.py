@@ -93,3 +93,28 @@ def register(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     path = Path(target + (f".{worker}" if worker else ""))
     config.pluginmanager.register(CpuTimeReport(path), "rapidtrain-cpu-time")
+
+
+def merge(reports: list[Path]) -> str:
+    """The per-file table of one or more reports (a full run's PATH.gw0, PATH.gw1) as tests/file_costs.txt lines."""
+    files: dict[str, float] = defaultdict(float)
+    for report in reports:
+        lines = report.read_text().splitlines()
+        for line in lines[2:lines.index("# per item and phase: cpu_s  phase  nodeid")]:
+            seconds, _count, name = line.split()
+            files[name] += float(seconds)
+    header = ("# CPU seconds per test file in a full run (tests/_cpu_time.py); tests/conftest.py starts the costliest "
+              "first.\n")
+    ranked = sorted(files.items(), key=lambda kv: -kv[1])
+    return header + "".join(f"{seconds:8.1f} {name}\n" for name, seconds in ranked)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print("usage: python -m tests._cpu_time REPORT [REPORT ...] > tests/file_costs.txt\n"
+              "Merges the per-file CPU tables of a full run's reports (RAPIDTRAIN_TEST_CPU_REPORT=REPORT: REPORT.gw0, "
+              "REPORT.gw1) into the table tests/conftest.py orders test files by.")
+        sys.exit(0 if len(sys.argv) > 1 else 2)
+    sys.stdout.write(merge([Path(name) for name in sys.argv[1:]]))

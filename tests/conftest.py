@@ -34,31 +34,28 @@ def demo_data():
     return prepare_demo_data(progress=False)
 
 
-# The test files that take longest (a full run's --durations, summed per file, on the 2-core machine). Under xdist
-# a file is one unit of work (--dist loadfile) handed out in collection order; starting the longest first keeps
-# one worker from running a long file alone at the end (longest-first list scheduling). scripts/test.sh passes
-# --no-loadscope-reorder so that xdist keeps this order instead of sorting files by their number of tests.
-LONGEST_FIRST = (
-    "tests/e2e/test_pretrain.py",
-    "tests/e2e/test_readme.py",
-    "tests/distributed/test_zero.py",
-    "tests/compat/test_launch_runs.py",
-    "tests/e2e/test_signals.py",
-    "tests/e2e/test_finetune_tasks.py",
-    "tests/distributed/test_expert_parallel.py",
-    "tests/distributed/test_data_parallel.py",
-    "tests/distributed/test_zero_infinity.py",
-    "tests/e2e/test_plan_matches_run.py",
-    "tests/distributed/test_per_token_loss.py",
-    "tests/e2e/test_examples.py",
-    "tests/e2e/test_benches.py",
-    "tests/distributed/test_memory_estimate.py",
-    "tests/distributed/test_pipeline_parallel.py",
-    "tests/distributed/test_resume_search_layouts.py",
-    "tests/e2e/test_resume_search.py",
-)
+# Under xdist a file is one unit of work (--dist loadfile), handed to whichever worker runs short of tests, in
+# collection order; scripts/test.sh passes --no-loadscope-reorder so that xdist keeps this order. Starting the costliest
+# files first (longest-first list scheduling) keeps one worker from running a long file alone at the end: in the last
+# full run before this ordering was measured, the two workers' CPU seconds were 1,182 and 1,398. The costs are CPU
+# seconds per file from a full run's RAPIDTRAIN_TEST_CPU_REPORT (tests/_cpu_time.py writes them; `python -m
+# tests._cpu_time REPORT.gw0 REPORT.gw1 > tests/file_costs.txt` refreshes the table). A file the table does not know
+# yet (a new one) goes first: its cost is unknown, and a short file run early costs the schedule nothing.
+FILE_COSTS = Path(__file__).resolve().parent / "file_costs.txt"
+
+
+def _file_costs() -> dict[str, float]:
+    if not FILE_COSTS.exists():
+        return {}
+    costs = {}
+    for line in FILE_COSTS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            seconds, name = line.split()
+            costs[name] = float(seconds)
+    return costs
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+    costs = _file_costs()
+    # Stable sort: a file's tests keep their order (module fixtures are built once per file).
+    items.sort(key=lambda item: -costs.get(item.nodeid.split("::")[0], float("inf")))
