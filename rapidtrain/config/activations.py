@@ -76,6 +76,21 @@ class ActivationContext:
     chunked_loss: bool = False  # head and loss computed together in chunks (models/chunked_loss.py)
     device_type: str = "cpu"  # the chunks' size depends on it
     weight_copies: WeightCopies = "none"
+    # the scores come from SDPA's math path on a CPU (attention dropout), which computes 16-bit inputs in fp32
+    scores_upcast: bool = False
+
+    @property
+    def score_bytes(self) -> int:
+        """An element of a kept score tensor (the softmax's output, its dropout mask, the dropped scores): fp32 from
+        SDPA's CPU math path whatever the inputs (it upcasts fp16/bf16 query and key before the matmul: measured,
+        bf16 at seq 256, three fp32 [b, heads, s, s] tensors per layer, 6.3 MB the plan had counted as 3.1 in bf16
+        and a 2,048-row head's share no longer covered); the activations' own size from an eager kernel."""
+        return 4 if self.scores_upcast else self.element_bytes
+
+    @property
+    def score_mask_bytes(self) -> int:
+        """An element of the attention dropout's mask over the scores: the scores' size on a CPU (measured)."""
+        return self.score_bytes if self.scores_upcast else self.mask_bytes
 
     @property
     def residual_bytes(self) -> int:
@@ -87,8 +102,10 @@ class ActivationContext:
     def of(model: ModelConfig, dtype: str, device_type: str) -> ActivationContext:
         element = 4 if dtype == "fp32" else 2
         mask = 1 if device_type == "cuda" else element
-        scores = model.attention_kernel == "eager" or (device_type == "cpu" and model.attention_dropout > 0)
-        return ActivationContext(element, mask, model.hidden_dropout > 0, scores, device_type=device_type)
+        math_path = device_type == "cpu" and model.attention_dropout > 0 and model.attention_kernel != "eager"
+        scores = model.attention_kernel == "eager" or math_path
+        return ActivationContext(element, mask, model.hidden_dropout > 0, scores, device_type=device_type,
+                                 scores_upcast=math_path)
 
 
 def routed_rows_per_token(model: ModelConfig, layout: Layout, experts: int) -> float:
@@ -160,10 +177,16 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
         per_token = (2 * h * r + masks) / sequence + (2 * h + latents) * e + (attention + mlp_width) * e / t
     scores = 0.0
     cp = layout.context_parallel_size  # `model` is a context-parallel rank's (its seq_length the local part)
-    if _kernel_keeps_scores(act, layout) and granularity not in ("selective", "op"):
+    if _kernel_keeps_scores(act, layout) and granularity != "selective":
         heads = model.num_attention_heads
         # under context parallelism the local queries see every key (a2a: heads/CP of the whole sequence's)
-        scores = heads * s * s * cp * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
+        kept = 2 * act.score_bytes + (act.score_mask_bytes if model.attention_dropout > 0 else 0)
+        if granularity == "op":
+            # an eager kernel or SDPA's math path is plain ops to op-level recompute: it keeps the q·kᵀ matmul's
+            # output and recomputes the softmax and dropout from it (measured: 4.0 MB of two layers' fp32 scores at
+            # seq 256, bf16, attention dropout, which the plan had left out)
+            kept = act.score_bytes
+        scores = heads * s * s * cp * b * kept / t
     if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
         # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
         # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
