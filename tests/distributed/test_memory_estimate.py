@@ -212,16 +212,17 @@ def test_context_parallel_peak_memory_on_four_ranks_is_estimated_within_15_perce
     check_every_rank(FOUR_RANK_CONTEXT_PARALLEL_LAYOUTS[layout], 4, layout, measured_on_four_ranks[layout])
 
 
-def test_ring_peak_memory_falls_with_the_context_parallel_size_as_planned(measured_context_parallel,
-                                                                          measured_on_four_ranks):
-    """The largest rank's peak at CP 1, 2 and 4 (the ring; the same sequence and micro batch per rank): measured and
-    planned fall together, each step's measured ratio within 15% of the plan's."""
+@pytest.mark.parametrize("exchange", ["p2p", "allgather", "a2a"])
+def test_peak_memory_falls_with_the_context_parallel_size_as_planned(measured_context_parallel,
+                                                                     measured_on_four_ranks, exchange):
+    """The largest rank's peak at CP 1, 2 and 4 (each exchange; the same sequence and micro batch per rank): measured
+    and planned fall together, each step's measured ratio within 15% of the plan's."""
     runs = [(measured_context_parallel, CONTEXT_PARALLEL_LAYOUTS, 2, "cp1_seq256"),
-            (measured_context_parallel, CONTEXT_PARALLEL_LAYOUTS, 2, "cp2_p2p"),
-            (measured_on_four_ranks, FOUR_RANK_CONTEXT_PARALLEL_LAYOUTS, 4, "cp4_p2p")]
+            (measured_context_parallel, CONTEXT_PARALLEL_LAYOUTS, 2, f"cp2_{exchange}"),
+            (measured_on_four_ranks, FOUR_RANK_CONTEXT_PARALLEL_LAYOUTS, 4, f"cp4_{exchange}")]
     real = [max(r["state_bytes"] + r["activation_bytes"] for r in measured[name]) for measured, _, _, name in runs]
     planned = [planned_memory(layouts[name], world).memory.peak_bytes_per_rank for _, layouts, world, name in runs]
-    print("CP 1, 2, 4 peak per rank (MiB), measured:", [round(x / 2**20, 2) for x in real],
+    print(f"CP 1, 2, 4 ({exchange}) peak per rank (MiB), measured:", [round(x / 2**20, 2) for x in real],
           "planned:", [round(x / 2**20, 2) for x in planned])
     assert real[0] > real[1] > real[2] and planned[0] > planned[1] > planned[2]
     for before, after, plan_before, plan_after in zip(real, real[1:], planned, planned[1:], strict=False):
