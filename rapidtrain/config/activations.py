@@ -9,7 +9,9 @@ Their count per transformer layer, in bytes of 16-bit tensors with 1-byte dropou
 Written here in elements so it holds for any precision and shape: 16 tensors of s·b·h elements (for h = a·d, no
 grouped-query attention and ffn = 4h) plus two masks, and 3 score tensors of a·s²·b when the attention kernel
 keeps its scores. Under tensor parallelism of size t the Q/K/V, scores and MLP parts are split (24/t of the 34); the
-norms' inputs, the masks and the two blocks' inputs (10 of them) are split only with sequence parallelism.
+norms' inputs and the masks (6 of them) are split only with sequence parallelism; the two blocks' inputs (4) are not
+split at all here: DTensor's column-parallel linears save the input they multiply, under sequence parallelism the
+all-gathered one (Megatron-Core saves the rank's part and gathers it again in backward, the paper's 34/t).
 Selective recompute drops the scores; full recompute keeps the layer's input alone (2·s·b·h, split by t under
 sequence parallelism). The last stage keeps the final norm's and head's inputs and the fp32 log-softmax of the
 loss (4·s·b·V/t with a vocab-parallel loss), with the logits beside it at the peak (and their fp32 copy in 16-bit
@@ -74,6 +76,21 @@ class ActivationContext:
     chunked_loss: bool = False  # head and loss computed together in chunks (models/chunked_loss.py)
     device_type: str = "cpu"  # the chunks' size depends on it
     weight_copies: WeightCopies = "none"
+    # the scores come from SDPA's math path on a CPU (attention dropout), which computes 16-bit inputs in fp32
+    scores_upcast: bool = False
+
+    @property
+    def score_bytes(self) -> int:
+        """An element of a kept score tensor (the softmax's output, its dropout mask, the dropped scores): fp32 from
+        SDPA's CPU math path whatever the inputs (it upcasts fp16/bf16 query and key before the matmul: measured,
+        bf16 at seq 256, three fp32 [b, heads, s, s] tensors per layer, 6.3 MB the plan had counted as 3.1 in bf16
+        and a 2,048-row head's share no longer covered); the activations' own size from an eager kernel."""
+        return 4 if self.scores_upcast else self.element_bytes
+
+    @property
+    def score_mask_bytes(self) -> int:
+        """An element of the attention dropout's mask over the scores: the scores' size on a CPU (measured)."""
+        return self.score_bytes if self.scores_upcast else self.mask_bytes
 
     @property
     def residual_bytes(self) -> int:
@@ -85,8 +102,10 @@ class ActivationContext:
     def of(model: ModelConfig, dtype: str, device_type: str) -> ActivationContext:
         element = 4 if dtype == "fp32" else 2
         mask = 1 if device_type == "cuda" else element
-        scores = model.attention_kernel == "eager" or (device_type == "cpu" and model.attention_dropout > 0)
-        return ActivationContext(element, mask, model.hidden_dropout > 0, scores, device_type=device_type)
+        math_path = device_type == "cpu" and model.attention_dropout > 0 and model.attention_kernel != "eager"
+        scores = model.attention_kernel == "eager" or math_path
+        return ActivationContext(element, mask, model.hidden_dropout > 0, scores, device_type=device_type,
+                                 scores_upcast=math_path)
 
 
 def routed_rows_per_token(model: ModelConfig, layout: Layout, experts: int) -> float:
@@ -109,37 +128,65 @@ def mlp_wide_tensors(model: ModelConfig) -> int:
     return 4 + (1 if model.quick_geglu else 0) + (2 if model.activation_clamp is not None else 0)
 
 
+def _mlp_width(model: ModelConfig, layout: Layout, experts: int, tensors: float) -> float:
+    """Elements per token of `tensors` [tokens, ffn] tensors of one layer's MLP: the dense FFN's, or the routed
+    experts' copies of each token (routed_rows_per_token) with the shared experts' dense MLP beside them."""
+    if experts:
+        return tensors * (model.expert_ffn_size * routed_rows_per_token(model, layout, experts)
+                          + (model.moe_shared_expert_intermediate_size or 0))
+    return tensors * model.ffn_size
+
+
 def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext,
                 granularity: str = "none", experts: int = 0) -> float:
-    """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
+    """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
+
+    The attention's and the MLP's inputs (the norms' outputs, which their first linears save for the weights'
+    gradients) are whole [s, b, h] tensors on every tensor-parallel rank, sequence parallel or not: under sequence
+    parallelism DTensor's column-parallel linear saves the all-gathered input it multiplies (Megatron-Core saves the
+    rank's part and gathers it again in backward; Korthikanti et al. count that, 2·s·b·h/t). Measured at TP 2 + SP,
+    seq 256 × hidden 128: two [s, b, h] all-gather outputs per layer, 0.26 MB each.
+
+    Op-level recompute (parallel/recompute.py's policy) keeps every matmul's, attention kernel's and collective's
+    output, needed or not, and recomputes the rest from the layer's input: the Q, K, V, attention and fc1 outputs
+    (split by heads or columns); the two row-parallel linears' (o_proj, fc2) outputs, whole [s, b, h] partial sums
+    under tensor parallelism (the reduction comes after the matmul); under tensor parallelism the reductions' outputs
+    too (an all-reduce's whole, a reduce-scatter's s/t part), and under sequence parallelism the two all-gathered
+    inputs. So under TP 2 + SP op-level keeps more than no recompute (measured 2.49 MB per layer against 2.36 at seq
+    256 × hidden 128, GELU, fp32; the plan had counted 1.44 as if all but the input were split by t, and the draw's
+    tp2_sp recompute=op measured 9.72 MB of activations against 7.34 planned)."""
     s, h, b = model.seq_length, model.hidden_size, micro
     t = layout.tensor_parallel_size
-    split_all = t if layout.sequence_parallel else 1
+    sequence = t if layout.sequence_parallel else 1  # the residual stream's split
     e, r = act.element_bytes, act.residual_bytes
     if granularity == "full":
-        return s * b * h * r / split_all
+        return s * b * h * r / sequence
     attention, latents = _attention_widths(model)
-    # fc1 and activation outputs (SwiGLU: + gate, product; gpt-oss's clamped quick GEGLU more: mlp_wide_tensors)
-    wide_tensors = mlp_wide_tensors(model)
-    mlp_width: float = wide_tensors * model.ffn_size
-    if experts:  # routed copies of each token (routed_rows_per_token); shared experts are a dense MLP beside
-        mlp_width = wide_tensors * (
-            model.expert_ffn_size * routed_rows_per_token(model, layout, experts)
-            + (model.moe_shared_expert_intermediate_size or 0))
-    masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
-    # two norms' inputs, attention and MLP inputs, two dropout masks (and MLA's latents, whole on every rank)
-    replicated = 2 * h * r + (2 * h + latents) * e + masks
-    split: float = (attention + mlp_width) * e  # Q, K, V, attention output, the MLP's wide tensors
-    if granularity == "op":  # rapidtrain's op-level policy keeps matmul, attention and collective outputs
-        split = (attention + mlp_width / 2 + 2 * h) * e
-        replicated = h * r  # the layer's input
-    per_token = replicated / split_all + split / t
+    if granularity == "op":
+        kept_matmuls = (attention + _mlp_width(model, layout, experts, 2 if model.gated_linear_unit else 1)) * e / t
+        reductions = 2 * h * e / sequence if t > 1 else 0.0
+        gathered = 2 * h * e if layout.sequence_parallel else 0.0
+        per_token = h * r / sequence + kept_matmuls + 2 * h * e + reductions + gathered
+    else:
+        # fc1 and activation outputs (SwiGLU: + gate, product; gpt-oss's clamped quick GEGLU more: mlp_wide_tensors)
+        mlp_width = _mlp_width(model, layout, experts, mlp_wide_tensors(model))
+        masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
+        # split along the sequence under SP: the two norms' inputs and dropout masks; whole: the attention and MLP
+        # inputs (gathered under SP) and MLA's latents; split by heads or columns: Q, K, V, attention output, the
+        # MLP's wide tensors
+        per_token = (2 * h * r + masks) / sequence + (2 * h + latents) * e + (attention + mlp_width) * e / t
     scores = 0.0
     cp = layout.context_parallel_size  # `model` is a context-parallel rank's (its seq_length the local part)
-    if _kernel_keeps_scores(act, layout) and granularity not in ("selective", "op"):
+    if _kernel_keeps_scores(act, layout) and granularity != "selective":
         heads = model.num_attention_heads
         # under context parallelism the local queries see every key (a2a: heads/CP of the whole sequence's)
-        scores = heads * s * s * cp * b * (2 * e + (act.mask_bytes if model.attention_dropout > 0 else 0)) / t
+        kept = 2 * act.score_bytes + (act.score_mask_bytes if model.attention_dropout > 0 else 0)
+        if granularity == "op":
+            # an eager kernel or SDPA's math path is plain ops to op-level recompute: it keeps the q·kᵀ matmul's
+            # output and recomputes the softmax and dropout from it (measured: 4.0 MB of two layers' fp32 scores at
+            # seq 256, bf16, attention dropout, which the plan had left out)
+            kept = act.score_bytes
+        scores = heads * s * s * cp * b * kept / t
     if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
         # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
         # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
@@ -216,8 +263,9 @@ def weight_copy_bytes(model: ModelConfig, layout: Layout, act: ActivationContext
 
 def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext, backward: bool = False,
                weight_gradient_is_a_temporary: bool = True) -> float:
-    """The last stage's at the loss (measured): the final norm's input (the residual stream) and the head's, the
-    head's weight copied to 16 bits (`act.weight_copies`), and the loss's tensors:
+    """The last stage's at the loss (measured): the final norm's input (the residual stream) and output, under
+    sequence parallelism both the rank's part and the head's input their whole all-gather (measured), the head's
+    weight copied to 16 bits (`act.weight_copies`), and the loss's tensors:
     - plain path: the logits in the matmul's dtype, their fp32 copy when 16-bit, and the fp32 log-softmax saved for
       backward, each split by the vocabulary under tensor parallelism;
     - chunked (models/chunked_loss.py): the logits kept in the matmul's dtype (16-bit, or fp32 when one block holds
@@ -230,6 +278,8 @@ def head_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationCo
     s, h, b, t = model.seq_length, model.hidden_size, micro, layout.tensor_parallel_size
     e, tokens, vocab = act.element_bytes, model.seq_length * micro, model.vocab_size
     norms = s * b * h * (act.residual_bytes + e) / (t if layout.sequence_parallel else 1)
+    if layout.sequence_parallel:  # the head's input, all-gathered from the final norm's parts: whole
+        norms += s * b * h * e
     weight = e * vocab * h / t if act.weight_copies != "none" else 0.0
     if act.chunked_loss:
         block = min(block_size(vocab, math.ceil(tokens), act.device_type), vocab)
@@ -306,8 +356,9 @@ def recomputed_again(model: ModelConfig, micro: int, layout: Layout, act: Activa
     dropped from it (0 without recompute)."""
     if granularity == "none":
         return 0.0
-    return layer_bytes(model, micro, layout, act, "none", experts) \
-        - layer_bytes(model, micro, layout, act, granularity, experts)
+    # none at least: op-level recompute under tensor parallelism keeps more than no recompute (layer_bytes)
+    return max(0.0, layer_bytes(model, micro, layout, act, "none", experts)
+               - layer_bytes(model, micro, layout, act, granularity, experts))
 
 
 def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationContext,

@@ -2,8 +2,8 @@
 a tiny GPT-2 (learned positions, plain causal attention) under CP 2 with each exchange (p2p ring, allgather, a2a), as
 Ulysses 2 (--ds-sequence-parallel-size), CP 4, and CP 2 beside TP 2, PP 2, DeepSpeed ZeRO-2 and FSDP; a tiny Llama
 (rope, grouped-query attention) with packed documents masked (--reset-attention-mask, --reset-position-ids,
---eod-mask-loss) under CP 2 and 4 and beside TP 2 and PP 2, and at a 1,024-token sequence under the ring at CP 2
-and 4; an MoE GPT under CP 2 × EP 2, without and with the balancing loss (its expert counts the whole
+--eod-mask-loss) under CP 2 and 4, as Ulysses 2, and beside TP 2 and PP 2, and at a 1,024-token sequence under the
+ring at CP 2 and 4; an MoE GPT under CP 2 × EP 2, without and with the balancing loss (its expert counts the whole
 sequences'); gpt-oss's attention (sinks,
 a sliding window) and multi-head latent attention under CP 2. A CP 2 run stopped at
 iteration 2 resumes bitwise; its checkpoint continues in one process, and the one-process checkpoint at CP 2."""
@@ -62,6 +62,7 @@ LAYOUTS = {
         "cp2_p2p": CP2,
         "cp4_allgather": ["--context-parallel-size", "4", "--cp-comm-type", "allgather"],
         "cp2_a2a": CP2 + ["--cp-comm-type", "a2a"],
+        "ulysses2": ["--ds-sequence-parallel-size", "2"],  # DeepSpeed's name for a2a, with the documents masked
         "cp2_tp2": CP2 + ["--tensor-model-parallel-size", "2"],
         "cp2_pp2": CP2 + ["--pipeline-model-parallel-size", "2", "--cp-comm-type", "allgather"],
         # the ring's backward masks each micro-batch by its own documents, after later micro-batches' forwards
