@@ -1,12 +1,12 @@
 """Context parallelism and DeepSpeed-Ulysses (issue 42) in one 4-rank torchrun launch, at loss parity with one process:
 a tiny GPT-2 (learned positions, plain causal attention) under CP 2 with each exchange (p2p ring, allgather, a2a), as
 Ulysses 2 (--ds-sequence-parallel-size), CP 4, and CP 2 beside TP 2, PP 2, DeepSpeed ZeRO-2 and FSDP; a tiny Llama
-(rope, grouped-query attention) with packed documents masked (--reset-attention-mask, --reset-position-ids,
---eod-mask-loss) under CP 2 and 4, as Ulysses 2, and beside TP 2 and PP 2, and at a 1,024-token sequence under the
-ring at CP 2 and 4; an MoE GPT under CP 2 × EP 2, without and with the balancing loss (its expert counts the whole
-sequences'); gpt-oss's attention (sinks,
-a sliding window) and multi-head latent attention under CP 2. A CP 2 run stopped at
-iteration 2 resumes bitwise; its checkpoint continues in one process, and the one-process checkpoint at CP 2."""
+(rope, grouped-query attention) with packed documents masked (--reset-attention-mask, --reset-position-ids, --eod-
+mask-loss) under CP 2 and 4, as Ulysses 2, and beside TP 2 and PP 2, and at a 1,024-token sequence under the ring at
+CP 2 and 4 (and the GPT at 1,024 tokens under the ring and Ulysses); an MoE GPT under CP 2 × EP 2, without and with
+the balancing loss (its expert counts the whole sequences'); gpt-oss's attention (sinks, a sliding window) and multi-
+head latent attention under CP 2. A CP 2 run stopped at iteration 2 resumes bitwise; its checkpoint continues in one
+process, and the one-process checkpoint at CP 2."""
 
 from __future__ import annotations
 
@@ -74,9 +74,12 @@ LAYOUTS = {
     "mla": {"cp2_p2p": CP2, "cp2_allgather": CP2 + ["--cp-comm-type", "allgather"]},
     # the Llama with packed documents at a long sequence: 1,024 tokens, the ring over 2 and 4 ranks
     "long": {"cp2_p2p": CP2, "cp4_p2p": ["--context-parallel-size", "4"]},
+    # the GPT (learned positions, plain causal attention) at the long sequence too: the ring and Ulysses' all-to-all
+    "gptlong": {"cp2_p2p": CP2, "ulysses2": ["--ds-sequence-parallel-size", "2"]},
 }
-MODELS = {"gpt": GPT, "llama": LLAMA + DOCUMENTS, "moe": MOE, "moeaux": MOE_AUX, "oss": OSS, "mla": MLA, "long": []}
 LONG = ["--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "4"]
+MODELS = {"gpt": GPT, "llama": LLAMA + DOCUMENTS, "moe": MOE, "moeaux": MOE_AUX, "oss": OSS, "mla": MLA, "long": [],
+          "gptlong": GPT + LONG}
 PARITY = 1e-5  # relative, fp32
 
 
