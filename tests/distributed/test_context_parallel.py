@@ -1,12 +1,12 @@
 """Context parallelism and DeepSpeed-Ulysses (issue 42) in one 4-rank torchrun launch, at loss parity with one process:
 a tiny GPT-2 (learned positions, plain causal attention) under CP 2 with each exchange (p2p ring, allgather, a2a), as
 Ulysses 2 (--ds-sequence-parallel-size), CP 4, and CP 2 beside TP 2, PP 2, DeepSpeed ZeRO-2 and FSDP; a tiny Llama
-(rope, grouped-query attention) with packed documents masked (--reset-attention-mask, --reset-position-ids, --eod-
-mask-loss) under CP 2 and 4, as Ulysses 2, and beside TP 2 and PP 2, and at a 1,024-token sequence under the ring at
-CP 2 and 4 (and the GPT at 1,024 tokens under the ring and Ulysses); an MoE GPT under CP 2 × EP 2, without and with
-the balancing loss (its expert counts the whole sequences'); gpt-oss's attention (sinks, a sliding window) and multi-
-head latent attention under CP 2. A CP 2 run stopped at iteration 2 resumes bitwise; its checkpoint continues in one
-process, and the one-process checkpoint at CP 2."""
+(rope, grouped-query attention) with packed documents masked (--reset-attention-mask, --reset-position-ids,
+--eod-mask-loss) under CP 2 and 4, as Ulysses 2, and beside TP 2 and PP 2, and at a 1,024-token sequence under the
+ring at CP 2 and 4 (and the GPT at 1,024 tokens under the ring and Ulysses); an MoE GPT under CP 2 × EP 2, without
+and with the balancing loss (its expert counts the whole sequences'); gpt-oss's attention (sinks, a sliding window)
+and multi-head latent attention under CP 2. A CP 2 run stopped at iteration 2 resumes bitwise; its checkpoint
+continues in one process, and the one-process checkpoint at CP 2."""
 
 from __future__ import annotations
 
