@@ -26,10 +26,11 @@ NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 
 
 # The benches that run each system (row) in a process of its own (pretrain_throughput.py's measure_in_child, which
-# moe_throughput.py and long_sequence.py share; efficient_training.py's run_child) run them one after another in
-# the bench's own process here: the subject is that each bench runs every system and prints its table, and a child
-# per system paid for an interpreter, torch's import and the training stack's again (pretrain_throughput's three
-# systems: 22.6 CPU-s with children, 12.8 without, on the loaded 2-core host).
+# moe_throughput.py and long_sequence.py share; efficient_training.py's run_child; gpu_throughput.py's child but for
+# the rows it launches under torchrun) run them one after another in the bench's own process here: the subject is
+# that each bench runs every system and prints its table, and a child per system paid for an interpreter, torch's
+# import and the training stack's again (pretrain_throughput's three systems: 22.6 CPU-s with children, 12.8
+# without, on the loaded 2-core host).
 SMOKE_IN_PROCESS = {"RAPIDTRAIN_BENCH_SMOKE_IN_PROCESS": "1"}
 
 
