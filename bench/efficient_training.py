@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -404,6 +405,9 @@ ROWS = (
 
 
 def run_child(o: argparse.Namespace, row: Row) -> dict:
+    if os.environ.get("RAPIDTRAIN_BENCH_SMOKE_IN_PROCESS") == "1":  # the smoke tests: see pretrain_throughput.py
+        torch.manual_seed(1234)
+        return row.run(o, list(row.flags))
     command = [sys.executable, __file__, "--row", row.key, "--iters", str(o.iters), "--epochs", str(o.epochs),
                "--offload-iters", str(o.offload_iters)]
     result = subprocess.run(command, capture_output=True, text=True)

@@ -267,6 +267,8 @@ def child(o: argparse.Namespace, system: str, size: str, compile_: bool, data_pr
     launcher = [sys.executable]
     if system.startswith("memory:") or system == "rapidtrain":
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}"]
+    elif os.environ.get("RAPIDTRAIN_BENCH_SMOKE_IN_PROCESS") == "1":  # the smoke tests: see pretrain_throughput.py
+        return run_child(parse_args(args[1:]))
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run(launcher + args, capture_output=True, text=True, env=env, cwd=REPO)
     for line in result.stderr.splitlines():

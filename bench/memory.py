@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps; the first is not timed")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--one-launch", action="store_true",
+                        help="state: every mode of a world size in one torchrun launch, one after another (start-up "
+                             "paid once, for a smoke test); peak RSS is then the launch's peak so far, not the mode's")
     return parser.parse_args(argv)
 
 
@@ -127,7 +130,20 @@ def held_bytes(runner) -> dict[str, int]:
     return {kind: tensor_bytes(tensors) for kind, tensors in states.items()}
 
 
-def run_worker(mode: str, precision: str, steps: int, out: Path) -> None:
+def run_worker(modes: list[str], precision: str, steps: int, out: Path) -> None:
+    """Each mode in turn on this launch's one process group (a mode's Engine reuses it), then the group ends."""
+    import gc
+
+    import torch.distributed as dist
+
+    for mode in modes:
+        run_mode(mode, precision, steps, out)
+        gc.collect()  # the previous mode's model, engine and optimizer state
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_mode(mode: str, precision: str, steps: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
@@ -182,9 +198,7 @@ def run_worker(mode: str, precision: str, steps: int, out: Path) -> None:
         },
         "parameters": memory.total_params,
     }
-    (out / f"rank_{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.barrier()
-    dist.destroy_process_group()
+    (out / f"{mode}_rank_{dist.get_rank()}.json").write_text(json.dumps(report))
 
 
 # ---- start-up and save: resident memory sampled while the model is built or the checkpoint written ----
@@ -401,8 +415,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure(mode: str, world: int, precision: str, steps: int) -> dict:
-    """One torchrun launch; the largest rank's numbers (ranks differ only by uneven shards)."""
+def measure(modes: list[str], world: int, precision: str, steps: int) -> list[dict]:
+    """One torchrun launch for `modes`, one after another; per mode the largest rank's numbers (ranks differ only by
+    uneven shards)."""
     with tempfile.TemporaryDirectory() as folder:
         command = [
             sys.executable,
@@ -412,7 +427,7 @@ def measure(mode: str, world: int, precision: str, steps: int) -> dict:
             f"--master-port={free_port()}",
             __file__,
             "--worker",
-            mode,
+            ",".join(modes),
             precision,
             str(steps),
             folder,
@@ -421,9 +436,14 @@ def measure(mode: str, world: int, precision: str, steps: int) -> dict:
         result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
         if result.returncode != 0:
             raise RuntimeError(
-                f"{mode} on {world} ranks failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+                f"{', '.join(modes)} on {world} ranks failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
             )
-        reports = [json.loads((Path(folder) / f"rank_{r}.json").read_text()) for r in range(world)]
+        return [mode_row(mode, world, [json.loads((Path(folder) / f"{mode}_rank_{r}.json").read_text())
+                                       for r in range(world)]) for mode in modes]
+
+
+def mode_row(mode: str, world: int, reports: list[dict]) -> dict:
+    """A mode's row from its ranks' reports."""
     row = {key: max(r[key] for r in reports) for key in ("params", "grads", "optimizer", "peak_rss")}
     row.update(
         mode=mode,
@@ -484,9 +504,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for world in args.world_sizes:
-        for mode in args.modes:
-            rows.append(measure(mode, world, args.precision, args.steps))
-            print(f"measured {mode} on {world} ranks", file=sys.stderr, flush=True)
+        for modes in [args.modes] if args.one_launch else [[mode] for mode in args.modes]:
+            rows += measure(modes, world, args.precision, args.steps)
+            print(f"measured {', '.join(modes)} on {world} ranks", file=sys.stderr, flush=True)
     print(format_table(rows, args.precision))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -494,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        run_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), Path(sys.argv[5]))
+        run_worker(sys.argv[2].split(","), sys.argv[3], int(sys.argv[4]), Path(sys.argv[5]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--startup-worker":
         run_startup_worker(sys.argv[2], sys.argv[3], Path(sys.argv[4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--save-worker":

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -183,13 +184,43 @@ def run_one(o: argparse.Namespace) -> tuple[float, float]:
         return run_hf_trainer(o, bf16, vocab, dataset, workdir, compile_=o.system == "HF Trainer, best")
 
 
+# Set by the benches' smoke tests (tests/e2e/test_benches.py): every "child" runs in the bench's own process, one
+# after another, so that a smoke run pays for one interpreter and one torch import instead of one per system. Its
+# numbers are then not measurements (allocator state, caches and threads carry over); the table is what is tested.
+SMOKE_IN_PROCESS = "RAPIDTRAIN_BENCH_SMOKE_IN_PROCESS"
+
+
 def measure_in_child(script: str, flags: list[str], label: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `script flags` in a process of its own (one measurement of one system, as every bench here interleaves
     them) and return the JSON report its last line prints; a failed child raises with the end of its output."""
+    if os.environ.get(SMOKE_IN_PROCESS) == "1":
+        return measure_here(script, flags, label, env)
     result = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{label} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def measure_here(script: str, flags: list[str], label: str, env: dict[str, str] | None) -> dict[str, Any]:
+    """measure_in_child's work in this process (SMOKE_IN_PROCESS): `script` run as `python script flags` would run
+    it (runpy, as __main__, with that argv and environment), its printed last line read back."""
+    import contextlib
+    import io
+    import runpy
+
+    printed, argv, environ = io.StringIO(), sys.argv, dict(os.environ)
+    sys.argv = [script, *flags]
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(script, run_name="__main__")
+    except Exception as error:
+        raise RuntimeError(f"{label} failed:\n{printed.getvalue()[-3000:]}") from error
+    finally:
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(environ)
+    return json.loads(printed.getvalue().strip().splitlines()[-1])
 
 
 def child_seconds(o: argparse.Namespace, system: str, precision: str) -> tuple[float, float, float]:

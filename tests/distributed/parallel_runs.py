@@ -16,10 +16,14 @@ from pathlib import Path
 from tests.launch import torchrun
 
 RUNS = Path(__file__).with_name("pretrain_runs.py")
+# Six iterations, the checkpoints saved (and the validation run) at the third: past the 2-iteration warm-up, with
+# three iterations after the save. Ten (saved at 5) trained every layout two thirds as long again and proved nothing
+# more: each iteration is the same schedule, reduction and optimizer step.
+ITERATIONS, SAVED_AT = 6, 3
 SMALL = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
-    "--global-batch-size 8 --hidden-dropout 0 --attention-dropout 0 --num-workers 0 --log-interval 5 "
-    "--eval-iters 0 --lr 1e-3 --lr-warmup-iters 2 --train-iters 10"
+    f"--global-batch-size 8 --hidden-dropout 0 --attention-dropout 0 --num-workers 0 --log-interval {SAVED_AT} "
+    f"--eval-iters 0 --lr 1e-3 --lr-warmup-iters 2 --train-iters {ITERATIONS}"
 ).split()
 # 4-rank layouts of the GPT: name → flags (data parallel takes the ranks tensor × pipeline leave).
 GPT_LAYOUTS = {
@@ -30,11 +34,12 @@ GPT_LAYOUTS = {
     "tp2_sequence_parallel": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2_interleaved": "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1".split(),
 }
-# Layouts trained in two halves: saved at iteration 5 (then resumed at the same layout), and loaded elsewhere.
-SAVED_AT_5 = ("tp2_dp2", "pp2_dp2", "tp2_pp2")
-# Validation at iterations 5 and 10 and the test set at the end: the pipeline evaluates on its last stage.
+# Layouts trained in two halves: saved at iteration SAVED_AT (then resumed at the same layout), and loaded elsewhere.
+SAVED_HALFWAY = ("tp2_dp2", "pp2_dp2", "tp2_pp2")
+# Validation at iterations SAVED_AT and ITERATIONS and the test set at the end: the pipeline evaluates on its last
+# stage.
 EVALUATED = ("tp2_dp2", "pp2_dp2")
-EVALUATION = ["--eval-interval", "5", "--eval-iters", "2"]
+EVALUATION = ["--eval-interval", str(SAVED_AT), "--eval-iters", "2"]
 
 
 @dataclass
@@ -140,15 +145,15 @@ def four_rank_runs(out: Path, gpt: list[str], bert_data: Path) -> list[tuple[str
         flags = (
             flags + ["--loss-log-file", str(out / f"{name}.txt")] + (EVALUATION if name in EVALUATED else [])
         )
-        if name in SAVED_AT_5:
-            runs.append((name, gpt + flags + ["--exit-interval", "5", "--save", str(out / f"{name}_at5")]))
-            runs.append((name, gpt + flags + ["--load", str(out / f"{name}_at5")]))
+        if name in SAVED_HALFWAY:
+            runs.append((name, gpt + flags + ["--exit-interval", str(SAVED_AT), "--save", str(out / f"{name}_saved")]))
+            runs.append((name, gpt + flags + ["--load", str(out / f"{name}_saved")]))
         else:
             runs.append((name, gpt + flags))
     runs.append(
         (
             "dp4_from_tp2_pp2",
-            gpt + ["--load", str(out / "tp2_pp2_at5"), "--loss-log-file", str(out / "dp4_from_tp2_pp2.txt")],
+            gpt + ["--load", str(out / "tp2_pp2_saved"), "--loss-log-file", str(out / "dp4_from_tp2_pp2.txt")],
         )
     )
     runs.append(
@@ -207,5 +212,5 @@ def _build(out: Path, demo_data) -> None:
     for name in ("tp2_dp2", "pp2_dp2"):  # resharded to one process: TP 2 → TP 1, PP 2 → PP 1
         train_here(
             gpt
-            + ["--load", str(out / f"{name}_at5"), "--loss-log-file", str(out / f"single_from_{name}.txt")]
+            + ["--load", str(out / f"{name}_saved"), "--loss-log-file", str(out / f"single_from_{name}.txt")]
         )

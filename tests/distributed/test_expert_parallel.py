@@ -51,33 +51,62 @@ def test_expert_parallel_gradients_match_one_process_reference(tmp_path, demo_da
     assert len({r["loss"] for r in reports}) == 1
 
 
-@pytest.mark.slow
-def test_ep2_matches_ep1_resumes_exactly_and_loads_at_ep1(tmp_path, demo_data):
-    """2 ranks, top-2 of 4 experts in both layers, dropout on; the five runs one after another in one torchrun
-    launch (pretrain_runs.py): EP 1, EP 2 (saving every 3 iterations), EP 2 stopped at iteration 3, that
-    checkpoint resumed at EP 2 and loaded at EP 1."""
-    moe = TINY + ["--num-experts", "4", "--moe-router-topk", "2"]
+def ep1_ep2_runs(out: Path) -> dict[str, list[str]]:
+    """Top-2 of 4 experts in both layers, dropout on: EP 1, EP 2 (saving every STOP iterations), EP 2 stopped at
+    STOP, that checkpoint resumed at EP 2 and loaded at EP 1."""
+    moe = TINY + ["--num-experts", "4", "--moe-router-topk", "2", "--train-iters", str(ITERS)]
     ep2 = moe + ["--expert-model-parallel-size", "2"]
-    runs = {"ep1": moe, "ep2": ep2 + ["--save", str(tmp_path / "ck"), "--save-interval", "3"],
-            "ep2_at3": ep2 + ["--save", str(tmp_path / "ck3"), "--exit-interval", "3"],
-            "resumed": ep2 + ["--load", str(tmp_path / "ck3")], "at_ep1": moe + ["--load", str(tmp_path / "ck3")]}
-    (tmp_path / "runs.json").write_text(json.dumps(
-        [flags + ["--loss-log-file", str(tmp_path / f"{name}.txt")] for name, flags in runs.items()]))
-    launch = torchrun(2, RUNS, [str(tmp_path / "runs.json")], warm=True)
-    out = dict(zip(runs, launch.stdout.split("rapidtrain plan —")[1:], strict=True))  # each run prints its plan
-    losses = {name: read_losses(tmp_path / f"{name}.txt") for name in runs}
-    norms = {name: read_grad_norms(tmp_path / f"{name}.txt") for name in ("ep1", "ep2")}
+    return {"ep1": moe, "ep2": ep2 + ["--save", str(out / "ck"), "--save-interval", str(STOP)],
+            "ep2_stopped": ep2 + ["--save", str(out / "ck_stopped"), "--exit-interval", str(STOP)],
+            "resumed": ep2 + ["--load", str(out / "ck_stopped")], "at_ep1": moe + ["--load", str(out / "ck_stopped")]}
+
+
+def oss_runs(out: Path) -> dict[str, list[str]]:
+    """EP 2 + OSS at DP 2, uninterrupted, and stopped at STOP then resumed (both halves log to one file)."""
+    flags = COMPOSED_FLAGS + COMPOSED["ep2_oss"]
+    return {"oss_uninterrupted": flags + ["--loss-log-file", str(out / "oss_uninterrupted.txt")],
+            "oss_stopped": flags + ["--loss-log-file", str(out / "oss_resumed.txt"), "--exit-interval", str(STOP),
+                                    "--save", str(out / "oss_stopped")],
+            "oss_resumed": flags + ["--loss-log-file", str(out / "oss_resumed.txt"),
+                                    "--load", str(out / "oss_stopped")]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, demo_data) -> tuple[Path, dict[str, str]]:
+    """Every 2-rank run of this file in one torchrun launch (pretrain_runs.py), one after another: the EP 1 / EP 2
+    runs and OSS's. Two launches of the same world size paid the agent's imports and the rendezvous twice; each run
+    builds its own engine, model and optimizer, so sharing the launch changes no number. Returns the folder and each
+    run's printed section (every run prints its plan first)."""
+    out = tmp_path_factory.mktemp("ep_two_ranks")
+    ep_runs = {name: flags + ["--loss-log-file", str(out / f"{name}.txt")] for name, flags in ep1_ep2_runs(out).items()}
+    runs = {**ep_runs, **oss_runs(out)}
+    (out / "runs.json").write_text(json.dumps(list(runs.values())))
+    launch = torchrun(2, RUNS, [str(out / "runs.json")], warm=True)
+    return out, dict(zip(runs, launch.stdout.split("rapidtrain plan —")[1:], strict=True))
+
+
+@pytest.mark.slow
+def test_ep2_matches_ep1_resumes_exactly_and_loads_at_ep1(two_ranks):
+    """2 ranks, top-2 of 4 experts in both layers, dropout on (ep1_ep2_runs): EP 2's losses and norms are EP 1's; the
+    run stopped at iteration 2 resumes bitwise at EP 2 and continues at EP 1."""
+    out_dir, out = two_ranks
+    names = list(ep1_ep2_runs(out_dir))
+    losses = {name: read_losses(out_dir / f"{name}.txt") for name in names}
+    norms = {name: read_grad_norms(out_dir / f"{name}.txt") for name in ("ep1", "ep2")}
+    before, after = range(1, STOP + 1), range(STOP + 1, ITERS + 1)
     assert "expert parallel 2" in out["ep2"] and "load balancing loss:" in out["ep2"]
-    assert sorted(losses["ep2"]) == list(range(1, 7))
+    assert sorted(losses["ep2"]) == list(range(1, ITERS + 1))
     assert relative_difference(losses["ep2"], losses["ep1"]) < 1e-5
     assert relative_difference(norms["ep2"], norms["ep1"]) < 1e-5
-    assert (tmp_path / "ck" / "iter_0000003").is_dir()  # the periodic save, beside the stopped run's
-    assert [losses["ep2_at3"][i] for i in (1, 2, 3)] == [losses["ep2"][i] for i in (1, 2, 3)]
-    # Both loads say so (loaded at EP 1, the checkpoint's layout is read before the run prints its plan).
-    assert launch.stdout.count(f"loaded checkpoint from {tmp_path / 'ck3'} at iteration 3") == 2
-    assert [losses["resumed"][i] for i in (4, 5, 6)] == [losses["ep2"][i] for i in (4, 5, 6)]  # bitwise
-    at_ep1 = {i: losses["at_ep1"][i] for i in (4, 5, 6)}
-    assert relative_difference(at_ep1, {i: losses["ep2"][i] for i in (4, 5, 6)}) < 1e-5
+    assert (out_dir / "ck" / f"iter_{STOP:07d}").is_dir()  # the periodic save, beside the stopped run's
+    assert [losses["ep2_stopped"][i] for i in before] == [losses["ep2"][i] for i in before]
+    # Both loads say so (loaded at EP 1, the checkpoint's layout is read before the run prints its plan: that line
+    # ends the section before it).
+    loaded = f"loaded checkpoint from {out_dir / 'ck_stopped'} at iteration {STOP}"
+    assert sum(out[name].count(loaded) for name in names) == 2
+    assert [losses["resumed"][i] for i in after] == [losses["ep2"][i] for i in after]  # bitwise
+    at_ep1 = {i: losses["at_ep1"][i] for i in after}
+    assert relative_difference(at_ep1, {i: losses["ep2"][i] for i in after}) < 1e-5
 
 
 # ---- expert parallelism composed with pipeline parallelism and state partitioning (one torchrun launch) ----
@@ -85,7 +114,8 @@ def test_ep2_matches_ep1_resumes_exactly_and_loads_at_ep1(tmp_path, demo_data):
 # 4 experts in both layers, global batch 8 of micro-batches of 2: 4 micro-batches in one process, 1 per rank at
 # DP 4, 2 per rank at PP 2 × DP 2. The vocabulary (2,005 ids) pads to 2048 at TP 1 and TP 2.
 # Four iterations, stopped at the second (argparse: the last --train-iters wins over TINY's 6): each of the launch's
-# 16 four-rank runs pays for every iteration, and a resume past the warm-up checks the same state at either length.
+# 16 four-rank runs (and the 2-rank launch's 8) pays for every iteration, and a resume past the warm-up checks the
+# same state at either length.
 ITERS, STOP = 4, 2
 COMPOSED_FLAGS = TINY + NO_DROPOUT + ["--num-experts", "4", "--make-vocab-size-divisible-by", "256",
                                       "--train-iters", str(ITERS)]
@@ -211,17 +241,11 @@ def test_expert_parallel_composition_resumes_bitwise(composed, name):
 
 
 @pytest.mark.slow
-def test_ep2_with_oss_resumes_bitwise_on_two_ranks(tmp_path, demo_data):
+def test_ep2_with_oss_resumes_bitwise_on_two_ranks(two_ranks):
     """EP 2 + OSS at DP 2: the expert slices' state (each rank's local optimizer) and the partitioned rest come
-    back from the checkpoint, and iterations 3..4 are bitwise the uninterrupted run's."""
-    flags = COMPOSED_FLAGS + COMPOSED["ep2_oss"]
-    resumed = ["--loss-log-file", str(tmp_path / "resumed.txt")]
-    runs = [flags + ["--loss-log-file", str(tmp_path / "uninterrupted.txt")],
-            flags + resumed + ["--exit-interval", str(STOP), "--save", str(tmp_path / "stopped")],
-            flags + resumed + ["--load", str(tmp_path / "stopped")]]
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    torchrun(2, RUNS, [str(tmp_path / "runs.json")], warm=True)
-    assert_resumed_bitwise(tmp_path / "resumed.txt", tmp_path / "uninterrupted.txt")
+    back from the checkpoint, and iterations 3..4 are bitwise the uninterrupted run's (oss_runs)."""
+    out_dir, _ = two_ranks
+    assert_resumed_bitwise(out_dir / "oss_resumed.txt", out_dir / "oss_uninterrupted.txt")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ Measured (tests/distributed/memory_runs.py): the model states are the distinct t
 the runner after the first optimizer step (parameters, gradients, optimizer state, DeepSpeed's partitions;
 buffers left out), the activations the largest sum of live storages the second iteration's forward and backward
 created (checked after every operator, backward's included; parameters and gradients left out; a DTensor's local
-tensor). The layouts of each world size run in one torchrun launch.
+tensor). The layouts of each world size run in one torchrun launch (the drawn configurations in the 2-rank one).
 """
 
 from __future__ import annotations
@@ -155,7 +155,12 @@ def measure(tmp_path_factory, world: int, layouts: dict[str, list[str]]) -> dict
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    return measure(tmp_path_factory, 2, LAYOUTS)
+    """Every 2-rank layout in one launch: the fixed ones, context parallelism's and the drawn configurations of
+    every seed (named "seed S: ..."). A launch's start-up (the agent's imports, two ranks' rendezvous and process
+    group, DeepSpeed's) was paid three times for the same world size; each run is measured on its own (its model
+    states after its own first step, its second iteration's activations), so sharing the launch changes no number."""
+    drawn = {f"seed {seed}: {name}": flags for seed in SEEDS for name, flags in drawn_configurations(seed).items()}
+    return measure(tmp_path_factory, 2, {**LAYOUTS, **CONTEXT_PARALLEL_LAYOUTS, **drawn})
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +193,8 @@ def check_every_rank(flags: list[str], world: int, name: str, measured: list[dic
 
 
 @pytest.fixture(scope="module")
-def measured_context_parallel(tmp_path_factory) -> dict:
-    return measure(tmp_path_factory, 2, CONTEXT_PARALLEL_LAYOUTS)
+def measured_context_parallel(measured) -> dict:
+    return measured  # the 2-rank launch's context-parallel runs
 
 
 @pytest.mark.parametrize("layout", list(CONTEXT_PARALLEL_LAYOUTS))
@@ -231,9 +236,9 @@ def test_peak_memory_falls_with_the_context_parallel_size_as_planned(measured_co
 
 # Drawn: the fixed layouts above are the corners; here a seeded draw of 8 configurations from the space they come
 # from (engine × recompute granularity × precision × micro-batches per step × MLP kind × shape × attention dropout),
-# run in one 2-rank launch. CI draws seed 1; MEMORY_SEARCH_SEED=S MEMORY_SEARCH_BATCHES=N searches N batches from S
-# (a failure names its configuration). A seeded draw, not Hypothesis: its first examples are its simplest, and each
-# example here is a launch.
+# run in the fixed layouts' 2-rank launch. CI draws seed 1; MEMORY_SEARCH_SEED=S MEMORY_SEARCH_BATCHES=N searches N
+# batches from S (a failure names its configuration). A seeded draw, not Hypothesis: its first examples are its
+# simplest, and each example here is a run.
 ENGINES = {  # flags (the fixed layout's of that name), data-parallel size on 2 ranks
     **{name: (LAYOUTS[name], 2) for name in ("ddp", "zero1", "zero2", "zero3", "fsdp", "sdp", "oss", "ep2")},
     "tp2": (LAYOUTS["tp2"], 1), "tp2_sp": (LAYOUTS["tp2_sp"], 1),
@@ -261,9 +266,8 @@ def drawn_configuration(rng: random.Random) -> tuple[str, list[str]]:
                   *(["--attention-dropout", "0.1"] if attention_dropout else [])]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", SEEDS)
-def test_drawn_configurations_are_estimated_within_15_percent(seed, tmp_path_factory):
+def drawn_configurations(seed: int) -> dict[str, list[str]]:
+    """The 8 configurations seed `seed` draws (name → flags), skipping combinations the rules refuse."""
     rng, layouts = random.Random(seed), {}
     while len(layouts) < 8:
         name, flags = drawn_configuration(rng)
@@ -272,6 +276,13 @@ def test_drawn_configurations_are_estimated_within_15_percent(seed, tmp_path_fac
         except UserError:  # a combination the rules refuse has no plan to check
             continue
         layouts[name] = flags
-    measured = measure(tmp_path_factory, 2, layouts)
+    return layouts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
+def test_drawn_configurations_are_estimated_within_15_percent(seed, measured):
+    layouts = drawn_configurations(seed)
+    assert len(layouts) == 8
     for name, flags in layouts.items():
-        check_every_rank(flags, 2, f"seed {seed}: {name}", measured[name])
+        check_every_rank(flags, 2, f"seed {seed}: {name}", measured[f"seed {seed}: {name}"])

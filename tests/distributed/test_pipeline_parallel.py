@@ -18,7 +18,7 @@ from rapidtrain.parallel.pipeline import (
     stage_view,
     tied_copies,
 )
-from tests.distributed.parallel_runs import layout_runs
+from tests.distributed.parallel_runs import ITERATIONS, layout_runs
 from tests.launch import read_grad_norms, read_losses, relative_difference
 
 TOLERANCE = 1e-5  # fp32, relative
@@ -32,10 +32,10 @@ def runs(tmp_path_factory, demo_data):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp2_dp2", "tp2_pp2", "pp2_interleaved"])
 def test_pipeline_matches_one_process_losses_and_grad_norms(runs, layout):
-    """10 iterations on 4 ranks (1F1B with 2 micro-batches per rank, TP 2 × PP 2 with 4, interleaved with
+    """6 iterations on 4 ranks (1F1B with 2 micro-batches per rank, TP 2 × PP 2 with 4, interleaved with
     two virtual stages per rank): every loss and global gradient norm equal one process's within 1e-5."""
     losses, single = read_losses(runs.losses(layout)), read_losses(runs.losses("single"))
-    assert sorted(losses) == list(range(1, 11))
+    assert sorted(losses) == list(range(1, ITERATIONS + 1))
     assert relative_difference(losses, single) < TOLERANCE
     assert (
         relative_difference(read_grad_norms(runs.losses(layout)), read_grad_norms(runs.losses("single")))
@@ -45,7 +45,7 @@ def test_pipeline_matches_one_process_losses_and_grad_norms(runs, layout):
 
 @pytest.mark.slow
 def test_pipeline_evaluation_comes_from_the_last_stage(runs):
-    """Validation at iterations 5 and 10 and the test loss, printed by the last stage, equal one process's
+    """Validation at iterations 3 and 6 and the test loss, printed by the last stage, equal one process's
     (the printed 7 digits) and the data-parallel layout's."""
     single = runs.evaluation("single")
     assert len(single) == 3

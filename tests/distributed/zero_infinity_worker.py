@@ -1,9 +1,10 @@
-"""Worker for test_zero_infinity.py (run under torchrun): trains the tiny GPT three steps under ZeRO-3 with the
-given extra flags and prints, from rank 0, one JSON line: losses, where the parameters live, and the plan's offload
-targets."""
+"""Worker for test_zero_infinity.py (run under torchrun): for each list of extra flags in the JSON list it is given,
+one after another on the launch's one process group, trains the tiny GPT three steps under ZeRO-3 with those flags
+and prints, from rank 0, one JSON line: losses, where the parameters live, and the plan's offload targets."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -27,9 +28,18 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "
          "--zero-stage3-param-persistence-threshold", "1000"]
 
 
-def main() -> None:
+def main(configurations: list[list[str]]) -> None:
+    engine = None
+    for extra in configurations:
+        engine = train(extra)  # the next Engine reuses the process group this one started
+        gc.collect()  # the previous run's model, engine and optimizer state
+    if engine is not None:
+        engine.shutdown()
+
+
+def train(extra: list[str]) -> Engine:
     # NullTokenizer's vocabulary is --vocab-size + 1 (its end of document): VOCAB rows, already a multiple of 128.
-    engine = Engine(argv=FLAGS + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)] + sys.argv[1:])
+    engine = Engine(argv=FLAGS + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)] + extra)
     plan = engine.plan
     assert plan.model is not None and plan.model.vocab_size == VOCAB
     model, *_ = engine.compose(build_model(plan.model, seed=1), model_factory=lambda: build_model(plan.model, seed=1))
@@ -44,9 +54,11 @@ def main() -> None:
     residency = parameter_residency(engine.runner.engine.module, plan.zero.offload_params)
     if dist.get_rank() == 0:
         print(json.dumps({"losses": losses, "residency": residency, "offload_params": plan.zero.offload_params,
-                          "threads": torch.get_num_threads(), "planned_threads": plan.zero.cpu_adam_threads}))
-    engine.shutdown()
+                          "threads": torch.get_num_threads(), "planned_threads": plan.zero.cpu_adam_threads}),
+              flush=True)
+    return engine
 
 
 if __name__ == "__main__":
-    exit_after(main)  # no interpreter finalization racing gloo's threads (rapidtrain/core/process.py)
+    # no interpreter finalization racing gloo's threads (rapidtrain/core/process.py)
+    exit_after(lambda: main(json.loads(sys.argv[1])))

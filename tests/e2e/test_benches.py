@@ -1,9 +1,11 @@
 """Every bench under bench/ keeps running: each is run as a user runs it (`python bench/X.py`, cwd the repository) at
 the smallest sizes its flags allow, and must exit 0 and print its table with numbers that parse. The values are
 not checked (they are timings on a shared machine); generation.py and startup.py have smoke tests of their own,
-machine.py is the module the others import; moe_layer.py at a tiny shape. About 85 s on 2 cores, so the slowest
-benches run one part each:
-memory.py its state section (ddp and zero-2; not --section startup / save, ~100M-parameter models),
+machine.py is the module the others import; moe_layer.py at a tiny shape. The benches that measure each system in a
+child process run every system once, in the bench's own process (SMOKE_IN_PROCESS below). The slowest benches run
+one part each:
+memory.py its state section (ddp and zero-2 in one launch, --one-launch; not --section startup / save,
+~100M-parameter models),
 parallel_layouts.py layouts 1,1 and 2,2, gpu_throughput.py --smoke-cpu without its memory modes (and its --profile
 with one system), head_loss.py at a tiny shape,
 pretrain_throughput.py three of its seven rows in fp32 over two interleaved rounds (not the tuned-malloc row nor the
@@ -23,10 +25,19 @@ from tests.launch import REPO, child_env
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 
 
+# The benches that run each system (row) in a process of its own (pretrain_throughput.py's measure_in_child, which
+# moe_throughput.py and long_sequence.py share; efficient_training.py's run_child; gpu_throughput.py's child but for
+# the rows it launches under torchrun) run them one after another in the bench's own process here: the subject is
+# that each bench runs every system and prints its table, and a child per system paid for an interpreter, torch's
+# import and the training stack's again (pretrain_throughput's three systems: 22.6 CPU-s with children, 12.8
+# without, on the loaded 2-core host).
+SMOKE_IN_PROCESS = {"RAPIDTRAIN_BENCH_SMOKE_IN_PROCESS": "1"}
+
+
 def run_bench(script: str, *flags: str, timeout: int = 300) -> str:
     """The bench's stdout; its exit status must be 0."""
     result = subprocess.run([sys.executable, str(REPO / "bench" / script), *flags], capture_output=True, text=True,
-                            cwd=REPO, env=child_env(), timeout=timeout)
+                            cwd=REPO, env=child_env(SMOKE_IN_PROCESS), timeout=timeout)
     assert result.returncode == 0, (f"bench/{script} {' '.join(flags)} exited {result.returncode}:\n"
                                     f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result.stdout
@@ -123,7 +134,7 @@ def test_moe_bench_prints_dense_beside_moe_rows(demo_data):
 
 def test_memory_bench_state_section_prints_measured_beside_formula():
     stdout = run_bench("memory.py", "--modes", "ddp", "zero-2", "--world-sizes", "2", "--precision", "fp32",
-                       "--steps", "2")
+                       "--steps", "2", "--one-launch")
     rows = markdown_rows(stdout, "| mode | ranks | parameters | gradients | optimizer state |")
     assert [(row[0], row[1]) for row in rows] == [("ddp", "2"), ("zero-2", "2")], stdout  # torch and DeepSpeed
     for row in rows:

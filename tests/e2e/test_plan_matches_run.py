@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import PRETRAIN, REPO, child_env, free_port, torchrun
+from tests.launch import REPO, child_env, free_port, torchrun
+
+RUNS = REPO / "tests" / "distributed" / "pretrain_runs.py"
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--num-workers", "0", "--eval-iters", "0"]
@@ -98,18 +100,47 @@ PRETRAINING = {
     "ep2_moe": (["DATA", "--num-experts", "2", "--expert-model-parallel-size", "2", "--micro-batch-size", "1",
                  "--lr", "1e-3"], 2),
 }
-SLOW = {"zero2", "fsdp_bf16", "pp2", "ep2_moe"}
+SLOW = {"zero2", "fsdp_bf16", "pp2", "ep2_moe"}  # the 2-rank runs: one launch for them all (two_ranks below)
+
+
+def run_flags(name: str, demo_data) -> list[str]:
+    """PRETRAINING[name]'s flags with the data named and two iterations unless it says."""
+    flags, _ = PRETRAINING[name]
+    data = {"DATA": indexed_data(demo_data), "SENTENCES": indexed_data(demo_data, sentences=True)}
+    flags = [f for flag in flags for f in data.get(flag, [flag])]
+    return SHAPE + flags + (["--train-iters", "2"] if "--train-iters" not in flags else [])
+
+
+def launch(ranks: int, tmp_path_factory, demo_data) -> dict[str, tuple[str, str]]:
+    """Every PRETRAINING run on `ranks` ranks in one torchrun launch of pretrain_runs.py (the built-in pretraining's
+    code path, each run with its own Engine; a launch per run paid the agent's imports and the rendezvous nine
+    times): name → (that run's output from its plan on, its ` built:` line). Each run prints one of each, the
+    ` built:` line when it composes, before its plan: the k-th of each is the k-th run's."""
+    names = [name for name, (_, world) in PRETRAINING.items() if world == ranks]
+    out = tmp_path_factory.mktemp(f"plan_runs_{ranks}")
+    (out / "runs.json").write_text(json.dumps([run_flags(name, demo_data) for name in names]))
+    result = torchrun(ranks, RUNS, [str(out / "runs.json")], timeout=900, warm=True)
+    sections = ["rapidtrain plan —" + part for part in result.stdout.split("rapidtrain plan —")[1:]]
+    built_lines = [line for line in result.stdout.splitlines() if line.startswith(" built: ")]
+    return dict(zip(names, zip(sections, built_lines, strict=True), strict=True))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, demo_data) -> dict[str, tuple[str, str]]:
+    return launch(1, tmp_path_factory, demo_data)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, demo_data) -> dict[str, tuple[str, str]]:
+    return launch(2, tmp_path_factory, demo_data)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in PRETRAINING])
-def test_plan_command_prints_the_plan_the_pretraining_run_prints(name, demo_data, tmp_path):
-    flags, ranks = PRETRAINING[name]
-    data = {"DATA": indexed_data(demo_data), "SENTENCES": indexed_data(demo_data, sentences=True)}
-    flags = [f for flag in flags for f in data.get(flag, [flag])]
-    flags = SHAPE + flags + (["--train-iters", "2"] if "--train-iters" not in flags else [])
-    run = torchrun(ranks, PRETRAIN, flags, timeout=600, warm=True)
-    assert printed_plan(run.stdout) == plan_command(flags, ranks)
-    check_built_as_planned(built(run.stdout), json.loads(plan_command(flags, ranks, "--json")))
+def test_plan_command_prints_the_plan_the_pretraining_run_prints(name, demo_data, request):
+    flags, ranks = run_flags(name, demo_data), PRETRAINING[name][1]
+    printed, built_line = request.getfixturevalue({1: "one_rank", 2: "two_ranks"}[ranks])[name]
+    assert printed_plan(printed) == plan_command(flags, ranks)
+    check_built_as_planned(built(built_line), json.loads(plan_command(flags, ranks, "--json")))
 
 
 def test_plan_command_prints_the_plan_the_fine_tuning_run_prints(tmp_path):
