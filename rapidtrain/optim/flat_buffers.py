@@ -18,8 +18,7 @@ load from before) are untouched; only where the tensors live changes:
 - the gradient norm is one row-wise norm over `grads` (rows of `ROW` elements, summed in fp64: within 1e-8 of the
   fp64 norm, where fp32's single-pass norm of millions of elements drifts by 1e-2), and clipping one multiply.
 
-Measured on the pretraining bench's shape (11.5M parameters in 100 tensors) with one and two threads: see
-bench/step_profile.py and docs/performance.md.
+Measured on the pretraining bench's shape (11.5M parameters in 100 tensors) with bench/step_profile.py.
 
 Where it runs (`optim/optimizers.py`'s `runs_on_flat_buffers`, said in the plan's optimizer line): one process, the
 built-in dense GPT or BERT (every weight receives a gradient each step, so a zeroed gradient and no gradient step
@@ -29,8 +28,6 @@ pipeline, tensor and expert parallelism keep their own layouts.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -143,9 +140,10 @@ class FlatAdam:
                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                    grad_scale=None, found_inf=None)
 
-    def _group_params(self) -> list[Sequence[int]]:
+    def _group_params(self) -> list[range]:
         """Indices into `parameters` of each group's parameters."""
-        indices, start = [], 0
+        indices: list[range] = []
+        start = 0
         for group in self.optimizer.param_groups:
             indices.append(range(start, start + len(group["params"])))
             start += len(group["params"])
