@@ -6,7 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rapidtrain.config.memory import bf16_weight_copies, expert_second_dims, experts_sharded_by_fsdp2
+from rapidtrain.config.memory import (
+    bf16_weight_copies,
+    expert_second_dims,
+    experts_sharded_by_fsdp2,
+    flat_optimizer_step,
+)
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.config.pipeline_split import SPLIT_BACKWARD, V_SHAPED, bubble_fraction, schedule_title
 from rapidtrain.config.resolve import (
@@ -166,7 +171,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
                + recompute_choices(args) + _kernel_choices(args, precision)
                + _host_choices(args, ctx, layout, precision, switches, notes)
                + _data_choices(args, ctx)
-               + [_optimizer_choice(args, ctx, layout, switches, model)])
+               + [_optimizer_choice(args, ctx, layout, switches, model, precision)])
     if args.cpu_offload:
         notes.append("--cpu-offload: the optimizer comes from DeepSpeed's config (DeepSpeedCPUAdam), so --optimizers "
                      "selects Adam there")
@@ -362,13 +367,19 @@ def _data_choices(args: argparse.Namespace, ctx: RunContext) -> list[EngineChoic
 
 
 def _optimizer_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout, switches: Switches,
-                      model: ModelConfig | None = None) -> EngineChoice:
-    from rapidtrain.optim.optimizers import describe_offload_optimizer, describe_optimizer  # torch: see above
+                      model: ModelConfig | None = None, precision: Precision | None = None) -> EngineChoice:
+    from rapidtrain.optim.optimizers import (  # torch: see above
+        FLAT_BUFFERS,
+        describe_offload_optimizer,
+        describe_optimizer,
+    )
 
     if (args.cpu_offload or args.nvme_offload_dir) and zero_stage(args) > 0 and not zero_by_fsdp2(args):
         return EngineChoice("optimizer", describe_offload_optimizer(optimizer_settings(args)))
     settings = optimizer_settings(args, layout, switches)
     described = describe_optimizer(settings, ctx.device_type)
+    if precision is not None and flat_optimizer_step(model, precision, layout, switches, settings, ctx.device_type):
+        described += FLAT_BUFFERS
     if settings.name == "muon" and model is not None:
         from rapidtrain.optim.muon import muon_parameter_counts
 

@@ -96,6 +96,19 @@ def bf16_weight_copies(precision: Precision, layout: Layout, switches: Switches)
             and switches.partitioning_engine not in ("deepspeed", "fairscale"))
 
 
+def flat_optimizer_step(model: ModelConfig | None, precision: Precision, layout: Layout, switches: Switches,
+                        optimizer: OptimizerSettings | None, device_type: str) -> bool:
+    """Whether the optimizer steps on flat buffers of parameters, gradients and moments (optim/flat_buffers.py):
+    one process, the built-in dense model, torch's fused Adam/AdamW built from the flags, no loss scaling."""
+    from rapidtrain.optim.optimizers import runs_on_flat_buffers
+
+    return optimizer is not None and runs_on_flat_buffers(
+        optimizer, device_type, one_process=layout.world_size == 1,
+        builtin_dense_model=model is not None and not any(model.num_experts),
+        loss_scaling=precision.loss_scaling != "none",
+        own_engine=switches.partitioning_engine in ("deepspeed", "fairscale"))
+
+
 def activation_context(model: ModelConfig, precision: Precision, layout: Layout, switches: Switches,
                        device_type: str) -> ActivationContext:
     """What the activation bytes depend on besides the shapes, for this model, precision, layout and engine."""

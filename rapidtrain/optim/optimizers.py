@@ -205,6 +205,7 @@ class Resolution:
     factory: Factory
     description: str
     state: StateKind
+    fused_adam: bool = False  # torch's fused Adam/AdamW: what optim/flat_buffers.py can step on flat buffers
 
 
 # Measured with torch 2.13 (foreach, the path rapidtrain builds) under TP 2, FSDP and SDP on 2 ranks: the first step
@@ -439,4 +440,22 @@ def _torch_optimizer(
 
         return getattr(torch.optim, kind)(groups, lr=lr, **options, **speed)
 
-    return Resolution(make, description, state)
+    return Resolution(make, description, state, fused_adam=fused and kind in ("Adam", "AdamW"))
+
+
+FLAT_BUFFERS = ("; parameters, gradients and moments in flat buffers, one fused update per parameter group and one "
+                "norm and multiply for clipping (optim/flat_buffers.py)")
+
+
+def runs_on_flat_buffers(settings: OptimizerSettings, device_type: str, *, one_process: bool, builtin_dense_model: bool,
+                         loss_scaling: bool, own_engine: bool) -> bool:
+    """Whether the step runs on flat buffers (optim/flat_buffers.py): torch's fused Adam/AdamW built from the flags,
+    in one process (`one_process`: no data, tensor, pipeline, context or expert parallelism) whose engine is torch's
+    (`own_engine` False: DeepSpeed and FairScale keep theirs), on the built-in dense GPT or BERT (every weight gets a
+    gradient every step, so a zeroed gradient steps as a missing one would), without loss scaling."""
+    if not (one_process and builtin_dense_model and not loss_scaling and not own_engine):
+        return False
+    try:
+        return resolve_optimizer(settings, device_type).fused_adam
+    except ValueError:
+        return False

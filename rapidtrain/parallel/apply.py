@@ -12,9 +12,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rapidtrain.config.memory import bf16_weight_copies
+from rapidtrain.config.memory import bf16_weight_copies, flat_optimizer_step
 from rapidtrain.config.settings import Plan
 from rapidtrain.core.errors import UserError
+from rapidtrain.optim.flat_buffers import FlatAdam
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.optimizers import build_optimizer, is_embedding_or_output
 from rapidtrain.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -109,6 +110,7 @@ def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, devi
     if on_meta:
         materialize(model, device, plan)
     runner_class = TorchRunner
+    flat = None
     if switches.partitioning_engine == "zero-redundancy" and mesh.gradient_group() is not None:
         from rapidtrain.parallel.zero_redundancy import OSSRunner, oss_from_optimizer, oss_optimizer
 
@@ -117,12 +119,29 @@ def _data_parallel_runner(model: nn.Module, plan: Plan, mesh: ParallelMesh, devi
                      else oss_from_optimizer(optimizer, mesh))
     elif optimizer is None:
         optimizer, _ = build_optimizer(model, plan.optimizer, device.type)
+        flat = flat_buffers_for(model, optimizer, plan, device)
     scaler = LossScaler(plan.loss_scale) if plan.precision.loss_scaling != "none" else None
     runner = runner_class(module=model, optimizer=optimizer, precision=plan.precision, device_type=device.type,
                           clip_grad=plan.clip_grad, gradient_average=plan.layout.data_context_parallel_size
-                          if mesh.gradient_group() else 1, pipeline_group=mesh.group("pp"), scaler=scaler)
+                          if mesh.gradient_group() else 1, pipeline_group=mesh.group("pp"), scaler=scaler,
+                          flat=flat)
     if bf16_weight_copies(plan.precision, plan.layout, switches):
         from rapidtrain.parallel.low_precision_weights import LowPrecisionWeights
 
-        runner.after_update.append(LowPrecisionWeights(model).refresh)
+        # Over the flat parameters when there are some: the copies mirror that buffer, refreshed by one copy.
+        copies = LowPrecisionWeights(model, flat_master=flat.params if flat is not None else None)
+        runner.after_update.append(copies.refresh)
     return runner
+
+
+def flat_buffers_for(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
+                     device: torch.device) -> FlatAdam | None:
+    """The optimizer's parameters, gradients and moments moved into flat buffers where the plan says so
+    (config/memory.py's flat_optimizer_step), for the built-in GPT and BERT, whose loss reads every weight."""
+    from rapidtrain.parallel.data_parallel import may_leave_weights_unused
+
+    if not flat_optimizer_step(plan.model, plan.precision, plan.layout, plan.switches, plan.optimizer, device.type):
+        return None
+    if may_leave_weights_unused(model) or FlatAdam.problem(optimizer) is not None:
+        return None
+    return FlatAdam(optimizer)

@@ -8,8 +8,9 @@ fp32 master copies in its optimizer instead (Float16OptimizerWithFloat16Params, 
 the optimizer, the checkpoints, export and evaluation see what they saw before) and the linear layers compute with
 bf16 copies of them:
 
-- the masters of the converted layers live in one flat fp32 buffer, their copies in one flat bf16 buffer, refreshed
-  by one copy after each optimizer step and after a checkpoint is loaded (`refresh`);
+- the masters of the converted layers live in one flat fp32 buffer (their own, or the flat optimizer's when the
+  step runs on flat buffers: optim/flat_buffers.py), their copies in one flat bf16 buffer at the same offsets,
+  refreshed by one copy after each optimizer step and after a checkpoint is loaded (`refresh`);
 - a converted `nn.Linear` runs `F.linear` on the copies while bf16 autocast is on (autocast then has nothing to
   cast but the input), and on the masters otherwise;
 - each copy's gradient is added into its master's fp32 `.grad` as soon as backward has accumulated it (a
@@ -49,25 +50,34 @@ class LowPrecisionLinear:
 class LowPrecisionWeights:
     """The bf16 copies of a model's trainable `nn.Linear` layers, their flat buffers and gradient hooks."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16,
+                 flat_master: torch.Tensor | None = None) -> None:
+        """`flat_master`: a flat fp32 buffer the masters already live in (the optimizer's, optim/flat_buffers.py):
+        the copies then mirror that buffer at the same offsets and nothing is moved."""
         self.dtype = dtype
         self.modules = converted_linears(model)
         self.masters = [p for m in self.modules for p in (m.weight, m.bias) if p is not None]
-        total = sum(p.numel() for p in self.masters)
-        device = self.masters[0].device if self.masters else torch.device("cpu")
-        self.flat_master = torch.empty(total, dtype=torch.float32, device=device)
-        self.flat_copy = torch.empty(total, dtype=dtype, device=device)
+        if flat_master is not None and all(_inside(p, flat_master) for p in self.masters):
+            self.flat_master = flat_master
+            offsets = [(p.data_ptr() - flat_master.data_ptr()) // p.element_size() for p in self.masters]
+        else:
+            total = sum(p.numel() for p in self.masters)
+            device = self.masters[0].device if self.masters else torch.device("cpu")
+            self.flat_master = torch.empty(total, dtype=torch.float32, device=device)
+            offsets, offset = [], 0
+            with torch.no_grad():
+                for master in self.masters:
+                    view = self.flat_master[offset:offset + master.numel()].view_as(master)
+                    view.copy_(master)
+                    master.data = view  # the same Parameter object: optimizer, hooks and names keep it
+                    offsets.append(offset)
+                    offset += master.numel()
+        self.flat_copy = torch.empty(self.flat_master.numel(), dtype=dtype, device=self.flat_master.device)
         copies: dict[int, torch.Tensor] = {}  # by id(master)
-        offset = 0
-        with torch.no_grad():
-            for master in self.masters:
-                view = self.flat_master[offset:offset + master.numel()].view_as(master)
-                view.copy_(master)
-                master.data = view  # the same Parameter object: optimizer, hooks and names keep it
-                copy = self.flat_copy[offset:offset + master.numel()].view_as(master).requires_grad_()
-                copy.register_post_accumulate_grad_hook(_into_master(master))
-                copies[id(master)] = copy
-                offset += master.numel()
+        for master, offset in zip(self.masters, offsets, strict=True):
+            copy = self.flat_copy[offset:offset + master.numel()].view_as(master).requires_grad_()
+            copy.register_post_accumulate_grad_hook(_into_master(master))
+            copies[id(master)] = copy
         for module in self.modules:
             bias = None if module.bias is None else copies[id(module.bias)]
             # An instance attribute: nn.Module.__call__ runs it, and no hook appears that would make the model's
@@ -100,6 +110,14 @@ def converted_linears(model: nn.Module) -> list[nn.Linear]:
                for p in params):
             found.append(module)
     return found
+
+
+def _inside(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether `tensor` is a contiguous stretch of the 1-D buffer `flat` (same storage, same dtype)."""
+    start = tensor.data_ptr() - flat.data_ptr()
+    return (tensor.dtype == flat.dtype and tensor.is_contiguous()
+            and tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            and 0 <= start and start + tensor.numel() * tensor.element_size() <= flat.numel() * flat.element_size())
 
 
 def _into_master(master: torch.Tensor) -> Callable[[torch.Tensor], None]:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidtrain.config.settings import Precision
+from rapidtrain.optim.flat_buffers import FlatAdam
 from rapidtrain.optim.grad_scaler import LossScaler
 from rapidtrain.optim.lr_schedule import set_group_lr
 
@@ -380,6 +381,8 @@ class TorchRunner:
     state_transforms: list[tuple[Callable[[dict], dict], Callable[[dict], dict]]] = field(default_factory=list)
     # Run whenever the parameters took new values (an optimizer step, a loaded checkpoint): bf16 copies refreshed.
     after_update: list[Callable[[], None]] = field(default_factory=list)
+    # Parameters, gradients and Adam's moments in flat buffers (optim/flat_buffers.py): one process only.
+    flat: FlatAdam | None = None
 
     def __post_init__(self) -> None:
         if not self.parameters:
@@ -449,11 +452,18 @@ class TorchRunner:
             self.zero_grad()
             return StepOutcome(None, skipped=True)
         assert self.grad_norm is not None
-        norm = self.grad_norm()
-        if self.clip_grad > 0:
-            clip_by_norm([p for p in self.parameters if p.grad is not None], self.clip_grad,
-                         norm.to(self._grad_device()))
-        self.optimizer.step()
+        flat = self.flat if self.flat is not None and self.flat.ready() else None
+        if flat is not None:  # a few operators over the buffers instead of a few per parameter
+            norm = flat.grad_norm()
+            if self.clip_grad > 0:
+                flat.clip(self.clip_grad, norm)
+            flat.step()
+        else:
+            norm = self.grad_norm()
+            if self.clip_grad > 0:
+                clip_by_norm([p for p in self.parameters if p.grad is not None], self.clip_grad,
+                             norm.to(self._grad_device()))
+            self.optimizer.step()
         self.parameters_updated()
         self.zero_grad()
         return StepOutcome(norm)
@@ -475,7 +485,10 @@ class TorchRunner:
             self.clear_gradients()
 
     def clear_gradients(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.flat is not None:  # zeroed in place: the next backward adds into the buffer
+            self.flat.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
@@ -528,6 +541,8 @@ class TorchRunner:
         for _, from_saved in reversed(self.state_transforms):
             state = from_saved(state)
         self._load_own_state_dict(state, load_optimizer)
+        if self.flat is not None:
+            self.flat.state_loaded()
         self.parameters_updated()
 
     def _load_own_state_dict(self, state: dict[str, Any], load_optimizer: bool) -> None:

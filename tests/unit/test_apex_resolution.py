@@ -132,4 +132,5 @@ def test_the_stand_in_refuses_dtensors_as_apex_does(stand_in_apex):
 def test_without_cuda_apex_is_not_used_even_when_it_imports(stand_in_apex):
     args = arguments.parse_args(["--train-iters", "10", "--lr", "1e-4"])
     plan = from_args(args, RunContext(1, "cpu"))
-    assert plan.engine_for("optimizer").engine == "torch.optim.AdamW(fused=True) (apex FusedAdam needs CUDA)"
+    # (then, in one process on the built-in model, stepped on flat buffers: optim/flat_buffers.py)
+    assert plan.engine_for("optimizer").engine.startswith("torch.optim.AdamW(fused=True) (apex FusedAdam needs CUDA)")
