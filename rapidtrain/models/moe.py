@@ -274,8 +274,9 @@ class Experts(nn.Module):
                 row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """[E_local, C, h] → [E_local, C, h], one batched matmul per projection over the local experts; or with
         `offsets` (int32 [E], each expert's end row) rows [N, h] sorted by expert → [N, h], one grouped matmul per
-        projection (torch's grouped_mm: each row meets its own expert's weights, no capacity, no padding), each
-        output row multiplied by its `row_weights` [N] when given."""
+        projection (torch's grouped_mm: each row meets its own expert's weights, no capacity; rows past the last offset
+        are left undefined), each output row multiplied by its `row_weights` [N] when given. 16-bit on a CPU, the
+        caller pads each expert's rows (MoELayer.grouped_padded)."""
         if offsets is not None:
             return self.run_grouped(buffers, offsets, row_weights)
         return self.run_experts(buffers, self.w1, self.w_gate, self.b1, self.w2, self.b2, self.b_gate)
