@@ -12,13 +12,15 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from rapidtrain.models import ModelConfig, build_model
+from rapidtrain.models import ModelConfig, build_model, moe
 from rapidtrain.models.moe import (
     MoELayer,
+    bucketed_counts,
     collect_aux_losses,
     collect_expert_load,
     expert_capacity,
     load_balancing_loss,
+    padded_rows,
     router_z_loss,
     set_aux_loss_scale,
 )
@@ -254,6 +256,62 @@ def test_routing_dispatch_and_combine_read_nothing_to_the_host(overrides):
         layer(x).square().sum().backward()
     assert x.grad is not None and layer.router.weight.grad is not None
     assert mode.reads == []
+
+
+def test_padded_bf16_grouped_path_reads_nothing_to_the_host():
+    """The bf16 CPU path pads each expert's rows to a bucketed size without reading the counts: static buffer."""
+    layer = moe_layer(experts=4, hidden=16, moe_token_dropping=False, moe_router_topk=2, swiglu=True).train()
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    with HostReads() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    with HostReads() as backward_mode:
+        out.float().square().sum().backward()
+    assert x.grad is not None and layer.experts.w1.grad is not None
+    assert mode.reads == [] and backward_mode.reads == []
+
+
+def test_bucketed_counts_bound_the_shapes_and_the_padding():
+    """Few distinct group sizes whatever the counts (oneDNN compiles a kernel per shape), each at least the count,
+    and the padded total within the static buffer `padded_rows` sizes."""
+    counts = torch.arange(0, 20_000)
+    padded = bucketed_counts(counts)
+    assert (padded >= counts).all() and padded[0] == 0 and padded[1] == 32 and padded[32] == 32
+    assert (padded - counts <= torch.clamp(counts // 8, min=32)).all()
+    assert len(padded.unique()) <= 110  # 625 multiples of 32 up to 20,000
+    generator = torch.Generator().manual_seed(0)
+    for experts, assignments in ((4, 48), (16, 4096), (64, 32768)):
+        draw = torch.multinomial(torch.rand(experts, generator=generator) ** 4, assignments, replacement=True,
+                                 generator=generator)
+        routed = torch.zeros(experts, dtype=torch.int64).scatter_add_(0, draw, torch.ones_like(draw))
+        assert bucketed_counts(routed).sum() <= padded_rows(assignments, experts)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_padded_groups_compute_the_unpadded_numbers_bitwise(monkeypatch, bias, swiglu):
+    """Under bf16 autocast on a CPU the grouped path pads each expert's rows (zero rows, weight 0, never read
+    back; the static buffer's tail is not computed): the output and every gradient are bitwise those of the
+    unpadded rows."""
+    results = []
+    for pads in (True, False):
+        monkeypatch.setattr(moe, "pads_expert_groups", lambda device, dtype, pads=pads: pads)
+        layer = moe_layer(experts=4, hidden=32, moe_token_dropping=False, moe_router_topk=2, swiglu=swiglu,
+                          add_bias_linear=bias).train()
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                if name.startswith("experts.b"):
+                    param.normal_(0, 0.3)
+        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        out.float().square().sum().backward()
+        results.append((out, x.grad, {name: p.grad for name, p in layer.named_parameters()}))
+    (padded, padded_x, padded_grads), (plain, plain_x, plain_grads) = results
+    assert padded.dtype == torch.bfloat16 and torch.equal(padded, plain)
+    assert torch.equal(padded_x, plain_x)
+    assert padded_grads.keys() == plain_grads.keys()
+    for name, grad in padded_grads.items():
+        assert torch.isfinite(grad).all() and torch.equal(grad, plain_grads[name]), name
 
 
 def test_host_read_detector_sees_item_and_nonzero():
