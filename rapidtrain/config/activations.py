@@ -53,7 +53,7 @@ from typing import Literal
 
 from rapidtrain.config.settings import Layout, RecomputeSettings
 from rapidtrain.models.config import ModelConfig
-from rapidtrain.models.counting import layer_shapes
+from rapidtrain.models.counting import layer_shapes, padded_rows
 from rapidtrain.models.loss_blocks import block_size
 
 # Which fp32 weights a 16-bit run copies to 16 bits for its matmuls, each copy kept from the forward that makes it
@@ -78,6 +78,9 @@ class ActivationContext:
     weight_copies: WeightCopies = "none"
     # the scores come from SDPA's math path on a CPU (attention dropout), which computes 16-bit inputs in fp32
     scores_upcast: bool = False
+    # dropless grouped experts pad each expert's rows to bucketed sizes (16-bit on a CPU: models/moe.py's
+    # `pads_expert_groups`), in buffers of models/counting.py's `padded_rows`
+    padded_expert_groups: bool = False
 
     @property
     def score_bytes(self) -> int:
@@ -105,16 +108,24 @@ class ActivationContext:
         math_path = device_type == "cpu" and model.attention_dropout > 0 and model.attention_kernel != "eager"
         scores = model.attention_kernel == "eager" or math_path
         return ActivationContext(element, mask, model.hidden_dropout > 0, scores, device_type=device_type,
-                                 scores_upcast=math_path)
+                                 scores_upcast=math_path, padded_expert_groups=device_type == "cpu" and element == 2)
 
 
-def routed_rows_per_token(model: ModelConfig, layout: Layout, experts: int) -> float:
-    """Rows the routed experts compute per token of an MoE layer: capacity buffers of k·T·factor rows with token
-    dropping; dropless, the k assignments grouped by expert (k·T rows), or under expert parallelism, whose
-    all-to-all exchanges equal [E, C, h] buffers, E buffers of C = T rows."""
+def routed_rows_per_token(model: ModelConfig, layout: Layout, experts: int, act: ActivationContext,
+                          tokens: int) -> float:
+    """Rows the routed experts compute per token of an MoE layer of `tokens` tokens (a micro-batch's on this rank):
+    capacity buffers of k·T·factor rows with token dropping; dropless, the k assignments grouped by expert (k·T rows;
+    16-bit on a CPU, each expert's group padded to a bucketed size in a buffer of `padded_rows(k·T, E)` rows, at the
+    memory test's DeepSeek shape ~1.8·k·T), or under expert parallelism, whose all-to-all exchanges equal [E, C, h]
+    buffers, E buffers of C = T rows."""
+    k = model.moe_router_topk
     if model.moe_token_dropping:
-        return model.moe_router_topk * max(model.moe_capacity_factor, 1.0)
-    return float(experts if layout.expert_parallel_size > 1 else model.moe_router_topk)
+        return k * max(model.moe_capacity_factor, 1.0)
+    if layout.expert_parallel_size > 1:
+        return float(experts)
+    if act.padded_expert_groups:
+        return padded_rows(k * tokens, experts) / tokens
+    return float(k)
 
 
 def mlp_wide_tensors(model: ModelConfig) -> int:
@@ -128,11 +139,12 @@ def mlp_wide_tensors(model: ModelConfig) -> int:
     return 4 + (1 if model.quick_geglu else 0) + (2 if model.activation_clamp is not None else 0)
 
 
-def _mlp_width(model: ModelConfig, layout: Layout, experts: int, tensors: float) -> float:
+def _mlp_width(model: ModelConfig, layout: Layout, act: ActivationContext, tokens: int, experts: int,
+               tensors: float) -> float:
     """Elements per token of `tensors` [tokens, ffn] tensors of one layer's MLP: the dense FFN's, or the routed
     experts' copies of each token (routed_rows_per_token) with the shared experts' dense MLP beside them."""
     if experts:
-        return tensors * (model.expert_ffn_size * routed_rows_per_token(model, layout, experts)
+        return tensors * (model.expert_ffn_size * routed_rows_per_token(model, layout, experts, act, tokens)
                           + (model.moe_shared_expert_intermediate_size or 0))
     return tensors * model.ffn_size
 
@@ -163,13 +175,14 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
         return s * b * h * r / sequence
     attention, latents = _attention_widths(model)
     if granularity == "op":
-        kept_matmuls = (attention + _mlp_width(model, layout, experts, 2 if model.gated_linear_unit else 1)) * e / t
+        kept_wide = 2 if model.gated_linear_unit else 1
+        kept_matmuls = (attention + _mlp_width(model, layout, act, s * b, experts, kept_wide)) * e / t
         reductions = 2 * h * e / sequence if t > 1 else 0.0
         gathered = 2 * h * e if layout.sequence_parallel else 0.0
         per_token = h * r / sequence + kept_matmuls + 2 * h * e + reductions + gathered
     else:
         # fc1 and activation outputs (SwiGLU: + gate, product; gpt-oss's clamped quick GEGLU more: mlp_wide_tensors)
-        mlp_width = _mlp_width(model, layout, experts, mlp_wide_tensors(model))
+        mlp_width = _mlp_width(model, layout, act, s * b, experts, mlp_wide_tensors(model))
         masks = 2 * act.mask_bytes * h if act.hidden_dropout else 0
         # split along the sequence under SP: the two norms' inputs and dropout masks; whole: the attention and MLP
         # inputs (gathered under SP) and MLA's latents; split by heads or columns: Q, K, V, attention output, the
@@ -374,7 +387,7 @@ def backward_working_bytes(model: ModelConfig, micro: int, layout: Layout, act: 
     wide: float = (3 if model.gated_linear_unit else 1) * model.ffn_size
     if experts:
         wide = (3 if model.gated_linear_unit else 1) * model.expert_ffn_size \
-            * routed_rows_per_token(model, layout, experts)
+            * routed_rows_per_token(model, layout, experts, act, s * b)
     weight_gradient = e * h * model.ffn_size / t if act.weight_copies != "none" and e < 4 else 0.0
     return e * s * b * (wide / t + h) + weight_gradient
 

@@ -309,3 +309,15 @@ def _score_flops(config: ModelConfig, tokens: int, s: int, inner: float) -> int:
 def gpt_flops_per_iteration(config: ModelConfig, global_batch_size: int) -> int:
     """FLOPs per iteration under the name Megatron's logging uses; see model_flops_per_iteration."""
     return model_flops_per_iteration(config, global_batch_size)
+
+
+# Rows per expert group are rounded up to a multiple of at least this many where the grouped matmuls run oneDNN's
+# per-shape kernels (16-bit on a CPU: models/moe.py's `pads_expert_groups`, `bucketed_counts`).
+GROUP_ROWS_MULTIPLE = 32
+
+
+def padded_rows(assignments: int, num_experts: int, multiple: int = GROUP_ROWS_MULTIPLE) -> int:
+    """Rows that hold every bucketed group of `assignments` rows over `num_experts` experts (a static bound, no host
+    read of the counts): Σ (bucketed - count) ≤ Σ max(multiple, count / 8). The grouped experts' buffers have this
+    many rows, so the plan counts them (config/activations.py's `routed_rows_per_token`)."""
+    return assignments + assignments // 8 + num_experts * multiple

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.counting import GROUP_ROWS_MULTIPLE, padded_rows
 from rapidtrain.models.mlp import MLP, GatedUnit, gated_unit, gelu
 
 
@@ -86,9 +87,6 @@ def rank_in_expert(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.empty_like(chosen).scatter_(0, order, ranks)
 
 
-# Rows per expert group are rounded up to a multiple of at least this many where the grouped matmuls run oneDNN's
-# per-shape kernels (16-bit on a CPU: `pads_expert_groups`); see `bucketed_counts`.
-GROUP_ROWS_MULTIPLE = 32
 
 
 def pads_expert_groups(device: torch.device, dtype: torch.dtype) -> bool:
@@ -111,12 +109,6 @@ def bucketed_counts(counts: torch.Tensor, multiple: int = GROUP_ROWS_MULTIPLE) -
     octave = torch.floor(torch.log2(counts.clamp(min=1).to(torch.float32)))
     step = torch.exp2(octave - 3).clamp(min=multiple).to(counts.dtype)
     return (counts + step - 1) // step * step
-
-
-def padded_rows(assignments: int, num_experts: int, multiple: int = GROUP_ROWS_MULTIPLE) -> int:
-    """Rows that hold every bucketed group of `assignments` rows over `num_experts` experts (a static bound, no host
-    read of the counts): Σ (bucketed - count) ≤ Σ max(multiple, count / 8)."""
-    return assignments + assignments // 8 + num_experts * multiple
 
 
 # Expert counts of this layer's tokens → those of the whole sequences they are part of (a sum over the ranks that
