@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.compat.launch_data import BY_ID, SCRIPTS, LocalFiles, entry_of, groups, tiny
+from tests.compat.run_launch_scripts import results
 from tests.compat.test_launch_runs import log_lines
 from tests.compat.test_launch_scripts import REFUSED
 from tests.compat.test_megatron_tasks import write_mnli
@@ -173,12 +174,6 @@ def checkpoint_first(script_id: str, entry: str, argv: list[str]) -> dict:
             "argv": [t for f, v in flags for t in (f, *v)] + ["--save", load, "--save-interval", "2"]}
 
 
-def results(output: str) -> dict[str, tuple[int, str]]:
-    """Each run's exit status and its output, from the runner's markers."""
-    found = re.finditer(r"^@@ start (\S+)\n(.*?)^@@ end \1 status=(-?\d+)", output, flags=re.S | re.M)
-    return {match.group(1): (int(match.group(3)), match.group(2)) for match in found}
-
-
 @pytest.mark.slow
 def test_every_script_that_plans_trains_two_iterations_on_one_process(local_files, tmp_path):
     planned = runnable()
@@ -187,9 +182,10 @@ def test_every_script_that_plans_trains_two_iterations_on_one_process(local_file
     run = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "runs.json")], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO, timeout=900)
     done = results(run.stdout)
-    seconds = {i: float(s) for i, s in re.findall(r"^@@ end (\S+) status=-?\d+ seconds=([0-9.]+)", run.stdout, re.M)}
-    slowest = ", ".join(f"{i} {seconds[i]:.1f} s" for i in sorted(seconds, key=seconds.get, reverse=True)[:4])
-    print(f"{len(done)} runs in one process, {sum(seconds.values()):.0f} s inside main(); slowest: {slowest}")
+    cpu = {i: float(s) for i, s in re.findall(r"^@@ end (\S+) status=-?\d+ seconds=[0-9.]+ cpu=([0-9.]+)", run.stdout,
+                                             re.M)}
+    costliest = ", ".join(f"{i} {cpu[i]:.1f}" for i in sorted(cpu, key=cpu.get, reverse=True))
+    print(f"{len(done)} runs in one process, {sum(cpu.values()):.0f} CPU-s inside main(); by CPU-s: {costliest}")
     trained = [i for i in planned if i in done and done[i][0] == 0 and len(log_lines(done[i][1])) == 2]
     for origin, count in sorted(Counter(BY_ID[i]["origin"] for i in trained).items()):
         print(f"{origin}: {count} scripts trained 2 iterations on one process")
