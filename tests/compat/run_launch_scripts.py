@@ -7,10 +7,11 @@ runs each run in turn, as its entry point's `main` runs under torchrun (a proces
 rendezvous), and a run that fails ends the launch.
 
 RUNS.json holds [{"id": ..., "entry": ENTRY, "argv": [...]}, ...], ENTRY one of "pretrain", "pretrain_gpt",
-"pretrain_bert", "tasks_main", "finetune" (rapidtrain's programs of those names) or a user script's path (a .py
-file, run as `python PATH.py FLAGS` runs it: as `__main__`, its flags in sys.argv; one process only). Each run's
-output sits between `@@ start ID` and `@@ end ID status=N seconds=S cpu=C` (this process's CPU seconds); status 0
-is a finished run, 2 a user error, 1 an exception (its traceback printed before the end marker).
+"pretrain_bert", "tasks_main", "finetune" (rapidtrain's programs of those names), "rapidtrain" (what the command's
+ranks run: `python -m rapidtrain.cli FLAGS` under torchrun, so a --user-script runs in place) or a user script's
+path (a .py file, run as `python PATH.py FLAGS` runs it: as `__main__`, its flags in sys.argv; one process only).
+Each run's output sits between `@@ start ID` and `@@ end ID status=N seconds=S cpu=C` (this process's CPU
+seconds); status 0 is a finished run, 2 a user error, 1 an exception (its traceback printed before the end marker).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _free_port() -> int:
 
 def _program_of(entry: str) -> str:
     """The file `torchrun` or `python` is given for this entry: what the run sees as its `__main__`."""
+    if entry == "rapidtrain":
+        return str(REPO / "rapidtrain" / "cli.py")  # the command's ranks run `python -m rapidtrain.cli FLAGS`
     return entry if entry.endswith(".py") else str(REPO / "rapidtrain" / f"{entry}.py")
 
 
@@ -60,9 +63,18 @@ def _main_of(entry: str) -> Callable[[list[str]], object]:
         from rapidtrain.finetune import main as finetune
 
         return finetune
+    if entry == "rapidtrain":  # what the `rapidtrain` command's ranks run: a --user-script runs in place
+        from rapidtrain.cli import main as command
+
+        return lambda argv: _exit_unless_0(command(argv))
     from rapidtrain.pretrain import main
 
     return lambda argv: main(argv, entry=entry)
+
+
+def _exit_unless_0(status: int) -> None:
+    if status != 0:
+        raise SystemExit(status)
 
 
 def _run_user_script(script: str, argv: list[str]) -> None:
@@ -135,7 +147,11 @@ def main_on_ranks(path: str) -> None:
             print(f"@@ start {run['id']}", flush=True)
         started, cpu = time.perf_counter(), time.process_time()
         __main__.__file__ = sys.argv[0] = _program_of(run["entry"])  # the entry's plan (meta-device layouts)
-        _main_of(run["entry"])(run["argv"])
+        try:
+            _main_of(run["entry"])(run["argv"])
+        except SystemExit as stop:  # a run that ends by exiting 0 (--exit-interval) lets the next one start
+            if stop.code not in (0, None):
+                raise
         gc.collect()  # the run's model, engine and optimizer state
         sys.stdout.flush()
         if rank0:
