@@ -1,9 +1,9 @@
 """Every launch script of tests/compat/launch_scripts.json that plans (all but test_launch_scripts.py's REFUSED, save
 JSON_AS_INDEXED; EasyNLP's user scripts run in test_launch_runs.py) run for real: its flags with sizes shrunk
 (launch_data.tiny) and its layout folded onto one process (tensor, pipeline, expert and sequence-parallel sizes 1),
-for 2 training iterations; precision, schedules, MoE, tokenizers, data kinds and DeepSpeed config keys stay the
-script's but for the tables below. The runs share one Python process (run_launch_scripts.py), one after another,
-each in a fresh single-rank process group."""
+for 2 training iterations (a padded vocabulary set outright shrunk too: PADDED_VOCAB); precision, schedules, MoE,
+tokenizers, data kinds and DeepSpeed config keys stay the script's but for the tables below. The runs share one
+Python process (run_launch_scripts.py), one after another, each in a fresh single-rank process group."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ RAW_JSON_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--te
 TWO_ITERATIONS = {"--train-iters": "2", "--train-samples": "8", "--train-tokens": "512"}
 # EasyNLP's Rapidformer examples run as user scripts of their own in test_launch_runs.py.
 USER_SCRIPT_ORIGINS = {"alibaba/EasyNLP"}
+# The padded vocabulary a script sets outright (BLOOM's 250,880 rows, Qwen's 151,936): a size like the others
+# launch_data.TINY shrinks, padded here to 1,024 rows over the local tokenizers' 600 ids, so the flag still pads the
+# head (its rows beyond the tokenizer's ids) without a 250,880-row head, which cost 31 of the file's 90 CPU-s in one
+# fp16 script (emulated on a CPU without fp16 arithmetic).
+PADDED_VOCAB_FLAGS, PADDED_VOCAB = ("--pad-vocab-size-to", "--padded-vocab-size"), "1024"
 # Megatron's tasks/main.py: rows in the training file that make 2 iterations of the script's global batch.
 TASK_ROWS = {"mlm-mnli-ft-2020": 4, "mlm-race-ft-2021": 4, "mds-bert-mnli-2022": 8}
 PRETRAINED_BERT = "mlm-bert-2020"  # the tasks fine-tune what this script saved (it runs first)
@@ -90,6 +95,7 @@ def folded_changes(script_id: str, local_files: LocalFiles) -> dict[str, object]
         changes.update({flag: alpaca_records(local_files) for flag in RAW_JSON_FLAGS if flag in present})
     if "--moe-layer-freq" in present:  # a per-layer pattern of the script's layer count: the tiny model's 4
         changes["--moe-layer-freq"] = "([1]*4)"
+    changes.update({flag: PADDED_VOCAB for flag in PADDED_VOCAB_FLAGS if flag in present})
     return changes
 
 
