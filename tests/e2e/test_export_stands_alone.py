@@ -1,11 +1,15 @@
 """A `scripts/convert_checkpoint.py --hf` export stands alone: transformers loads the model and its tokenizer from
 the folder with nothing of rapidtrain, and continues a prompt greedily as `rapidtrain generate` does from the
 checkpoint, for each model family the export writes (GPT-2, Llama, Mixtral) and for the tokenizers a run uses (the
-demo corpus's SentencePiece with Megatron's appended pieces, GPT-2 BPE)."""
+demo corpus's SentencePiece with Megatron's appended pieces, GPT-2 BPE). The export and rapidtrain's continuations
+run in the test's process (their commands' own functions); transformers' in one that never imports rapidtrain."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import runpy
 import subprocess
 import sys
 
@@ -33,19 +37,27 @@ def train(folder, flags: list[str]) -> None:
 
 
 def export(checkpoint, output) -> str:
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), "--load",
-                             str(checkpoint), "--output", str(output), "--hf"], cwd=REPO, env=child_env(),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    """`python scripts/convert_checkpoint.py --load CK --output OUT --hf`, run in this process (its main, as the
+    script's own block calls it): what is checked is the folder it writes and what it prints, and the process that
+    reads the folder back below has nothing of rapidtrain. Its printed lines."""
+    convert = runpy.run_path(str(REPO / "scripts" / "convert_checkpoint.py"), run_name="convert_checkpoint")["main"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = convert(["--load", str(checkpoint), "--output", str(output), "--hf"])
+    assert status == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
 
 
 def rapidtrain_greedy(checkpoint, prompt: str, tokens: int) -> str:
-    out = subprocess.run([sys.executable, "-m", "rapidtrain.cli", "generate", "--load", str(checkpoint), "--prompt",
-                          prompt, "--max-new-tokens", str(tokens)], cwd=REPO, env=child_env(), capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.rstrip("\n")
+    """What `rapidtrain generate --load CK --prompt P --max-new-tokens N` prints, by its command's function in this
+    process (rapidtrain/cli.py's generate runs it; the README test starts the command itself)."""
+    from rapidtrain.cli import generate_command
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = generate_command(["--load", str(checkpoint), "--prompt", prompt, "--max-new-tokens", str(tokens)])
+    assert status == 0, printed.getvalue()[-3000:]
+    return printed.getvalue().rstrip("\n")
 
 
 TRANSFORMERS_ALONE = """

@@ -15,7 +15,10 @@ from rapidtrain.data.loaders import EvalBatchSampler, gather_across_ranks
 from rapidtrain.finetune import main as finetune
 from rapidtrain.tasks import metrics, toy
 from rapidtrain.train.own_loop import AccumulationTracker
-from tests.launch import REPO, child_env, read_losses, relative_difference
+from tests.compat.run_launch_scripts import results
+from tests.launch import REPO, child_env, read_losses, relative_difference, torchrun
+
+RUNNER = REPO / "tests" / "compat" / "run_launch_scripts.py"  # several runs on one launch's ranks
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
               pytest.mark.usefixtures("one_thread")]
@@ -347,11 +350,9 @@ def glue_bert(tmp_path_factory) -> Path:
     return root
 
 
-def black_box(root: Path, save: Path, *switches: str, epochs: int = 2) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "rapidtrain.cli",
+def black_box_flags(root: Path, save: Path, *switches: str, epochs: int = 2) -> list[str]:
+    """The black-box command's flags (after `rapidtrain`) for the tiny BERT on 2 ranks."""
+    return [
         "--nproc-per-node",
         "2",
         "--task",
@@ -380,8 +381,11 @@ def black_box(root: Path, save: Path, *switches: str, epochs: int = 2) -> subpro
         str(save),
         *switches,
     ]
+
+
+def black_box(root: Path, save: Path, *switches: str, epochs: int = 2) -> subprocess.CompletedProcess:
     run = subprocess.run(
-        command,
+        [sys.executable, "-m", "rapidtrain.cli", *black_box_flags(root, save, *switches, epochs=epochs)],
         capture_output=True,
         text=True,
         env=child_env({"OMP_NUM_THREADS": "1"}),
@@ -459,23 +463,38 @@ def test_black_box_command_fine_tunes_bert_with_zero2_and_mixed_precision(glue_b
     print(f"headline: validation accuracy {reported:.4f} with ZeRO-2 + bf16 on 2 gloo ranks")
 
 
+PARTITIONINGS = {
+    "fsdp-recompute": ["--fsdp-memory-optimization", "--checkpoint-activations"],
+    "zero3": ["--zero-3-memory-optimization"],
+    "sdp-bf16": ["--oss-sdp-memory-optimization", "--bf16"],
+    "zero1-lora": ["--zero-1-memory-optimization", "--lora-rank", "4"],
+}
+
+
+@pytest.fixture(scope="module")
+def partitioned_runs(glue_bert, tmp_path_factory) -> dict[str, Path]:
+    """The black-box command's program (rapidtrain/finetune.py) with each of PARTITIONINGS' switches, one after
+    another on one warm torchrun launch of 2 ranks (tests/compat/run_launch_scripts.py, tests/launch.py): what is
+    checked is what each sharding engine exports, not how the command starts its processes (the headline test
+    above starts it as users do). Each run's --save folder, by id."""
+    root = tmp_path_factory.mktemp("partitionings")
+    runs = [{"id": name, "entry": "finetune", "argv": black_box_flags(glue_bert, root / name, *switches)}
+            for name, switches in PARTITIONINGS.items()]
+    (root / "runs.json").write_text(json.dumps(runs))
+    launch = torchrun(2, RUNNER, [str(root / "runs.json")], warm=True, env={"OMP_NUM_THREADS": "1"})
+    done = results(launch.stdout)
+    assert sorted(done) == sorted(PARTITIONINGS), launch.stdout[-3000:] + launch.stderr[-3000:]
+    return {name: root / name for name in PARTITIONINGS}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "switches",
-    [
-        ["--fsdp-memory-optimization", "--checkpoint-activations"],
-        ["--zero-3-memory-optimization"],
-        ["--oss-sdp-memory-optimization", "--bf16"],
-        ["--zero-1-memory-optimization", "--lora-rank", "4"],
-    ],
-    ids=["fsdp-recompute", "zero3", "sdp-bf16", "zero1-lora"],
-)
-def test_every_partitioning_exports_the_model_it_evaluated(glue_bert, tmp_path, switches):
+@pytest.mark.parametrize("switches", list(PARTITIONINGS.values()), ids=list(PARTITIONINGS))
+def test_every_partitioning_exports_the_model_it_evaluated(glue_bert, partitioned_runs, switches):
     """The full weights gathered from each sharding engine are the trained ones, and (where the run evaluated in
     fp32, the precision `from_pretrained` loads) they make the reported predictions."""
     from rapidtrain.data.finetune import read_split_file
 
-    black_box(glue_bert, tmp_path, *switches)
+    tmp_path = partitioned_runs[next(name for name, value in PARTITIONINGS.items() if value == switches)]
     assert_exported_weights_are_the_trained_ones(tmp_path, "last")
     if "--bf16" in switches:  # bf16 evaluation vs an fp32 re-evaluation: borderline examples flip by CPU
         return

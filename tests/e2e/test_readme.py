@@ -1,6 +1,7 @@
 """The README's commands, run in the README's order by a newcomer in a fresh folder that holds the checkout; then
 the runs that save a checkpoint a second time in the same folder, as a user reruns a block: each finds its own
-finished checkpoint and says it has nothing to do (the other commands only read or overwrite their outputs).
+finished checkpoint and says it has nothing to do (the other commands only read or overwrite their outputs). The
+reruns share one warm torchrun launch per number of ranks (rerun() says why).
 
 What a test may change, and nothing else: training runs get the tiny GPT shape and a few iterations (the
 README's own sizes are what `rapidtrain plan` lines and the demo test check), the files the README takes the
@@ -14,6 +15,7 @@ import json
 import math
 import os
 import re
+import resource
 import shlex
 import shutil
 import subprocess
@@ -25,7 +27,8 @@ import pytest
 import torch
 
 from rapidtrain.train.demo_end import DEMO_PROMPT
-from tests.launch import REPO, TINY_GPT_SHAPE, child_env, free_port, pretrain, read_losses
+from tests.compat.run_launch_scripts import results
+from tests.launch import REPO, TINY_GPT_SHAPE, child_env, free_port, pretrain, read_losses, warm_agent
 
 SKIPPED = {  # first words of a command → why it does not run here
     "bash scripts/demo.sh": "the main job itself, shortened: test_the_demo_learns_and_prints_what_the_readme_shows",
@@ -37,6 +40,7 @@ SKIPPED = {  # first words of a command → why it does not run here
     "python -m pytest tests/gpu": "needs a CUDA device",
     "python bench/gpu_throughput.py": "needs a CUDA device",
 }
+RUNNER = REPO / "tests" / "compat" / "run_launch_scripts.py"  # several runs on one launch's ranks
 CHECKOUT = ("rapidtrain", "scripts", "templates", "examples", "bench", "setup.py", "pyproject.toml")
 
 
@@ -115,6 +119,12 @@ def run(command: str, folder: Path) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished, waited-for children (each command's whole tree)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
@@ -136,9 +146,9 @@ def test_readme_commands_run_in_order_and_saving_runs_run_twice(tmp_path):
         if why := skip_reason(command):
             print(f"skipped: {command[:60]} ({why})")
             continue
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), children_cpu_seconds()
         result = run(shrunk(command, llama), tmp_path)
-        print(f"{time.perf_counter() - started:5.1f} s  {command[:100]}")
+        print(f"{time.perf_counter() - started:5.1f} s {children_cpu_seconds() - cpu:5.1f} CPU-s  {command[:100]}")
         assert result.returncode == 0 or refused_bf16_here(command, result), (
             f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         assert "Traceback" not in result.stderr, f"{command}\n{result.stderr[-3000:]}"
@@ -148,9 +158,39 @@ def test_readme_commands_run_in_order_and_saving_runs_run_twice(tmp_path):
         assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2  # one completion per prompt
     saving = [command for command in ran if "--save" in command.split()]
     assert len(saving) >= 4
-    for command in saving:
-        again = run(shrunk(command, llama), tmp_path)
-        assert again.returncode == 0 and "nothing to do" in again.stdout, f"again: {command}\n{again.stdout[-3000:]}"
+    again = rerun(saving, llama, tmp_path)
+    for number, command in enumerate(saving):
+        status, output = again.get(f"again-{number}", (None, ""))
+        assert status == 0 and "nothing to do" in output, f"again: {command}\n{output[-3000:]}"
+
+
+def rerun(commands: list[str], llama: Path, folder: Path) -> dict[str, tuple[int, str]]:
+    """The saving commands run again in the same folder, on one warm torchrun launch per number of ranks
+    (tests/launch.py) that runs them one after another (tests/compat/run_launch_scripts.py): what a rerun proves is
+    what it finds in its --save folder, not how its processes start, which the first pass did as written. Each
+    command keeps its flags and environment (WANDB_MODE=...); each run's output is returned by its id."""
+    by_ranks: dict[int, list[dict]] = {}
+    environment: dict[str, str] = {}
+    for number, command in enumerate(commands):
+        words = shlex.split(shrunk(command, llama))
+        while "=" in words[0]:  # VARIABLE=value before the command
+            name, _, value = words.pop(0).partition("=")
+            environment[name] = value
+        assert words[0] == "torchrun" and words[3] == "rapidtrain/pretrain.py", command  # what folds here
+        by_ranks.setdefault(int(words[2]), []).append({"id": f"again-{number}", "entry": "pretrain",
+                                                         "argv": words[4:]})
+    found: dict[str, tuple[int, str]] = {}
+    for ranks, runs in by_ranks.items():
+        path = folder / f"again-{ranks}.json"
+        path.write_text(json.dumps(runs))
+        command = [*warm_agent([str(path)]), f"--nproc-per-node={ranks}", f"--master-port={free_port()}",
+                   "--run-path", "--start-method", "fork", str(RUNNER), str(path)]
+        result = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=900,
+                                env=child_env({"PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", **environment},
+                                              nproc=ranks))
+        found.update(results(result.stdout))
+        assert result.returncode == 0, f"{runs}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return found
 
 
 def demo_block() -> list[str]:

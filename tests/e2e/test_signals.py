@@ -25,7 +25,7 @@ import pytest
 
 from rapidtrain.checkpoint.checkpointer import latest_iteration, verify_checkpoint
 from rapidtrain.tasks import toy
-from tests.launch import PRETRAIN, REPO, TINY_GPT_SHAPE, child_env, free_port, read_losses
+from tests.launch import PRETRAIN, REPO, TINY_GPT_SHAPE, child_env, free_port, pretrain, read_losses, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -203,11 +203,12 @@ def signal_launch(launch: Launch, target: str, count: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, demo_data) -> dict[int, float]:
-    """The reference: the same 2-rank launch, never signalled."""
+    """The reference: the same training on 2 ranks (rapidtrain/pretrain.py, the same flags, 2 loader workers per
+    rank), never signalled. It is only the losses to compare with, so it runs on a warm torchrun launch
+    (tests/launch.py): the ranks forked from an agent that has imported the training stack, not started afresh as the
+    signalled launches' are."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    launch = Launch([sys.executable, "-m", "rapidtrain.cli", "--nproc-per-node", "2", *PRETRAIN_FLAGS,
-                     "--loss-log-file", str(out / "losses.txt")], out / "log.txt")
-    assert launch.finish() == 0, launch.text()[-4000:]
+    pretrain(2, [*PRETRAIN_FLAGS, "--loss-log-file", str(out / "losses.txt")], warm=True, timeout=WAIT)
     losses = read_losses(out / "losses.txt")
     assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
     return losses
@@ -328,14 +329,9 @@ def finetune_flags(model: Path, data: Path, save: Path) -> list[str]:
             "--seq-length", "32", "--lr", "1e-4", "--epochs", "2", "--log-interval", "1", "--save", str(save)]
 
 
-@pytest.mark.parametrize("how, target", [("black-box", "launcher"), ("finetuner-script", "group")])
-def test_sigterm_while_finetuning_saves_and_exits_0(how, target, tiny_task, tmp_path, launches):
-    model, data = tiny_task[how]
-    save = tmp_path / "ck"
-    flags = finetune_flags(model, data, save)
-    if how == "finetuner-script":
-        flags = ["--user-script", str(REPO / "templates" / "finetuner_template.py"), *flags]
-    launch = rapidtrain(flags, tmp_path / "log.txt", launches)
+def finetune_stopped_by_sigterm(launch: Launch, target: str, save: Path) -> int:
+    """Signal a fine-tuning launch once training runs; it saves a complete checkpoint where it says it stops and
+    exits 0, its 2 loader workers per rank gone with it. Returns the iteration it saved."""
     launch.started()
     signal_launch(launch, target)
     assert launch.finish() == 0, launch.text()[-4000:]
@@ -345,24 +341,32 @@ def test_sigterm_while_finetuning_saves_and_exits_0(how, target, tiny_task, tmp_
     iteration = latest_iteration(save)
     assert iteration == int(stopped.group(1)) and verify_checkpoint(save / f"iter_{iteration:07d}")
     assert "killed by signal" not in launch.text() and "Traceback" not in launch.text()
+    return iteration
+
+
+# The black-box command signalled at the launcher: test_finetune_resume_after_sigterm_gives_the_uninterrupted_losses
+# (its stopped run, with the same checks, then the resume).
+def test_sigterm_while_finetuning_a_finetuner_script_saves_and_exits_0(tiny_task, tmp_path, launches):
+    model, data = tiny_task["finetuner-script"]
+    save = tmp_path / "ck"
+    flags = ["--user-script", str(REPO / "templates" / "finetuner_template.py"), *finetune_flags(model, data, save)]
+    finetune_stopped_by_sigterm(rapidtrain(flags, tmp_path / "log.txt", launches), "group", save)
 
 
 def test_finetune_resume_after_sigterm_gives_the_uninterrupted_losses(tiny_task, tmp_path, launches):
-    """The black-box command on 2 ranks, dropout on, 2 workers: stopped mid-epoch by SIGTERM, resumed with
-    --load; every iteration after the stop is bitwise the uninterrupted run's."""
+    """The black-box command on 2 ranks, dropout on, 2 workers: stopped mid-epoch by one SIGTERM to the launcher
+    (a complete checkpoint, exit 0), resumed with --load; every iteration after the stop is bitwise the
+    uninterrupted run's."""
     model, data = tiny_task["black-box"]
     straight = tmp_path / "straight.txt"
-    reference = rapidtrain(finetune_flags(model, data, tmp_path / "straight_ck") + ["--loss-log-file", str(straight)],
-                           tmp_path / "straight_log.txt", launches)
-    assert reference.finish() == 0, reference.text()[-4000:]
+    # The reference is only losses to compare with: the command's program (rapidtrain/finetune.py, the same flags)
+    # on a warm torchrun launch of 2 ranks (tests/launch.py), as the pretraining reference above.
+    torchrun(2, REPO / "rapidtrain" / "finetune.py",
+             finetune_flags(model, data, tmp_path / "straight_ck") + ["--loss-log-file", str(straight)], warm=True,
+             timeout=WAIT)
     save, losses = tmp_path / "ck", tmp_path / "losses.txt"
     flags = finetune_flags(model, data, save) + ["--loss-log-file", str(losses)]
-    stopped = rapidtrain(flags, tmp_path / "stopped.txt", launches)
-    stopped.started()
-    signal_launch(stopped, "launcher")
-    assert stopped.finish() == 0
-    at = latest_iteration(save)
-    assert at == int(STOPPING.search(stopped.text()).group(1))
+    at = finetune_stopped_by_sigterm(rapidtrain(flags, tmp_path / "stopped.txt", launches), "launcher", save)
     resumed = rapidtrain(flags + ["--load", str(save)], tmp_path / "resumed.txt", launches)
     assert resumed.finish() == 0, resumed.text()[-4000:]
     expected, after = read_losses(straight), read_losses(losses)

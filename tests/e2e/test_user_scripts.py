@@ -3,6 +3,7 @@ without a main are run, scripts with nothing to train are refused."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,8 @@ import torch
 
 from rapidtrain.tasks import toy
 from rapidtrain.user_script import UserScriptError, run_user_script
-from tests.launch import REPO, child_env, read_losses
+from tests.compat.run_launch_scripts import results
+from tests.launch import REPO, child_env, read_losses, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -161,54 +163,83 @@ def test_rapidformer_finetuner_script_runs_with_only_the_import_changed(glue, tm
     assert accuracy > 0.8
 
 
+# The unused-head template's three runs per layout (uninterrupted; stopped at iteration 3 with --save; resumed with
+# --load), and the compose-loop template, as the `rapidtrain` command's ranks run them. What they prove is how a
+# script trains, saves and resumes, not how the command starts its processes (test_rapidformer_finetuner_script...
+# above and test_a_script_that_trains_nothing_is_refused start it as users do): the one-process layout's runs share
+# one process, the two-rank ones one warm torchrun launch of 2 ranks (tests/compat/run_launch_scripts.py), each run
+# with a process group of its own, the resumed run loading what the stopped one saved.
+LAYOUTS = {"one-process": ["--nproc-per-node", "1"],
+           "oss-over-ddp": ["--nproc-per-node", "2", "--oss-memory-optimization"]}
+RUNNER = REPO / "tests" / "compat" / "run_launch_scripts.py"
+
+
+def unused_head_runs(script: Path, glue: Path, folder: Path, layout: str) -> list[dict]:
+    """The template with a spare head: uninterrupted, stopped at iteration 3 with --save, resumed with --load."""
+    flags = ["--user-script", str(script), *data_flags(glue), "--epochs", "1",
+             "--micro-batch-size", "8", "--global-batch-size", "16", *LAYOUTS[layout]]
+    folder.mkdir(parents=True, exist_ok=True)
+    straight, resumed, save = folder / "straight.txt", folder / "resumed.txt", folder / "ck"
+    extras = {"straight": ["--loss-log-file", str(straight)],
+              "stopped": ["--loss-log-file", str(resumed), "--save", str(save), "--exit-interval", "3"],
+              "resumed": ["--loss-log-file", str(resumed), "--save", str(save), "--load", str(save)]}
+    return [{"id": f"{layout}:{name}", "entry": "rapidtrain", "argv": flags + extra} for name, extra in extras.items()]
+
+
+@pytest.fixture(scope="module")
+def shared_runs(glue, tmp_path_factory) -> tuple[Path, dict[str, tuple[int, str]], str]:
+    """Every run of LAYOUTS and the compose-loop template: the folder, each run's status and output by id, and the
+    launches' output (for a run that never ended)."""
+    root = tmp_path_factory.mktemp("shared-runs")
+    script = root / "unused_head.py"
+    template = (REPO / "templates" / "finetuner_template.py").read_text()
+    marker = "        return model, None, None\n"
+    assert marker in template
+    script.write_text(template.replace(marker, "        model.spare_head = torch.nn.Linear(8, 8)\n" + marker))
+    one = unused_head_runs(script, glue, root / "one-process", "one-process")
+    compose = ["--user-script", str(REPO / "templates" / "compose_loop_template.py"), "--nproc-per-node", "2",
+               *data_flags(glue), "--epochs", "3", "--micro-batch-size", "8", "--global-batch-size", "32",
+               "--mixed-precision", "--fsdp-memory-optimization"]
+    two = [*unused_head_runs(script, glue, root / "oss-over-ddp", "oss-over-ddp"),
+           {"id": "compose-loop", "entry": "rapidtrain", "argv": compose}]
+    for name, runs in (("one", one), ("two", two)):
+        (root / f"{name}.json").write_text(json.dumps(runs))
+    single = subprocess.run([sys.executable, str(RUNNER), str(root / "one.json")], capture_output=True, text=True,
+                            cwd=REPO, timeout=900, env=child_env({"OMP_NUM_THREADS": "1"}))
+    pair = torchrun(2, RUNNER, [str(root / "two.json")], warm=True, check=False, env={"OMP_NUM_THREADS": "1"})
+    done = {**results(single.stdout), **results(pair.stdout)}
+    return root, done, "\n".join(run.stdout[-3000:] + run.stderr[-3000:] for run in (single, pair))
+
+
+def shared_run(shared_runs, run_id: str) -> str:
+    _, done, launches = shared_runs
+    status, output = done.get(run_id, (None, ""))
+    assert status == 0, f"{run_id}: status {status}\n{output[-3000:]}\n{launches}"
+    return output
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--nproc-per-node", "1"], ["--nproc-per-node", "2", "--oss-memory-optimization"]],
-                         ids=["one-process", "oss-over-ddp"])
-def test_a_weight_the_loss_never_uses_trains_and_resumes_bitwise(glue, tmp_path, layout):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_weight_the_loss_never_uses_trains_and_resumes_bitwise(shared_runs, layout):
     """The Finetuner template with a head its loss does not use (as a task's spare head, or experts no token
     reached). Over 2 ranks DDP (which OSS wraps the model in) looks for such weights instead of stopping at
     iteration 2 ("Expected to have finished reduction"). The checkpoint holds no optimizer state for that weight (it
     never had a gradient): one process (torch's loader) used to refuse it as damaged, and OSS's save made that
     state with a step at rate 0 over every parameter of the rank, decaying their moments. Now the resumed run goes
     on as the uninterrupted one: every loss bitwise."""
-    script = tmp_path / "unused_head.py"
-    template = (REPO / "templates" / "finetuner_template.py").read_text()
-    marker = "        return model, None, None\n"
-    assert marker in template
-    script.write_text(template.replace(marker, "        model.spare_head = torch.nn.Linear(8, 8)\n" + marker))
-    flags = ["--user-script", str(script), *data_flags(glue), "--epochs", "1",
-             "--micro-batch-size", "8", "--global-batch-size", "16", *layout]
-    straight, resumed, save = tmp_path / "straight.txt", tmp_path / "resumed.txt", tmp_path / "ck"
-    for extra in (["--loss-log-file", str(straight)],
-                  ["--loss-log-file", str(resumed), "--save", str(save), "--exit-interval", "3"],
-                  ["--loss-log-file", str(resumed), "--save", str(save), "--load", str(save)]):
-        run = rapidtrain(*flags, *extra)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    expected, got = read_losses(straight), read_losses(resumed)
+    for name in ("straight", "stopped", "resumed"):
+        shared_run(shared_runs, f"{layout}:{name}")
+    folder = shared_runs[0] / layout
+    expected, got = read_losses(folder / "straight.txt"), read_losses(folder / "resumed.txt")
     assert sorted(got) == sorted(expected) == list(range(1, 17))
     assert got == expected
 
 
 @pytest.mark.slow
-def test_compose_loop_template_accumulates_over_two_fsdp_ranks(glue):
+def test_compose_loop_template_accumulates_over_two_fsdp_ranks(shared_runs):
     """The template's own AdamW is re-pointed at FSDP2's sharded parameters; 2 micro-batches per step."""
-    run = rapidtrain(
-        "--user-script",
-        str(REPO / "templates" / "compose_loop_template.py"),
-        "--nproc-per-node",
-        "2",
-        *data_flags(glue),
-        "--epochs",
-        "3",
-        "--micro-batch-size",
-        "8",
-        "--global-batch-size",
-        "32",
-        "--mixed-precision",
-        "--fsdp-memory-optimization",
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    epochs = [line for line in run.stdout.splitlines() if line.startswith(" epoch ")]
+    output = shared_run(shared_runs, "compose-loop")
+    epochs = [line for line in output.splitlines() if line.startswith(" epoch ")]
     assert len(epochs) == 3
     assert float(epochs[-1].rsplit(" ", 1)[1]) > 0.8
 
