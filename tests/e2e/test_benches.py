@@ -248,3 +248,17 @@ def test_moe_throughput_bench_prints_rapidtrain_beside_hugging_face_of_the_same_
     assert all(len(row) == 9 and [number(cell) for cell in row] for row in cells), stdout
     assert number(cells[1][3]) == 1.0, stdout  # the only peer against itself
     assert cells[0][-1] == cells[1][-1], stdout  # the same parameter count
+
+
+def test_step_profile_bench_prints_the_phases_and_the_top_operators(demo_data):
+    """bench/step_profile.py at the tiniest shape: each phase of the steady steps (forward, backward, clip +
+    optimizer, the rest, the whole step) with its time, and the profiled steps' top operators."""
+    stdout = run_bench("step_profile.py", "--precision", "fp32", "--layers", "1", "--hidden", "32", "--heads", "2",
+                       "--seq", "32", "--batch", "2", "--iters", "5", "--warmup", "1", "--profile-steps", "1",
+                       "--top", "5")
+    rows = [line.split() for line in lines_after(stdout, "phase")]
+    assert [row[0] for row in rows] == ["forward", "backward", "clip+optimizer", "rest", "step"], stdout
+    step = {row[0]: number(row[1]) for row in rows}
+    assert step["step"] > 0 and step["forward"] > 0 and step["backward"] > 0, stdout
+    operators = lines_after(stdout, "operator")
+    assert len(operators) == 6 and operators[-1].startswith("all operators"), stdout
