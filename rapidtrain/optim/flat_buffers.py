@@ -11,8 +11,9 @@ load from before) are untouched; only where the tensors live changes:
   elements (the padding is zero and stays zero: Adam steps a zero weight with a zero gradient to zero);
 - each parameter's `.grad` is a view into `grads`, never cleared but zeroed in place (one fill), so backward adds
   into it (autograd's in-place accumulation; the bf16 copies' hooks add into it the same way);
-- each parameter's `exp_avg` / `exp_avg_sq` are views into `exp_avgs` / `exp_avg_sqs`, adopted (copied in) after
-  the first step that torch takes itself and after a checkpoint is loaded, which makes fresh tensors;
+- each parameter's `exp_avg` / `exp_avg_sq` are views into `exp_avgs` / `exp_avg_sqs`: the state torch's fused Adam
+  would make at its first step is made with them, and after a checkpoint is loaded (which makes fresh tensors) the
+  loaded moments are copied in;
 - a step is `torch._fused_adamw_` (or `_fused_adam_`) once per group on the group's slices, with the group's step
   counters advanced together, exactly as torch's fused AdamW runs over a list (the same kernel, element by element);
 - the gradient norm is one row-wise norm over `grads` (rows of `ROW` elements, summed in fp64: within 1e-8 of the
@@ -130,7 +131,10 @@ class FlatAdam:
         self.grads.mul_(coefficient)
 
     def step(self) -> None:
-        """The optimizer's update over the buffers; torch's own step where the state is not (yet) flat."""
+        """The optimizer's update over the buffers; torch's own step where the state is not flat (counters that differ
+        after a load)."""
+        if not self.optimizer.state:
+            self._start_state()
         steps = self._adopted_steps()
         if steps is None:
             self.optimizer.step()  # torch makes the state (first step, or counters that differ after a load)
@@ -169,6 +173,15 @@ class FlatAdam:
                 counters.append(found["step"])
             steps.append(counters)
         return steps if self._counters_agree else None
+
+    def _start_state(self) -> None:
+        """The state torch's fused Adam makes at its first step (a float32 step counter on the parameter's device,
+        zero moments), with the buffers' views as the moments: torch's own first step would allocate a second set
+        of moments beside the buffers' (two more copies of the model at the peak) only for them to be copied in."""
+        for param, exp_avg, exp_avg_sq in zip(self.parameters, self.exp_avg_views, self.exp_avg_sq_views, strict=True):
+            self.optimizer.state[param] = {"step": torch.zeros((), dtype=torch.float32, device=param.device),
+                                           "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        self._counters_agree = True
 
     def _adopt_state(self) -> None:
         """Copy torch's per-parameter moments into the buffers and make them the state's tensors."""
