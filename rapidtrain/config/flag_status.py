@@ -199,8 +199,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--deepspeed_mpi": (NO_EFFECT, "rapidtrain starts processes with torchrun (or Slurm's srun)"),
     "--use-contiguous-buffers-in-ddp": (NO_EFFECT, "torch DDP keeps gradients in its own contiguous buckets"),
     "--no-async-tensor-model-parallel-allreduce": (NO_EFFECT, _OVERLAP),
-    "--moe-grouped-gemm": (NO_EFFECT, "dropless experts always run as grouped matrix products (torch's grouped_mm), "
-                                      "with a capacity as batched ones over the capacity buffers: the same numbers"),
+    "--moe-grouped-gemm": (NO_EFFECT, "dropless experts always run as grouped matrix products (torch's grouped_mm; "
+                                      "16-bit on a CPU over each expert's rows padded to bucketed sizes, bitwise the "
+                                      "same), with a capacity as batched ones over the capacity buffers: the same "
+                                      "numbers"),
     "--moe-token-dispatcher-type": (NO_EFFECT, "tokens reach experts by rapidtrain's all-to-all (expert parallelism) "
                                                "or locally; allgather/alltoall/flex give the same numbers"),
     "--moe-eval-capacity-factor": (NO_EFFECT, "evaluation routes with the training capacity factor"),
