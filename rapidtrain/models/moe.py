@@ -87,8 +87,6 @@ def rank_in_expert(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.empty_like(chosen).scatter_(0, order, ranks)
 
 
-
-
 def pads_expert_groups(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the grouped expert matmuls run on rows padded per expert to a few bucketed sizes.
 

@@ -53,16 +53,21 @@ class FlatAdam:
         groups = optimizer.param_groups
         self.parameters: list[nn.Parameter] = [p for group in groups for p in group["params"]]
         first = self.parameters[0]
-        self.slices: list[slice] = []
+        self.slices: list[slice] = []  # each group's stretch of the buffers
+        self.group_params: list[range] = []  # each group's indices into `parameters`
         offsets: list[int] = []
         total = 0
         for group in groups:
             start = total
+            self.group_params.append(range(len(offsets), len(offsets) + len(group["params"])))
             for param in group["params"]:
                 offsets.append(total)
                 total += param.numel()
             total = start + _padded(total - start)
             self.slices.append(slice(start, total))
+        # whether each group's step counters agree (one bias correction serves the group): set when state is made
+        # or adopted
+        self._counters_agree = True
         self.params = torch.zeros(total, dtype=first.dtype, device=first.device)
         self.grads = torch.zeros_like(self.params)
         self.exp_avgs = torch.zeros_like(self.params)
@@ -149,21 +154,12 @@ class FlatAdam:
                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                    grad_scale=None, found_inf=None)
 
-    def _group_params(self) -> list[range]:
-        """Indices into `parameters` of each group's parameters."""
-        indices: list[range] = []
-        start = 0
-        for group in self.optimizer.param_groups:
-            indices.append(range(start, start + len(group["params"])))
-            start += len(group["params"])
-        return indices
-
     def _adopted_steps(self) -> list[list[torch.Tensor]] | None:
         """Each group's step counters when every parameter's moments are the buffers' views and a group's counters
         agree (one bias correction serves the group); None otherwise."""
         state = self.optimizer.state
         steps = []
-        for indices in self._group_params():
+        for indices in self.group_params:
             counters = []
             for i in indices:
                 found = state.get(self.parameters[i])
@@ -188,7 +184,7 @@ class FlatAdam:
         state = self.optimizer.state
         self._counters_agree = True
         with torch.no_grad():
-            for indices in self._group_params():
+            for indices in self.group_params:
                 counters = [state[self.parameters[i]]["step"] for i in indices if self.parameters[i] in state]
                 if len(counters) != len(indices) or len({float(c) for c in counters}) > 1:
                     self._counters_agree = False  # torch's per-parameter step keeps each parameter's count
@@ -200,8 +196,6 @@ class FlatAdam:
                         if found[key] is not views[i]:
                             views[i].copy_(found[key])
                             found[key] = views[i]
-
-    _counters_agree = True
 
     def state_loaded(self) -> None:
         """After a checkpoint was loaded into the model and optimizer: parameters back in the buffers, the loaded
