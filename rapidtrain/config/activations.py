@@ -81,6 +81,9 @@ class ActivationContext:
     # dropless grouped experts pad each expert's rows to bucketed sizes (16-bit on a CPU: models/moe.py's
     # `pads_expert_groups`), in buffers of models/counting.py's `padded_rows`
     padded_expert_groups: bool = False
+    # rapidtrain's short-sequence kernel (models/attention.py's short_attention, config/memory.py's
+    # short_attention_planned): it keeps the bf16 probabilities and, with attention dropout, a bool keep-mask
+    short_attention: bool = False
 
     @property
     def score_bytes(self) -> int:
@@ -194,6 +197,8 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
         heads = model.num_attention_heads
         # under context parallelism the local queries see every key (a2a: heads/CP of the whole sequence's)
         kept = 2 * act.score_bytes + (act.score_mask_bytes if model.attention_dropout > 0 else 0)
+        if act.short_attention:
+            kept = act.score_bytes + (1 if model.attention_dropout > 0 else 0)
         if granularity == "op":
             # an eager kernel or SDPA's math path is plain ops to op-level recompute: it keeps the q·kᵀ matmul's
             # output and recomputes the softmax and dropout from it (measured: 4.0 MB of two layers' fp32 scores at

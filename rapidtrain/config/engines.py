@@ -11,6 +11,7 @@ from rapidtrain.config.memory import (
     expert_second_dims,
     experts_sharded_by_fsdp2,
     flat_optimizer_step,
+    short_attention_planned,
 )
 from rapidtrain.config.partitioning import chosen_partitioning, zero_stage
 from rapidtrain.config.pipeline_split import SPLIT_BACKWARD, V_SHAPED, bubble_fraction, schedule_title
@@ -168,7 +169,7 @@ def engines_for(args: argparse.Namespace, ctx: RunContext, layout: Layout, preci
     engines = (_data_parallel_choices(args, ctx, layout, partitioning)
                + _model_parallel_choices(args, layout, micro_batches)
                + _precision_choices(layout, precision, partitioning, switches)
-               + recompute_choices(args) + _kernel_choices(args, precision)
+               + recompute_choices(args) + _kernel_choices(args, ctx, layout, precision, model)
                + _host_choices(args, ctx, layout, precision, switches, notes)
                + _data_choices(args, ctx)
                + [_optimizer_choice(args, ctx, layout, switches, model, precision)])
@@ -294,7 +295,8 @@ def _precision_choices(layout: Layout, precision: Precision, partitioning: Engin
     return [EngineChoice("precision", engine, precision.reason)]
 
 
-def _kernel_choices(args: argparse.Namespace, precision: Precision) -> list[EngineChoice]:
+def _kernel_choices(args: argparse.Namespace, ctx: RunContext, layout: Layout, precision: Precision,
+                    model: ModelConfig | None) -> list[EngineChoice]:
     """Graph optimisation, k-bit bases and adapters, the attention kernel, compile."""
     engines: list[EngineChoice] = []
     if args.onnx_runtime_training:
@@ -310,8 +312,10 @@ def _kernel_choices(args: argparse.Namespace, precision: Precision) -> list[Engi
     if lora is not None and lora.rank > 0:
         engines.append(EngineChoice("--lora-rank", lora.describe()))
     attention = attention_settings(args)
-    if "attention_backend" in getattr(args, "given_flags", ()) or attention.document_ids:
-        engines.append(EngineChoice("--attention-backend", *attention.describe(trains_builtin_model(args))))
+    builtin = trains_builtin_model(args)
+    short = builtin and model is not None and short_attention_planned(model, precision, layout, ctx.device_type)
+    if "attention_backend" in getattr(args, "given_flags", ()) or attention.document_ids or short:
+        engines.append(EngineChoice("--attention-backend", *attention.describe(builtin, short)))
     if args.torch_compile:
         engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer",
                                     "it compiles what repeats: each layer, and on CUDA the built-in loss's "

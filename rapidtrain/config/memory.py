@@ -21,6 +21,7 @@ from rapidtrain.config.settings import (
     Switches,
 )
 from rapidtrain.core.errors import UserError
+from rapidtrain.models.attention_backends import short_kernel_runs
 from rapidtrain.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -112,9 +113,25 @@ def flat_optimizer_step(model: ModelConfig | None, precision: Precision, layout:
 def activation_context(model: ModelConfig, precision: Precision, layout: Layout, switches: Switches,
                        device_type: str) -> ActivationContext:
     """What the activation bytes depend on besides the shapes, for this model, precision, layout and engine."""
-    return dataclasses.replace(ActivationContext.of(model, precision.dtype, device_type),
-                               chunked_loss=loss_is_chunked(model, layout, switches),
-                               weight_copies=weight_copies(precision, layout, switches))
+    act = dataclasses.replace(ActivationContext.of(model, precision.dtype, device_type),
+                              chunked_loss=loss_is_chunked(model, layout, switches),
+                              weight_copies=weight_copies(precision, layout, switches))
+    if short_attention_planned(model, precision, layout, device_type):
+        act = dataclasses.replace(act, scores_kept=True, scores_upcast=False, short_attention=True)
+    return act
+
+
+def short_attention_planned(model: ModelConfig, precision: Precision, layout: Layout, device_type: str) -> bool:
+    """Whether the built-in model's attention runs rapidtrain's short-sequence kernel (models/attention.py's
+    short_attention): --attention-backend auto in bf16 on a CPU over at most SHORT_KERNEL_MAX_KEYS keys. Under
+    context parallelism only Ulysses (a2a) calls it, over the whole sequence; the ring computes its own blocks and
+    all-gathered keys outnumber the local queries. `model` is the whole sequence's."""
+    cp = layout.context_parallel_size
+    if cp > 1 and layout.cp_comm_type != "a2a":
+        return False
+    return short_kernel_runs(model.attention_kernel, device_type, precision.dtype == "bf16", model.seq_length,
+                             model.seq_length, model.position_embedding_type == "alibi",
+                             model.softmax_type != "vanilla")
 
 
 def with_peak(memory: MemoryEstimate, model: ModelConfig, micro: int, micro_batches: int, layout: Layout,

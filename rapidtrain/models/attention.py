@@ -1,5 +1,6 @@
 """The attention kernels of the built-in models (chosen by --attention-backend, see attention_backends.py):
-torch SDPA (its dispatcher or one backend), an explicit softmax(QKᵀ/√d)V, and FlexAttention, whose mask is a
+torch SDPA (its dispatcher or one backend), an explicit softmax(QKᵀ/√d)V, rapidtrain's short-sequence kernel (auto's
+choice in bf16 on a CPU at short sequences), and FlexAttention, whose mask is a
 block-sparse BlockMask built from the mask's rule (causal, same document, padding, sliding window) instead of a dense
 [s, s]. ALiBi's per-head linear biases (Press et al. 2022) enter each kernel its own way: an additive float mask
 (SDPA), a term added to the scores (eager), a score_mod (FlexAttention). So do attention sinks (Megatron's
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rapidtrain.models.attention_backends import Kernel
+from rapidtrain.models.attention_backends import Kernel, short_kernel_runs
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -91,6 +92,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_c
     assert mask is None or isinstance(mask, torch.Tensor)  # a BlockMask is flex's alone
     if kernel == "eager":
         return eager_attention(q, k, v, mask, is_causal, dropout_p, alibi, sink)
+    if short_kernel_runs(kernel, q.device.type, q.dtype == torch.bfloat16, q.shape[2], k.shape[2],
+                         alibi is not None, sink is not None):
+        return short_attention(q, k, v, mask, is_causal, dropout_p)
     if sink is not None:
         # The sink as one more key: its key and value are zero, its score the head's sink logit (the float mask's
         # last column, through which the logits get their gradient); every query may see it.
@@ -106,6 +110,105 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_c
         with sdpa_kernel(SDPA_BACKENDS[kernel]):
             return call()
     return call()
+
+
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                    dropout_p: float) -> torch.Tensor:
+    """Self-attention over a short sequence with the scores materialized: one batched matmul for the scores (bf16,
+    scaled and masked in the same call), one fused softmax (fp32 inside, bf16 out), one batched matmul for the
+    output; backward from the kept bf16 probabilities and the fused softmax gradient. Megatron's unfused attention
+    (baddbmm, fused scale-mask-softmax, bmm) as one autograd function that keeps only the probabilities (and
+    dropout's mask), not the scores.
+
+    Why: PyTorch's CPU flash kernel runs its bf16 blocks at a third of the matmul units' rate (64-row query blocks
+    against one key block: per-block GEMM calls and an online softmax); at a few hundred keys the whole [s, s]
+    square fits the caches and two large batched GEMMs win, 2.4× at 256 keys (attention_backends.py's
+    SHORT_KERNEL_MAX_KEYS says where it stops winning). The scores are rounded to bf16 once, as in Megatron's
+    unfused path; the softmax and its gradient compute in fp32.
+
+    Grouped-query attention without repeating K and V: the heads sharing a group are stacked as rows of one matrix
+    (q [b, groups, heads/groups · s, d] against k [b, groups, s, d]), so each group's keys are read once and the
+    keys' gradient sums its heads inside the matmul. q [b, heads, s, d]; k, v [b, groups, s, d or dv]; mask bool
+    (True = may attend) broadcastable to [b, heads, s, s], or None; rows a mask empties give zeros (as SDPA's safe
+    softmax)."""
+    b, heads, s, d = q.shape
+    groups = k.shape[1]
+    rows = heads // groups * s
+    bias = _short_bias(mask, is_causal, b, heads, groups, s, q.dtype, q.device)
+    out = _ShortAttention.apply(q.reshape(b * groups, rows, d), k.reshape(b * groups, s, d),
+                                v.reshape(b * groups, s, v.shape[-1]), bias, dropout_p, d ** -0.5, mask is not None)
+    return out.view(b, heads, s, v.shape[-1])
+
+
+def _short_bias(mask: torch.Tensor | None, is_causal: bool, b: int, heads: int, groups: int, s: int,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The additive mask (0 or -inf, in the scores' dtype) of short_attention's stacked rows: [heads/groups · s, s]
+    when every sample and head share it (causal, or one mask for the batch), else [b · groups, heads/groups · s, s];
+    None without a mask."""
+    per_group = heads // groups
+    if mask is None and not is_causal:
+        return None
+    if mask is None:
+        allowed = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    else:
+        allowed = mask
+        while allowed.dim() < 4:
+            allowed = allowed.unsqueeze(0)
+        if allowed.shape[0] != 1 or allowed.shape[1] != 1:
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            return bias.expand(b, heads, s, s).reshape(b * groups, per_group * s, s)
+        allowed = allowed[0, 0]
+    bias = torch.zeros(s, s, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return bias.repeat(per_group, 1) if per_group > 1 else bias
+
+
+class _ShortAttention(torch.autograd.Function):
+    """short_attention's forward and backward on stacked rows: q [n, rows, d], k [n, s, d], v [n, s, dv]."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                dropout_p: float, scale: float, masked: bool) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):  # every product here is bf16 by construction
+            if bias is None:
+                scores = torch.baddbmm(q.new_zeros(()), q, k.transpose(1, 2), beta=0, alpha=scale)
+            else:
+                scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
+            probs = torch.softmax(scores, dim=-1)
+            del scores
+            if masked:
+                probs = probs.nan_to_num_(0.0)  # a row the mask empties: zeros, not NaN
+            keep = None
+            dropped = probs
+            if dropout_p > 0:
+                keep = torch.empty_like(probs, dtype=torch.bool).bernoulli_(1 - dropout_p)
+                dropped = probs.masked_fill(~keep, 0).mul_(1 / (1 - dropout_p))
+            out = torch.bmm(dropped, v)
+        ctx.save_for_backward(q, k, v, probs, keep)
+        ctx.scale, ctx.dropout_p = scale, dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, probs, keep = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        with torch.autocast(q.device.type, enabled=False):
+            dq = dk = dv = None
+            if ctx.needs_input_grad[2]:
+                dropped = probs if keep is None else probs.masked_fill(~keep, 0).mul_(1 / (1 - ctx.dropout_p))
+                dv = torch.bmm(dropped.transpose(1, 2), grad_out)
+                del dropped
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+                grad_probs = torch.bmm(grad_out, v.transpose(1, 2))
+                if keep is not None:
+                    grad_probs.masked_fill_(~keep, 0).mul_(1 / (1 - ctx.dropout_p))
+                grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+                del grad_probs
+                zero = grad_scores.new_zeros(())
+                if ctx.needs_input_grad[0]:
+                    dq = torch.baddbmm(zero, grad_scores, k, beta=0, alpha=ctx.scale)
+                if ctx.needs_input_grad[1]:
+                    dk = torch.baddbmm(zero, grad_scores.transpose(1, 2), q, beta=0, alpha=ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 def _float_mask(slopes: torch.Tensor | None, q: torch.Tensor, kv_len: int, mask: torch.Tensor | None,

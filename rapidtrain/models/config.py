@@ -70,7 +70,8 @@ class ModelConfig:
     post_layernorm: bool = False  # original BERT order: x = norm(x + f(x)), normed embeddings, no final norm
     hf_weights: str | None = None  # a Hugging Face folder whose weights replace the seeded initial values
     moe_residual: bool = False  # PR-MoE: each MoE layer adds a dense MLP mixed in by learned coefficients
-    attention_kernel: Literal["sdpa", "sdpa_flash", "sdpa_cudnn", "eager", "flex"] = "sdpa"  # --attention-backend
+    # --attention-backend's kernel (models/attention_backends.py)
+    attention_kernel: Literal["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "eager", "flex"] = "auto"
     # Qwen3 / OLMo 2 attention: head size apart from hidden / heads, and a norm on each head's queries and keys.
     kv_channels: int | None = None  # --kv-channels; None: hidden_size / num_attention_heads
     qk_layernorm: bool = False  # --qk-layernorm: --normalization over head_dim, one weight shared by all heads
@@ -170,7 +171,7 @@ class ModelConfig:
             features.append("off-by-one softmax (an attention sink of logit 0 in every head)")
         elif self.softmax_type == "learnable":
             features.append("attention sinks (a learned logit per head in the softmax's denominator, gpt-oss)")
-        if self.softmax_type != "vanilla" and self.attention_kernel.startswith("sdpa"):
+        if self.softmax_type != "vanilla" and self.attention_kernel in ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn"):
             features.append("SDPA takes the sink as one more key under a float mask [heads, s, s + 1] (materialized, "
                             "as the eager kernel's scores)")
         if self.sliding_window is not None:

@@ -16,7 +16,7 @@ from rapidtrain.config.settings import RunContext
 from rapidtrain.data.gpt_dataset import ltor_masks_and_position_ids
 from rapidtrain.models import build_model
 from rapidtrain.models.attention import attend, flex_block_mask
-from rapidtrain.models.attention_backends import NAMES, resolve
+from rapidtrain.models.attention_backends import NAMES, SHORT_KERNEL_MAX_KEYS, resolve
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.train.engine import Engine
 from rapidtrain.train.trainer import Trainer
@@ -49,7 +49,7 @@ def test_the_flag_takes_megatron_and_hugging_face_names():
 
 
 @pytest.mark.parametrize(("name", "kernel"), [
-    ("auto", "sdpa"), ("sdpa", "sdpa"), ("flash", "sdpa_flash"), ("flash_attention_2", "sdpa_flash"),
+    ("auto", "auto"), ("sdpa", "sdpa"), ("flash", "sdpa_flash"), ("flash_attention_2", "sdpa_flash"),
     ("unfused", "eager"), ("local", "eager"), ("eager", "eager")])
 def test_built_in_model_runs_the_kernel_the_name_chooses(name, kernel):
     plan = plan_of("--attention-backend", name, "--attention-dropout", "0")
@@ -242,12 +242,14 @@ def test_flash_generation_of_a_padded_batch_is_refused_on_cuda_only():
     assert attention_problem("flash", "cpu", True, 0.0, True, training=False, masked_by=padded) is None
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_causal_training_runs_the_cpu_flash_kernel_forward_and_backward(dtype):
+@pytest.mark.parametrize(("dtype", "seq"), [(None, 64), (torch.bfloat16, SHORT_KERNEL_MAX_KEYS + 8),
+                                          (torch.bfloat16, 64)])
+def test_causal_training_runs_the_cpu_flash_kernel_forward_and_backward(dtype, seq):
     """The default kernel of a causal model without a padding mask (grouped-query attention too) is SDPA's fused CPU
     flash kernel, forward and backward, in fp32 and under bf16 autocast: is_causal with no materialized mask, no
     repeat of the key/value heads, no math fallback (which holds [b, heads, s, s] scores: 4k tokens, 64 MiB a
-    head)."""
+    head). In bf16 at ≤ SHORT_KERNEL_MAX_KEYS keys it is rapidtrain's short-sequence kernel instead: batched
+    matmuls around one softmax, the key/value heads not repeated either."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -260,13 +262,17 @@ def test_causal_training_runs_the_cpu_flash_kernel_forward_and_backward(dtype):
             return func(*args, **(kwargs or {}))
 
     config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                         seq_length=64, max_position_embeddings=64, vocab_size=64, hidden_dropout=0.0,
+                         seq_length=seq, max_position_embeddings=seq, vocab_size=64, hidden_dropout=0.0,
                          attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                          add_bias_linear=False)
     model = build_model(config, seed=1).train()
-    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(0))
     with Ops() as ops, torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
         model(tokens, labels=tokens).float().mean().backward()
-    assert {"_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_flash_attention_for_cpu_backward"} <= ops.names
+    flash = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+    if dtype is not None and seq <= SHORT_KERNEL_MAX_KEYS:
+        assert {"baddbmm", "bmm", "_softmax", "_softmax_backward_data"} <= ops.names and not flash & ops.names
+        assert not {"_scaled_dot_product_attention_math", "repeat_interleave"} & ops.names
+        return
+    assert flash <= ops.names
     assert not {"_scaled_dot_product_attention_math", "repeat_interleave", "_softmax"} & ops.names

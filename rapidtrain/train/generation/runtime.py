@@ -160,7 +160,7 @@ def _compile_problems(options: GenerateOptions, builtin: bool) -> list[str]:
     if not options.kv_cache:
         found.append("--torch-compile compiles the cached one-token decoding step; --no-kv-cache recomputes a "
                      "growing sequence (new shapes every step): drop one of them")
-    if builtin and KERNEL_OF_NAME[options.attention_backend] not in ("sdpa", "eager"):
+    if builtin and KERNEL_OF_NAME[options.attention_backend] not in ("auto", "sdpa", "eager"):
         found.append(f"--torch-compile with --attention-backend {options.attention_backend}: the compiled step "
                      "attends over the whole static cache under a mask of its written slots, which only sdpa "
                      "(auto) and eager take: use one of them")
