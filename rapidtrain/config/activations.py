@@ -205,7 +205,7 @@ def layer_bytes(model: ModelConfig, micro: int, layout: Layout, act: ActivationC
             # seq 256, bf16, attention dropout, which the plan had left out)
             kept = act.score_bytes
         scores = heads * s * s * cp * b * kept / t
-    if model.softmax_type != "vanilla" and model.attention_kernel.startswith("sdpa"):
+    if model.softmax_type != "vanilla" and model.attention_kernel in ("auto", "sdpa", "sdpa_flash", "sdpa_cudnn"):
         # attention sinks under SDPA: the float mask [heads, s, s + 1] that carries them, an input SDPA keeps; one per
         # layer, shared by the micro-batch under causal masking alone (a per-row mask, b of them: not counted)
         scores += model.num_attention_heads * s * (s + 1) * e / t

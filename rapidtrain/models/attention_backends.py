@@ -45,11 +45,11 @@ SHORT_KERNEL_DESCRIPTION = (
     "probabilities (and dropout's keep-mask) kept for backward; grouped-query heads stacked, K and V not repeated")
 
 KERNEL_DESCRIPTIONS: dict[Kernel, str] = {
-    "auto": f"in bf16 on a CPU with at most {SHORT_KERNEL_MAX_KEYS} keys per query, rapidtrain's short-sequence "
-            "attention (batched matmuls around one fused softmax, bf16 scores as Megatron's unfused attention, the "
-            "[s, s] probabilities kept for backward); elsewhere torch scaled_dot_product_attention, PyTorch's "
-            "dispatcher picking the kernel (CUDA: flash, memory-efficient or cuDNN; CPU: its flash kernel, the math "
-            "kernel with dropout)",
+    "auto": "torch scaled_dot_product_attention, PyTorch's dispatcher picking the kernel (CUDA: flash, "
+            "memory-efficient or cuDNN; CPU: its flash kernel, the math kernel with dropout); in bf16 on a CPU over "
+            f"at most {SHORT_KERNEL_MAX_KEYS} keys per query, rapidtrain's short-sequence attention (batched matmuls "
+            "around one fused softmax, bf16 scores as Megatron's unfused attention, the [s, s] probabilities kept "
+            "for backward)",
     "sdpa": "torch scaled_dot_product_attention, PyTorch's dispatcher picks the kernel (CUDA: flash, "
             "memory-efficient or cuDNN; CPU: its flash kernel, the math kernel with dropout)",
     "sdpa_flash": "torch scaled_dot_product_attention restricted to SDPBackend.FLASH_ATTENTION (CUDA: "

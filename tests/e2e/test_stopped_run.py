@@ -30,8 +30,12 @@ WAIT = 300
 def launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "run.log"
     command = [sys.executable, "-m", "rapidtrain.cli", "--nproc-per-node", "2", *FLAGS, *extra]
+    # As a terminal's Ctrl-C finds a run: SIGINT at its default. A run started with SIGINT ignored (a background job
+    # of a non-interactive shell: a suite started with `cmd &` passes it down to every child) stays deaf to it, by
+    # design; this suite ran once that way and both Ctrl-C tests saw the run go on to its end.
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
-                               env=child_env({"PYTHONUNBUFFERED": "1"}, 2), start_new_session=True)
+                               env=child_env({"PYTHONUNBUFFERED": "1"}, 2), start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return process, log
 
 
