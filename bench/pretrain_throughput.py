@@ -89,7 +89,8 @@ def run_rapidtrain(o: argparse.Namespace, precision: list[str]) -> tuple[float, 
     argv = ["--num-layers", str(o.layers), "--hidden-size", str(o.hidden), "--num-attention-heads", str(o.heads),
             "--seq-length", str(o.seq), "--micro-batch-size", str(o.batch), "--train-iters", str(o.iters),
             "--lr", "3e-4", "--lr-decay-style", "constant", "--num-workers", "0", "--log-interval", str(10**6),
-            "--eval-interval", str(10**6), "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--eval-interval", str(10**6), "--eval-iters", "0", "--hidden-dropout", str(o.dropout),
+            "--attention-dropout", str(o.dropout),
             "--clip-grad", "1.0", *precision]
     Timed(Engine(argv=argv)).train()
     return stamps.steady(o.warmup)
@@ -106,7 +107,8 @@ def demo_samples(o: argparse.Namespace):
 def run_plain_loop(o: argparse.Namespace, dtype: torch.dtype | None, vocab: int, dataset) -> tuple[float, float]:
     """A hand-written loop: the same built-in model, DataLoader, fused AdamW, clipping and masked mean loss."""
     config = ModelConfig(num_layers=o.layers, hidden_size=o.hidden, num_attention_heads=o.heads, seq_length=o.seq,
-                         max_position_embeddings=o.seq, vocab_size=vocab, hidden_dropout=0.0, attention_dropout=0.0)
+                         max_position_embeddings=o.seq, vocab_size=vocab, hidden_dropout=o.dropout,
+                         attention_dropout=o.dropout)
     model = build_model(config, seed=1234)
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1]
@@ -133,7 +135,8 @@ def run_hf_trainer(o: argparse.Namespace, bf16: bool, vocab: int, dataset, workd
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     config = GPT2Config(vocab_size=vocab, n_positions=o.seq, n_embd=o.hidden, n_layer=o.layers, n_head=o.heads,
-                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        activation_function="gelu", resid_pdrop=o.dropout, embd_pdrop=o.dropout,
+                        attn_pdrop=o.dropout)
     model = GPT2LMHeadModel(config)
     stamps = StepStamps()
 
@@ -227,7 +230,7 @@ def child_seconds(o: argparse.Namespace, system: str, precision: str) -> tuple[f
     """(seconds per steady step, CPU seconds per steady step, peak resident MiB) of one system in a process of its
     own."""
     shape = ["--iters", str(o.iters), "--warmup", str(o.warmup), "--layers", str(o.layers), "--hidden", str(o.hidden),
-             "--heads", str(o.heads), "--seq", str(o.seq), "--batch", str(o.batch)]
+             "--heads", str(o.heads), "--seq", str(o.seq), "--batch", str(o.batch), "--dropout", str(o.dropout)]
     report = measure_in_child(__file__, [*shape, "--system", system, "--precision", precision],
                               f"{system} ({precision})")
     return report["seconds"], report["cpu_seconds"], report["peak_mib"]
@@ -259,6 +262,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="hidden, embedding and attention dropout of every row (Megatron's and GPT-2's "
+                             "default: 0.1)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
                         help="rows to run (default: all); 'time vs plain' needs plain loop, 'vs fastest HF' an HF row")
     parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
@@ -278,7 +284,8 @@ def main() -> None:
                          max_position_embeddings=o.seq, vocab_size=vocab)
     flops = model_flops_per_iteration(config, o.batch)
     tokens = o.batch * o.seq
-    print(f"GPT {o.layers} layers, hidden {o.hidden}, {o.heads} heads, seq {o.seq}, vocab {vocab}, batch {o.batch}; "
+    print(f"GPT {o.layers} layers, hidden {o.hidden}, {o.heads} heads, seq {o.seq}, vocab {vocab}, batch {o.batch}, "
+          f"dropout {o.dropout:g}; "
           f"{torch.get_num_threads()} threads; {o.iters} steps, first {o.warmup} excluded; {o.rounds} interleaved "
           f"rounds, medians", flush=True)
     rows = []

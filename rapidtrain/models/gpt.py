@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.dropout import dropout
 from rapidtrain.models.mtp import MultiTokenPrediction
 from rapidtrain.models.transformer import (
     Embedding,
@@ -115,7 +116,7 @@ class GPTModel(nn.Module):
             raise ValueError("multi-token prediction on a pipeline stage without the embedding takes the word "
                              "embeddings from the tied head: it needs tied embeddings, no learned positions and no "
                              "--embed-layernorm")
-        return F.dropout(F.embedding(tokens, self.output.weight), config.hidden_dropout, self.training)
+        return dropout(F.embedding(tokens, self.output.weight), config.hidden_dropout, self.training)
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> GPTModel:
         """Materialize from meta, then restore the embedding/output tie that new Parameters break."""

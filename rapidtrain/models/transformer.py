@@ -19,6 +19,7 @@ from torch import nn
 from rapidtrain.models.attention import alibi_slopes, attend, flex_block_mask
 from rapidtrain.models.chunked_loss import chunked_head_cross_entropy
 from rapidtrain.models.config import ModelConfig
+from rapidtrain.models.dropout import Dropout
 from rapidtrain.models.mla import MultiLatentAttention
 from rapidtrain.models.mlp import MLP
 from rapidtrain.models.moe import MoELayer
@@ -126,7 +127,7 @@ class Embedding(nn.Module):
         )
         self.tokentype_embeddings = nn.Embedding(config.num_tokentypes, h) if config.num_tokentypes else None
         self.norm = make_norm(config) if config.post_layernorm else None
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = Dropout(config.hidden_dropout)
 
     def forward(
         self,
@@ -355,7 +356,7 @@ class TransformerLayer(nn.Module):
         self.ln2 = make_norm(config)
         experts = config.experts_in_layer(layer_number)
         self.mlp = MoELayer(config, experts) if experts else MLP(config)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = Dropout(config.hidden_dropout)
 
     def forward(
         self,

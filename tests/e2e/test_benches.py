@@ -177,7 +177,8 @@ def test_pretrain_throughput_bench_prints_systems_side_by_side(demo_data):
     systems = ["rapidtrain", "plain loop", "HF Trainer"]
     stdout = run_bench("pretrain_throughput.py", "--iters", "3", "--warmup", "1", "--layers", "1", "--hidden", "32",
                        "--heads", "2", "--seq", "16", "--batch", "1", "--precisions", "fp32", "--rounds", "1",
-                       "--systems", *systems)
+                       "--dropout", "0.1", "--systems", *systems)
+    assert "dropout 0.1;" in stdout, stdout  # every row trains as users do, dropout on
     rows = lines_after(stdout, "precision system")
     assert [(row[:9].strip(), row[10:35].strip()) for row in rows] == [("fp32", system) for system in systems], stdout
     assert all(len(row[35:].split()) == 8 and [number(cell) for cell in row[35:].split()] for row in rows), stdout

@@ -208,3 +208,4 @@ def test_tiny_gpt_trains_in_bf16_to_sdpa_s_losses():
         losses[kernel] = values
     assert losses["auto"] == pytest.approx(losses["sdpa"], rel=1e-2)
     assert losses["auto"][-1] < losses["auto"][0]
+
