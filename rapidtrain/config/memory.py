@@ -123,14 +123,15 @@ def activation_context(model: ModelConfig, precision: Precision, layout: Layout,
 
 def short_attention_planned(model: ModelConfig, precision: Precision, layout: Layout, device_type: str) -> bool:
     """Whether the built-in model's attention runs rapidtrain's short-sequence kernel (models/attention.py's
-    short_attention): --attention-backend auto in bf16 on a CPU over at most SHORT_KERNEL_MAX_KEYS keys. Under
+    short_attention) in training: --attention-backend auto on a CPU, in bf16 over at most SHORT_KERNEL_MAX_KEYS keys
+    or with attention dropout (models/attention_backends.py's short_kernel_runs). Under
     context parallelism only Ulysses (a2a) calls it, over the whole sequence; the ring computes its own blocks and
     all-gathered keys outnumber the local queries. `model` is the whole sequence's."""
     cp = layout.context_parallel_size
     if cp > 1 and layout.cp_comm_type != "a2a":
         return False
-    return short_kernel_runs(model.attention_kernel, device_type, precision.dtype == "bf16", model.seq_length,
-                             model.seq_length, model.position_embedding_type == "alibi",
+    return short_kernel_runs(model.attention_kernel, device_type, precision.dtype, model.seq_length,
+                             model.seq_length, model.attention_dropout > 0, model.position_embedding_type == "alibi",
                              model.softmax_type != "vanilla")
 
 

@@ -22,6 +22,7 @@ from rapidtrain.models.attention_backends import Kernel, short_kernel_runs
 from rapidtrain.models.dropout import keep_mask
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 
 def alibi_slopes(num_heads: int, device: torch.device | None = None) -> torch.Tensor:
@@ -93,8 +94,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_c
     assert mask is None or isinstance(mask, torch.Tensor)  # a BlockMask is flex's alone
     if kernel == "eager":
         return eager_attention(q, k, v, mask, is_causal, dropout_p, alibi, sink)
-    if short_kernel_runs(kernel, q.device.type, q.dtype == torch.bfloat16, q.shape[2], k.shape[2],
-                         alibi is not None, sink is not None):
+    if short_kernel_runs(kernel, q.device.type, _DTYPE_NAMES.get(q.dtype, "other"), q.shape[2], k.shape[2],
+                         dropout_p > 0, alibi is not None, sink is not None):
         return short_attention(q, k, v, mask, is_causal, dropout_p)
     if sink is not None:
         # The sink as one more key: its key and value are zero, its score the head's sink logit (the float mask's

@@ -70,8 +70,15 @@ def test_cuda_kernels_are_planned_on_cuda():
         "--attention-backend").engine
 
 
-def test_plan_is_silent_about_the_default_backend():
-    assert plan_of().engine_for("--attention-backend") is None
+def test_plan_is_silent_about_the_default_backend_where_sdpa_serves_it():
+    """auto under torch SDPA (fp32 without attention dropout, CUDA) needs no line; where it runs rapidtrain's
+    short-sequence kernel (a CPU with the default attention dropout of 0.1, or bf16) the plan says so and why."""
+    assert plan_of("--attention-dropout", "0").engine_for("--attention-backend") is None
+    assert plan_of("--bf16", device="cuda").engine_for("--attention-backend") is None
+    for flags in ((), ("--bf16", "--attention-dropout", "0")):
+        choice = plan_of(*flags).engine_for("--attention-backend")
+        assert choice is not None and "short-sequence attention" in choice.engine, flags
+        assert "Megatron's auto" in choice.reason
 
 
 @pytest.mark.parametrize(("flags", "device", "says"), [

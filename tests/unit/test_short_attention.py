@@ -137,13 +137,20 @@ def test_auto_runs_it_exactly_where_the_plan_says():
     ours = short_attention(q, k, v, None, True, 0.0)
     assert torch.equal(attend(q, k, v, None, True, 0.0, "auto"), ours)
     assert not torch.equal(attend(q, k, v, None, True, 0.0, "sdpa"), ours)
-    assert short_kernel_runs("auto", "cpu", True, SHORT_KERNEL_MAX_KEYS, SHORT_KERNEL_MAX_KEYS)
-    for refused in (("auto", "cpu", True, SHORT_KERNEL_MAX_KEYS + 1, SHORT_KERNEL_MAX_KEYS + 1),
-                    ("auto", "cpu", False, 48, 48), ("auto", "cpu", True, 1, 48), ("auto", "cuda", True, 48, 48),
-                    ("sdpa", "cpu", True, 48, 48), ("eager", "cpu", True, 48, 48)):
+    assert short_kernel_runs("auto", "cpu", "bf16", SHORT_KERNEL_MAX_KEYS, SHORT_KERNEL_MAX_KEYS)
+    for refused in (("auto", "cpu", "bf16", SHORT_KERNEL_MAX_KEYS + 1, SHORT_KERNEL_MAX_KEYS + 1),
+                    ("auto", "cpu", "fp32", 48, 48), ("auto", "cpu", "fp16", 48, 48), ("auto", "cpu", "bf16", 1, 48),
+                    ("auto", "cuda", "bf16", 48, 48), ("sdpa", "cpu", "bf16", 48, 48),
+                    ("eager", "cpu", "bf16", 48, 48)):
         assert not short_kernel_runs(*refused), refused
-    assert not short_kernel_runs("auto", "cpu", True, 48, 48, alibi=True)
-    assert not short_kernel_runs("auto", "cpu", True, 48, 48, sink=True)
+    # With attention dropout PyTorch's CPU flash kernel cannot run: it runs instead of SDPA's math path, fp32 and any
+    # length included (not fp16, not decoding, not with ALiBi or sinks).
+    for dtype, keys in (("fp32", 48), ("fp32", 4096), ("bf16", 4096)):
+        assert short_kernel_runs("auto", "cpu", dtype, keys, keys, dropout=True), (dtype, keys)
+    assert not short_kernel_runs("auto", "cpu", "fp16", 48, 48, dropout=True)
+    assert not short_kernel_runs("auto", "cpu", "fp32", 1, 48, dropout=True)
+    assert not short_kernel_runs("auto", "cpu", "bf16", 48, 48, alibi=True)
+    assert not short_kernel_runs("auto", "cpu", "bf16", 48, 48, dropout=True, sink=True)
     decoding = attend(q[:, :, -1:], k, v, None, False, 0.0, "auto")
     torch.testing.assert_close(decoding, ours[:, :, -1:], atol=2e-2, rtol=2e-2)
 
@@ -175,6 +182,11 @@ def test_the_plan_counts_the_kept_probabilities():
         ModelConfig(**{**base.__dict__, "attention_kernel": "sdpa"}), "bf16", one, granularity="op")[1] \
         == pytest.approx(2 * square)
     assert not plan_bytes(base, "fp32", one)[0] and not plan_bytes(base, "bf16", one, "cuda")[0]
+    # fp32 with attention dropout: fp32 probabilities and the byte of mask, not the math path's three fp32 squares
+    fp32_dropped = ModelConfig(**{**base.__dict__, "attention_dropout": 0.1})
+    short, kept = plan_bytes(fp32_dropped, "fp32", one)
+    _, sdpa_kept = plan_bytes(ModelConfig(**{**fp32_dropped.__dict__, "attention_kernel": "sdpa"}), "fp32", one)
+    assert short and sdpa_kept - kept == pytest.approx((3 * 4 - (4 + 1)) * square)
     long = ModelConfig(**{**base.__dict__, "seq_length": SHORT_KERNEL_MAX_KEYS + 8,
                           "max_position_embeddings": 1024})
     assert not plan_bytes(long, "bf16", one)[0]
