@@ -133,6 +133,10 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     keys' gradient sums its heads inside the matmul. q [b, heads, s, d]; k, v [b, groups, s, d or dv]; mask bool
     (True = may attend) broadcastable to [b, heads, s, s], or None; rows a mask empties give zeros (as SDPA's safe
     softmax)."""
+    if torch.overrides.has_torch_function((q, k, v)):
+        # a torch-function mode sees the call (selective recompute's, parallel/recompute.py), as it sees SDPA's
+        return torch.overrides.handle_torch_function(short_attention, (q, k, v), q, k, v, mask, is_causal,
+                                                     dropout_p)
     b, heads, s, d = q.shape
     groups = k.shape[1]
     rows = heads // groups * s

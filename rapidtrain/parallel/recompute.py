@@ -15,6 +15,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from rapidtrain.models.attention import short_attention
+
 if TYPE_CHECKING:
     from rapidtrain.config.settings import RecomputeSettings
 
@@ -69,7 +71,9 @@ def op_level_contexts():
 
 # ---- selective (attention core) ----
 
-ATTENTION_CORES: tuple[Callable, ...] = (torch.nn.functional.scaled_dot_product_attention,)
+# The attention-core calls selective recompute runs under checkpoint: torch's SDPA, rapidtrain's short-sequence
+# kernel (which a torch-function mode sees as it sees SDPA), FlexAttention.
+ATTENTION_CORES: tuple[Callable, ...] = (torch.nn.functional.scaled_dot_product_attention, short_attention)
 try:
     from torch.nn.attention.flex_attention import flex_attention
 

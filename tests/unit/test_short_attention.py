@@ -221,3 +221,32 @@ def test_tiny_gpt_trains_in_bf16_to_sdpa_s_losses():
     assert losses["auto"] == pytest.approx(losses["sdpa"], rel=1e-2)
     assert losses["auto"][-1] < losses["auto"][0]
 
+
+
+def test_selective_recompute_recomputes_it_as_it_recomputes_sdpa():
+    """--recompute-activations (selective: the attention core under checkpoint) sees the short kernel's call as it
+    sees SDPA's: the layer keeps no [s, s] probabilities for backward, and its gradients (attention dropout on, the
+    masks drawn again in the recomputation) equal the unwrapped layer's bitwise."""
+    from rapidtrain.parallel.recompute import SelectiveRecompute
+
+    s = 48
+    config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=s,
+                         vocab_size=128, max_position_embeddings=s, hidden_dropout=0.0, attention_dropout=0.2)
+    x = torch.randn(2, s, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+
+    def run(wrap: bool) -> tuple[list[torch.Size], list[torch.Tensor]]:
+        layer = build_model(config, seed=3).to(torch.bfloat16).layers["0"].train()
+        module = SelectiveRecompute(layer) if wrap else layer
+        shapes: list[torch.Size] = []
+        torch.manual_seed(9)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t, lambda t: t):
+            out = module(x)
+        out.float().square().mean().backward()
+        return shapes, [p.grad for p in layer.parameters()]
+
+    plain_shapes, plain_grads = run(False)
+    wrapped_shapes, wrapped_grads = run(True)
+    probabilities = (2 * 2, 2 * s, s)  # [b · groups, heads/groups · s, s]: 4 heads over 2 groups stacked
+    assert probabilities in plain_shapes and probabilities not in wrapped_shapes
+    for plain, wrapped in zip(plain_grads, wrapped_grads, strict=True):
+        assert torch.equal(plain, wrapped)
