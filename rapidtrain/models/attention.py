@@ -1,6 +1,6 @@
 """The attention kernels of the built-in models (chosen by --attention-backend, see attention_backends.py):
 torch SDPA (its dispatcher or one backend), an explicit softmax(QKᵀ/√d)V, rapidtrain's short-sequence kernel (auto's
-choice in bf16 on a CPU at short sequences), and FlexAttention, whose mask is a
+choice on a CPU in bf16 at short sequences or with attention dropout), and FlexAttention, whose mask is a
 block-sparse BlockMask built from the mask's rule (causal, same document, padding, sliding window) instead of a dense
 [s, s]. ALiBi's per-head linear biases (Press et al. 2022) enter each kernel its own way: an additive float mask
 (SDPA), a term added to the scores (eager), a score_mod (FlexAttention). So do attention sinks (Megatron's
@@ -116,11 +116,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, is_c
 
 def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
                     dropout_p: float) -> torch.Tensor:
-    """Self-attention over a short sequence with the scores materialized: one batched matmul for the scores (bf16,
-    scaled and masked in the same call), one fused softmax (fp32 inside, bf16 out), one batched matmul for the
-    output; backward from the kept bf16 probabilities and the fused softmax gradient. Megatron's unfused attention
-    (baddbmm, fused scale-mask-softmax, bmm) as one autograd function that keeps only the probabilities (and
-    dropout's mask, drawn by models/dropout.py's keep_mask: 5× faster than bernoulli_ on a CPU), not the scores.
+    """Self-attention over a short sequence with the scores materialized: one batched matmul for the scores (in the
+    inputs' dtype, scaled and masked in the same call), one fused softmax (fp32 inside, the inputs' dtype out), one
+    batched matmul for the output; backward from the kept probabilities and the fused softmax gradient. Megatron's
+    unfused attention (baddbmm, fused scale-mask-softmax, bmm) as one autograd function that keeps only the
+    probabilities (and dropout's mask, drawn by models/dropout.py's keep_mask: 5× faster than bernoulli_ on a CPU),
+    not the scores.
 
     Why: PyTorch's CPU flash kernel runs its bf16 blocks at a third of the matmul units' rate (64-row query blocks
     against one key block: per-block GEMM calls and an online softmax); at a few hundred keys the whole [s, s]
@@ -174,7 +175,7 @@ class _ShortAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                 dropout_p: float, scale: float, masked: bool) -> torch.Tensor:
-        with torch.autocast(q.device.type, enabled=False):  # every product here is bf16 by construction
+        with torch.autocast(q.device.type, enabled=False):  # q, k, v arrive in the dtype every product here runs in
             if bias is None:
                 scores = torch.baddbmm(q.new_zeros(()), q, k.transpose(1, 2), beta=0, alpha=scale)
             else:

@@ -13,6 +13,8 @@ graphs (Inductor's fused random numbers) keep torch's dropout.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,9 +30,7 @@ def keep_mask(shape: torch.Size | tuple[int, ...], dropout_p: float,
     if torch.compiler.is_compiling():
         return torch.rand(shape, device=device) >= dropout_p, 1 / (1 - dropout_p)
     kept_levels = max(1, round((1 - dropout_p) * _LEVELS))
-    n = 1
-    for size in shape:
-        n *= size
+    n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), (1 << 63) - 1)
     halves = words.view(torch.int16)[:n].view(shape)  # four uniform 16-bit draws per word, in [-2¹⁵, 2¹⁵)
     return halves < kept_levels - (_LEVELS >> 1), _LEVELS / kept_levels
