@@ -7,6 +7,7 @@ import random
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -149,3 +150,20 @@ def read_extra(path: str | Path, name: str) -> dict[int, float]:
 def relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
     assert a.keys() == b.keys(), f"different iterations: {sorted(a)} vs {sorted(b)}"
     return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in a)
+
+
+def spawn_ranks(worker: Callable[..., None], *args: object, nprocs: int = 2) -> None:
+    """`torch.multiprocessing.spawn(worker, args, nprocs)` whose ranks end as rapidtrain's do: a rank whose worker
+    returned exits without the interpreter's finalization (rapidtrain/core/process.py says why: a gloo thread that
+    drops a finished collective during finalization aborts a rank that passed, SIGABRT, "terminate called without
+    an active exception": CI stop 51, a tensor-parallel MLA test). A worker's exception is reported as spawn does."""
+    import torch.multiprocessing
+
+    torch.multiprocessing.spawn(_ends_without_finalization, args=(worker, *args), nprocs=nprocs)
+
+
+def _ends_without_finalization(rank: int, worker: Callable[..., None], *args: object) -> None:
+    from rapidtrain.core.process import end_process
+
+    worker(rank, *args)
+    end_process(0)

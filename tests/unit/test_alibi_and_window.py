@@ -12,6 +12,7 @@ from rapidtrain.models import GPTModel, ModelConfig, build_model
 from rapidtrain.models.attention import alibi_slopes, attend, flex_block_mask
 from rapidtrain.models.counting import count_parameters
 from rapidtrain.models.transformer import KVCache, init_weights
+from tests.launch import spawn_ranks
 
 SMALL = dict(num_layers=2, hidden_size=48, num_attention_heads=6, vocab_size=64, seq_length=16,
              hidden_dropout=0.0, attention_dropout=0.0)
@@ -169,7 +170,7 @@ def _tensor_parallel_worker(rank: int, store: str) -> None:
 
 def test_tensor_parallel_ranks_take_the_slopes_of_their_own_heads(tmp_path):
     """TP 2 over 6 heads: rank 1 computes heads 3-5 with their slopes; the logits equal the whole model's."""
-    torch.multiprocessing.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
+    spawn_ranks(_tensor_parallel_worker, str(tmp_path / "store"))
 
 
 def test_flops_count_the_keys_a_window_leaves():

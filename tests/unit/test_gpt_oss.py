@@ -18,6 +18,7 @@ from rapidtrain.models.hf_weights import WeightsReader, export_family, hf_state_
 from rapidtrain.models.mlp import GatedUnit
 from rapidtrain.models.moe import Experts, MoELayer
 from rapidtrain.models.transformer import KVCache
+from tests.launch import spawn_ranks
 
 SMALL = dict(num_layers=2, hidden_size=48, num_attention_heads=6, vocab_size=64, seq_length=16,
              hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm")
@@ -523,7 +524,7 @@ def _parallel_worker(rank: int, store: str) -> None:
 
 
 def test_tensor_parallel_sinks_and_expert_parallel_gpt_oss_experts_match_one_process(tmp_path):
-    torch.multiprocessing.spawn(_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
+    spawn_ranks(_parallel_worker, str(tmp_path / "store"))
 
 
 def test_activation_estimate_counts_the_sink_mask_sdpa_keeps():

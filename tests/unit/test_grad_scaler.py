@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from rapidtrain.optim.grad_scaler import LossScaler, LossScaleSettings
+from tests.launch import spawn_ranks
 
 
 def scaler(**settings):
@@ -143,12 +143,7 @@ def _overflow_on_one_rank(rank: int, world_size: int, init_file: str, results: s
 
 
 def test_found_inf_is_agreed_across_ranks(tmp_path):
-    mp.spawn(
-        _overflow_on_one_rank,
-        args=(2, str(tmp_path / "init"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_ranks(_overflow_on_one_rank, 2, str(tmp_path / "init"), str(tmp_path))
     # Only rank 0 saw the inf itself; with the group both ranks report it and would skip the step.
     assert (tmp_path / "rank0.txt").read_text() == "True False True"
     assert (tmp_path / "rank1.txt").read_text() == "False False True"

@@ -15,6 +15,7 @@ from rapidtrain.models import ModelConfig, build_model
 from rapidtrain.models.mla import MultiLatentAttention, mla_softmax_scale_factor
 from rapidtrain.models.rope import inverse_frequency, rope_attention_factor
 from rapidtrain.models.transformer import KVCache, StaticKVCache
+from tests.launch import spawn_ranks
 
 SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=16,
              max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
@@ -209,7 +210,7 @@ def _tensor_parallel_worker(rank: int, store: str) -> None:
 def test_tensor_parallel_mla_matches_one_process_loss_and_gradients(tmp_path):
     """TP 2 (one launch, two models): heads split in q_up/q_proj and kv_up, o_proj by rows, the latents whole; the
     shared rotary key's gradient summed over the ranks, so kv_down_proj's gradient equals one process's."""
-    torch.multiprocessing.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
+    spawn_ranks(_tensor_parallel_worker, str(tmp_path / "store"))
 
 
 @pytest.mark.parametrize("q_lora_rank", [24, None])

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from rapidtrain.models import BertModel, GPTModel, ModelConfig, build_model, init_weights
 from rapidtrain.models.rope import plain_inverse_frequency, rotary_cos_sin
 from rapidtrain.models.transformer import apply_rotary
+from tests.launch import spawn_ranks
 
 SMALL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16)
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
@@ -293,7 +294,7 @@ def _tensor_parallel_worker(rank: int, store_path: str) -> None:
 
 
 def test_tensor_parallel_init_and_forward_match_the_whole_model(tmp_path):
-    torch.multiprocessing.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"),), nprocs=2)
+    spawn_ranks(_tensor_parallel_worker, str(tmp_path / "store"))
 
 
 # ---- Llama-family shape: RMSNorm, SwiGLU, grouped-query attention, rope, no biases, untied ----
