@@ -25,6 +25,8 @@ _LEVELS = 1 << 16
 def keep_mask(shape: torch.Size | tuple[int, ...], dropout_p: float,
               device: torch.device) -> tuple[torch.Tensor, float]:
     """(bool mask of `shape`, True = kept; the scale 1 / keep probability the kept values take)."""
+    if not 0 <= dropout_p <= 1:  # F.dropout's check: a negative p would keep a wrapped-around share
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
     if dropout_p >= 1:
         return torch.zeros(shape, dtype=torch.bool, device=device), 0.0
     if torch.compiler.is_compiling():
@@ -33,7 +35,9 @@ def keep_mask(shape: torch.Size | tuple[int, ...], dropout_p: float,
     n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), (1 << 63) - 1)
     halves = words.view(torch.int16)[:n].view(shape)  # four uniform 16-bit draws per word, in [-2¹⁵, 2¹⁵)
-    return halves < kept_levels - (_LEVELS >> 1), _LEVELS / kept_levels
+    # `<=` the last kept level, not `<` the first dropped one: at p < 2⁻¹⁷ every level is kept, and 2¹⁵ compared
+    # with an int16 tensor wraps to -2¹⁵ (which dropped every element at --hidden-dropout 1e-6)
+    return halves <= kept_levels - (_LEVELS >> 1) - 1, _LEVELS / kept_levels
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -52,6 +56,8 @@ class Dropout(nn.Module):
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
+        if not 0 <= p <= 1:  # nn.Dropout refuses it here, not at the first training forward
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
