@@ -315,7 +315,7 @@ def _kernel_choices(args: argparse.Namespace, ctx: RunContext, layout: Layout, p
     builtin = trains_builtin_model(args)
     short = builtin and model is not None and short_attention_planned(model, precision, layout, ctx.device_type)
     if "attention_backend" in getattr(args, "given_flags", ()) or attention.document_ids or short:
-        engines.append(EngineChoice("--attention-backend", *attention.describe(builtin, short)))
+        engines.append(EngineChoice("--attention-backend", *attention.describe(builtin, short, precision.dtype)))
     if args.torch_compile:
         engines.append(EngineChoice("--torch-compile", f"{describe_compile(args)} per transformer layer",
                                     "it compiles what repeats: each layer, and on CUDA the built-in loss's "

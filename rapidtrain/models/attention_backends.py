@@ -39,10 +39,15 @@ HF_IMPLEMENTATION_OF_NAME: dict[str, str | None] = {
 # 139 against 90 at 1,024 (the [s, s] scores leave the caches).
 SHORT_KERNEL_MAX_KEYS = 512
 
-SHORT_KERNEL_DESCRIPTION = (
-    "rapidtrain's short-sequence attention (models/attention.py's short_attention): batched bf16 matmuls around "
-    "one fused softmax (fp32 inside), the scores rounded to bf16 as in Megatron's unfused attention, the [s, s] "
-    "probabilities (and dropout's keep-mask) kept for backward; grouped-query heads stacked, K and V not repeated")
+
+def short_kernel_description(dtype: str) -> str:
+    """What the plan says runs where short_kernel_runs: its matmuls in the run's dtype (bf16, or fp32 with attention
+    dropout: an fp32 run's scores are not rounded to bf16)."""
+    rounding = ", the scores rounded to bf16 as in Megatron's unfused attention" if dtype == "bf16" else ""
+    return (f"rapidtrain's short-sequence attention (models/attention.py's short_attention): batched {dtype} matmuls "
+            f"around one fused softmax (fp32 inside){rounding}, the [s, s] probabilities (and dropout's keep-mask) "
+            "kept for backward; grouped-query heads stacked, K and V not repeated")
+
 
 KERNEL_DESCRIPTIONS: dict[Kernel, str] = {
     "auto": "torch scaled_dot_product_attention, PyTorch's dispatcher picking the kernel (CUDA: flash, "
@@ -88,15 +93,16 @@ class AttentionSettings:
     hf_implementation: str | None = None
     document_ids: bool = False
 
-    def describe(self, builtin: bool, short: bool = False) -> tuple[str, str]:
-        """(what serves attention, why) for the plan; `short`: the run's attention is short_kernel_runs's."""
+    def describe(self, builtin: bool, short: bool = False, dtype: str = "bf16") -> tuple[str, str]:
+        """(what serves attention, why) for the plan; `short`: the run's attention is short_kernel_runs's, in
+        `dtype`."""
         if not builtin:
             what = (f"transformers attn_implementation={self.hf_implementation!r}" if self.hf_implementation
                     else "transformers' default attn_implementation (sdpa where the model has it, else eager)")
             return what, f"--attention-backend {self.name}" + (
                 f" (Megatron's name; Hugging Face's {self.hf_implementation})"
                 if self.name in MEGATRON_NAMES and self.hf_implementation else "")
-        what = SHORT_KERNEL_DESCRIPTION if short else KERNEL_DESCRIPTIONS[self.kernel]
+        what = short_kernel_description(dtype) if short else KERNEL_DESCRIPTIONS[self.kernel]
         if self.document_ids:
             what += "; --reset-attention-mask as a BlockMask from document ids (causal AND same document), " \
                     "no dense [s, s] mask"
