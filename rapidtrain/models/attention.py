@@ -197,6 +197,12 @@ class _ShortAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradient would be differentiated with the kept probabilities as constants,
+            # a silently wrong second derivative (SDPA's CPU flash kernel has none either, and says so)
+            raise RuntimeError("rapidtrain's short-sequence attention (--attention-backend auto on a CPU) has no "
+                               "second derivative (backward was asked to create a graph): use --attention-backend "
+                               "eager, whose attention is differentiable ops")
         q, k, v, probs, keep = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         with torch.autocast(q.device.type, enabled=False):
