@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rapidtrain.parallel.op_build import use_environment_build_tools
 from tests._cpu_time import register as register_cpu_time_report
 
 CACHE = Path(os.environ.get("RAPIDTRAIN_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "tests"))
@@ -19,6 +20,10 @@ os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // WOR
 # threads take the cores from the ones working. A 10-iteration tiny-GPT run in-process at 2 threads on the shared
 # 2-core host: 6.8-18.6 CPU-s and 25-57 s by default, 0.5-0.6 CPU-s and 0.6-1.9 s passive (interleaved, 2 rounds).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# DeepSpeed's ops in the folder where scripts/setup.sh and rapidtrain's runs build them (this environment's own,
+# parallel/op_build.py), for the tests and scripts that load one without an Engine (DeepSpeedCPUAdam, DeepSpeed's
+# checkpoint writer): they find the ops built instead of compiling them again in the shared default folder.
+use_environment_build_tools()
 
 
 def pytest_configure(config: pytest.Config) -> None:

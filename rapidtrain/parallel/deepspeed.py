@@ -347,10 +347,10 @@ def deepspeed_runner(
     """
     import deepspeed
 
-    from rapidtrain.parallel.op_build import announce_op_builds, clear_stale_op_build_locks, use_interpreter_ninja
+    from rapidtrain.parallel.op_build import announce_op_builds, clear_stale_op_build_locks, use_environment_build_tools
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # keep Megatron's log lines readable
-    use_interpreter_ninja()  # the ninja that built the ops checks them (a different one would rebuild them)
+    use_environment_build_tools()  # the ninja and folder that built the ops check them (others would rebuild them)
     clear_stale_op_build_locks()  # a killed first build of cpu_adam / shm_comm would make DeepSpeed wait for ever
     announce_op_builds(["deepspeed_shm_comm"] * (device.type == "cpu") + ["cpu_adam"] * optimizer_offloaded(plan))
     ensure_process_group()

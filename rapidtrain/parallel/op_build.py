@@ -14,6 +14,7 @@ node cannot be seen, so the lock is removed only once the build folder has been 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -42,6 +43,33 @@ def use_interpreter_ninja(env: MutableMapping[str, str] = os.environ) -> str | N
     if path.split(os.pathsep)[0] != folder:
         env["PATH"] = folder + (os.pathsep + path if path else "")
     return folder
+
+
+def use_environment_extensions_dir(env: MutableMapping[str, str] = os.environ) -> str | None:
+    """Give this Python environment its own torch-extensions folder (TORCH_EXTENSIONS_DIR), unless the user named
+    one; returns the folder set.
+
+    torch.utils.cpp_extension builds every environment's ops in one folder per Python and CUDA version
+    (~/.cache/torch_extensions/py311_cpu/cpu_adam): two virtual environments on one machine (two checkouts, a
+    project's and CI's) compile the same op with different include paths, so each rebuilds what the other built
+    (20-140 s an op, the other ranks waiting on its lock), and a process may load an op compiled against the other
+    environment's torch. Here: torch's own folder name, followed by the environment's folder name and a hash of its
+    path (py311_cpu-.venv-1f0c9a2e), under torch's cache root."""
+    if "TORCH_EXTENSIONS_DIR" in env or "TORCH_EXTENSIONS_DIR" in os.environ:
+        return None
+    from torch.utils import cpp_extension
+
+    default = Path(cpp_extension._get_build_directory("", verbose=False))  # torch's own root and folder name
+    tag = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:8]
+    folder = str(default.parent / f"{default.name}-{Path(sys.prefix).name}-{tag}")
+    env["TORCH_EXTENSIONS_DIR"] = folder
+    return folder
+
+
+def use_environment_build_tools(env: MutableMapping[str, str] = os.environ) -> None:
+    """Before anything builds or loads a DeepSpeed op: this environment's ninja and its own extensions folder."""
+    use_interpreter_ninja(env)
+    use_environment_extensions_dir(env)
 
 
 def build_directory(name: str) -> Path:
@@ -161,7 +189,7 @@ def build_deepspeed_cpu_ops(names: Sequence[str] = DEEPSPEED_CPU_OPS) -> list[st
     """Build the ops `names` that this machine's DeepSpeed accelerator can build; returns those built."""
     from deepspeed.accelerator import get_accelerator
 
-    use_interpreter_ninja()
+    use_environment_build_tools()
     built = []
     for name in names:
         builder = get_accelerator().create_op_builder(OP_BUILDERS[name])

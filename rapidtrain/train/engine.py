@@ -41,7 +41,7 @@ from rapidtrain.optim.lr_schedule import LRScheduler, lr_schedule_for
 from rapidtrain.parallel.apply import parallelize
 from rapidtrain.parallel.deepspeed import ensure_process_group, forget_process_groups, run_config
 from rapidtrain.parallel.mesh import ParallelMesh, build_mesh
-from rapidtrain.parallel.op_build import use_interpreter_ninja
+from rapidtrain.parallel.op_build import use_environment_build_tools
 from rapidtrain.parallel.runner import Runner, StepOutcome
 from rapidtrain.train.agreement import agree_on_configuration
 from rapidtrain.train.own_loop import compose_own_loop, rebind_optimizer
@@ -208,7 +208,7 @@ class Engine:
         self.warn_rank0(self.plan.warnings)
         if self.plan.layout.world_size > 1 and self.plan.data.num_workers > 0:
             start_worker_server()  # before the process group's threads exist (data/worker_start.py)
-        use_interpreter_ninja()  # before anything loads a DeepSpeed op (parallel/op_build.py)
+        use_environment_build_tools()  # before anything loads a DeepSpeed op (parallel/op_build.py)
         init_distributed(self.plan.distributed, self.context.device_type)
         agree_on_configuration(self.plan)  # one collective: a rank with other flags or data stops every rank here
         atexit.unregister(settle_collective_threads)  # once per process, however many Engines it creates

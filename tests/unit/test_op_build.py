@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from rapidtrain.parallel.op_build import (
     clear_stale_op_build_locks,
     is_built,
     lock_holders,
+    use_environment_extensions_dir,
     use_interpreter_ninja,
 )
 
@@ -92,3 +94,27 @@ def test_the_interpreters_ninja_comes_first_on_path():
     assert folder == os.path.dirname(sys.executable)  # pip's ninja, which DeepSpeed requires, is installed here
     assert shutil.which("ninja", path=env["PATH"]) == os.path.join(folder, "ninja")
     assert use_interpreter_ninja(env) == folder and env["PATH"].split(os.pathsep).count(folder) == 1
+
+
+def test_each_environment_builds_its_ops_in_its_own_folder(monkeypatch, tmp_path):
+    """Two environments on one machine (two checkouts' .venv) compile the same op with different include paths:
+    in torch's one folder per Python version each rebuilt what the other had built. Each gets its own folder under
+    torch's cache root; a folder the user names (TORCH_EXTENSIONS_DIR) is kept."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # torch's cache root follows it
+    env: dict[str, str] = {}
+    folder = use_environment_extensions_dir(env)
+    torch_default = cpp_extension._get_build_directory("cpu_adam", verbose=False)  # py311_cpu/cpu_adam
+    assert folder == env["TORCH_EXTENSIONS_DIR"] and os.path.dirname(folder) == os.path.dirname(
+        os.path.dirname(torch_default))
+    assert os.path.basename(folder).startswith(os.path.basename(os.path.dirname(torch_default)) + "-")
+    assert os.path.basename(folder).split("-")[1] == os.path.basename(sys.prefix)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other" / ".venv"))
+    other: dict[str, str] = {}
+    assert use_environment_extensions_dir(other) not in (None, folder)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert use_environment_extensions_dir(mine := {}) is None and mine == {}
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", folder)
+    assert build_directory("cpu_adam") == Path(folder) / "cpu_adam"  # where DeepSpeed's builder then builds
