@@ -20,7 +20,6 @@ SDPA with the scale Megatron hands it stands in (it holds no weights).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from pathlib import Path
