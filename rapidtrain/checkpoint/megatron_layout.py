@@ -332,9 +332,11 @@ def _unread_kind(unknown: list[str]) -> str:
     if any(name.startswith("mtp.") for name in unknown):
         return (" (multi-token prediction layers, --mtp-num-layers, are not read from Megatron checkpoints yet: "
                 "convert the checkpoint without them)")
-    if any(".experts." in name for name in unknown):
-        return (" (routed experts saved one tensor per expert and gate/up half, Megatron's singleton_local_shards "
-                "layout, are not read yet)")
+    if any("deepspeed_moe" in name for name in unknown):
+        return " (Megatron-DeepSpeed's DeepSpeed-MoE experts are not read: convert the checkpoint to Hugging Face)"
+    if any(re.search(r"\.mlp\.experts\.experts\.\d+\.", name) for name in unknown):
+        return (" (routed experts saved one tensor per expert, torch_dist's singleton_local_shards layout, are not "
+                "read yet)")
     if not any(".self_attention." in name for name in unknown):
         return " (cross-attention, BERT's heads and other modules are not read from Megatron checkpoints)"
     return (" (give --multi-latent-attention and the other attention flags the checkpoint was trained with, or "

@@ -81,7 +81,7 @@ def _parallel_ranks(files: dict[tuple[int, ...], Path], saved_args: dict[str, An
     ranks: dict[tuple[int, int, int], Path] = {}
     for numbers, path in files.items():
         if len(numbers) == 3:
-            ranks[numbers] = path  # type: ignore[index]  # three numbers
+            ranks[(numbers[0], numbers[1], numbers[2])] = path
         elif len(numbers) == 2:
             ranks[(numbers[0], 0, numbers[1]) if expert_names else (numbers[0], numbers[1], 0)] = path
         else:

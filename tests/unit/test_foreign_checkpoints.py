@@ -456,7 +456,8 @@ def test_moe_and_mla_flags_that_differ_from_the_checkpoints_are_named(tmp_path):
         whole_model(saved, other)
     message = str(refused.value)
     assert "--q-lora-rank (checkpoint 16, now 8)" in message
-    assert "--num-experts / --moe-layer-freq (checkpoint 4 experts in layers 1, now 4 experts in layers 0, 1)" in message
+    assert ("--num-experts / --moe-layer-freq (checkpoint 4 experts in layers 1, now 4 experts in layers 0, 1)"
+            in message)
     other = ModelConfig(**dict(DEEPSEEK_V3, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=None,
                                multi_latent_attention=False))
     with pytest.raises(CheckpointError) as refused:
