@@ -188,7 +188,9 @@ def stack_experts(shard: Shard, local_experts: int | None, source: str) -> Shard
             continue
         grouped = _LEGACY_GROUPED.match(name)
         if grouped is None:
-            stacked[name] = value
+            # TEGroupedMLP's single grouped weight (--moe-single-grouped-weight): stacked already, or flat by expert
+            flat = is_expert(name) and value.dim() == (2 if name.endswith(".weight") else 1)
+            stacked[name] = value.reshape(local_experts, -1, *value.shape[1:]) if flat and local_experts else value
             continue
         if not local_experts:
             raise CheckpointError(f"{source}: {name} holds several experts in one matrix (the legacy GroupedMLP), "

@@ -482,3 +482,24 @@ def test_what_stays_unread_is_refused_by_name(tmp_path):
     shard["mtp.layers.0.enorm.weight"] = torch.ones(32)
     with pytest.raises(CheckpointError, match=r"mtp.layers.0.enorm.weight.*multi-token prediction.*--mtp-num-layers"):
         merge_stages([[shard]], config, "test")
+
+
+def test_transformer_engine_spelling_of_mla_and_grouped_experts_gives_the_whole_model():
+    """Transformer Engine's layer spec: the latents' norms fused into the up projections (`linear_q_up_proj.
+    layer_norm_weight`), the down projections duplicated on every tensor rank (TELinear) instead of cut by rows, and
+    TEGroupedMLP's single grouped expert weight (`linear_fc1.weight`, flat by expert): the same weights."""
+    config, state = moe_state(DEEPSEEK_V3)
+    whole_down = split_for_megatron(state, config, 1, 1, 256)[0][0]
+    shards = split_for_megatron(state, config, 2, 1, 256)[0]
+    for shard in shards:
+        for name in list(shard):
+            if "down_proj" in name:
+                shard[name] = whole_down[name].clone()
+            elif name.endswith("q_layernorm.weight") or name.endswith("kv_layernorm.weight"):
+                projection = "linear_q_up_proj" if "q_layernorm" in name else "linear_kv_up_proj"
+                shard[name.replace(name.split(".")[-2], projection).replace(".weight", ".layer_norm_weight")] = (
+                    shard.pop(name))
+            elif ".mlp.experts.linear_fc" in name:
+                shard[name] = shard[name].flatten(0, 1)
+    read = [[stack_experts(core_names(shard), 4, "test") for shard in shards]]
+    assert_same(merge_stages(read, config, "test"), state)
