@@ -158,6 +158,9 @@ def shape_differences(saved_args: dict[str, Any], config: ModelConfig) -> list[s
     if groups is not None and groups != config.query_groups and not latent:
         differing.append(f"--num-query-groups (checkpoint {groups}, now {config.query_groups})")
     differing += _moe_differences(saved_args, config)
+    depths = saved_args.get("mtp_num_layers") or 0  # Megatron saves None without multi-token prediction
+    if "mtp_num_layers" in saved_args and depths != config.mtp_num_layers:
+        differing.append(f"--mtp-num-layers (checkpoint {depths}, now {config.mtp_num_layers})")
     if saved_args.get("position_embedding_type", "learned_absolute") == "learned_absolute" and saved_args.get(
             "max_position_embeddings") not in (None, config.max_position_embeddings):
         differing.append(f"--max-position-embeddings (checkpoint {saved_args['max_position_embeddings']}, now "

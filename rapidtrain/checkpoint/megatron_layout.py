@@ -71,6 +71,7 @@ _LEGACY_TO_CORE = (
 )
 _IGNORED = re.compile(r"(^|\.)_extra_state$|^word_embeddings_for_head\.|\.inv_freq$|^rotary_pos_emb\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_DEPTH = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 # Per layer: Megatron-Core name → (built-in name, how tensor-parallel ranks cut it).
 _LAYER_PARTS = {
@@ -113,6 +114,14 @@ _MLA_PARTS = {
     "self_attention.linear_kv_down_proj.weight": ("attention.kv_down_proj.weight", "mla_kv_down"),
     "self_attention.linear_kv_up_proj.weight": ("attention.kv_up_proj.weight", "rows"),
     "self_attention.kv_layernorm.weight": ("attention.kv_down_norm.weight", "same"),
+}
+# Multi-token prediction's depth K (Megatron-Core's `mtp.layers.K.`, the built-in's `mtp.depths.K.`): its own parts,
+# and a transformer layer named as the decoder's (`transformer_layer.` ↔ `layer.`). eh_proj is column-parallel.
+_MTP_PARTS = {
+    "enorm.weight": ("enorm.weight", "same"),
+    "hnorm.weight": ("hnorm.weight", "same"),
+    "eh_proj.weight": ("eh_proj.weight", "rows"),
+    "final_layernorm.weight": ("final_norm.weight", "same"),
 }
 _GLOBAL_PARTS = {
     "embedding.word_embeddings.weight": ("embedding.word_embeddings.weight", "rows"),
@@ -292,12 +301,28 @@ def _builtin_name(base: str, leaf: str) -> str:
     return f"{module.rpartition('.')[0]}.{leaf}.{tensor}"
 
 
+def _part_of(name: str, parts: dict[str, tuple[str, str]], layers: int,
+             depths: int) -> tuple[tuple[str, str] | None, str]:
+    """(built-in base name and cut, its prefix) of a stage's entry; `layers` / `depths`: the decoder layers and
+    multi-token prediction depths of the stages before."""
+    layer = _LAYER.match(name)
+    if layer:
+        return parts.get(layer.group(2)), f"layers.{layers + int(layer.group(1))}."
+    depth = _MTP_DEPTH.match(name)
+    if depth:
+        prefix, rest = f"mtp.depths.{depths + int(depth.group(1))}.", depth.group(2)
+        if rest.startswith("transformer_layer."):
+            return parts.get(rest.removeprefix("transformer_layer.")), prefix + "layer."
+        return _MTP_PARTS.get(rest), prefix
+    return _GLOBAL_PARTS.get(name), ""
+
+
 def merge_stages(stages: list[list[Shard]], config: ModelConfig, source: str) -> dict[str, torch.Tensor]:
     """The whole model in built-in names from `stages[pipeline rank][tensor rank]` (Core-spelled shards); layer
-    numbers are made global by counting each stage's layers."""
+    (and multi-token prediction depth) numbers are made global by counting each stage's."""
     whole: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
-    offset = 0
+    offset = depths = 0
     parts = layer_parts(config)
     for stage in stages:
         names = list(stage[0])
@@ -305,35 +330,30 @@ def merge_stages(stages: list[list[Shard]], config: ModelConfig, source: str) ->
         if missing:
             raise CheckpointError(f"{source}: the tensor-parallel files of a pipeline stage hold different tensors "
                                   f"({', '.join(missing)} differ from rank 0's): the checkpoint is damaged")
-        local_layers = sorted({int(m.group(1)) for name in names if (m := _LAYER.match(name))})
         for name in names:
-            layer = _LAYER.match(name)
-            if layer:
-                part = parts.get(layer.group(2))
-                prefix = f"layers.{offset + int(layer.group(1))}."
-            else:
-                part, prefix = _GLOBAL_PARTS.get(name), ""
+            part, prefix = _part_of(name, parts, offset, depths)
             if part is None:
                 unknown.append(name)
                 continue
             base, how = part
             for leaf, value in _merge([shard[name] for shard in stage], how, config, base).items():
                 whole[prefix + _builtin_name(base, leaf)] = value
-        offset += len(local_layers)
+        offset += len({m.group(1) for name in names if (m := _LAYER.match(name))})
+        depths += len({m.group(1) for name in names if (m := _MTP_DEPTH.match(name))})
     if unknown:
         raise CheckpointError(f"{source}: tensors the built-in GPT has no place for: {', '.join(unknown[:6])}"
                               + (f" and {len(unknown) - 6} more" if len(unknown) > 6 else "") + _unread_kind(unknown))
     if offset != config.num_layers:
         raise CheckpointError(f"{source}: the checkpoint has {offset} transformer layers, --num-layers is "
                               f"{config.num_layers}: give the checkpoint's --num-layers")
+    if depths != config.mtp_num_layers:
+        raise CheckpointError(f"{source}: the checkpoint has {depths} multi-token prediction layers, "
+                              f"--mtp-num-layers is {config.mtp_num_layers}: give the checkpoint's --mtp-num-layers")
     return whole
 
 
 def _unread_kind(unknown: list[str]) -> str:
     """What the tensors no built-in module takes belong to, for the refusal."""
-    if any(name.startswith("mtp.") for name in unknown):
-        return (" (multi-token prediction layers, --mtp-num-layers, are not read from Megatron checkpoints yet: "
-                "convert the checkpoint without them)")
     if any("deepspeed_moe" in name for name in unknown):
         return " (Megatron-DeepSpeed's DeepSpeed-MoE experts are not read: convert the checkpoint to Hugging Face)"
     if any(re.search(r"\.mlp\.experts\.experts\.\d+\.", name) for name in unknown):
@@ -425,6 +445,10 @@ def split_for_megatron(state: Mapping[str, torch.Tensor], config: ModelConfig, t
             entries += [(f"decoder.layers.{local}.{n}", f"layers.{layer}.{b}", h) for n, (b, h) in parts.items()]
         if stage == pipeline_parallel - 1:
             entries += [(n, b, h) for n, (b, h) in _GLOBAL_PARTS.items() if not n.startswith("embedding.")]
+            for depth in range(config.mtp_num_layers):
+                ours, theirs = f"mtp.depths.{depth}.", f"mtp.layers.{depth}."
+                entries += [(theirs + n, ours + b, h) for n, (b, h) in _MTP_PARTS.items()]
+                entries += [(f"{theirs}transformer_layer.{n}", f"{ours}layer.{b}", h) for n, (b, h) in parts.items()]
         for name, base, how in entries:
             probe = _builtin_name(base, "q_proj") if how == "qkv" else base
             if probe not in state or (base == "output.weight" and config.tie_embeddings):

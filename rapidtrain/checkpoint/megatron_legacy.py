@@ -190,7 +190,8 @@ def megatron_args(config: ModelConfig, tensor_parallel: int, pipeline_parallel: 
                kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_head_dim,
                qk_pos_emb_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim)
     moe = {name: value for name, value in moe.items() if name not in values}  # `values` say otherwise
-    return argparse.Namespace(**moe, **mla, qk_layernorm=config.qk_layernorm,
+    return argparse.Namespace(
+        **moe, **mla, qk_layernorm=config.qk_layernorm, mtp_num_layers=config.mtp_num_layers or None,
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
         ffn_hidden_size=config.ffn_size, kv_channels=config.head_dim, group_query_attention=config.num_query_groups
         is not None, num_query_groups=config.query_groups, max_position_embeddings=config.max_position_embeddings,

@@ -33,7 +33,8 @@ SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_siz
 # The writer's MODELS in the built-in model's settings (Megatron-Core's --moe-layer-freq counts from layer 0)
 MODELS = {
     "q_lora_tp2_ep2": dict(SHAPE, q_lora_rank=16, num_experts=(0, 4), moe_router_score_function="sigmoid",
-                           moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=48),
+                           moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=48,
+                           mtp_num_layers=1),
     "no_q_lora_pp2_ep2": dict(SHAPE, q_lora_rank=None, num_experts=(4, 4), moe_shared_expert_intermediate_size=32,
                               moe_shared_expert_gate=True),
 }
@@ -68,5 +69,15 @@ def test_megatron_core_moe_mla_checkpoint_gives_megatron_cores_logits(written, n
     model.eval()
     reference = torch.load(written / name / "reference.pt")
     with torch.no_grad():
-        logits = model(reference["tokens"])
-    torch.testing.assert_close(logits, reference["logits"], rtol=1e-4, atol=1e-5)
+        if "logits" in reference:
+            torch.testing.assert_close(model(reference["tokens"]), reference["logits"], rtol=1e-4, atol=1e-5)
+        loss = model(reference["tokens"], labels=reference["labels"])
+    torch.testing.assert_close(loss, reference["loss"], rtol=1e-4, atol=1e-5)
+    if "mtp_loss" in reference:  # multi-token prediction's loss, recorded by a training forward
+        from rapidtrain.models.mtp import collect_mtp_loss
+
+        model.train()
+        model(reference["tokens"], labels=reference["labels"])  # (MTP runs where gradients are wanted)
+        recorded = collect_mtp_loss(model)
+        assert recorded is not None
+        torch.testing.assert_close((recorded[0] / recorded[1]).float(), reference["mtp_loss"][0], rtol=1e-4, atol=1e-5)

@@ -32,9 +32,11 @@ import torch.nn.functional as F
 SEQUENCE, VOCAB = 16, 128
 # name → (layout (tensor, pipeline, expert parallel), TransformerConfig fields beyond COMMON)
 MODELS: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {
-    # DeepSeek-V3-like: query LoRA, a dense first layer, sigmoid router with expert bias, shared experts
+    # DeepSeek-V3-like: query LoRA, a dense first layer, sigmoid router with expert bias, shared experts, one
+    # multi-token prediction layer
     "q_lora_tp2_ep2": ((2, 1, 2), dict(q_lora_rank=16, moe_layer_freq=[0, 1], moe_router_score_function="sigmoid",
-                                      moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=48)),
+                                      moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=48,
+                                      mtp_num_layers=1)),
     # DeepSeek-V2-Lite-like: queries projected directly, every layer MoE (torch_dist stacks the layers), softmax
     # router, Qwen's gated shared experts
     "no_q_lora_pp2_ep2": ((1, 2, 2), dict(q_lora_rank=None, moe_layer_freq=1, moe_shared_expert_intermediate_size=32,
@@ -82,7 +84,7 @@ def causal_attention() -> type:
 def build(fields: dict[str, Any], layout: tuple[int, int, int]) -> Any:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     tensor, pipeline, expert = layout
@@ -94,8 +96,10 @@ def build(fields: dict[str, Any], layout: tuple[int, int, int]) -> Any:
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = causal_attention()
+    mtp = (get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False)
+           if config.mtp_num_layers else None)
     torch.manual_seed(5)
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQUENCE * 2,
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQUENCE * 2, mtp_block_spec=mtp,
                     position_embedding_type="rope", share_embeddings_and_output_weights=False,
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage())
@@ -116,26 +120,37 @@ def saved_args(fields: dict[str, Any], layout: tuple[int, int, int]) -> argparse
 
 
 def write_reference(name: str, fields: dict[str, Any], out: Path) -> None:
-    """TP 1: distinct routed experts (CPU initialization gives every expert the same draw), a nonzero expert bias,
-    the logits, and the model saved whole."""
+    """TP 1: every weight moved off its initial value (CPU initialization gives every expert the same draw, every
+    norm ones: a mix-up of either would not show), a nonzero expert bias, the logits (losses), and the model saved
+    whole."""
     from megatron.core import dist_checkpointing
 
     model = build(fields, (1, 1, 1))
     with torch.no_grad():
         generator = torch.Generator().manual_seed(7)
-        for param_name, param in model.named_parameters():
-            if ".experts." in param_name or ".router." in param_name:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("expert_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
     model.eval()
-    tokens = torch.randint(0, VOCAB, (2, SEQUENCE), generator=torch.Generator().manual_seed(1))
+    sequence = torch.randint(0, VOCAB, (2, SEQUENCE + 1), generator=torch.Generator().manual_seed(1))
+    tokens, labels, positions = sequence[:, :-1], sequence[:, 1:], torch.arange(SEQUENCE).expand(2, SEQUENCE)
+    reference = {"tokens": tokens, "labels": labels}
     with torch.no_grad():
-        logits = model(tokens, torch.arange(SEQUENCE).expand(2, SEQUENCE), None)
+        if not fields.get("mtp_num_layers"):  # (with MTP, Megatron-Core's forward takes labels and gives losses)
+            reference["logits"] = model(tokens, positions, None)
+        reference["loss"] = model(tokens, positions, None, labels=labels)
+        if fields.get("mtp_num_layers"):  # a training forward records multi-token prediction's loss
+            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+            model.train()
+            model(tokens, positions, None, labels=labels)
+            reference["mtp_loss"] = MTPLossLoggingHelper.tracker["values"].clone()
+            model.eval()
     if dist.get_rank() == 0:
         (out / name / "whole").mkdir(parents=True, exist_ok=True)
-        torch.save({"tokens": tokens, "logits": logits}, out / name / "reference.pt")
+        torch.save(reference, out / name / "reference.pt")
     dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(out / name / "whole"))
 

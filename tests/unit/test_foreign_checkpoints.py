@@ -469,8 +469,8 @@ def test_moe_and_mla_flags_that_differ_from_the_checkpoints_are_named(tmp_path):
 
 
 def test_what_stays_unread_is_refused_by_name(tmp_path):
-    """Legacy folders whose experts were cut by another expert tensor parallel size than TP, and multi-token
-    prediction layers: refused, each naming what and how to get round it."""
+    """Legacy folders whose experts were cut by another expert tensor parallel size than TP, and torch_dist's
+    per-expert layout: refused, each naming what and how to get round it."""
     config, state = moe_state(DEEPSEEK_V3)
     write_megatron_legacy(tmp_path, state, config, tensor_parallel=2, pipeline_parallel=1, iteration=3,
                           consumed_samples=12, vocab_rows=256, expert_parallel=2,
@@ -479,9 +479,32 @@ def test_what_stays_unread_is_refused_by_name(tmp_path):
                                               "torch_dist"):
         read_megatron_legacy(detect_foreign(tmp_path))
     shard = split_for_megatron(state, config, 1, 1, 256)[0][0]
-    shard["mtp.layers.0.enorm.weight"] = torch.ones(32)
-    with pytest.raises(CheckpointError, match=r"mtp.layers.0.enorm.weight.*multi-token prediction.*--mtp-num-layers"):
+    shard["decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_w"] = torch.ones(24, 32)
+    with pytest.raises(CheckpointError, match=r"experts\.3\.linear_fc1\.weight_w.*singleton_local_shards"):
         merge_stages([[shard]], config, "test")
+
+
+@pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
+def test_multi_token_prediction_layers_are_read(tmp_path, kind):
+    """DeepSeek-V3's multi-token prediction (`mtp.layers.K.enorm / hnorm / eh_proj / transformer_layer.* /
+    final_layernorm`, on the last pipeline stage, its transformer layer an MoE layer like the decoder's last):
+    saved at PP 2 × EP 2 × TP 2 (eh_proj cut by rows) or in torch_dist, read into the built-in's mtp.depths.K; a run
+    without --mtp-num-layers is refused naming it."""
+    from rapidtrain.checkpoint.megatron_dist import read_megatron_dist
+
+    config, state = moe_state(dict(DEEPSEEK_V3, mtp_num_layers=1))
+    assert any(name.startswith("mtp.depths.0.layer.mlp.experts.") for name in state)
+    if kind == "legacy":
+        write_megatron_legacy(tmp_path, state, config, tensor_parallel=2, pipeline_parallel=2, iteration=5,
+                              consumed_samples=20, vocab_rows=256, expert_parallel=2)
+        saved = read_megatron_legacy(detect_foreign(tmp_path))
+    else:
+        write_torch_dist(tmp_path, state, config, iteration=2, consumed=8, stacked=False)
+        saved = read_megatron_dist(detect_foreign(tmp_path))
+    assert_same(whole_model(saved, config), state)
+    if kind == "legacy":
+        with pytest.raises(CheckpointError, match=r"--mtp-num-layers \(checkpoint 1, now 0\)"):
+            whole_model(saved, ModelConfig(**DEEPSEEK_V3))
 
 
 def test_transformer_engine_spelling_of_mla_and_grouped_experts_gives_the_whole_model():
