@@ -242,7 +242,8 @@ def _split_qkv(fused: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tens
             "v_proj": grouped[:, per_group + 1].reshape(-1, *rest)}
 
 
-def _rotary_rows(value: torch.Tensor, block: int, rotary: int, reorder: typing.Callable) -> torch.Tensor:
+def _rotary_rows(value: torch.Tensor, block: int, rotary: int,
+                 reorder: typing.Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`value` in blocks of `block` rows (heads), the last `rotary` rows of each reordered by `reorder`."""
     blocks = value.reshape(-1, block, *value.shape[1:])
     rotated = torch.stack([reorder(b[block - rotary:]) for b in blocks])
