@@ -18,6 +18,10 @@ fi
 # FairScale (optional --sharding-backend fairscale): its last release works with this torch for OSS/ShardedDDP;
 # --no-deps keeps it from touching torch.
 .venv/bin/python -m pip install -q --no-build-isolation --no-deps "fairscale==0.4.13"
+# megatron-core (tests only: tests/distributed/test_megatron_core_checkpoints.py has it write the Megatron-Core
+# checkpoints rapidtrain reads): beside the environment, not in it (its `megatron` package would meet rapidtrain's
+# Megatron facades), and --no-deps so it never touches torch. Without it that test skips.
+.venv/bin/python -m pip install -q --no-deps --target .venv/megatron-core "megatron-core==0.16.1" >/dev/null 2>&1 || echo "setup: megatron-core not installed (its checkpoint test will skip)"
 # DeepSpeed JIT-compiles its CPU ops (cpu_adam for --cpu-offload, shm_comm for CPU collectives) on first use, which
 # would hold the first ZeRO run silent for a minute or two: build them now, once per machine.
 echo "setup: building DeepSpeed's CPU ops (cpu_adam, deepspeed_shm_comm) so the first run does not wait on them"

@@ -354,13 +354,15 @@ def verify_checkpoint(directory: str | Path) -> bool:
 # ---- torch.distributed.checkpoint, read safely ----
 
 # What a `.metadata` file holds in torch 2.x: the checkpoint library's dataclasses and enums, torch.Size, dtypes,
-# layouts and paths. Nothing else is imported while unpickling it.
+# layouts and paths (Megatron-Core's torch_dist also keeps its save plans there: SavePlan, WriteItem and
+# TensorWriteData, plain dataclasses of the same library). Nothing else is imported while unpickling it.
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType", "SavePlan", "WriteItem",
+                                             "TensorWriteData"},
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},

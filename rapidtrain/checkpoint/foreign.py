@@ -42,6 +42,23 @@ _SHAPE_ARGS: tuple[tuple[str, typing.Callable[[ModelConfig], Any], str], ...] = 
     ("untie_embeddings_and_output_weights", lambda c: not c.tie_embeddings, "--untie-embeddings-and-output-weights"),
     ("add_bias_linear", lambda c: c.add_bias_linear, "--disable-bias-linear"),
     ("qk_layernorm", lambda c: c.qk_layernorm, "--qk-layernorm"),
+    ("multi_latent_attention", lambda c: c.multi_latent_attention, "--multi-latent-attention"),
+)
+# Multi-head latent attention's sizes, compared where the checkpoint has it (Megatron saves its defaults otherwise).
+_MLA_ARGS: tuple[tuple[str, typing.Callable[[ModelConfig], Any], str], ...] = (
+    ("q_lora_rank", lambda c: c.q_lora_rank, "--q-lora-rank"),
+    ("kv_lora_rank", lambda c: c.kv_lora_rank, "--kv-lora-rank"),
+    ("qk_head_dim", lambda c: c.qk_head_dim, "--qk-head-dim"),
+    ("qk_pos_emb_head_dim", lambda c: c.qk_pos_emb_head_dim, "--qk-pos-emb-head-dim"),
+    ("v_head_dim", lambda c: c.v_head_dim, "--v-head-dim"),
+)
+# Mixture-of-experts sizes, compared where the checkpoint has experts.
+_MOE_ARGS: tuple[tuple[str, typing.Callable[[ModelConfig], Any], str], ...] = (
+    ("moe_ffn_hidden_size", lambda c: c.expert_ffn_size, "--moe-ffn-hidden-size"),
+    ("moe_shared_expert_intermediate_size", lambda c: c.moe_shared_expert_intermediate_size,
+     "--moe-shared-expert-intermediate-size"),
+    ("moe_shared_expert_gate", lambda c: c.moe_shared_expert_gate, "--moe-shared-expert-gate"),
+    ("moe_router_enable_expert_bias", lambda c: c.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
 )
 
 
@@ -51,6 +68,7 @@ _FUNCTION_ARGS: tuple[tuple[tuple[str, ...], typing.Callable[[ModelConfig], Any]
     (("rotary_base",), lambda c: c.rotary_base, "--rotary-base"),
     (("rotary_percent",), lambda c: c.rotary_percent, "--rotary-percent"),
     (("norm_epsilon", "layernorm_epsilon"), lambda c: c.layernorm_epsilon, "--norm-epsilon"),
+    (("moe_router_topk",), lambda c: c.moe_router_topk if any(c.num_experts) else None, "--moe-router-topk"),
 )
 
 
@@ -60,7 +78,7 @@ def function_differences(saved_args: dict[str, Any], config: ModelConfig) -> lis
     rope = config.position_embedding_type == "rope"
     for names, ours, flag in _FUNCTION_ARGS:
         saved = next((saved_args[n] for n in names if isinstance(saved_args.get(n), (int, float))), None)
-        if saved is None or (flag.startswith("--rotary") and not rope):
+        if saved is None or (flag.startswith("--rotary") and not rope) or ours(config) is None:
             continue
         if abs(float(saved) - float(ours(config))) > 1e-12 * max(1.0, abs(float(saved))):
             differing.append(f"{flag} (checkpoint {saved}, now {ours(config)})")
@@ -90,20 +108,59 @@ def read_foreign(checkpoint: ForeignCheckpoint) -> ForeignState:
     raise CheckpointError(f"--load {checkpoint.root}: a {checkpoint.describe()}, which this rapidtrain does not read")
 
 
+def saved_experts(saved_args: dict[str, Any]) -> tuple[int, ...] | None:
+    """Experts per layer of the saved run (Megatron-Core's --num-experts and --moe-layer-freq: every Nth layer from
+    the first, or a 0/1 list); None where its args do not say."""
+    layers, experts, freq = (saved_args.get(k) for k in ("num_layers", "num_experts", "moe_layer_freq"))
+    if not isinstance(layers, int) or "num_experts" not in saved_args:
+        return None
+    if not experts:
+        return (0,) * layers
+    if isinstance(freq, (list, tuple)) and len(freq) == layers:
+        return tuple(experts if bit else 0 for bit in freq)
+    every = freq if isinstance(freq, int) and freq > 0 else 1
+    return tuple(experts if i % every == 0 else 0 for i in range(layers))
+
+
+def _moe_differences(saved_args: dict[str, Any], config: ModelConfig) -> list[str]:
+    saved = saved_experts(saved_args)
+    if saved is None:
+        return []
+    ours = config.num_experts or (0,) * config.num_layers
+    if len(saved) == len(ours) and saved != tuple(ours):
+        def words(counts: tuple[int, ...]) -> str:
+            moe = [str(i) for i, count in enumerate(counts) if count]
+            return f"{max(counts)} experts in layers {', '.join(moe)}" if moe else "no experts"
+        return [f"--num-experts / --moe-layer-freq (checkpoint {words(saved)}, now {words(tuple(ours))})"]
+    if not any(saved):
+        return []
+    return [f"{flag} (checkpoint {saved_args[name]!r}, now {ours_value!r})" for name, value, flag in _MOE_ARGS
+            if name in saved_args and saved_args[name] != (ours_value := value(config))
+            and not (saved_args[name] in (None, False, 0) and ours_value in (None, False, 0))]
+
+
 def shape_differences(saved_args: dict[str, Any], config: ModelConfig) -> list[str]:
     """`--flag (checkpoint A, now B)` for each shape flag the saved args record with another value."""
     differing = []
+    latent = bool(saved_args.get("multi_latent_attention"))
     for name, ours, flag in _SHAPE_ARGS:
         saved = saved_args.get(name)
-        if saved is None or (name == "kv_channels" and saved == config.hidden_size // max(
-                config.num_attention_heads, 1) and config.kv_channels is None):
+        if saved is None or (name == "kv_channels" and (latent or saved == config.hidden_size // max(
+                config.num_attention_heads, 1) and config.kv_channels is None)):
             continue
         if saved != ours(config):
             differing.append(f"{flag} (checkpoint {saved!r}, now {ours(config)!r})")
+    if latent and config.multi_latent_attention:
+        differing += [f"{flag} (checkpoint {saved_args[name]!r}, now {value(config)!r})"
+                      for name, value, flag in _MLA_ARGS if name in saved_args and saved_args[name] != value(config)]
     grouped = saved_args.get("group_query_attention")
     groups = saved_args.get("num_query_groups") if grouped else saved_args.get("num_attention_heads")
-    if groups is not None and groups != config.query_groups:
+    if groups is not None and groups != config.query_groups and not latent:
         differing.append(f"--num-query-groups (checkpoint {groups}, now {config.query_groups})")
+    differing += _moe_differences(saved_args, config)
+    depths = saved_args.get("mtp_num_layers") or 0  # Megatron saves None without multi-token prediction
+    if "mtp_num_layers" in saved_args and depths != config.mtp_num_layers:
+        differing.append(f"--mtp-num-layers (checkpoint {depths}, now {config.mtp_num_layers})")
     if saved_args.get("position_embedding_type", "learned_absolute") == "learned_absolute" and saved_args.get(
             "max_position_embeddings") not in (None, config.max_position_embeddings):
         differing.append(f"--max-position-embeddings (checkpoint {saved_args['max_position_embeddings']}, now "
@@ -114,9 +171,9 @@ def shape_differences(saved_args: dict[str, Any], config: ModelConfig) -> list[s
 def whole_model(state: ForeignState, config: ModelConfig) -> dict[str, torch.Tensor]:
     """The saved model in the built-in GPT's names and this run's padded vocabulary; refused when its shape is not
     the flags' (naming each flag)."""
-    if config.model_type != "gpt" or any(config.num_experts):
-        raise CheckpointError(f"--load {state.source}: checkpoints of other tools load into the built-in GPT/Llama "
-                              "model without experts only (no --model-type bert, no --num-experts) for now")
+    if config.model_type != "gpt":
+        raise CheckpointError(f"--load {state.source}: checkpoints of other tools load into the built-in GPT model "
+                              "only (not --model-type bert: Megatron's BERT heads are not mapped)")
     differing = shape_differences(state.saved_args, config)
     if differing:
         raise CheckpointError(f"--load {state.source}: the checkpoint holds another model than the flags describe: "

@@ -25,7 +25,7 @@ from rapidtrain.checkpoint.foreign_pickle import load_foreign_pickle, plain_args
 from rapidtrain.checkpoint.megatron_layout import Shard, core_name
 from rapidtrain.checkpoint.megatron_legacy import ForeignState, _count
 
-_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 _STACKED = "decoder.layers."
 
 

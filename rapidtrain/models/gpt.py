@@ -83,11 +83,11 @@ class GPTModel(nn.Module):
             self.layers, hidden, self.config, position_ids, attention_mask, causal=True, cache=kv_cache,
             document_ids=document_ids,
         )
-        mtp_loss = None
-        if self.mtp is not None and labels is not None and self.training and torch.is_grad_enabled():
-            mtp_loss = self.mtp(hidden, labels, self._embed_ahead, self._head_loss, position_ids, attention_mask)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
+        mtp_loss = None  # MTP's depths start from the normed hidden states, as Megatron-Core's (and vLLM's) do
+        if self.mtp is not None and labels is not None and self.training and torch.is_grad_enabled():
+            mtp_loss = self.mtp(hidden, labels, self._embed_ahead, self._head_loss, position_ids, attention_mask)
         if self.output is None:
             return hidden
         if labels is not None:

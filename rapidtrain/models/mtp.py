@@ -1,8 +1,9 @@
 """Multi-token prediction (DeepSeek-V3; Megatron-Core's --mtp-num-layers): D extra prediction depths after the
 model's layers, each predicting one token further ahead, sharing the model's embedding and output head.
 
-Depth k (1-based) takes the previous depth's hidden states h_{k-1} (h_0: the model's last layer, before its final
-norm) and the embeddings of the tokens k positions ahead, and runs
+Depth k (1-based) takes the previous depth's hidden states h_{k-1} (h_0: the model's last layer after its final
+norm, as Megatron-Core 0.16 moves that norm before the MTP block; checked against its MTP loss in
+tests/distributed/test_megatron_core_checkpoints.py) and the embeddings of the tokens k positions ahead, and runs
     h_k = layer_k(eh_proj([enorm(embedding(t_{i+k})); hnorm(h_{k-1})]))      (Megatron's order: embedding first)
 then predicts t_{i+k+1} through its own final norm and the shared head. The tokens k ahead are the labels shifted by
 k - 1 (labels are the inputs shifted by one), so a depth needs no input ids: the last pipeline stage could hold it.
@@ -59,7 +60,7 @@ class MultiTokenPrediction(nn.Module):
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
              head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], position_ids: torch.Tensor | None,
              attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The scaled MTP loss (a scalar) of one micro-batch: `hidden` [b, s, h] the model's last layer's output,
+        """The scaled MTP loss (a scalar) of one micro-batch: `hidden` [b, s, h] the model's final-normed output,
         `embed` ids → embeddings, `head_loss` (hidden, targets) → per-token loss [b, s] (targets < 0 give 0)."""
         per_depth = []
         tokens = labels

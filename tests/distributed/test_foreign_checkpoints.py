@@ -33,6 +33,14 @@ TOLERANCE = 1e-5  # fp32, relative: a layout's reductions in another order
 GPT = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32").split()
 LLAMA = GPT + ("--normalization RMSNorm --swiglu --group-query-attention --num-query-groups 2 --disable-bias-linear "
                "--position-embedding-type rope --untie-embeddings-and-output-weights").split()
+# DeepSeek-V3's kind of model: MLA with a query LoRA, a dense first layer, then routed experts (sigmoid router with
+# expert bias, top 2) beside shared experts
+MOE_MLA = LLAMA[:LLAMA.index("--group-query-attention")] + (
+    "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights "
+    "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+    "--v-head-dim 16 --qk-layernorm --num-experts 4 --moe-layer-freq [0,1] --moe-ffn-hidden-size 32 "
+    "--moe-router-topk 2 --moe-shared-expert-intermediate-size 64 --moe-router-score-function sigmoid "
+    "--moe-router-enable-expert-bias").split()
 TRAINING = ("--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --eval-iters 0 --micro-batch-size 2 "
             "--global-batch-size 4 --lr 1e-3 --lr-warmup-iters 1 --lr-decay-iters 10 --log-interval 1").split()
 WRITER = Path(__file__).with_name("write_deepspeed_checkpoint.py")
@@ -105,11 +113,21 @@ def write_deepspeed(source: Source, scratch: Path, adam: dict | None, **folders:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def write_megatron_moe(source: Source, folder: Path, *, tensor: int, pipeline: int, expert: int, experts: str) -> None:
+    """Megatron-Core's legacy layout of the MoE + MLA model, experts divided over `expert` ranks (`mp_rank_TT[_PPP]
+    _EEE`) and spelled as the `experts` implementation saves them."""
+    write_megatron_legacy(folder, source.state, source.config, tensor_parallel=tensor, pipeline_parallel=pipeline,
+                          iteration=source.common["iteration"], consumed_samples=source.common["consumed_samples"],
+                          vocab_rows=source.config.vocab_size, scheduler=source.common["lr_scheduler"],
+                          expert_parallel=expert, experts=experts, extra_args={"make_vocab_size_divisible_by": 512})
+
+
 @dataclass
 class Runs:
     out: Path
     llama: Source
     gpt: Source
+    moe: Source
     launch_output: str
 
     def losses(self, name: str) -> dict[int, float]:
@@ -128,7 +146,11 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     out = tmp_path_factory.mktemp("foreign_checkpoints")
     llama_flags, gpt_flags = LLAMA + TRAINING + data_flags(demo_data), GPT + TRAINING + data_flags(demo_data)
     llama, gpt = source_run(out, "llama", llama_flags), source_run(out, "gpt", gpt_flags, iterations=4)
+    moe_flags = MOE_MLA + TRAINING + data_flags(demo_data)
+    moe = source_run(out, "moe", moe_flags)
     write_megatron(llama, out / "megatron")
+    write_megatron_moe(moe, out / "megatron_moe", tensor=2, pipeline=1, expert=2, experts="sequential")
+    write_megatron_moe(moe, out / "megatron_moe_pp", tensor=1, pipeline=2, expert=2, experts="legacy_grouped")
     write_deepspeed(gpt, out / "deepspeed_source.pt", adam_state(out / "gpt", out / "gpt_iteration2.pt"),
                     plain=out / "deepspeed", pipeline=out / "deepspeed_pipe", zero3=out / "deepspeed_zero3")
     write_torch_dist(out / "torch_dist", llama.state, llama.config, llama.common["iteration"],
@@ -149,14 +171,17 @@ def runs(tmp_path_factory, demo_data) -> Runs:
         load(llama_flags, "megatron", "megatron_lr0", *tp2, "--lr", "0", "--min-lr", "0",
              "--override-opt_param-scheduler", "--save", str(out / "megatron_lr0")),
         load(llama_flags, "megatron", "megatron_finetune", *tp2, "--finetune", "--save", str(out / "finetune")),
+        load(moe_flags, "megatron_moe", "megatron_moe_ep2", "--expert-model-parallel-size", "2"),
+        load(moe_flags, "megatron_moe_pp", "megatron_moe_pp_dp2"),
     ]
     (out / "runs.json").write_text(json.dumps(two_ranks))
     result = torchrun(2, RUNS, [str(out / "runs.json")], timeout=900, warm=True)
     train_here(load(llama_flags, "megatron", "megatron_tp1"))
+    train_here(load(moe_flags, "megatron_moe", "megatron_moe_tp1"))
     train_here(load(llama_flags, "torch_dist", "torch_dist_tp1"))
     train_here(load(gpt_flags, "deepspeed", "deepspeed_tp1", "--train-iters", "4"))
     train_here(load(gpt_flags, "deepspeed_pipe", "deepspeed_pipe_tp1", "--train-iters", "4"))
-    return Runs(out, llama, gpt, result.stdout)
+    return Runs(out, llama, gpt, moe, result.stdout)
 
 
 @pytest.mark.slow
@@ -167,6 +192,17 @@ def test_megatron_checkpoint_continues_as_its_source_in_any_layout(runs, name):
     assert sorted(runs.losses(name)) == [3]
     assert relative_difference(runs.losses(name), runs.third(runs.losses("llama"))) < TOLERANCE
     assert relative_difference(runs.norms(name), runs.third(runs.norms("llama"))) < TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["megatron_moe_tp1", "megatron_moe_ep2", "megatron_moe_pp_dp2"])
+def test_megatron_core_moe_mla_checkpoint_continues_as_its_source(runs, name):
+    """A DeepSeek-V3-like model (MLA, a dense first layer, routed experts with expert bias, shared experts) saved in
+    Megatron-Core's layout at TP 2 × EP 2 (SequentialMLP's names) and at PP 2 × EP 2 (the legacy GroupedMLP's),
+    loaded at TP 1, EP 2 and DP 2: iteration 3's loss and gradient norm are the source run's."""
+    assert sorted(runs.losses(name)) == [3]
+    assert relative_difference(runs.losses(name), runs.third(runs.losses("moe"))) < TOLERANCE
+    assert relative_difference(runs.norms(name), runs.third(runs.norms("moe"))) < TOLERANCE
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from rapidtrain.checkpoint.megatron_layout import (
     legacy_nested,
     merge_stages,
     split_for_megatron,
+    stack_experts,
 )
 from rapidtrain.checkpoint.megatron_legacy import read_megatron_legacy, write_megatron_legacy
 from rapidtrain.models import build_model
@@ -269,7 +270,8 @@ def write_torch_dist(root, state: dict[str, torch.Tensor], config: ModelConfig, 
 
     import torch.distributed.checkpoint as dcp
 
-    shard = split_for_megatron(state, config, 1, 1, config.vocab_size)[0][0]
+    shard = {name.replace(".mlp.experts.", ".mlp.experts.experts."): value  # the routed experts' torch_dist key
+             for name, value in split_for_megatron(state, config, 1, 1, config.vocab_size)[0][0].items()}
     tensors: dict[str, torch.Tensor] = {}
     for name, value in shard.items():
         if stacked and name.startswith("decoder.layers."):
@@ -361,3 +363,166 @@ def test_flags_that_change_the_function_but_not_the_shape_are_named():
     assert function_differences(saved, llama) == ["--rotary-base (checkpoint 500000, now 10000)",
                                                   "--norm-epsilon (checkpoint 1e-06, now 1e-05)"]
     assert function_differences({"rotary_base": 500000, "layernorm_epsilon": 1e-5}, ModelConfig(**GPT)) == []
+
+
+# Today's models: DeepSeek-V3-like (MLA with a query LoRA, a dense first layer, sigmoid router with expert bias, shared
+# experts) and DeepSeek-V2-Lite / Qwen-MoE-like (queries projected directly, every layer MoE, gated shared experts).
+MOE_MLA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=256,
+               max_position_embeddings=32, seq_length=32, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+               position_embedding_type="rope", tie_embeddings=False, multi_latent_attention=True, kv_lora_rank=16,
+               qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, qk_layernorm=True, moe_ffn_hidden_size=24,
+               moe_router_topk=2)
+DEEPSEEK_V3 = dict(MOE_MLA, q_lora_rank=16, num_experts=(0, 4), moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=48)
+QWEN_MOE = dict(MOE_MLA, q_lora_rank=None, num_experts=(4, 4), moe_shared_expert_intermediate_size=32,
+                moe_shared_expert_gate=True)
+
+
+def moe_state(shape: dict) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    config, state = model_state(shape)
+    for name in [n for n in state if n.endswith("expert_bias")]:
+        state[name] = torch.randn(state[name].shape)  # zeros as built: would hide a mix-up
+    return config, state
+
+
+@pytest.mark.parametrize(("shape", "layout", "experts"), [
+    (DEEPSEEK_V3, (2, 1, 2), "sequential"), (QWEN_MOE, (2, 1, 2), "te_grouped"),
+    (DEEPSEEK_V3, (2, 2, 2), "legacy_grouped"), (QWEN_MOE, (1, 2, 1), "sequential"),
+], ids=["v3-tp2ep2-sequential", "qwen-tp2ep2-te_grouped", "v3-tp2pp2ep2-legacy_grouped", "qwen-pp2-sequential"])
+def test_megatron_core_moe_mla_folder_of_any_layout_gives_the_whole_model(tmp_path, shape, layout, experts):
+    """Routed experts in each implementation's names, divided over expert-parallel rank folders (`mp_rank_TT_EEE`
+    read by the saved args as expert ranks, `mp_rank_TT_PPP_EEE`), shared experts, router and expert bias, MLA's
+    projections and latent norms: merged at TP 1, every built-in weight equal."""
+    config, state = moe_state(shape)
+    tensor, pipeline, expert = layout
+    write_megatron_legacy(tmp_path, state, config, tensor_parallel=tensor, pipeline_parallel=pipeline, iteration=5,
+                          consumed_samples=20, vocab_rows=256, expert_parallel=expert, experts=experts)
+    names = sorted(p.name for p in (tmp_path / "iter_0000005").iterdir())
+    assert len(names) == tensor * pipeline * expert and (expert == 1 or names[1].endswith("_001"))
+    saved = read_megatron_legacy(detect_foreign(tmp_path))
+    assert [len(stage) for stage in saved.stages] == [tensor] * pipeline
+    assert_same(whole_model(saved, config), state)
+
+
+@pytest.mark.parametrize("shape", [DEEPSEEK_V3, QWEN_MOE], ids=["layer_keys", "stacked_layers"])
+def test_megatron_torch_dist_moe_mla_folder_gives_the_whole_model(tmp_path, shape):
+    """torch_dist: `mlp.experts.experts.linear_fc1.weight` [experts, 2f, h] per layer, or stacked [layers, experts,
+    ...] where every layer is alike (Megatron-Core writes per-layer keys when --moe-layer-freq mixes dense layers)."""
+    from rapidtrain.checkpoint.megatron_dist import read_megatron_dist
+
+    config, state = moe_state(shape)
+    write_torch_dist(tmp_path, state, config, iteration=2, consumed=8, stacked=not config.num_experts[0] == 0)
+    assert_same(whole_model(read_megatron_dist(detect_foreign(tmp_path)), config), state)
+
+
+def test_legacy_grouped_mlp_weights_are_read_as_megatrons_view_not_a_transpose():
+    """Megatron's GroupedMLP reads weight1 [h, E·2f] as .view(E, h, 2f) (each expert's input-major [h, 2f]: its gate
+    columns, then its up columns) and weight2 [E·f, h] as .view(E, f, h): built by hand here, the experts come out."""
+    config = ModelConfig(**dict(QWEN_MOE, num_layers=1, num_experts=(2,), moe_shared_expert_intermediate_size=None,
+                                moe_shared_expert_gate=False))
+    hidden, ffn = 32, 24
+    gate, up, down = torch.rand(2, hidden, ffn), torch.rand(2, hidden, ffn), torch.rand(2, ffn, hidden)
+    weight1 = torch.cat([gate, up], dim=2).reshape(hidden, 2 * 2 * ffn)  # the memory Megatron views
+    weight2 = down.reshape(2 * ffn, hidden)
+    shard = stack_experts({"decoder.layers.0.mlp.experts.weight1": weight1,
+                           "decoder.layers.0.mlp.experts.weight2": weight2}, 2, "test")
+    whole = merge_stages([[shard]], config, "test")
+    assert torch.equal(whole["layers.0.mlp.experts.w_gate"], gate)
+    assert torch.equal(whole["layers.0.mlp.experts.w1"], up)
+    assert torch.equal(whole["layers.0.mlp.experts.w2"], down)
+
+
+def test_mla_rotary_rows_go_from_megatrons_pairs_to_the_built_in_halves():
+    """Megatron's MLA rotates the rotary dimensions as DeepSeek does, (x0, x1), (x2, x3) in pairs; the built-in rope
+    rotates halves (x0, x2 | x1, x3): the rotary key's rows of kv_down (after the latent) are reordered so, and each
+    query head's rotary rows likewise; the latent and unrotated rows stay."""
+    config = ModelConfig(**dict(QWEN_MOE, num_layers=1, num_experts=(), num_attention_heads=2))
+    kv_down = torch.arange(20.0).unsqueeze(1).expand(20, 32)  # 16 latent rows, then rotary rows 16, 17, 18, 19
+    query = torch.arange(24.0).unsqueeze(1).expand(24, 32)  # per head: 8 unrotated rows, then 4 rotary
+    whole = merge_stages([[{"decoder.layers.0.self_attention.linear_kv_down_proj.weight": kv_down,
+                            "decoder.layers.0.self_attention.linear_q_proj.weight": query}]], config, "test")
+    assert whole["layers.0.attention.kv_down_proj.weight"][:, 0].tolist() == [*range(16), 16, 18, 17, 19]
+    assert whole["layers.0.attention.q_proj.weight"][:, 0].tolist() == [*range(8), 8, 10, 9, 11,
+                                                                          *range(12, 20), 20, 22, 21, 23]
+
+
+def test_moe_and_mla_flags_that_differ_from_the_checkpoints_are_named(tmp_path):
+    config, state = moe_state(DEEPSEEK_V3)
+    write_megatron_legacy(tmp_path, state, config, tensor_parallel=2, pipeline_parallel=1, iteration=3,
+                          consumed_samples=12, vocab_rows=256, expert_parallel=2)
+    saved = read_megatron_legacy(detect_foreign(tmp_path))
+    other = ModelConfig(**dict(DEEPSEEK_V3, num_experts=(4, 4), moe_ffn_hidden_size=16, q_lora_rank=8))
+    with pytest.raises(CheckpointError) as refused:
+        whole_model(saved, other)
+    message = str(refused.value)
+    assert "--q-lora-rank (checkpoint 16, now 8)" in message
+    assert ("--num-experts / --moe-layer-freq (checkpoint 4 experts in layers 1, now 4 experts in layers 0, 1)"
+            in message)
+    other = ModelConfig(**dict(DEEPSEEK_V3, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=None,
+                               multi_latent_attention=False))
+    with pytest.raises(CheckpointError) as refused:
+        whole_model(saved, other)
+    message = str(refused.value)
+    assert "--moe-ffn-hidden-size (checkpoint 24, now 16)" in message
+    assert "--moe-shared-expert-intermediate-size (checkpoint 48, now None)" in message
+    assert "--multi-latent-attention (checkpoint True, now False)" in message
+
+
+def test_what_stays_unread_is_refused_by_name(tmp_path):
+    """Legacy folders whose experts were cut by another expert tensor parallel size than TP, and torch_dist's
+    per-expert layout: refused, each naming what and how to get round it."""
+    config, state = moe_state(DEEPSEEK_V3)
+    write_megatron_legacy(tmp_path, state, config, tensor_parallel=2, pipeline_parallel=1, iteration=3,
+                          consumed_samples=12, vocab_rows=256, expert_parallel=2,
+                          extra_args={"expert_tensor_parallel_size": 1})
+    with pytest.raises(CheckpointError, match="--expert-tensor-parallel-size 1 and --tensor-model-parallel-size 2.*"
+                                              "torch_dist"):
+        read_megatron_legacy(detect_foreign(tmp_path))
+    shard = split_for_megatron(state, config, 1, 1, 256)[0][0]
+    shard["decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_w"] = torch.ones(24, 32)
+    with pytest.raises(CheckpointError, match=r"experts\.3\.linear_fc1\.weight_w.*singleton_local_shards"):
+        merge_stages([[shard]], config, "test")
+
+
+@pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
+def test_multi_token_prediction_layers_are_read(tmp_path, kind):
+    """DeepSeek-V3's multi-token prediction (`mtp.layers.K.enorm / hnorm / eh_proj / transformer_layer.* /
+    final_layernorm`, on the last pipeline stage, its transformer layer an MoE layer like the decoder's last):
+    saved at PP 2 × EP 2 × TP 2 (eh_proj cut by rows) or in torch_dist, read into the built-in's mtp.depths.K; a run
+    without --mtp-num-layers is refused naming it."""
+    from rapidtrain.checkpoint.megatron_dist import read_megatron_dist
+
+    config, state = moe_state(dict(DEEPSEEK_V3, mtp_num_layers=1))
+    assert any(name.startswith("mtp.depths.0.layer.mlp.experts.") for name in state)
+    if kind == "legacy":
+        write_megatron_legacy(tmp_path, state, config, tensor_parallel=2, pipeline_parallel=2, iteration=5,
+                              consumed_samples=20, vocab_rows=256, expert_parallel=2)
+        saved = read_megatron_legacy(detect_foreign(tmp_path))
+    else:
+        write_torch_dist(tmp_path, state, config, iteration=2, consumed=8, stacked=False)
+        saved = read_megatron_dist(detect_foreign(tmp_path))
+    assert_same(whole_model(saved, config), state)
+    if kind == "legacy":
+        with pytest.raises(CheckpointError, match=r"--mtp-num-layers \(checkpoint 1, now 0\)"):
+            whole_model(saved, ModelConfig(**DEEPSEEK_V3))
+
+
+def test_transformer_engine_spelling_of_mla_and_grouped_experts_gives_the_whole_model():
+    """Transformer Engine's layer spec: the latents' norms fused into the up projections (`linear_q_up_proj.
+    layer_norm_weight`), the down projections duplicated on every tensor rank (TELinear) instead of cut by rows, and
+    TEGroupedMLP's single grouped expert weight (`linear_fc1.weight`, flat by expert): the same weights."""
+    config, state = moe_state(DEEPSEEK_V3)
+    whole_down = split_for_megatron(state, config, 1, 1, 256)[0][0]
+    shards = split_for_megatron(state, config, 2, 1, 256)[0]
+    for shard in shards:
+        for name in list(shard):
+            if "down_proj" in name:
+                shard[name] = whole_down[name].clone()
+            elif name.endswith("q_layernorm.weight") or name.endswith("kv_layernorm.weight"):
+                projection = "linear_q_up_proj" if "q_layernorm" in name else "linear_kv_up_proj"
+                shard[name.replace(name.split(".")[-2], projection).replace(".weight", ".layer_norm_weight")] = (
+                    shard.pop(name))
+            elif ".mlp.experts.linear_fc" in name:
+                shard[name] = shard[name].flatten(0, 1)
+    read = [[stack_experts(core_names(shard), 4, "test") for shard in shards]]
+    assert_same(merge_stages(read, config, "test"), state)
