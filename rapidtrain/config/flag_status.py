@@ -37,7 +37,8 @@ RENAMED: dict[str, tuple[str, str]] = {
     "--moe-input-jitter-eps": ("moe_jitter_eps", "Megatron-Core's name of --moe-jitter-eps"),
     "--topk": ("moe_router_topk", "Megatron-DeepSpeed's name of --moe-router-topk"),
     "--moe-topk": ("moe_router_topk", "a fork's name of --moe-router-topk"),
-    "--expert-interval": ("moe_layer_freq", "Megatron-DeepSpeed's name of --moe-layer-freq (every Nth layer is MoE)"),
+    "--expert-interval": ("moe_layer_freq", "Megatron-DeepSpeed's every Nth layer MoE, counted from layer 1 (0-based "
+                          "N-1, 2N-1, ...; Megatron-Core's --moe-layer-freq N counts from layer 0)"),
     "--add-bias-linear": ("add_bias_linear", "biases in the linear layers (rapidtrain's default)"),
     "--zero-contigious-gradients": ("zero_contiguous_gradients", "Megatron-DeepSpeed's spelling of "
                                     "--zero-contiguous-gradients"),

@@ -131,12 +131,14 @@ def rope_type_of(args: argparse.Namespace) -> str:
 
 
 def expand_num_experts(num_experts: list[int] | None, num_layers: int, moe_layer_freq: int = 1) -> tuple[int, ...]:
-    """Per-layer expert counts: one number applies to every `moe_layer_freq`-th layer, a list to each layer."""
+    """Per-layer expert counts: one number applies to every `moe_layer_freq`-th layer from the first (Megatron-Core's
+    --moe-layer-freq N: layers 0, N, 2N, ...; Megatron-DeepSpeed's --expert-interval, which counts from layer N-1,
+    becomes a per-layer list first: surface_meanings.py), a list to each layer."""
     if not num_experts:
         return ()
     if len(num_experts) == 1:
         freq = max(moe_layer_freq, 1)
-        return tuple(num_experts[0] if i % freq == freq - 1 else 0 for i in range(num_layers))
+        return tuple(num_experts[0] if i % freq == 0 else 0 for i in range(num_layers))
     if len(num_experts) == num_layers or num_layers % len(num_experts):
         return tuple(num_experts)
     # Fewer counts than layers (DeepSpeed's and Rapidformer's pyramid, e.g. 12 counts for 24 layers): one per MoE

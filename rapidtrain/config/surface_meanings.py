@@ -213,11 +213,21 @@ def _one_value(args: Args, action: argparse.Action, notes: list[str], refusals: 
 
 
 def _moe_layer_pattern(args: Args, notes: list[str], refusals: list[str]) -> None:
-    """A per-layer 0/1 --moe-layer-freq becomes rapidtrain's per-layer --num-experts list (0 = dense)."""
+    """A per-layer 0/1 --moe-layer-freq becomes rapidtrain's per-layer --num-experts list (0 = dense), and so does
+    Megatron-DeepSpeed's --expert-interval N, which means otherwise than Megatron-Core's --moe-layer-freq N: its
+    layers are numbered from 1 and those divisible by N are MoE (0-based N-1, 2N-1, ...), where Megatron-Core's
+    are 0, N, 2N, ... (a checkpoint or script of either origin keeps its own layers)."""
     pattern = args.moe_layer_freq
+    interval = dict(megatron_flags_given(args)).get("--expert-interval")
+    experts = args.num_experts or []
+    if isinstance(interval, int) and interval > 1 and len(experts) == 1 and not isinstance(pattern, list):
+        args.num_experts = [experts[0] if (i + 1) % interval == 0 else 0 for i in range(args.num_layers)]
+        args.moe_layer_freq = 1
+        notes.append(f"--expert-interval {interval} (Megatron-DeepSpeed: layers {interval}, {2 * interval}, ... "
+                     f"counted from 1): --num-experts {' '.join(map(str, args.num_experts))} (0 = dense layer)")
+        return
     if not isinstance(pattern, list):
         return
-    experts = args.num_experts or []
     if len(experts) != 1 or len(pattern) != args.num_layers:
         refusals.append(f"--moe-layer-freq with a {len(pattern)}-layer pattern needs one --num-experts value and "
                         f"--num-layers {len(pattern)}")

@@ -83,7 +83,7 @@ def test_plan_splits_expert_parameters_over_expert_parallel_ranks():
     one = plan.from_args(arguments.parse_args(argv), RunContext(4, "cpu"))
     four = plan.from_args(arguments.parse_args(argv + ["--expert-model-parallel-size", "4"]), RunContext(4, "cpu"))
     experts = expert_parameter_count(one.model)
-    assert experts == 2 * 8 * (2 * 64 * 256 + 256 + 64)  # layers 1 and 3, 8 experts each
+    assert experts == 2 * 8 * (2 * 64 * 256 + 256 + 64)  # layers 0 and 2 (Megatron-Core's), 8 experts each
     assert one.memory.parameters == one.memory.total_params == count_parameters(one.model)[0]
     assert four.memory.parameters == one.memory.parameters - experts + experts // 4
     assert "expert parallel 4" in describe_plan(four)
@@ -174,3 +174,19 @@ def test_expert_parallelism_with_pipeline_is_accepted_and_zero3_cpu_offload_fair
     assert "ep-with-zero3-or-fairscale" in refused(["--oss-memory-optimization", "--sharding-backend", "fairscale"])
     # ZeRO-2 with EP is FSDP2, where --cpu-offload (DeepSpeedCPUAdam) would silently do nothing.
     assert "cpu-offload-needs-zero" in refused(["--zero-2-memory-optimization", "--cpu-offload"])
+
+
+@pytest.mark.parametrize(("flags", "layers"), [
+    (["--moe-layer-freq", "2"], (0, 2, 4)),  # Megatron-Core: every 2nd layer from layer 0
+    (["--moe-layer-freq", "3"], (0, 3)),
+    (["--expert-interval", "2"], (1, 3, 5)),  # Megatron-DeepSpeed: layers 2, 4, 6 counted from 1
+    (["--expert-interval", "3"], (2, 5)),
+    ([], (0, 1, 2, 3, 4, 5)),
+])
+def test_moe_layers_are_where_the_flags_origin_puts_them(flags, layers):
+    """--moe-layer-freq N is Megatron-Core's (layers 0, N, 2N, ...; its checkpoints' MoE layers are there) and
+    --expert-interval N Megatron-DeepSpeed's (layer numbers from 1 divisible by N): one spelling must not take the
+    other's meaning."""
+    argv = "--train-iters 10 --lr 1e-4 --num-layers 6 --hidden-size 64 --num-attention-heads 4 --num-experts 4"
+    resolved = plan.from_args(arguments.parse_args(argv.split() + flags), RunContext(1, "cpu"))
+    assert tuple(i for i, count in enumerate(resolved.model.num_experts) if count) == layers
