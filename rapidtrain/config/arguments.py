@@ -665,8 +665,8 @@ def _add_moe(parser: argparse.ArgumentParser) -> None:
                    help="Experts per MoE layer: one number (layers chosen by --moe-layer-freq) or one per "
                         "layer (0 = dense).")
     g.add_argument("--moe-layer-freq", type=moe_layer_pattern, default=1,
-                   help="With one --num-experts value: every Nth layer is MoE, or Megatron-Core's per-layer 0/1 "
-                        "pattern ('([0]*3+[1]*5)').")
+                   help="With one --num-experts value: every Nth layer from layer 0 is MoE (Megatron-Core's: 0, N, "
+                        "2N, ...), or Megatron-Core's per-layer 0/1 pattern ('([0]*3+[1]*5)').")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Shard experts over this many data-parallel ranks; tokens move by all-to-all.")
     g.add_argument("--moe-router-topk", type=int, default=1, help="Experts per token (1 to --num-experts).")
