@@ -602,6 +602,10 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                         "Default 1.")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand for --recompute-granularity selective.")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="Recompute each MoE layer (router, dispatch, experts, combine) in backward: only its input is "
+                        "kept (Megatron-Core's; with --recompute-granularity selective or none beside it; a layer "
+                        "recomputed whole already recomputes its MoE layer).")
     g.add_argument("--activations-checkpoint-method", choices=("uniform", "block"), default=None,
                    help="Megatron's 2021-22 name of --recompute-method; implies --recompute-granularity full.")
     g.add_argument("--activations-checkpoint-num-layers", "--checkpoint-num-layers", dest="recompute_num_layers",

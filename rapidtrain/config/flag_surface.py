@@ -159,11 +159,20 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     "position_embedding_type": {"rotary": "rope", "absolute": "learned_absolute"},
     "tokenizer_type": {"PretrainedFromHF": "HuggingFaceTokenizer", "HFTokenizer": "HuggingFaceTokenizer",
                        "Llama3Tokenizer": "HuggingFaceTokenizer", "MistralTokenizer": "HuggingFaceTokenizer"},
-    "optimizer": {"hybridadam": "adamw"},
+}
+# Another origin's value of a rapidtrain flag that rapidtrain does not serve, and why (the refusal names it).
+_PAI_OFFLOADING_ADAM = ("Pai-Megatron-Patch's fork's Adam that keeps (a --optimizer-offload-fraction of) the optimizer "
+                        "state on the CPU and steps it there; rapidtrain's optimizer offload is --cpu-offload "
+                        "(DeepSpeed's CPU Adam under a --zero-* switch, the whole state, no tensor/pipeline/expert "
+                        "parallelism): give --optimizer adam --cpu-offload --zero-1-memory-optimization, or "
+                        "--optimizer adam to keep the state on the GPU")
+VALUE_REFUSALS: dict[str, dict[str, str]] = {
+    "optimizer": {"hybridadam": _PAI_OFFLOADING_ADAM, "cpu-adam": _PAI_OFFLOADING_ADAM},
 }
 # Values a launch script passes that no extracted parser lists (EasyNLP's Rapidformer example): accepted by the
 # parser, then refused by name like any value rapidtrain lacks.
-EXTRA_VALUES: dict[str, list[str]] = {"--tokenizer-type": ["ChineseBPETokenizer"]}
+EXTRA_VALUES: dict[str, list[str]] = {"--tokenizer-type": ["ChineseBPETokenizer"],
+                                      "--optimizer": ["hybridadam", "cpu-adam"]}  # Pai's launch scripts
 WIDENED = "megatron_widened"  # parser attribute: dest → rapidtrain's own choices
 
 

@@ -247,6 +247,13 @@ def _latent_and_yarn_without_effect(args: Args, given: set[str]) -> list[str]:
     sizes = [f"--{d.replace('_', '-')}" for d in MLA_FLAGS[1:] if d in given]
     if sizes and not args.multi_latent_attention:
         notes.append(f"{', '.join(sizes)}: no effect without --multi-latent-attention")
+    if args.multi_latent_attention and args.use_rope_scaling:
+        # Megatron-Core builds Llama 3.1's scaled rope only for standard attention; MLA rotates its own rope part
+        # (YaRN's with --rope-type yarn), so DeepSeek's scripts that pass both train without it.
+        notes.append("--use-rope-scaling: no effect with --multi-latent-attention (Llama 3.1's rope scaling is "
+                     "standard attention's; MLA's rope part is " + ("YaRN's" if rope_type_of(args) == "yarn"
+                                                                   else "unscaled") + ", as in Megatron-Core)")
+        args.use_rope_scaling = False
     yarn = [f"--{d.replace('_', '-')}" for d in YARN_FLAGS[1:] if d in given]
     if yarn and rope_type_of(args) != "yarn":
         notes.append(f"{', '.join(yarn)}: no effect without YaRN (--rope-type yarn"

@@ -138,6 +138,23 @@ def apply_recompute(model: nn.Module, blocks: list[nn.Module], settings: Recompu
     return len(chosen)
 
 
+def apply_moe_recompute(model: nn.Module) -> int:
+    """--moe-layer-recompute: every MoE layer of `model` (in place) under torch's checkpoint_wrapper, so backward
+    recomputes routing, dispatch (its all-to-all under expert parallelism), experts and combine from the layer's
+    input; the routing statistics are not counted twice (models/moe.py skips them while recomputing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from rapidtrain.models.moe import MoELayer
+
+    wrapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, MoELayer):
+                setattr(parent, name, checkpoint_wrapper(child))
+                wrapped += 1
+    return wrapped
+
+
 # ---- measuring ----
 
 @contextmanager
