@@ -315,6 +315,9 @@ def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> lis
     if "rope_scaling_factor" in given and not args.use_rope_scaling:
         notes.append(f"--rope-scaling-factor {args.rope_scaling_factor:g}: no effect without --use-rope-scaling (as "
                      "in Megatron)")
+    if args.cpu_offloading and args.cpu_offloading_num_layers == 0:
+        notes.append("--cpu-offloading with --cpu-offloading-num-layers 0: no layer's activations go to host memory "
+                     "(as in Megatron-Core); give the number of layers")
     notes += _latent_and_yarn_without_effect(args, given)
     notes += _router_and_mtp_without_effect(args, given)
     moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")

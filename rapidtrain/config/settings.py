@@ -327,6 +327,8 @@ class RecomputeSettings:
     num_layers: int = 1
     # --moe-layer-recompute: each MoE layer under torch.utils.checkpoint, in the layers not recomputed whole
     moe_layers: bool = False
+    # --cpu-offloading: the saved activations of the first this many layers of each stage kept in host memory
+    offload_layers: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -347,6 +349,11 @@ class RecomputeSettings:
         which = (f"the first {self.num_layers} layer(s) of each pipeline stage" if self.method == "block"
                  else "every layer")
         text = f"{what}, in {which}" if self.enabled else ""
+        if self.offload_layers:
+            offload = (f"activations of the first {self.offload_layers} layer(s) of each pipeline stage kept in "
+                       "host memory (torch.autograd.graph.save_on_cpu: copied out in forward, back in backward; "
+                       "--cpu-offloading)")
+            text = f"{text}; {offload}" if text else offload
         if self.moe_layers_recomputed:
             moe = ("each MoE layer whole (torch.utils.checkpoint: router, dispatch, experts and combine recomputed; "
                    "--moe-layer-recompute)")

@@ -142,6 +142,8 @@ def sweep(folder: Path, work: Path) -> list[dict]:
                 env = {**env, "MP_DATASET_TYPE": "raw"}
                 if "SFT" in values:
                     values["SFT"] = "true"
+            if env.get("MP_DATASET_TYPE") == "raw" and "SFT" in values:  # Pai reads raw JSON in SFT only
+                values["SFT"] = "true"
             vectors.append((env, values))
         if "SFT" in names:  # each branch at least once, from the first vector where the README lacks it
             kinds = {(values["SFT"], env.get("MP_DATASET_TYPE", "idxmap")) for env, values in vectors}
