@@ -318,6 +318,11 @@ def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> lis
     if args.cpu_offloading and args.cpu_offloading_num_layers == 0:
         notes.append("--cpu-offloading with --cpu-offloading-num-layers 0: no layer's activations go to host memory "
                      "(as in Megatron-Core); give the number of layers")
+    if "cpu_offloading_num_layers" in given and not args.cpu_offloading:
+        notes.append(f"--cpu-offloading-num-layers {args.cpu_offloading_num_layers}: no effect without "
+                     "--cpu-offloading (as in Megatron-Core)")
+    if args.moe_layer_recompute and not args.num_experts:
+        notes.append("--moe-layer-recompute: no effect without --num-experts (no MoE layer to recompute)")
     notes += _latent_and_yarn_without_effect(args, given)
     notes += _router_and_mtp_without_effect(args, given)
     moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")

@@ -8,7 +8,6 @@ import difflib
 
 from rapidtrain.config import flag_status
 from rapidtrain.config.arguments import TASKS
-from rapidtrain.config.flag_surface import megatron_flags_given
 from rapidtrain.config.checks import (
     Rule,
     accumulation_steps,
@@ -32,6 +31,7 @@ from rapidtrain.config.checks import (
     tp_size,
     yarn_problems,
 )
+from rapidtrain.config.flag_surface import megatron_flags_given
 from rapidtrain.config.resolve import uneven_split_flags, virtual_stages_of
 from rapidtrain.models import hf_config
 

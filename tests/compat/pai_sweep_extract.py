@@ -135,7 +135,7 @@ def sweep(folder: Path, work: Path) -> list[dict]:
         samples = readme_samples(readme, Path(script).name)
         vectors: list[tuple[dict[str, str], dict[str, str]]] = []
         for env, words in samples or [({}, [])]:
-            given = dict(zip(names, words)) if len(words) == len(names) else {}
+            given = dict(zip(names, words, strict=True)) if len(words) == len(names) else {}
             values = {name: given.get(name, DEFAULTS.get(name, sizes[0] if sizes else "x")) for name in names}
             dataset = values.get("DATASET_PATH", "")
             if dataset.endswith(".json"):  # Pai's README sets SFT=true with its JSON examples
@@ -191,7 +191,7 @@ def sweep(folder: Path, work: Path) -> list[dict]:
                 seen.add(key)
                 shown = [("{DATA}" if n == "DATASET_PATH" or n == "VALID_DATASET_PATH" else
                           "{CKPT}" if n == "PRETRAIN_CHECKPOINT_PATH" else "{OUT}" if n == "OUTPUT_BASEPATH"
-                          else a) for n, a in zip(names, args)]
+                          else a) for n, a in zip(names, args, strict=True)]
                 launcher = placeholders(call[:program], work)
                 launcher = ["{MASTER_PORT}" if i and launcher[i - 1] == "--master_port" else token
                             for i, token in enumerate(launcher)]  # the scripts draw it at random

@@ -6,7 +6,6 @@ flags does, or stops with exit status 2 naming the flag and why. No traceback, n
 
 from __future__ import annotations
 
-import re
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -48,6 +47,9 @@ TINY_RUNS = [
     ("qwen3-mcore_qwen3-A3B-sft", 2, {"--pipeline-model-parallel-size": "1"}),
     ("qwen2_5-mcore_qwen-7B-sft", 1, {"--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1"}),
     ("moonlight-mcore_moonlight-A3B-pt", 1, {}),
+    # Qwen2-57B-A14B's script: --moe-layer-recompute beside selective recompute, over 2 expert-parallel ranks
+    ("qwen2-mcore_qwen2_moe-A14B-pt", 2, {"--expert-model-parallel-size": "2"}),
+    ("qwen2_5-mcore_qwen-0.5B-pt-6", 1, {}),  # AC=offload: --cpu-offloading of 1 layer
 ]
 
 
@@ -66,7 +68,8 @@ def tiny_argv(script: dict, local_files, changes: dict) -> list[str]:
 @pytest.mark.slow
 def test_representative_scripts_train_two_iterations(local_files, tmp_path):
     """DeepSeek-V3 (MoE + MLA, 2 expert-parallel ranks), Qwen3-MoE SFT on Pai's idxmap (2 tensor-parallel ranks),
-    Qwen2.5 dense SFT on Pai's idxmap and Moonlight (MLA + MoE) on one process: each trains 2 iterations."""
+    Qwen2-MoE with --moe-layer-recompute (2 expert-parallel ranks), Qwen2.5 dense SFT on Pai's idxmap, Moonlight (MLA +
+    MoE) and Qwen2.5 with activation offloading on one process: each trains 2 iterations."""
     import json
     import subprocess
     import sys
@@ -94,6 +97,8 @@ def test_representative_scripts_train_two_iterations(local_files, tmp_path):
         assert status == 0 and len(log_lines(output)) == 2, f"{run_id}: {status}\n{output[-4000:]}"
     assert "expert parallel 2" in done[TINY_RUNS[0][0]][1] and "mtp loss" in done[TINY_RUNS[0][0]][1]
     assert "data 1 × tensor 2" in done[TINY_RUNS[1][0]][1]
+    assert "each MoE layer whole" in done["qwen2-mcore_qwen2_moe-A14B-pt"][1]
+    assert "activations of the first 1 layer(s)" in done["qwen2_5-mcore_qwen-0.5B-pt-6"][1]
     for run_id in (TINY_RUNS[1][0], TINY_RUNS[2][0]):
         assert "as Pai's SFT idxmap (128 ids a document" in done[run_id][1]
 

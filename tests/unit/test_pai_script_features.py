@@ -175,6 +175,9 @@ def test_plan_says_moe_recompute_and_offload_and_refuses_what_megatron_refuses()
     offload = plan_text(["--cpu-offloading", "--cpu-offloading-num-layers", "1"])
     assert "activations of the first 1 layer(s) of each pipeline stage kept in host memory" in offload
     assert "--cpu-offloading-num-layers 0: no layer's activations" in plan_text(["--cpu-offloading"])
+    assert "--cpu-offloading-num-layers 1: no effect without --cpu-offloading" in plan_text(
+        ["--cpu-offloading-num-layers", "1"])
+    assert "--moe-layer-recompute: no effect without --num-experts" in plan_text(["--moe-layer-recompute"])
     assert "--cpu-offloading with --recompute-activations (selective)" in refusal(
         ["--cpu-offloading", "--cpu-offloading-num-layers", "1", "--recompute-activations"])
     assert "--cpu-offloading-num-layers 2: give 0 to --num-layers - 1 (1)" in refusal(
