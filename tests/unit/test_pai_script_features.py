@@ -217,3 +217,16 @@ def test_optimizer_offload_fraction_and_pai_offloading_adams():
     # the refusal names the flag as the script spelled it
     assert "--optimizer-cpu-offload (--cpu-offload) moves the optimizer state" in refusal(
         ["--optimizer-cpu-offload", "--tensor-model-parallel-size", "2"], world=2)
+
+
+def test_memory_estimate_counts_offloaded_layers_on_the_host_on_cuda_only():
+    def activations(flags: list[str], device: str) -> float:
+        args = parse_args(BASE + ["--num-layers", "4"] + flags)
+        ctx = RunContext(world_size=1, device_type=device)
+        rules.validate(args, ctx)
+        return from_args(args, ctx).memory.stage_activation_bytes[0]
+
+    for device, shrinks in (("cuda", True), ("cpu", False)):
+        plain = activations([], device)
+        offloaded = activations(["--cpu-offloading", "--cpu-offloading-num-layers", "2"], device)
+        assert (offloaded < 0.8 * plain) if shrinks else offloaded == plain, (device, offloaded, plain)
