@@ -462,9 +462,13 @@ PATTERNS: list[tuple[str, str, str]] = [
     (r"--ds-sequence-parallel-fpdt.*|--force-ds-sequence-parallel", REFUSED,
      "DeepSpeed's FPDT (chunked, offloaded Ulysses) is not in rapidtrain; --ds-sequence-parallel-size serves "
      "Ulysses' all-to-all without the chunking"),
+    (r"--cpu-offloading-retain-pinned-cpu-buffers", NO_EFFECT,
+     "--cpu-offloading's host copies are torch.autograd.graph.save_on_cpu's, allocated per saved tensor; keeping "
+     "pinned buffers between steps only saves their allocation"),
     (r"--(cpu-offloading|fine-grained-activation-offloading|activation-offload-fraction|offload-modules|"
      r"fine-grained-offloading-max-inflight-offloads|min-offloaded-tensor-size).*", REFUSED,
-     "activation offloading is not in rapidtrain; use --checkpoint-activations"),
+     "fine-grained (per-module, partial) activation offloading is not in rapidtrain; --cpu-offloading "
+     "--cpu-offloading-num-layers N offloads whole layers, --checkpoint-activations recomputes them"),
     (r"--(outer-dp-sharding-strategy|enable-full-sharding-in-hsdp|replication|replication-factor|replication-jump)",
      REFUSED, "hybrid sharding and replication are not in rapidtrain; use --fsdp-memory-optimization"),
     (r"--fim-.*", REFUSED, "fill-in-the-middle data is not in rapidtrain"),
