@@ -36,7 +36,6 @@ def _unnoted(script: dict, result: Planned) -> list[str]:
                   and flag not in result.output)
 
 
-
 # Representative command lines shrunk (launch_data.tiny) and trained 2 iterations: (id, processes, changes). The
 # layout keeps what two CPU processes hold: expert parallelism 2 for DeepSeek-V3 (MLA, YaRN, grouped sigmoid routing,
 # multi-token prediction), tensor parallelism 2 with sequence parallelism for Qwen3-MoE's SFT on Pai's idxmap.
@@ -101,7 +100,6 @@ def test_representative_scripts_train_two_iterations(local_files, tmp_path):
     assert "activations of the first 1 layer(s)" in done["qwen2_5-mcore_qwen-0.5B-pt-6"][1]
     for run_id in (TINY_RUNS[1][0], TINY_RUNS[2][0]):
         assert "as Pai's SFT idxmap (128 ids a document" in done[run_id][1]
-
 
 
 # What stops an argv, and why rapidtrain does not serve it: each refusal line must match one of these.
