@@ -148,7 +148,8 @@ def check_inputs_before_launch(args: argparse.Namespace) -> None:
     if args.task == "pretraining" and not args.user_script:
         from rapidtrain.data.inputs import check_pretraining_inputs
 
-        tokenizer = tokenizer_settings(args) if args.tokenizer_type else None
+        # Pai's SFT idxmap holds negative markers and -100 labels: its ids are not checked against the vocabulary
+        tokenizer = tokenizer_settings(args) if args.tokenizer_type and not getattr(args, "idxmap_sft", False) else None
         check_pretraining_inputs(args.data_path, args.data_impl, tokenizer)
 
 
@@ -206,7 +207,8 @@ def data_file_problems(resolved: settings.Plan) -> None:
     if data.source == "indexed" and data.data_path and not data.raw_json:
         from rapidtrain.data.inputs import check_data_files
 
-        padded_vocab = resolved.model.vocab_size if resolved.model is not None else None
+        # Pai's SFT idxmap holds negative markers and -100 labels: no vocabulary check
+        padded_vocab = resolved.model.vocab_size if resolved.model is not None and not data.idxmap_sft else None
         check_data_files(data.data_path, data.data_impl, padded_vocab)
 
 

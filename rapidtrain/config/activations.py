@@ -412,10 +412,12 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
     for stage in range(p):
         per_stage, start = per_rank[stage], sum(per_rank[:stage])
         recomputed = len(recompute.layers_of(per_stage)) if recompute.enabled else 0
+        # --cpu-offloading: these layers' saved tensors wait in host memory (on a CPU that is the same memory)
+        offloaded = min(recompute.offload_layers, per_stage) if act.device_type == "cuda" else 0
         if model.num_experts:  # layer kinds differ: count each layer (MoE models have tens of layers)
             kinds = model.num_experts[start:start + per_stage]
             layers = sum(layer_bytes(model, micro, layout, act, recompute.granularity if i < recomputed else "none",
-                                     experts) for i, experts in enumerate(kinds))
+                                     experts) for i, experts in enumerate(kinds) if i >= offloaded)
             copies = sum(weight_copy_bytes(model, layout, act, experts) for experts in kinds)
             again = max((recomputed_again(model, micro, layout, act, recompute.granularity, experts)
                          for experts in kinds[:recomputed]), default=0.0)
@@ -423,7 +425,7 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
                           default=0.0)
         else:  # dense: two kinds at most, counted by arithmetic (a plan of 10^8 layers answers at once)
             layers = recomputed * layer_bytes(model, micro, layout, act, recompute.granularity) \
-                + (per_stage - recomputed) * layer_bytes(model, micro, layout, act)
+                + max(per_stage - recomputed - offloaded, 0) * layer_bytes(model, micro, layout, act)
             copies = per_stage * weight_copy_bytes(model, layout, act)
             again = recomputed_again(model, micro, layout, act, recompute.granularity) if recomputed else 0.0
             working = backward_working_bytes(model, micro, layout, act)

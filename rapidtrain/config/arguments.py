@@ -602,6 +602,18 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                         "Default 1.")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand for --recompute-granularity selective.")
+    g.add_argument("--cpu-offloading", action="store_true",
+                   help="Keep the activations that backward needs in host memory instead of the device's, for the "
+                        "first --cpu-offloading-num-layers layers of each pipeline stage: torch.autograd.graph."
+                        "save_on_cpu (pinned on CUDA) copies them out in forward and back in backward "
+                        "(Megatron-Core's activation offloading; not with recomputation, as there).")
+    g.add_argument("--cpu-offloading-num-layers", type=int, default=0,
+                   help="With --cpu-offloading: how many layers' activations go to host memory (0 to the layers - 1; "
+                        "Megatron-Core's range).")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="Recompute each MoE layer (router, dispatch, experts, combine) in backward: only its input is "
+                        "kept (Megatron-Core's; with --recompute-granularity selective or none beside it; a layer "
+                        "recomputed whole already recomputes its MoE layer).")
     g.add_argument("--activations-checkpoint-method", choices=("uniform", "block"), default=None,
                    help="Megatron's 2021-22 name of --recompute-method; implies --recompute-granularity full.")
     g.add_argument("--activations-checkpoint-num-layers", "--checkpoint-num-layers", dest="recompute_num_layers",

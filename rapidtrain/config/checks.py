@@ -502,6 +502,21 @@ def recompute_granularities(args: Args) -> list[str]:
     return asked
 
 
+def cpu_offloading_problem(args: Args) -> str | None:
+    """What Megatron-Core's TransformerConfig refuses of --cpu-offloading: a layer count outside 0 to the layers - 1,
+    and offloading beside recomputation."""
+    if not getattr(args, "cpu_offloading", False):
+        return None
+    layers = args.num_layers or 0
+    if not 0 <= args.cpu_offloading_num_layers < max(layers, 1):
+        return (f"--cpu-offloading-num-layers {args.cpu_offloading_num_layers}: give 0 to --num-layers - 1 "
+                f"({max(layers - 1, 0)}) layers whose activations go to host memory.")
+    if recompute_granularities(args):
+        return (f"--cpu-offloading with {' and '.join(recompute_granularities(args))}: a recomputed layer keeps "
+                "almost nothing to offload; choose one (Megatron-Core refuses both too).")
+    return None
+
+
 def recompute_problem(args: Args) -> str | None:
     asked = recompute_granularities(args)
     kinds = {text.split()[-1].strip("()") for text in asked}

@@ -62,6 +62,10 @@ def _data_source(data: DataSettings, tokenizer: TokenizerSettings | None) -> str
     if data.raw_json:
         files = [paths[0] for paths in data.split_paths or () if paths]
         text = f"{data.raw_json} JSON records {' '.join(files)}, {data.max_padding_length} tokens a sample"
+    if data.idxmap_sft:
+        text += (f" as Pai's SFT idxmap ({2 * data.seq_length} ids a document: {data.seq_length} tokens, then their "
+                 "labels; loss the mean over " + ("conversations, packed" if data.reset_position_ids else "rows")
+                 + ")")
     if data.weighted_splits:
         text = "Megatron indexed data, weighted splits " + " | ".join(
             f"{split}: " + "; ".join(group.describe() for group in groups)

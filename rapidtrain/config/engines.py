@@ -398,7 +398,9 @@ def _optimizer_choice(args: argparse.Namespace, ctx: RunContext, layout: Layout,
 def recompute_choices(args: argparse.Namespace) -> list[EngineChoice]:
     recompute = recompute_of(args)
     if not recompute.enabled:
-        return []
+        flag = "--cpu-offloading" if recompute.offload_layers else "--moe-layer-recompute"
+        return ([EngineChoice(flag, f"activation memory: {recompute.describe()}")]
+                if recompute.moe_layers_recomputed or recompute.offload_layers else [])
     if args.checkpoint_activations and recompute.granularity == "full" and recompute.method == "uniform":
         hf_own = not trains_builtin_model(args)
         return [EngineChoice("--checkpoint-activations", "Hugging Face gradient_checkpointing_enable()" if hf_own

@@ -114,8 +114,15 @@ HANDLED: dict[str, str] = {
                  "other raw kinds are refused",
     "--max-padding-length": "with a raw JSON --dataset, the tokens of each sample (padded; Pai's pretraining kind "
                             "adds one for the shift); pretraining samples are --seq-length tokens otherwise",
-    "--train-mode": "Pai-Megatron-Patch's mode: pretrain; finetune with --dataset JSON-SFT (chat-template JSON) "
-                    "or LLama-SFT; finetune on indexed data (its SFT builder's sequence/label pairs) is refused",
+    "--optimizer-offload-fraction": "Megatron-Core's share of the optimizer state kept on the CPU with "
+                                    "--optimizer-cpu-offload: 1.0 is --cpu-offload's whole state; a part is "
+                                    "refused; without the offload it has no effect",
+    "--optimizer-offload-policy": "Pai-Megatron-Patch's HybridAdam policy: static (a fixed "
+                                  "--optimizer-offload-fraction) is what --cpu-offload does at 1.0; auto (moved by "
+                                  "free memory at run time) is refused",
+    "--train-mode": "Pai-Megatron-Patch's mode: pretrain; finetune with --dataset JSON-SFT (chat-template JSON), "
+                    "LLama-SFT, or MMAP (Pai's SFT idxmap: each document the tokens and then their labels, the loss "
+                    "a mean over rows, or over conversations when packed with --reset-position-ids)",
     "--transformer-impl": "rapidtrain's layers are its own torch modules (SDPA attention); local or "
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "
@@ -456,9 +463,13 @@ PATTERNS: list[tuple[str, str, str]] = [
     (r"--ds-sequence-parallel-fpdt.*|--force-ds-sequence-parallel", REFUSED,
      "DeepSpeed's FPDT (chunked, offloaded Ulysses) is not in rapidtrain; --ds-sequence-parallel-size serves "
      "Ulysses' all-to-all without the chunking"),
+    (r"--cpu-offloading-retain-pinned-cpu-buffers", NO_EFFECT,
+     "--cpu-offloading's host copies are torch.autograd.graph.save_on_cpu's, allocated per saved tensor; keeping "
+     "pinned buffers between steps only saves their allocation"),
     (r"--(cpu-offloading|fine-grained-activation-offloading|activation-offload-fraction|offload-modules|"
      r"fine-grained-offloading-max-inflight-offloads|min-offloaded-tensor-size).*", REFUSED,
-     "activation offloading is not in rapidtrain; use --checkpoint-activations"),
+     "fine-grained (per-module, partial) activation offloading is not in rapidtrain; --cpu-offloading "
+     "--cpu-offloading-num-layers N offloads whole layers, --checkpoint-activations recomputes them"),
     (r"--(outer-dp-sharding-strategy|enable-full-sharding-in-hsdp|replication|replication-factor|replication-jump)",
      REFUSED, "hybrid sharding and replication are not in rapidtrain; use --fsdp-memory-optimization"),
     (r"--fim-.*", REFUSED, "fill-in-the-middle data is not in rapidtrain"),

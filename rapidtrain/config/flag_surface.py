@@ -121,6 +121,7 @@ def add_surface(parser: argparse.ArgumentParser) -> None:
     """Every flag of the data file that the parser does not define yet, with its origins' shape; rapidtrain's own
     flags get the other origins' spellings of their values (checked after parsing)."""
     actions = {option: action for action in parser._actions for option in action.option_strings}
+    own_dests = {action.dest for action in actions.values()}  # once: the parser is built for every plan
     group = parser.add_argument_group("Megatron-family flags", "Accepted for compatibility (docs/megatron-compat.md "
                                       "says what each does here)")
     for record in surface_flags():
@@ -132,10 +133,10 @@ def add_surface(parser: argparse.ArgumentParser) -> None:
                 list.append(own.option_strings, name)  # type: ignore[arg-type]  # a list at run time
                 parser._option_string_actions[name] = own
             continue
-        group.add_argument(*names, **_surface_kwargs(record, actions), help=argparse.SUPPRESS)
+        group.add_argument(*names, **_surface_kwargs(record, actions, own_dests), help=argparse.SUPPRESS)
 
 
-def _surface_kwargs(record: dict, actions: dict) -> dict:
+def _surface_kwargs(record: dict, actions: dict, own_dests: set[str]) -> dict:
     flag = record["flag"]
     kwargs: dict = {"action": SurfaceAction, "flag": flag, "dest": record["dest"] or flag[2:].replace("-", "_")}
     if flag in status_table.SETS:
@@ -148,7 +149,7 @@ def _surface_kwargs(record: dict, actions: dict) -> dict:
             return {**kwargs, "dest": target.dest, "nargs": 0, "switch": switch, "default": argparse.SUPPRESS}
         kind = _lenient_int if target.type is int else target.type or str
         return {**kwargs, "dest": target.dest, "nargs": target.nargs, "type": kind, "default": argparse.SUPPRESS}
-    if kwargs["dest"] in {a.dest for a in actions.values()}:  # same name, other meaning: kept apart
+    if kwargs["dest"] in own_dests:  # same name, other meaning: kept apart
         kwargs["dest"] = "megatron_" + kwargs["dest"]
     return {**kwargs, **(_switch_kwargs(record) or _value_kwargs(record))}
 
@@ -159,11 +160,20 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     "position_embedding_type": {"rotary": "rope", "absolute": "learned_absolute"},
     "tokenizer_type": {"PretrainedFromHF": "HuggingFaceTokenizer", "HFTokenizer": "HuggingFaceTokenizer",
                        "Llama3Tokenizer": "HuggingFaceTokenizer", "MistralTokenizer": "HuggingFaceTokenizer"},
-    "optimizer": {"hybridadam": "adamw"},
+}
+# Another origin's value of a rapidtrain flag that rapidtrain does not serve, and why (the refusal names it).
+_PAI_OFFLOADING_ADAM = ("Pai-Megatron-Patch's fork's Adam that keeps (a --optimizer-offload-fraction of) the optimizer "
+                        "state on the CPU and steps it there; rapidtrain's optimizer offload is --cpu-offload "
+                        "(DeepSpeed's CPU Adam under a --zero-* switch, the whole state, no tensor/pipeline/expert "
+                        "parallelism): give --optimizer adam --cpu-offload --zero-1-memory-optimization, or "
+                        "--optimizer adam to keep the state on the GPU")
+VALUE_REFUSALS: dict[str, dict[str, str]] = {
+    "optimizer": {"hybridadam": _PAI_OFFLOADING_ADAM, "cpu-adam": _PAI_OFFLOADING_ADAM},
 }
 # Values a launch script passes that no extracted parser lists (EasyNLP's Rapidformer example): accepted by the
 # parser, then refused by name like any value rapidtrain lacks.
-EXTRA_VALUES: dict[str, list[str]] = {"--tokenizer-type": ["ChineseBPETokenizer"]}
+EXTRA_VALUES: dict[str, list[str]] = {"--tokenizer-type": ["ChineseBPETokenizer"],
+                                      "--optimizer": ["hybridadam", "cpu-adam"]}  # Pai's launch scripts
 WIDENED = "megatron_widened"  # parser attribute: dest → rapidtrain's own choices
 
 

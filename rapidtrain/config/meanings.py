@@ -247,6 +247,13 @@ def _latent_and_yarn_without_effect(args: Args, given: set[str]) -> list[str]:
     sizes = [f"--{d.replace('_', '-')}" for d in MLA_FLAGS[1:] if d in given]
     if sizes and not args.multi_latent_attention:
         notes.append(f"{', '.join(sizes)}: no effect without --multi-latent-attention")
+    if args.multi_latent_attention and args.use_rope_scaling:
+        # Megatron-Core builds Llama 3.1's scaled rope only for standard attention; MLA rotates its own rope part
+        # (YaRN's with --rope-type yarn), so DeepSeek's scripts that pass both train without it.
+        notes.append("--use-rope-scaling: no effect with --multi-latent-attention (Llama 3.1's rope scaling is "
+                     "standard attention's; MLA's rope part is " + ("YaRN's" if rope_type_of(args) == "yarn"
+                                                                   else "unscaled") + ", as in Megatron-Core)")
+        args.use_rope_scaling = False
     yarn = [f"--{d.replace('_', '-')}" for d in YARN_FLAGS[1:] if d in given]
     if yarn and rope_type_of(args) != "yarn":
         notes.append(f"{', '.join(yarn)}: no effect without YaRN (--rope-type yarn"
@@ -308,6 +315,14 @@ def _flags_without_effect(args: Args, given: set[str], entry: str | None) -> lis
     if "rope_scaling_factor" in given and not args.use_rope_scaling:
         notes.append(f"--rope-scaling-factor {args.rope_scaling_factor:g}: no effect without --use-rope-scaling (as "
                      "in Megatron)")
+    if args.cpu_offloading and args.cpu_offloading_num_layers == 0:
+        notes.append("--cpu-offloading with --cpu-offloading-num-layers 0: no layer's activations go to host memory "
+                     "(as in Megatron-Core); give the number of layers")
+    if "cpu_offloading_num_layers" in given and not args.cpu_offloading:
+        notes.append(f"--cpu-offloading-num-layers {args.cpu_offloading_num_layers}: no effect without "
+                     "--cpu-offloading (as in Megatron-Core)")
+    if args.moe_layer_recompute and not args.num_experts:
+        notes.append("--moe-layer-recompute: no effect without --num-experts (no MoE layer to recompute)")
     notes += _latent_and_yarn_without_effect(args, given)
     notes += _router_and_mtp_without_effect(args, given)
     moe_options = ("router_type", "moe_linear_layer_type", "top_k_linear_strategy")

@@ -267,6 +267,7 @@ def data_settings(args: argparse.Namespace, ctx: RunContext) -> DataSettings:
         split_paths=split_paths_of(args), keep_last=args.keep_last, mmap_warmup=args.mmap_warmup,
         padding_free=args.padding_free, weighted_splits=getattr(args, "weighted_split_groups", None),
         raw_json=getattr(args, "raw_json_dataset", None), max_padding_length=getattr(args, "max_padding_length", None),
+        idxmap_sft=bool(getattr(args, "idxmap_sft", False)),
         train_data=tuple(args.train_data or ()) if source == "task" else (),
         valid_data=tuple(args.valid_data or ()) if source == "task" else ())
 
@@ -527,7 +528,9 @@ def recompute_of(args: argparse.Namespace) -> RecomputeSettings:
         else:
             granularity = "none"
     method: Literal["uniform", "block"] = args.recompute_method or args.activations_checkpoint_method or "uniform"
-    return RecomputeSettings(granularity, method, args.recompute_num_layers or 1)
+    return RecomputeSettings(granularity, method, args.recompute_num_layers or 1,
+                             moe_layers=bool(getattr(args, "moe_layer_recompute", False) and args.num_experts),
+                             offload_layers=args.cpu_offloading_num_layers if args.cpu_offloading else 0)
 
 
 def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout, partitioning: str,

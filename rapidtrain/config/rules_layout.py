@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 
+from rapidtrain.config import flag_status
 from rapidtrain.config.arguments import TASKS
 from rapidtrain.config.checks import (
     Rule,
@@ -30,6 +31,7 @@ from rapidtrain.config.checks import (
     tp_size,
     yarn_problems,
 )
+from rapidtrain.config.flag_surface import megatron_flags_given
 from rapidtrain.config.resolve import uneven_split_flags, virtual_stages_of
 from rapidtrain.models import hf_config
 
@@ -79,10 +81,10 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "--cpu-offload needs a DeepSpeed ZeRO switch and no tensor/pipeline/expert parallelism (DeepSpeedCPUAdam "
         "serves it); FSDP's own CPU offload is not used.",
         lambda a, c: a.cpu_offload and not deepspeed_zero(a),
-        lambda a, c: "--cpu-offload moves the optimizer state and step to the CPU with DeepSpeed's DeepSpeedCPUAdam, "
-        "which only DeepSpeed ZeRO without tensor/pipeline/expert parallelism provides. Add "
+        lambda a, c: f"{cpu_offload_as_typed(a)} moves the optimizer state and step to the CPU with DeepSpeed's "
+        "DeepSpeedCPUAdam, which only DeepSpeed ZeRO without tensor/pipeline/expert parallelism provides. Add "
         "--zero-2-memory-optimization (or --zero-1/--zero-3), set --tensor-model-parallel-size, "
-        "--pipeline-model-parallel-size and --expert-model-parallel-size to 1, or drop --cpu-offload."
+        f"--pipeline-model-parallel-size and --expert-model-parallel-size to 1, or drop {cpu_offload_as_typed(a)}."
         + (" With --fsdp-memory-optimization, FSDP2's CPUOffloadPolicy is not used: it would also move the sharded "
            "parameters and gradients to the CPU and step there (nothing to offload on a CPU-only run); for fully "
            "sharded states with the optimizer on the CPU use --zero-3-memory-optimization --cpu-offload instead."
@@ -555,3 +557,11 @@ def shared_expert_problem(a: argparse.Namespace) -> str | None:
     if size is not None and not (num_experts_length_ok(a) and experts_of(a)):
         return "shared experts sit beside the routed experts of MoE layers: give --num-experts"
     return None
+
+
+def cpu_offload_as_typed(a: argparse.Namespace) -> str:
+    """--cpu-offload as the user spelled it (Megatron-Core's --optimizer-cpu-offload, Megatron-DeepSpeed's
+    --cpu-optimizer, ...): a message names the flag in the script, not rapidtrain's name for it."""
+    spellings = {flag for flag, renamed in flag_status.RENAMED.items() if renamed[0] == "cpu_offload"}
+    typed = [flag for flag, _ in megatron_flags_given(a) if flag in spellings]
+    return f"{typed[0]} (--cpu-offload)" if typed else "--cpu-offload"

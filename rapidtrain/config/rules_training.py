@@ -22,6 +22,7 @@ from rapidtrain.config.checks import (
     compile_backends,
     compile_requested,
     compile_settings_given,
+    cpu_offloading_problem,
     deepspeed_config_problem,
     deepspeed_zero,
     different_folders,
@@ -608,6 +609,14 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: str(recompute_problem(a)),
     ),
     Rule(
+        "cpu-offloading-settings", ("--cpu-offloading", "--cpu-offloading-num-layers", "--recompute-granularity",
+                                    "--recompute-activations", "--checkpoint-activations"),
+        "Activation offloading keeps 0 to the layers - 1 layers' activations on the host, and not beside "
+        "recomputation (Megatron-Core refuses both too).",
+        lambda a, c: cpu_offloading_problem(a) is not None,
+        lambda a, c: str(cpu_offloading_problem(a)),
+    ),
+    Rule(
         "pad-vocab-size-to-fits", ("--pad-vocab-size-to", "--tokenizer-type"),
         "BigScience's --pad-vocab-size-to N gives the embedding exactly N rows: at least the tokenizer's ids.",
         lambda a, c: pad_vocab_problem(a) is not None,
@@ -631,3 +640,4 @@ TRAINING_RULES: tuple[Rule, ...] = (
         lambda a, c: str(auto_micro_batch_problem(a, c)),
     ),
 )
+

@@ -327,6 +327,10 @@ class RecomputeSettings:
     granularity: Literal["none", "full", "selective", "op"] = "none"
     method: Literal["uniform", "block"] = "uniform"
     num_layers: int = 1
+    # --moe-layer-recompute: each MoE layer under torch.utils.checkpoint, in the layers not recomputed whole
+    moe_layers: bool = False
+    # --cpu-offloading: the saved activations of the first this many layers of each stage kept in host memory
+    offload_layers: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -346,7 +350,22 @@ class RecomputeSettings:
                       "recomputed)"}[self.granularity]
         which = (f"the first {self.num_layers} layer(s) of each pipeline stage" if self.method == "block"
                  else "every layer")
-        return f"{what}, in {which}"
+        text = f"{what}, in {which}" if self.enabled else ""
+        if self.offload_layers:
+            offload = (f"activations of the first {self.offload_layers} layer(s) of each pipeline stage kept in "
+                       "host memory (torch.autograd.graph.save_on_cpu: copied out in forward, back in backward; "
+                       "--cpu-offloading)")
+            text = f"{text}; {offload}" if text else offload
+        if self.moe_layers_recomputed:
+            moe = ("each MoE layer whole (torch.utils.checkpoint: router, dispatch, experts and combine recomputed; "
+                   "--moe-layer-recompute)")
+            text = f"{text}; and {moe}" if text else moe
+        return text
+
+    @property
+    def moe_layers_recomputed(self) -> bool:
+        """--moe-layer-recompute adds something unless every layer is recomputed whole already."""
+        return self.moe_layers and not (self.granularity == "full" and self.method == "uniform")
 
 
 @dataclass(frozen=True)
@@ -611,6 +630,8 @@ class DataSettings:
     # Pai's raw JSON kinds (--dataset LLama-Pretrain-Raw): split_paths name JSON files, samples max_padding_length
     raw_json: str | None = None
     max_padding_length: int | None = None
+    # Pai's SFT idxmap (--dataset MMAP --train-mode finetune): each document 2 x seq_length ids, tokens then labels
+    idxmap_sft: bool = False
     keep_last: bool = False  # fine-tuning: keep an epoch's last, incomplete micro-batch
     mmap_warmup: bool = False
     # casual_lm fine-tuning: each micro-batch is one row of its sequences back to back (--padding-free).

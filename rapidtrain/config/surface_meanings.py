@@ -13,6 +13,7 @@ from typing import Any
 from rapidtrain.config.flag_status import NO_EFFECT, REFUSED
 from rapidtrain.config.flag_surface import (
     VALUE_ALIASES,
+    VALUE_REFUSALS,
     FlagRefused,
     classify,
     megatron_flags_given,
@@ -87,6 +88,8 @@ def _own_values(args: Args, parser: argparse.ArgumentParser, notes: list[str], r
         elif alias is not None:
             setattr(args, action.dest, alias)
             notes.append(f"{flag} {value}: {alias}, rapidtrain's spelling")
+        elif value in VALUE_REFUSALS.get(action.dest, {}):
+            refusals.append(f"{flag} {value}: {VALUE_REFUSALS[action.dest][value]}")
         else:
             refusals.append(f"{flag} {value}: not in rapidtrain; it has {', '.join(map(str, own))}")
     if isinstance(args.split, str):  # `--split '99,1,0'` from a script that quoted it inside a variable
@@ -370,12 +373,45 @@ def _pai_dataset(args: Args, value: str, notes: list[str], refusals: list[str]) 
 
     if "idxmap" in value.lower() or value.upper() == "MMAP":
         notes.append(f"--dataset {value}: Megatron indexed data (--data-path)")
+        if "idxmap" in value.lower() and args.data_path:
+            _idxmap_reads_data_path(args, value, notes)
     elif value in RAW_JSON_KINDS + CHAT_SFT_KINDS:
         _raw_json(args, value, notes, refusals)
     else:
         kinds = ", ".join(RAW_JSON_KINDS + CHAT_SFT_KINDS)
         refusals.append(f"--dataset {value}: not read by rapidtrain (it reads {kinds} JSON and Megatron indexed "
                         "data); make indexed data with scripts/preprocess_data.py and pass --dataset ...-Idxmap")
+
+
+def _optimizer_offload_fraction(args: Args, value: object, notes: list[str], refusals: list[str]) -> None:
+    """Megatron-Core offloads a share of the optimizer state; DeepSpeed's CPU Adam behind --cpu-offload the whole."""
+    if not args.cpu_offload:
+        notes.append(f"--optimizer-offload-fraction {value}: no effect here; without --optimizer-cpu-offload the "
+                     "optimizer state stays on the device")
+    elif float(str(value)) == 1.0:
+        notes.append(f"--optimizer-offload-fraction {value}: the whole optimizer state on the CPU (--cpu-offload)")
+    else:
+        refusals.append(f"--optimizer-offload-fraction {value}: rapidtrain's --cpu-offload (DeepSpeed's CPU Adam) "
+                        "keeps the whole optimizer state on the CPU, not a share; give 1.0, or drop "
+                        "--optimizer-cpu-offload to keep it on the device")
+
+
+def _optimizer_offload_policy(args: Args, value: object, notes: list[str], refusals: list[str]) -> None:
+    if value == "static":
+        notes.append(f"--optimizer-offload-policy {value}: " + note_of("--optimizer-offload-policy"))
+    else:
+        refusals.append(f"--optimizer-offload-policy {value}: Pai's policy that moves optimizer state by the free "
+                        "device memory at run time is not in rapidtrain; use --cpu-offload (the whole state)")
+
+
+def _idxmap_reads_data_path(args: Args, value: str, notes: list[str]) -> None:
+    """Pai's 2024 *-Idxmap kinds build their datasets from --data-path and --split alone: the per-split paths its
+    scripts pass beside it (the same prefix, for the raw kinds) are not read, so they do not stop the run here."""
+    for dest in ("train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, dest, None):
+            notes.append(f"--{dest.replace('_', '-')} {' '.join(getattr(args, dest))}: no effect here; --dataset "
+                         f"{value} reads --data-path with --split (as Pai's Idxmap datasets)")
+            setattr(args, dest, None)
 
 
 def _raw_json(args: Args, value: str, notes: list[str], refusals: list[str]) -> None:
@@ -452,11 +488,31 @@ def _train_mode(args: Args, value: str, notes: list[str], refusals: list[str]) -
         refusals.append(f"--train-mode {value}: Pai's modes are pretrain and finetune")
     elif dataset in ("JSON-SFT", "LLama-SFT"):
         notes.append(f"--train-mode finetune: supervised fine-tuning on --dataset {dataset}")
+    elif dataset is not None and dataset.upper() == "MMAP" and args.data_path:
+        _idxmap_sft(args, notes)
     else:
-        refusals.append(f"--train-mode finetune with --dataset {dataset}: Pai's fine-tuning on indexed data reads "
-                        "its SFT builder's sequence/label pairs (2 x --seq-length ids a sample), which rapidtrain "
-                        "does not read; give the JSON records with --dataset JSON-SFT --train-data-path FILE (the "
-                        "tokenizer's chat template) or --dataset LLama-SFT")
+        refusals.append(f"--train-mode finetune with --dataset {dataset}: Pai fine-tunes on --dataset MMAP "
+                        "--data-path PREFIX (its SFT idxmap: toolkits/sft_data_preprocessing), JSON-SFT or LLama-SFT; "
+                        "give one of those")
+
+
+def _idxmap_sft(args: Args, notes: list[str]) -> None:
+    """Pai's SFT idxmap: the loss mask comes from the labels, and packing (--reset-position-ids, Pai's
+    MP_SFT_PACKING) keeps each conversation's attention to itself as Pai's packed sequences do."""
+    args.idxmap_sft = True
+    packed = args.reset_position_ids or args.reset_attention_mask
+    notes.append("--train-mode finetune with --dataset MMAP: Pai's SFT idxmap (toolkits/sft_data_preprocessing): "
+                 f"each document {2 * args.seq_length} ids, {args.seq_length} tokens then their labels (-100: no "
+                 "loss); the loss is the mean over " + ("conversations (packed: positions restart and attention "
+                                                        "stays within each)" if packed else "rows")
+                 + ", Pai's per-sequence average")
+    if args.eod_mask_loss:
+        notes.append("--eod-mask-loss: no effect here; the SFT idxmap's labels say which positions carry loss")
+        args.eod_mask_loss = False
+    if packed and not (args.reset_position_ids and args.reset_attention_mask):
+        notes.append("--reset-position-ids / --reset-attention-mask: with SFT idxmap packing both apply (Pai's "
+                     "packed sequences restart positions and attention at each conversation)")
+        args.reset_position_ids = args.reset_attention_mask = True
 
 
 CORE_ORIGINS = {"Megatron-LM", "Megatron-LM-extras"}
@@ -710,6 +766,8 @@ HANDLERS = {
     "--pretrained-checkpoint": _pretrained_checkpoint,
     "--patch-tokenizer-type": _patch_tokenizer,
     "--dataset": _pai_dataset,
+    "--optimizer-offload-fraction": _optimizer_offload_fraction,
+    "--optimizer-offload-policy": _optimizer_offload_policy,
     "--train-mode": _train_mode,
     "--transformer-impl": _note("--transformer-impl"),
     "--no-pipeline-parallel": _note("--no-pipeline-parallel"),

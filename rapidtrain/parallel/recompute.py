@@ -138,6 +138,47 @@ def apply_recompute(model: nn.Module, blocks: list[nn.Module], settings: Recompu
     return len(chosen)
 
 
+class OffloadActivations(ActivationWrapper):
+    """Wraps one layer; the tensors its forward saves for backward go to host memory (pinned on CUDA) and come back
+    when backward needs them (--cpu-offloading). The same base class as checkpoint_wrapper: state-dict keys and
+    attribute lookups stay the plain layer's."""
+
+    def forward(self, *args, **kwargs):
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in self._checkpoint_wrapped_module.parameters())
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return self._checkpoint_wrapped_module(*args, **kwargs)
+
+
+def apply_activation_offload(model: nn.Module, blocks: list[nn.Module]) -> int:
+    """Replace `blocks` of `model` (in place) by OffloadActivations wrappers; returns how many."""
+    chosen = {id(block) for block in blocks}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in chosen:
+                if isinstance(parent, nn.ModuleDict):
+                    parent.update({name: OffloadActivations(child)})
+                else:
+                    setattr(parent, name, OffloadActivations(child))
+    return len(chosen)
+
+
+def apply_moe_recompute(model: nn.Module) -> int:
+    """--moe-layer-recompute: every MoE layer of `model` (in place) under torch's checkpoint_wrapper, so backward
+    recomputes routing, dispatch (its all-to-all under expert parallelism), experts and combine from the layer's
+    input; the routing statistics are not counted twice (models/moe.py skips them while recomputing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from rapidtrain.models.moe import MoELayer
+
+    wrapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, MoELayer):
+                setattr(parent, name, checkpoint_wrapper(child))
+                wrapped += 1
+    return wrapped
+
+
 # ---- measuring ----
 
 @contextmanager

@@ -135,6 +135,14 @@ def apply_transforms(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> nn.Mod
         assert tp_mesh is not None  # a tensor-parallel layout has the tp dimension
         apply_tensor_parallel(model, tp_mesh, sequence_parallel=layout.sequence_parallel)
     recompute = switches.recompute
+    if recompute.offload_layers:
+        from rapidtrain.parallel.recompute import apply_activation_offload
+
+        apply_activation_offload(model, recompute_blocks(model)[:recompute.offload_layers])
+    if recompute.moe_layers_recomputed:  # inside each layer first: a layer's wrapper then holds the wrapped MoE
+        from rapidtrain.parallel.recompute import apply_moe_recompute
+
+        apply_moe_recompute(model)
     if recompute.granularity == "full" and recompute.method == "uniform":
         apply_activation_checkpointing(model)
     elif recompute.enabled:

@@ -4,6 +4,7 @@ demo corpus), Megatron's masked per-token loss, evaluation over --eval-iters, an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from rapidtrain.data.dynamic_shape import (
     build_unpacked_datasets,
 )
 from rapidtrain.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets, build_weighted_group
+from rapidtrain.data.idxmap_sft import IdxmapSftDataset
 from rapidtrain.data.indexed import warm_up
 from rapidtrain.data.tokenizer import Tokenizer, build_tokenizer
 from rapidtrain.models import build_model
@@ -109,7 +111,22 @@ class MegatronPreTrainer(PreTrainer):
         return build_bert_datasets(config, counts)
 
     def gpt_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
+        if self.plan.data.idxmap_sft:
+            return self.idxmap_sft_datasets(prefixes, split, counts)
         return build_gpt_datasets(self.gpt_config(prefixes, split), counts)
+
+    def idxmap_sft_datasets(self, prefixes: list[str], split: str, counts: list[int]) -> tuple[Any, Any, Any]:
+        """Pai's SFT idxmap: GPT samples of twice the sequence length (a document each: its tokens, then their
+        labels) turned into SFT rows. The ids are not checked against the vocabulary: negative ones are markers."""
+        seq_length = self.model_config.seq_length
+        config = dataclasses.replace(self.gpt_config(prefixes, split), seq_length=2 * seq_length, vocab_size=None,
+                                     eod_mask_loss=False, reset_position_ids=False, reset_attention_mask=False,
+                                     document_ids=False)
+        data = self.plan.data
+        layout = SampleLayout(data.reset_position_ids, data.reset_attention_mask, self.plan.attention.document_ids)
+        datasets = build_gpt_datasets(config, counts)
+        return tuple(IdxmapSftDataset(d, seq_length, layout) if d is not None else None  # type: ignore[return-value]
+                     for d in datasets)
 
     def weighted_datasets(self, splits: tuple, counts: list[int]) -> tuple[Any, Any, Any]:
         """BigScience's weighted split paths: the training group's blend, and each validation and test group by

@@ -230,3 +230,39 @@ def tiny(script: dict, files: LocalFiles, changes: dict[str, object] | None = No
             config = {**json.loads(Path(new[0]).read_text()), **TINY_DEEPSPEED}
             Path(new[0]).write_text(json.dumps(config))
     return argv
+
+
+def pai_sft_row(conversations: list[tuple[list[int], list[int]]], seq_length: int, pad: int = 0) -> list[int]:
+    """One document as Pai's toolkits/sft_data_preprocessing writes it: conversations (prompt ids, answer ids) packed,
+    each one's last token stored as -id - 1, padded to `seq_length`; then the labels, the answer ids one position
+    ahead, -100 elsewhere (2 x seq_length ids in all)."""
+    tokens: list[int] = []
+    labels: list[int] = []
+    for prompt, answer in conversations:
+        ids = prompt + answer
+        tokens += ids[:-1] + [-ids[-1] - 1]
+        labels += [-100] * (len(prompt) - 1) + answer + [-100]
+    tokens += [pad] * (seq_length - len(tokens))
+    labels += [-100] * (seq_length - len(labels))
+    return tokens + labels
+
+
+def pai_sft_idxmap(files: LocalFiles, seq_length: int, rows: int = 16) -> str:
+    """Pai's SFT idxmap data of `rows` documents for --seq-length `seq_length`, its conversations cut from the local
+    GPT data's documents (a prompt of 6 ids, an answer of 8; three to a row); the prefix."""
+    import numpy as np
+
+    from rapidtrain.data.indexed import IndexedDataset, IndexedDatasetBuilder
+
+    prefix = str(files.folder / f"pai-sft-{seq_length}_text_document")
+    if Path(prefix + ".idx").exists():
+        return prefix
+    source = IndexedDataset(files.gpt_prefix)
+    documents = [np.asarray(source[i]).tolist() for i in range(len(source)) if len(source[i]) >= 14]
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.int32)
+    for row in range(rows):
+        picked = [documents[(3 * row + k) % len(documents)] for k in range(3)]
+        builder.add_item(pai_sft_row([(d[:6], d[6:14]) for d in picked], seq_length))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.compat.launch_data import BY_ID, SCRIPTS, LocalFiles, entry_of, groups, tiny
+from tests.compat.launch_data import BY_ID, SCRIPTS, LocalFiles, entry_of, groups, pai_sft_idxmap, tiny
 from tests.compat.run_launch_scripts import results
 from tests.compat.test_launch_runs import log_lines
 from tests.compat.test_launch_scripts import REFUSED
@@ -93,6 +93,9 @@ def folded_changes(script_id: str, local_files: LocalFiles) -> dict[str, object]
         changes["--data-path"] = local_files.gpt_prefix
     if _value(BY_ID[script_id]["argv"], "--dataset") in ("LLama-Pretrain-Raw", "LLama-SFT"):
         changes.update({flag: alpaca_records(local_files) for flag in RAW_JSON_FLAGS if flag in present})
+    if _value(BY_ID[script_id]["argv"], "--train-mode") == "finetune" and _value(
+            BY_ID[script_id]["argv"], "--dataset") == "MMAP":  # Pai's SFT idxmap: tokens, then labels
+        changes["--data-path"] = pai_sft_idxmap(local_files, int(values["--seq-length"][0]))
     if "--moe-layer-freq" in present:  # a per-layer pattern of the script's layer count: the tiny model's 4
         changes["--moe-layer-freq"] = "([1]*4)"
     changes.update({flag: PADDED_VOCAB for flag in PADDED_VOCAB_FLAGS if flag in present})

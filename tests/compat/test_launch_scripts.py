@@ -50,7 +50,6 @@ REFUSED = {
     "mlm-gptoss-2026-03": ["--fp8-format hybrid"],
     "mlm-modelopt-dsv2lite-sft-2026": ["--finetune-hf-dataset"],  # issue 43: SFT data
     "mlm-modelopt-qwen3-30b-a3b-sft-2026": ["--finetune-hf-dataset"],
-    "pai-qwen3-moe-a3b-sft-2025-09": ["--train-mode finetune"],
     # their pipeline layout (issue 42) and first-stage size plan now; multi-token prediction beside sequence
     # parallelism or an untied head under PP, and a batch the layout cannot divide, stop them
     "mlm-ft-dsv3-proxy-2025": ["--mtp-num-layers 1: under --pipeline-model-parallel-size the depths sit on the last "

@@ -137,7 +137,9 @@ def test_the_plan_takes_pais_sft_flags_and_refuses_what_it_cannot_serve(tmp_path
     assert "--train-mode finetune: supervised fine-tuning on --dataset JSON-SFT" in notes
     with pytest.raises(FlagRefused, match="add --train-mode finetune"):
         parse_args(base)
-    with pytest.raises(FlagRefused, match="--train-mode finetune with --dataset MMAP: Pai's fine-tuning on indexed"):
+    # Pai's SFT idxmap reads --data-path (tests/unit/test_pai_script_features.py): without it, nothing to read
+    with pytest.raises(FlagRefused, match="--train-mode finetune with --dataset MMAP: Pai fine-tunes on --dataset MMAP "
+                                          "--data-path PREFIX"):
         parse_args(["--dataset", "MMAP", "--train-mode", "finetune"])
 
 

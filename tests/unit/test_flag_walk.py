@@ -44,6 +44,9 @@ CHANGES: dict[str, list[str]] = {
     "--decoupled-min-lr": ["--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-5"],
     "--dataloader-type": ["--dataloader-type", "cyclic"],
     "--bert-no-binary-head": ["--model-type", "bert", "--bert-no-binary-head"],
+    "--cpu-offloading": ["--cpu-offloading", "--cpu-offloading-num-layers", "1"],
+    "--cpu-offloading-num-layers": ["--cpu-offloading", "--cpu-offloading-num-layers", "1"],
+    "--moe-layer-recompute": [*MOE, "--moe-layer-recompute"],
 }
 # Flags that act on the launcher or the process, which the Plan of the run does not describe.
 NOT_THE_RUN = {

@@ -148,13 +148,24 @@ def test_yarn_flags_work_for_a_llama_model_too():
     (["--group-query-attention", "--num-query-groups", "2"], "drop --group-query-attention"),
     (["--qk-pos-emb-head-dim", "5"], "--qk-pos-emb-head-dim 5: rope rotates pairs"),
     (["--kv-lora-rank", "0"], "--kv-lora-rank 0: give at least 1"),
-    (["--rope-type", "yarn", "--use-rope-scaling"], "drop --use-rope-scaling"),
     (["--yarn-beta-fast", "1", "--yarn-beta-slow", "2"], "beta-slow below beta-fast"),
 ])
 def test_rules_refuse_what_mla_and_yarn_cannot_be(extra, says):
     args = arguments.parse_args([*FLAGS, *extra])
     with pytest.raises(rules.FlagConflict, match=says):
         rules.validate(args, settings.RunContext(1, "cpu"))
+
+
+def test_yarn_with_llama_rope_scaling_is_refused_but_mla_ignores_the_llama_scaling_as_megatron_core():
+    """Standard attention takes one rope scaling; MLA builds its own rotary embedding (YaRN's here), and
+    Megatron-Core's --use-rope-scaling only reaches the standard one, so DeepSeek-V3 scripts that pass it plan."""
+    llama = arguments.parse_args(["--position-embedding-type", "rope", "--rope-type", "yarn", "--use-rope-scaling"])
+    with pytest.raises(rules.FlagConflict, match="drop --use-rope-scaling"):
+        rules.validate(llama, settings.RunContext(1, "cpu"))
+    mla = arguments.parse_args([*FLAGS, "--rope-type", "yarn", "--use-rope-scaling"])
+    assert rules.violations(mla, settings.RunContext(1, "cpu")) == [] and not mla.use_rope_scaling
+    assert any(note.startswith("--use-rope-scaling: no effect with --multi-latent-attention")
+               for note in mla.compat_notes)
 
 
 def test_mla_under_tensor_parallelism_passes_the_rules():
