@@ -58,12 +58,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Split the Hugging Face safetensors into files of at most this size (default 5GB).")
     parser.add_argument("--megatron", action="store_true",
                         help="Also write Megatron-LM's legacy checkpoint layout (OUTPUT/megatron) of the built-in "
-                             "GPT/Llama model, cut for --target-tensor-parallel-size × "
-                             "--target-pipeline-parallel-size.")
+                             "GPT/Llama/MoE model, cut for --target-tensor-parallel-size × "
+                             "--target-pipeline-parallel-size (× --target-expert-parallel-size).")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
                         help="With --megatron: the tensor-parallel size to cut the model for (default 1).")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1,
                         help="With --megatron: the pipeline-parallel size to cut the model for (default 1).")
+    parser.add_argument("--target-expert-parallel-size", type=int, default=1,
+                        help="With --megatron and a mixture-of-experts model: the expert-parallel size to divide the "
+                             "routed experts over (folders mp_rank_TT[_PPP]_EEE, Megatron-Core's SequentialMLP names; "
+                             "default 1).")
     return parser.parse_args(argv)
 
 
@@ -122,15 +126,21 @@ def run_tokenizer(directory: Path) -> tuple[Any, Any] | str:
 
 
 def export_megatron(state: dict[str, torch.Tensor], config: ModelConfig | None, directory: Path, output: Path,
-                    tensor_parallel: int, pipeline_parallel: int) -> Path:
-    """Megatron-LM's legacy layout; the vocabulary padded to its --make-vocab-size-divisible-by × the target TP."""
+                    tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1) -> Path:
+    """Megatron-LM's legacy layout; the vocabulary padded to its --make-vocab-size-divisible-by × the target TP; a
+    mixture-of-experts model (MLA included) in Megatron-Core's names, its routed experts over `expert_parallel`."""
     from rapidtrain.checkpoint.checkpointer import read_common
     from rapidtrain.checkpoint.megatron_legacy import write_megatron_legacy
 
-    if config is None or config.model_type != "gpt" or any(config.num_experts):
-        raise ExportError("--megatron writes the built-in GPT/Llama model without experts only")
-    if tensor_parallel < 1 or pipeline_parallel < 1:
-        raise ExportError("--target-tensor-parallel-size and --target-pipeline-parallel-size must be at least 1")
+    if config is None or config.model_type != "gpt":
+        raise ExportError("--megatron writes the built-in GPT/Llama/MoE model (not BERT)")
+    if tensor_parallel < 1 or pipeline_parallel < 1 or expert_parallel < 1:
+        raise ExportError("--target-tensor-parallel-size, --target-pipeline-parallel-size and "
+                          "--target-expert-parallel-size must be at least 1")
+    experts = {count for count in config.num_experts if count}
+    if expert_parallel > 1 and (not experts or any(count % expert_parallel for count in experts)):
+        raise ExportError(f"--target-expert-parallel-size {expert_parallel} must divide the model's experts per "
+                          f"layer ({', '.join(map(str, sorted(experts))) or 'none: not a mixture-of-experts model'})")
     if output.exists() and any(output.iterdir()):
         raise ExportError(f"{output} is not empty: --megatron writes a new checkpoint folder; remove it or choose "
                           "another --output")
@@ -142,9 +152,10 @@ def export_megatron(state: dict[str, torch.Tensor], config: ModelConfig | None, 
                           consumed_samples=int(common.get("consumed_samples", 0)),
                           scheduler=common.get("lr_scheduler"),
                           extra_args={"make_vocab_size_divisible_by": multiple // tensor_parallel},
-                          optimizer_and_rng=False)
+                          optimizer_and_rng=False, expert_parallel=expert_parallel)
     print(f"Megatron-LM legacy checkpoint (tensor parallel {tensor_parallel} × pipeline parallel "
-          f"{pipeline_parallel}) in {output}")
+          f"{pipeline_parallel}" + (f" × expert parallel {expert_parallel}" if expert_parallel > 1 else "")
+          + f") in {output}")
     return output
 
 
@@ -161,7 +172,8 @@ def convert(args: argparse.Namespace) -> list[Path]:
         written.append(export_hf(state, config, directory, output / "hf", args.hf_max_shard_size))
     if args.megatron:
         written.append(export_megatron(state, config, directory, output / "megatron",
-                                       args.target_tensor_parallel_size, args.target_pipeline_parallel_size))
+                                       args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                                       args.target_expert_parallel_size))
     return written
 
 

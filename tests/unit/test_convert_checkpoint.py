@@ -192,3 +192,40 @@ def test_megatron_layout_round_trips_the_weights_exactly(exported, tmp_path, lay
     whole = whole_model(saved, saved_model_config(directory))
     assert sorted(whole) == sorted(source)
     assert all(torch.equal(whole[name], source[name]) for name in source)
+
+
+# DeepSeek-V3's kind of model, tiny: MLA with a query bottleneck, a dense first layer, routed and shared experts
+MOE_MLA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
+           "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--q-lora-rank", "16",
+           "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+           "--qk-layernorm", "--num-experts", "4", "--moe-layer-freq", "[0,1]", "--moe-ffn-hidden-size", "32",
+           "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "64", "--moe-router-score-function",
+           "sigmoid", "--moe-router-enable-expert-bias"]
+
+
+def test_a_moe_mla_model_goes_to_megatron_at_any_expert_parallel_size_and_back_exactly(demo_data, tmp_path):
+    """--megatron of a mixture-of-experts model with MLA: Megatron-Core's names, routed experts divided over
+    --target-expert-parallel-size (folders mp_rank_TT_EEE), which rapidtrain's reader merges back into exactly the
+    checkpoint's weights; an expert-parallel size that does not divide the experts is refused by name."""
+    from rapidtrain.checkpoint.foreign import whole_model
+    from rapidtrain.checkpoint.foreign_formats import detect_foreign
+    from rapidtrain.checkpoint.megatron_legacy import read_megatron_legacy
+    from rapidtrain.checkpoint.reader import checkpoint_directory, consolidated_model_state
+    from rapidtrain.config.saved_checkpoint import saved_model_config
+
+    folder = train_and_save(tmp_path / "ck", MOE_MLA)
+    script = load_script()
+    directory = checkpoint_directory(folder)
+    source = consolidated_model_state(directory)
+    assert script.main(["--load", str(folder), "--output", str(tmp_path / "out"), "--megatron",
+                        "--target-tensor-parallel-size", "2", "--target-expert-parallel-size", "2"]) == 0
+    found = detect_foreign(tmp_path / "out" / "megatron")
+    assert sorted(p.name for p in found.directory.iterdir()) == [f"mp_rank_{t:02d}_{e:03d}" for t in (0, 1)
+                                                                 for e in (0, 1)]
+    whole = whole_model(read_megatron_legacy(found), saved_model_config(directory))
+    assert sorted(whole) == sorted(source)
+    assert all(torch.equal(whole[name], source[name]) for name in source)
+    with pytest.raises(SystemExit) as refused:
+        script.main(["--load", str(folder), "--output", str(tmp_path / "out3"), "--megatron",
+                     "--target-expert-parallel-size", "3"])
+    assert refused.value.code == 2
