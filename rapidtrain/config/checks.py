@@ -508,9 +508,8 @@ def recompute_problem(args: Args) -> str | None:
     if len(kinds) > 1:
         return f"{' and '.join(asked)} ask for different recompute granularities; keep one."
     method, layers = args.recompute_method or args.activations_checkpoint_method, args.recompute_num_layers
-    if not asked and (method or layers is not None):
-        return ("--recompute-method / --recompute-num-layers choose which layers are recomputed, and no recompute "
-                "was asked for: add --recompute-granularity full (or op).")
+    if not asked:
+        return None  # --recompute-method / --recompute-num-layers alone: the plan says they change nothing
     if kinds == {"selective"} and (method or layers is not None):
         return ("--recompute-granularity selective recomputes the attention core of every layer; "
                 "--recompute-method / --recompute-num-layers do not apply to it (as in Megatron): drop them.")
