@@ -26,7 +26,8 @@ CASES = re.compile(r"tests/functional_tests/test_cases/(?P<family>[^/]+)/(?P<cas
 # The entry program of a family whose recipe does not name one.
 FAMILY_ENTRY = {"gpt": "pretrain_gpt.py", "moe": "pretrain_gpt.py", "mixtral": "pretrain_gpt.py",
                 "bert": "pretrain_bert.py", "t5": "pretrain_t5.py", "hybrid": "pretrain_hybrid.py",
-                "nemotron": "pretrain_hybrid.py", "multimodal-llava": "pretrain_vlm.py", "mimo": "examples/mimo/train.py"}
+                "nemotron": "pretrain_hybrid.py", "multimodal-llava": "pretrain_vlm.py",
+                "mimo": "examples/mimo/train.py"}
 
 
 class _TextLoader(yaml.SafeLoader):
