@@ -670,7 +670,7 @@ def pad_vocab_problem(args: Args) -> str | None:
 
 
 def interleaved(args: Args) -> bool:
-    """Several loop-ordered stages per rank under 1F1B: Megatron's interleaving, in rounds of P micro-batches."""
+    """Several loop-ordered stages per rank under 1F1B: Megatron's interleaving, in rounds of about P micro-batches."""
     from rapidtrain.config.resolve import pipeline_schedule_of, virtual_stages_of
 
     return virtual_stages_of(args) > 1 and pipeline_schedule_of(args) == "1f1b"

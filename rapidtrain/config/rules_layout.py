@@ -136,15 +136,17 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
         "interleaved-micro-batches", ("--num-layers-per-virtual-pipeline-stage", "--global-batch-size",
                                       "--micro-batch-size"),
-        "The interleaved schedule needs the micro-batches per iteration (accumulation steps) to be a multiple of the "
-        "pipeline size, as in Megatron.",
+        "The interleaved schedule (torch's ScheduleInterleaved1F1B) runs the micro-batches per iteration (accumulation "
+        "steps) in max(1, micro-batches // pipeline size) rounds of equal size: a multiple of the pipeline size, or "
+        "fewer micro-batches than twice it (Megatron's --microbatch-group-size-per-virtual-pipeline-stage groups).",
         lambda a, c: pp_size(a) > 1 and interleaved(a)
-        and (steps := accumulation_steps(a, c)) is not None and steps % pp_size(a) != 0,
+        and (steps := accumulation_steps(a, c)) is not None and steps % max(1, steps // pp_size(a)) != 0,
         lambda a, c: f"{virtual_stages_of(a)} virtual stages per pipeline rank with {accumulation_steps(a, c)} "
         f"micro-batches per iteration (--global-batch-size / (--micro-batch-size × data-parallel size "
-        f"{dp_size(a, c)})): the interleaved schedule runs micro-batches in rounds of --pipeline-model-parallel-size "
-        f"{pp_size(a)}. Make --global-batch-size "
-        f"a multiple of {pp_size(a) * a.micro_batch_size * dp_size(a, c)}, or drop the virtual stages.",
+        f"{dp_size(a, c)})): the interleaved schedule runs them in {max(1, (accumulation_steps(a, c) or 0) // pp_size(a))} "
+        f"rounds of equal size (one round per --pipeline-model-parallel-size {pp_size(a)} micro-batches). Make "
+        f"--global-batch-size a multiple of {pp_size(a) * a.micro_batch_size * dp_size(a, c)}, or drop the virtual "
+        "stages.",
     ),
     Rule(
         "pipeline-schedule", ("--pipeline-schedule", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),

@@ -70,9 +70,9 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
-    "interleaved-micro-batches": (
+    "interleaved-micro-batches": (  # 5 micro-batches in 5 // 2 = 2 rounds: unequal
         ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-         "--micro-batch-size", "1", "--global-batch-size", "3"],
+         "--micro-batch-size", "1", "--global-batch-size", "5"],
         ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
          "--micro-batch-size", "1", "--global-batch-size", "4"],
         2,
