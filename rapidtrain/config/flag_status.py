@@ -150,6 +150,10 @@ HANDLED["--calculate-per-token-loss"] = (
     "the loss summed over the tokens of every micro-batch and data-parallel rank, over their count: rapidtrain's "
     "reduction whenever the forward step returns (loss sum, token count), as the built-in models and tasks do; with "
     "this flag a mean loss from a user's forward step stops the run instead")
+HYBRID_LAYERS = "Mamba, hybrid, linear-attention and sparse-attention layers are not in rapidtrain's models"
+HANDLED["--spec"] = ("Megatron's layer spec: local (the layers without Transformer Engine, as pretrain_bert.py reads "
+                     "it) is what rapidtrain's own torch layers are; a spec by module path names Megatron-Core code "
+                     "(the hybrid Mamba stack) and is refused")
 _WEIGHTED = ("BigScience's per-split weighted data, \"NAME: W1 START:END PREFIX1, W2 START:END PREFIX2\": each "
              "group a blend of its prefixes' documents between those fractions; one training group, each validation "
              "or test group evaluated and logged on its own")
@@ -427,9 +431,8 @@ PATTERNS: list[tuple[str, str, str]] = [
      "encoder-decoder (T5) models are not in rapidtrain"),
     (r"--mamba-.*|--hybrid-.*|--is-hybrid-model|--linear-(attention-freq|conv-kernel-dim|key-head-dim|num-key-heads|"
      r"num-value-heads|value-head-dim)|--gdp-.*|--disable-mamba-mem-eff-path|--no-rope-freq|--mhc-.*|"
-     r"--enable-mhc-connections|--experimental-attention-variant|--dsa-.*|--no-dsa-.*|--spec|"
-     r"--heterogeneous-layers-config-.*", REFUSED,
-     "Mamba, hybrid, linear-attention and sparse-attention layers are not in rapidtrain's models"),
+     r"--enable-mhc-connections|--experimental-attention-variant|--dsa-.*|--no-dsa-.*|"
+     r"--heterogeneous-layers-config-.*", REFUSED, HYBRID_LAYERS),
     (r"--cache-mla-latents", REFUSED, "multi-head latent attention caches each head's key and value after the "
      "up-projection; caching the compressed latents (absorbing the up-projections) is not in rapidtrain"),
     (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "that multi-token prediction option is not in rapidtrain "

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rapidtrain.config.flag_status import NO_EFFECT, REFUSED
+from rapidtrain.config.flag_status import HYBRID_LAYERS, NO_EFFECT, REFUSED
 from rapidtrain.config.flag_surface import (
     VALUE_ALIASES,
     FlagRefused,
@@ -617,6 +617,17 @@ def _decoupled_min_lr(args: Args, value: float, notes: list[str], refusals: list
                      "(as in Megatron-Core)")
 
 
+def _spec(args: Args, value: list[str], notes: list[str], refusals: list[str]) -> None:
+    """Megatron's --spec: `local` chooses Megatron's own layers over Transformer Engine's (Megatron-LM's BERT tests
+    pass it), which changes nothing here; MODULE FUNCTION imports Megatron-Core code, which rapidtrain does not run."""
+    if value == ["local"]:
+        notes.append("--spec local: Megatron's layers without Transformer Engine; rapidtrain's layers are its own "
+                     "torch modules either way")
+    else:
+        refusals.append(f"{_shown('--spec', value)}: a Megatron-Core layer spec by module path is not in rapidtrain; "
+                        f"{HYBRID_LAYERS}")
+
+
 def _per_token_loss(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
     if args.model_type == "bert" and args.bert_binary_head:
         refusals.append("--calculate-per-token-loss: BERT's sentence-order loss is one value per sample, not per "
@@ -716,6 +727,7 @@ HANDLERS = {
     "--decoupled-lr": _decoupled_lr,
     "--decoupled-min-lr": _decoupled_min_lr,
     "--calculate-per-token-loss": _per_token_loss,
+    "--spec": _spec,
     "--max-padding-length": _max_padding_length,
     **{f"--{split}-weighted-split-paths": (lambda args, value, notes, refusals: None) for split in SPLITS},
     **{f"--{split}-weighted-split-paths-path": _weighted_paths_file(split) for split in SPLITS},

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rapidtrain.config import arguments, plan, rules, settings
+from rapidtrain.config.flag_surface import FlagRefused
 from rapidtrain.config.settings import RunContext
 from rapidtrain.data.samplers import MegatronRandomSampler
 from rapidtrain.parallel.deepspeed import DeepSpeedConfigConflict, merge_user_config
@@ -176,3 +177,12 @@ def test_deepspeed_config_zero_sizes_win_over_defaults_but_not_over_flags():
     assert merged["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     with pytest.raises(DeepSpeedConfigConflict, match="reduce_bucket_size: --deepspeed_config 10000000.0"):
         merge_user_config(user, generated, "ds.json")
+
+
+def test_spec_local_is_rapidtrains_own_layers_and_a_module_spec_is_refused():
+    """Megatron-LM's BERT functional tests pass `--spec local` (its layers without Transformer Engine): that plans,
+    with a note; a spec by module path (the hybrid Mamba stack) imports Megatron-Core code and stops, naming it."""
+    assert "--spec local: Megatron's layers without Transformer Engine" in notes(resolve(["--spec", "local"]))
+    with pytest.raises(FlagRefused) as stopped:
+        resolve(["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"])
+    assert "--spec megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec: a Megatron-Core" in str(stopped.value)
