@@ -143,8 +143,9 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         and (steps := accumulation_steps(a, c)) is not None and steps % max(1, steps // pp_size(a)) != 0,
         lambda a, c: f"{virtual_stages_of(a)} virtual stages per pipeline rank with {accumulation_steps(a, c)} "
         f"micro-batches per iteration (--global-batch-size / (--micro-batch-size × data-parallel size "
-        f"{dp_size(a, c)})): the interleaved schedule runs them in {max(1, (accumulation_steps(a, c) or 0) // pp_size(a))} "
-        f"rounds of equal size (one round per --pipeline-model-parallel-size {pp_size(a)} micro-batches). Make "
+        f"{dp_size(a, c)})): the interleaved schedule runs them in "
+        f"{max(1, (accumulation_steps(a, c) or 0) // pp_size(a))} rounds of equal size (one round per "
+        f"--pipeline-model-parallel-size {pp_size(a)} micro-batches). Make "
         f"--global-batch-size a multiple of {pp_size(a) * a.micro_batch_size * dp_size(a, c)}, or drop the virtual "
         "stages.",
     ),
