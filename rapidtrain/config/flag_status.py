@@ -119,9 +119,10 @@ HANDLED: dict[str, str] = {
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "
                               "--pipeline-model-parallel-size > 1",
-    "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss over the micro-batch) and "
-                                        "seq_aux_loss (DeepSeek-V3's, per sequence) are the built-in router's; none "
-                                        "turns the loss off; other types are refused",
+    "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss over the micro-batch), "
+                                        "seq_aux_loss (DeepSeek-V3's, per sequence) and sinkhorn (the experts chosen "
+                                        "by Sinkhorn-balanced logits, no loss) are the built-in router's; none turns "
+                                        "the loss off; other types are refused",
     "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
                            "the vocabulary pads to exactly N",
     "--pad-vocab-size-to": "BigScience's embedding rows: exactly N (--make-vocab-size-divisible-by N / TP); refused "

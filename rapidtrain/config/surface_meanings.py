@@ -50,6 +50,7 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] |
     _megatron_deepspeed_config(args, given, notes, refusals, defaults)
     _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
+    _sinkhorn(args, given, notes, refusals)
     _moe_dropping_by_origin(args, parser, given, notes)
     _weighted_splits(args, given, notes, refusals)
     if getattr(args, "raw_json_dataset", None) and "split" in given:
@@ -524,10 +525,41 @@ def _load_balancing(args: Args, value, notes: list[str], refusals: list[str]) ->
     elif kinds == {"none"}:
         args.moe_loss_coeff = 0.0
         notes.append("--moe-router-load-balancing-type none: --moe-aux-loss-coeff 0")
+    elif kinds == {"sinkhorn"}:
+        args.moe_aux_loss_type = "sinkhorn"  # its coefficient and the router flags it ignores: _sinkhorn below
     else:
         refusals.append(f"{_shown('--moe-router-load-balancing-type', value)}: rapidtrain's router balances with "
-                        "one of aux_loss, seq_aux_loss (or none); sinkhorn, global_aux_loss, quantile_balancing and "
+                        "one of aux_loss, seq_aux_loss, sinkhorn (or none); global_aux_loss, quantile_balancing and "
                         "combinations of types are not in it")
+
+
+# Router settings Sinkhorn routing does not read (Megatron-Core ignores them): flag → the namespace value that asks
+# for nothing.
+SINKHORN_IGNORES = {"--moe-router-score-function": ("moe_router_score_function", "softmax"),
+                    "--moe-router-pre-softmax": ("moe_router_pre_softmax", False),
+                    "--moe-router-topk-scaling-factor": ("moe_router_topk_scaling_factor", None),
+                    "--moe-router-num-groups": ("moe_router_num_groups", None),
+                    "--moe-router-enable-expert-bias": ("moe_router_enable_expert_bias", False)}
+
+
+def _sinkhorn(args: Args, given: set[str], notes: list[str], refusals: list[str]) -> None:
+    """Sinkhorn routing balances by its choice, with no balancing loss: Megatron asserts --moe-aux-loss-coeff 0 (its
+    default); rapidtrain's default coefficient becomes 0 here, one given stops the run, as do the router flags that
+    Sinkhorn routing would ignore."""
+    if getattr(args, "moe_aux_loss_type", None) != "sinkhorn":
+        return
+    ignored = [flag for flag, (dest, neutral) in SINKHORN_IGNORES.items() if getattr(args, dest) != neutral]
+    if "moe_loss_coeff" in given and args.moe_loss_coeff:
+        ignored.append(f"--moe-aux-loss-coeff {args.moe_loss_coeff:g}")
+    if ignored:
+        refusals.append(f"--moe-router-load-balancing-type sinkhorn chooses by the Sinkhorn-balanced logits and "
+                        "combines with sigmoid (top-1) or softmax scores, with no balancing loss: "
+                        f"{', '.join(ignored)} would do nothing under it (Megatron-Core asserts a zero "
+                        "--moe-aux-loss-coeff). Drop them.")
+        return
+    args.moe_loss_coeff = 0.0
+    notes.append("--moe-router-load-balancing-type sinkhorn: Sinkhorn routing, the experts chosen by the logits "
+                 "balanced over the micro-batch's tokens (Sinkhorn-Knopp), no balancing loss (--moe-aux-loss-coeff 0)")
 
 
 def _exact_vocab_rows(flag: str, args: Args, value: int, notes: list[str], refusals: list[str]) -> bool:

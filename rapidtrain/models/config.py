@@ -51,7 +51,8 @@ class ModelConfig:
     moe_router_force_load_balancing: bool = False  # benchmarking: random router logits (Megatron-Core's)
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias added for selection only
     moe_router_bias_update_rate: float = 1e-3  # ... moved by this much per step towards the mean load
-    moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss"] = "aux_loss"  # over the micro-batch, or per sequence
+    # the balancing loss over the micro-batch or per sequence; or Sinkhorn routing (balanced choice, no loss)
+    moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn"] = "aux_loss"
     moe_ffn_hidden_size: int | None = None  # each routed expert's hidden size; None: ffn_size
     moe_shared_expert_intermediate_size: int | None = None  # all shared experts together (one MLP); None: none
     moe_shared_expert_gate: bool = False  # Qwen-MoE: the shared experts' output times sigmoid(Linear(h, 1)(x))
@@ -215,13 +216,18 @@ class ModelConfig:
         if not any(self.num_experts):
             return []
         k = self.moe_router_topk
-        if self.moe_router_score_function == "sigmoid":
+        if self.moe_aux_loss_type == "sinkhorn":  # the router flags it ignores are refused (surface_meanings)
+            scores = (f"Sinkhorn routing: in training the top {k} of the logits balanced over the micro-batch's tokens "
+                      "(Sinkhorn-Knopp), in evaluation of the scores; combined by "
+                      + ("sigmoid(logit)" if k == 1 else "their softmax probabilities, not renormalised")
+                      + "; no balancing loss")
+        elif self.moe_router_score_function == "sigmoid":
             scores = "sigmoid scores" + (f", the top {k} normalised to sum 1" if k > 1 else "")
         elif self.moe_router_pre_softmax or k == 1:
             scores = "softmax over all experts, the chosen keep their probabilities"
         else:
             scores = f"softmax, the top {k} renormalised to sum 1"
-        words = [f"router: top-{k} of {scores}"]
+        words = [scores if self.moe_aux_loss_type == "sinkhorn" else f"router: top-{k} of {scores}"]
         if self.moe_router_topk_scaling_factor:
             words.append(f"combine weights × {self.moe_router_topk_scaling_factor:g}")
         if self.moe_router_num_groups:

@@ -185,4 +185,19 @@ def test_spec_local_is_rapidtrains_own_layers_and_a_module_spec_is_refused():
     assert "--spec local: Megatron's layers without Transformer Engine" in notes(resolve(["--spec", "local"]))
     with pytest.raises(FlagRefused) as stopped:
         resolve(["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"])
-    assert "--spec megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec: a Megatron-Core" in str(stopped.value)
+    assert "hybrid_layer_specs hybrid_stack_spec: a Megatron-Core layer spec" in str(stopped.value)
+
+
+def test_sinkhorn_load_balancing_plans_sinkhorn_routing_without_a_balancing_loss():
+    """Megatron-LM's MoE functional tests (gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel and 21 more) route with
+    --moe-router-load-balancing-type sinkhorn: the model's router chooses by Sinkhorn-balanced logits and the balancing
+    loss is off (Megatron asserts its coefficient 0); a coefficient or router setting it would ignore stops the run."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "1", "--moe-router-load-balancing-type", "sinkhorn"]
+    p = resolve(moe)
+    assert p.model.moe_aux_loss_type == "sinkhorn" and p.model.moe_aux_loss_coeff == 0.0
+    assert "Sinkhorn routing" in notes(p)
+    for extra, named in ((["--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff 0.01"),
+                         (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias")):
+        with pytest.raises(FlagRefused) as stopped:
+            resolve(moe + extra)
+        assert named in str(stopped.value)
