@@ -438,9 +438,13 @@ PATTERNS: list[tuple[str, str, str]] = [
      "up-projection; caching the compressed latents (absorbing the up-projections) is not in rapidtrain"),
     (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "that multi-token prediction option is not in rapidtrain "
      "(--mtp-num-layers and --mtp-loss-scaling-factor are)"),
-    (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--apply-wd-to-qk-layernorm|--mup-.*|--use-mup|"
+    (r"--apply-wd-to-qk-layernorm", REFUSED,
+     "the q/k norms of --qk-layernorm get no weight decay, as every norm and bias (Megatron's default); decaying "
+     "them is not in rapidtrain"),
+    (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--mup-.*|--use-mup|"
      r"--lion-.*|--soap-.*|--use-bnb-optimizer|--no-weight-decay-cond-type", REFUSED,
-     "not in rapidtrain (no QK-norm/clip, muP, Lion or SOAP); use the defaults and --optimizer adamw or muon"),
+     "not in rapidtrain (no QK L2-norm or clipping, muP, Lion or SOAP); use the defaults and --optimizer adamw or "
+     "muon"),
     (r"--moe-(router-force-.*|router-quantile-balancing-ema|apply-probs-on-input|latent-size|layer-recompute|"
      r"mlp-glu-interleave-size|shared-expert-gate|shared-expert-glu-interleave-size|single-grouped-.*|"
      r"use-grouped-tensor|use-legacy-grouped-gemm|use-upcycling|upcycling-granularity|enable-routing-replay|"
