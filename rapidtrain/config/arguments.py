@@ -321,6 +321,9 @@ def _add_gpt_oss_variants(g: argparse._ArgumentGroup) -> None:
                         "logit 0); learnable adds exp of a learned logit per head (gpt-oss's sinks). Every kernel: "
                         "SDPA takes the sink as one more key of zero value (a float mask), eager as one more softmax "
                         "column, FlexAttention by rescaling with its logsumexp.")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="Squared ReLU, relu(x)², as the activation of MLPs without a gate, dense and experts "
+                        "(Megatron's Nemotron runs; Primer); excludes --swiglu, --quick-geglu and --openai-gelu.")
     g.add_argument("--quick-geglu", action="store_true",
                    help="Gated MLP fc2(quick_gelu(gate(x)) · fc1(x)) with quick_gelu(x) = x·sigmoid(1.702x), in dense "
                         "layers and experts (gpt-oss; Megatron-Core's quick-GEGLU); excludes --swiglu. With biases (no "

@@ -272,7 +272,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--pattern": (WORKS, "EasyNLP's PET pattern, for the user script (get_args())"),
     "--trust-remote-code": (NO_EFFECT, "rapidtrain never runs code from a model or tokenizer folder"),
     "--vocab-extra-ids": (REFUSED, "T5's sentinel tokens: T5 is not in rapidtrain"),
-    "--squared-relu": (REFUSED, "squared ReLU is not in rapidtrain's models: GELU or --swiglu"),
     "--glu-activation": (REFUSED, "BigScience's GLU variants: rapidtrain has --swiglu"),
     "--attention-output-gate": (REFUSED, "gated attention output is not in rapidtrain's models"),
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),

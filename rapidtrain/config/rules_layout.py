@@ -316,6 +316,15 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "Give one.",
     ),
     Rule(
+        "squared-relu-one-activation", ("--squared-relu", "--swiglu", "--quick-geglu", "--openai-gelu"),
+        "--squared-relu is the activation of an MLP without a gate, in place of GELU: not beside --swiglu or "
+        "--quick-geglu (as Megatron asserts) or --openai-gelu.",
+        lambda a, c: a.squared_relu and (a.swiglu or a.quick_geglu or a.openai_gelu),
+        lambda a, c: "--squared-relu with "
+        + ("--swiglu" if a.swiglu else "--quick-geglu" if a.quick_geglu else "--openai-gelu")
+        + ": both choose the MLP's activation. Drop one of them.",
+    ),
+    Rule(
         "glu-settings-need-a-gated-mlp", ("--glu-linear-offset", "--activation-func-clamp-value", "--swiglu",
                                           "--quick-geglu"),
         "--glu-linear-offset and --activation-func-clamp-value shape a gated MLP's product; without --swiglu or "

@@ -117,6 +117,7 @@ class ModelConfig:
     # glu_linear_offset (--glu-linear-offset; gpt-oss: 1).
     quick_geglu: bool = False
     activation_clamp: float | None = None
+    squared_relu: bool = False  # --squared-relu: an MLP without a gate activates relu(x)² instead of GELU
     glu_linear_offset: float = 0.0
     # A bias on the router's logits (Megatron-Core's router with --add-bias-linear, gpt-oss's router); the default
     # router is DeepSpeed-MoE's, bias-free.
@@ -188,6 +189,8 @@ class ModelConfig:
     def mlp_features(self) -> list[str]:
         """The MLP's activation and router where they differ from GELU / SwiGLU and a bias-free router, for the plan."""
         features = []
+        if self.squared_relu:
+            features.append("MLP activation: squared ReLU, relu(x)² (--squared-relu)")
         if self.gated_linear_unit and (self.quick_geglu or self.activation_clamp is not None or self.glu_linear_offset):
             gate = "quick_gelu" if self.quick_geglu else "silu"
             clamp = (f", gate clamped at {self.activation_clamp:g} and linear half to ±{self.activation_clamp:g}"

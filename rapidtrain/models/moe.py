@@ -48,7 +48,7 @@ from torch import nn
 
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.counting import GROUP_ROWS_MULTIPLE, padded_rows
-from rapidtrain.models.mlp import MLP, GatedUnit, gated_unit, gelu
+from rapidtrain.models.mlp import MLP, GatedUnit, dense_activation, gated_unit
 
 
 def expert_capacity(
@@ -258,9 +258,11 @@ class Experts(nn.Module):
         bias: bool = True,
         openai_gelu: bool = False,
         gated_unit: GatedUnit | None = None,
+        squared_relu: bool = False,
     ) -> None:
         super().__init__()
         self.openai_gelu = openai_gelu
+        self.squared_relu = squared_relu
         self.gated_unit = gated_unit or GatedUnit()  # the gate's activation when `swiglu` (gated); SwiGLU's silu
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size)) if swiglu else None
@@ -318,7 +320,7 @@ class Experts(nn.Module):
         if self.w_gate is not None:
             hidden = self.gated_unit(project(rows, self.w_gate, self.b_gate), hidden)
         else:
-            hidden = gelu(hidden, self.openai_gelu)
+            hidden = dense_activation(hidden, self.openai_gelu, self.squared_relu)
         if row_weights is None:
             return project(hidden, self.w2, self.b2)
         # The down projection is linear: weighting its input (ffn wide) costs less than its output (hidden wide) in
@@ -334,7 +336,7 @@ class Experts(nn.Module):
         if w_gate is not None:
             hidden = self.gated_unit(self._project(buffers, w_gate, b_gate), hidden)
         else:
-            hidden = gelu(hidden, self.openai_gelu)
+            hidden = dense_activation(hidden, self.openai_gelu, self.squared_relu)
         return self._project(hidden, w2, b2)
 
 
@@ -381,6 +383,7 @@ class MoELayer(nn.Module):
             bias=config.add_bias_linear,
             openai_gelu=config.openai_gelu,
             gated_unit=gated_unit(config),
+            squared_relu=config.squared_relu,
         )
         # PR-MoE (DeepSpeed's Residual-MoE, Rapidformer's --use-expert-residual-network): a dense MLP beside the
         # experts, the two outputs mixed per token by a softmax over two learned coefficients.
