@@ -4,6 +4,9 @@ tests/compat/test_functional_configs.py.
 
     python scripts/make_functional_test_configs.py /path/to/Megatron-LM/.git [--commit REV ...]
 
+The data holds every configuration of 2026-08-22 (d98e8a64) and those of 2025-07-01 (805f3b8d) that pass a flag none
+of 2026 does: `--commit 805f3b8d --commit d98e8a64`.
+
 A configuration's MODEL_ARGS (and MODEL_ARGS_2, ... of checkpoint-consistency tests) becomes flags as Megatron's
 tests/functional_tests/shell_test_utils/_run_training.sh makes them: `true` a bare flag, `[a b]` the words a and b,
 any other value one word; `${NAME}` placeholders become `{NAME}` (tests/compat/launch_data.py fills them). The
@@ -50,6 +53,9 @@ def argv_of(model_args: dict) -> list[str]:
         if text == "":
             continue
         text = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: "{" + (m.group(1) or m.group(2)) + "}", text)
+        # a path under a placeholder keeps its file name only (what launch_data.localize reads: .json, .txt, .model,
+        # _text_sentence ...): CI's folders are not facts a local run can use
+        text = re.sub(r"^(\{\w+\})/(?:[^\s/]+/)+([^\s/]+)$", r"\1/\2", text)
         if text == "true":
             argv.append(flag)
         elif re.fullmatch(r"\[[^]]+\]", text):
@@ -113,15 +119,21 @@ def configs(repo: str, commit: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("repo", help="a Megatron-LM git directory (a bare one will do)")
-    parser.add_argument("--commit", action="append", help="commits to read (default HEAD); later ones win per id")
+    parser.add_argument("--commit", action="append", help="commits to read, oldest first (default HEAD): all of the "
+                        "last; of an earlier one, for each flag no later configuration passes, the first that does")
     options = parser.parse_args()
-    by_id: dict[str, dict] = {}
-    for rev in options.commit or ["HEAD"]:
-        commit = git(options.repo, "rev-parse", rev).strip()
+    commits = [git(options.repo, "rev-parse", rev).strip() for rev in options.commit or ["HEAD"]]
+    kept = configs(options.repo, commits[-1])
+    for commit in reversed(commits[:-1]):
+        known = {token for config in kept for token in config["argv"] if token.startswith("--")}
         for config in configs(options.repo, commit):
-            by_id[config["id"]] = config
-    kept = sorted(by_id.values(), key=lambda c: c["id"])
-    OUT.write_text("[\n" + ",\n".join(json.dumps(c, ensure_ascii=False) for c in kept) + "\n]\n")
+            flags = {token for token in config["argv"] if token.startswith("--")}
+            if flags - known and config["id"] not in {c["id"] for c in kept}:
+                kept.append(config)
+                known |= flags
+    kept.sort(key=lambda c: (c["date"], c["id"]), reverse=False)
+    OUT.write_text("[\n" + ",\n".join(json.dumps(c, ensure_ascii=False, separators=(",", ":")) for c in kept)
+                   + "\n]\n")
     print(f"{OUT}: {len(kept)} configurations")
 
 

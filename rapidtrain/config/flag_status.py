@@ -51,6 +51,8 @@ RENAMED: dict[str, tuple[str, str]] = {
     "--use-torch-fsdp2": ("fsdp_memory_optimization", "Megatron-Core's torch FSDP2: --fsdp-memory-optimization"),
     "--use-megatron-fsdp": ("fsdp_memory_optimization", "Megatron's FSDP: served by torch FSDP2 "
                             "(--fsdp-memory-optimization)"),
+    "--use-custom-fsdp": ("fsdp_memory_optimization", "Megatron's FSDP by its 2025 name (--use-megatron-fsdp since): "
+                          "served by torch FSDP2 (--fsdp-memory-optimization)"),
     "--torch-fsdp2-no-reshard-after-forward": ("oss_sdp_memory_optimization", "FSDP2 keeping parameters gathered "
                                                "between forward and backward: --oss-sdp-memory-optimization"),
     "--deepspeed-activation-checkpointing": ("checkpoint_activations", "DeepSpeed's activation checkpointing: each "

@@ -1,9 +1,10 @@
 """Megatron-LM's own functional-test configurations (tests/compat/functional_test_configs.json: every training
-tests/functional_tests/test_cases/**/model_config.yaml, gathered by scripts/make_functional_test_configs.py), changed
-only in their paths: `rapidtrain plan` at the world size of their CI recipe either plans each one, saying what each of
-its no-effect flags does here, or stops with exit status 2 and one message naming the flags; never a traceback. The
-refusals are the justified set below: features rapidtrain does not build, each named by its flag. Planning all 263
-costs some 8 CPU-s (the local files, shared with test_launch_scripts.py, some 6 more)."""
+tests/functional_tests/test_cases/**/model_config.yaml of 2026-08-22, and the four of 2025-07-01 that pass a flag none
+of those does, gathered by scripts/make_functional_test_configs.py), changed only in their paths: `rapidtrain plan`
+at the world size of their CI recipe either plans each one, saying what each of its no-effect flags does here, or
+stops with exit status 2 and one message naming the flags; never a traceback. The refusals are the justified set
+below: features rapidtrain does not build, each named by its flag. Planning all 267 costs some 8 CPU-s (the local
+files, shared with test_launch_scripts.py, some 6 more)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ JUSTIFIED = {
 }
 
 
-PLANNED = 181  # configurations that plan
+PLANNED = 183  # configurations that plan
 
 
 def _script(config: dict) -> dict:
@@ -132,7 +133,8 @@ def test_each_configuration_plans_or_names_the_flag_rapidtrain_lacks(planned, co
 
 def test_every_justified_reason_still_stops_a_configuration(planned):
     """The justified set stays tight: each reason is one that some configuration still meets; and no configuration
-    that plans today stops on one of them tomorrow unnoticed (PLANNED: 147 before the sweep's fixes)."""
+    that plans today stops on one of them tomorrow unnoticed (PLANNED; 147 of the 263 of 2026 planned before the
+    sweep's fixes)."""
     assert sum(result.status == 0 for result in planned.values()) >= PLANNED
     met = {reason for r in planned.values() if r.status == 2 for reason in reasons_of(refusal_lines(r.output))}
     assert set(JUSTIFIED) - met == set()
