@@ -237,6 +237,9 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
                    help="Rotary base theta with --position-embedding-type rope (default 10000).")
     g.add_argument("--rotary-percent", type=float, default=None,
                    help="Share of each head's dimensions that rope rotates (default 1.0).")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="Rope rotates adjacent dimensions (2i, 2i + 1) as one pair (GPT-J's layout) instead of (i, i + "
+                        "rotary dim / 2) (Megatron's default, Llama's rotate_half).")
     g.add_argument("--kv-channels", type=int, default=None,
                    help="Size of each attention head (default --hidden-size / --num-attention-heads); q/k/v project "
                         "hidden → heads × kv-channels and o_proj back (Qwen3: 128).")

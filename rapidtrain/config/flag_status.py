@@ -278,7 +278,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--attention-output-gate": (REFUSED, "gated attention output is not in rapidtrain's models"),
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
-    "--rotary-interleaved": (REFUSED, "interleaved rotary pairs are not in rapidtrain's models (rotate_half only)"),
     "--rotary-scale-factor": (REFUSED, "RoPE scaling is not in rapidtrain's models"),
     "--init-method-xavier-uniform": (REFUSED, "weights are initialised normal(0, --init-method-std)"),
     "--embedding-init-method-std": (REFUSED, "one --init-method-std for every weight"),

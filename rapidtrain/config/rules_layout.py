@@ -316,6 +316,15 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         "Give one.",
     ),
     Rule(
+        "rotary-interleaved-needs-rope", ("--rotary-interleaved", "--position-embedding-type",
+                                          "--multi-latent-attention"),
+        "--rotary-interleaved chooses which dimensions rotary embeddings pair: it needs them "
+        "(--position-embedding-type rope, or multi-head latent attention).",
+        lambda a, c: a.rotary_interleaved and a.position_embedding_type != "rope" and not a.multi_latent_attention,
+        lambda a, c: f"--rotary-interleaved with --position-embedding-type {a.position_embedding_type}: there are no "
+        "rotary embeddings whose pairs it could choose. Add --position-embedding-type rope, or drop it.",
+    ),
+    Rule(
         "squared-relu-one-activation", ("--squared-relu", "--swiglu", "--quick-geglu", "--openai-gelu"),
         "--squared-relu is the activation of an MLP without a gate, in place of GELU: not beside --swiglu or "
         "--quick-geglu (as Megatron asserts) or --openai-gelu.",

@@ -67,6 +67,7 @@ class ModelConfig:
     add_bias_linear: bool = True  # biases of every linear layer (--disable-bias-linear turns them off)
     add_qkv_bias: bool = False  # biases of q/k/v only, when add_bias_linear is off (Qwen2)
     rotary_percent: float = 1.0  # share of each head's dimensions that rope rotates
+    rotary_interleaved: bool = False  # --rotary-interleaved: rope rotates pairs (2i, 2i + 1), not (i, i + r/2)
     openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's gelu_new)
     post_layernorm: bool = False  # original BERT order: x = norm(x + f(x)), normed embeddings, no final norm
     hf_weights: str | None = None  # a Hugging Face folder whose weights replace the seeded initial values

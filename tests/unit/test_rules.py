@@ -389,6 +389,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "openai-gelu-needs-gelu": (["--swiglu", "--openai-gelu"], ["--openai-gelu"], 1, "cpu"),
     "one-gated-activation": (["--swiglu", "--quick-geglu"], ["--quick-geglu"], 1, "cpu"),
     "squared-relu-one-activation": (["--squared-relu", "--swiglu"], ["--squared-relu"], 1, "cpu"),
+    "rotary-interleaved-needs-rope": (["--rotary-interleaved"],
+                                      ["--rotary-interleaved", "--position-embedding-type", "rope"], 1, "cpu"),
     "glu-settings-need-a-gated-mlp": (["--glu-linear-offset", "1"], ["--quick-geglu", "--glu-linear-offset", "1"], 1,
                                       "cpu"),
     "activation-clamp-positive": (["--swiglu", "--activation-func-clamp-value", "-1"],
