@@ -237,6 +237,9 @@ def _add_transformer_variants(g: argparse._ArgumentGroup) -> None:
                    help="Rotary base theta with --position-embedding-type rope (default 10000).")
     g.add_argument("--rotary-percent", type=float, default=None,
                    help="Share of each head's dimensions that rope rotates (default 1.0).")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="Rope rotates adjacent dimensions (2i, 2i + 1) as one pair (GPT-J's layout) instead of (i, i + "
+                        "rotary dim / 2) (Megatron's default, Llama's rotate_half).")
     g.add_argument("--kv-channels", type=int, default=None,
                    help="Size of each attention head (default --hidden-size / --num-attention-heads); q/k/v project "
                         "hidden → heads × kv-channels and o_proj back (Qwen3: 128).")
@@ -321,6 +324,9 @@ def _add_gpt_oss_variants(g: argparse._ArgumentGroup) -> None:
                         "logit 0); learnable adds exp of a learned logit per head (gpt-oss's sinks). Every kernel: "
                         "SDPA takes the sink as one more key of zero value (a float mask), eager as one more softmax "
                         "column, FlexAttention by rescaling with its logsumexp.")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="Squared ReLU, relu(x)², as the activation of MLPs without a gate, dense and experts "
+                        "(Megatron's Nemotron runs; Primer); excludes --swiglu, --quick-geglu and --openai-gelu.")
     g.add_argument("--quick-geglu", action="store_true",
                    help="Gated MLP fc2(quick_gelu(gate(x)) · fc1(x)) with quick_gelu(x) = x·sigmoid(1.702x), in dense "
                         "layers and experts (gpt-oss; Megatron-Core's quick-GEGLU); excludes --swiglu. With biases (no "

@@ -523,9 +523,8 @@ def recompute_problem(args: Args) -> str | None:
     if len(kinds) > 1:
         return f"{' and '.join(asked)} ask for different recompute granularities; keep one."
     method, layers = args.recompute_method or args.activations_checkpoint_method, args.recompute_num_layers
-    if not asked and (method or layers is not None):
-        return ("--recompute-method / --recompute-num-layers choose which layers are recomputed, and no recompute "
-                "was asked for: add --recompute-granularity full (or op).")
+    if not asked:
+        return None  # --recompute-method / --recompute-num-layers alone: the plan says they change nothing
     if kinds == {"selective"} and (method or layers is not None):
         return ("--recompute-granularity selective recomputes the attention core of every layer; "
                 "--recompute-method / --recompute-num-layers do not apply to it (as in Megatron): drop them.")
@@ -686,7 +685,7 @@ def pad_vocab_problem(args: Args) -> str | None:
 
 
 def interleaved(args: Args) -> bool:
-    """Several loop-ordered stages per rank under 1F1B: Megatron's interleaving, in rounds of P micro-batches."""
+    """Several loop-ordered stages per rank under 1F1B: Megatron's interleaving, in rounds of about P micro-batches."""
     from rapidtrain.config.resolve import pipeline_schedule_of, virtual_stages_of
 
     return virtual_stages_of(args) > 1 and pipeline_schedule_of(args) == "1f1b"

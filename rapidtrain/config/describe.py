@@ -133,6 +133,8 @@ def _attention_details(m: ModelConfig) -> str:
                      f"{m.rope_original_max_positions})")
     if rotary and m.rope_scaling == "yarn":
         parts.append(_yarn_words(m))
+    if rotary and m.rotary_interleaved:
+        parts.append("rope on adjacent pairs (2i, 2i + 1) (--rotary-interleaved)")
     if rotary and m.rotary_interpolation_factor != 1:
         parts.append(f"rope positions / {m.rotary_interpolation_factor:g} (linear interpolation)")
     return "".join(f", {part}" for part in parts)

@@ -52,6 +52,8 @@ RENAMED: dict[str, tuple[str, str]] = {
     "--use-torch-fsdp2": ("fsdp_memory_optimization", "Megatron-Core's torch FSDP2: --fsdp-memory-optimization"),
     "--use-megatron-fsdp": ("fsdp_memory_optimization", "Megatron's FSDP: served by torch FSDP2 "
                             "(--fsdp-memory-optimization)"),
+    "--use-custom-fsdp": ("fsdp_memory_optimization", "Megatron's FSDP by its 2025 name (--use-megatron-fsdp since): "
+                          "served by torch FSDP2 (--fsdp-memory-optimization)"),
     "--torch-fsdp2-no-reshard-after-forward": ("oss_sdp_memory_optimization", "FSDP2 keeping parameters gathered "
                                                "between forward and backward: --oss-sdp-memory-optimization"),
     "--deepspeed-activation-checkpointing": ("checkpoint_activations", "DeepSpeed's activation checkpointing: each "
@@ -127,9 +129,10 @@ HANDLED: dict[str, str] = {
                           "transformer_engine, the numbers are those of the same architecture",
     "--no-pipeline-parallel": "Megatron-DeepSpeed's non-pipelined DeepSpeed engine: pipelining runs only with "
                               "--pipeline-model-parallel-size > 1",
-    "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss over the micro-batch) and "
-                                        "seq_aux_loss (DeepSeek-V3's, per sequence) are the built-in router's; none "
-                                        "turns the loss off; other types are refused",
+    "--moe-router-load-balancing-type": "aux_loss (Switch/GShard load-balancing loss over the micro-batch), "
+                                        "seq_aux_loss (DeepSeek-V3's, per sequence) and sinkhorn (the experts chosen "
+                                        "by Sinkhorn-balanced logits, no loss) are the built-in router's; none turns "
+                                        "the loss off; other types are refused",
     "--padded-vocab-size": "the embedding's rows (Pai-Megatron-Patch): --make-vocab-size-divisible-by N / TP, so "
                            "the vocabulary pads to exactly N",
     "--pad-vocab-size-to": "BigScience's embedding rows: exactly N (--make-vocab-size-divisible-by N / TP); refused "
@@ -158,6 +161,10 @@ HANDLED["--calculate-per-token-loss"] = (
     "the loss summed over the tokens of every micro-batch and data-parallel rank, over their count: rapidtrain's "
     "reduction whenever the forward step returns (loss sum, token count), as the built-in models and tasks do; with "
     "this flag a mean loss from a user's forward step stops the run instead")
+HYBRID_LAYERS = "Mamba, hybrid, linear-attention and sparse-attention layers are not in rapidtrain's models"
+HANDLED["--spec"] = ("Megatron's layer spec: local (the layers without Transformer Engine, as pretrain_bert.py reads "
+                     "it) is what rapidtrain's own torch layers are; a spec by module path names Megatron-Core code "
+                     "(the hybrid Mamba stack) and is refused")
 _WEIGHTED = ("BigScience's per-split weighted data, \"NAME: W1 START:END PREFIX1, W2 START:END PREFIX2\": each "
              "group a blend of its prefixes' documents between those fractions; one training group, each validation "
              "or test group evaluated and logged on its own")
@@ -275,12 +282,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--pattern": (WORKS, "EasyNLP's PET pattern, for the user script (get_args())"),
     "--trust-remote-code": (NO_EFFECT, "rapidtrain never runs code from a model or tokenizer folder"),
     "--vocab-extra-ids": (REFUSED, "T5's sentinel tokens: T5 is not in rapidtrain"),
-    "--squared-relu": (REFUSED, "squared ReLU is not in rapidtrain's models: GELU or --swiglu"),
     "--glu-activation": (REFUSED, "BigScience's GLU variants: rapidtrain has --swiglu"),
     "--attention-output-gate": (REFUSED, "gated attention output is not in rapidtrain's models"),
     "--position-encoding-2d": (REFUSED, "2D position encoding is not in rapidtrain's models"),
     "--use-normhead": (REFUSED, "a normalised output head is not in rapidtrain's models"),
-    "--rotary-interleaved": (REFUSED, "interleaved rotary pairs are not in rapidtrain's models (rotate_half only)"),
     "--rotary-scale-factor": (REFUSED, "RoPE scaling is not in rapidtrain's models"),
     "--init-method-xavier-uniform": (REFUSED, "weights are initialised normal(0, --init-method-std)"),
     "--embedding-init-method-std": (REFUSED, "one --init-method-std for every weight"),
@@ -435,16 +440,19 @@ PATTERNS: list[tuple[str, str, str]] = [
      "encoder-decoder (T5) models are not in rapidtrain"),
     (r"--mamba-.*|--hybrid-.*|--is-hybrid-model|--linear-(attention-freq|conv-kernel-dim|key-head-dim|num-key-heads|"
      r"num-value-heads|value-head-dim)|--gdp-.*|--disable-mamba-mem-eff-path|--no-rope-freq|--mhc-.*|"
-     r"--enable-mhc-connections|--experimental-attention-variant|--dsa-.*|--no-dsa-.*|--spec|"
-     r"--heterogeneous-layers-config-.*", REFUSED,
-     "Mamba, hybrid, linear-attention and sparse-attention layers are not in rapidtrain's models"),
+     r"--enable-mhc-connections|--experimental-attention-variant|--dsa-.*|--no-dsa-.*|"
+     r"--heterogeneous-layers-config-.*", REFUSED, HYBRID_LAYERS),
     (r"--cache-mla-latents", REFUSED, "multi-head latent attention caches each head's key and value after the "
      "up-projection; caching the compressed latents (absorbing the up-projections) is not in rapidtrain"),
     (r"--mtp-.*|--freeze-base-for-mtp", REFUSED, "that multi-token prediction option is not in rapidtrain "
      "(--mtp-num-layers and --mtp-loss-scaling-factor are)"),
-    (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--apply-wd-to-qk-layernorm|--mup-.*|--use-mup|"
+    (r"--apply-wd-to-qk-layernorm", REFUSED,
+     "the q/k norms of --qk-layernorm get no weight decay, as every norm and bias (Megatron's default); decaying "
+     "them is not in rapidtrain"),
+    (r"--qk-(l2-norm|clip|clip-alpha|clip-threshold)|--mup-.*|--use-mup|"
      r"--lion-.*|--soap-.*|--use-bnb-optimizer|--no-weight-decay-cond-type", REFUSED,
-     "not in rapidtrain (no QK-norm/clip, muP, Lion or SOAP); use the defaults and --optimizer adamw or muon"),
+     "not in rapidtrain (no QK L2-norm or clipping, muP, Lion or SOAP); use the defaults and --optimizer adamw or "
+     "muon"),
     (r"--moe-(router-force-.*|router-quantile-balancing-ema|apply-probs-on-input|latent-size|layer-recompute|"
      r"mlp-glu-interleave-size|shared-expert-gate|shared-expert-glu-interleave-size|single-grouped-.*|"
      r"use-grouped-tensor|use-legacy-grouped-gemm|use-upcycling|upcycling-granularity|enable-routing-replay|"

@@ -37,7 +37,7 @@ CHECKPOINT_SHAPE_FLAGS = (
     "window_attn_skip_freq", *MLA_FLAGS, *YARN_FLAGS, "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
     "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias", "softmax_type", "quick_geglu",
-    "glu_linear_offset", "activation_func_clamp_value",
+    "glu_linear_offset", "activation_func_clamp_value", "squared_relu", "rotary_interleaved",
 )
 
 # Megatron-family flags that set a shape flag under another name (surface_meanings.py's handlers): given, they keep
@@ -216,7 +216,8 @@ BUILTIN_ONLY_FLAGS = (
     "add_bias_linear", "add_qkv_bias", "rotary_base", "rotary_percent", "openai_gelu", "post_layernorm",
     "kv_channels", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
     "untie_embeddings_and_output_weights", "bert_binary_head", "embed_layernorm", "sliding_window", "softmax_type",
-    "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "split",
+    "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "squared_relu", "rotary_interleaved",
+    "split",
     *MLA_FLAGS, *YARN_FLAGS, "data_impl", "eod_mask_loss",
     "reset_position_ids", "reset_attention_mask", "short_seq_prob",
 )

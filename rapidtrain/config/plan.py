@@ -111,6 +111,10 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
     if args.pp_partition_method and layout.pipeline_parallel_size == 1:
         notes.append(f"--pp-partition-method {args.pp_partition_method}: no effect here; without pipeline "
                      "parallelism one stage holds every layer")
+    if not switches.recompute.enabled and (args.recompute_method or args.recompute_num_layers is not None):
+        # Megatron reads them only under full recompute, and its own functional tests pass them alone.
+        notes.append("--recompute-method / --recompute-num-layers: no effect here; they choose the layers that "
+                     "--recompute-granularity full (or op) recomputes, and no recompute was asked for")
     if args.padding_free and ctx.script:
         notes.append("--padding-free: rapidtrain's casual_lm task packs its own micro-batches; a user script's "
                      "collate_fn decides how its batches are built (rapidtrain.tasks.base.FlattenCollator packs "

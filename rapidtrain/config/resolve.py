@@ -193,6 +193,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         v_head_dim=args.v_head_dim,
         softmax_type=args.softmax_type,
         quick_geglu=args.quick_geglu,
+        squared_relu=args.squared_relu,
+        rotary_interleaved=args.rotary_interleaved,
         activation_clamp=args.activation_func_clamp_value,
         glu_linear_offset=args.glu_linear_offset,
         # Megatron-Core's router has a bias with --add-bias-linear; rapidtrain's MoE keeps DeepSpeed-MoE's bias-free

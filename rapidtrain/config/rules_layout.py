@@ -138,15 +138,18 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
         "interleaved-micro-batches", ("--num-layers-per-virtual-pipeline-stage", "--global-batch-size",
                                       "--micro-batch-size"),
-        "The interleaved schedule needs the micro-batches per iteration (accumulation steps) to be a multiple of the "
-        "pipeline size, as in Megatron.",
+        "The interleaved schedule (torch's ScheduleInterleaved1F1B) runs the micro-batches per iteration (accumulation "
+        "steps) in max(1, micro-batches // pipeline size) rounds of equal size: a multiple of the pipeline size, or "
+        "fewer micro-batches than twice it (Megatron's --microbatch-group-size-per-virtual-pipeline-stage groups).",
         lambda a, c: pp_size(a) > 1 and interleaved(a)
-        and (steps := accumulation_steps(a, c)) is not None and steps % pp_size(a) != 0,
+        and (steps := accumulation_steps(a, c)) is not None and steps % max(1, steps // pp_size(a)) != 0,
         lambda a, c: f"{virtual_stages_of(a)} virtual stages per pipeline rank with {accumulation_steps(a, c)} "
         f"micro-batches per iteration (--global-batch-size / (--micro-batch-size × data-parallel size "
-        f"{dp_size(a, c)})): the interleaved schedule runs micro-batches in rounds of --pipeline-model-parallel-size "
-        f"{pp_size(a)}. Make --global-batch-size "
-        f"a multiple of {pp_size(a) * a.micro_batch_size * dp_size(a, c)}, or drop the virtual stages.",
+        f"{dp_size(a, c)})): the interleaved schedule runs them in "
+        f"{max(1, (accumulation_steps(a, c) or 0) // pp_size(a))} rounds of equal size (one round per "
+        f"--pipeline-model-parallel-size {pp_size(a)} micro-batches). Make "
+        f"--global-batch-size a multiple of {pp_size(a) * a.micro_batch_size * dp_size(a, c)}, or drop the virtual "
+        "stages.",
     ),
     Rule(
         "pipeline-schedule", ("--pipeline-schedule", "--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
@@ -313,6 +316,24 @@ LAYOUT_RULES: tuple[Rule, ...] = (
         lambda a, c: a.swiglu and a.quick_geglu,
         lambda a, c: "--swiglu and --quick-geglu both choose the gated MLP's activation (silu or x·sigmoid(1.702x)). "
         "Give one.",
+    ),
+    Rule(
+        "rotary-interleaved-needs-rope", ("--rotary-interleaved", "--position-embedding-type",
+                                          "--multi-latent-attention"),
+        "--rotary-interleaved chooses which dimensions rotary embeddings pair: it needs them "
+        "(--position-embedding-type rope, or multi-head latent attention).",
+        lambda a, c: a.rotary_interleaved and a.position_embedding_type != "rope" and not a.multi_latent_attention,
+        lambda a, c: f"--rotary-interleaved with --position-embedding-type {a.position_embedding_type}: there are no "
+        "rotary embeddings whose pairs it could choose. Add --position-embedding-type rope, or drop it.",
+    ),
+    Rule(
+        "squared-relu-one-activation", ("--squared-relu", "--swiglu", "--quick-geglu", "--openai-gelu"),
+        "--squared-relu is the activation of an MLP without a gate, in place of GELU: not beside --swiglu or "
+        "--quick-geglu (as Megatron asserts) or --openai-gelu.",
+        lambda a, c: a.squared_relu and (a.swiglu or a.quick_geglu or a.openai_gelu),
+        lambda a, c: "--squared-relu with "
+        + ("--swiglu" if a.swiglu else "--quick-geglu" if a.quick_geglu else "--openai-gelu")
+        + ": both choose the MLP's activation. Drop one of them.",
     ),
     Rule(
         "glu-settings-need-a-gated-mlp", ("--glu-linear-offset", "--activation-func-clamp-value", "--swiglu",

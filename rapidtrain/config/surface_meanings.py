@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rapidtrain.config.flag_status import NO_EFFECT, REFUSED
+from rapidtrain.config.flag_status import HYBRID_LAYERS, NO_EFFECT, REFUSED
 from rapidtrain.config.flag_surface import (
     VALUE_ALIASES,
     VALUE_REFUSALS,
@@ -51,6 +51,7 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] |
     _megatron_deepspeed_config(args, given, notes, refusals, defaults)
     _moe_layer_pattern(args, notes, refusals)
     _moe_topk(args, refusals)
+    _sinkhorn(args, given, notes, refusals)
     _moe_dropping_by_origin(args, parser, given, notes)
     _weighted_splits(args, given, notes, refusals)
     if getattr(args, "raw_json_dataset", None) and "split" in given:
@@ -590,10 +591,41 @@ def _load_balancing(args: Args, value, notes: list[str], refusals: list[str]) ->
     elif kinds == {"none"}:
         args.moe_loss_coeff = 0.0
         notes.append("--moe-router-load-balancing-type none: --moe-aux-loss-coeff 0")
+    elif kinds == {"sinkhorn"}:
+        args.moe_aux_loss_type = "sinkhorn"  # its coefficient and the router flags it ignores: _sinkhorn below
     else:
         refusals.append(f"{_shown('--moe-router-load-balancing-type', value)}: rapidtrain's router balances with "
-                        "one of aux_loss, seq_aux_loss (or none); sinkhorn, global_aux_loss, quantile_balancing and "
+                        "one of aux_loss, seq_aux_loss, sinkhorn (or none); global_aux_loss, quantile_balancing and "
                         "combinations of types are not in it")
+
+
+# Router settings Sinkhorn routing does not read (Megatron-Core ignores them): flag → the namespace value that asks
+# for nothing.
+SINKHORN_IGNORES = {"--moe-router-score-function": ("moe_router_score_function", "softmax"),
+                    "--moe-router-pre-softmax": ("moe_router_pre_softmax", False),
+                    "--moe-router-topk-scaling-factor": ("moe_router_topk_scaling_factor", None),
+                    "--moe-router-num-groups": ("moe_router_num_groups", None),
+                    "--moe-router-enable-expert-bias": ("moe_router_enable_expert_bias", False)}
+
+
+def _sinkhorn(args: Args, given: set[str], notes: list[str], refusals: list[str]) -> None:
+    """Sinkhorn routing balances by its choice, with no balancing loss: Megatron asserts --moe-aux-loss-coeff 0 (its
+    default); rapidtrain's default coefficient becomes 0 here, one given stops the run, as do the router flags that
+    Sinkhorn routing would ignore."""
+    if getattr(args, "moe_aux_loss_type", None) != "sinkhorn":
+        return
+    ignored = [flag for flag, (dest, neutral) in SINKHORN_IGNORES.items() if getattr(args, dest) != neutral]
+    if "moe_loss_coeff" in given and args.moe_loss_coeff:
+        ignored.append(f"--moe-aux-loss-coeff {args.moe_loss_coeff:g}")
+    if ignored:
+        refusals.append(f"--moe-router-load-balancing-type sinkhorn chooses by the Sinkhorn-balanced logits and "
+                        "combines with sigmoid (top-1) or softmax scores, with no balancing loss: "
+                        f"{', '.join(ignored)} would do nothing under it (Megatron-Core asserts a zero "
+                        "--moe-aux-loss-coeff). Drop them.")
+        return
+    args.moe_loss_coeff = 0.0
+    notes.append("--moe-router-load-balancing-type sinkhorn: Sinkhorn routing, the experts chosen by the logits "
+                 "balanced over the micro-batch's tokens (Sinkhorn-Knopp), no balancing loss (--moe-aux-loss-coeff 0)")
 
 
 def _exact_vocab_rows(flag: str, args: Args, value: int, notes: list[str], refusals: list[str]) -> bool:
@@ -681,6 +713,17 @@ def _decoupled_min_lr(args: Args, value: float, notes: list[str], refusals: list
     if args.decoupled_lr is None:
         notes.append(f"--decoupled-min-lr {value:g}: no effect here; it is the floor of --decoupled-lr, not given "
                      "(as in Megatron-Core)")
+
+
+def _spec(args: Args, value: list[str], notes: list[str], refusals: list[str]) -> None:
+    """Megatron's --spec: `local` chooses Megatron's own layers over Transformer Engine's (Megatron-LM's BERT tests
+    pass it), which changes nothing here; MODULE FUNCTION imports Megatron-Core code, which rapidtrain does not run."""
+    if value == ["local"]:
+        notes.append("--spec local: Megatron's layers without Transformer Engine; rapidtrain's layers are its own "
+                     "torch modules either way")
+    else:
+        refusals.append(f"{_shown('--spec', value)}: a Megatron-Core layer spec by module path is not in rapidtrain; "
+                        f"{HYBRID_LAYERS}")
 
 
 def _per_token_loss(args: Args, value: bool, notes: list[str], refusals: list[str]) -> None:
@@ -784,6 +827,7 @@ HANDLERS = {
     "--decoupled-lr": _decoupled_lr,
     "--decoupled-min-lr": _decoupled_min_lr,
     "--calculate-per-token-loss": _per_token_loss,
+    "--spec": _spec,
     "--max-padding-length": _max_padding_length,
     **{f"--{split}-weighted-split-paths": (lambda args, value, notes, refusals: None) for split in SPLITS},
     **{f"--{split}-weighted-split-paths-path": _weighted_paths_file(split) for split in SPLITS},

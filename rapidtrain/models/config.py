@@ -51,7 +51,8 @@ class ModelConfig:
     moe_router_force_load_balancing: bool = False  # benchmarking: random router logits (Megatron-Core's)
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias added for selection only
     moe_router_bias_update_rate: float = 1e-3  # ... moved by this much per step towards the mean load
-    moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss"] = "aux_loss"  # over the micro-batch, or per sequence
+    # the balancing loss over the micro-batch or per sequence; or Sinkhorn routing (balanced choice, no loss)
+    moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn"] = "aux_loss"
     moe_ffn_hidden_size: int | None = None  # each routed expert's hidden size; None: ffn_size
     moe_shared_expert_intermediate_size: int | None = None  # all shared experts together (one MLP); None: none
     moe_shared_expert_gate: bool = False  # Qwen-MoE: the shared experts' output times sigmoid(Linear(h, 1)(x))
@@ -66,6 +67,7 @@ class ModelConfig:
     add_bias_linear: bool = True  # biases of every linear layer (--disable-bias-linear turns them off)
     add_qkv_bias: bool = False  # biases of q/k/v only, when add_bias_linear is off (Qwen2)
     rotary_percent: float = 1.0  # share of each head's dimensions that rope rotates
+    rotary_interleaved: bool = False  # --rotary-interleaved: rope rotates pairs (2i, 2i + 1), not (i, i + r/2)
     openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's gelu_new)
     post_layernorm: bool = False  # original BERT order: x = norm(x + f(x)), normed embeddings, no final norm
     hf_weights: str | None = None  # a Hugging Face folder whose weights replace the seeded initial values
@@ -116,6 +118,7 @@ class ModelConfig:
     # glu_linear_offset (--glu-linear-offset; gpt-oss: 1).
     quick_geglu: bool = False
     activation_clamp: float | None = None
+    squared_relu: bool = False  # --squared-relu: an MLP without a gate activates relu(x)² instead of GELU
     glu_linear_offset: float = 0.0
     # A bias on the router's logits (Megatron-Core's router with --add-bias-linear, gpt-oss's router); the default
     # router is DeepSpeed-MoE's, bias-free.
@@ -187,6 +190,8 @@ class ModelConfig:
     def mlp_features(self) -> list[str]:
         """The MLP's activation and router where they differ from GELU / SwiGLU and a bias-free router, for the plan."""
         features = []
+        if self.squared_relu:
+            features.append("MLP activation: squared ReLU, relu(x)² (--squared-relu)")
         if self.gated_linear_unit and (self.quick_geglu or self.activation_clamp is not None or self.glu_linear_offset):
             gate = "quick_gelu" if self.quick_geglu else "silu"
             clamp = (f", gate clamped at {self.activation_clamp:g} and linear half to ±{self.activation_clamp:g}"
@@ -215,13 +220,18 @@ class ModelConfig:
         if not any(self.num_experts):
             return []
         k = self.moe_router_topk
-        if self.moe_router_score_function == "sigmoid":
+        if self.moe_aux_loss_type == "sinkhorn":  # the router flags it ignores are refused (surface_meanings)
+            scores = (f"Sinkhorn routing: in training the top {k} of the logits balanced over the micro-batch's tokens "
+                      "(Sinkhorn-Knopp), in evaluation of the scores; combined by "
+                      + ("sigmoid(logit)" if k == 1 else "their softmax probabilities, not renormalised")
+                      + "; no balancing loss")
+        elif self.moe_router_score_function == "sigmoid":
             scores = "sigmoid scores" + (f", the top {k} normalised to sum 1" if k > 1 else "")
         elif self.moe_router_pre_softmax or k == 1:
             scores = "softmax over all experts, the chosen keep their probabilities"
         else:
             scores = f"softmax, the top {k} renormalised to sum 1"
-        words = [f"router: top-{k} of {scores}"]
+        words = [scores if self.moe_aux_loss_type == "sinkhorn" else f"router: top-{k} of {scores}"]
         if self.moe_router_topk_scaling_factor:
             words.append(f"combine weights × {self.moe_router_topk_scaling_factor:g}")
         if self.moe_router_num_groups:

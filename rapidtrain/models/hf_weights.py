@@ -477,6 +477,12 @@ def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
 
 def export_family(config: ModelConfig) -> str:
     """The Hugging Face model_type that holds this built-in model exactly, or UnsupportedModel saying why not."""
+    if config.rotary_interleaved:
+        raise UnsupportedModel("the Hugging Face export's rotary families (Llama, Qwen, DeepSeek, gpt-oss) rotate "
+                               "halves; --rotary-interleaved's adjacent pairs are none of them")
+    if config.squared_relu:
+        raise UnsupportedModel("the Hugging Face export writes GELU or gated MLPs; --squared-relu's relu(x)² is "
+                               "in none of its families")
     if config.multi_latent_attention:
         return _deepseek_export(config)
     problems: list[str] = []

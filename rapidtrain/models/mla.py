@@ -71,6 +71,7 @@ class MultiLatentAttention(nn.Module):
         self.shared_key_gradient: nn.Module = nn.Identity()
         # Every kernel scales by 1/√(query size); YaRN's extra factor goes into the queries.
         self.query_scale = mla_softmax_scale_factor(config)
+        self.rotary_interleaved = config.rotary_interleaved
         self.core: Callable[..., torch.Tensor] = attend  # replaced from outside by context parallelism
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +101,9 @@ class MultiLatentAttention(nn.Module):
         kv = self.kv_up_proj(latent).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         heads = q.shape[1]
-        k_rot = apply_rotary(self.shared_key_gradient(k_rot).unsqueeze(1), *rope)  # [b, 1, s, rope_dim]
-        q = torch.cat([q_nope, apply_rotary(q_rot, *rope)], dim=-1)
+        interleaved = self.rotary_interleaved
+        k_rot = apply_rotary(self.shared_key_gradient(k_rot).unsqueeze(1), *rope, interleaved)  # [b, 1, s, rope_dim]
+        q = torch.cat([q_nope, apply_rotary(q_rot, *rope, interleaved)], dim=-1)
         if self.query_scale != 1:
             q = q * self.query_scale
         k = torch.cat([k_nope, k_rot.expand(b, heads, s, self.rope_dim)], dim=-1)

@@ -1,4 +1,4 @@
-"""The dense MLP (GELU, or gated: SwiGLU, gpt-oss's clamped quick-GEGLU) of a transformer layer, and the
+"""The dense MLP (GELU or squared ReLU, or gated: SwiGLU, gpt-oss's clamped quick-GEGLU) of a transformer layer, and the
 activations both the dense MLP and the MoE experts use; the MoE layer (moe.py) adds one beside its experts for
 PR-MoE, so it lives below both."""
 
@@ -18,6 +18,12 @@ QUICK_GELU_ALPHA = 1.702  # quick GELU's sigmoid gain (Hendrycks & Gimpel), gpt-
 def gelu(x: torch.Tensor, tanh_approximation: bool) -> torch.Tensor:
     """Exact GELU, or with --openai-gelu its tanh approximation (GPT-2's gelu_new)."""
     return F.gelu(x, approximate="tanh" if tanh_approximation else "none")
+
+
+def dense_activation(x: torch.Tensor, tanh_approximation: bool, squared_relu: bool) -> torch.Tensor:
+    """The activation of an MLP without a gate: GELU (`gelu`), or with --squared-relu relu(x)² (Primer; Megatron's
+    Nemotron runs)."""
+    return F.relu(x).square() if squared_relu else gelu(x, tanh_approximation)
 
 
 @dataclass(frozen=True)
@@ -45,13 +51,14 @@ def gated_unit(config: ModelConfig) -> GatedUnit:
 
 
 class MLP(nn.Module):
-    """fc1 (h → ffn), GELU, fc2 (ffn → h); gated: fc2(act(gate(x)) · fc1(x)) (GatedUnit)."""
+    """fc1 (h → ffn), GELU (or squared ReLU), fc2 (ffn → h); gated: fc2(act(gate(x)) · fc1(x)) (GatedUnit)."""
 
     def __init__(self, config: ModelConfig, ffn_size: int | None = None) -> None:
         """`ffn_size`: the hidden size when not the config's (an MoE layer's shared experts)."""
         super().__init__()
         h, f, bias = config.hidden_size, ffn_size or config.ffn_size, config.add_bias_linear
         self.openai_gelu = config.openai_gelu
+        self.squared_relu = config.squared_relu
         self.gated_unit = gated_unit(config)
         self.fc1 = nn.Linear(h, f, bias=bias)
         self.gate = nn.Linear(h, f, bias=bias) if config.gated_linear_unit else None
@@ -62,4 +69,4 @@ class MLP(nn.Module):
             if torch.is_autocast_enabled(x.device.type):  # one 16-bit copy of x kept for both projections, not two
                 x = x.to(torch.get_autocast_dtype(x.device.type))
             return self.fc2(self.gated_unit(self.gate(x), self.fc1(x)))
-        return self.fc2(gelu(self.fc1(x), self.openai_gelu))
+        return self.fc2(dense_activation(self.fc1(x), self.openai_gelu, self.squared_relu))

@@ -28,6 +28,10 @@ Fine-grained MoE (DeepSeek-V2/V3, Qwen-MoE; Megatron-Core's meanings):
   (with the bias), and each token chooses among the experts of its best `group_topk` groups only.
 - Shared experts: one dense MLP (all shared experts side by side) that every token passes through, added to the
   routed output; Qwen-MoE multiplies it by sigmoid(Linear(h, 1)(x)) first.
+- Sinkhorn routing (Megatron-Core's `sinkhorn` balancing, BASE layers' idea): in training the k experts are the top k
+  of the logits balanced by Sinkhorn-Knopp over the micro-batch's tokens (every expert receives the same total mass),
+  without gradient; the combine weights are sigmoid(logit) for top-1, the softmax probabilities otherwise, neither
+  renormalised nor scaled. In evaluation the top k of those weights. No balancing loss: the balancing is the choice.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from torch import nn
 
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.counting import GROUP_ROWS_MULTIPLE, padded_rows
-from rapidtrain.models.mlp import MLP, GatedUnit, gated_unit, gelu
+from rapidtrain.models.mlp import MLP, GatedUnit, dense_activation, gated_unit
 
 
 def expert_capacity(
@@ -149,6 +153,28 @@ def limit_to_groups(scores: torch.Tensor, num_groups: int, group_topk: int) -> t
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
+def sinkhorn(logits: torch.Tensor, tolerance: float = 1e-4, max_sweeps: int = 1000) -> torch.Tensor:
+    """exp(logits) [T, E] scaled by a factor per token and one per expert until every token's row sums to 1/T and
+    every expert's column to 1/E (Sinkhorn-Knopp): the two scalings alternate until the experts' factors move by
+    less than `tolerance` on average (read on the host once per sweep), at most `max_sweeps` times. In fp32 with
+    autocast off (bf16 matmuls would keep the factors from settling); each row's maximum logit is subtracted first,
+    which the row factors absorb exactly, so exp cannot overflow."""
+    with torch.autocast(device_type=logits.device.type, enabled=False):
+        stable = logits.float()
+        kernel = (stable - stable.max(dim=1, keepdim=True).values).exp()
+        tokens, experts = kernel.shape
+        per_token = kernel.new_ones(tokens)
+        per_expert = kernel.new_ones(experts)
+        for _ in range(max_sweeps):
+            per_token = 1.0 / (tokens * (kernel @ per_expert) + 1e-8)
+            updated = 1.0 / (experts * (per_token @ kernel) + 1e-8)
+            change = (updated - per_expert).abs().mean()
+            per_expert = updated
+            if change.item() <= tolerance:
+                break
+        return per_token.unsqueeze(1) * kernel * per_expert
+
+
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """mean over tokens of logsumexp(router logits)², which keeps the logits small (ST-MoE)."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
@@ -232,9 +258,11 @@ class Experts(nn.Module):
         bias: bool = True,
         openai_gelu: bool = False,
         gated_unit: GatedUnit | None = None,
+        squared_relu: bool = False,
     ) -> None:
         super().__init__()
         self.openai_gelu = openai_gelu
+        self.squared_relu = squared_relu
         self.gated_unit = gated_unit or GatedUnit()  # the gate's activation when `swiglu` (gated); SwiGLU's silu
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size)) if swiglu else None
@@ -292,7 +320,7 @@ class Experts(nn.Module):
         if self.w_gate is not None:
             hidden = self.gated_unit(project(rows, self.w_gate, self.b_gate), hidden)
         else:
-            hidden = gelu(hidden, self.openai_gelu)
+            hidden = dense_activation(hidden, self.openai_gelu, self.squared_relu)
         if row_weights is None:
             return project(hidden, self.w2, self.b2)
         # The down projection is linear: weighting its input (ffn wide) costs less than its output (hidden wide) in
@@ -308,7 +336,7 @@ class Experts(nn.Module):
         if w_gate is not None:
             hidden = self.gated_unit(self._project(buffers, w_gate, b_gate), hidden)
         else:
-            hidden = gelu(hidden, self.openai_gelu)
+            hidden = dense_activation(hidden, self.openai_gelu, self.squared_relu)
         return self._project(hidden, w2, b2)
 
 
@@ -337,6 +365,7 @@ class MoELayer(nn.Module):
         self.num_groups = config.moe_router_num_groups
         self.group_topk = config.moe_router_group_topk
         self.per_sequence_aux_loss = config.moe_aux_loss_type == "seq_aux_loss"
+        self.sinkhorn = config.moe_aux_loss_type == "sinkhorn"
         self.bias_update_rate = config.moe_router_bias_update_rate
         self.force_load_balancing = config.moe_router_force_load_balancing
         # Aux-loss-free balancing: fp32, used for the choice only; moved by update_expert_biases after each step.
@@ -354,6 +383,7 @@ class MoELayer(nn.Module):
             bias=config.add_bias_linear,
             openai_gelu=config.openai_gelu,
             gated_unit=gated_unit(config),
+            squared_relu=config.squared_relu,
         )
         # PR-MoE (DeepSpeed's Residual-MoE, Rapidformer's --use-expert-residual-network): a dense MLP beside the
         # experts, the two outputs mixed per token by a softmax over two learned coefficients.
@@ -399,15 +429,28 @@ class MoELayer(nn.Module):
 
     def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [T, E] the combine weights come from, the balancing losses' probabilities [T, E]), fp32."""
+        if self.sinkhorn and self.topk == 1:
+            return torch.sigmoid(logits), logits.softmax(dim=-1)
         if self.score_function == "softmax":
             probs = logits.softmax(dim=-1)
             return probs, probs
         scores = torch.sigmoid(logits) if self.score_function == "sigmoid" else F.softplus(logits).sqrt()
         return scores, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
-    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def balanced_choice(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Sinkhorn routing in training: the logits balanced over the experts, to choose by (no gradient)."""
+        if not (self.sinkhorn and self.training):
+            return None
+        with torch.no_grad():
+            return sinkhorn(logits)
+
+    def choose(self, scores: torch.Tensor, balanced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(combine weights [T, k], expert index [T, k]): the top k by score (+ expert bias, within the best
-        groups), weighted by their scores, normalised and scaled as the router's settings say."""
+        groups), weighted by their scores, normalised and scaled as the router's settings say. Sinkhorn routing:
+        the top k of `balanced` (in training; of the scores in evaluation), weighted by their scores as they are."""
+        if self.sinkhorn:
+            expert_index = (scores if balanced is None else balanced).topk(self.topk, dim=-1).indices
+            return scores.gather(-1, expert_index), expert_index
         choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
         if self.num_groups and self.group_topk:
             choice = limit_to_groups(choice, self.num_groups, self.group_topk)
@@ -424,10 +467,10 @@ class MoELayer(nn.Module):
             weights = weights * self.scaling_factor
         return weights, expert_index
 
-    def route(self, probs: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+    def route(self, probs: torch.Tensor, balanced: torch.Tensor | None = None) -> tuple[Routing, torch.Tensor]:
         """Top-k choice, capacity and priority → (Routing, expert index [T, k]); `probs` are the scores."""
         num_tokens = probs.shape[0]
-        weights, expert_index = self.choose(probs)
+        weights, expert_index = self.choose(probs, balanced)
         capacity = expert_capacity(
             num_tokens,
             self.num_experts,
@@ -505,12 +548,13 @@ class MoELayer(nn.Module):
         tokens = hidden_states.reshape(-1, shape[-1])
         logits = self.router_logits(tokens)
         scores, probs = self.scores(logits)
+        balanced = self.balanced_choice(logits)
         if not self.token_dropping and self.experts.takes_grouped_rows:
-            weights, expert_index = self.choose(scores)
+            weights, expert_index = self.choose(scores, balanced)
             tokens_per_expert = expert_counts(expert_index, self.num_experts)
             output = self.grouped(tokens, weights, expert_index, tokens_per_expert).view(shape)
         else:
-            routing, expert_index = self.route(scores)
+            routing, expert_index = self.route(scores, balanced)
             tokens_per_expert = expert_counts(expert_index, self.num_experts)
             output = self.combine(self.experts(self.dispatch(tokens, routing)), routing).view(shape)
         if self.residual_mlp is not None and self.residual_coefficient is not None:

@@ -97,13 +97,18 @@ def rotary_cos_sin(position_ids: torch.Tensor, frequency: torch.Tensor,
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate pairs (i, i + r/2) of the first r = cos.shape[-1] dimensions of x [b, heads, s, d]
-    (Megatron's non-interleaved rotary; r < d with --rotary-percent), in fp32."""
+    (Megatron's non-interleaved rotary; r < d with --rotary-percent), in fp32. `interleaved` (--rotary-interleaved,
+    GPT-J's layout): pair i is (2i, 2i + 1) instead, rotated by the same angle."""
     rotary_dim = cos.shape[-1]
     x32 = x.float()
     whole = rotary_dim == x.shape[-1]  # the usual case: no untouched rest to slice off and join again
     part = x32 if whole else x32[..., :rotary_dim]
+    if interleaved:  # gather each pair's two halves apart, rotate as above, then put them back side by side
+        part = torch.cat([part[..., 0::2], part[..., 1::2]], dim=-1)
     first, second = part.chunk(2, dim=-1)
     rotated = part * cos + torch.cat([-second, first], dim=-1) * sin
+    if interleaved:
+        rotated = torch.stack(rotated.chunk(2, dim=-1), dim=-1).flatten(-2)
     return (rotated if whole else torch.cat([rotated, x32[..., rotary_dim:]], dim=-1)).to(x.dtype)

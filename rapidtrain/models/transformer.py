@@ -283,6 +283,7 @@ class Attention(nn.Module):
         self.dropout = config.attention_dropout
         self.kernel = config.attention_kernel
         self.alibi_heads = config.num_attention_heads if config.position_embedding_type == "alibi" else 0
+        self.rotary_interleaved = config.rotary_interleaved
         self.first_head = 0
         self.q_proj = nn.Linear(h, d * config.num_attention_heads, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, d * config.query_groups, bias=config.qkv_bias)
@@ -317,7 +318,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = apply_rotary(q, *rope, self.rotary_interleaved), apply_rotary(k, *rope, self.rotary_interleaved)
         if cache is not None:
             k, v = cache[0].extend(cache[1], k, v)
         slopes = None

@@ -82,6 +82,7 @@ class ExpertParallelExperts(Experts):
         local = self.num_experts // ep_size
         self.first_expert = ep_rank * local
         self.openai_gelu = experts.openai_gelu
+        self.squared_relu = experts.squared_relu
         self.gated_unit = experts.gated_unit
         for name in EXPERT_WEIGHTS:
             full = getattr(experts, name)

@@ -96,6 +96,9 @@ def folded_changes(script_id: str, local_files: LocalFiles) -> dict[str, object]
     if _value(BY_ID[script_id]["argv"], "--train-mode") == "finetune" and _value(
             BY_ID[script_id]["argv"], "--dataset") == "MMAP":  # Pai's SFT idxmap: tokens, then labels
         changes["--data-path"] = pai_sft_idxmap(local_files, int(values["--seq-length"][0]))
+    original = BY_ID[script_id]["argv"]
+    if _value(original, "--attention-backend") == "flash" and float(_value(original, "--attention-dropout") or 0.1):
+        changes["--attention-backend"] = "auto"  # CUDA's flash kernel drops out; PyTorch's CPU one cannot
     if "--moe-layer-freq" in present:  # a per-layer pattern of the script's layer count: the tiny model's 4
         changes["--moe-layer-freq"] = "([1]*4)"
     changes.update({flag: PADDED_VOCAB for flag in PADDED_VOCAB_FLAGS if flag in present})

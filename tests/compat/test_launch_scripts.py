@@ -46,7 +46,6 @@ REFUSED = {
     # issue 42: context parallelism plans now; hierarchical CP (a2a inside groups, p2p across) does not
     "mlm-ft-cp4-a2a-p2p-2024": ["--hierarchical-context-parallel-sizes"],
     "mlm-ft-cp4-a2a-p2p-2026": ["--hierarchical-context-parallel-sizes"],
-    "mlm-ft-moe-cp2-ep2-2025": ["sinkhorn"],
     "mlm-gptoss-2026-03": ["--fp8-format hybrid"],
     "mlm-modelopt-dsv2lite-sft-2026": ["--finetune-hf-dataset"],  # issue 43: SFT data
     "mlm-modelopt-qwen3-30b-a3b-sft-2026": ["--finetune-hf-dataset"],

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rapidtrain.config import arguments, plan, rules, settings
+from rapidtrain.config.flag_surface import FlagRefused
 from rapidtrain.config.settings import RunContext
 from rapidtrain.data.samplers import MegatronRandomSampler
 from rapidtrain.parallel.deepspeed import DeepSpeedConfigConflict, merge_user_config
@@ -176,3 +177,27 @@ def test_deepspeed_config_zero_sizes_win_over_defaults_but_not_over_flags():
     assert merged["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     with pytest.raises(DeepSpeedConfigConflict, match="reduce_bucket_size: --deepspeed_config 10000000.0"):
         merge_user_config(user, generated, "ds.json")
+
+
+def test_spec_local_is_rapidtrains_own_layers_and_a_module_spec_is_refused():
+    """Megatron-LM's BERT functional tests pass `--spec local` (its layers without Transformer Engine): that plans,
+    with a note; a spec by module path (the hybrid Mamba stack) imports Megatron-Core code and stops, naming it."""
+    assert "--spec local: Megatron's layers without Transformer Engine" in notes(resolve(["--spec", "local"]))
+    with pytest.raises(FlagRefused) as stopped:
+        resolve(["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"])
+    assert "hybrid_layer_specs hybrid_stack_spec: a Megatron-Core layer spec" in str(stopped.value)
+
+
+def test_sinkhorn_load_balancing_plans_sinkhorn_routing_without_a_balancing_loss():
+    """Megatron-LM's MoE functional tests (gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel and 21 more) route with
+    --moe-router-load-balancing-type sinkhorn: the model's router chooses by Sinkhorn-balanced logits and the balancing
+    loss is off (Megatron asserts its coefficient 0); a coefficient or router setting it would ignore stops the run."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "1", "--moe-router-load-balancing-type", "sinkhorn"]
+    p = resolve(moe)
+    assert p.model.moe_aux_loss_type == "sinkhorn" and p.model.moe_aux_loss_coeff == 0.0
+    assert "Sinkhorn routing" in notes(p)
+    for extra, named in ((["--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff 0.01"),
+                         (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias")):
+        with pytest.raises(FlagRefused) as stopped:
+            resolve(moe + extra)
+        assert named in str(stopped.value)

@@ -2,9 +2,9 @@
 (4 ranks, one torchrun launch for every run), a 6-layer GPT with tied embeddings, 4 micro-batches per rank. Every
 split (Megatron-LM's first/last stage sizes, embedding/loss accounting with virtual stages, a layout string with a
 stage holding only the loss) and schedule (GPipe, ZB-H1, interleaved ZB1P, ZBV and DualPipeV with uneven V stages)
-gives 1F1B's losses and gradient norms; so do MoE layers with experts sharded over the data-parallel ranks under zero
-bubble, recomputed layers, and TP 2 × PP 2 (sequence parallel too); a zero-bubble run resumes exactly, and its
-checkpoint loads into another split."""
+gives 1F1B's losses and gradient norms (interleaving also with 3 micro-batches over 2 stages); so do MoE layers with
+experts sharded over the data-parallel ranks under zero bubble, recomputed layers, and TP 2 × PP 2 (sequence parallel
+too); a zero-bubble run resumes exactly, and its checkpoint loads into another split."""
 
 from __future__ import annotations
 
@@ -52,8 +52,12 @@ RUN_FLAGS: dict[str, list[str]] = {
     "tp2_zb": TP2 + ZERO_BUBBLE,
     "tp2_zbv": TP2 + ["--pipeline-schedule", "zbv", "--pipeline-model-parallel-layout", "Ett|tt|t|tL"],
     "tp2_sequence_parallel_zb": TP2 + ZERO_BUBBLE + ["--sequence-parallel"],
+    # 3 micro-batches per rank (12 / (2 × DP 2)), not a multiple of the 2 stages: Megatron's functional test
+    # gpt3_mcore_te_tp1_pp4_vp1_tunable_overlap runs 5 over 4 stages; torch's interleaved 1F1B runs them in one round
+    "three_1f1b": ["--global-batch-size", "12"],
+    "three_interleaved": ["--global-batch-size", "12", "--num-layers-per-virtual-pipeline-stage", "1"],
 }
-REFERENCE = {name: next((group + "_1f1b" for group in ("moe", "tp2") if name.startswith(group)), "1f1b")
+REFERENCE = {name: next((group + "_1f1b" for group in ("moe", "tp2", "three") if name.startswith(group)), "1f1b")
              for name in RUN_FLAGS}
 
 

@@ -1,5 +1,6 @@
 """Fine-grained MoE (DeepSeek-V2/V3, Qwen-MoE): the router's score functions, expert bias, groups and scaling, the
-sequence-wise balancing loss, shared experts and the bias update, against transformers' own MoE blocks as the oracle
+sequence-wise balancing loss, shared experts and the bias update (and Megatron-Core's Sinkhorn routing, by its
+balance), against transformers' own MoE blocks as the oracle
 (DeepseekV3MoE, Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock built from tiny configs here) over drawn settings."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from rapidtrain.models.moe import (
     MoELayer,
     load_balancing_loss,
     sequence_load_balancing_loss,
+    sinkhorn,
     update_expert_biases,
 )
 
@@ -259,3 +261,59 @@ def test_router_and_mtp_values_nothing_reads_are_said_to_do_nothing():
     assert "no effect without" not in notes("--num-experts", "4", "--moe-router-enable-expert-bias",
                                             "--moe-router-bias-update-rate", "0.01", "--mtp-num-layers", "1",
                                             "--mtp-loss-scaling-factor", "0.3")
+
+
+def test_sinkhorn_balances_every_token_and_every_expert():
+    """Sinkhorn-Knopp over exp(logits): each token's row sums to 1/T and each expert's column to 1/E (to the
+    convergence tolerance), and it is exp(logits) scaled by one factor per row and one per column."""
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 3 + torch.arange(8.0)
+    balanced = sinkhorn(logits)
+    assert torch.allclose(balanced.sum(dim=1), torch.full((64,), 1 / 64), rtol=1e-3)
+    assert torch.allclose(balanced.sum(dim=0), torch.full((8,), 1 / 8), rtol=1e-3)
+    ratio = balanced / logits.exp()  # rank one: row factor × column factor
+    assert torch.allclose(ratio, ratio[:, :1] * ratio[:1, :] / ratio[0, 0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_sinkhorn_routing_chooses_balanced_experts_in_training_and_by_score_in_evaluation(topk):
+    """Megatron-Core's sinkhorn balancing: a router that prefers one expert for every token still spreads the
+    micro-batch evenly in training (the choice of the balanced logits), combining with sigmoid(logit) for top-1 and the
+    softmax probabilities for top-2, unnormalised; in evaluation each token takes its own best experts. The router
+    learns through the combine weights; no balancing loss reaches it."""
+    torch.manual_seed(0)
+    experts, tokens = 4, 32
+    layer = MoELayer(moe_config(num_experts=experts, moe_router_topk=topk, moe_aux_loss_type="sinkhorn",
+                                moe_aux_loss_coeff=0.0), experts)
+    with torch.no_grad():
+        layer.router.weight.mul_(0.01)
+        layer.router.weight[0] += 0.2  # expert 0 first for nearly every token
+    x = torch.randn(tokens, H).abs()
+    logits = layer.router_logits(x)
+    scores, _ = layer.scores(logits)
+    expected_scores = torch.sigmoid(logits) if topk == 1 else logits.softmax(dim=-1)
+    assert torch.equal(scores, expected_scores)
+    weights, index = layer.choose(scores, layer.balanced_choice(logits))
+    by_score = torch.bincount(scores.topk(topk, dim=-1).indices.flatten(), minlength=experts)
+    balanced = torch.bincount(index.flatten(), minlength=experts)
+    assert by_score[0] == tokens and by_score.min() <= 1  # measured: [32, 0, 0, 0] (top-1), [32, 21, 1, 10] (top-2)
+    mean = tokens * topk / experts  # measured: [11, 8, 6, 7] and [11, 18, 20, 15]
+    assert balanced.max() <= 1.5 * mean and balanced.min() >= 0.5 * mean
+    assert torch.equal(weights, expected_scores.gather(-1, index))
+    layer.eval()
+    assert layer.balanced_choice(logits) is None
+    _, eval_index = layer.choose(scores)
+    assert torch.equal(eval_index, expected_scores.topk(topk, dim=-1).indices) and (eval_index[:, 0] == 0).all()
+    layer.train()
+    layer(x.unsqueeze(0)).sum().backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+
+
+def test_sinkhorn_settles_under_bf16_autocast_and_with_large_logits():
+    """The balancing runs in fp32 whatever the autocast (a bf16 matmul kept the factors from settling: a pipeline
+    run of Megatron's sinkhorn functional test hung there), and logits past exp's fp32 range (exp(90) is inf)
+    balance as well."""
+    logits = torch.randn(64, 4, generator=torch.Generator().manual_seed(1)) * 3 + 90.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        balanced = sinkhorn(logits)
+    assert balanced.dtype == torch.float32 and torch.isfinite(balanced).all()
+    assert torch.allclose(balanced.sum(dim=0), torch.full((4,), 1 / 4), rtol=1e-3)

@@ -116,7 +116,6 @@ def test_megatron_recompute_flags_resolve_in_the_plan(flags, expected):
 @pytest.mark.parametrize("flags, words", [
     (["--recompute-activations", "--recompute-granularity", "full"], "different recompute granularities"),
     (["--recompute-granularity", "selective", "--recompute-method", "uniform"], "do not apply to it"),
-    (["--recompute-method", "block"], "no recompute was asked for"),
     (["--recompute-granularity", "full", "--recompute-num-layers", "2"], "units of one layer"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "5"],
      "holds 4 layers"),
@@ -126,3 +125,13 @@ def test_recompute_flags_that_cannot_hold_are_refused(flags, words):
     with pytest.raises(rules.FlagConflict) as refused:
         plan_for(flags)
     assert words in str(refused.value)
+
+
+@pytest.mark.parametrize("flags", [["--recompute-method", "block"], ["--recompute-num-layers", "2"]])
+def test_recompute_layer_choice_without_recompute_plans_and_says_it_does_nothing(flags):
+    """Megatron reads --recompute-method / --recompute-num-layers only under full recompute, and its functional
+    tests (gpt3_mcore_reruns_resume_check_grads) pass --recompute-num-layers alone: the plan runs no recompute and
+    says so, instead of stopping."""
+    plan = plan_for(flags)
+    assert not plan.switches.recompute.enabled
+    assert "--recompute-method / --recompute-num-layers: no effect here" in describe_plan(plan)

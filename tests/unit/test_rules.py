@@ -70,9 +70,9 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         2,
         "cpu",
     ),
-    "interleaved-micro-batches": (
+    "interleaved-micro-batches": (  # 5 micro-batches in 5 // 2 = 2 rounds: unequal
         ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-         "--micro-batch-size", "1", "--global-batch-size", "3"],
+         "--micro-batch-size", "1", "--global-batch-size", "5"],
         ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
          "--micro-batch-size", "1", "--global-batch-size", "4"],
         2,
@@ -388,6 +388,9 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
                                                              "96"], 1, "cpu"),
     "openai-gelu-needs-gelu": (["--swiglu", "--openai-gelu"], ["--openai-gelu"], 1, "cpu"),
     "one-gated-activation": (["--swiglu", "--quick-geglu"], ["--quick-geglu"], 1, "cpu"),
+    "squared-relu-one-activation": (["--squared-relu", "--swiglu"], ["--squared-relu"], 1, "cpu"),
+    "rotary-interleaved-needs-rope": (["--rotary-interleaved"],
+                                      ["--rotary-interleaved", "--position-embedding-type", "rope"], 1, "cpu"),
     "glu-settings-need-a-gated-mlp": (["--glu-linear-offset", "1"], ["--quick-geglu", "--glu-linear-offset", "1"], 1,
                                       "cpu"),
     "activation-clamp-positive": (["--swiglu", "--activation-func-clamp-value", "-1"],
