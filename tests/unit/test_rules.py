@@ -19,6 +19,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
     "unknown-task": (["--task", "sequence_clasification"], ["--task", "causal_lm"], 1, "cpu"),
     "pad-vocab-size-to-fits": (["--pad-vocab-size-to", "128"], ["--pad-vocab-size-to", "65536"], 1, "cpu"),
     "exit-signal-catchable": (["--exit-signal", "SIGKILL"], ["--exit-signal", "SIGUSR1"], 1, "cpu"),
+    "cpu-offloading-settings": (["--cpu-offloading", "--recompute-activations"],
+                                ["--cpu-offloading", "--cpu-offloading-num-layers", "1"], 1, "cpu"),
     "megatron-task": (  # Megatron's tasks/main.py: its files, the built-in BERT, data parallel
         ["--task", "MNLI", "--model-type", "bert", "--train-data", "t.tsv", "--valid-data", "d.tsv",
          "--tensor-model-parallel-size", "2"],
