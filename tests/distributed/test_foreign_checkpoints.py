@@ -192,9 +192,9 @@ def test_megatron_checkpoint_continues_as_its_source_in_any_layout(runs, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2", "deepspeed_zero1_dp2"])
 def test_deepspeed_checkpoint_continues_as_its_source_adam_state_included(runs, name):
-    """Saved by DeepSpeed's engine (ZeRO stage 1) with the source's AdamW state in its optimizer, loaded at TP 1, TP 2
-    and into rapidtrain's own ZeRO-1 over 2 ranks (DeepSpeed's partitions): iterations 3 and 4 are the source's, the
-    4th only because Adam's moments and step count carried over."""
+    """Saved by DeepSpeed's engine (ZeRO stage 1, data parallel 2) with the source's AdamW state in its optimizer,
+    loaded at TP 1, TP 2 and into rapidtrain's own ZeRO-1 over 2 ranks (DeepSpeed's partitions): iterations 3 and 4
+    are the source's, the 4th only because Adam's moments and step count carried over."""
     assert sorted(runs.losses(name)) == [3, 4]
     later = {i: runs.losses("gpt")[i] for i in (3, 4)}
     assert relative_difference(runs.losses(name), later) < TOLERANCE
