@@ -1,5 +1,5 @@
-"""--load of another tool's checkpoint (Megatron-LM legacy and torch_dist, DeepSpeed / Megatron-DeepSpeed) into this
-run's layout.
+"""--load of another tool's checkpoint (Megatron-LM legacy and torch_dist, DeepSpeed / Megatron-DeepSpeed, DeepSpeed's
+universal checkpoints) into this run's layout.
 
 Every rank reads the whole model from the files (data only, foreign_pickle), merged from the saved tensor and
 pipeline ranks into the built-in GPT's names (megatron_layout), checks the saved run's model flags against this
@@ -7,7 +7,8 @@ run's, and fills its runner's load template from it: each parameter whole, or th
 under tensor parallelism or FSDP, a ZeRO partition), as resuming a rapidtrain checkpoint in another layout does.
 The position (iteration, consumed samples) and the learning-rate schedule carry over with --load; --finetune
 (and a `release` checkpoint, as in Megatron) takes the weights only, from iteration 0. Adam's moments carry over
-where the format keeps them by parameter name (DeepSpeed ZeRO stage 1/2's optimizer files), merged as the weights
+where the format keeps them by parameter name (DeepSpeed ZeRO stage 1/2's optimizer files, a universal checkpoint's
+zero/<parameter>/exp_avg*.pt), merged as the weights
 are and put into this run's optimizer state template; Megatron-LM's optimizer state (kept per rank in its own flat
 or per-parameter orders) is not mapped, and the optimizer then starts fresh; the log says which.
 """
@@ -101,6 +102,10 @@ def read_foreign(checkpoint: ForeignCheckpoint) -> ForeignState:
         from rapidtrain.checkpoint.deepspeed_folder import read_deepspeed
 
         return read_deepspeed(checkpoint)
+    if checkpoint.kind == "deepspeed-universal":
+        from rapidtrain.checkpoint.deepspeed_universal import read_deepspeed_universal
+
+        return read_deepspeed_universal(checkpoint)
     if checkpoint.kind == "megatron-torch-dist":
         from rapidtrain.checkpoint.megatron_dist import read_megatron_dist
 

@@ -836,6 +836,11 @@ def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true", help="Load the model only and start at iteration 0.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer and scheduler state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
+    g.add_argument("--universal-checkpoint", action="store_true",
+                   help="With --load, read the DeepSpeed universal checkpoint its latest_universal names (what "
+                        "deepspeed.checkpoint.ds_to_universal writes) instead of the one latest names, as "
+                        "Megatron-DeepSpeed does; refused when there is none. A folder with only latest_universal is "
+                        "read as universal without it.")
     g.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler", dest="override_opt_param_scheduler",
                    action="store_true",
                    help="On --load, keep the learning-rate schedule of these flags (only the position comes from the "

@@ -209,8 +209,11 @@ def _checkpoint_lines(plan: Plan) -> list[str]:
         weights_only = ck.finetune or ck.load_format.endswith("release")
         kept = "its model weights only, from iteration 0" if weights_only else (
             "its model weights, iteration, consumed samples and learning-rate schedule")
-        optimizer = ("Adam's moments come from its ZeRO stage 1/2 optimizer files (the optimizer starts fresh where "
-                     "they hold none)" if ck.load_format.startswith("DeepSpeed") and ck.load_optimizer else
+        universal = ck.load_format.startswith("DeepSpeed universal")
+        optimizer = ("Adam's moments come from its " + ("zero/<parameter>/exp_avg*.pt, its weights from the fp32.pt "
+                     "beside them (the vocabulary's padding rows, which ds_to_universal drops, are zeros)" if universal
+                     else "ZeRO stage 1/2 optimizer files") + " (the optimizer starts fresh where they hold none)"
+                     if ck.load_format.startswith("DeepSpeed") and ck.load_optimizer else
                      "its optimizer state is not mapped (Megatron's per-rank optimizer layouts are not this run's): "
                      "the optimizer starts fresh")
         lines.append(f"    {ck.load_format}: {kept}; read as data, no stored code runs. "

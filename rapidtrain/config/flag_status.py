@@ -198,8 +198,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--log-optimizer-states-to-tensorboard": (NO_EFFECT, _LOGGING),
     "--no-save-optim": (NO_EFFECT, "checkpoints always hold the optimizer state (--no-load-optim skips loading it)"),
     "--no-save-rng": (NO_EFFECT, "checkpoints always hold the RNG states (--no-load-rng skips loading them)"),
-    "--universal-checkpoint": (NO_EFFECT, "rapidtrain's checkpoints are torch.distributed.checkpoint, which reshards "
-                                          "on load: no conversion step"),
     "--use-checkpoint-args": (NO_EFFECT, "rapidtrain takes the model shape from a Megatron-format folder named by "
                                          "--pretrained-model-name-or-path; with --load the flags must match"),
     "--use-mp-args-from-checkpoint-args": (NO_EFFECT, "the layout comes from the flags; checkpoints reshard on load"),

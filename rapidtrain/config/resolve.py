@@ -401,15 +401,16 @@ def checkpoint_settings(args: argparse.Namespace, vocab_size: int | None = None,
                               async_save=getattr(args, "async_save", False), load_is_pretrained_model=pretrained,
                               pretrained_model=args.pretrained_model_name_or_path,
                               pretrained_checkpoint=megatron_task_checkpoint(args),
-                              load_format=foreign_checkpoint_kind(args.load),
+                              load_format=foreign_checkpoint_kind(args.load, args.universal_checkpoint),
+                              universal_checkpoint=args.universal_checkpoint,
                               flags=recorded_flags(args, vocab_size, batches))
 
 
-def foreign_checkpoint_kind(load: str | None) -> str | None:
+def foreign_checkpoint_kind(load: str | None, universal: bool = False) -> str | None:
     """What another tool's --load folder is (from its file names), for the plan; None for rapidtrain's own."""
     from rapidtrain.checkpoint.foreign_formats import detect_foreign
 
-    found = detect_foreign(load) if load else None
+    found = detect_foreign(load, universal) if load else None
     return found.describe() if found is not None else None
 
 

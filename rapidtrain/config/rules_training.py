@@ -227,6 +227,14 @@ TRAINING_RULES: tuple[Rule, ...] = (
         f"checkpoint folder, which the run loads as --load, but --load names {a.load}. Give one of them.",
     ),
     Rule(
+        "universal-checkpoint-needs-load", ("--universal-checkpoint", "--load"),
+        "--universal-checkpoint chooses which checkpoint --load reads (DeepSpeed's latest_universal): without --load "
+        "it would do nothing.",
+        lambda a, c: bool(a.universal_checkpoint) and not a.load,
+        lambda a, c: "--universal-checkpoint without --load does nothing: give --load ROOT, the folder whose "
+        "latest_universal names ds_to_universal's output, or drop --universal-checkpoint.",
+    ),
+    Rule(
         "router-type-supported", ("--router-type", "--num-experts"),
         "Rapidformer's --router-type 0 (top-k gating with the load-balancing loss) is the built-in router; other "
         "router types are not implemented.",

@@ -524,6 +524,9 @@ class CheckpointSettings:
     pretrained_checkpoint: str | None = None
     # --load names another tool's checkpoint (Megatron-LM, DeepSpeed): what it is, for the plan; None for rapidtrain's.
     load_format: str | None = None
+    # --universal-checkpoint (Megatron-DeepSpeed): --load reads the DeepSpeed universal checkpoint `latest_universal`
+    # names (ds_to_universal's output) instead of the one `latest` names.
+    universal_checkpoint: bool = False
     # The flags as JSON values, recorded in each checkpoint beside the plan (Megatron's checkpoints carry their
     # args; Megatron-format loading and generation read the model's shape back from them).
     flags: dict[str, Any] = field(default_factory=dict)

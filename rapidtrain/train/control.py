@@ -211,7 +211,7 @@ class Checkpointer:
         model = json.loads(json.dumps(engine.plan.model.__dict__)) if engine.plan.model is not None else None
         finetune = s.finetune or (self.pretrained_model_only and s.load_is_pretrained_model)
         assert s.load is not None  # returned above without --load
-        foreign = detect_foreign(s.load)  # Megatron-LM's or DeepSpeed's folder
+        foreign = detect_foreign(s.load, s.universal_checkpoint)  # Megatron-LM's or DeepSpeed's folder
         loaded: LoadedState | None
         if foreign is not None:
             from rapidtrain.checkpoint.foreign import load_foreign_checkpoint

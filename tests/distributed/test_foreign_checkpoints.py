@@ -1,8 +1,8 @@
 """`--load` of a Megatron-LM legacy checkpoint (written as Megatron's save_checkpoint lays it out, at TP 2 × PP 2:
 four model_optim_rng.pt), of a torch_dist one and of DeepSpeed checkpoints (written by real DeepSpeed engines: ZeRO
-stage 1, the pipeline engine, ZeRO stage 3) into other layouts: the weights are the source's, iteration, consumed
-samples and the learning-rate schedule carry over, and the next iteration's loss and gradient norm are the ones the
-source run had there.
+stage 1, the pipeline engine, ZeRO stage 3, and a universal checkpoint made from one by DeepSpeed's ds_to_universal)
+into other layouts: the weights are the source's, iteration, consumed samples and the learning-rate schedule carry
+over, and the next iteration's loss and gradient norm are the ones the source run had there.
 
 The sources are rapidtrain runs (3 iterations, one process, saved at 2 and 3) whose iteration-2 weights are re-laid
 in the other tools' layouts; the 2-rank loads share one torchrun launch (tests/distributed/pretrain_runs.py), the
@@ -96,6 +96,17 @@ def legacy_names(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
     return flatten(legacy_nested(split_for_megatron(state, config, 1, 1, config.vocab_size)[0][0]))
 
 
+def universal_info(config) -> dict:
+    """The universal_checkpoint_info Megatron-DeepSpeed's GPTModel saves at TP 1 (ds_to_universal needs it): the
+    tokenizer's vocabulary, the padded one, and which parameters hold the vocabulary (the tied embedding); the
+    writer adds DeepSpeed's universal_checkpoint_version."""
+    from rapidtrain.data.demo import TOKENIZER_VOCAB_SIZE
+
+    return {"original_vocab_size": TOKENIZER_VOCAB_SIZE, "padded_vocab_size": config.vocab_size,
+            "vocabulary_parameter_patterns": ["language_model.embedding.word_embeddings.weight"],
+            "parameter_with_2_sub_params_cat_dim_0": []}
+
+
 def write_deepspeed(source: Source, scratch: Path, adam: dict | None, **folders: Path) -> None:
     """Megatron-DeepSpeed's GPT names through real DeepSpeed engines' save_checkpoint, one folder per kind (plain,
     pipeline, zero3), in a separate process: it starts its own process group. `adam`: the source's AdamW state,
@@ -105,7 +116,8 @@ def write_deepspeed(source: Source, scratch: Path, adam: dict | None, **folders:
                               consumed_train_samples=source.common["consumed_samples"]))
     moments = None if adam is None else {key: legacy_names(adam[key], config) for key in ("exp_avg", "exp_avg_sq")}
     torch.save({"model": legacy_names(source.state, config), "args": args, "scheduler": source.common["lr_scheduler"],
-                "moments": moments and moments | {"step": adam["step"]}}, scratch)
+                "moments": moments and moments | {"step": adam["step"]}, "universal_info": universal_info(config)},
+               scratch)
     kinds = [f"{kind}={folder}" for kind, folder in folders.items()]
     result = subprocess.run([sys.executable, str(WRITER), str(scratch), str(source.common["iteration"]),
                              str(source.common["consumed_samples"]), *kinds], capture_output=True, text=True,
@@ -152,7 +164,8 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     write_megatron_moe(moe, out / "megatron_moe", tensor=2, pipeline=1, expert=2, experts="sequential")
     write_megatron_moe(moe, out / "megatron_moe_pp", tensor=1, pipeline=2, expert=2, experts="legacy_grouped")
     write_deepspeed(gpt, out / "deepspeed_source.pt", adam_state(out / "gpt", out / "gpt_iteration2.pt"),
-                    plain=out / "deepspeed", pipeline=out / "deepspeed_pipe", zero3=out / "deepspeed_zero3")
+                    plain=out / "deepspeed", pipeline=out / "deepspeed_pipe", zero3=out / "deepspeed_zero3",
+                    universal=out / "deepspeed_universal")
     write_torch_dist(out / "torch_dist", llama.state, llama.config, llama.common["iteration"],
                      llama.common["consumed_samples"])
 
@@ -167,6 +180,9 @@ def runs(tmp_path_factory, demo_data) -> Runs:
         load(llama_flags, "megatron", "megatron_pp2", "--pipeline-model-parallel-size", "2"),
         load(gpt_flags, "deepspeed", "deepspeed_tp2", *tp2, "--train-iters", "4"),
         load(gpt_flags, "deepspeed", "deepspeed_zero1_dp2", "--zero-1-memory-optimization", "--train-iters", "4"),
+        load(gpt_flags, "deepspeed_universal", "universal_zero1_dp2", "--universal-checkpoint",
+             "--zero-1-memory-optimization", "--train-iters", "4"),
+        load(gpt_flags, "deepspeed_universal", "universal_tp2", "--universal-checkpoint", *tp2, "--train-iters", "4"),
         # lr 0 (the saved schedule overridden): the weights saved at iteration 3 are the loaded ones
         load(llama_flags, "megatron", "megatron_lr0", *tp2, "--lr", "0", "--min-lr", "0",
              "--override-opt_param-scheduler", "--save", str(out / "megatron_lr0")),
@@ -181,6 +197,10 @@ def runs(tmp_path_factory, demo_data) -> Runs:
     train_here(load(llama_flags, "torch_dist", "torch_dist_tp1"))
     train_here(load(gpt_flags, "deepspeed", "deepspeed_tp1", "--train-iters", "4"))
     train_here(load(gpt_flags, "deepspeed_pipe", "deepspeed_pipe_tp1", "--train-iters", "4"))
+    # the folder ds_to_universal was given (`latest`), and its universal checkpoint (`latest_universal`)
+    train_here(load(gpt_flags, "deepspeed_universal", "universal_source_tp1", "--train-iters", "4"))
+    train_here(load(gpt_flags, "deepspeed_universal", "universal_tp1", "--universal-checkpoint", "--train-iters", "4"),
+               out / "universal_tp1.log")
     return Runs(out, llama, gpt, moe, result.stdout)
 
 
@@ -208,9 +228,9 @@ def test_megatron_core_moe_mla_checkpoint_continues_as_its_source(runs, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepspeed_tp1", "deepspeed_tp2", "deepspeed_zero1_dp2"])
 def test_deepspeed_checkpoint_continues_as_its_source_adam_state_included(runs, name):
-    """Saved by DeepSpeed's engine (ZeRO stage 1) with the source's AdamW state in its optimizer, loaded at TP 1, TP 2
-    and into rapidtrain's own ZeRO-1 over 2 ranks (DeepSpeed's partitions): iterations 3 and 4 are the source's, the
-    4th only because Adam's moments and step count carried over."""
+    """Saved by DeepSpeed's engine (ZeRO stage 1, data parallel 2) with the source's AdamW state in its optimizer,
+    loaded at TP 1, TP 2 and into rapidtrain's own ZeRO-1 over 2 ranks (DeepSpeed's partitions): iterations 3 and 4
+    are the source's, the 4th only because Adam's moments and step count carried over."""
     assert sorted(runs.losses(name)) == [3, 4]
     later = {i: runs.losses("gpt")[i] for i in (3, 4)}
     assert relative_difference(runs.losses(name), later) < TOLERANCE
@@ -284,3 +304,58 @@ def test_zero3_deepspeed_checkpoint_is_refused_naming_the_way_round(runs):
 
     with pytest.raises(CheckpointError, match="ZeRO stage 3 checkpoint.*stage 1 or 2.*zero_to_fp32.py"):
         read_deepspeed(detect_foreign(runs.out / "deepspeed_zero3"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["universal_tp1", "universal_zero1_dp2", "universal_tp2"])
+def test_deepspeed_universal_checkpoint_continues_as_the_folder_it_was_made_from(runs, name):
+    """ds_to_universal's output (--universal-checkpoint: latest_universal), loaded at TP 1, into ZeRO-1 over 2 ranks
+    and at TP 2: iterations 3 and 4 are those of a load of the ZeRO-1 folder it was made from (latest), the 4th only
+    because Adam's moments and step count carried over."""
+    assert sorted(runs.losses(name)) == [3, 4]
+    assert relative_difference(runs.losses(name), runs.losses("universal_source_tp1")) < TOLERANCE
+    assert relative_difference(runs.norms(name), runs.norms("universal_source_tp1")) < TOLERANCE
+    for output in (runs.launch_output, (runs.out / "universal_tp1.log").read_text()):
+        assert "DeepSpeed universal checkpoint (ds_to_universal), global_step2_universal" in output
+        assert "Adam's moments and step count (2) loaded" in output
+
+
+@pytest.mark.slow
+def test_universal_checkpoint_reads_as_the_folder_it_was_made_from(runs, tmp_path):
+    """The weights and moments read from the universal folder are, tensor for tensor, those of the ZeRO-1 folder
+    ds_to_universal read: the source's own on the tokenizer's rows, zeros on the vocabulary's padding (which the
+    conversion drops). A folder holding only latest_universal is read as universal (before, it was taken for an
+    empty folder: a silent start from scratch); --universal-checkpoint on a folder without one is refused."""
+    import shutil
+
+    from rapidtrain.checkpoint.checkpointer import CheckpointError
+    from rapidtrain.checkpoint.foreign import read_foreign, whole_model, whole_moments
+    from rapidtrain.checkpoint.foreign_formats import detect_foreign
+    from rapidtrain.data.demo import TOKENIZER_VOCAB_SIZE
+
+    root, config = runs.out / "deepspeed_universal", runs.gpt.config
+    universal, plain = detect_foreign(root, universal=True), detect_foreign(root)
+    assert (universal.kind, universal.tag, plain.kind, plain.tag) == (
+        "deepspeed-universal", "global_step2_universal", "deepspeed", "global_step2")
+    read, reference = read_foreign(universal), read_foreign(plain)
+    assert (read.iteration, read.consumed_samples, read.optimizer_step, read.scheduler) == (
+        reference.iteration, reference.consumed_samples, reference.optimizer_step, reference.scheduler)
+    weights, moments = whole_model(read, config), whole_moments(read, config)
+    assert sorted(weights) == sorted(whole_model(reference, config))
+    for name, value in whole_model(reference, config).items():
+        assert torch.equal(weights[name], value), name
+    for key, values in whole_moments(reference, config).items():
+        for name, value in values.items():
+            assert torch.equal(moments[key][name], value), (key, name)
+    embedding = weights["embedding.word_embeddings.weight"]
+    source = runs.gpt.state["embedding.word_embeddings.weight"]
+    assert torch.equal(embedding[:TOKENIZER_VOCAB_SIZE], source[:TOKENIZER_VOCAB_SIZE])
+    assert not embedding[TOKENIZER_VOCAB_SIZE:].any() and source[TOKENIZER_VOCAB_SIZE:].any()
+    assert torch.equal(weights["layers.1.attention.q_proj.weight"], runs.gpt.state["layers.1.attention.q_proj.weight"])
+
+    alone = tmp_path / "universal_only"
+    shutil.copytree(root / "global_step2_universal", alone / "global_step2_universal")
+    shutil.copy(root / "latest_universal", alone / "latest_universal")
+    assert detect_foreign(alone).kind == "deepspeed-universal"
+    with pytest.raises(CheckpointError, match="--universal-checkpoint: no latest_universal in --load"):
+        detect_foreign(runs.out / "deepspeed", universal=True)

@@ -16,7 +16,7 @@ import torch
 
 from rapidtrain.checkpoint.checkpointer import CheckpointError
 from rapidtrain.checkpoint.deepspeed_folder import read_deepspeed
-from rapidtrain.checkpoint.foreign import whole_model
+from rapidtrain.checkpoint.foreign import read_foreign, whole_model, whole_moments
 from rapidtrain.checkpoint.foreign_formats import detect_foreign, refuse_unknown_folder
 from rapidtrain.checkpoint.foreign_pickle import Stored, load_foreign_pickle
 from rapidtrain.checkpoint.megatron_layout import (
@@ -526,3 +526,65 @@ def test_transformer_engine_spelling_of_mla_and_grouped_experts_gives_the_whole_
                 shard[name] = shard[name].flatten(0, 1)
     read = [[stack_experts(core_names(shard), 4, "test") for shard in shards]]
     assert_same(merge_stages(read, config, "test"), state)
+
+
+def write_universal(root, shard: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]], args,
+                    step: int, tag: str = "global_step4_universal") -> None:
+    """A folder laid out as DeepSpeed's ds_to_universal writes it (its output from a real engine is tested in
+    tests/distributed/test_foreign_checkpoints.py): zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt as dicts with the
+    whole tensor under `param` (and `cat_dim`), step.pt the bare count, the model-states file copied beside."""
+    for name, value in shard.items():
+        folder = root / tag / "zero" / name
+        folder.mkdir(parents=True)
+        for key, tensor in (("fp32", value), *((k, m[name]) for k, m in moments.items())):
+            torch.save({"param": tensor, "cat_dim": 0}, folder / f"{key}.pt")
+        torch.save(torch.tensor(float(step)), folder / "step.pt")
+    torch.save({"module": None, "args": args, "iteration": 4, "global_steps": 4, "global_samples": 16,
+                "lr_scheduler": {"num_steps": 16}, "universal_checkpoint_info": {"original_vocab_size": 200}},
+               root / tag / "mp_rank_00_model_states.pt")
+    (root / "latest_universal").write_text(tag)
+
+
+def test_deepspeed_universal_folder_in_pipeline_engine_names(tmp_path):
+    """Megatron-DeepSpeed's GPTModelPipe names its parameters by position in the layer list (`tied_modules.embed.`
+    for the tied embedding, `K.input_layernorm.weight`, `K.weight` for the final norm, as DeepSpeed's pipeline engine
+    records them in param_shapes); a universal folder of them gives the whole model, the vocabulary cut to the
+    tokenizer's 200 rows padded back with zeros, and Adam's moments and step; the plan names it."""
+    config, state = model_state(GPT)
+    shard = flatten(legacy_nested(split_for_megatron(state, config, 1, 1, 256)[0][0]))
+    pipe: dict[str, torch.Tensor] = {}
+    for name, value in shard.items():
+        if name.startswith("language_model.embedding."):
+            pipe[f"tied_modules.embed.{name.removeprefix('language_model.embedding.')}"] = value
+        elif name.startswith("language_model.encoder.layers."):
+            layer, _, rest = name.removeprefix("language_model.encoder.layers.").partition(".")
+            pipe[f"{3 + int(layer)}.{rest}"] = value
+        else:
+            pipe[f"{4 + config.num_layers}.{name.rpartition('.')[2]}"] = value
+    pipe["tied_modules.embed.word_embeddings.weight"] = pipe["tied_modules.embed.word_embeddings.weight"][:200]
+    moments = {key: {name: torch.full_like(value, scale) for name, value in pipe.items()}
+               for key, scale in (("exp_avg", 0.5), ("exp_avg_sq", 0.25))}
+    write_universal(tmp_path, pipe, moments, argparse.Namespace(num_layers=4, hidden_size=64), step=3)
+    found = detect_foreign(tmp_path)
+    assert found is not None and (found.kind, found.tag) == ("deepspeed-universal", "global_step4_universal")
+    saved = read_foreign(found)
+    assert (saved.iteration, saved.consumed_samples, saved.optimizer_step) == (4, 16, 3)
+    want = expected(config, state)
+    for name in ("embedding.word_embeddings.weight", "output.weight"):
+        want[name] = torch.cat([want[name][:200], torch.zeros(56, 64)])
+    assert_same(whole_model(saved, config), want)
+    got = whole_moments(saved, config)
+    assert got is not None and float(got["exp_avg"]["layers.3.mlp.fc2.weight"].mean()) == 0.5
+    assert not got["exp_avg_sq"]["embedding.word_embeddings.weight"][200:].any()
+
+    from rapidtrain.config import arguments, plan
+    from rapidtrain.config.describe import describe_plan
+    from rapidtrain.config.settings import RunContext
+
+    argv = ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+            "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--load", str(tmp_path),
+            "--universal-checkpoint"]
+    text = describe_plan(plan.from_args(arguments.parse_args(argv), RunContext(1, "cpu")))
+    assert "DeepSpeed universal checkpoint (ds_to_universal), global_step4_universal: its model weights" in text
+    assert "Adam's moments come from its zero/<parameter>/exp_avg*.pt" in text
+

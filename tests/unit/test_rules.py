@@ -283,6 +283,8 @@ CASES: dict[str, tuple[list[str], list[str], int, str]] = {
         1,
         "cpu",
     ),
+    "universal-checkpoint-needs-load": (["--universal-checkpoint"], ["--universal-checkpoint", "--load", "x"], 1,
+                                        "cpu"),
     "router-type-supported": (["--num-experts", "2", "--router-type", "1"], ["--num-experts", "2", "--router-type",
                                                                              "0"], 1, "cpu"),
     "remote-device-none": (["--remote-device", "cpu"], ["--remote-device", "none"], 1, "cpu"),
