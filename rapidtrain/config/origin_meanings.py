@@ -14,6 +14,12 @@ DIFFERING_MEANINGS: tuple[tuple[str, str, str], ...] = (
      "by the MoE flags typed: only Megatron-Core's (`--moe-router-topk`, `--moe-token-dispatcher-type`, "
      "`--moe-grouped-gemm`, ...) → dropless; DeepSpeed-MoE's or Rapidformer's (`--topk`, `--moe-min-capacity`, "
      "`--moe-loss-coeff`, ...) or none → capacity 1, dropping. The plan's note names the origin and the flags"),
+    ("`--num-experts` without `--moe-aux-loss-coeff` / `--moe-loss-coeff`",
+     "Megatron-Core: no balancing loss (`--moe-aux-loss-coeff` defaults to 0). Megatron-DeepSpeed (DeepSpeed-MoE): "
+     "weight 0.1. Pai-Megatron-Patch: 0.01",
+     "0.01 (Pai's and rapidtrain's default) whatever the flags: rapidtrain's MoE flags are Megatron-Core's spellings, "
+     "so they cannot tell the origin, and a run that silently lost its balancing loss would collapse onto a few "
+     "experts. The plan's note gives the three defaults and the flag to type"),
     ("`--moe-expert-capacity-factor`, `--moe-train-capacity-factor`, `--moe-capacity-factor`",
      "Megatron-Core's, Megatron-DeepSpeed's and rapidtrain's names of the capacity factor; in every origin a "
      "capacity factor given means tokens over capacity are dropped",

@@ -53,6 +53,7 @@ def apply_surface(args: Args, parser: argparse.ArgumentParser, given: set[str] |
     _moe_topk(args, refusals)
     _sinkhorn(args, given, notes, refusals)
     _moe_dropping_by_origin(args, parser, given, notes)
+    _moe_loss_coeff_default(args, given, notes)
     _weighted_splits(args, given, notes, refusals)
     if getattr(args, "raw_json_dataset", None) and "split" in given:
         notes.append(f"--split {args.split}: no effect here; each split reads its own JSON file")
@@ -563,6 +564,19 @@ def _moe_dropping_by_origin(args: Args, parser: argparse.ArgumentParser, given: 
                "no flag only Megatron-Core has; give --disable-moe-token-dropping for Megatron-Core's dropless")
         notes.append(f"MoE token dropping: DeepSpeed-MoE's and Rapidformer's meaning ({why}): capacity factor "
                      f"{args.moe_capacity_factor:g}, tokens over an expert's capacity dropped")
+
+
+def _moe_loss_coeff_default(args: Args, given: set[str], notes: list[str]) -> None:
+    """The balancing loss's weight where no flag gives it: the origins' defaults differ (Megatron-Core's
+    --moe-aux-loss-coeff 0, no balancing loss; Megatron-DeepSpeed's --moe-loss-coeff 0.1; Pai-Megatron-Patch's
+    0.01). rapidtrain keeps its own 0.01 (Pai's) whatever flags are typed — its own MoE flags are Megatron-Core's
+    spellings, so they cannot tell a Megatron-Core command line from one written for rapidtrain, and a run that
+    silently lost its balancing loss would collapse onto a few experts — and the plan says so, with the flag to type."""
+    if not args.num_experts or max(args.num_experts) <= 1 or "moe_loss_coeff" in given or not args.moe_loss_coeff:
+        return
+    notes.append(f"MoE load-balancing loss weight {args.moe_loss_coeff:g} (rapidtrain's and Pai-Megatron-Patch's "
+                 "default; Megatron-Core's is 0, no balancing loss, Megatron-DeepSpeed's 0.1): give "
+                 "--moe-aux-loss-coeff to choose")
 
 
 # What Megatron-LM's --enable-gpt-oss sets (its model builder): gpt-oss's YaRN, as flag destinations.

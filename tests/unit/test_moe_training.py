@@ -190,3 +190,14 @@ def test_moe_layers_are_where_the_flags_origin_puts_them(flags, layers):
     argv = "--train-iters 10 --lr 1e-4 --num-layers 6 --hidden-size 64 --num-attention-heads 4 --num-experts 4"
     resolved = plan.from_args(arguments.parse_args(argv.split() + flags), RunContext(1, "cpu"))
     assert tuple(i for i, count in enumerate(resolved.model.num_experts) if count) == layers
+
+
+def test_the_plan_says_whose_balancing_weight_runs_when_none_is_given():
+    """The origins' defaults differ (Megatron-Core 0, Megatron-DeepSpeed 0.1, Pai 0.01): rapidtrain keeps 0.01 and its
+    plan says so with the flag to type; a weight given is taken as it is, without the note."""
+    argv = "--train-iters 10 --lr 1e-4 --num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-experts 4".split()
+    default = plan.from_args(arguments.parse_args(argv), RunContext(1, "cpu"))
+    assert default.model.moe_aux_loss_coeff == 0.01
+    assert any("Megatron-Core's is 0" in note and "--moe-aux-loss-coeff" in note for note in default.notes)
+    given = plan.from_args(arguments.parse_args(argv + ["--moe-aux-loss-coeff", "0"]), RunContext(1, "cpu"))
+    assert given.model.moe_aux_loss_coeff == 0 and not any("balancing loss weight" in n for n in given.notes)
