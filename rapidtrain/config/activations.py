@@ -416,18 +416,19 @@ def stage_activation_bytes(model: ModelConfig, micro: int, micro_batches: int, l
         offloaded = min(recompute.offload_layers, per_stage) if act.device_type == "cuda" else 0
         if model.num_experts:  # layer kinds differ: count each layer (MoE models have tens of layers)
             kinds = model.num_experts[start:start + per_stage]
-            layers = sum(layer_bytes(model, micro, layout, act, recompute.granularity if i < recomputed else "none",
-                                     experts) for i, experts in enumerate(kinds) if i >= offloaded)
+            granularity = recompute.counted_granularity
+            layers = sum(layer_bytes(model, micro, layout, act, granularity if i < recomputed else "none", experts)
+                         for i, experts in enumerate(kinds) if i >= offloaded)
             copies = sum(weight_copy_bytes(model, layout, act, experts) for experts in kinds)
-            again = max((recomputed_again(model, micro, layout, act, recompute.granularity, experts)
+            again = max((recomputed_again(model, micro, layout, act, recompute.counted_granularity, experts)
                          for experts in kinds[:recomputed]), default=0.0)
             working = max((backward_working_bytes(model, micro, layout, act, experts) for experts in kinds),
                           default=0.0)
         else:  # dense: two kinds at most, counted by arithmetic (a plan of 10^8 layers answers at once)
-            layers = recomputed * layer_bytes(model, micro, layout, act, recompute.granularity) \
+            layers = recomputed * layer_bytes(model, micro, layout, act, recompute.counted_granularity) \
                 + max(per_stage - recomputed - offloaded, 0) * layer_bytes(model, micro, layout, act)
             copies = per_stage * weight_copy_bytes(model, layout, act)
-            again = recomputed_again(model, micro, layout, act, recompute.granularity) if recomputed else 0.0
+            again = recomputed_again(model, micro, layout, act, recompute.counted_granularity) if recomputed else 0.0
             working = backward_working_bytes(model, micro, layout, act)
         if stage == head_rank and model.mtp_num_layers and model.model_type == "gpt":
             # multi-token prediction's depths run after the last layer: each keeps a layer of the last layer's kind,

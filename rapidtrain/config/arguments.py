@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 # The tokenizer module owns the list of types (it imports only the standard library at load time).
 from rapidtrain.config.flag_parser import FlagParser
 from rapidtrain.config.pipeline_split import SCHEDULES
-from rapidtrain.config.settings import MEGATRON_TASKS
+from rapidtrain.config.settings import MEGATRON_TASKS, RECOMPUTE_MODULE_MEANINGS
 from rapidtrain.data.tokenizer import TOKENIZER_TYPES
 from rapidtrain.optim.muon import MUON_SCALE_MODES
 
@@ -599,6 +599,10 @@ def _add_compute(parser: argparse.ArgumentParser) -> None:
                         "flex_attention: its inputs kept, its output recomputed); op (torchtitan's op-level selective "
                         "recompute) = each layer with the outputs of matmuls, attention kernels, collectives and "
                         "random ops kept and the rest (norms, activations, element-wise ops) recomputed.")
+    g.add_argument("--recompute-modules", nargs="*", choices=tuple(RECOMPUTE_MODULE_MEANINGS), default=None,
+                   help="With --recompute-granularity selective: what of each layer is recomputed (Megatron-Core's "
+                        "names; default core_attn): core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, "
+                        "shared_experts.")
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
                    help="Which layers (with --recompute-granularity full or op): uniform = every layer, in units of "
                         "--recompute-num-layers layers (1 is served); block = only the first --recompute-num-layers "

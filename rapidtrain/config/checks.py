@@ -534,8 +534,23 @@ def recompute_problem(args: Args) -> str | None:
         return (f"--recompute-method uniform --recompute-num-layers {layers}: rapidtrain recomputes in units of one "
                 "layer, not chunks of several; use --recompute-num-layers 1 (every layer), or --recompute-method "
                 f"block --recompute-num-layers {layers} to recompute only the first {layers} layers of each stage.")
+    modules = set(getattr(args, "recompute_modules", None) or ("core_attn",)) if kinds == {"selective"} else set()
+    if modules - {"core_attn"} and uses_hf_model(args):
+        return (f"--recompute-modules {' '.join(sorted(modules))}: the modules are the built-in models'; a Hugging "
+                "Face model recomputes its attention core only (--recompute-modules core_attn) or whole layers "
+                "(--recompute-granularity full).")
+    lacking = [name for name, present in (
+        ("mla_up_proj", bool(getattr(args, "multi_latent_attention", False))),
+        ("moe", bool(args.num_experts)), ("moe_act", bool(args.num_experts)),
+        ("shared_experts", bool(getattr(args, "moe_shared_expert_intermediate_size", None))),
+    ) if name in modules and not present]
+    if lacking:
+        return (f"--recompute-modules {' '.join(lacking)}: this model has no "
+                + ", ".join({"mla_up_proj": "multi-latent attention", "moe": "MoE layer", "moe_act": "experts",
+                             "shared_experts": "shared experts"}[name] for name in lacking)
+                + " to recompute; drop them.")
     backend = getattr(args, "attention_backend", "auto")
-    if kinds == {"selective"} and KERNEL_OF_NAME.get(backend) == "eager":
+    if "core_attn" in modules and KERNEL_OF_NAME.get(backend) == "eager":
         return (f"--recompute-granularity selective recomputes the attention core, a scaled_dot_product_attention "
                 f"or flex_attention call; --attention-backend {backend} computes softmax(QKᵀ)V itself, so there "
                 "would be nothing to recompute: use --recompute-granularity full or op, or an SDPA backend (auto).")

@@ -183,15 +183,15 @@ def micro_batch_seconds(inputs: StepInputs, spec: DeviceSpec) -> dict[str, float
     kinds = list(model.num_experts[-layers:]) if model.num_experts else [0] * min(layers, 1)
     layer_flops = sum(layer_forward_flops(model, tokens, e) for e in kinds) / len(kinds)
     recomputed = len(inputs.recompute.layers_of(layers)) if inputs.recompute.enabled else 0
-    flops = (3 * layers * layer_flops + recomputed * recompute_flops(model, tokens, inputs.recompute.granularity)
-             + 3 * 2 * tokens * model.hidden_size * model.vocab_size) / t
+    again = recompute_flops(model, tokens, inputs.recompute.counted_granularity)
+    flops = (3 * layers * layer_flops + recomputed * again + 3 * 2 * tokens * model.hidden_size * model.vocab_size) / t
     act = ActivationContext.of(model, inputs.dtype, "cuda")
     # layer_bytes counts a context-parallel rank's model: its part of the sequence (config/activations.py)
     local = dataclasses.replace(model, seq_length=model.seq_length // layout.context_parallel_size)
     kept = layer_bytes(local, inputs.micro_batch_size, layout, act)
     element = 4 if inputs.dtype == "fp32" else 2
     intra = group_bandwidth(spec, t)
-    reductions = 4 + (2 if inputs.recompute.granularity == "full" else 0)  # per layer: 2 forward, 2 backward
+    reductions = 4 + (2 if inputs.recompute.counted_granularity == "full" else 0)  # per layer: 2 forward, 2 backward
     tp = layers * reductions * all_reduce_seconds(tokens * model.hidden_size * element, t, intra)
     expert_layers = sum(1 for e in kinds if e) * layers / len(kinds)
     ep = layout.expert_parallel_size
@@ -199,7 +199,7 @@ def micro_batch_seconds(inputs: StepInputs, spec: DeviceSpec) -> dict[str, float
                        * model.moe_router_topk, spec.intra_node_gb_per_s) if ep > 1 else 0.0
     sends = link_seconds(2 * tokens * model.hidden_size * element / t, spec.inter_node_gb_per_s) if p > 1 else 0.0
     exchange = layers * context_exchange_seconds(model, inputs.micro_batch_size, layout, element,
-                                                 inputs.recompute.granularity, spec)
+                                                 inputs.recompute.counted_granularity, spec)
     return {"GEMMs": flops / (spec.peak_tflops_16bit * 1e12 * gemm_efficiency(model.hidden_size / t)),
             "element-wise (memory-bound)": NON_GEMM_PASSES * layers * kept / (spec.hbm_gb_per_s * 1e9),
             "tensor-parallel collectives": tp, "context-parallel exchange": exchange, "expert all-to-all": a2a,
@@ -251,7 +251,7 @@ def hardware_flops(inputs: StepInputs) -> float:
     layers = sum(3 * layer_forward_flops(model, tokens, e) for e in kinds)
     stage = model.num_layers // inputs.layout.pipeline_parallel_size
     share = len(inputs.recompute.layers_of(stage)) / max(stage, 1) if inputs.recompute.enabled else 0
-    extra = share * model.num_layers * recompute_flops(model, tokens, inputs.recompute.granularity)
+    extra = share * model.num_layers * recompute_flops(model, tokens, inputs.recompute.counted_granularity)
     return layers + extra + 3 * 2 * tokens * model.hidden_size * model.vocab_size
 
 

@@ -325,8 +325,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--output-bert-embeddings": (NO_EFFECT, _INFERENCE),
     "--no-pad-vocab-size": (REFUSED, "the vocabulary is always padded to --make-vocab-size-divisible-by × "
                                      "tensor-parallel size; give --make-vocab-size-divisible-by 1 to keep it as is"),
-    "--recompute-modules": (NO_EFFECT, "--recompute-granularity selective recomputes the attention core; the "
-                                       "module list is not chosen separately"),
     "--relative-attention-max-distance": (REFUSED, "relative position buckets (T5) are not in rapidtrain's models"),
     "--relative-attention-num-buckets": (REFUSED, "relative position buckets (T5) are not in rapidtrain's models"),
     "--skip-mmap-warmup": (NO_EFFECT, "rapidtrain does not warm the memory map unless --mmap-warmup"),

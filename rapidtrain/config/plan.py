@@ -115,6 +115,14 @@ def from_args(args: argparse.Namespace, ctx: RunContext) -> Plan:
         # Megatron reads them only under full recompute, and its own functional tests pass them alone.
         notes.append("--recompute-method / --recompute-num-layers: no effect here; they choose the layers that "
                      "--recompute-granularity full (or op) recomputes, and no recompute was asked for")
+    if args.recompute_modules is not None and switches.recompute.granularity != "selective":
+        notes.append("--recompute-modules: no effect here; it chooses what --recompute-granularity selective "
+                     "recomputes, and " + (f"--recompute-granularity {switches.recompute.granularity} recomputes "
+                                           "otherwise" if switches.recompute.enabled else "no recompute was asked for"))
+    if "mla_up_proj" in switches.recompute.modules and switches.recompute.granularity == "selective":
+        notes.append("--recompute-modules mla_up_proj: no effect here; the built-in MLA's up projections keep only "
+                     "their inputs, which their weights' gradients need anyway, and their outputs are the queries, "
+                     "keys and values the attention core keeps (core_attn recomputes from those)")
     if args.padding_free and ctx.script:
         notes.append("--padding-free: rapidtrain's casual_lm task packs its own micro-batches; a user script's "
                      "collate_fn decides how its batches are built (rapidtrain.tasks.base.FlattenCollator packs "

@@ -533,7 +533,9 @@ def recompute_of(args: argparse.Namespace) -> RecomputeSettings:
     method: Literal["uniform", "block"] = args.recompute_method or args.activations_checkpoint_method or "uniform"
     return RecomputeSettings(granularity, method, args.recompute_num_layers or 1,
                              moe_layers=bool(getattr(args, "moe_layer_recompute", False) and args.num_experts),
-                             offload_layers=args.cpu_offloading_num_layers if args.cpu_offloading else 0)
+                             offload_layers=args.cpu_offloading_num_layers if args.cpu_offloading else 0,
+                             modules=tuple(dict.fromkeys(args.recompute_modules or ()))
+                             if granularity == "selective" and args.recompute_modules else ("core_attn",))
 
 
 def model_construction(args: argparse.Namespace, ctx: RunContext, layout: Layout, partitioning: str,

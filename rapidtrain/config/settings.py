@@ -313,6 +313,18 @@ PartitioningEngine = Literal["ddp", "zero-redundancy", "fsdp2", "deepspeed", "fa
 CompileWith = Literal["none", "inductor", "ortmodule"]  # "inductor": torch.compile, with Switches.compile_backend
 
 
+# Megatron-Core's --recompute-modules (selective recompute) and what each recomputes in the built-in models
+RECOMPUTE_MODULE_MEANINGS = {
+    "core_attn": "the attention core (scaled_dot_product_attention / flex_attention calls)",
+    "moe_act": "the experts' activation (the gated unit or GELU between their two projections)",
+    "layernorm": "the two norms (before attention and before the MLP)",
+    "mla_up_proj": "MLA's up projections (q_up_proj, kv_up_proj)",
+    "mlp": "the dense MLP",
+    "moe": "the MoE layer (router, dispatch, experts, combine)",
+    "shared_experts": "the MoE layer's shared experts",
+}
+
+
 @dataclass(frozen=True)
 class RecomputeSettings:
     """What is recomputed in backward (--recompute-granularity, --recompute-method, --recompute-num-layers and
@@ -331,10 +343,21 @@ class RecomputeSettings:
     moe_layers: bool = False
     # --cpu-offloading: the saved activations of the first this many layers of each stage kept in host memory
     offload_layers: int = 0
+    # --recompute-modules under selective recompute (Megatron-Core's): what of each layer is recomputed
+    modules: tuple[str, ...] = ("core_attn",)
 
     @property
     def enabled(self) -> bool:
         return self.granularity != "none"
+
+    @property
+    def counted_granularity(self) -> str:
+        """The granularity the activation and time models count: selective recompute without the attention core
+        in --recompute-modules keeps the core's tensors (its other modules' savings are not counted: the plan
+        then states more memory than runs, never less)."""
+        if self.granularity == "selective" and "core_attn" not in self.modules:
+            return "none"
+        return self.granularity
 
     def layers_of(self, count: int) -> range:
         """Which of a stage's `count` layers are recomputed."""
@@ -348,6 +371,10 @@ class RecomputeSettings:
                 "op": "each layer at op level (create_selective_checkpoint_contexts: outputs of matmuls, attention "
                       "kernels, collectives and random ops kept; norms, activations and element-wise ops "
                       "recomputed)"}[self.granularity]
+        if self.granularity == "selective" and self.modules != ("core_attn",):
+            what = "of each layer " + ", ".join(RECOMPUTE_MODULE_MEANINGS[m] for m in self.modules
+                                                if m != "mla_up_proj") + (
+                " (torch.utils.checkpoint around each; Megatron-Core's --recompute-modules)")
         which = (f"the first {self.num_layers} layer(s) of each pipeline stage" if self.method == "block"
                  else "every layer")
         text = f"{what}, in {which}" if self.enabled else ""

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from rapidtrain.models.config import ModelConfig
 from rapidtrain.models.counting import GROUP_ROWS_MULTIPLE, padded_rows
@@ -287,6 +288,20 @@ class Experts(nn.Module):
     # Whether forward takes rows sorted by expert with their offsets (grouped matrix products, dropless routing). An
     # expert-parallel subclass exchanges fixed [E, C, h] buffers instead and sets this False.
     takes_grouped_rows = True
+    # --recompute-modules moe_act (parallel/recompute.py sets it): the activation between the two projections is
+    # recomputed in backward, so its output is not kept (its inputs are, as the projections' outputs)
+    recompute_activation = False
+
+    def _activation(self, hidden: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        if gate is not None:
+            return self.gated_unit(gate, hidden)
+        return dense_activation(hidden, self.openai_gelu, self.squared_relu)
+
+    def activate(self, hidden: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The experts' activation of the first projection `hidden` (gated by `gate` where the experts are)."""
+        if self.recompute_activation and torch.is_grad_enabled():
+            return checkpoint(self._activation, hidden, gate, use_reentrant=False)
+        return self._activation(hidden, gate)
 
     def forward(self, buffers: torch.Tensor, offsets: torch.Tensor | None = None,
                 row_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -316,11 +331,8 @@ class Experts(nn.Module):
 
         if torch.is_autocast_enabled(rows.device.type):  # grouped_mm has no autocast rule: cast once, as autocast
             rows = rows.to(torch.get_autocast_dtype(rows.device.type))
-        hidden = project(rows, self.w1, self.b1)
-        if self.w_gate is not None:
-            hidden = self.gated_unit(project(rows, self.w_gate, self.b_gate), hidden)
-        else:
-            hidden = dense_activation(hidden, self.openai_gelu, self.squared_relu)
+        gate = project(rows, self.w_gate, self.b_gate) if self.w_gate is not None else None
+        hidden = self.activate(project(rows, self.w1, self.b1), gate)
         if row_weights is None:
             return project(hidden, self.w2, self.b2)
         # The down projection is linear: weighting its input (ffn wide) costs less than its output (hidden wide) in
@@ -333,11 +345,8 @@ class Experts(nn.Module):
                     b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
                     b_gate: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self._project(buffers, w1, b1)
-        if w_gate is not None:
-            hidden = self.gated_unit(self._project(buffers, w_gate, b_gate), hidden)
-        else:
-            hidden = dense_activation(hidden, self.openai_gelu, self.squared_relu)
-        return self._project(hidden, w2, b2)
+        gate = self._project(buffers, w_gate, b_gate) if w_gate is not None else None
+        return self._project(self.activate(hidden, gate), w2, b2)
 
 
 class MoELayer(nn.Module):

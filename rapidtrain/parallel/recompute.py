@@ -116,8 +116,60 @@ def wrapper_for(settings: RecomputeSettings) -> Callable[[nn.Module], nn.Module]
     return checkpoint_wrapper
 
 
+def _wrap_children(model: nn.Module, chosen: Callable[[nn.Module, str, nn.Module], bool],
+                   wrap: Callable[[nn.Module], nn.Module]) -> int:
+    """Replace each child of `model`'s modules for which `chosen(parent, name, child)` by `wrap(child)`."""
+    wrapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if chosen(parent, name, child):
+                if isinstance(parent, nn.ModuleDict):
+                    parent.update({name: wrap(child)})
+                else:
+                    setattr(parent, name, wrap(child))
+                wrapped += 1
+    return wrapped
+
+
+def apply_recompute_modules(model: nn.Module, modules: tuple[str, ...]) -> int:
+    """Megatron-Core's --recompute-modules other than core_attn, in the built-in models: each named part of every
+    layer under torch's checkpoint_wrapper (its input kept, its output and internals recomputed in backward);
+    moe_act recomputes the experts' activation between their two projections. mla_up_proj wraps nothing: a linear
+    layer keeps only its input, which its weight's gradient needs anyway, and the up projections' outputs are what
+    the attention core keeps (measured: the same bytes kept with and without it). Returns how many parts."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from rapidtrain.models.mlp import MLP
+    from rapidtrain.models.moe import Experts, MoELayer
+    from rapidtrain.models.transformer import TransformerLayer
+
+    def chosen(parent: nn.Module, name: str, child: nn.Module) -> bool:
+        if isinstance(parent, TransformerLayer):
+            return (("layernorm" in modules and name in ("ln1", "ln2"))
+                    or ("mlp" in modules and name == "mlp" and isinstance(child, MLP))
+                    or ("moe" in modules and name == "mlp" and isinstance(child, MoELayer)))
+        if isinstance(parent, MoELayer):
+            return "shared_experts" in modules and "moe" not in modules and name == "shared_experts" \
+                and child is not None
+        return False  # mla_up_proj: nothing to recompute in the built-in MLA (the plan says why)
+
+    wrapped = _wrap_children(model, chosen, checkpoint_wrapper)
+    if "moe_act" in modules and "moe" not in modules:
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.recompute_activation = True
+                wrapped += 1
+    return wrapped
+
+
 def apply_recompute(model: nn.Module, blocks: list[nn.Module], settings: RecomputeSettings) -> int:
-    """Replace the chosen `blocks` of `model` (in place) by their recomputing wrappers; returns how many."""
+    """Replace the chosen `blocks` of `model` (in place) by their recomputing wrappers; returns how many. Under
+    selective recompute, --recompute-modules other than core_attn wrap those parts of every layer first, and the
+    layers take the attention core's wrapper only where core_attn is among them."""
+    if settings.granularity == "selective" and settings.modules != ("core_attn",):
+        parts = apply_recompute_modules(model, tuple(m for m in settings.modules if m != "core_attn"))
+        if "core_attn" not in settings.modules:
+            return parts
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if settings.granularity == "selective" and attention not in (None, "sdpa", "flex_attention"):
         from rapidtrain.core.errors import UserError

@@ -54,7 +54,6 @@ JUSTIFIED = {
     "MTP beside sequence parallelism": r"--mtp-num-layers \d+: with --sequence-parallel",
     "BERT's sentence-order head under pipelining": r"--pipeline-model-parallel-size \d+ with --bert-binary-head",
     "full FSDP beside tensor/pipeline parallelism": r"cannot be combined with --fsdp-memory-optimization",
-    "selective recompute without an SDPA core": r"--recompute-granularity selective recomputes the attention core",
 }
 
 

@@ -135,3 +135,47 @@ def test_recompute_layer_choice_without_recompute_plans_and_says_it_does_nothing
     plan = plan_for(flags)
     assert not plan.switches.recompute.enabled
     assert "--recompute-method / --recompute-num-layers: no effect here" in describe_plan(plan)
+
+
+# DeepSeek-V3's kind of layer pair: MLA with a query bottleneck, a dense first layer, then routed and shared experts
+MOE_MLA = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
+                      vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0, swiglu=True,
+                      multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=16,
+                      qk_pos_emb_head_dim=8, v_head_dim=16, num_experts=(0, 4), moe_ffn_hidden_size=32,
+                      moe_router_topk=2, moe_shared_expert_intermediate_size=32, normalization="RMSNorm",
+                      position_embedding_type="rope")
+
+
+@pytest.mark.parametrize("modules", [("layernorm",), ("mlp",), ("moe",), ("shared_experts",),
+                                     ("moe_act",), ("core_attn", "moe_act", "layernorm", "mla_up_proj")])
+def test_each_recompute_module_keeps_less_for_backward_with_equal_gradients(modules):
+    """Megatron-Core's --recompute-modules in the built-in model: each part recomputed keeps fewer bytes for
+    backward than no recompute, and the loss and every gradient are those of no recompute."""
+    from rapidtrain.parallel.recompute import apply_recompute
+
+    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(2))
+    plain = forward_backward(build_model(MOE_MLA, seed=4), tokens)
+    model = build_model(MOE_MLA, seed=4)
+    assert apply_recompute(model, list(model.layers.values()), RecomputeSettings("selective", modules=modules)) > 0
+    loss, grads, kept, _ = forward_backward(model, tokens)
+    assert kept < plain[2], (modules, kept, plain[2])
+    assert loss == pytest.approx(plain[0], rel=1e-6)
+    assert sorted(grads) == sorted(plain[1])
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_recompute_modules_resolve_say_what_runs_and_refuse_what_the_model_lacks():
+    """--recompute-modules chooses what selective recompute covers (Megatron-Core's default: core_attn); without
+    selective recompute it changes nothing and the plan says so; a part the model does not have is refused."""
+    plan = plan_for(["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"])
+    assert plan.switches.recompute.modules == ("layernorm", "mlp")
+    assert plan.switches.recompute.counted_granularity == "none"  # the attention core's tensors stay kept
+    assert "the two norms (before attention and before the MLP), the dense MLP" in describe_plan(plan)
+    assert plan_for(["--recompute-activations"]).switches.recompute.modules == ("core_attn",)
+    assert "--recompute-modules: no effect here" in describe_plan(plan_for(["--recompute-modules", "mlp"]))
+    mla = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--position-embedding-type",
+           "rope", "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj", "core_attn"]
+    assert "--recompute-modules mla_up_proj: no effect here" in describe_plan(plan_for(mla))
+    with pytest.raises(rules.FlagConflict, match="no multi-latent attention"):
+        plan_for(["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"])
