@@ -179,15 +179,7 @@ def apply_recompute(model: nn.Module, blocks: list[nn.Module], settings: Recompu
                         f"calls, and this model's attention is {attention!r}: load it with sdpa attention, or use "
                         "--recompute-granularity op or full.")
     chosen = {id(blocks[i]) for i in settings.layers_of(len(blocks))}
-    wrap = wrapper_for(settings)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in chosen:
-                if isinstance(parent, nn.ModuleDict):
-                    parent.update({name: wrap(child)})
-                else:
-                    setattr(parent, name, wrap(child))
-    return len(chosen)
+    return _wrap_children(model, lambda parent, name, child: id(child) in chosen, wrapper_for(settings))
 
 
 class OffloadActivations(ActivationWrapper):
@@ -204,14 +196,7 @@ class OffloadActivations(ActivationWrapper):
 def apply_activation_offload(model: nn.Module, blocks: list[nn.Module]) -> int:
     """Replace `blocks` of `model` (in place) by OffloadActivations wrappers; returns how many."""
     chosen = {id(block) for block in blocks}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in chosen:
-                if isinstance(parent, nn.ModuleDict):
-                    parent.update({name: OffloadActivations(child)})
-                else:
-                    setattr(parent, name, OffloadActivations(child))
-    return len(chosen)
+    return _wrap_children(model, lambda parent, name, child: id(child) in chosen, OffloadActivations)
 
 
 def apply_moe_recompute(model: nn.Module) -> int:
@@ -222,13 +207,7 @@ def apply_moe_recompute(model: nn.Module) -> int:
 
     from rapidtrain.models.moe import MoELayer
 
-    wrapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, MoELayer):
-                setattr(parent, name, checkpoint_wrapper(child))
-                wrapped += 1
-    return wrapped
+    return _wrap_children(model, lambda parent, name, child: isinstance(child, MoELayer), checkpoint_wrapper)
 
 
 # ---- measuring ----
