@@ -367,7 +367,8 @@ def needs_iterations(args: Args, ctx: RunContext) -> bool:
 def positive_sizes(args: Args) -> list[str]:
     names = ("micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
              "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-             "num_query_groups", "ffn_hidden_size", "max_position_embeddings", "kv_channels")
+             "num_query_groups", "ffn_hidden_size", "max_position_embeddings", "kv_channels",
+             "make_vocab_size_divisible_by")
     bad = [flag_name(n) for n in names if (value := getattr(args, n, None)) is not None and value < 1]
     if args.global_batch_size is not None and args.global_batch_size < 1:
         bad.append("--global-batch-size")

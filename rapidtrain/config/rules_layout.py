@@ -37,7 +37,8 @@ from rapidtrain.models import hf_config
 
 LAYOUT_RULES: tuple[Rule, ...] = (
     Rule(
-        "positive-sizes", ("--micro-batch-size", "--tensor-model-parallel-size", "--num-layers"),
+        "positive-sizes", ("--micro-batch-size", "--tensor-model-parallel-size", "--num-layers",
+                           "--make-vocab-size-divisible-by"),
         "Batch sizes, parallel sizes and model dimensions are positive integers.",
         lambda a, c: bool(positive_sizes(a)),
         lambda a, c: f"{', '.join(positive_sizes(a))} must be at least 1.",

@@ -727,3 +727,10 @@ def test_profiler_and_tracker_refusals_name_the_flags(flags, named):
     args = arguments.parse_args(BASE + flags)
     messages = rules.violations(args, RunContext(2, "cpu"))
     assert any(named in m for m in messages), messages
+
+
+def test_a_zero_vocabulary_multiple_is_refused_naming_the_flag():
+    """--make-vocab-size-divisible-by 0 reached the vocabulary padding and ended in a ValueError's traceback (found by
+    tests/unit/test_flag_search.py's random flag sets): it is refused with the other sizes that must be positive."""
+    messages = rules.violations(arguments.parse_args(["--make-vocab-size-divisible-by", "0"]), RunContext(1, "cpu"))
+    assert any("--make-vocab-size-divisible-by must be at least 1" in message for message in messages)
