@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from rapidtrain.checkpoint.compatibility import CheckpointError
+from rapidtrain.checkpoint.deepspeed_folder import _layer_shard
 from rapidtrain.checkpoint.foreign_formats import ForeignCheckpoint
 from rapidtrain.checkpoint.foreign_pickle import load_foreign_pickle, plain_args
 from rapidtrain.checkpoint.megatron_layout import Shard, core_names
@@ -68,18 +69,12 @@ def _pipe_names(tensors: dict[str, torch.Tensor]) -> Shard:
     layer = 0
     for position in sorted(by_position):
         part = by_position[position]
-        if "word_embeddings.weight" in part or "position_embeddings.weight" in part:
-            renamed.update({f"language_model.embedding.{k}": v for k, v in part.items()})
-        elif "lm_head.weight" in part:
+        if "lm_head.weight" in part:
             renamed["language_model.output_layer.weight"] = part["lm_head.weight"]
-        elif any(k.startswith(("input_layernorm.", "self_attention.")) for k in part):
-            renamed.update({f"language_model.encoder.layers.{layer}.{k}": v for k, v in part.items()})
-            layer += 1
-        elif set(part) <= {"weight", "bias"}:
-            renamed.update({f"language_model.encoder.final_layernorm.{k}": v for k, v in part.items()})
-        else:
-            raise CheckpointError(f"pipeline layer {position}: holds {', '.join(sorted(part)[:5])}, which is no "
-                                  "layer of Megatron-DeepSpeed's GPT")
+            continue
+        kind, tensors = _layer_shard(position, part, layer)  # as the pipeline engine's layer files are read
+        layer += kind == "layer"
+        renamed.update(tensors)
     return renamed
 
 

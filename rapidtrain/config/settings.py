@@ -372,8 +372,7 @@ class RecomputeSettings:
                       "kernels, collectives and random ops kept; norms, activations and element-wise ops "
                       "recomputed)"}[self.granularity]
         if self.granularity == "selective" and self.modules != ("core_attn",):
-            what = "of each layer " + ", ".join(RECOMPUTE_MODULE_MEANINGS[m] for m in self.modules
-                                                if m != "mla_up_proj") + (
+            what = ", ".join(RECOMPUTE_MODULE_MEANINGS[m] for m in self.modules if m != "mla_up_proj") + (
                 " (torch.utils.checkpoint around each; Megatron-Core's --recompute-modules)")
         which = (f"the first {self.num_layers} layer(s) of each pipeline stage" if self.method == "block"
                  else "every layer")

@@ -146,15 +146,16 @@ def apply_recompute_modules(model: nn.Module, modules: tuple[str, ...]) -> int:
     def chosen(parent: nn.Module, name: str, child: nn.Module) -> bool:
         if isinstance(parent, TransformerLayer):
             return (("layernorm" in modules and name in ("ln1", "ln2"))
-                    or ("mlp" in modules and name == "mlp" and isinstance(child, MLP))
-                    or ("moe" in modules and name == "mlp" and isinstance(child, MoELayer)))
+                    or ("mlp" in modules and name == "mlp" and isinstance(child, MLP)))
         if isinstance(parent, MoELayer):
             return "shared_experts" in modules and "moe" not in modules and name == "shared_experts" \
                 and child is not None
         return False  # mla_up_proj: nothing to recompute in the built-in MLA (the plan says why)
 
     wrapped = _wrap_children(model, chosen, checkpoint_wrapper)
-    if "moe_act" in modules and "moe" not in modules:
+    if "moe" in modules:
+        wrapped += apply_moe_recompute(model)
+    elif "moe_act" in modules:
         for module in model.modules():
             if isinstance(module, Experts):
                 module.recompute_activation = True
@@ -207,7 +208,9 @@ def apply_moe_recompute(model: nn.Module) -> int:
 
     from rapidtrain.models.moe import MoELayer
 
-    return _wrap_children(model, lambda parent, name, child: isinstance(child, MoELayer), checkpoint_wrapper)
+    # a MoE layer recomputed already (--moe-layer-recompute beside --recompute-modules moe) is not wrapped again
+    return _wrap_children(model, lambda parent, name, child: isinstance(child, MoELayer)
+                          and not isinstance(parent, ActivationWrapper), checkpoint_wrapper)
 
 
 # ---- measuring ----

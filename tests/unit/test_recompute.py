@@ -179,3 +179,11 @@ def test_recompute_modules_resolve_say_what_runs_and_refuse_what_the_model_lacks
     assert "--recompute-modules mla_up_proj: no effect here" in describe_plan(plan_for(mla))
     with pytest.raises(rules.FlagConflict, match="no multi-latent attention"):
         plan_for(["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"])
+
+
+def test_a_recomputed_moe_layer_is_not_wrapped_twice():
+    """--moe-layer-recompute beside --recompute-modules moe: the second asks for what the first did."""
+    from rapidtrain.parallel.recompute import apply_moe_recompute
+
+    model = build_model(MOE_MLA, seed=4)
+    assert apply_moe_recompute(model) == 1 and apply_moe_recompute(model) == 0
